@@ -1,0 +1,14 @@
+"""harvest: tag any value inside any JAX function, then reap it out or plant a replacement in."""
+
+from . import _rules  # noqa: F401  (registers the interpreter's rules)
+from ._primitive import sow_p as sow_p
+from ._sow import sow as sow, sow_cond as sow_cond
+from ._transforms import (
+    call_and_reap as call_and_reap,
+    harvest as harvest,
+    nest as nest,
+    plant as plant,
+    reap as reap,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,409 @@
+"""The one walk over a jaxpr that serves reap, plant, harvest and nest.
+
+`interpret(scope, jaxpr, consts, args)` evaluates a jaxpr equation by equation
+under whatever trace is current. An equation whose primitive has a rule in
+`RULES`, and whose body holds a sow this walk cares about, goes to that rule;
+everything else is re-bound untouched (keeping its compile cache and custom
+derivatives). The `Scope` says what to do at each sow: plant it, reap it, or
+re-emit it for an outer harvest of another tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import weakref
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax._src import core, source_info_util
+from jax._src.interpreters import partial_eval as pe
+
+from ._primitive import sow_p
+from ._site import CARRIED_MODES, Record, Site, path_str
+
+# primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
+RULES: dict[core.Primitive, Callable] = {}
+
+
+def register(*primitives):
+    def deco(rule):
+        for p in primitives:
+            RULES[p] = rule
+        return rule
+
+    return deco
+
+
+# ---------------------------------------------------------------------------
+# Which sows a jaxpr holds, cached per jaxpr object.
+
+_tags_cache: "weakref.WeakKeyDictionary[core.Jaxpr, frozenset]" = weakref.WeakKeyDictionary()
+
+
+def sub_jaxprs(eqn):
+    """The open jaxprs held in an equation's params."""
+    return [j.jaxpr if isinstance(j, core.ClosedJaxpr) else j for j in core.jaxprs_in_params(eqn.params)]
+
+
+def sites_in(jaxpr) -> frozenset:
+    """Every (site, enclosing primitive) reachable from `jaxpr`, recursively."""
+    try:
+        return _tags_cache[jaxpr]
+    except KeyError:
+        pass
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            found.add((Site.of(eqn), None))
+        for sub in sub_jaxprs(eqn):
+            for site, _ in sites_in(sub):
+                found.add((site, eqn.primitive))
+    _tags_cache[jaxpr] = result = frozenset(found)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# What a walk does with a sow.
+
+
+@dataclasses.dataclass(frozen=True)
+class NameFilter:
+    """allowlist/blocklist: exact names, glob patterns, or predicates on names."""
+
+    allow: tuple | None = None
+    block: tuple = ()
+
+    @staticmethod
+    def make(allowlist=None, blocklist=None):
+        def norm(items, what):
+            if items is None:
+                return None
+            if isinstance(items, str) or callable(items):
+                items = (items,)
+            items = tuple(items)
+            for it in items:
+                if not (isinstance(it, str) or callable(it)):
+                    raise TypeError(
+                        f"{what} takes names, glob patterns or predicates on names; got {it!r}."
+                    )
+            return items
+
+        return NameFilter(norm(allowlist, "allowlist"), norm(blocklist, "blocklist") or ())
+
+    @staticmethod
+    def _hit(items, name):
+        return any(it(name) if callable(it) else (it == name or fnmatch.fnmatchcase(name, it)) for it in items)
+
+    def __call__(self, path):
+        name = path_str(path)
+        if self.allow is not None and not self._hit(self.allow, name):
+            return False
+        return not self._hit(self.block, name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Which sows a walk handles (plants or reaps), and how it re-emits the rest."""
+
+    tag: str | None
+    select: NameFilter = NameFilter()
+    prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
+
+    def handles(self, site):
+        return site.tag == self.tag and self.select(site.name)
+
+    def touches(self, sites):
+        return any(self.prefix or self.handles(s) for s, _ in sites)
+
+    def reemit(self, params):
+        if not self.prefix:
+            return params
+        return dict(params, name=self.prefix + params["name"])
+
+
+# ---------------------------------------------------------------------------
+# Plants: the replacement for each occurrence of a name.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plant:
+    """A planted value as seen from one scope, starting at its first occurrence.
+
+    `value` is, by the site's mode: collect, a tuple with one entry per
+    occurrence; append, leaves stacked on a leading axis; or, for any mode, a
+    single value or a callable `old -> new` used at every occurrence.
+    """
+
+    site: Site
+    value: Any
+
+    def per_occurrence(self):
+        v, mode = self.value, self.site.mode
+        if callable(v):
+            return False
+        if mode == "collect":
+            return isinstance(v, tuple)
+        if mode == "append":
+            leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
+            return jnp.ndim(leaf) == len(aval.shape) + 1
+        return False
+
+    def shift(self, n):
+        """The same plant seen from `n` occurrences later."""
+        if not n or not self.per_occurrence():
+            return self
+        if self.site.mode == "collect":
+            return Plant(self.site, self.value[n:])
+        return Plant(self.site, jax.tree_util.tree_map(lambda l: l[n:], self.value))
+
+    def at(self, i, old):
+        """The replacement for occurrence `i` of this scope, given its old value."""
+        v = self.value
+        if callable(v):
+            new = v(old)
+            what = "the value returned by the planted callable"
+        elif self.per_occurrence():
+            if self.site.mode == "collect":
+                if i >= len(v):
+                    raise ValueError(
+                        f"The plant for the sow site {self.site} has {len(v)} entries, but "
+                        f"the site is sown at least {i + 1} times. Plant one entry per "
+                        "occurrence (as reap returns), or a single value for all."
+                    )
+                new = v[i]
+            else:
+                new = jax.tree_util.tree_map(lambda l: l[i], v)
+            what = f"occurrence {i} of the planted value"
+        else:
+            new = v
+            what = "the planted value"
+        leaves = self.site.check(new, what)
+        return jax.tree_util.tree_unflatten(self.site.tree, leaves)
+
+
+# ---------------------------------------------------------------------------
+# A scope: one walk over one jaxpr body.
+
+
+class Scope:
+    """The state of one walk: plants coming in, records going out.
+
+    A rule for a higher-order primitive makes a `child()` scope for the body it
+    re-traces, then folds the child's records back with `absorb`.
+    """
+
+    def __init__(self, policy: Policy, plants: dict, reap: bool = True):
+        self.policy = policy
+        self.plants = plants  # path -> Plant, as seen from this scope
+        self.reap = reap
+        self.records: dict[tuple, Record] = {}
+        self.seen: dict[tuple, int] = {}  # occurrences so far (entries, or append rows)
+
+    def child(self, carried=None, plants=None):
+        """A scope for a body that runs after what this scope has seen so far.
+
+        `carried` maps clobber-like names to (site, value) to start from;
+        `plants` overrides the plants the body sees.
+        """
+        if plants is None:
+            plants = self.shifted_plants()
+        kid = Scope(self.policy, plants, self.reap)
+        for path, (site, value) in (carried or {}).items():
+            kid.records[path] = Record(site, [value])
+        return kid
+
+    def shifted_plants(self):
+        return {p: pl.shift(self.seen.get(p, 0)) for p, pl in self.plants.items()}
+
+    # -- a sow fires -------------------------------------------------------
+    def sow(self, site: Site, value, pred=None):
+        path = site.name
+        known = self.records.get(path)
+        if known is not None and known.site.mode != site.mode:
+            raise ValueError(
+                f"The sow site {site} uses mode {site.mode!r}, but the same name was "
+                f"sown with mode {known.site.mode!r} earlier. Use one mode per name."
+            )
+        i = self.seen.get(path, 0)
+        if site.mode == "strict" and i:
+            raise ValueError(
+                f"The sow site {site} has mode 'strict' but is sown more than once. "
+                "Give each occurrence its own name, or use mode 'collect', 'append' or "
+                "'clobber'."
+            )
+        plant = self.plants.get(path)
+        if plant is not None:
+            new = plant.at(i, value)
+            if pred is not None:
+                new = jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, value)
+            value = new
+        self.seen[path] = i + 1
+        if plant is None and self.reap:
+            self._record(site, value, pred)
+        return value
+
+    def _record(self, site, value, pred):
+        path, mode = site.name, site.mode
+        rec = self.records.setdefault(path, Record(site, []))
+        if mode == "collect":
+            rec.values.append(value)
+        elif mode == "append":
+            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
+        elif mode == "cond_clobber":
+            old = rec.values[0] if rec.values else site.zeros()
+            rec.values = [jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), value, old)]
+        else:
+            rec.values = [value]
+
+    # -- folding a child's records back -----------------------------------
+    def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]):
+        for path, rec in records.items():
+            mine = self.records.get(path)
+            if mine is None:
+                self.records[path] = Record(rec.site, list(rec.values))
+                continue
+            if mine.site.mode != rec.site.mode:
+                raise ValueError(
+                    f"The sow site {rec.site} uses mode {rec.site.mode!r}, but the same "
+                    f"name was sown with mode {mine.site.mode!r} elsewhere. Use one mode per name."
+                )
+            if rec.site.mode == "strict":
+                raise ValueError(
+                    f"The sow site {rec.site} has mode 'strict' but is sown more than once. "
+                    "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+                )
+            if rec.site.mode in CARRIED_MODES:
+                mine.values = list(rec.values)
+            else:
+                mine.values.extend(rec.values)
+        for path, n in seen.items():
+            self.seen[path] = self.seen.get(path, 0) + n
+
+    def carried(self, sites):
+        """(site, current value) of the reaped clobber-like names among `sites`."""
+        out = {}
+        for site in sites.values():
+            if self.reap and site.mode in CARRIED_MODES and site.name not in self.plants:
+                rec = self.records.get(site.name)
+                out[site.name] = (site, rec.values[0] if rec else site.zeros())
+        return out
+
+    def handled_sites(self, jaxprs):
+        """The sites of this walk's tag inside `jaxprs`, first one per name."""
+        out = {}
+        for j in jaxprs:
+            for site, _ in sites_in(j):
+                if self.policy.handles(site):
+                    out.setdefault(site.name, site)
+        return out
+
+    def plants_inside(self, jaxprs):
+        return any(path in self.plants for path in self.handled_sites(jaxprs))
+
+    def export(self):
+        """The records as a pytree of arrays, to carry out of a traced body."""
+        return {path: rec.values for path, rec in self.records.items()}
+
+    def absorb_export(self, child, exported):
+        """Folds a child's records, as returned by a traced body, into this scope."""
+        records = {p: Record(child.records[p].site, list(v)) for p, v in exported.items()}
+        self.absorb(records, child.seen)
+
+    def results(self):
+        return {path: rec.result() for path, rec in self.records.items()}
+
+
+# ---------------------------------------------------------------------------
+# The walk.
+
+
+def _read(env, v):
+    return v.val if isinstance(v, core.Literal) else env[v]
+
+
+def interpret(scope: Scope, jaxpr: core.Jaxpr, consts, args):
+    env: dict[Any, Any] = {}
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [_read(env, v) for v in eqn.invars]
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            outs = _eval_eqn(scope, eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [_read(env, v) for v in jaxpr.outvars]
+
+
+def _eval_eqn(scope, eqn, invals):
+    if eqn.primitive is sow_p:
+        return sow_rule(scope, eqn, invals)
+    subs = sub_jaxprs(eqn)
+    if subs:
+        sites = frozenset().union(*(sites_in(j) for j in subs))
+        if scope.policy.touches(sites):
+            rule = RULES.get(eqn.primitive)
+            if rule is None:
+                site = next(s for s, _ in sites if scope.policy.prefix or scope.policy.handles(s))
+                raise NotImplementedError(
+                    f"harvest has no rule for the primitive `{eqn.primitive}`, which holds "
+                    f"the sow site {site}. Move the sow outside `{eqn.primitive}`, or "
+                    "file an issue naming this primitive."
+                )
+            return rule(scope, eqn, invals)
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    return eqn.primitive.bind(*invals, **bind_params)
+
+
+def sow_rule(scope, eqn, invals):
+    site = Site.of(eqn)
+    if not scope.policy.handles(site):
+        return sow_p.bind(*invals, **scope.policy.reemit(eqn.params))
+    n = len(eqn.outvars)
+    leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
+    value = jax.tree_util.tree_unflatten(site.tree, leaves)
+    value = scope.sow(site, value, pred)
+    return jax.tree_util.tree_leaves(value)
+
+
+# ---------------------------------------------------------------------------
+# Re-tracing a body, for rules that re-bind their primitive.
+
+
+@dataclasses.dataclass
+class Retraced:
+    """A body re-traced by the walk: `jaxpr` maps `args` to the body's outputs
+    followed by the leaves of the child's records."""
+
+    jaxpr: core.Jaxpr  # closed-over values are leading invars
+    args: list
+    num_consts: int
+    num_outs: int
+    child: Scope
+    records_tree: Any
+
+    def finish(self, scope, outs):
+        """Splits a bind's outputs, folding the records into `scope`."""
+        outs, rec_leaves = outs[: self.num_outs], outs[self.num_outs :]
+        scope.absorb_export(self.child, jax.tree_util.tree_unflatten(self.records_tree, rec_leaves))
+        return outs
+
+
+def retrace(scope, jaxpr, consts, invals, child=None):
+    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr."""
+    child = scope.child() if child is None else child
+    holder = {}
+
+    def body(*args):
+        outs = interpret(child, jaxpr, consts, args)
+        leaves, holder["tree"] = jax.tree_util.tree_flatten(child.export())
+        return [*outs, *leaves]
+
+    closed = jax.make_jaxpr(body)(*invals)
+    open_jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    return Retraced(
+        open_jaxpr, [*closed.consts, *invals], len(closed.consts), len(jaxpr.outvars), child, holder["tree"]
+    )

@@ -1,0 +1,88 @@
+"""The `sow` primitive: an identity that leaves a named marker in a jaxpr.
+
+Every rule here is the identity on values. The marker matters only to the
+interpreter (`_interpreter.py`), which finds it by walking a jaxpr. Two details
+make it survive the journey there:
+
+* It carries an effect, so a bare `sow` whose result is unused is not removed
+  by dead-code elimination before a harvest sees it.
+* Its JVP re-binds it on primals only: a tangent is never sown, so `reap` of a
+  differentiated function sees each forward value once.
+"""
+
+from __future__ import annotations
+
+from jax._src import core, effects
+from jax._src.interpreters import batching
+from jax.interpreters import ad, mlir
+
+MODES = ("collect", "strict", "append", "clobber", "cond_clobber")
+
+
+class SowEffect(effects.Effect):
+    """Marks `sow` as effectful so dead-code elimination keeps it."""
+
+    def __hash__(self):
+        return hash(type(self))
+
+    def __eq__(self, other):
+        return type(self) is type(other)
+
+    def __repr__(self):
+        return "Sow"
+
+
+sow_effect = SowEffect()
+for _allowed in (
+    effects.lowerable_effects,
+    effects.control_flow_allowed_effects,
+    effects.custom_derivatives_allowed_effects,
+    effects.remat_allowed_effects,
+):
+    _allowed.add_type(SowEffect)
+
+sow_p = core.Primitive("sow")
+sow_p.multiple_results = True
+
+
+def _has_pred(mode):
+    # `sow_cond` sites carry their predicate as a trailing operand.
+    return mode == "cond_clobber"
+
+
+def _sow_impl(*args, tag, name, mode, tree):
+    return list(args[:-1] if _has_pred(mode) else args)
+
+
+def _sow_abstract_eval(*avals, tag, name, mode, tree):
+    outs = avals[:-1] if _has_pred(mode) else avals
+    return list(outs), {sow_effect}
+
+
+def _sow_lowering(ctx, *args, tag, name, mode, tree):
+    return list(args[:-1] if _has_pred(mode) else args)
+
+
+def _sow_jvp(primals, tangents, *, tag, name, mode, tree):
+    out = sow_p.bind(*primals, tag=tag, name=name, mode=mode, tree=tree)
+    if _has_pred(mode):
+        tangents = tangents[:-1]
+    return out, [ad.instantiate_zeros(t) for t in tangents]
+
+
+def _sow_batch(axis_data, args, dims, *, tag, name, mode, tree):
+    # Give every leaf the batch axis in front, so a reaped value under vmap has
+    # one uniform leading axis and a planted one is expected the same way.
+    args = [
+        batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis)
+        for a, d in zip(args, dims)
+    ]
+    out = sow_p.bind(*args, tag=tag, name=name, mode=mode, tree=tree)
+    return out, [0] * len(out)
+
+
+sow_p.def_impl(_sow_impl)
+sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
+mlir.register_lowering(sow_p, _sow_lowering)
+ad.primitive_jvps[sow_p] = _sow_jvp
+batching.fancy_primitive_batchers[sow_p] = _sow_batch

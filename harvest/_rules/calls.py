@@ -1,0 +1,120 @@
+"""Call-like primitives: jit, closed_call, remat, and custom derivatives.
+
+Each re-traces its body through the walk and re-binds the same primitive, so
+a `jit` keeps its shardings and name, a `remat` its policy, and a custom
+derivative its rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax._src import core
+from jax._src.ad_checkpoint import remat_p
+from jax._src.custom_derivatives import custom_jvp_call_p, custom_vjp_call_p
+from jax._src.pjit import jit_p
+from jax._src.sharding_impls import UNSPECIFIED
+
+from .._interpreter import interpret, register, retrace
+
+
+@register(jit_p)
+def _jit(scope, eqn, invals):
+    p = eqn.params
+    r = retrace(scope, p["jaxpr"].jaxpr, p["jaxpr"].consts, invals)
+    k, m = r.num_consts, len(r.jaxpr.outvars) - r.num_outs
+    params = dict(
+        p,
+        jaxpr=core.ClosedJaxpr(r.jaxpr, ()),
+        in_shardings=(UNSPECIFIED,) * k + tuple(p["in_shardings"]),
+        in_layouts=(None,) * k + tuple(p["in_layouts"]),
+        donated_invars=(False,) * k + tuple(p["donated_invars"]),
+        out_shardings=tuple(p["out_shardings"]) + (UNSPECIFIED,) * m,
+        out_layouts=tuple(p["out_layouts"]) + (None,) * m,
+    )
+    return r.finish(scope, jit_p.bind(*r.args, **params))
+
+
+@register(core.closed_call_p)
+def _closed_call(scope, eqn, invals):
+    call = eqn.params["call_jaxpr"]
+    r = retrace(scope, call.jaxpr, call.consts, invals)
+    params = dict(eqn.params, call_jaxpr=core.ClosedJaxpr(r.jaxpr, ()))
+    return r.finish(scope, core.closed_call_p.bind(*r.args, **params))
+
+
+@register(remat_p)
+def _remat(scope, eqn, invals):
+    r = retrace(scope, eqn.params["jaxpr"], (), invals)
+    params = dict(eqn.params, jaxpr=r.jaxpr)
+    return r.finish(scope, remat_p.bind(*r.args, **params))
+
+
+# Custom derivatives. Reaping inside keeps the user's rule for the outputs and
+# differentiates the reaped values by ordinary autodiff of the body. Planting
+# inside changes the function the rule describes, so the planted body is
+# inlined and differentiated by ordinary autodiff instead.
+
+
+def _original(eqn):
+    params = eqn.primitive.get_bind_params(eqn.params)
+    return lambda *xs: eqn.primitive.bind(*xs, **params)
+
+
+def _add_cotangents(a, b):
+    if a.dtype == jax.dtypes.float0:
+        return a
+    return a + b
+
+
+@register(custom_jvp_call_p)
+def _custom_jvp(scope, eqn, invals):
+    call = eqn.params["call_jaxpr"]
+    if scope.plants_inside([call.jaxpr]):
+        return interpret(scope, call.jaxpr, call.consts, invals)
+    r = retrace(scope, call.jaxpr, call.consts, invals)
+    body, k, n = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ())), r.num_consts, r.num_outs
+    original = _original(eqn)
+
+    @jax.custom_jvp
+    def wrapped(*xs):
+        return body(*xs)
+
+    @wrapped.defjvp
+    def wrapped_jvp(primals, tangents):
+        outs, out_dots = jax.jvp(original, primals[k:], tangents[k:])
+        recs, rec_dots = jax.jvp(lambda *xs: body(*xs)[n:], primals, tangents)
+        return [*outs, *recs], [*out_dots, *rec_dots]
+
+    return r.finish(scope, wrapped(*r.args))
+
+
+@register(custom_vjp_call_p)
+def _custom_vjp(scope, eqn, invals):
+    call = eqn.params["call_jaxpr"]
+    if scope.plants_inside([call.jaxpr]):
+        return interpret(scope, call.jaxpr, call.consts, invals)
+    r = retrace(scope, call.jaxpr, call.consts, invals)
+    body, k, n = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ())), r.num_consts, r.num_outs
+    original = _original(eqn)
+
+    @jax.custom_vjp
+    def wrapped(*xs):
+        return body(*xs)
+
+    def fwd(*xs):
+        return body(*xs), xs
+
+    def bwd(xs, cts):
+        # The user's backward rule for the outputs (its forward re-run here),
+        # plain autodiff of the body for the reaped values.
+        _, original_vjp = jax.vjp(original, *xs[k:])
+        _, records_vjp = jax.vjp(lambda *ys: body(*ys)[n:], *xs)
+        from_outs = [np.zeros((), jax.dtypes.float0)] * k + list(original_vjp(list(cts[:n])))
+        from_recs = records_vjp(list(cts[n:]))
+        return tuple(
+            b if i < k else _add_cotangents(a, b) for i, (a, b) in enumerate(zip(from_outs, from_recs))
+        )
+
+    wrapped.defvjp(fwd, bwd)
+    return r.finish(scope, wrapped(*r.args))

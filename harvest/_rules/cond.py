@@ -1,0 +1,114 @@
+"""Branches: cond and switch.
+
+Only the taken branch runs, but every branch must return the same structure.
+So each branch's walk is traced once to learn what it records, then every
+branch returns the union: a name that the taken branch did not sow comes back
+as zeros (collect entries and append rows are zero-filled up to the longest
+branch), while `clobber`/`sow_cond` values that a branch does not touch keep
+their value from before the cond. To know which branch ran, sow the branch
+index yourself (see the docs' semantics table).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+from jax._src.lax.control_flow.conditionals import cond_p
+
+from .._interpreter import interpret, register
+from .._site import Record
+
+
+def _zeros(shape):
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+
+
+def _union(shapes, site):
+    """The record structure every branch returns for one name, as shapes."""
+    mode = site.mode
+    present = [s for s in shapes if s is not None]
+    if mode == "collect":
+        longest = max(present, key=len)
+        for s in present:
+            if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(longest[: len(s)]) or any(
+                a.shape != b.shape or a.dtype != b.dtype
+                for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)]))
+            ):
+                raise ValueError(
+                    f"The sow site {site} is sown with different shapes in different branches "
+                    "of a cond. Sow the same shapes in every branch, or use different names."
+                )
+        return longest
+    if mode == "append":
+        rows = max(jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
+        return jax.tree_util.tree_map(
+            lambda l: jax.ShapeDtypeStruct((rows,) + l.shape[1:], l.dtype), present[0]
+        )
+    return present[0]
+
+
+def _pad(value, union, site):
+    if value is None:
+        return _zeros(union)
+    if site.mode == "collect":
+        return list(value) + [_zeros(u) for u in union[len(value) :]]
+    if site.mode == "append":
+        return jax.tree_util.tree_map(
+            lambda v, u: jnp.concatenate([v, jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)]),
+            value,
+            union,
+        )
+    return value
+
+
+def _normalize(exported, children):
+    """One entry per name: a list of entries for collect, one array otherwise."""
+    out = {}
+    for path, values in exported.items():
+        rec = children.records[path]
+        out[path] = list(values) if rec.site.mode == "collect" else Record(rec.site, values).result()
+    return out
+
+
+@register(cond_p)
+def _cond(scope, eqn, invals):
+    branches = eqn.params["branches"]
+    index, ops = invals[0], invals[1:]
+    sites = scope.handled_sites([b.jaxpr for b in branches])
+    carried = scope.carried(sites)
+    plants = scope.shifted_plants()
+
+    traced = []
+    for br in branches:
+        child = scope.child(carried, plants)
+
+        def walk(*ops, br=br, child=child):
+            outs = interpret(child, br.jaxpr, br.consts, ops)
+            return outs, _normalize(child.export(), child)
+
+        closed, shape = jax.make_jaxpr(walk, return_shape=True)(*ops)
+        traced.append((closed, shape, child))
+
+    paths = sorted({p for _, shape, _ in traced for p in shape[1]})
+    union = {p: _union([shape[1].get(p) for _, shape, _ in traced], sites[p]) for p in paths}
+
+    def branch_fn(closed, shape):
+        def fn(*ops):
+            flat = core.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
+            outs, recs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), flat)
+            return outs, {p: _pad(recs.get(p), union[p], sites[p]) for p in paths}
+
+        return fn
+
+    outs, recs = lax.switch(index, [branch_fn(c, s) for c, s, _ in traced], *ops)
+    records = {
+        p: Record(sites[p], list(v) if sites[p].mode == "collect" else [v]) for p, v in recs.items()
+    }
+    seen = {}
+    for _, _, child in traced:
+        for p, n in child.seen.items():
+            seen[p] = max(seen.get(p, 0), n)
+    scope.absorb(records, seen)
+    return outs

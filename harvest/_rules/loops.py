@@ -1,0 +1,165 @@
+"""Loops: scan (and fori_loop with static bounds) and while_loop.
+
+In a scan, `collect` and `append` occurrences become extra per-iteration
+outputs, stacked on a leading axis index-aligned with the forward iterations;
+`clobber` and `sow_cond` values ride in the carry, so the last one to fire
+wins. A while loop has no fixed length, so only the carried modes work there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src import core
+from jax._src.lax.control_flow.loops import scan_p, while_p
+
+from .._interpreter import Plant, interpret, register, sub_jaxprs
+from .._primitive import sow_p
+from .._site import LOOP_MODES, Record, path_str
+
+
+def _no_strict(sites, where):
+    for site in sites.values():
+        if site.mode == "strict":
+            raise ValueError(
+                f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
+                "sows it once per iteration. Use mode 'collect' or 'append' to keep every "
+                "iteration, 'clobber' for the last one, or sow_cond for a chosen one."
+            )
+
+
+def append_rows(jaxpr, path):
+    """How many `append` rows of `path` one run of `jaxpr` produces."""
+    rows = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            rows += eqn.params["name"] == path and eqn.params["mode"] == "append"
+        elif eqn.primitive is scan_p:
+            rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, path)
+        elif eqn.primitive.name == "cond":
+            rows += max(append_rows(b.jaxpr, path) for b in eqn.params["branches"])
+        else:
+            rows += sum(append_rows(j, path) for j in sub_jaxprs(eqn))
+    return rows
+
+
+def _per_iteration(plant: Plant, idx, body_jaxpr):
+    """The part of a plant that one iteration (number `idx`) sees."""
+    if not plant.per_occurrence():
+        return plant
+    site = plant.site
+    if site.mode == "collect":
+        ndim = [len(a.shape) for a in site.avals]
+
+        def entry(e):
+            leaves = jax.tree_util.tree_leaves(e)
+            stacked = [jnp.ndim(l) == d + 1 for l, d in zip(leaves, ndim)]
+            return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
+
+        return Plant(site, tuple(entry(e) for e in plant.value))
+    k = append_rows(body_jaxpr, site.name)
+    return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
+
+
+@register(scan_p)
+def _scan(scope, eqn, invals):
+    p = eqn.params
+    body = p["jaxpr"]
+    sites = scope.handled_sites([body.jaxpr])
+    _no_strict(sites, "scan")
+    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    carried = scope.carried(sites)
+    plants = scope.shifted_plants()
+    holder = {}
+
+    def step(carry, x):
+        c, rec = carry
+        idx, x = x
+        body_plants = {
+            path: _per_iteration(pl, idx, body.jaxpr) for path, pl in plants.items() if path in sites
+        }
+        child = scope.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
+        outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
+        holder["child"] = child
+        rec = {path: child.records[path].values[0] for path in carried}
+        stacked = {
+            path: _one_chunk(r) for path, r in child.records.items() if r.site.mode in LOOP_MODES
+        }
+        return (outs[:ncarry], rec), (outs[ncarry:], stacked)
+
+    rec0 = {path: value for path, (_, value) in carried.items()}
+    (c, rec), (ys, stacked) = lax.scan(
+        step,
+        (init, rec0),
+        (jnp.arange(length), xs),
+        length=length,
+        reverse=p["reverse"],
+        unroll=p["unroll"],
+    )
+    child = holder["child"]
+    records = {path: Record(carried[path][0], [v]) for path, v in rec.items()}
+    for path, chunk in stacked.items():
+        site = sites[path]
+        if site.mode == "collect":
+            records[path] = Record(site, list(chunk))
+        else:
+            flat = jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), chunk)
+            records[path] = Record(site, [flat])
+    # Entries of a collect name are stacked, so their count stays; rows of every
+    # other mode repeat once per iteration.
+    seen = {
+        path: n if sites[path].mode == "collect" else length * n for path, n in child.seen.items()
+    }
+    scope.absorb(records, seen)
+    return [*c, *ys]
+
+
+def _one_chunk(record: Record):
+    """A scan body's occurrences of one name: a list of entries, or one chunk."""
+    if record.site.mode == "collect":
+        return list(record.values)
+    return record.result()
+
+
+@register(while_p)
+def _while(scope, eqn, invals):
+    p = eqn.params
+    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    sites = scope.handled_sites([body.jaxpr])
+    _no_strict(sites, "while_loop")
+    for site in sites.values():
+        if site.mode in LOOP_MODES:
+            raise ValueError(
+                f"The sow site {site} has mode {site.mode!r} inside a while_loop, whose trip "
+                "count is not known until it runs, so its occurrences cannot be stacked into "
+                "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
+                "'clobber' for the last iteration, sow_cond for a chosen one, or "
+                "harvest.stream to see every iteration on the host."
+            )
+    for site in scope.handled_sites([cond.jaxpr]).values():
+        raise ValueError(
+            f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in "
+            "body_fun instead."
+        )
+    ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+    cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
+    carried = scope.carried(sites)
+    holder = {}
+
+    def cond_fn(carry):
+        (out,) = interpret(scope.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
+        return out
+
+    def body_fn(carry):
+        c, rec = carry
+        child = scope.child({path: (carried[path][0], v) for path, v in rec.items()})
+        outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
+        holder["child"] = child
+        return outs, {path: child.records[path].values[0] for path in carried}
+
+    rec0 = {path: value for path, (_, value) in carried.items()}
+    c, rec = lax.while_loop(cond_fn, body_fn, (list(init), rec0))
+    scope.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})
+    return c

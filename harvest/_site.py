@@ -1,0 +1,95 @@
+"""A sow site's static description, and how its occurrences accumulate."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import PyTreeDef
+
+from ._primitive import sow_p
+
+LOOP_MODES = ("collect", "append")  # occurrences that stack along a loop's axis
+CARRIED_MODES = ("clobber", "cond_clobber")  # one value, threaded through loops
+
+
+def path_str(path):
+    return ".".join(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One `sow` equation: where it files its value, and what it looks like."""
+
+    tag: str
+    name: tuple  # a path: ("scope", ..., "name") once `nest` has scoped it
+    mode: str
+    tree: PyTreeDef
+    avals: tuple
+
+    @classmethod
+    def of(cls, eqn):
+        assert eqn.primitive is sow_p
+        p = eqn.params
+        n = len(eqn.outvars)
+        return cls(p["tag"], p["name"], p["mode"], p["tree"], tuple(v.aval for v in eqn.invars[:n]))
+
+    def __str__(self):
+        return f"tag={self.tag!r}, name={path_str(self.name)!r}"
+
+    def shape_str(self, leading=()):
+        return ", ".join(
+            f"{a.dtype}{list(leading) + list(a.shape)}" for a in self.avals
+        )
+
+    def zeros(self, leading=()):
+        return jax.tree_util.tree_unflatten(
+            self.tree, [jnp.zeros(tuple(leading) + a.shape, a.dtype) for a in self.avals]
+        )
+
+    def check(self, value, what, leading=()):
+        """Flattens `value`, or says exactly how it differs from this site."""
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        if tree != self.tree:
+            raise ValueError(
+                f"{what} for the sow site {self} has structure {tree}, but the site "
+                f"sows {self.tree}."
+            )
+        for leaf, aval in zip(leaves, self.avals):
+            shape = tuple(leading) + aval.shape
+            got = jnp.shape(leaf), jnp.result_type(leaf)
+            if got[0] != shape or got[1] != aval.dtype:
+                raise ValueError(
+                    f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the "
+                    f"site expects {aval.dtype}{list(shape)}. Plant a value of the "
+                    "sown shape and dtype (or a callable old -> new)."
+                )
+        return leaves
+
+
+@dataclasses.dataclass
+class Record:
+    """The occurrences of one name reaped so far in one scope.
+
+    `values` holds, by mode: collect, one pytree per occurrence; append, chunks
+    of occurrences stacked on a leading axis; the other modes, one pytree.
+    """
+
+    site: Site
+    values: list[Any]
+
+    def result(self):
+        mode = self.site.mode
+        if mode == "collect":
+            return tuple(self.values)
+        if mode == "append":
+            return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *self.values)
+        return self.values[0]
+
+    def count(self):
+        """Occurrences so far: entries for collect, rows for append."""
+        if self.site.mode == "append":
+            return sum(jax.tree_util.tree_leaves(c)[0].shape[0] for c in self.values)
+        return len(self.values)

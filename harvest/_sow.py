@@ -1,0 +1,95 @@
+"""`sow` and `sow_cond`: the calls that tag a value inside any JAX function."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import numpy as np
+
+from ._primitive import MODES, sow_p
+
+DEFAULT_TAG = "intermediates"
+PUBLIC_MODES = tuple(m for m in MODES if m != "cond_clobber")
+
+
+def _check_name(name, tag):
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"sow needs `name` to be a non-empty string, got {name!r}.")
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"sow needs `tag` to be a non-empty string, got {tag!r}.")
+
+
+def _leaves(value, name, tag):
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+            where = jax.tree_util.keystr(path) or "the value"
+            raise TypeError(
+                f"sow(name={name!r}, tag={tag!r}): {where} is a {type(leaf).__name__}, "
+                "not an array. Sow only arrays (or pytrees of arrays); keep static "
+                "data out of the sown value."
+            )
+    return leaves, tree
+
+
+def sow(value, *, name, tag=DEFAULT_TAG, mode="collect"):
+    """Tag `value` as `name` under `tag`, and return it unchanged.
+
+    Outside a harvest, `sow` is the identity (it lowers to nothing under `jit`).
+    Inside `reap`, `plant` or `harvest` of the same `tag`, the value is read out or
+    replaced. `mode` decides how several occurrences of one name accumulate:
+    `"collect"` (a tuple of every occurrence), `"strict"` (at most one),
+    `"append"` (stacked on a new leading axis) or `"clobber"` (the last wins).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, reap
+        >>> def f(x):
+        ...     y = sow(x * 2.0, name="double")
+        ...     return y + 1.0
+        >>> f(1.0)
+        3.0
+        >>> reap(f)(1.0)["double"]
+        (Array(2., dtype=float32, weak_type=True),)
+    """
+    _check_name(name, tag)
+    if mode not in PUBLIC_MODES:
+        raise ValueError(
+            f"sow(name={name!r}, tag={tag!r}): unknown mode {mode!r}. "
+            f"Use one of {', '.join(map(repr, PUBLIC_MODES))}, or sow_cond for a "
+            "conditional clobber."
+        )
+    leaves, tree = _leaves(value, name, tag)
+    out = sow_p.bind(*leaves, tag=tag, name=(name,), mode=mode, tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def sow_cond(value, pred, *, name, tag=DEFAULT_TAG):
+    """Sow `value` only where the scalar boolean `pred` is true.
+
+    The reaped value is the last occurrence whose `pred` held (zeros if none did),
+    which is how to keep one chosen iteration of a loop. A planted value replaces
+    `value` where `pred` holds and leaves it alone elsewhere.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import sow_cond, reap
+        >>> def f(xs):
+        ...     def body(c, x):
+        ...         sow_cond(x, x > 2.0, name="first_big")
+        ...         return c, None
+        ...     return jax.lax.scan(body, 0.0, xs)[0]
+        >>> reap(f)(jnp.array([1.0, 3.0, 5.0, 2.0]))["first_big"]
+        Array(5., dtype=float32)
+    """
+    _check_name(name, tag)
+    pred = jax.numpy.asarray(pred)
+    if pred.shape != () or pred.dtype != bool:
+        raise TypeError(
+            f"sow_cond(name={name!r}, tag={tag!r}) needs a scalar boolean `pred`, got "
+            f"{pred.dtype}{list(pred.shape)}. Reduce it first, e.g. with jnp.any."
+        )
+    leaves, tree = _leaves(value, name, tag)
+    out = sow_p.bind(*leaves, pred, tag=tag, name=(name,), mode="cond_clobber", tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)

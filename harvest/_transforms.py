@@ -1,0 +1,257 @@
+"""reap, plant, harvest, call_and_reap and nest: one walk, four faces.
+
+Each is `_call` with a different policy and plants. `_call` stages the whole
+walk inside one `jax.jit`, keyed by the function, the policy and the arrays'
+shapes, so a harvested function called again with the same shapes is neither
+re-traced nor re-compiled, and under an outer `jit` it costs what the
+hand-written function returning the same values costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
+from ._site import path_str
+from ._sow import DEFAULT_TAG
+
+
+def _is_dynamic(leaf):
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)) and not callable(leaf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything about a call that is not an array: the jit cache key."""
+
+    treedef: Any
+    static_leaves: tuple  # (index, leaf) for each non-array leaf
+    policy: Policy
+    reap: bool
+
+
+def _call(f, policy, reap, plants, args, kwargs):
+    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+    leaves, treedef = jax.tree_util.tree_flatten((f, plants, args, kwargs))
+    dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
+    static = _Static(
+        treedef, tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf)), policy, reap
+    )
+    try:
+        hash(static)
+    except TypeError:
+        # Unhashable static data (rare): still correct, just not cached.
+        return _walk(dynamic, static)
+    return _walk_jit(dynamic, static)
+
+
+def _walk(dynamic, static: _Static):
+    leaves, dyn = [], iter(dynamic)
+    static_at = dict(static.static_leaves)
+    for i in range(static.treedef.num_leaves):
+        leaves.append(static_at[i] if i in static_at else next(dyn))
+    f, plants, args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    closed, out_shape = jax.make_jaxpr(f, return_shape=True)(*args, **kwargs)
+    handled = {}
+    for site, _ in sites_in(closed.jaxpr):
+        if static.policy.handles(site):
+            known = handled.setdefault(site.name, site)
+            if known.mode != site.mode:
+                raise ValueError(
+                    f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
+                    f"{known.mode!r} and {site.mode!r}. Use one mode per name."
+                )
+    scope = Scope(static.policy, _resolve_plants(plants, handled, static.policy), static.reap)
+    flat_args = jax.tree_util.tree_leaves((args, kwargs))
+    outs = interpret(scope, closed.jaxpr, closed.consts, flat_args)
+    out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return out, _nested(scope.results())
+
+
+_walk_jit = jax.jit(_walk, static_argnums=1)
+
+
+def _resolve_plants(plants, sites, policy):
+    """Matches a nested {name: value} dict to the sites it plants into."""
+    if plants is None:
+        return {}
+    if not isinstance(plants, dict):
+        raise TypeError(
+            f"plants must be a dict mapping sown names to values, got {type(plants).__name__}."
+        )
+    resolved = {}
+
+    def visit(d, prefix):
+        for key, value in d.items():
+            path = prefix + (key,)
+            if path in sites:
+                resolved[path] = Plant(sites[path], value)
+            elif isinstance(value, dict) and any(p[: len(path)] == path for p in sites):
+                visit(value, path)
+            else:
+                names = ", ".join(sorted(repr(path_str(p)) for p in sites)) or "none"
+                raise KeyError(
+                    f"Cannot plant {path_str(path)!r}: no sow site of tag {policy.tag!r} has that "
+                    f"name. Names sown with that tag: {names}."
+                )
+
+    visit(plants, ())
+    return resolved
+
+
+def _nested(flat):
+    out: dict = {}
+    for path, value in flat.items():
+        d = out
+        for key in path[:-1]:
+            d = d.setdefault(key, {})
+        d[path[-1]] = value
+    return out
+
+
+def _policy(tag, allowlist, blocklist):
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"tag must be a non-empty string, got {tag!r}.")
+    return Policy(tag, NameFilter.make(allowlist, blocklist))
+
+
+def _check_plants_arg(plants, fn_name):
+    if not isinstance(plants, dict):
+        raise TypeError(
+            f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
+            f"plants is a dict of sown names to values; its first argument was a "
+            f"{type(plants).__name__}."
+        )
+
+
+def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+    """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
+
+    Only sows of `tag` are read; sows of other tags pass through untouched.
+    `allowlist`/`blocklist` take exact names, glob patterns (`"blocks.*"`) or
+    predicates on names. How occurrences accumulate is decided by each site's
+    mode (see `sow`). Nested `nest` scopes come back as nested dicts.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import sow, reap
+        >>> def f(x):
+        ...     h = sow(jnp.tanh(x), name="h", mode="strict")
+        ...     return 2.0 * h
+        >>> reap(f)(jnp.zeros(2))
+        {'h': Array([0., 0.], dtype=float32)}
+        >>> jax.jit(reap(f))(jnp.zeros(2))["h"].shape
+        (2,)
+    """
+    policy = _policy(tag, allowlist, blocklist)
+
+    @functools.wraps(f)
+    def reaped(*args, **kwargs):
+        return _call(f, policy, True, {}, args, kwargs)[1]
+
+    return reaped
+
+
+def call_and_reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+    """Like `reap`, but the function returns `(f's output, {name: value})`.
+
+    Example:
+        >>> from harvest import sow, call_and_reap
+        >>> f = lambda x: sow(x + 1.0, name="y", mode="strict") * 3.0
+        >>> call_and_reap(f)(1.0)
+        (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
+    """
+    policy = _policy(tag, allowlist, blocklist)
+
+    @functools.wraps(f)
+    def called(*args, **kwargs):
+        return _call(f, policy, True, {}, args, kwargs)
+
+    return called
+
+
+def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+    """Returns `g(plants, *args, **kwargs)`: `f` with the planted sows replaced.
+
+    `plants` maps names to replacement values, shaped as `reap` returns them
+    (a tuple per `collect` name, a stacked array per `append` name), or to a
+    single value used at every occurrence, or to a callable `old -> new` (an
+    intervention: ablate, add a vector, patch a slice). Planting a name no site
+    of `tag` has is an error that lists the names there are.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> def f(x):
+        ...     h = sow(x + 1.0, name="h", mode="strict")
+        ...     return h * 10.0
+        >>> plant(f)({"h": 0.5}, 1.0)
+        Array(5., dtype=float32, weak_type=True)
+        >>> plant(f)({"h": lambda h: -h}, 1.0)
+        Array(-20., dtype=float32, weak_type=True)
+    """
+    policy = _policy(tag, allowlist, blocklist)
+
+    @functools.wraps(f)
+    def planted(plants, *args, **kwargs):
+        _check_plants_arg(plants, "plant")
+        return _call(f, policy, False, plants, args, kwargs)[0]
+
+    return planted
+
+
+def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+    """Returns `g(plants, *args, **kwargs) -> (out, reaps)`: plant and reap in one walk.
+
+    `reaps` holds the names of `tag` that were not planted.
+
+    Example:
+        >>> from harvest import sow, harvest
+        >>> def f(x):
+        ...     a = sow(x + 1.0, name="a", mode="strict")
+        ...     b = sow(a * 2.0, name="b", mode="strict")
+        ...     return b
+        >>> out, reaps = harvest(f)({"a": 10.0}, 1.0)
+        >>> out, reaps["b"]
+        (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
+    """
+    policy = _policy(tag, allowlist, blocklist)
+
+    @functools.wraps(f)
+    def harvested(plants, *args, **kwargs):
+        _check_plants_arg(plants, "harvest")
+        return _call(f, policy, True, plants, args, kwargs)
+
+    return harvested
+
+
+def nest(f: Callable, *, scope: str) -> Callable:
+    """Puts every name sown inside `f` (of any tag) under `scope`.
+
+    Reaped values come back as `{scope: {name: value}}`, and plants are given
+    the same way. Nesting `nest` nests the dicts.
+
+    Example:
+        >>> from harvest import sow, reap, nest
+        >>> def layer(x):
+        ...     return sow(x * 2.0, name="out", mode="strict")
+        >>> def f(x):
+        ...     return nest(layer, scope="l1")(nest(layer, scope="l2")(x))
+        >>> reap(f)(1.0)
+        {'l2': {'out': Array(2., dtype=float32, weak_type=True)}, 'l1': {'out': Array(4., dtype=float32, weak_type=True)}}
+    """
+    if not isinstance(scope, str) or not scope:
+        raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
+    policy = Policy(None, prefix=(scope,))
+
+    @functools.wraps(f)
+    def nested(*args, **kwargs):
+        return _call(f, policy, False, {}, args, kwargs)[0]
+
+    return nested
