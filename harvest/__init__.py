@@ -1,6 +1,8 @@
 """harvest: tag any value inside any JAX function, then reap it out or plant a replacement in."""
 
 from . import _rules  # noqa: F401  (registers the interpreter's rules)
+from ._capture import capture as capture
+from ._perturb import perturb as perturb
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
 from ._transforms import (

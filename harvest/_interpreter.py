@@ -120,7 +120,7 @@ class Policy:
     def reemit(self, params):
         if not self.prefix:
             return params
-        return dict(params, name=self.prefix + params["name"])
+        return dict(params, scope=self.prefix + params["scope"])
 
 
 # ---------------------------------------------------------------------------

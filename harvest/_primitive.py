@@ -38,6 +38,7 @@ for _allowed in (
     effects.control_flow_allowed_effects,
     effects.custom_derivatives_allowed_effects,
     effects.remat_allowed_effects,
+    effects.partial_eval_kept_effects,  # else partial eval (e.g. of scan) drops it
 ):
     _allowed.add_type(SowEffect)
 
@@ -50,34 +51,34 @@ def _has_pred(mode):
     return mode == "cond_clobber"
 
 
-def _sow_impl(*args, tag, name, mode, tree):
+def _sow_impl(*args, tag, name, scope, mode, tree):
     return list(args[:-1] if _has_pred(mode) else args)
 
 
-def _sow_abstract_eval(*avals, tag, name, mode, tree):
+def _sow_abstract_eval(*avals, tag, name, scope, mode, tree):
     outs = avals[:-1] if _has_pred(mode) else avals
     return list(outs), {sow_effect}
 
 
-def _sow_lowering(ctx, *args, tag, name, mode, tree):
+def _sow_lowering(ctx, *args, tag, name, scope, mode, tree):
     return list(args[:-1] if _has_pred(mode) else args)
 
 
-def _sow_jvp(primals, tangents, *, tag, name, mode, tree):
-    out = sow_p.bind(*primals, tag=tag, name=name, mode=mode, tree=tree)
+def _sow_jvp(primals, tangents, *, tag, name, scope, mode, tree):
+    out = sow_p.bind(*primals, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
     if _has_pred(mode):
         tangents = tangents[:-1]
     return out, [ad.instantiate_zeros(t) for t in tangents]
 
 
-def _sow_batch(axis_data, args, dims, *, tag, name, mode, tree):
+def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree):
     # Give every leaf the batch axis in front, so a reaped value under vmap has
     # one uniform leading axis and a planted one is expected the same way.
     args = [
         batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis)
         for a, d in zip(args, dims)
     ]
-    out = sow_p.bind(*args, tag=tag, name=name, mode=mode, tree=tree)
+    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
     return out, [0] * len(out)
 
 

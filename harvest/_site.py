@@ -34,7 +34,8 @@ class Site:
         assert eqn.primitive is sow_p
         p = eqn.params
         n = len(eqn.outvars)
-        return cls(p["tag"], p["name"], p["mode"], p["tree"], tuple(v.aval for v in eqn.invars[:n]))
+        path = p["scope"] + (p["name"],)
+        return cls(p["tag"], path, p["mode"], p["tree"], tuple(v.aval for v in eqn.invars[:n]))
 
     def __str__(self):
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"

@@ -61,7 +61,7 @@ def sow(value, *, name, tag=DEFAULT_TAG, mode="collect"):
             "conditional clobber."
         )
     leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, tag=tag, name=(name,), mode=mode, tree=tree)
+    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=mode, tree=tree)
     return jax.tree_util.tree_unflatten(tree, out)
 
 
@@ -91,5 +91,5 @@ def sow_cond(value, pred, *, name, tag=DEFAULT_TAG):
             f"{pred.dtype}{list(pred.shape)}. Reduce it first, e.g. with jnp.any."
         )
     leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, pred, tag=tag, name=(name,), mode="cond_clobber", tree=tree)
+    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
     return jax.tree_util.tree_unflatten(tree, out)

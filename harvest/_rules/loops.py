@@ -34,7 +34,8 @@ def append_rows(jaxpr, path):
     rows = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            rows += eqn.params["name"] == path and eqn.params["mode"] == "append"
+            p = eqn.params
+            rows += p["scope"] + (p["name"],) == path and p["mode"] == "append"
         elif eqn.primitive is scan_p:
             rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, path)
         elif eqn.primitive.name == "cond":
