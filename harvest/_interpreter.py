@@ -392,18 +392,23 @@ class Retraced:
         return outs
 
 
-def retrace(scope, jaxpr, consts, invals, child=None):
-    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr."""
-    child = scope.child() if child is None else child
+def retrace(scope, jaxpr, consts, invals, make_child=None, export=Scope.export):
+    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr.
+
+    `make_child` builds the child scope inside the new trace (for plants that
+    depend on it, e.g. a shard's index); `export` turns it into the records
+    pytree the body returns.
+    """
     holder = {}
 
     def body(*args):
+        child = holder["child"] = make_child() if make_child else scope.child()
         outs = interpret(child, jaxpr, consts, args)
-        leaves, holder["tree"] = jax.tree_util.tree_flatten(child.export())
+        leaves, holder["tree"] = jax.tree_util.tree_flatten(export(child))
         return [*outs, *leaves]
 
     closed = jax.make_jaxpr(body)(*invals)
     open_jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
     return Retraced(
-        open_jaxpr, [*closed.consts, *invals], len(closed.consts), len(jaxpr.outvars), child, holder["tree"]
+        open_jaxpr, [*closed.consts, *invals], len(closed.consts), len(jaxpr.outvars), holder["child"], holder["tree"]
     )

@@ -1,0 +1,88 @@
+"""Many devices: shard_map (and pmap, which JAX stages as a shard_map).
+
+Inside a shard_map body every value is one shard's. A sow there is reaped
+stacked along a new leading mesh axis, one row per shard in mesh order (a
+per-shard scalar becomes a vector of shape `(num_shards,)`); collect entries
+are stacked the same way and append rows are concatenated shard by shard.
+The reaped arrays leave the body sharded along that axis, so nothing is
+gathered onto one device. A planted value is either one value for every
+shard, or stacked the same way as reaped, one row per shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax._src.shard_map import shard_map_p
+from jax.sharding import PartitionSpec as P
+
+from .._interpreter import interpret, register
+from .._site import Record
+from .loops import _per_iteration
+
+
+def _varying(x, axes):
+    """Marks `x` as varying over `axes`, as an output sharded over them must be."""
+    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _lift(site, shards):
+    """The site as seen outside the shard_map: one row per shard in front."""
+    avals = tuple(a.update(shape=(shards,) + a.shape) for a in site.avals)
+    return dataclasses.replace(site, avals=avals)
+
+
+@register(shard_map_p)
+def _shard_map(scope, eqn, invals):
+    p = eqn.params
+    mesh, body = p["mesh"], p["jaxpr"]
+    axes = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
+    shards = math.prod(mesh.shape[a] for a in axes)
+    sites = scope.handled_sites([body])
+    plants = scope.shifted_plants()
+
+    holder = {}
+
+    def per_shard(*args):
+        # Each shard reads its own row of a plant stacked per shard.
+        idx = lax.axis_index(axes)
+        child = holder["child"] = scope.child(
+            plants={path: _per_iteration(pl, idx, body) for path, pl in plants.items() if path in sites}
+        )
+        outs = interpret(child, body, (), args)
+        # One leading row per shard, so the out_spec lays the rows along `axes`.
+        rows = jax.tree_util.tree_map(
+            lambda x: _varying(jnp.expand_dims(x, 0), axes) if p["check_vma"] else jnp.expand_dims(x, 0),
+            {path: rec.result() for path, rec in child.records.items()},
+        )
+        return tuple(outs), rows
+
+    outs, exported = jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=tuple(p["in_specs"]),
+        out_specs=(tuple(p["out_specs"]), P(axes)),
+        axis_names=set(axes),
+        check_vma=p["check_vma"],
+    )(*invals)
+    child = holder["child"]
+    records, seen = {}, {}
+    for path, value in exported.items():
+        site = child.records[path].site
+        if site.mode == "collect":  # [shards, entries...] -> a tuple of stacked entries
+            records[path] = Record(_lift(site, shards), list(value))
+        elif site.mode == "append":  # [shards, rows, ...] -> [shards * rows, ...]
+            records[path] = Record(site, [jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), value)])
+        else:
+            records[path] = Record(_lift(site, shards), [value])
+    for path, n in child.seen.items():
+        mode = sites[path].mode
+        seen[path] = n if mode == "collect" else shards * n if mode == "append" else 1
+    scope.absorb(records, seen)
+    return list(outs)
+
