@@ -21,7 +21,7 @@ from jax._src import core, source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from ._primitive import sow_p
-from ._site import CARRIED_MODES, Record, Site, path_str
+from ._site import CARRIED_MODES, SINGLE_MODES, Record, Site, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[core.Primitive, Callable] = {}
@@ -110,14 +110,18 @@ class Policy:
     tag: str | None
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
+    exclusive: bool = False  # drop sows of other tags instead of re-emitting them
 
     def handles(self, site):
         return site.tag == self.tag and self.select(site.name)
 
     def touches(self, sites):
-        return any(self.prefix or self.handles(s) for s, _ in sites)
+        return any(self.prefix or self.exclusive or self.handles(s) for s, _ in sites)
 
     def reemit(self, params):
+        """The params to re-emit a sow this walk does not handle with (None: drop it)."""
+        if self.exclusive:
+            return None
         if not self.prefix:
             return params
         return dict(params, scope=self.prefix + params["scope"])
@@ -227,9 +231,9 @@ class Scope:
                 f"sown with mode {known.site.mode!r} earlier. Use one mode per name."
             )
         i = self.seen.get(path, 0)
-        if site.mode == "strict" and i:
+        if site.mode in SINGLE_MODES and i:
             raise ValueError(
-                f"The sow site {site} has mode 'strict' but is sown more than once. "
+                f"The sow site {site} has mode {site.mode!r} but is sown more than once. "
                 "Give each occurrence its own name, or use mode 'collect', 'append' or "
                 "'clobber'."
             )
@@ -269,9 +273,9 @@ class Scope:
                     f"The sow site {rec.site} uses mode {rec.site.mode!r}, but the same "
                     f"name was sown with mode {mine.site.mode!r} elsewhere. Use one mode per name."
                 )
-            if rec.site.mode == "strict":
+            if rec.site.mode in SINGLE_MODES:
                 raise ValueError(
-                    f"The sow site {rec.site} has mode 'strict' but is sown more than once. "
+                    f"The sow site {rec.site} has mode {rec.site.mode!r} but is sown more than once. "
                     "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
                 )
             if rec.site.mode in CARRIED_MODES:
@@ -347,7 +351,7 @@ def _eval_eqn(scope, eqn, invals):
         if scope.policy.touches(sites):
             rule = RULES.get(eqn.primitive)
             if rule is None:
-                site = next(s for s, _ in sites if scope.policy.prefix or scope.policy.handles(s))
+                site = next(s for s, _ in sites if scope.policy.touches([(s, None)]))
                 raise NotImplementedError(
                     f"harvest has no rule for the primitive `{eqn.primitive}`, which holds "
                     f"the sow site {site}. Move the sow outside `{eqn.primitive}`, or "
@@ -360,9 +364,10 @@ def _eval_eqn(scope, eqn, invals):
 
 def sow_rule(scope, eqn, invals):
     site = Site.of(eqn)
-    if not scope.policy.handles(site):
-        return sow_p.bind(*invals, **scope.policy.reemit(eqn.params))
     n = len(eqn.outvars)
+    if not scope.policy.handles(site):
+        params = scope.policy.reemit(eqn.params)
+        return invals[:n] if params is None else sow_p.bind(*invals, **params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
     value = scope.sow(site, value, pred)

@@ -16,7 +16,8 @@ from jax._src import core, effects
 from jax._src.interpreters import batching
 from jax.interpreters import ad, mlir
 
-MODES = ("collect", "strict", "append", "clobber", "cond_clobber")
+# "stack" is oryx's append: one occurrence per scope, stacked per loop level.
+MODES = ("collect", "strict", "append", "clobber", "cond_clobber", "stack")
 
 
 class SowEffect(effects.Effect):

@@ -11,7 +11,8 @@ from jax.tree_util import PyTreeDef
 
 from ._primitive import sow_p
 
-LOOP_MODES = ("collect", "append")  # occurrences that stack along a loop's axis
+LOOP_MODES = ("collect", "append", "stack")  # occurrences that stack along a loop's axis
+SINGLE_MODES = ("strict", "stack")  # at most one occurrence per scope
 CARRIED_MODES = ("clobber", "cond_clobber")  # one value, threaded through loops
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ._primitive import MODES, sow_p
 
 DEFAULT_TAG = "intermediates"
-PUBLIC_MODES = tuple(m for m in MODES if m != "cond_clobber")
+PUBLIC_MODES = ("collect", "strict", "append", "clobber")
 
 
 def _check_name(name, tag):

@@ -47,9 +47,15 @@ def append_rows(jaxpr, path):
 
 def _per_iteration(plant: Plant, idx, body_jaxpr):
     """The part of a plant that one iteration (number `idx`) sees."""
+    site = plant.site
+    if site.mode == "stack" and not callable(plant.value):
+        # Stacked once per enclosing loop: peel this loop's axis if present.
+        ndim = [len(a.shape) for a in site.avals]
+        if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(plant.value), ndim)):
+            return Plant(site, jax.tree_util.tree_map(lambda l: l[idx], plant.value))
+        return plant
     if not plant.per_occurrence():
         return plant
-    site = plant.site
     if site.mode == "collect":
         ndim = [len(a.shape) for a in site.avals]
 
@@ -105,13 +111,15 @@ def _scan(scope, eqn, invals):
         site = sites[path]
         if site.mode == "collect":
             records[path] = Record(site, list(chunk))
+        elif site.mode == "stack":
+            records[path] = Record(site, [chunk])
         else:
             flat = jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), chunk)
             records[path] = Record(site, [flat])
     # Entries of a collect name are stacked, so their count stays; rows of every
     # other mode repeat once per iteration.
     seen = {
-        path: n if sites[path].mode == "collect" else length * n for path, n in child.seen.items()
+        path: n if sites[path].mode in ("collect", "stack") else length * n for path, n in child.seen.items()
     }
     scope.absorb(records, seen)
     return [*c, *ys]

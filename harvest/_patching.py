@@ -1,0 +1,508 @@
+"""Activation patching: interventions, a compiled patching sweep, attribution patching.
+
+Every intervention is a callable `old -> new`, planted at a sow site. They are
+pytrees (their arrays are leaves, the rest is static), so the plant's compile
+cache is keyed by their shapes, not their identity, and they can carry traced
+values under `jit` and `vmap`. That is what lets `patching_sweep` run every
+(site, position) patch as one vmapped computation over a one-hot selection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._inspect import sow_equations
+from ._site import Site, path_str
+from ._sow import DEFAULT_TAG
+from ._transforms import plant, reap
+
+# ---------------------------------------------------------------------------
+# Interventions: callables old -> new, usable as planted values.
+
+
+def _pytree_dataclass(data, meta=()):
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+    return wrap
+
+
+@_pytree_dataclass(data=())
+class _Zero:
+    def __call__(self, old):
+        return jax.tree_util.tree_map(jnp.zeros_like, old)
+
+
+@_pytree_dataclass(data=("mean",))
+class _Mean:
+    mean: Any
+
+    def __call__(self, old):
+        return jax.tree_util.tree_map(lambda m, o: jnp.broadcast_to(m, o.shape).astype(o.dtype), self.mean, old)
+
+
+@_pytree_dataclass(data=("vector", "scale"))
+class _AddVector:
+    vector: Any
+    scale: Any
+
+    def __call__(self, old):
+        return jax.tree_util.tree_map(lambda v, o: (o + self.scale * v).astype(o.dtype), self.vector, old)
+
+
+@_pytree_dataclass(data=("clean", "mask"), meta=("axis",))
+class _PatchWhere:
+    """`clean` where `mask` holds, `old` elsewhere; a 1-D `mask` runs along `axis`."""
+
+    clean: Any
+    mask: Any
+    axis: int | None
+
+    def __call__(self, old):
+        def patch(c, o):
+            return jnp.where(_along(self.mask, self.axis, jnp.ndim(o)), c, o)
+
+        return jax.tree_util.tree_map(patch, self.clean, old)
+
+
+def _along(mask, axis, ndim):
+    """Reshapes a 1-D mask to broadcast along `axis` of an `ndim`-array."""
+    if axis is None:
+        return mask
+    shape = [1] * ndim
+    shape[axis] = -1
+    return jnp.reshape(mask, shape)
+
+
+def ablate_zero():
+    """An intervention replacing the sown value by zeros.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> from harvest._patching import ablate_zero
+        >>> f = lambda x: sow(x + 1.0, name="h", mode="strict") * 2.0
+        >>> plant(f)({"h": ablate_zero()}, jnp.ones(2))
+        Array([0., 0.], dtype=float32)
+    """
+    return _Zero()
+
+
+def ablate_mean(mean):
+    """An intervention replacing the sown value by `mean`, broadcast to its shape.
+
+    `mean` is typically the site's value averaged over a reference batch, e.g.
+    `reap(f)(xs)["h"].mean(0)`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> from harvest._patching import ablate_mean
+        >>> f = lambda x: sow(x, name="h", mode="strict") * 2.0
+        >>> plant(f)({"h": ablate_mean(jnp.array([1.0, 3.0]))}, jnp.zeros((2, 2)))
+        Array([[2., 6.],
+               [2., 6.]], dtype=float32)
+    """
+    return _Mean(mean)
+
+
+def add_vector(vector, scale=1.0):
+    """An intervention adding `scale * vector` to the sown value (activation steering).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> from harvest._patching import add_vector
+        >>> f = lambda x: sow(x, name="h", mode="strict")
+        >>> plant(f)({"h": add_vector(jnp.array([1.0, 0.0]), scale=3.0)}, jnp.ones(2))
+        Array([4., 1.], dtype=float32)
+    """
+    return _AddVector(vector, jnp.asarray(scale))
+
+
+def patch_positions(clean, positions, axis):
+    """An intervention taking `clean` at `positions` along `axis`, the old value elsewhere.
+
+    `clean` has the site's shape (e.g. its value reaped from a clean run);
+    `positions` is an index or a sequence of indices along `axis`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> from harvest._patching import patch_positions
+        >>> f = lambda x: sow(x, name="h", mode="strict")
+        >>> plant(f)({"h": patch_positions(jnp.ones((2, 4)), [1, 3], axis=1)}, jnp.zeros((2, 4)))
+        Array([[0., 1., 0., 1.],
+               [0., 1., 0., 1.]], dtype=float32)
+    """
+    size = _axis_size(clean, axis, "patch_positions(clean, positions, axis)")
+    axis = _normalize_axis(clean, axis)
+    positions = jnp.atleast_1d(jnp.asarray(positions))
+    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
+        raise TypeError(
+            f"patch_positions needs integer positions (an index or a 1-D sequence), got "
+            f"{positions.dtype}{list(positions.shape)}."
+        )
+    mask = jnp.isin(jnp.arange(size), positions)
+    return _PatchWhere(clean, mask, axis)
+
+
+def _axis_size(value, axis, what):
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"{what}: axis must be an int, got {axis!r}.")
+    sizes = set()
+    for leaf in jax.tree_util.tree_leaves(value):
+        ndim = jnp.ndim(leaf)
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"{what}: axis {axis} is out of range for a value of shape {jnp.shape(leaf)}. "
+                "Pass the axis that indexes positions in the sown value."
+            )
+        sizes.add(jnp.shape(leaf)[axis])
+    if len(sizes) != 1:
+        raise ValueError(f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}.")
+    return sizes.pop()
+
+
+def _normalize_axis(value, axis):
+    return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])
+
+
+# ---------------------------------------------------------------------------
+# Results.
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchingResult:
+    """The effect of each patch on a metric: `values[i, j]` for site `names[i]` at `positions[j]`.
+
+    An effect is `metric(patched run) - baseline`, where `baseline` is the
+    metric of the unpatched corrupted run (estimated, for attribution
+    patching). Without a position axis, `values` has shape `[len(names)]` and
+    `positions` is `None`.
+
+    Example:
+        >>> import numpy as np
+        >>> from harvest._patching import PatchingResult
+        >>> r = PatchingResult(np.array([[0.0, 1.0]]), ("h",), np.arange(2), axis=1, baseline=0.5)
+        >>> r.values.shape, r.names
+        ((1, 2), ('h',))
+    """
+
+    values: np.ndarray
+    names: tuple
+    positions: np.ndarray | None
+    axis: int | None
+    baseline: float
+
+    def plot(self, ax=None, title=None, cmap="RdBu_r", **imshow_kwargs):
+        """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
+
+        Example:
+            >>> import matplotlib; matplotlib.use("Agg")
+            >>> import numpy as np
+            >>> from harvest._patching import PatchingResult
+            >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+            >>> r.plot(title="effect").get_title()
+            'effect'
+        """
+        import matplotlib.pyplot as plt  # lazily: plotting is optional
+
+        grid = self.values if self.positions is not None else self.values[:, None]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(1.0 + 0.4 * grid.shape[1], 1.0 + 0.4 * grid.shape[0]))
+        bound = float(np.max(np.abs(grid))) or 1.0
+        image = ax.imshow(grid, cmap=cmap, vmin=-bound, vmax=bound, aspect="auto", **imshow_kwargs)
+        ax.set_yticks(range(len(self.names)), self.names)
+        if self.positions is None:
+            ax.set_xticks([])
+        else:
+            ax.set_xticks(range(len(self.positions)), [str(p) for p in self.positions])
+            ax.set_xlabel(f"position (axis {self.axis})")
+        ax.figure.colorbar(image, ax=ax)
+        if title is not None:
+            ax.set_title(title)
+        return ax
+
+
+# ---------------------------------------------------------------------------
+# Which sites a sweep patches, and the clean value at each.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    site: Site
+    clean: Any  # the value of one occurrence, the site's shape
+
+
+def _site_value(reaps, site, what):
+    """One occurrence's value of `site` from a dict shaped as `reap` returns it."""
+    node = reaps
+    for key in site.name:
+        if not isinstance(node, dict) or key not in node:
+            raise KeyError(
+                f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
+                f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
+            )
+        node = node[key]
+    if site.mode == "collect":
+        node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
+    elif site.mode == "append":
+        node = jax.tree_util.tree_map(lambda l: l[0], node)
+    site.check(node, f"the {what} value")
+    return node
+
+
+def _targets(f, clean, corrupted_args, tag, names, axis, caller):
+    """The sites to patch, with their clean values, and the size along `axis`."""
+    if not callable(f):
+        raise TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
+    if not isinstance(corrupted_args, tuple):
+        raise TypeError(
+            f"{caller}: corrupted_args must be the tuple of f's positional arguments, e.g. "
+            f"(tokens,), got {type(corrupted_args).__name__}."
+        )
+    if not isinstance(clean, dict):
+        raise TypeError(
+            f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
+            f"{type(clean).__name__}."
+        )
+    by_name: dict[str, list] = {}
+    for eqn, where, fires in sow_equations(jax.make_jaxpr(f)(*corrupted_args).jaxpr):
+        site = Site.of(eqn)
+        if site.tag == tag:
+            by_name.setdefault(path_str(site.name), []).append((site, where, fires))
+    if names is None:
+        names = [n for n, occurrences in by_name.items() if _has_path(clean, occurrences[0][0].name)]
+    elif isinstance(names, str):
+        names = [names]
+    if not names:
+        raise ValueError(
+            f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
+            f"names sown with that tag: {sorted(by_name) or 'none'}."
+        )
+    targets = [_target(by_name, name, clean, tag, caller) for name in names]
+    size = None
+    if axis is not None:
+        sizes = {t.site.name: _axis_size(t.clean, axis, f"{caller} at {path_str(t.site.name)!r}") for t in targets}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"{caller}: the sites have different sizes along axis {axis}: "
+                f"{ {path_str(k): v for k, v in sizes.items()} }. Sweep sites of one size "
+                "together (pass names=...)."
+            )
+        size = next(iter(sizes.values()))
+    return targets, size
+
+
+def _has_path(tree, path):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return False
+        tree = tree[key]
+    return True
+
+
+def _target(by_name, name, clean, tag, caller):
+    if name not in by_name:
+        raise KeyError(
+            f"{caller}: no sow site of tag {tag!r} is named {name!r}. Names sown with that "
+            f"tag: {sorted(by_name) or 'none'}."
+        )
+    occurrences = by_name[name]
+    (site, where, fires), *others = occurrences
+    if others or fires != 1:
+        count = "an unbounded number of" if fires is None else str(sum(o[2] or 0 for o in occurrences))
+        raise ValueError(
+            f"{caller}: the site {name!r} fires {count} times per call (at "
+            f"{_where_str(occurrences)}); patching needs sites that fire once. Give each "
+            "occurrence its own name (e.g. with nest or f'layer{i}'), or leave it out with names=."
+        )
+    return _Target(site, _site_value(clean, site, "clean"))
+
+
+def _where_str(occurrences):
+    return ", ".join(" › ".join(w) or "top level" for _, w, _ in occurrences)
+
+
+def _nested(flat):
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def _scalar(m):
+    if jnp.shape(m) != ():
+        raise TypeError(
+            f"metric(out) must return a scalar, got shape {jnp.shape(m)}. Reduce it, e.g. "
+            "with jnp.mean over the batch."
+        )
+    return m
+
+
+def _jit_on_arrays(fn, tree):
+    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    is_array = [isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in leaves]
+
+    def rebuilt(arrays):
+        it = iter(arrays)
+        return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, is_array)]))
+
+    return jax.jit(rebuilt)([leaf for leaf, a in zip(leaves, is_array) if a])
+
+
+def _labels(targets, size):
+    return tuple(path_str(t.site.name) for t in targets), (None if size is None else np.arange(size))
+
+
+# ---------------------------------------------------------------------------
+# The sweep.
+
+
+def patching_sweep(
+    f: Callable,
+    clean: dict,
+    corrupted_args: tuple,
+    metric: Callable,
+    *,
+    tag: str = DEFAULT_TAG,
+    names=None,
+    axis: int | None = None,
+    batch_size: int | None = None,
+) -> PatchingResult:
+    """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
+
+    For every site in `names` (default: every site of `tag` with a value in
+    `clean`), and, if `axis` is given, every index along that axis of the sown
+    value (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
+    clean value there and keeps its own everywhere else. `clean` is
+    `reap(f, tag=tag)(*clean_args)`. All patches run as one compiled, vmapped
+    computation over a one-hot selection; `batch_size` bounds how many run at
+    once (via `lax.map`) when memory is tight. Each patched site must fire once
+    per call. `metric` maps `f`'s output to a scalar; each value of the result
+    is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, reap
+        >>> from harvest._patching import patching_sweep
+        >>> def f(x):
+        ...     h = sow(2.0 * x, name="h", mode="strict")
+        ...     return sow(h + 1.0, name="g", mode="strict")
+        >>> clean = reap(f)(jnp.array([1.0, 2.0, 3.0]))
+        >>> r = patching_sweep(f, clean, (jnp.zeros(3),), jnp.sum, axis=0)
+        >>> r.names, r.baseline
+        (('h', 'g'), 3.0)
+        >>> r.values  # patching h or g at position i adds 2 * (i + 1) to the sum
+        array([[2., 4., 6.],
+               [2., 4., 6.]], dtype=float32)
+    """
+    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
+    positions = 1 if size is None else size
+    axes = [None if axis is None else _normalize_axis(t.clean, axis) for t in targets]
+    planted = plant(f, tag=tag)
+
+    def patched_metric(k, cleans, args):
+        row, pos = k // positions, k % positions
+        plants = {}
+        for i, (t, c, ax) in enumerate(zip(targets, cleans, axes)):
+            mask = row == i if ax is None else (jnp.arange(size) == pos) & (row == i)
+            plants[t.site.name] = _PatchWhere(c, mask, ax)
+        return _scalar(metric(planted(_nested(plants), *args)))
+
+    def sweep(operands):
+        cleans, args = operands
+        one = functools.partial(patched_metric, cleans=cleans, args=args)
+        ks = jnp.arange(len(targets) * positions)
+        patched = jax.vmap(one)(ks) if batch_size is None else jax.lax.map(one, ks, batch_size=batch_size)
+        baseline = _scalar(metric(f(*args)))
+        return patched - baseline, baseline
+
+    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))
+    names, labels = _labels(targets, size)
+    shape = (len(targets),) if size is None else (len(targets), size)
+    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline))
+
+
+# ---------------------------------------------------------------------------
+# Attribution patching.
+
+
+def attribution_patching(
+    f: Callable,
+    clean: dict,
+    corrupted_args: tuple,
+    metric: Callable,
+    *,
+    tag: str = DEFAULT_TAG,
+    names=None,
+    axis: int | None = None,
+) -> PatchingResult:
+    """The first-order estimate of every patch `patching_sweep` would make, from one backward pass.
+
+    The effect of patching site `s` (at position `p`) is estimated as
+    `sum((clean_s - corrupt_s) * d metric / d s)` over the patched entries,
+    with the gradient taken on the corrupted run. It is exact when `metric ∘ f`
+    is linear in the activation, and a first-order Taylor approximation
+    otherwise. The corrupted activations and the gradients come from one
+    compiled function; the gradient is taken with respect to zero offsets
+    planted at every site (`old + delta`), which is exactly d metric / d
+    activation including every downstream path. Arguments as in
+    `patching_sweep`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import sow, reap
+        >>> from harvest._patching import attribution_patching
+        >>> def f(x):
+        ...     h = sow(2.0 * x, name="h", mode="strict")
+        ...     return sow(h + 1.0, name="g", mode="strict")
+        >>> clean = reap(f)(jnp.array([1.0, 2.0, 3.0]))
+        >>> attribution_patching(f, clean, (jnp.zeros(3),), jnp.sum, axis=0).values
+        array([[2., 4., 6.],
+               [2., 4., 6.]], dtype=float32)
+    """
+    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
+    axes = [None if axis is None else _normalize_axis(t.clean, axis) for t in targets]
+    patched = frozenset(path_str(t.site.name) for t in targets)
+    planted = plant(f, tag=tag)
+
+    def estimate(operands):
+        cleans, args = operands
+        reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
+        corrupts = [_site_value(reaped, t.site, "corrupted") for t in targets]
+
+        def metric_of(offsets):
+            plants = {t.site.name: _AddVector(d, jnp.ones(())) for t, d in zip(targets, offsets)}
+            return _scalar(metric(planted(_nested(plants), *args)))
+
+        zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
+        baseline, grads = jax.value_and_grad(metric_of)(zeros)
+        effects = [_contract(c, k, g, ax) for c, k, g, ax in zip(cleans, corrupts, grads, axes)]
+        return jnp.stack(effects), baseline
+
+    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args))
+    names, labels = _labels(targets, size)
+    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline))
+
+
+def _contract(clean, corrupt, grad, axis):
+    """sum((clean - corrupt) * grad) over every axis but `axis`, and over leaves."""
+
+    def leaf(c, k, g):
+        product = (c - k) * g
+        return jnp.sum(product) if axis is None else jnp.sum(jnp.moveaxis(product, axis, 0).reshape(product.shape[axis], -1), 1)
+
+    return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad)))

@@ -1,0 +1,106 @@
+"""`stream`: hand each sown value to a host callback as it fires.
+
+Built as a plant: every streamed site is planted with a tap, a callable that
+sends the value to the host with an ordered `jax.debug.callback`, re-emits the
+sow (so a harvest outside `stream` still sees it) and returns the value
+unchanged. The walk does the rest, inside `jit`, `scan`, `cond` and `while`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+
+from ._inspect import sow_equations
+from ._interpreter import NameFilter
+from ._primitive import sow_p
+from ._site import Site, path_str
+from ._sow import DEFAULT_TAG
+from ._transforms import plant
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tap:
+    """A planted callable: report `old` to the host, then sow it again untouched.
+
+    Frozen and hashable by value, so the plant's compile cache is hit on every
+    call with the same callback.
+    """
+
+    callback: Callable
+    name: str
+    sow_params: tuple  # the site's sow params, as (key, value) pairs
+
+    def __call__(self, old):
+        jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=True)
+        leaves = jax.tree_util.tree_leaves(old)
+        out = sow_p.bind(*leaves, **dict(self.sow_params))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), out)
+
+
+def stream(
+    f: Callable,
+    callback: Callable[[str, Any], Any],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist=None,
+    blocklist=None,
+) -> Callable:
+    """Returns `f`, calling `callback(name, value)` on the host as each sow of `tag` fires.
+
+    Calls arrive in program order, one per occurrence (once per iteration inside
+    `scan` and `while_loop`), also under `jit` and `grad`; under `vmap`, once
+    per batch element. `allowlist`/`blocklist` select names as in `reap`. Outputs
+    are unchanged, and a harvest of `tag` outside `stream` still sees every sow.
+    `sow_cond` sites are not streamed (a plant does not see their predicate);
+    they pass through untouched.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import sow
+        >>> from harvest._stream import stream
+        >>> def f(x):
+        ...     def body(c):
+        ...         return sow(c * 2.0, name="c", mode="clobber")
+        ...     return jax.lax.while_loop(lambda c: c < 10.0, body, x)
+        >>> seen = []
+        >>> g = stream(f, lambda name, v: seen.append((name, float(v))))
+        >>> jax.jit(g)(1.0)
+        Array(16., dtype=float32, weak_type=True)
+        >>> jax.effects_barrier()  # wait for the host callbacks
+        >>> seen
+        [('c', 2.0), ('c', 4.0), ('c', 8.0), ('c', 16.0)]
+    """
+    if not callable(f):
+        raise TypeError(f"stream(f, callback) needs a callable f, got {type(f).__name__}.")
+    if not callable(callback):
+        raise TypeError(
+            f"stream(f, callback) needs a callable callback(name, value), got "
+            f"{type(callback).__name__}."
+        )
+    select = NameFilter.make(allowlist, blocklist)
+    planted = plant(f, tag=tag)
+
+    @functools.wraps(f)
+    def streamed(*args, **kwargs):
+        jaxpr = jax.make_jaxpr(f)(*args, **kwargs).jaxpr
+        return planted(_taps(jaxpr, tag, select, callback), *args, **kwargs)
+
+    return streamed
+
+
+def _taps(jaxpr, tag, select, callback):
+    """The nested {scope: {name: _Tap}} plant for every streamed site."""
+    taps: dict = {}
+    for eqn, _, _ in sow_equations(jaxpr):
+        site = Site.of(eqn)
+        if site.tag != tag or site.mode == "cond_clobber" or not select(site.name):
+            continue
+        node = taps
+        for key in site.name[:-1]:
+            node = node.setdefault(key, {})
+        node[site.name[-1]] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
+    return taps

@@ -1,0 +1,1 @@
+"""Drop-in APIs of other libraries, mapped onto harvest's core."""

@@ -1,0 +1,174 @@
+"""oryx's harvest API (`oryx.core.interpreters.harvest`) on harvest's core.
+
+Replace `from oryx.core import harvest` with
+`from harvest.compat import oryx as harvest` and nothing else changes: the
+names, argument names, defaults and return shapes are oryx's. The differences
+that remain are listed in the migration guide (docs/guides/migrating_from_oryx.md).
+
+Example:
+    >>> from harvest.compat import oryx as harvest
+    >>> def f(x):
+    ...     y = harvest.sow(x + 1.0, tag="t", name="y")
+    ...     return y * 2.0
+    >>> harvest.reap(f, tag="t")(1.0)
+    {'y': Array(2., dtype=float32, weak_type=True)}
+    >>> harvest.plant(f, tag="t")({"y": 10.0}, 1.0)
+    Array(20., dtype=float32, weak_type=True)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Hashable, Iterable, Optional
+
+import jax
+
+from .._interpreter import NameFilter, Policy
+from .._primitive import sow_p as sow_p
+from .._sow import _leaves
+from .._transforms import _call, _check_plants_arg, nest as nest
+
+__all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
+
+# oryx's "append" stacks once per enclosing loop and allows one occurrence per
+# scope; the core calls that mode "stack" (its own "append" counts occurrences).
+_MODES = {"strict": "strict", "clobber": "clobber", "append": "stack"}
+
+
+def sow(value, *, tag: Hashable, name: str, mode: str = "strict", key=None):
+    """Tags `value` with `name` under `tag` (oryx's signature; `key` is accepted and unused).
+
+    Example:
+        >>> from harvest.compat import oryx as harvest
+        >>> harvest.reap(lambda x: harvest.sow(x, tag="t", name="x"), tag="t")(3.0)
+        {'x': Array(3., dtype=float32, weak_type=True)}
+    """
+    del key  # oryx ties `key` in for ordering; sow here is effectful, so order is kept anyway
+    if mode == "cond_clobber":
+        raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
+    if mode not in _MODES:
+        raise ValueError(f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'.")
+    leaves, tree = _leaves(value, name, tag)
+    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=_MODES[mode], tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def sow_cond(value, pred, *, tag: Hashable, name: str, mode: str = "cond_clobber", key=None):
+    """Tags `value` only where `pred` is true; reaped as zeros if it never was.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest.compat import oryx as harvest
+        >>> f = lambda x: harvest.sow_cond(x, x > 0, tag="t", name="pos")
+        >>> harvest.reap(f, tag="t")(-2.0)
+        {'pos': Array(0., dtype=float32, weak_type=True)}
+    """
+    del key
+    if mode != "cond_clobber":
+        raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
+    leaves, tree = _leaves(value, name, tag)
+    pred = jax.numpy.asarray(pred)
+    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _policy(tag, allowlist, blocklist, exclusive):
+    return Policy(tag, NameFilter.make(allowlist, tuple(blocklist)), exclusive=exclusive)
+
+
+def call_and_reap(
+    f: Callable,
+    *,
+    tag: Hashable,
+    allowlist: Optional[Iterable[str]] = None,
+    blocklist: Iterable[str] = frozenset(),
+    exclusive: bool = False,
+) -> Callable:
+    """Returns a function giving `(f's output, {name: sown value})`.
+
+    Example:
+        >>> from harvest.compat import oryx as harvest
+        >>> f = lambda x: harvest.sow(x * 2.0, tag="t", name="y") + 1.0
+        >>> harvest.call_and_reap(f, tag="t")(1.0)
+        (Array(3., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
+    """
+    policy = _policy(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def wrapped(*args, **kwargs):
+        return _call(f, policy, True, {}, args, kwargs)
+
+    return wrapped
+
+
+def reap(
+    f: Callable,
+    *,
+    tag: Hashable,
+    allowlist: Optional[Iterable[str]] = None,
+    blocklist: Iterable[str] = frozenset(),
+    exclusive: bool = False,
+) -> Callable:
+    """Returns a function giving `{name: sown value}` for the sows of `tag` in `f`.
+
+    Example:
+        >>> from harvest.compat import oryx as harvest
+        >>> harvest.reap(lambda x: harvest.sow(x, tag="t", name="x") * 2.0, tag="t")(1.0)
+        {'x': Array(1., dtype=float32, weak_type=True)}
+    """
+    called = call_and_reap(f, tag=tag, allowlist=allowlist, blocklist=blocklist, exclusive=exclusive)
+    return functools.wraps(f)(lambda *args, **kwargs: called(*args, **kwargs)[1])
+
+
+def harvest(
+    f: Callable,
+    *,
+    tag: Hashable,
+    allowlist: Optional[Iterable[str]] = None,
+    blocklist: Iterable[str] = frozenset(),
+    exclusive: bool = False,
+) -> Callable:
+    """Returns `g(plants, *args) -> (out, reaps)`: plant some sows, reap the others.
+
+    Example:
+        >>> from harvest.compat import oryx as harvest
+        >>> def f(x):
+        ...     a = harvest.sow(x, tag="t", name="a")
+        ...     return harvest.sow(a + 1.0, tag="t", name="b")
+        >>> harvest.harvest(f, tag="t")({"a": 5.0}, 1.0)
+        (Array(6., dtype=float32, weak_type=True), {'b': Array(6., dtype=float32, weak_type=True)})
+    """
+    policy = _policy(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def wrapped(plants, *args, **kwargs):
+        _check_plants_arg(plants, "harvest")
+        return _call(f, policy, True, plants, args, kwargs)
+
+    return wrapped
+
+
+def plant(
+    f: Callable,
+    *,
+    tag: Hashable,
+    allowlist: Optional[Iterable[str]] = None,
+    blocklist: Iterable[str] = frozenset(),
+    exclusive: bool = False,
+) -> Callable:
+    """Returns `g(plants, *args)`: `f` with the named sows of `tag` replaced.
+
+    Example:
+        >>> from harvest.compat import oryx as harvest
+        >>> f = lambda x: harvest.sow(x, tag="t", name="x") * 2.0
+        >>> harvest.plant(f, tag="t")({"x": 4.0}, 1.0)
+        Array(8., dtype=float32, weak_type=True)
+    """
+    policy = _policy(tag, allowlist, blocklist, exclusive)
+
+    @functools.wraps(f)
+    def wrapped(plants, *args, **kwargs):
+        _check_plants_arg(plants, "plant")
+        return _call(f, policy, False, plants, args, kwargs)[0]
+
+    return wrapped
