@@ -187,6 +187,12 @@ class Plant:
         return jax.tree_util.tree_unflatten(self.site.tree, leaves)
 
 
+def _vary_like(new, old):
+    """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
+    missing = tuple(jax.typeof(old).mat.varying - jax.typeof(new).mat.varying)
+    return jax.lax.pcast(new, missing, to="varying") if missing else new
+
+
 # ---------------------------------------------------------------------------
 # A scope: one walk over one jaxpr body.
 
@@ -239,7 +245,7 @@ class Scope:
             )
         plant = self.plants.get(path)
         if plant is not None:
-            new = plant.at(i, value)
+            new = jax.tree_util.tree_map(_vary_like, plant.at(i, value), value)
             if pred is not None:
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, value)
             value = new

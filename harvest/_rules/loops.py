@@ -45,15 +45,21 @@ def append_rows(jaxpr, path):
     return rows
 
 
+def peel(plant: Plant, idx):
+    """Row `idx` of a plant stacked along a leading axis; other plants as they are."""
+    if callable(plant.value):
+        return plant
+    ndim = [len(a.shape) for a in plant.site.avals]
+    if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(plant.value), ndim)):
+        return Plant(plant.site, jax.tree_util.tree_map(lambda l: l[idx], plant.value))
+    return plant
+
+
 def _per_iteration(plant: Plant, idx, body_jaxpr):
     """The part of a plant that one iteration (number `idx`) sees."""
     site = plant.site
-    if site.mode == "stack" and not callable(plant.value):
-        # Stacked once per enclosing loop: peel this loop's axis if present.
-        ndim = [len(a.shape) for a in site.avals]
-        if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(plant.value), ndim)):
-            return Plant(site, jax.tree_util.tree_map(lambda l: l[idx], plant.value))
-        return plant
+    if site.mode == "stack":  # stacked once per enclosing loop
+        return peel(plant, idx)
     if not plant.per_occurrence():
         return plant
     if site.mode == "collect":

@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec as P
 
 from .._interpreter import interpret, register
 from .._site import Record
-from .loops import _per_iteration
+from .._site import LOOP_MODES
+from .loops import _per_iteration, peel
 
 
 def _varying(x, axes):
@@ -52,7 +53,11 @@ def _shard_map(scope, eqn, invals):
         # Each shard reads its own row of a plant stacked per shard.
         idx = lax.axis_index(axes)
         child = holder["child"] = scope.child(
-            plants={path: _per_iteration(pl, idx, body) for path, pl in plants.items() if path in sites}
+            plants={
+                path: _per_iteration(pl, idx, body) if pl.site.mode in LOOP_MODES else peel(pl, idx)
+                for path, pl in plants.items()
+                if path in sites
+            }
         )
         outs = interpret(child, body, (), args)
         # One leading row per shard, so the out_spec lays the rows along `axes`.

@@ -1,0 +1,100 @@
+"""Reap and plant across 8 virtual CPU devices: shard_map, sharded jit, pmap.
+
+References are the same computations on one device, by hand.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from harvest import call_and_reap, plant, reap, sow
+
+assert jax.device_count() == 8, "run through tests/test_many_devices.py"
+
+MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+X = jnp.arange(64.0).reshape(8, 8) / 10.0
+
+
+def sharded(f):
+    return jax.shard_map(f, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x"))
+
+
+def body(x):
+    h = sow(jnp.sin(x), name="h", mode="strict")
+    total = jax.lax.psum(h, "y")
+    sow(total.sum(), name="row_total")
+    return total
+
+
+def test_shard_map_reaps_per_shard_values_stacked_in_mesh_order():
+    out, reaps = call_and_reap(sharded(body))(X)
+    np.testing.assert_allclose(out, sharded(body)(X), rtol=1e-6)
+    # Shard (i, j) holds the block X[2i:2i+2, 4j:4j+4]; rows are in mesh order.
+    blocks = np.stack([np.sin(X[2 * i : 2 * i + 2, 4 * j : 4 * j + 4]) for i in range(4) for j in range(2)])
+    np.testing.assert_allclose(reaps["h"], blocks, rtol=1e-6)
+    totals = np.stack(
+        [np.sin(X[2 * i : 2 * i + 2]).reshape(2, 2, 4).sum((1,)).sum() for i in range(4) for _ in range(2)]
+    )
+    (row_total,) = reaps["row_total"]
+    np.testing.assert_allclose(row_total, totals, rtol=1e-5)
+
+
+def test_shard_map_reaped_values_stay_sharded():
+    reaps = jax.jit(reap(sharded(body)))(X)
+    sharding = reaps["h"].sharding
+    assert isinstance(sharding, NamedSharding)
+    assert sharding.spec[0] == ("x", "y")  # one row per device, nothing gathered
+
+
+def test_shard_map_plant_single_value_and_per_shard_stack():
+    zero = plant(sharded(body))({"h": jnp.zeros((2, 4))}, X)
+    np.testing.assert_allclose(zero, np.zeros((8, 4)))
+    per_shard = jnp.arange(8.0)[:, None, None] * jnp.ones((8, 2, 4))
+    out = plant(sharded(body))({"h": per_shard}, X)
+    expected = np.concatenate([np.full((2, 4), 2 * i + (2 * i + 1)) for i in range(4)])
+    np.testing.assert_allclose(out, expected)
+
+
+def test_grad_through_reaped_shard_map_matches_single_device():
+    def loss(x):
+        return call_and_reap(sharded(body))(x)[1]["h"].sum()
+
+    np.testing.assert_allclose(jax.grad(loss)(X), np.cos(X), rtol=1e-6)
+
+
+def test_sharded_jit_keeps_output_sharding():
+    spec = NamedSharding(MESH, P("x", "y"))
+    f = jax.jit(lambda x: sow(x * 2.0, name="double", mode="strict") + 1.0, in_shardings=spec, out_shardings=spec)
+    xs = jax.device_put(X, spec)
+    out, reaps = call_and_reap(f)(xs)
+    np.testing.assert_allclose(out, X * 2 + 1)
+    np.testing.assert_allclose(reaps["double"], X * 2)
+    assert out.sharding.spec == P("x", "y")
+    assert len(reaps["double"].sharding.device_set) == 8
+    np.testing.assert_allclose(plant(f)({"double": jnp.zeros((8, 8))}, xs), np.ones((8, 8)))
+
+
+def test_pmap_reaps_one_row_per_device():
+    f = jax.pmap(lambda x: sow(x**2, name="sq", mode="strict").sum())
+    xs = jnp.arange(24.0).reshape(8, 3)
+    out, reaps = call_and_reap(f)(xs)
+    np.testing.assert_allclose(out, (xs**2).sum(1))
+    np.testing.assert_allclose(reaps["sq"], xs**2)
+    np.testing.assert_allclose(plant(f)({"sq": jnp.ones(3)}, xs), np.full(8, 3.0))
+
+
+@pytest.mark.parametrize("mode", ["collect", "append", "clobber"])
+def test_modes_inside_shard_map(mode):
+    def f(x):
+        def inner(x):
+            sow(x.sum(), name="s", mode=mode)
+            return x
+
+        return jax.shard_map(inner, mesh=MESH, in_specs=P("x"), out_specs=P("x"))(x)
+
+    got = reap(f)(X)["s"]
+    sums = np.array([X[2 * i : 2 * i + 2].sum() for i in range(4)])
+    expected = {"collect": (np.repeat(sums, 2),), "append": np.repeat(sums, 2), "clobber": np.repeat(sums, 2)}[mode]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
