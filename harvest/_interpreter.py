@@ -111,6 +111,7 @@ class Policy:
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
+    strict_plants: bool = True  # planting a name no site has is an error (oryx ignores it)
 
     def handles(self, site):
         return site.tag == self.tag and self.select(site.name)
@@ -374,6 +375,9 @@ def sow_rule(scope, eqn, invals):
     if not scope.policy.handles(site):
         params = scope.policy.reemit(eqn.params)
         return invals[:n] if params is None else sow_p.bind(*invals, **params)
+    if not scope.reap and site.name not in scope.plants:
+        # A plant leaves the names it does not plant for an outer harvest.
+        return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
     value = scope.sow(site, value, pred)

@@ -20,6 +20,7 @@ import numpy as np
 from ._inspect import sow_equations
 from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
+from ._stream import _nested
 from ._transforms import plant, reap
 
 # ---------------------------------------------------------------------------
@@ -330,16 +331,6 @@ def _target(by_name, name, clean, tag, caller):
 
 def _where_str(occurrences):
     return ", ".join(" › ".join(w) or "top level" for _, w, _ in occurrences)
-
-
-def _nested(flat):
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
 
 
 def _scalar(m):

@@ -82,25 +82,34 @@ def stream(
             f"{type(callback).__name__}."
         )
     select = NameFilter.make(allowlist, blocklist)
-    planted = plant(f, tag=tag)
 
     @functools.wraps(f)
     def streamed(*args, **kwargs):
-        jaxpr = jax.make_jaxpr(f)(*args, **kwargs).jaxpr
-        return planted(_taps(jaxpr, tag, select, callback), *args, **kwargs)
+        taps = _taps(jax.make_jaxpr(f)(*args, **kwargs).jaxpr, tag, select, callback)
+        # A plant consumes every site of its tag it handles, planted or not; so
+        # handle only the tapped names, and the rest pass through untouched.
+        tapped = frozenset(tap.name for tap in taps.values())
+        return plant(f, tag=tag, allowlist=tapped.__contains__)(_nested(taps), *args, **kwargs)
 
     return streamed
 
 
 def _taps(jaxpr, tag, select, callback):
-    """The nested {scope: {name: _Tap}} plant for every streamed site."""
-    taps: dict = {}
+    """{site path: _Tap} for every streamed site."""
+    taps = {}
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
-        if site.tag != tag or site.mode == "cond_clobber" or not select(site.name):
-            continue
-        node = taps
-        for key in site.name[:-1]:
-            node = node.setdefault(key, {})
-        node[site.name[-1]] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
+        if site.tag == tag and site.mode != "cond_clobber" and select(site.name):
+            taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
     return taps
+
+
+def _nested(flat):
+    """{("scope", "name"): v} -> {"scope": {"name": v}}, the shape plants take."""
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out

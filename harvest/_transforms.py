@@ -94,7 +94,7 @@ def _resolve_plants(plants, sites, policy):
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(p[: len(path)] == path for p in sites):
                 visit(value, path)
-            else:
+            elif policy.strict_plants:
                 names = ", ".join(sorted(repr(path_str(p)) for p in sites)) or "none"
                 raise KeyError(
                     f"Cannot plant {path_str(path)!r}: no sow site of tag {policy.tag!r} has that "

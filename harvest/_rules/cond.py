@@ -46,6 +46,12 @@ def _union(shapes, site):
         return jax.tree_util.tree_map(
             lambda l: jax.ShapeDtypeStruct((rows,) + l.shape[1:], l.dtype), present[0]
         )
+    shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
+    if len(shapes) > 1:
+        raise ValueError(
+            f"The sow site {site} is sown with different shapes in different branches "
+            "of a cond. Sow the same shapes in every branch, or use different names."
+        )
     return present[0]
 
 

@@ -73,7 +73,7 @@ def sow_cond(value, pred, *, tag: Hashable, name: str, mode: str = "cond_clobber
 
 
 def _policy(tag, allowlist, blocklist, exclusive):
-    return Policy(tag, NameFilter.make(allowlist, tuple(blocklist)), exclusive=exclusive)
+    return Policy(tag, NameFilter.make(allowlist, tuple(blocklist)), exclusive=exclusive, strict_plants=False)
 
 
 def call_and_reap(

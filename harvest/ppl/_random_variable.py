@@ -4,7 +4,9 @@ A draw leaves two sows behind. Its sample is sown under `RANDOM_VARIABLE`
 (so `joint_sample` reaps it and `intervene` plants it), and, for a
 distribution, its log density — computed from the value after that sow, so
 from the planted value when there is one — under `LOG_DENSITY`, where
-`joint_log_prob` reaps it. Both sows share the draw's name and mode.
+`joint_log_prob` reaps it. Both sows share the draw's name. The density is
+sown in mode "collect" whatever the draw's mode: densities are only summed,
+and "collect" keeps every occurrence in and out of loops.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def random_variable(dist, *, name=None, mode="strict"):
 
         def sample_distribution(key):
             value = sow(dist.sample(seed=key), tag=RANDOM_VARIABLE, name=name, mode=mode)
-            sow(jnp.sum(dist.log_prob(value)), tag=LOG_DENSITY, name=name, mode=mode)
+            sow(jnp.sum(dist.log_prob(value)), tag=LOG_DENSITY, name=name, mode="collect")
             return value
 
         return sample_distribution
