@@ -163,8 +163,8 @@ class Plant:
             return Plant(self.site, self.value[n:])
         return Plant(self.site, jax.tree_util.tree_map(lambda l: l[n:], self.value))
 
-    def at(self, i, old):
-        """The replacement for occurrence `i` of this scope, given its old value."""
+    def at(self, i, old, site):
+        """The replacement for occurrence `i` (fired by `site`) given its old value."""
         v = self.value
         if callable(v):
             new = v(old)
@@ -184,8 +184,8 @@ class Plant:
         else:
             new = v
             what = "the planted value"
-        leaves = self.site.check(new, what)
-        return jax.tree_util.tree_unflatten(self.site.tree, leaves)
+        leaves = site.check(new, what)
+        return jax.tree_util.tree_unflatten(site.tree, leaves)
 
 
 def _vary_like(new, old):
@@ -246,7 +246,7 @@ class Scope:
             )
         plant = self.plants.get(path)
         if plant is not None:
-            new = jax.tree_util.tree_map(_vary_like, plant.at(i, value), value)
+            new = jax.tree_util.tree_map(_vary_like, plant.at(i, value, site), value)
             if pred is not None:
                 new = jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, value)
             value = new

@@ -73,14 +73,13 @@ def _sow_jvp(primals, tangents, *, tag, name, scope, mode, tree):
 
 
 def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree):
-    # Give every leaf the batch axis in front, so a reaped value under vmap has
-    # one uniform leading axis and a planted one is expected the same way.
-    args = [
-        batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis)
-        for a, d in zip(args, dims)
-    ]
+    # Batched leaves get the batch axis in front, so a value reaped from a
+    # vmapped function leads with it; unbatched leaves stay unbatched, so sow
+    # never changes what vmap (or jacfwd, hessian) sees.
+    args = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
-    return out, [0] * len(out)
+    n = len(out)
+    return out, [None if d is None else 0 for d in dims[:n]]
 
 
 sow_p.def_impl(_sow_impl)

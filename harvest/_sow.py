@@ -77,10 +77,10 @@ def sow_cond(value, pred, *, name, tag=DEFAULT_TAG):
         >>> from harvest import sow_cond, reap
         >>> def f(xs):
         ...     def body(c, x):
-        ...         sow_cond(x, x > 2.0, name="first_big")
+        ...         sow_cond(x, x > 2.0, name="last_big")
         ...         return c, None
         ...     return jax.lax.scan(body, 0.0, xs)[0]
-        >>> reap(f)(jnp.array([1.0, 3.0, 5.0, 2.0]))["first_big"]
+        >>> reap(f)(jnp.array([1.0, 3.0, 5.0, 2.0]))["last_big"]
         Array(5., dtype=float32)
     """
     _check_name(name, tag)

@@ -244,7 +244,7 @@ def nest(f: Callable, *, scope: str) -> Callable:
         >>> def f(x):
         ...     return nest(layer, scope="l1")(nest(layer, scope="l2")(x))
         >>> reap(f)(1.0)
-        {'l2': {'out': Array(2., dtype=float32, weak_type=True)}, 'l1': {'out': Array(4., dtype=float32, weak_type=True)}}
+        {'l1': {'out': Array(4., dtype=float32, weak_type=True)}, 'l2': {'out': Array(2., dtype=float32, weak_type=True)}}
     """
     if not isinstance(scope, str) or not scope:
         raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")

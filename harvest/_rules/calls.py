@@ -39,7 +39,7 @@ def _jit(scope, eqn, invals):
 def _closed_call(scope, eqn, invals):
     call = eqn.params["call_jaxpr"]
     r = retrace(scope, call.jaxpr, call.consts, invals)
-    params = dict(eqn.params, call_jaxpr=core.ClosedJaxpr(r.jaxpr, ()))
+    params = core.closed_call_p.get_bind_params(dict(eqn.params, call_jaxpr=core.ClosedJaxpr(r.jaxpr, ())))
     return r.finish(scope, core.closed_call_p.bind(*r.args, **params))
 
 

@@ -67,7 +67,7 @@ def _per_iteration(plant: Plant, idx, body_jaxpr):
 
         def entry(e):
             leaves = jax.tree_util.tree_leaves(e)
-            stacked = [jnp.ndim(l) == d + 1 for l, d in zip(leaves, ndim)]
+            stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
             return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
         return Plant(site, tuple(entry(e) for e in plant.value))

@@ -61,7 +61,7 @@ def sow_cond(value, pred, *, tag: Hashable, name: str, mode: str = "cond_clobber
         >>> from harvest.compat import oryx as harvest
         >>> f = lambda x: harvest.sow_cond(x, x > 0, tag="t", name="pos")
         >>> harvest.reap(f, tag="t")(-2.0)
-        {'pos': Array(0., dtype=float32, weak_type=True)}
+        {'pos': Array(0., dtype=float32)}
     """
     del key
     if mode != "cond_clobber":

@@ -93,6 +93,39 @@ def _unscored(values, densities):
     return missing
 
 
+def _memoized(build):
+    """Caches `build(f, ...)` so that transforming the same program again reuses the
+    same inner functions, and with them the core's trace and compile cache."""
+    cached = functools.lru_cache(maxsize=256)(build)
+
+    @functools.wraps(build)
+    def get(*args):
+        try:
+            return cached(*args)
+        except TypeError:  # an unhashable program: correct, just not cached
+            return build(*args)
+
+    return get
+
+
+@_memoized
+def _scorer(f):
+    """`densities_at(values, *args)`: every log density of `f` at `values`."""
+    plant_all = harvest(f, tag=RANDOM_VARIABLE)
+
+    def run_at(values, *args, **kwargs):
+        out, unplanted = plant_all(values, _placeholder_key(), *args, **kwargs)
+        if unplanted:
+            raise ValueError(
+                "joint_log_prob needs a value for every random variable; missing: "
+                f"{', '.join(sorted(_leaf_paths(unplanted)))}. Give them too, or fix them "
+                "first with intervene/conditional."
+            )
+        return out
+
+    return reap(run_at, tag=LOG_DENSITY)
+
+
 def joint_log_prob(f):
     """Returns `log_density({name: value}, *args) -> scalar` for the program `f`.
 
@@ -114,19 +147,7 @@ def joint_log_prob(f):
         >>> jax.grad(ppl.joint_log_prob(model))({"z": 1.0, "x": 0.0})["z"]
         Array(-2., dtype=float32)
     """
-    plant_all = harvest(f, tag=RANDOM_VARIABLE)
-
-    def run_at(values, *args, **kwargs):
-        out, unplanted = plant_all(values, _placeholder_key(), *args, **kwargs)
-        if unplanted:
-            raise ValueError(
-                "joint_log_prob needs a value for every random variable; missing: "
-                f"{', '.join(sorted(_leaf_paths(unplanted)))}. Give them too, or fix them "
-                "first with intervene/conditional."
-            )
-        return out
-
-    densities_at = reap(run_at, tag=LOG_DENSITY)
+    densities_at = _scorer(f)
 
     @functools.wraps(f)
     def log_density(values, *args, **kwargs):
@@ -144,10 +165,11 @@ def joint_log_prob(f):
     return log_density
 
 
-def _fixing(f, names):
+@_memoized
+def _fixing(f, names: frozenset):
     """`g(values, *args)`: `f` with the random variables `names` set to
     `values` and their log densities dropped."""
-    chosen = frozenset(names).__contains__  # a stable predicate keeps the cache warm
+    chosen = names.__contains__  # a stable predicate keeps the core's cache warm
     plant_chosen = plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)
 
     def with_values(values, *args, **kwargs):
@@ -194,7 +216,7 @@ def intervene(f, **values):
         >>> ppl.joint_log_prob(fixed)({"x": 3.0})
         Array(-0.9189385, dtype=float32)
     """
-    fixed = _fixing(f, _dotted_paths(values))
+    fixed = _fixing(f, frozenset(_dotted_paths(values)))
 
     @functools.wraps(f)
     def intervened(*args, **kwargs):
@@ -240,7 +262,7 @@ def conditional(f, names):
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
         raise TypeError(f"conditional takes random variable names as strings, got {names!r}.")
-    fixed = _fixing(f, _dotted_paths(_nested(names, names)))
+    fixed = _fixing(f, frozenset(_dotted_paths(_nested(names, names))))
 
     @functools.wraps(f)
     def conditioned(*args, **kwargs):

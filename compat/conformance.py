@@ -1,0 +1,37 @@
+"""Entry point for ``make conformance``: both oryx conformance checks.
+
+    .venv/bin/python compat/conformance.py
+
+1. ``compare.py``: every scenario under ``harvest.compat.oryx`` against the
+   golden results recorded from real oryx 0.2.9 (no network, no old venv).
+2. ``run_oryx_tests.py``: oryx 0.2.9's own harvest tests,
+   fetched from PyPI, rewritten to import ``harvest.compat.oryx``.  The
+   reference run under real oryx happens when ``.oryx-venv`` exists
+   (``bash compat/oryx_venv.sh``); otherwise the recorded reference outcomes
+   in ``golden/oryx_0.2.9_tests.json`` are used.
+
+Exit status is non-zero if either check fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def main() -> int:
+    import compare  # noqa: PLC0415
+    import run_oryx_tests  # noqa: PLC0415
+
+    print("== scenarios vs golden oryx 0.2.9 results", flush=True)
+    rc1 = compare.main([])
+    print("\n== oryx 0.2.9's own harvest tests", flush=True)
+    rc2 = run_oryx_tests.main([])
+    return 1 if (rc1 or rc2) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""Autodiff: grad/jvp/vjp of harvested functions, harvesting differentiated functions,
+custom derivatives, hijax backward rules, and perturb."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental.hijax import VJPHiPrimitive
+
+from harvest import call_and_reap, capture, harvest, perturb, plant, reap, sow
+
+
+def close(a, b, tol=1e-5):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert jnp.shape(x) == jnp.shape(y), (x, y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
+V = jnp.array([0.3, 0.1, -0.4], jnp.float32)
+
+
+def f(x):
+    h = sow(jnp.sin(x) * x, name="h", mode="strict")
+    return jnp.sum(jnp.tanh(h) * x)
+
+
+def f_of_h(x, h):
+    """f with `h` an input: the hand-written reference for planting h."""
+    return jnp.sum(jnp.tanh(h) * x)
+
+
+# ---------------------------------------------------------------------------
+# Derivatives of harvested functions
+
+
+def test_grad_wrt_planted_value():
+    g = jax.grad(lambda v: plant(f)({"h": v}, X))(V)
+    close(g, jax.grad(f_of_h, argnums=1)(X, V))
+    # and w.r.t. x with h planted: only the direct dependence remains
+    gx = jax.grad(lambda x: plant(f)({"h": V}, x))(X)
+    close(gx, jax.grad(f_of_h, argnums=0)(X, V))
+
+
+def test_jvp_and_vjp_of_planted():
+    fp = lambda x, v: plant(f)({"h": v}, x)
+    tx, tv = jnp.array([1.0, 0.0, 2.0]), jnp.array([0.5, -1.0, 0.0])
+    out, t = jax.jvp(fp, (X, V), (tx, tv))
+    out_r, t_r = jax.jvp(f_of_h, (X, V), (tx, tv))
+    close((out, t), (out_r, t_r))
+    y, vjp = jax.vjp(fp, X, V)
+    close(vjp(jnp.float32(1.0)), jax.grad(f_of_h, argnums=(0, 1))(X, V))
+
+
+def test_grad_of_reaped_value_and_of_harvest():
+    # d(sum h)/dx with h = sin(x) * x
+    g = jax.grad(lambda x: jnp.sum(reap(f)(x)["h"]))(X)
+    close(g, jnp.cos(X) * X + jnp.sin(X))
+    # harvest: grad of out w.r.t. planted value, with another name reaped
+    def f2(x):
+        a = sow(x * 2.0, name="a", mode="strict")
+        b = sow(jnp.sin(a), name="b", mode="strict")
+        return jnp.sum(b * a)
+
+    def both(v):
+        out, r = harvest(f2)({"a": v}, X)
+        return out + jnp.sum(r["b"])
+
+    close(jax.grad(both)(V), jnp.cos(V) * V + jnp.sin(V) + jnp.cos(V))
+
+
+def test_grad_of_call_and_reap_output_equals_grad_of_f():
+    close(jax.grad(lambda x: call_and_reap(f)(x)[0])(X), jax.grad(f)(X))
+    close(jax.jit(jax.grad(lambda x: call_and_reap(f)(x)[0]))(X), jax.grad(f)(X))
+
+
+# ---------------------------------------------------------------------------
+# Harvesting differentiated functions
+
+
+def test_reap_of_grad_sees_forward_sows_once():
+    def g(x):
+        h = sow(jnp.sin(x), name="h", mode="collect")
+        return jnp.sum(h * h)
+
+    grad, r = call_and_reap(jax.grad(g))(X)
+    close(grad, 2 * jnp.sin(X) * jnp.cos(X))
+    close(r, {"h": (jnp.sin(X),)})
+    # strict sites are fine under grad, value_and_grad, jvp and vjp
+    def s(x):
+        return jnp.sum(sow(jnp.sin(x), name="h", mode="strict") ** 2)
+
+    close(reap(jax.grad(s))(X), {"h": jnp.sin(X)})
+    close(reap(jax.value_and_grad(s))(X), {"h": jnp.sin(X)})
+    close(reap(lambda x: jax.jvp(s, (x,), (jnp.ones(3),)))(X), {"h": jnp.sin(X)})
+    close(reap(lambda x: jax.vjp(s, x)[1](1.0))(X), {"h": jnp.sin(X)})
+    close(reap(jax.jacrev(s))(X), {"h": jnp.sin(X)})
+
+
+def test_reap_of_jacfwd_and_hessian():
+    # jacfwd = vmap over tangents of jvp: the primal sow is not batched.
+    def s(x):
+        return jnp.sum(sow(jnp.sin(x), name="h", mode="strict") ** 2)
+
+    close(reap(jax.jacfwd(s))(X), {"h": jnp.sin(X)})
+    close(reap(jax.hessian(s))(X), {"h": jnp.sin(X)})
+
+
+def test_bare_unused_sow_in_scan_under_grad_is_reaped():
+    def loss(x):
+        def body(c, xi):
+            sow(xi * 3.0, name="unused", mode="append")
+            return c + xi**2, None
+
+        return lax.scan(body, 0.0, x)[0]
+
+    g, r = call_and_reap(jax.grad(loss))(X)
+    close(g, 2 * X)
+    close(r, {"unused": X * 3.0})
+
+
+def test_scan_under_grad_collect_reaped_once():
+    def loss(x):
+        def body(c, xi):
+            h = sow(jnp.tanh(c + xi), name="h", mode="collect")
+            return h, None
+
+        return lax.scan(body, 0.0, x)[0]
+
+    c, hs = 0.0, []
+    for xi in X:
+        c = jnp.tanh(c + xi)
+        hs.append(c)
+    g, r = call_and_reap(jax.grad(loss))(X)
+    close(r, {"h": (jnp.stack(hs),)})
+
+    def ref(x):
+        c = 0.0
+        for i in range(3):
+            c = jnp.tanh(c + x[i])
+        return c
+
+    close(g, jax.grad(ref)(X))
+
+
+# ---------------------------------------------------------------------------
+# custom_jvp / custom_vjp
+
+
+@jax.custom_jvp
+def log1pexp(x):
+    e = sow(jnp.exp(x), name="exp", mode="strict")
+    return jnp.log(1.0 + e)
+
+
+@log1pexp.defjvp
+def _log1pexp_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    return log1pexp(x), (1.0 - 1.0 / (1.0 + jnp.exp(x))) * t
+
+
+def test_custom_jvp_log1pexp_stable_grad_through_call_and_reap():
+    x = jnp.float32(100.0)
+    out, r = call_and_reap(log1pexp)(x)
+    close(r, {"exp": jnp.exp(x)})
+    g = jax.grad(lambda x: call_and_reap(log1pexp)(x)[0])(x)
+    assert not jnp.isnan(g)
+    close(g, jnp.float32(1.0))
+    # and under grad-inside-reap too
+    g2, r2 = call_and_reap(jax.grad(log1pexp))(x)
+    close(g2, jnp.float32(1.0))
+    close(r2, {"exp": jnp.exp(x)})
+    # at a moderate point the reaped value and gradient match the formula
+    x = jnp.float32(0.7)
+    close(jax.grad(lambda x: call_and_reap(log1pexp)(x)[0])(x), jax.nn.sigmoid(x))
+    close(jax.grad(lambda x: reap(log1pexp)(x)["exp"])(x), jnp.exp(x))
+
+
+def test_custom_jvp_plant():
+    x = jnp.float32(0.7)
+    close(plant(log1pexp)({"exp": jnp.float32(3.0)}, x), jnp.log(4.0))
+    # planted body is differentiated by ordinary autodiff w.r.t. the plant
+    close(jax.grad(lambda e: plant(log1pexp)({"exp": e}, x))(jnp.float32(3.0)), 0.25)
+
+
+@jax.custom_vjp
+def clip_grad_sq(x):
+    h = sow(x * x, name="sq", mode="strict")
+    return h + 1.0
+
+
+def _cgs_fwd(x):
+    return clip_grad_sq(x), x
+
+
+def _cgs_bwd(x, g):
+    # deliberately not the true derivative: clipped
+    return (jnp.clip(2.0 * x * g, -1.0, 1.0),)
+
+
+clip_grad_sq.defvjp(_cgs_fwd, _cgs_bwd)
+
+
+def test_custom_vjp_reap_plant_and_rule_kept():
+    out, r = call_and_reap(clip_grad_sq)(X)
+    close(out, X * X + 1.0)
+    close(r, {"sq": X * X})
+    loss = lambda x: jnp.sum(clip_grad_sq(x))
+    expect = jnp.clip(2.0 * X, -1.0, 1.0)
+    close(jax.grad(loss)(X), expect)
+    # the custom rule survives reaping
+    close(jax.grad(lambda x: jnp.sum(call_and_reap(clip_grad_sq)(x)[0]))(X), expect)
+    g, r = call_and_reap(jax.grad(loss))(X)
+    close(g, expect)
+    close(r, {"sq": X * X})
+    # planting
+    close(plant(clip_grad_sq)({"sq": V}, X), V + 1.0)
+    close(jax.grad(lambda v: jnp.sum(plant(clip_grad_sq)({"sq": v}, X)))(V), jnp.ones(3))
+
+
+def test_custom_vjp_sow_in_backward_rule_seed_example():
+    @jax.custom_vjp
+    def h(x):
+        return x**2
+
+    def h_fwd(x):
+        return h(x), x
+
+    def h_bwd(x, g):
+        gx = 2 * x * g
+        sow(gx, name="grad_h")
+        return (gx,)
+
+    h.defvjp(h_fwd, h_bwd)
+
+    def loss(x):
+        return jnp.sum(h(x))
+
+    x = jnp.arange(3.0)
+    grad, collected = capture(jax.grad(loss))(x)
+    close(grad, 2 * x)
+    close(collected, {"grad_h": (2 * x,)})
+    close(reap(jax.grad(loss))(x), {"grad_h": (2 * x,)})
+    close(reap(jax.jit(jax.grad(loss)))(x), {"grad_h": (2 * x,)})
+
+
+class _SqHi(VJPHiPrimitive):
+    def __init__(self, x_aval):
+        self.in_avals = (x_aval,)
+        self.out_aval = x_aval
+        self.params = {}
+        super().__init__()
+
+    def expand(self, x):
+        return x**2
+
+    def vjp_fwd(self, nzs_in, x):
+        return self(x), x
+
+    def vjp_bwd_retval(self, x, g):
+        gx = 2.0 * x * g
+        sow(gx, name="hi_retval", mode="strict")
+        return (gx,)
+
+
+class _SqHiAccum(_SqHi):
+    vjp_bwd_retval = VJPHiPrimitive.vjp_bwd_retval
+
+    def vjp_bwd(self, x, g, x_acc):
+        gx = 2.0 * x * g
+        sow(gx, name="hi_accum", mode="strict")
+        x_acc.accum(gx)
+
+
+@pytest.mark.parametrize("cls,name", [(_SqHi, "hi_retval"), (_SqHiAccum, "hi_accum")])
+def test_hijax_backward_rule_sow_is_reaped(cls, name):
+    def loss(x):
+        return jnp.sum(cls(jax.typeof(x))(x) * 3.0)
+
+    x = jnp.array([1.0, 2.0])
+    g, r = call_and_reap(jax.grad(loss))(x)
+    close(g, 6.0 * x)
+    close(r, {name: 6.0 * x})
+
+
+# ---------------------------------------------------------------------------
+# perturb
+
+
+def mlp_loss(x):
+    h = perturb(jnp.tanh(x * 2.0), name="g_h")
+    return jnp.sum(h**2 * X)
+
+
+def mlp_loss_ref(x, eps):
+    h = jnp.tanh(x * 2.0) + eps
+    return jnp.sum(h**2 * X)
+
+
+def dloss_dh(x):
+    return jax.grad(mlp_loss_ref, argnums=1)(x, jnp.zeros(3))
+
+
+def test_perturb_is_identity_and_keeps_gradient():
+    close(perturb(X, name="p"), X)
+    close(jax.jit(lambda x: perturb(x, name="p"))(X), X)
+    close(mlp_loss(X), mlp_loss_ref(X, 0.0))
+    close(jax.grad(mlp_loss)(X), jax.grad(mlp_loss_ref)(X, jnp.zeros(3)))
+    g, r = call_and_reap(jax.grad(mlp_loss))(X)
+    close(g, jax.grad(mlp_loss_ref)(X, jnp.zeros(3)))
+    close(r, {"g_h": (dloss_dh(X),)})
+
+
+def test_perturb_under_jit_and_vmap():
+    close(reap(jax.jit(jax.grad(mlp_loss)))(X), {"g_h": (dloss_dh(X),)})
+    close(jax.jit(reap(jax.grad(mlp_loss)))(X), {"g_h": (dloss_dh(X),)})
+    xb = jnp.stack([X, -X * 0.5])
+    expect = jnp.stack([dloss_dh(X), dloss_dh(-X * 0.5)])
+    close(reap(jax.vmap(jax.grad(mlp_loss)))(xb), {"g_h": (expect,)})
+    close(jax.vmap(reap(jax.grad(mlp_loss)))(xb), {"g_h": (expect,)})
+
+
+def test_perturb_in_remat():
+    loss = jax.checkpoint(mlp_loss, policy=jax.checkpoint_policies.nothing_saveable)
+    g, r = call_and_reap(jax.grad(loss))(X)
+    close(g, jax.grad(mlp_loss_ref)(X, jnp.zeros(3)))
+    close(r, {"g_h": (dloss_dh(X),)})
+
+
+def test_perturb_in_scan_one_cotangent_per_iteration_aligned():
+    def loss(xs):
+        def body(c, x):
+            h = perturb(jnp.sin(c * x + x), name="g")
+            return h, h * 2.0
+
+        c, ys = lax.scan(body, jnp.float32(0.5), xs)
+        return c + jnp.sum(ys * jnp.arange(1.0, 4.0))
+
+    def ref(xs, eps):
+        c, ys = jnp.float32(0.5), []
+        for i in range(3):
+            c = jnp.sin(c * xs[i] + xs[i]) + eps[i]
+            ys.append(c * 2.0)
+        return c + jnp.sum(jnp.stack(ys) * jnp.arange(1.0, 4.0))
+
+    g, r = call_and_reap(jax.grad(loss))(X)
+    close(g, jax.grad(ref)(X, jnp.zeros(3)))
+    close(r, {"g": (jax.grad(ref, argnums=1)(X, jnp.zeros(3)),)})
+
+
+def test_perturb_in_reverse_scan_aligned_with_forward_iterations():
+    def loss(xs):
+        def body(c, x):
+            h = perturb(c * x + 1.0, name="g")
+            return h, None
+
+        return lax.scan(body, jnp.float32(1.0), xs, reverse=True)[0]
+
+    def ref(xs, eps):
+        c = jnp.float32(1.0)
+        for i in (2, 1, 0):
+            c = c * xs[i] + 1.0 + eps[i]
+        return c
+
+    close(reap(jax.grad(loss))(X), {"g": (jax.grad(ref, argnums=1)(X, jnp.zeros(3)),)})
+
+
+def test_perturb_in_cond():
+    def loss(x, p):
+        h = lax.cond(p, lambda x: perturb(x * 3.0, name="g"), lambda x: x * 5.0, x)
+        return jnp.sum(h**2)
+
+    g, r = call_and_reap(jax.grad(loss))(X, jnp.bool_(True))
+    close(g, 18.0 * X)
+    close(r, {"g": (2.0 * 3.0 * X,)})  # d sum(h^2)/dh = 2h, h = 3x
+    g, r = call_and_reap(jax.grad(loss))(X, jnp.bool_(False))
+    close(g, 50.0 * X)
+    close(r, {"g": (jnp.zeros(3),)})
+
+
+def test_value_and_grad_sow_and_perturb_two_tags_one_pass():
+    def loss(x):
+        h = jnp.tanh(x * 2.0)
+        h = sow(h, name="h", tag="acts")
+        h = perturb(h, name="h", tag="grads")
+        return jnp.sum(h**2 * X)
+
+    ((val, grad), acts), grads = call_and_reap(
+        call_and_reap(jax.value_and_grad(loss), tag="acts"), tag="grads"
+    )(X)
+    close(val, mlp_loss_ref(X, 0.0))
+    close(grad, jax.grad(mlp_loss_ref)(X, jnp.zeros(3)))
+    close(acts, {"h": (jnp.tanh(X * 2.0),)})
+    close(grads, {"h": (dloss_dh(X),)})
+    # each tag alone
+    (vg, a) = call_and_reap(jax.value_and_grad(loss), tag="acts")(X)
+    close(a, {"h": (jnp.tanh(X * 2.0),)})
+    (vg, gr) = call_and_reap(jax.value_and_grad(loss), tag="grads")(X)
+    close(gr, {"h": (dloss_dh(X),)})

@@ -1,0 +1,430 @@
+"""Sows inside scan, fori_loop, while_loop, cond and switch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
+
+
+def close(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert jnp.shape(x) == jnp.shape(y), (x, y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+XS = jnp.array([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5], [1.0, 1.0]], jnp.float32)  # length 4
+C0 = jnp.array([0.1, -0.2], jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# scan: one body used by several tests, and its hand-threaded reference.
+
+
+def make_scan(mode, reverse=False, unroll=1, tag="intermediates"):
+    def f(c0, xs):
+        def body(c, x):
+            a = sow(jnp.tanh(c + x), name="a", mode=mode, tag=tag)
+            b = sow(a * 2.0 - x, name="b", mode=mode, tag=tag)
+            return b, a * x
+
+        return lax.scan(body, c0, xs, reverse=reverse, unroll=unroll)
+
+    return f
+
+
+def ref_scan(c0, xs, reverse=False, plant_a=None, plant_b=None):
+    """Hand-threaded: returns (carry, ys, a_i, b_i) with a_i/b_i indexed like xs.
+
+    plant_a/plant_b: callables (i, old) -> new, or None.
+    """
+    n = xs.shape[0]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    c = c0
+    a_s, b_s, ys = [None] * n, [None] * n, [None] * n
+    for i in order:
+        a = jnp.tanh(c + xs[i])
+        if plant_a is not None:
+            a = plant_a(i, a)
+        b = a * 2.0 - xs[i]
+        if plant_b is not None:
+            b = plant_b(i, b)
+        a_s[i], b_s[i], ys[i] = a, b, a * xs[i]
+        c = b
+    return c, jnp.stack(ys), jnp.stack(a_s), jnp.stack(b_s), list(order)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("unroll", [1, 2])
+def test_scan_collect_and_append_aligned_with_iterations(reverse, unroll):
+    c, ys, a, b, _ = ref_scan(C0, XS, reverse)
+    fc = make_scan("collect", reverse, unroll)
+    out, r = call_and_reap(fc)(C0, XS)
+    close(out, (c, ys))
+    close(r, {"a": (a,), "b": (b,)})
+    fa = make_scan("append", reverse, unroll)
+    close(reap(fa)(C0, XS), {"a": a, "b": b})
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_clobber_is_last_executed_iteration(reverse):
+    c, ys, a, b, order = ref_scan(C0, XS, reverse)
+    last = order[-1]
+    close(reap(make_scan("clobber", reverse))(C0, XS), {"a": a[last], "b": b[last]})
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_plant_per_iteration_single_and_callable(reverse):
+    new = jnp.arange(8.0).reshape(4, 2) / 8.0
+    c, ys, *_ = ref_scan(C0, XS, reverse, plant_a=lambda i, old: new[i])
+    close(plant(make_scan("collect", reverse))({"a": (new,)}, C0, XS), (c, ys))
+    close(plant(make_scan("append", reverse))({"a": new}, C0, XS), (c, ys))
+    # a single value at every iteration
+    v = jnp.array([0.3, -0.3])
+    c, ys, *_ = ref_scan(C0, XS, reverse, plant_b=lambda i, old: v)
+    for mode in ["collect", "append", "clobber"]:
+        close(plant(make_scan(mode, reverse))({"b": v}, C0, XS), (c, ys))
+    # a callable at every iteration
+    c, ys, *_ = ref_scan(C0, XS, reverse, plant_a=lambda i, old: old * -3.0)
+    for mode in ["collect", "append", "clobber"]:
+        close(plant(make_scan(mode, reverse))({"a": lambda old: old * -3.0}, C0, XS), (c, ys))
+
+
+@pytest.mark.parametrize("mode", ["collect", "append"])
+def test_scan_round_trip(mode):
+    f = make_scan(mode)
+    close(plant(f)(reap(f)(C0, XS), C0, XS), f(C0, XS))
+
+
+def test_scan_harvest_plants_one_reaps_other():
+    new = jnp.ones((4, 2)) * 0.5
+    c, ys, a, b, _ = ref_scan(C0, XS, plant_a=lambda i, old: new[i])
+    out, r = harvest(make_scan("append"))({"a": new}, C0, XS)
+    close(out, (c, ys))
+    close(r, {"b": b})
+
+
+def test_scan_two_sows_same_name_per_iteration():
+    def f(xs):
+        def body(c, x):
+            sow(x, name="v", mode="collect")
+            sow(x * 10.0, name="v", mode="collect")
+            sow(x + 1.0, name="w", mode="append")
+            sow(x + 2.0, name="w", mode="append")
+            return c, None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    r = reap(f)(XS)
+    close(r["v"], (XS, XS * 10.0))
+    # append rows: iteration-major, two rows per iteration
+    expect_w = jnp.stack([row for i in range(4) for row in (XS[i] + 1.0, XS[i] + 2.0)])
+    close(r["w"], expect_w)
+    close(plant(f)(r, XS), f(XS))
+
+
+def test_scan_sows_before_and_after_loop():
+    def f(xs):
+        z = sow(jnp.zeros(2), name="v", mode="append")
+
+        def body(c, x):
+            return c + sow(x, name="v", mode="append"), None
+
+        c = lax.scan(body, z, xs)[0]
+        return c, sow(c * 2.0, name="v", mode="append")
+
+    total = jnp.sum(XS, axis=0)
+    close(reap(f)(XS), {"v": jnp.concatenate([jnp.zeros((1, 2)), XS, 2.0 * total[None]])})
+    # planting stacked rows before, inside and after
+    new = jnp.arange(12.0).reshape(6, 2)
+    close(plant(f)({"v": new}, XS), (jnp.sum(new[:5], axis=0), new[5]))
+
+
+def test_scan_length_only_xs_none():
+    def f(c0):
+        def body(c, _):
+            c = sow(c * 2.0 + 1.0, name="c", mode="append")
+            return c, None
+
+        return lax.scan(body, c0, None, length=3)[0]
+
+    c1 = C0 * 2 + 1
+    c2 = c1 * 2 + 1
+    c3 = c2 * 2 + 1
+    close(reap(f)(C0), {"c": jnp.stack([c1, c2, c3])})
+    close(plant(f)({"c": lambda c: c * 0.0}, C0), jnp.zeros(2))
+
+
+def nested_scan_f(xss):
+    def outer(c, xs):
+        def inner(c, x):
+            v = sow(c * x, name="v", mode="collect")
+            return c + v, None
+
+        c, _ = lax.scan(inner, c, xs)
+        sow(c, name="end", mode="append")
+        return c, None
+
+    return lax.scan(outer, jnp.ones(2), xss)[0]
+
+
+XSS = jnp.arange(12.0).reshape(2, 3, 2) / 10.0
+
+
+def ref_nested_scan(xss):
+    c = jnp.ones(2)
+    vs, ends = np.zeros((2, 3, 2), np.float32), []
+    for i in range(2):
+        for j in range(3):
+            v = c * xss[i, j]
+            vs[i, j] = v
+            c = c + v
+        ends.append(c)
+    return c, jnp.asarray(vs), jnp.stack(ends)
+
+
+def test_nested_scans_reap():
+    c, vs, ends = ref_nested_scan(XSS)
+    out, r = call_and_reap(nested_scan_f)(XSS)
+    close(out, c)
+    close(r, {"v": (vs,), "end": ends})
+
+
+def test_nested_scans_plant():
+    f, xss = nested_scan_f, XSS
+    r = reap(f)(xss)
+    # plant per-iteration values in the inner scan, stacked as reap returns them
+    pv = jnp.full((2, 3, 2), 0.5)
+    close(plant(f)({"v": (pv,)}, xss), jnp.ones(2) + 6 * 0.5)
+    close(plant(f)(r, xss), f(xss))
+    # a single value or callable reaches every inner iteration
+    close(plant(f)({"v": jnp.full(2, 0.5)}, xss), jnp.ones(2) + 6 * 0.5)
+    close(plant(f)({"v": lambda v: v * 0.0}, xss), jnp.ones(2))
+
+
+def test_fori_loop_static_bounds():
+    def f(x):
+        def body(i, c):
+            return sow(c * 0.5 + i, name="c", mode="collect")
+
+        return lax.fori_loop(0, 3, body, x)
+
+    c = X2 = jnp.array([1.0, 4.0])
+    steps = []
+    for i in range(3):
+        c = c * 0.5 + i
+        steps.append(c)
+    close(reap(f)(X2), {"c": (jnp.stack(steps),)})
+    close(plant(f)({"c": lambda c: c + 1.0}, X2), ((((X2 * 0.5 + 1) * 0.5 + 1 + 1) * 0.5 + 2 + 1)))
+
+
+def test_scan_sow_cond_last_iteration_where_pred_held():
+    def f(xs):
+        def body(c, x):
+            sow_cond(x, x[0] > 0.4, name="pick")
+            c = c + sow_cond(x * 2.0, x[0] > 100.0, name="never")
+            return c, None
+
+        return lax.scan(body, jnp.zeros(2), xs)[0]
+
+    # x[0] > 0.4 holds for rows 0, 1, 3 -> last is 3
+    close(reap(f)(XS), {"pick": XS[3], "never": jnp.zeros(2)})
+    # reverse: executed order 3,2,1,0 -> last where held is 0
+    def g(xs):
+        def body(c, x):
+            sow_cond(x, x[0] > 0.4, name="pick")
+            return c, None
+
+        return lax.scan(body, 0.0, xs, reverse=True)[0]
+
+    close(reap(g)(XS), {"pick": XS[0]})
+    # plant replaces only where pred held
+    v = jnp.array([7.0, 7.0])
+
+    def h(xs):
+        def body(c, x):
+            return c + sow_cond(x, x[0] > 0.4, name="pick"), None
+
+        return lax.scan(body, jnp.zeros(2), xs)[0]
+
+    close(plant(h)({"pick": v}, XS), 3 * v + XS[2])
+
+
+def test_strict_in_scan_raises_and_suggests_modes():
+    def f(xs):
+        return lax.scan(lambda c, x: (c + sow(x, name="s", mode="strict"), None), 0.0, xs)[0]
+
+    with pytest.raises(ValueError, match=r"(?s)strict.*(collect|append|clobber)"):
+        reap(f)(XS[:, 0])
+    with pytest.raises(ValueError, match=r"(?s)strict.*(collect|append|clobber)"):
+        plant(f)({"s": 1.0}, XS[:, 0])
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    xs=st.lists(st.floats(-2, 2, width=32), min_size=4, max_size=4),
+    reverse=st.booleans(),
+)
+def test_scan_append_matches_reference_random(xs, reverse):
+    xs = jnp.array(xs, jnp.float32).reshape(2, 2)
+    xs4 = jnp.concatenate([xs, xs[::-1] * 0.5])
+    c, ys, a, b, order = ref_scan(C0, xs4, reverse)
+    out, r = call_and_reap(make_scan("append", reverse))(C0, xs4)
+    close(out, (c, ys))
+    close(r, {"a": a, "b": b})
+
+
+# ---------------------------------------------------------------------------
+# while_loop
+
+
+def make_while(mode_or_cond):
+    def f(x):
+        def cond(c):
+            return c[1] < 3
+
+        def body(c):
+            v, i = c
+            if mode_or_cond == "sow_cond":
+                v = sow_cond(v * 2.0 + 1.0, i == 1, name="v")
+            else:
+                v = sow(v * 2.0 + 1.0, name="v", mode=mode_or_cond)
+            return v, i + 1
+
+        return lax.while_loop(cond, body, (x, 0))[0]
+
+    return f
+
+
+X2 = jnp.array([1.0, -2.0], jnp.float32)
+
+
+def test_while_clobber_and_sow_cond_reap():
+    v1 = X2 * 2 + 1
+    v2 = v1 * 2 + 1
+    v3 = v2 * 2 + 1
+    out, r = call_and_reap(make_while("clobber"))(X2)
+    close(out, v3)
+    close(r, {"v": v3})
+    close(reap(make_while("sow_cond"))(X2), {"v": v2})
+
+
+def test_while_zero_iterations_clobber_gives_zeros():
+    def f(x):
+        return lax.while_loop(lambda c: c[0] > 100.0, lambda c: sow(c * 2.0, name="v", mode="clobber"), x)
+
+    close(reap(f)(X2), {"v": jnp.zeros(2)})
+
+
+def test_while_plant_value_and_callable():
+    v = jnp.array([5.0, 6.0])
+    for mode in ["clobber", "sow_cond"]:
+        f = make_while(mode)
+        if mode == "clobber":
+            expect = v
+            expect_fn = ((X2 * 2 + 1) * -1 * 2 + 1) * -1 * 2 + 1
+            expect_fn = -expect_fn
+        else:  # only iteration 1 planted
+            expect = v * 2 + 1
+            v1 = X2 * 2 + 1
+            expect_fn = (-(v1 * 2 + 1)) * 2 + 1
+        close(plant(f)({"v": v}, X2), expect)
+        close(plant(f)({"v": lambda old: -old}, X2), expect_fn)
+
+
+@pytest.mark.parametrize("mode", ["collect", "append"])
+def test_while_collect_append_raise_clear_error(mode):
+    f = make_while(mode)
+    with pytest.raises(ValueError, match=r"(?s)while_loop.*(scan|sow_cond)"):
+        reap(f)(X2)
+
+
+# ---------------------------------------------------------------------------
+# cond / switch
+
+
+def branchy(x, pred):
+    def yes(x):
+        h = sow(jnp.sin(x), name="h", mode="strict")
+        sow(h * 3.0, name="only_yes", mode="collect")
+        return h + 1.0
+
+    def no(x):
+        h = sow(jnp.cos(x), name="h", mode="strict")
+        return h - 1.0
+
+    return lax.cond(pred, yes, no, x)
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_reaps_taken_branch_zero_fills_other(pred):
+    out, r = call_and_reap(branchy)(X2, jnp.bool_(pred))
+    if pred:
+        close(out, jnp.sin(X2) + 1.0)
+        close(r, {"h": jnp.sin(X2), "only_yes": (jnp.sin(X2) * 3.0,)})
+    else:
+        close(out, jnp.cos(X2) - 1.0)
+        close(r, {"h": jnp.cos(X2), "only_yes": (jnp.zeros(2),)})
+
+
+@pytest.mark.parametrize("pred", [True, False])
+def test_cond_plant_into_branch_that_runs(pred):
+    v = jnp.array([0.25, 0.5])
+    out = plant(branchy)({"h": v}, X2, jnp.bool_(pred))
+    close(out, v + 1.0 if pred else v - 1.0)
+    out = plant(branchy)({"h": lambda h: h * 10.0}, X2, jnp.bool_(pred))
+    close(out, jnp.sin(X2) * 10 + 1.0 if pred else jnp.cos(X2) * 10 - 1.0)
+    close(plant(branchy)(reap(branchy)(X2, jnp.bool_(pred)), X2, jnp.bool_(pred)),
+          branchy(X2, jnp.bool_(pred)))
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_switch_three_branches(index):
+    def f(i, x):
+        return lax.switch(
+            i,
+            [
+                lambda x: sow(x * 1.0, name="s", mode="clobber"),
+                lambda x: sow(x * 2.0, name="s", mode="clobber") + sow(x, name="t", mode="append"),
+                lambda x: x * 3.0,
+            ],
+            x,
+        )
+
+    out, r = call_and_reap(f)(jnp.int32(index), X2)
+    scale = [1.0, 2.0, 3.0][index]
+    close(out, X2 * scale + (X2 if index == 1 else 0.0))
+    s_expected = [X2, X2 * 2.0, jnp.zeros(2)][index]
+    t_expected = (X2 if index == 1 else jnp.zeros(2))[None]
+    close(r, {"s": s_expected, "t": t_expected})
+
+
+def test_cond_inside_scan():
+    def f(xs):
+        def body(c, x):
+            y = lax.cond(x[0] > 0, lambda x: sow(x * 2.0, name="y", mode="append"),
+                         lambda x: sow(-x, name="y", mode="append"), x)
+            return c + y, None
+
+        return lax.scan(body, jnp.zeros(2), xs)[0]
+
+    ys = jnp.stack([XS[i] * 2.0 if XS[i, 0] > 0 else -XS[i] for i in range(4)])
+    out, r = call_and_reap(f)(XS)
+    close(out, jnp.sum(ys, axis=0))
+    close(r, {"y": ys})
+    new = jnp.arange(8.0).reshape(4, 2)
+    close(plant(f)({"y": new}, XS), jnp.sum(new, axis=0))
+
+
+def test_clobber_not_touched_by_untaken_branch_keeps_earlier_value():
+    def f(x, pred):
+        sow(x, name="k", mode="clobber")
+        return lax.cond(pred, lambda x: sow(x * 5.0, name="k", mode="clobber"), lambda x: x, x)
+
+    close(reap(f)(X2, jnp.bool_(True)), {"k": X2 * 5.0})
+    close(reap(f)(X2, jnp.bool_(False)), {"k": X2})

@@ -1,0 +1,209 @@
+"""Every error says what went wrong and what to do; no state survives an error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
+
+
+def close(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert jnp.shape(x) == jnp.shape(y), (x, y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+X = jnp.array([1.0, 2.0, 3.0], jnp.float32)
+
+
+def f(x):
+    a = sow(x + 1.0, name="alpha", mode="strict", tag="t")
+    b = sow(a * 2.0, name="beta", mode="strict", tag="t")
+    return b - 1.0
+
+
+def ok_after():
+    """The function still behaves normally after an error."""
+    close(reap(f, tag="t")(X), {"alpha": X + 1.0, "beta": (X + 1.0) * 2.0})
+    close(plant(f, tag="t")({"alpha": jnp.zeros(3)}, X), jnp.full(3, -1.0))
+    close(f(X), (X + 1.0) * 2.0 - 1.0)
+
+
+def test_plant_unknown_name_lists_existing_names():
+    with pytest.raises(KeyError, match=r"(?s)'gamma'.*'alpha'.*'beta'"):
+        plant(f, tag="t")({"gamma": X}, X)
+    with pytest.raises(KeyError, match=r"(?s)gamma.*alpha"):
+        harvest(f, tag="t")({"gamma": X}, X)
+    ok_after()
+
+
+def test_plant_unknown_name_wrong_tag():
+    # alpha exists, but not under the default tag
+    with pytest.raises(KeyError, match=r"alpha"):
+        plant(f)({"alpha": X}, X)
+    ok_after()
+
+
+def test_plant_wrong_shape_names_site_expected_and_got():
+    pat = r"(?s)(?=.*alpha)(?=.*float32\[3\])(?=.*float32\[2\])"
+    with pytest.raises(ValueError, match=pat):
+        plant(f, tag="t")({"alpha": jnp.zeros(2)}, X)
+    ok_after()
+
+
+def test_plant_wrong_dtype_names_site_expected_and_got():
+    pat = r"(?s)(?=.*beta)(?=.*float32\[3\])(?=.*int32\[3\])"
+    with pytest.raises(ValueError, match=pat):
+        plant(f, tag="t")({"beta": jnp.zeros(3, jnp.int32)}, X)
+    ok_after()
+
+
+def test_plant_callable_returning_wrong_shape():
+    with pytest.raises(ValueError, match=r"(?s)(?=.*alpha)(?=.*float32\[3\])(?=.*float32\[1\])"):
+        plant(f, tag="t")({"alpha": lambda a: a[:1]}, X)
+    ok_after()
+
+
+def test_plant_wrong_structure():
+    def g(x):
+        return sow({"a": x, "b": x}, name="d", mode="strict")["a"]
+
+    with pytest.raises(ValueError, match=r"(?s)'d'.*structure"):
+        plant(g)({"d": {"a": X}}, X)
+    close(plant(g)({"d": {"a": X * 0, "b": X}}, X), X * 0)
+
+
+def test_plant_wrong_shape_in_scan():
+    def g(xs):
+        return lax.scan(lambda c, x: (c + sow(x, name="v", mode="append"), None), 0.0, xs)[0]
+
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'v')(?=.*float32\[\])(?=.*int32)"):
+        plant(g)({"v": jnp.zeros(3, jnp.int32)}, X)
+    close(plant(g)({"v": jnp.ones(3)}, X), jnp.float32(3.0))
+
+
+def test_collect_plant_too_few_entries():
+    def g(x):
+        a = sow(x, name="c")
+        return sow(a * 2.0, name="c")
+
+    with pytest.raises(ValueError, match=r"(?s)'c'.*1 entr"):
+        plant(g)({"c": (X,)}, X)
+    close(plant(g)({"c": (X, X * 5)}, X), X * 5)
+
+
+def test_unknown_mode():
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'bogus')(?=.*'collect')(?=.*name='n')"):
+        sow(X, name="n", mode="bogus")
+    with pytest.raises(ValueError, match=r"bogus"):
+        reap(lambda x: sow(x, name="n", mode="bogus"))(X)
+    close(reap(lambda x: sow(x, name="n", mode="clobber"))(X), {"n": X})
+
+
+@pytest.mark.parametrize("leaf", ["a string", object(), None.__class__])
+def test_non_array_leaf(leaf):
+    with pytest.raises(TypeError, match=r"(?s)(?=.*'bad')(?=.*array)"):
+        sow({"ok": X, "x": leaf}, name="bad")
+    with pytest.raises(TypeError, match=r"(?s)\['x'\].*array"):
+        reap(lambda x: sow({"ok": x, "x": leaf}, name="bad"))(X)
+    close(reap(lambda x: sow({"ok": x}, name="bad"))(X), {"bad": ({"ok": X},)})
+
+
+def test_strict_sown_twice_names_tag_and_name():
+    def g(x):
+        sow(x, name="once", tag="tt", mode="strict")
+        return sow(x * 2.0, name="once", tag="tt", mode="strict")
+
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'tt')(?=.*'once')(?=.*strict)"):
+        reap(g, tag="tt")(X)
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'tt')(?=.*'once')"):
+        plant(g, tag="tt")({"once": X}, X)
+    # under another tag the strict sites are untouched
+    close(reap(g)(X), {})
+    close(g(X), X * 2.0)
+    ok_after()
+
+
+def test_strict_sown_twice_across_jit_boundary():
+    inner = jax.jit(lambda x: sow(x, name="s", mode="strict"))
+
+    def g(x):
+        return inner(inner(x))
+
+    with pytest.raises(ValueError, match=r"(?s)'s'.*strict"):
+        reap(g)(X)
+
+
+def test_strict_in_scan():
+    def g(xs):
+        return lax.scan(lambda c, x: (c + sow(x, name="it", mode="strict"), None), 0.0, xs)[0]
+
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'it')(?=.*scan)(?=.*strict)(?=.*(collect|append))"):
+        reap(g)(X)
+    ok_after()
+
+
+def test_collect_in_while_points_to_scan_and_sow_cond():
+    def g(x):
+        return lax.while_loop(lambda c: c[0] < 10.0, lambda c: sow(c * 2.0, name="w"), x)
+
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'w')(?=.*while_loop)(?=.*scan)(?=.*sow_cond)"):
+        reap(g)(X)
+    ok_after()
+
+
+def test_strict_in_while():
+    def g(x):
+        return lax.while_loop(lambda c: c[0] < 10.0, lambda c: sow(c * 2.0, name="w", mode="strict"), x)
+
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'w')(?=.*while_loop)(?=.*strict)"):
+        reap(g)(X)
+
+
+def test_plants_not_a_dict():
+    with pytest.raises(TypeError, match=r"(?s)plants.*dict.*list"):
+        plant(f, tag="t")([X], X)
+    with pytest.raises(TypeError, match=r"(?s)plants.*dict.*Array"):
+        harvest(f, tag="t")(X)
+    ok_after()
+
+
+def test_mixed_modes_for_one_name():
+    def g(x):
+        sow(x, name="m", mode="collect")
+        return sow(x, name="m", mode="append")
+
+    with pytest.raises(ValueError, match=r"(?s)'m'.*(collect|append).*(collect|append)"):
+        reap(g)(X)
+
+
+def test_sow_cond_needs_scalar_bool():
+    with pytest.raises(TypeError, match=r"(?s)(?=.*'sc')(?=.*scalar boolean)"):
+        sow_cond(X, X > 0, name="sc")
+    with pytest.raises(TypeError, match=r"scalar boolean"):
+        sow_cond(X, jnp.float32(1.0), name="sc")
+
+
+def test_bad_name_tag_scope_and_filters():
+    with pytest.raises(TypeError, match=r"name"):
+        sow(X, name="")
+    with pytest.raises(TypeError, match=r"tag"):
+        sow(X, name="a", tag=3)
+    with pytest.raises(TypeError, match=r"tag"):
+        reap(f, tag=None)
+    with pytest.raises(TypeError, match=r"scope"):
+        nest(f, scope="")
+    with pytest.raises(TypeError, match=r"allowlist"):
+        reap(f, allowlist=[3])
+
+
+def test_error_under_outer_jit_leaves_no_state():
+    g = jax.jit(plant(f, tag="t"))
+    with pytest.raises(ValueError, match=r"alpha"):
+        g({"alpha": jnp.zeros(2)}, X)
+    close(g({"alpha": jnp.zeros(3)}, X), jnp.full(3, -1.0))
+    o, r = call_and_reap(f, tag="t")(X)
+    close(o, (X + 1.0) * 2.0 - 1.0)

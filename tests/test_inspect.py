@@ -1,0 +1,198 @@
+"""sites (structure without running) and stream (host callbacks as sows fire)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from harvest import nest, reap, sow, sow_cond
+from harvest._inspect import SiteInfo, Sites, sites
+from harvest._stream import stream
+
+
+def nested_program(xs):
+    @jax.jit
+    def inner(xs):
+        def body(c, x):
+            y = jax.lax.cond(x > 0, lambda x: sow(x, name="branchy"), lambda x: sow(-x, name="branchy"), x)
+            return c + sow(y * c, name="step", mode="append"), None
+
+        return jax.lax.scan(body, 1.0, xs)[0]
+
+    z = inner(xs)
+    z = jax.lax.while_loop(lambda c: c < 100.0, lambda c: sow(c * 2.0, name="grow", mode="clobber"), z + 1.0)
+    z = jax.checkpoint(lambda z: sow(z, name="ckpt", mode="strict"))(z)
+    z = nest(lambda z: sow(z, name="out", mode="strict", tag="other"), scope="head")(z)
+    return z
+
+
+def test_sites_lists_every_site_with_place_and_count():
+    found = sites(nested_program, jax.ShapeDtypeStruct((12,), jnp.float32))
+    rows = [(s.tag, s.name, s.mode, s.fires, s.where) for s in found]
+    assert rows == [
+        ("intermediates", "branchy", "collect", 12, "jit › scan[12] › cond[0]"),
+        ("intermediates", "branchy", "collect", 12, "jit › scan[12] › cond[1]"),
+        ("intermediates", "step", "append", 12, "jit › scan[12]"),
+        ("intermediates", "grow", "clobber", None, "while"),
+        ("intermediates", "ckpt", "strict", 1, "checkpoint"),
+        ("other", "head.out", "strict", 1, "jit"),
+    ]
+    assert all(isinstance(s, SiteInfo) and s.shape == () and s.dtype == np.float32 for s in found)
+    assert found.names() == ["branchy", "step", "grow", "ckpt", "head.out"]
+
+
+def test_sites_filters_by_tag_and_prints_a_table():
+    found = sites(nested_program, jnp.ones(3), tag="other")
+    assert isinstance(found, Sites) and [s.name for s in found] == ["head.out"]
+    table = str(sites(nested_program, jnp.ones(3)))
+    assert table.splitlines()[0].split() == list(Sites.COLUMNS)
+    assert "unbounded" in table and "jit › scan[3] › cond[1]" in table
+    assert repr(found) == str(found)
+    assert str(sites(lambda x: x, 1.0)) == "(no sow sites)"
+
+
+def test_sites_reports_pytree_shapes_and_runs_nothing():
+    calls = []
+
+    def f(x):
+        jax.debug.callback(lambda: calls.append(1))
+        return sow({"a": x, "b": x.sum()}, name="pair")["a"]
+
+    (info,) = sites(f, jax.ShapeDtypeStruct((2, 3), jnp.float16))
+    assert info.shape == {"a": (2, 3), "b": ()}
+    assert info.dtype == {"a": np.float16, "b": np.float16}
+    jax.effects_barrier()
+    assert calls == []
+
+
+def test_sites_marks_sow_cond():
+    (info,) = sites(lambda x: sow_cond(x, x > 0, name="pos"), 1.0)
+    assert info.mode == "sow_cond"
+
+
+@settings(max_examples=8, deadline=None)
+@given(outer=st.integers(1, 5), inner=st.integers(1, 5))
+def test_sites_multiplies_nested_scan_lengths(outer, inner):
+    def f(xs):
+        def outer_body(c, row):
+            def inner_body(c, x):
+                return c + sow(x, name="x", mode="append"), None
+
+            return jax.lax.scan(inner_body, c, row)[0], None
+
+        return jax.lax.scan(outer_body, 0.0, xs)[0]
+
+    (info,) = sites(f, jnp.zeros((outer, inner)))
+    assert info.fires == outer * inner
+    assert info.where == f"scan[{outer}] › scan[{inner}]"
+
+
+def test_sites_bad_input():
+    with pytest.raises(TypeError, match="needs a callable f"):
+        sites(3, 1.0)
+    with pytest.raises(TypeError, match="tag must be a string"):
+        sites(lambda x: x, 1.0, tag=7)
+
+
+# ---------------------------------------------------------------------------
+# stream
+
+
+def scanned(xs):
+    def body(c, x):
+        h = sow(jnp.tanh(x + c), name="h", mode="append")
+        return c + h, sow(h * 2.0, name="g", mode="append")
+
+    c, ys = jax.lax.scan(body, 0.0, xs)
+    return sow(c, name="final", mode="strict") + ys.sum()
+
+
+def collect(seen):
+    return lambda name, value: seen.append((name, np.asarray(value)))
+
+
+@pytest.mark.parametrize("wrap", [lambda g: g, jax.jit], ids=["eager", "jit"])
+def test_stream_reports_every_firing_in_program_order(wrap):
+    xs = jnp.linspace(-1.0, 1.0, 4)
+    seen = []
+    out = wrap(stream(scanned, collect(seen)))(xs)
+    jax.effects_barrier()
+    np.testing.assert_allclose(out, scanned(xs))
+    assert [n for n, _ in seen] == ["h", "g"] * 4 + ["final"]
+    reaped = reap(scanned)(xs)
+    np.testing.assert_allclose([v for n, v in seen if n == "h"], reaped["h"])
+    np.testing.assert_allclose([v for n, v in seen if n == "g"], reaped["g"])
+
+
+@settings(max_examples=6, deadline=None)
+@given(limit=st.floats(2.0, 1000.0), start=st.floats(0.1, 1.5))
+def test_stream_inside_while_loop(limit, start):
+    def f(x):
+        return jax.lax.while_loop(lambda c: c < limit, lambda c: sow(c * 2.0, name="c", mode="clobber"), x)
+
+    seen = []
+    out = jax.jit(stream(f, collect(seen)))(jnp.float32(start))
+    jax.effects_barrier()
+    expected, c = [], np.float32(start)
+    while c < np.float32(limit):
+        c = c * np.float32(2.0)
+        expected.append(c)
+    np.testing.assert_allclose([v for _, v in seen], expected)
+    assert out == expected[-1]
+
+
+def test_stream_selects_names_and_tag():
+    xs = jnp.ones(2)
+    seen = []
+    stream(scanned, collect(seen), blocklist="g")(xs)
+    assert {n for n, _ in seen} == {"h", "final"}
+    seen.clear()
+    stream(scanned, collect(seen), allowlist=lambda n: n.startswith("fin"))(xs)
+    assert [n for n, _ in seen] == ["final"]
+    seen.clear()
+    stream(scanned, collect(seen), tag="nothing-here")(xs)
+    assert seen == []
+
+
+def test_stream_keeps_sows_visible_to_an_outer_reap_and_grad():
+    xs = jnp.linspace(0.0, 1.0, 3)
+    seen = []
+    g = stream(scanned, collect(seen))
+    reaped, expected = reap(g)(xs), reap(scanned)(xs)
+    assert set(reaped) == set(expected)
+    for name in expected:
+        np.testing.assert_allclose(reaped[name], expected[name], rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(g)(xs), jax.grad(scanned)(xs), rtol=1e-6)
+
+
+def test_stream_nested_names_and_vmap():
+    def f(x):
+        return nest(lambda x: sow(x + 1.0, name="out", mode="strict"), scope="blk")(x)
+
+    seen = []
+    out = jax.vmap(stream(f, collect(seen)))(jnp.arange(3.0))
+    jax.effects_barrier()
+    np.testing.assert_allclose(out, jnp.arange(3.0) + 1.0)
+    # Under vmap the host sees one call per batch element.
+    assert sorted(float(v) for _, v in seen) == [1.0, 2.0, 3.0]
+    assert {n for n, _ in seen} == {"blk.out"}
+
+
+def test_stream_passes_sow_cond_sites_through():
+    def f(x):
+        return sow_cond(x * 3.0, x > 0, name="picked")
+
+    seen = []
+    g = stream(f, collect(seen))
+    assert float(g(2.0)) == 6.0 and seen == []
+    assert float(reap(g)(2.0)["picked"]) == 6.0
+
+
+def test_stream_bad_input():
+    with pytest.raises(TypeError, match="needs a callable f"):
+        stream(None, print)
+    with pytest.raises(TypeError, match="callable callback"):
+        stream(scanned, "print")
+    with pytest.raises(TypeError, match="allowlist"):
+        stream(scanned, print, allowlist=[3])

@@ -1,0 +1,167 @@
+"""sow_p as a JAX primitive: an identity under every transformation, that survives DCE."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import reap, sow, sow_cond, sow_p
+
+
+def close(a, b):
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert jnp.shape(x) == jnp.shape(y), (x, y)
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pair:
+    a: jax.Array
+    b: jax.Array
+
+
+X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        X,
+        {"u": X, "v": (X * 2, jnp.int32(3))},
+        (X, X + 1),
+        Pair(X, X * 3),
+        1.5,
+        3,
+        np.float32(2.0),
+    ],
+    ids=["array", "dict", "tuple", "dataclass", "float", "int", "npscalar"],
+)
+@pytest.mark.parametrize("mode", ["collect", "strict", "append", "clobber"])
+def test_sow_is_identity_eagerly(value, mode):
+    out = sow(value, name="v", mode=mode)
+    close(out, value)
+
+
+def test_sow_is_identity_under_jit_vmap_grad():
+    def f(x):
+        h = sow(jnp.sin(x), name="h")
+        d = sow({"p": h * 2.0, "q": h + 1.0}, name="d", mode="append")
+        return jnp.sum(d["p"] * d["q"])
+
+    def ref(x):
+        h = jnp.sin(x)
+        return jnp.sum(2.0 * h * (h + 1.0))
+
+    close(jax.jit(f)(X), ref(X))
+    close(jax.vmap(f)(jnp.stack([X, -X])), jnp.stack([ref(X), ref(-X)]))
+    close(jax.grad(f)(X), jnp.cos(X) * (4.0 * jnp.sin(X) + 2.0))
+    close(jax.grad(f)(X), jax.grad(ref)(X))
+    p, t = jax.jvp(f, (X,), (jnp.ones_like(X),))
+    p_ref, t_ref = jax.jvp(ref, (X,), (jnp.ones_like(X),))
+    close((p, t), (p_ref, t_ref))
+    y, vjp = jax.vjp(f, X)
+    close(vjp(jnp.float32(1.0))[0], jax.grad(ref)(X))
+    close(jax.jit(jax.vmap(jax.grad(f)))(jnp.stack([X, X])), jnp.stack([jax.grad(ref)(X)] * 2))
+
+
+def test_sow_cond_is_identity():
+    def f(x):
+        return sow_cond(x * 2.0, jnp.sum(x) > 0, name="c") + 1.0
+
+    close(f(X), X * 2 + 1)
+    close(jax.jit(f)(X), X * 2 + 1)
+    close(jax.grad(lambda x: jnp.sum(f(x)))(X), 2.0 * jnp.ones_like(X))
+    close(jax.vmap(f)(jnp.stack([X, -X])), jnp.stack([X * 2 + 1, -X * 2 + 1]))
+
+
+def test_jaxpr_holds_sow_with_params():
+    def f(x):
+        return sow(x + 1.0, name="h", tag="mytag", mode="append") * 2.0
+
+    jaxpr = jax.make_jaxpr(f)(X)
+    eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive is sow_p]
+    assert len(eqns) == 1
+    p = eqns[0].params
+    assert p["name"] == "h" and p["tag"] == "mytag" and p["mode"] == "append"
+
+
+def test_bare_unused_sow_survives_dce_and_jit():
+    def f(x):
+        sow(x * 5.0, name="unused", mode="strict")
+        return x + 1.0
+
+    # A plain jit still computes the function and keeps the marker.
+    close(jax.jit(f)(X), X + 1.0)
+    jaxpr = jax.make_jaxpr(jax.jit(f))(X)
+    inner = jaxpr.jaxpr.eqns[0].params["jaxpr"].jaxpr
+    assert any(e.primitive is sow_p for e in inner.eqns)
+    # And reap sees it.
+    close(reap(f)(X), {"unused": X * 5.0})
+    close(reap(jax.jit(f))(X), {"unused": X * 5.0})
+
+
+def test_bare_sow_survives_grad_partial_eval():
+    # The sow's value is unused by the output; grad partial-evaluates f, which
+    # must not drop the marker.
+    def f(x):
+        sow(jnp.cos(x), name="c", mode="strict")
+        return jnp.sum(x**2)
+
+    g, r = reap_and_call(jax.grad(f), X)
+    close(g, 2 * X)
+    close(r, {"c": jnp.cos(X)})
+
+
+def reap_and_call(f, *args):
+    from harvest import call_and_reap
+
+    return call_and_reap(f)(*args)
+
+
+def test_jvp_tangent_passes_through_sow():
+    def f(x):
+        return sow(x * 3.0, name="t", mode="strict") ** 2
+
+    p, t = jax.jvp(f, (X,), (jnp.full_like(X, 2.0),))
+    close(p, (3 * X) ** 2)
+    close(t, 2 * (3 * X) * 3 * 2.0)
+
+
+def test_lowering_is_identity_in_hlo():
+    def f(x):
+        return sow(x, name="i", mode="strict")
+
+    compiled = jax.jit(f).lower(X).compile()
+    close(compiled(X), X)
+
+
+def test_sow_dtype_preserved():
+    for v in [jnp.int32(4), jnp.arange(3, dtype=jnp.int16), jnp.array([True, False]), jnp.float16(1.0)]:
+        out = jax.jit(lambda v: sow(v, name="x", mode="strict"))(v)
+        assert out.dtype == v.dtype
+        close(out, v)
+
+
+def test_jacfwd_and_hessian_of_sowing_function():
+    # jacfwd vmaps a jvp whose primal output is unbatched; the sow must not
+    # make an unbatched value batched.
+    def f(x):
+        return jnp.sum(sow(jnp.sin(x), name="h") ** 2)
+
+    def ref(x):
+        return jnp.sum(jnp.sin(x) ** 2)
+
+    close(jax.jacfwd(f)(X), jax.jacfwd(ref)(X))
+    close(jax.hessian(f)(X), jax.hessian(ref)(X))
+
+
+def test_vmap_out_axes_none_for_unbatched_sown_value():
+    def f(x, y):
+        return x * 2.0, sow(y, name="c") + 1.0
+
+    out = jax.vmap(f, in_axes=(0, None), out_axes=(0, None))(X, jnp.float32(1.0))
+    close(out, (X * 2.0, jnp.float32(2.0)))
