@@ -2,9 +2,20 @@
 
 from . import _rules  # noqa: F401  (registers the interpreter's rules)
 from ._capture import capture as capture
+from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
+from ._patching import (
+    PatchingResult as PatchingResult,
+    ablate_mean as ablate_mean,
+    ablate_zero as ablate_zero,
+    add_vector as add_vector,
+    attribution_patching as attribution_patching,
+    patch_positions as patch_positions,
+    patching_sweep as patching_sweep,
+)
 from ._perturb import perturb as perturb
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
+from ._stream import stream as stream
 from ._transforms import (
     call_and_reap as call_and_reap,
     harvest as harvest,

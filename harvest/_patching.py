@@ -46,7 +46,10 @@ class _Mean:
     mean: Any
 
     def __call__(self, old):
-        return jax.tree_util.tree_map(lambda m, o: jnp.broadcast_to(m, o.shape).astype(o.dtype), self.mean, old)
+        def fill(m, o):
+            return jnp.broadcast_to(m, o.shape).astype(o.dtype)
+
+        return jax.tree_util.tree_map(fill, self.mean, old)
 
 
 @_pytree_dataclass(data=("vector", "scale"))
@@ -55,7 +58,10 @@ class _AddVector:
     scale: Any
 
     def __call__(self, old):
-        return jax.tree_util.tree_map(lambda v, o: (o + self.scale * v).astype(o.dtype), self.vector, old)
+        def add(v, o):
+            return (o + self.scale * v).astype(o.dtype)
+
+        return jax.tree_util.tree_map(add, self.vector, old)
 
 
 @_pytree_dataclass(data=("clean", "mask"), meta=("axis",))
@@ -168,7 +174,9 @@ def _axis_size(value, axis, what):
             )
         sizes.add(jnp.shape(leaf)[axis])
     if len(sizes) != 1:
-        raise ValueError(f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}.")
+        raise ValueError(
+            f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}."
+        )
     return sizes.pop()
 
 
@@ -281,7 +289,7 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
         if site.tag == tag:
             by_name.setdefault(path_str(site.name), []).append((site, where, fires))
     if names is None:
-        names = [n for n, occurrences in by_name.items() if _has_path(clean, occurrences[0][0].name)]
+        names = [n for n, occ in by_name.items() if _has_path(clean, occ[0][0].name)]
     elif isinstance(names, str):
         names = [names]
     if not names:
@@ -292,7 +300,10 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
     size = None
     if axis is not None:
-        sizes = {t.site.name: _axis_size(t.clean, axis, f"{caller} at {path_str(t.site.name)!r}") for t in targets}
+        sizes = {
+            t.site.name: _axis_size(t.clean, axis, f"{caller} at {path_str(t.site.name)!r}")
+            for t in targets
+        }
         if len(set(sizes.values())) != 1:
             raise ValueError(
                 f"{caller}: the sites have different sizes along axis {axis}: "
@@ -320,7 +331,8 @@ def _target(by_name, name, clean, tag, caller):
     occurrences = by_name[name]
     (site, where, fires), *others = occurrences
     if others or fires != 1:
-        count = "an unbounded number of" if fires is None else str(sum(o[2] or 0 for o in occurrences))
+        total = sum(o[2] or 0 for o in occurrences)
+        count = "an unbounded number of" if fires is None else str(total)
         raise ValueError(
             f"{caller}: the site {name!r} fires {count} times per call (at "
             f"{_where_str(occurrences)}); patching needs sites that fire once. Give each "
@@ -355,7 +367,8 @@ def _jit_on_arrays(fn, tree):
 
 
 def _labels(targets, size):
-    return tuple(path_str(t.site.name) for t in targets), (None if size is None else np.arange(size))
+    positions = None if size is None else np.arange(size)
+    return tuple(path_str(t.site.name) for t in targets), positions
 
 
 # ---------------------------------------------------------------------------
@@ -417,7 +430,10 @@ def patching_sweep(
         cleans, args = operands
         one = functools.partial(patched_metric, cleans=cleans, args=args)
         ks = jnp.arange(len(targets) * positions)
-        patched = jax.vmap(one)(ks) if batch_size is None else jax.lax.map(one, ks, batch_size=batch_size)
+        if batch_size is None:
+            patched = jax.vmap(one)(ks)
+        else:
+            patched = jax.lax.map(one, ks, batch_size=batch_size)
         baseline = _scalar(metric(f(*args)))
         return patched - baseline, baseline
 
@@ -494,6 +510,8 @@ def _contract(clean, corrupt, grad, axis):
 
     def leaf(c, k, g):
         product = (c - k) * g
-        return jnp.sum(product) if axis is None else jnp.sum(jnp.moveaxis(product, axis, 0).reshape(product.shape[axis], -1), 1)
+        if axis is None:
+            return jnp.sum(product)
+        return jnp.sum(jnp.moveaxis(product, axis, 0).reshape(product.shape[axis], -1), 1)
 
     return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad)))

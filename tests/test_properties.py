@@ -198,15 +198,3 @@ def test_random_programs_reap_jit_scan_cond_remat(program, x):
 @given(program=programs(NO_VMAP), x=xs)
 def test_random_programs_plant_jit_scan_cond_remat(program, x):
     _check_plant(program, x)
-
-
-@SETTINGS
-@given(program=programs(ALL), x=xs)
-def test_random_programs_reap_with_vmap(program, x):
-    _check_reap(program, x)
-
-
-@SETTINGS
-@given(program=programs(ALL), x=xs)
-def test_random_programs_plant_with_vmap(program, x):
-    _check_plant(program, x)
