@@ -1,17 +1,26 @@
 """reap, plant, harvest, call_and_reap and nest: one walk, four faces.
 
 Each is `_call` with a different policy and plants. `_call` stages the whole
-walk inside one `jax.jit`, keyed by the function, the policy and the arrays'
-shapes, so a harvested function called again with the same shapes is neither
-re-traced nor re-compiled, and under an outer `jit` it costs what the
-hand-written function returning the same values costs.
+walk inside a `jax.jit`, so a harvested function called again with the same
+shapes is neither re-traced nor re-compiled, and under an outer `jit` it costs
+what the hand-written function returning the same values costs.
+
+The jit is made once per underlying Python function and held weakly by it:
+its compiled programs live as long as the function does, as `jax.jit(f)`'s
+do, so harvesting fresh closures in a loop does not pile up programs. Bound
+methods and `functools.partial` are unwrapped to their function; what they
+bind (the object, the partial's arguments) is passed as data, its arrays
+traced and the rest part of the cache key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import numbers
+import threading
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -36,28 +45,53 @@ class _Static:
     reap: bool
 
 
-def _call(f, policy, reap, plants, args, kwargs):
-    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
-    leaves, treedef = jax.tree_util.tree_flatten((f, plants, args, kwargs))
-    dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
-    static = _Static(
-        treedef, tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf)), policy, reap
-    )
-    try:
-        hash(static)
-    except TypeError:
-        # Unhashable static data (rare): still correct, just not cached.
-        return _walk(dynamic, static)
-    return _walk_jit(dynamic, static)
+# -- the callable, split into a plain function and the data bound to it ------
 
 
-def _walk(dynamic, static: _Static):
+def _unwrap(f):
+    """(function, bound data) such that `_rewrap(function, data)` behaves as `f`."""
+    if isinstance(f, functools.partial):
+        fn, inner = _unwrap(f.func)
+        return fn, ("partial", inner, f.args, f.keywords)
+    if inspect.ismethod(f):
+        return f.__func__, ("method", f.__self__)
+    if inspect.isfunction(f):
+        return f, None
+    # Any other callable object (a module, say): its class's __call__ plus itself.
+    return type(f).__call__, ("method", f)
+
+
+def _rewrap(fn, data):
+    if data is None:
+        return fn
+    if data[0] == "method":
+        return functools.partial(fn, data[1])
+    _, inner, args, keywords = data
+    return functools.partial(_rewrap(fn, inner), *args, **keywords)
+
+
+def _walk(fn, dynamic, static: _Static):
     leaves, dyn = [], iter(dynamic)
     static_at = dict(static.static_leaves)
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
-    f, plants, args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    closed, out_shape = jax.make_jaxpr(f, return_shape=True)(*args, **kwargs)
+    bound, plants, args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    f = _rewrap(fn, bound)
+
+    # Trace with the arrays as inputs and everything else (strings, flags held
+    # as static data) closed over, as jit's static arguments would be.
+    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(arg_leaves) if _is_dynamic(leaf)]
+
+    def flat_f(*arrays):
+        filled = list(arg_leaves)
+        for i, a in zip(positions, arrays):
+            filled[i] = a
+        a, k = jax.tree_util.tree_unflatten(arg_tree, filled)
+        return f(*a, **k)
+
+    arrays = [arg_leaves[i] for i in positions]
+    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
     handled = {}
     for site, _ in sites_in(closed.jaxpr):
         if static.policy.handles(site):
@@ -68,13 +102,45 @@ def _walk(dynamic, static: _Static):
                     f"{known.mode!r} and {site.mode!r}. Use one mode per name."
                 )
     scope = Scope(static.policy, _resolve_plants(plants, handled, static.policy), static.reap)
-    flat_args = jax.tree_util.tree_leaves((args, kwargs))
-    outs = interpret(scope, closed.jaxpr, closed.consts, flat_args)
+    outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return out, _nested(scope.results())
 
 
-_walk_jit = jax.jit(_walk, static_argnums=1)
+def _walk_weak(fn_ref, dynamic, static):
+    return _walk(fn_ref(), dynamic, static)
+
+
+_jits: "weakref.WeakKeyDictionary[Callable, Any]" = weakref.WeakKeyDictionary()
+_jits_lock = threading.Lock()
+
+
+def _jit_for(fn):
+    """The jitted walk for `fn`, made once and dropped when `fn` is collected."""
+    with _jits_lock:
+        jitted = _jits.get(fn)
+        if jitted is None:
+            # Holds `fn` only weakly, or the dict's value would keep its key alive.
+            jitted = _jits[fn] = jax.jit(functools.partial(_walk_weak, weakref.ref(fn)), static_argnums=1)
+        return jitted
+
+
+def _call(f, policy, reap, plants, args, kwargs):
+    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+    fn, bound = _unwrap(f)
+    leaves, treedef = jax.tree_util.tree_flatten((bound, plants, args, kwargs))
+    dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
+    static = _Static(
+        treedef, tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf)), policy, reap
+    )
+    try:
+        hash(static)
+        jitted = _jit_for(fn)
+    except TypeError:
+        # Unhashable static data, or a function that cannot be weakly
+        # referenced (rare): still correct, just traced at every call.
+        return _walk(fn, dynamic, static)
+    return jitted(dynamic, static)
 
 
 def _resolve_plants(plants, sites, policy):
