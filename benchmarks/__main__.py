@@ -1,0 +1,242 @@
+"""`python -m benchmarks`: every comparison, side by side, as ratios.
+
+Prints the ratios and writes them, with the machine's description, to
+`docs/benchmarks.md`. `--quick` runs everything at a tiny size (what the tests
+do); `--large` adds a 10^5-equation trace and the full patching sweep (several
+more minutes); `--output` writes the page elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import os
+import pathlib
+import time
+
+from . import _timing, bench_core, bench_oryx
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+
+# What each ratio (ours / theirs) should stay under, and at which depths.
+TARGETS = {"steady": (1.02, None), "compile": (1.10, 48), "eager": (1.2, None)}
+
+
+def _patching(size):
+    """benchmarks.bench_patching's ratios, or None if that module is not there yet."""
+    try:
+        module = importlib.import_module("benchmarks.bench_patching")
+    except ModuleNotFoundError as err:
+        if err.name != "benchmarks.bench_patching":
+            raise
+        return None
+    return module.run(size)
+
+
+def _load():
+    return "{:.1f}".format(os.getloadavg()[0])
+
+
+# ---------------------------------------------------------------------------
+# The page.
+
+
+def _mlp_table(rows, oryx):
+    theirs = {(r["model"], r["layers"]): r for r in (oryx or {}).get("rows", [])}
+    lines = [
+        "| model | L | steady | compile | eager | eager vs hand-written jit | compiled programs | oryx steady | oryx eager |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        o = theirs.get((r["model"], r["layers"]), {})
+        oryx_cells = [f"{o[k]:.3g}" if k in o else "—" for k in ("steady", "eager")]
+        lines.append(
+            f"| {r['model']} | {r['layers']} | {r['steady']:.3f} | {r['compile']:.3f} | {r['eager']:.3f} "
+            f"| {r['eager_hand']:.3f} | {r['program']} | {' | '.join(oryx_cells)} |"
+        )
+    return lines
+
+
+def _why(name, row):
+    """One line on a missed target, from the run's own evidence."""
+    ms = lambda k: 1000 * (row[k + "_ours"] - row[k + "_theirs"])  # noqa: E731
+    if name == "steady":
+        same = "have identical XLA operations" if row["program"] == "identical" else f"differ only by {row['program']}"
+        return f"the compiled programs {same}, so the {ms('steady'):+.3f} ms per call is timing noise rather than harvest"
+    if name == "compile":
+        return (f"{ms('compile'):+.0f} ms on a {1000 * row['compile_theirs']:.0f} ms first call. harvest traces "
+                "`f` twice (once to find the sows, once walking the jaxpr) and XLA inlines one nested call "
+                "before compiling the same operations: a cost of some milliseconds to tens of milliseconds "
+                "that is a larger share of a short compile")
+    return (f"{ms('eager') * 1000:+.0f} µs per call: the Python cost of flattening the arguments and "
+            "hashing the static key before the cached jit dispatches")
+
+
+def _targets(rows):
+    lines = ["| measure | target | model, L | ratio | verdict |", "|---|---|---|---|---|"]
+    misses = []
+    for name, (target, depth) in TARGETS.items():
+        for r in rows:
+            if depth is not None and r["layers"] != depth:
+                continue
+            ok = r[name] <= target
+            lines.append(f"| {name} | ≤{target} | {r['model']}, {r['layers']} | {r[name]:.3f} | "
+                         f"{'met' if ok else '**missed**'} |")
+            if not ok:
+                misses.append(f"- **{name}, {r['model']}, L={r['layers']}** ({r[name]:.3f} > {target}): {_why(name, r)}.")
+    return lines, misses
+
+
+def _trace_table(rows, slope):
+    lines = ["| equations | harvest (s) | plain (s) | ratio |", "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['equations']} | {r['ours']:.3f} | {r['theirs']:.3f} | {r['ratio']:.2f} |")
+    shape = "linear" if 0.8 <= slope <= 1.25 else "not linear"
+    lines += ["", f"harvest's trace time grows as equations^{slope:.2f} between the two largest "
+              f"sizes ({shape})."]
+    return lines
+
+
+def _patching_lines(patching, size):
+    if patching is None:
+        return ["`benchmarks/bench_patching.py` is not there yet, so nothing was measured."]
+    return [
+        f"`benchmarks/bench_patching.py` at size `{size}`: the compiled patching sweep against",
+        "Python loops of `plant` calls, compile time included. These ratios are speed-ups (the",
+        "loop's time over the sweep's), so above 1 means the sweep was faster.",
+        "",
+        "| comparison | speed-up |",
+        "|---|---|",
+        *(f"| {k} | {v:.2f} |" for k, v in patching.items()),
+    ]
+
+
+def render(results):
+    """The page docs/benchmarks.md, from one run's results."""
+    core, oryx = results["core"], results["oryx"]
+    targets, misses = _targets(core["mlp"])
+    oryx_note = (
+        f"The oryx columns ran the same scenarios through oryx 0.2.9 in its own venv (JAX "
+        f"{oryx['jax']}), each timed against `jax.jit` in that process: oryx's jitted `reap` vs the "
+        "hand-written function, and oryx's eager `reap` (which re-traces on every call) vs `jax.jit(f)`."
+        if oryx else "The oryx venv (`bash compat/oryx_venv.sh`) was not built, so oryx was not measured."
+    )
+    return "\n".join([
+        "# Benchmarks",
+        "",
+        "Generated by `make bench` (`python -m benchmarks`); do not edit by hand.",
+        "",
+        f"Machine: {results['machine']}. Load average {results['load'][0]} at the start of the run, "
+        f"{results['load'][1]} at the end; the run took {results['seconds']:.0f} s.",
+        "",
+        "Every number is a ratio of medians, harvest's time over the reference's, with",
+        "both sides timed interleaved in the same run: absolute times on a shared CPU are",
+        "noise, ratios are the result. Below 1 means harvest was faster.",
+        "",
+        "## Residual MLP, every layer's output sown",
+        "",
+        f"A residual MLP (`x + tanh(x @ W)`, width {results['config'].width}, batch "
+        f"{results['config'].batch}), written unrolled (one `strict` sow per layer) and as a",
+        "`scan` over stacked weights (one `append` sow).",
+        "",
+        "- **steady**: `jax.jit(reap(f))` vs a hand-written `jax.jit` function returning",
+        "  the same intermediates, both compiled.",
+        "- **compile**: the first call of each pair (trace + compile), on fresh functions",
+        "  with `jax.clear_caches()` before each call.",
+        "- **eager**: `reap(f)(x)` called repeatedly vs `jax.jit(f)(x)`; the next column",
+        "  compares it with the jitted hand-written function, which returns the same arrays.",
+        "- **compiled programs**: how the XLA operations of `jax.jit(reap(f))` and the",
+        "  hand-written function differ after compilation.",
+        "",
+        oryx_note,
+        "",
+        *_mlp_table(core["mlp"], oryx),
+        "",
+        "## Targets",
+        "",
+        *targets,
+        "",
+        *(["Every target was met."] if not misses else ["Missed, and why:", "", *misses]),
+        "",
+        "## Interpreter cost as the program grows",
+        "",
+        "`jax.make_jaxpr(reap(f))` vs `jax.make_jaxpr(f)` for an unrolled MLP of growing",
+        "depth (4 wide, so the time is all tracing). harvest traces `f` once to find the",
+        "sows, then walks the jaxpr re-binding every equation: a ratio near 2 is the price.",
+        "",
+        *_trace_table(core["trace"], core["trace_slope"]),
+        "",
+        "## Activation patching",
+        "",
+        *_patching_lines(results["patching"], results["patching_size"]),
+        "",
+        "## Reading the numbers",
+        "",
+        *ANALYSIS,
+        "",
+    ])
+
+
+ANALYSIS = [
+    "- **steady**: under `jit` the walk has already happened at trace time, and XLA",
+    "  compiles the same operations either way (the *compiled programs* column), so",
+    "  the ratio is 1 up to noise. On a shared 2-core machine that noise is several",
+    "  percent per row, in either direction; the load average above says how shared.",
+    "- **compile**: the first call pays for tracing twice (`make_jaxpr` of `f`, then",
+    "  the walk re-binding every equation: about 2x the plain trace) and for XLA",
+    "  inlining the walk's nested `jit` before it compiles the same operations",
+    "  (a few ms here). That cost is fixed per program, so it is a few percent of the",
+    "  unrolled model's long compile but a larger share for the `scan`, whose XLA",
+    "  compile is short and does not grow with L.",
+    "- **eager**: an eager `reap(f)(x)` is one call of a cached `jax.jit` keyed by the",
+    "  function, the policy and the pytree structure. Against `jax.jit(f)` it can come",
+    "  out *below* 1: `f` returns only its output, letting XLA fuse each residual add",
+    "  into the next layer's matmul, which on CPU is slower than the library matmul",
+    "  it uses when every layer's output is materialised, as both harvest and the",
+    "  hand-written function do. The column against the hand-written jit isolates",
+    "  harvest's own per-call Python cost (flattening, hashing the static key).",
+    "- **oryx**: jitted, oryx's `reap` also compiles to the hand-written program.",
+    "  Eager, it re-traces and dispatches every operation on every call, which is why",
+    "  its eager ratios are in the tens to hundreds.",
+    "- **trace scaling**: the walk costs a roughly constant amount per equation, so",
+    "  the ratio stays near 2 and the time grows linearly with the program.",
+]
+
+
+def run(quick=False, large=False):
+    cfg = bench_core.QUICK if quick else bench_core.Config()
+    if large:
+        cfg = dataclasses.replace(cfg, trace_sizes=cfg.trace_sizes + (100_000,))
+    size = "tiny" if quick else "full" if large else "small"
+    start, load = time.perf_counter(), [_load()]
+    results = {"machine": _timing.machine(), "config": cfg, "core": bench_core.run(cfg)}
+    results["patching"], results["patching_size"] = _patching(size), size
+    results["oryx"] = bench_oryx.run(
+        cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
+    )
+    results["load"] = load + [_load()]
+    results["seconds"] = time.perf_counter() - start
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the code runs")
+    parser.add_argument("--large", action="store_true", help="add 10^5 equations and the full patching sweep")
+    parser.add_argument("--output", type=pathlib.Path, default=DOC, help="where to write the page")
+    opts = parser.parse_args(argv)
+    results = run(opts.quick, opts.large)
+    if results["patching"] is None:
+        print("benchmarks.bench_patching is missing: activation patching not measured.")
+    if results["oryx"] is None:
+        print("The oryx venv is missing (bash compat/oryx_venv.sh builds it): oryx not measured.")
+    page = render(results)
+    opts.output.write_text(page)
+    print(page)
+    print(f"Wrote {opts.output}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Sphinx configuration for harvest's documentation (`make docs`).
+
+Pages are Markdown read by MyST, and notebooks render through myst-nb: the
+same stack JAX, Flax and oryx use, so a reader moving between those sites and
+this one meets the same syntax, and the guides stay plain Markdown that the
+tests can execute block by block. Warnings are errors (`-W`) in `make docs`.
+"""
+
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # document the working tree, not an installed copy
+
+import harvest  # noqa: E402
+
+project = "harvest"
+author = "the harvest authors"
+copyright = "the harvest authors"
+release = version = harvest.__version__
+
+extensions = [
+    "myst_nb",  # Markdown (MyST) pages and .ipynb notebooks
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",  # the docstrings' "Example:" sections
+]
+
+# `notebooks` links to the repository's notebooks/ folder, whose .ipynb files
+# are executed by the tests; the docs render their stored outputs as they are.
+nb_execution_mode = "off"
+myst_enable_extensions = ["colon_fence"]
+myst_heading_anchors = 3
+
+exclude_patterns = ["_build", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+suppress_warnings = [
+    "toc.empty_glob",  # before any notebook exists, the notebooks glob matches nothing
+    "myst-nb.lexer",  # a notebook saved without kernel metadata renders unhighlighted, not as an error
+]
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"members": False}
+
+html_theme = "sphinx_book_theme"
+html_title = "harvest"
+html_theme_options = {"show_toc_level": 2}

@@ -1,0 +1,37 @@
+"""The benchmarks run end to end at a tiny size, so they cannot rot. No timing is asserted."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx
+
+
+def test_quick_run_writes_the_page(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    results = bench.main(["--quick", "--output", str(page)])
+    text = page.read_text()
+    for heading in ("# Benchmarks", "## Targets", "## Interpreter cost", "## Activation patching"):
+        assert heading in text
+    assert "JAX" in text and "cores" in text
+    rows = results["core"]["mlp"]
+    assert {(r["model"], r["layers"]) for r in rows} == {("unrolled", 2), ("scan", 2)}
+    for r in rows:
+        assert all(r[m] > 0 for m in bench_core.MEASURES)
+    assert len(results["core"]["trace"]) == len(bench_core.QUICK.trace_sizes)
+    if bench_oryx.venv_python() is not None:  # the oryx side ran too
+        assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [("unrolled", 2), ("scan", 2)]
+
+
+@pytest.mark.parametrize("kind", sorted(bench_core.MODELS))
+def test_models_match_hand_written_and_compile_alike(kind):
+    args = bench_core.inputs(kind, 3, 8, 2)
+    bench_core.same_values(bench_core.MODELS[kind], args)  # asserts
+    assert bench_core.program_diff(bench_core.MODELS[kind], args) in ("identical", "+1 bitcast")
+
+
+def test_ratio_interleaves_and_takes_medians():
+    calls = []
+    r, ours, theirs = _timing.ratio(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert r == ours / theirs
