@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
 
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._site import path_str
@@ -133,6 +135,10 @@ def _call(f, policy, reap, plants, args, kwargs):
     static = _Static(
         treedef, tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf)), policy, reap
     )
+    if isinstance(core.trace_ctx.trace, pe.DynamicJaxprTrace):
+        # Already being staged (under jit, scan, ...): the outer trace is the
+        # cache, and walking in place saves a nested jit for XLA to inline.
+        return _walk(fn, dynamic, static)
     try:
         hash(static)
         jitted = _jit_for(fn)
@@ -173,6 +179,14 @@ def _resolve_plants(plants, sites, policy):
 
 def _nested(flat):
     out: dict = {}
+    for path in flat:
+        for n in range(1, len(path)):
+            if path[:n] in flat:
+                raise ValueError(
+                    f"{path_str(path[:n])!r} is both a sown name and a nest scope (holding "
+                    f"{path_str(path)!r}), so one would hide the other in the reaped dict. "
+                    "Rename the sow or the scope."
+                )
     for path, value in flat.items():
         d = out
         for key in path[:-1]:

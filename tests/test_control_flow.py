@@ -428,3 +428,16 @@ def test_clobber_not_touched_by_untaken_branch_keeps_earlier_value():
 
     close(reap(f)(X2, jnp.bool_(True)), {"k": X2 * 5.0})
     close(reap(f)(X2, jnp.bool_(False)), {"k": X2})
+
+
+def test_append_plant_in_scan_ignores_same_name_of_another_tag():
+    # Rows per iteration are counted for this tag only.
+    def f(xs):
+        def body(c, x):
+            y = sow(x + 0.5 * c, name="y", mode="append")
+            sow(y * 2.0, name="y", tag="other", mode="append")
+            return c, y
+
+        return lax.scan(body, 0.0, xs)[1]
+
+    close(plant(f)({"y": jnp.arange(5.0) + 10.0}, jnp.zeros(5)), jnp.arange(5.0) + 10.0)

@@ -207,3 +207,14 @@ def test_error_under_outer_jit_leaves_no_state():
     close(g({"alpha": jnp.zeros(3)}, X), jnp.full(3, -1.0))
     o, r = call_and_reap(f, tag="t")(X)
     close(o, (X + 1.0) * 2.0 - 1.0)
+
+
+def test_a_name_that_is_also_a_nest_scope_is_an_error_not_a_lost_value():
+    inner = nest(lambda x: sow(x, name="a", mode="strict"), scope="y")
+
+    def f(x):
+        return sow(inner(x) * 2.0, name="y", mode="strict")
+
+    with pytest.raises(ValueError, match="'y' is both a sown name and a nest scope"):
+        reap(f)(1.0)
+    assert float(f(1.0)) == 2.0  # nothing left behind

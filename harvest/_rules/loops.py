@@ -29,19 +29,19 @@ def _no_strict(sites, where):
             )
 
 
-def append_rows(jaxpr, path):
-    """How many `append` rows of `path` one run of `jaxpr` produces."""
+def append_rows(jaxpr, site):
+    """How many `append` rows of `site`'s tag and name one run of `jaxpr` produces."""
     rows = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             p = eqn.params
-            rows += p["scope"] + (p["name"],) == path and p["mode"] == "append"
+            rows += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == "append"
         elif eqn.primitive is scan_p:
-            rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, path)
+            rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, site)
         elif eqn.primitive.name == "cond":
-            rows += max(append_rows(b.jaxpr, path) for b in eqn.params["branches"])
+            rows += max(append_rows(b.jaxpr, site) for b in eqn.params["branches"])
         else:
-            rows += sum(append_rows(j, path) for j in sub_jaxprs(eqn))
+            rows += sum(append_rows(j, site) for j in sub_jaxprs(eqn))
     return rows
 
 
@@ -71,7 +71,7 @@ def _per_iteration(plant: Plant, idx, body_jaxpr):
             return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
         return Plant(site, tuple(entry(e) for e in plant.value))
-    k = append_rows(body_jaxpr, site.name)
+    k = append_rows(body_jaxpr, site)
     return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
 
 

@@ -23,12 +23,13 @@ from typing import Callable, Hashable, Iterable, Optional
 
 import jax
 
-from .._interpreter import NameFilter, Policy
-from .._primitive import sow_p as sow_p
-from .._sow import _leaves
-from .._transforms import _call, _check_plants_arg, nest as nest
+from ..._interpreter import NameFilter, Policy
+from ..._primitive import sow_p as sow_p
+from ..._sow import _leaves
+from ..._transforms import _call, _check_plants_arg, nest as nest
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
+# oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
 
 # oryx's "append" stacks once per enclosing loop and allows one occurrence per
 # scope; the core calls that mode "stack" (its own "append" counts occurrences).

@@ -1,0 +1,27 @@
+"""harvest.ppl: probabilistic programs on TensorFlow Probability, built from sow/reap/plant.
+
+A program is a function `f(key, *args)` whose draws are named with
+`random_variable`. `joint_sample`, `joint_log_prob`, `log_prob`, `intervene`
+and `conditional` transform it; `plate` draws independent copies of a block
+and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
+substrate importable on current JAX (see `_tfp_shim.py`).
+"""
+
+from ._tfp_shim import import_tfp as _import_tfp
+
+_import_tfp()  # fail here, with the versions that work, rather than at first use
+
+from .._transforms import nest as nest  # noqa: E402
+from ._plate import plate as plate  # noqa: E402
+from ._random_variable import (  # noqa: E402
+    LOG_DENSITY as LOG_DENSITY,
+    RANDOM_VARIABLE as RANDOM_VARIABLE,
+    random_variable as random_variable,
+)
+from ._transforms import (  # noqa: E402
+    conditional as conditional,
+    intervene as intervene,
+    joint_log_prob as joint_log_prob,
+    joint_sample as joint_sample,
+    log_prob as log_prob,
+)

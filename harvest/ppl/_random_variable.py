@@ -1,0 +1,94 @@
+"""`random_variable`: a named draw that the ppl transformations can find.
+
+A draw leaves two sows behind. Its sample is sown under `RANDOM_VARIABLE`
+(so `joint_sample` reaps it and `intervene` plants it), and, for a
+distribution, its log density — computed from the value after that sow, so
+from the planted value when there is one — under `LOG_DENSITY`, where
+`joint_log_prob` reaps it. Both sows share the draw's name. The density is
+sown in mode "collect" whatever the draw's mode: densities are only summed,
+and "collect" keeps every occurrence in and out of loops.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._sow import sow
+
+RANDOM_VARIABLE = "random_variable"
+LOG_DENSITY = "random_variable_log_density"
+
+# "strict": one draw per name (the default, as in oryx). "append": one draw per
+# loop iteration, stacked on a leading axis, for random variables in a scan.
+RV_MODES = ("strict", "append")
+
+
+def is_distribution(obj):
+    """Duck-types a TFP distribution, so plain samplers work without TFP."""
+    return callable(getattr(obj, "sample", None)) and callable(getattr(obj, "log_prob", None))
+
+
+def _check_arguments(dist, name, mode):
+    if name is None:
+        raise TypeError(
+            "random_variable needs a name, e.g. random_variable(dist, name='x'): "
+            "joint_sample, joint_log_prob, intervene and conditional refer to the draw by it."
+        )
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"random_variable needs `name` to be a non-empty string, got {name!r}.")
+    if mode not in RV_MODES:
+        raise ValueError(
+            f"random_variable(name={name!r}): mode {mode!r} is not supported. Use 'strict' "
+            "for one draw, or 'append' for a draw inside lax.scan (draws stack on a "
+            "leading axis)."
+        )
+    if not (is_distribution(dist) or callable(dist)):
+        raise TypeError(
+            f"random_variable(name={name!r}) takes a TFP distribution (from "
+            "tensorflow_probability.substrates.jax) or a sampling function key -> value; "
+            f"got a {type(dist).__name__}."
+        )
+
+
+def random_variable(dist, *, name=None, mode="strict"):
+    """Returns a sampler `key -> value` that draws from `dist` as the random variable `name`.
+
+    `dist` is a TFP distribution, whose log density `joint_log_prob` sums over
+    all of the sample's axes (a batch of independent draws is one variable), or
+    a plain sampling function `key -> value` (extra arguments are passed on),
+    which has no density: such a variable can be sampled, intervened on and
+    conditioned on, but not scored.
+
+    `mode="strict"` (the default) allows one draw of `name` per program. Inside
+    `lax.scan` use `mode="append"`: `joint_sample` stacks the draws on a
+    leading axis, one row per iteration, and values are planted the same way.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def model(key):
+        ...     k1, k2 = jax.random.split(key)
+        ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
+        ...     return ppl.random_variable(tfd.Normal(z, 0.5), name="x")(k2)
+        >>> sorted(ppl.joint_sample(model)(jax.random.key(0)))
+        ['x', 'z']
+        >>> coin = ppl.random_variable(lambda key: jax.random.bernoulli(key), name="coin")
+        >>> coin(jax.random.key(1)).dtype
+        dtype('bool')
+    """
+    _check_arguments(dist, name, mode)
+    if is_distribution(dist):
+
+        def sample_distribution(key):
+            value = sow(dist.sample(seed=key), tag=RANDOM_VARIABLE, name=name, mode=mode)
+            sow(jnp.sum(dist.log_prob(value)), tag=LOG_DENSITY, name=name, mode="collect")
+            return value
+
+        return sample_distribution
+
+    def sample_function(key, *args, **kwargs):
+        return sow(dist(key, *args, **kwargs), tag=RANDOM_VARIABLE, name=name, mode=mode)
+
+    return sample_function

@@ -1,0 +1,366 @@
+"""harvest.ppl against TensorFlow Probability's own joint distributions."""
+
+import doctest
+import importlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import harvest.ppl as ppl
+from harvest.ppl import _plate, _random_variable, _tfp_shim, _transforms
+
+import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
+
+tfd = tfp.distributions
+Root = tfd.JointDistributionCoroutine.Root
+
+pytestmark = [
+    # TFP's JAX substrate asks for float64 and passes None shapes internally.
+    pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:tensorflow_probability"),
+]
+few = settings(max_examples=8, deadline=None)
+finite = st.floats(-3.0, 3.0, allow_nan=False, width=32)
+
+
+# A hierarchical model with scalar, positive, vector-valued and discrete (int)
+# variables, once in harvest.ppl and once as a TFP joint distribution.
+def hierarchical(key, n_groups=3):
+    k_mu, k_scale, k_theta, k_flags = jax.random.split(key, 4)
+    mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k_mu)
+    scale = ppl.random_variable(tfd.HalfNormal(1.0), name="scale")(k_scale)
+    theta = ppl.random_variable(
+        tfd.Independent(tfd.Normal(jnp.full(n_groups, mu), scale), 1), name="theta"
+    )(k_theta)
+    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(k_flags)
+
+
+def hierarchical_tfp(n_groups=3):
+    def coroutine():
+        mu = yield Root(tfd.Normal(0.0, 1.0))
+        scale = yield Root(tfd.HalfNormal(1.0))
+        theta = yield tfd.Independent(tfd.Normal(jnp.full(n_groups, mu), scale), 1)
+        yield tfd.Independent(tfd.Bernoulli(logits=theta), 1)
+
+    return tfd.JointDistributionCoroutine(coroutine)
+
+
+ORDER = ("mu", "scale", "theta", "flags")
+
+
+def as_tuple(values):
+    return tuple(values[name] for name in ORDER)
+
+
+def draw(seed):
+    return ppl.joint_sample(hierarchical)(jax.random.key(seed))
+
+
+def close(a, b, rtol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# joint_sample and joint_log_prob
+
+
+def test_joint_sample_names_every_variable_with_its_shape_and_dtype():
+    values = draw(0)
+    assert sorted(values) == sorted(ORDER)
+    assert values["theta"].shape == values["flags"].shape == (3,)
+    assert values["flags"].dtype == jnp.int32
+    assert values["mu"].shape == ()
+
+
+@few
+@given(seed=st.integers(0, 2**16))
+def test_joint_log_prob_matches_tfp_joint_distribution(seed):
+    values = draw(seed)
+    close(ppl.joint_log_prob(hierarchical)(values), hierarchical_tfp().log_prob(as_tuple(values)))
+
+
+@few
+@given(mu=finite, log_scale=st.floats(-1.0, 1.0, width=32), theta=st.lists(finite, min_size=3, max_size=3))
+def test_grad_of_joint_log_prob_matches_tfp(mu, log_scale, theta):
+    values = {
+        "mu": jnp.float32(mu),
+        "scale": jnp.exp(jnp.float32(log_scale)),
+        "theta": jnp.asarray(theta, jnp.float32),
+        "flags": jnp.array([0, 1, 1], jnp.int32),
+    }
+    ours = jax.grad(ppl.joint_log_prob(hierarchical), allow_int=True)(values)
+    theirs = jax.grad(lambda v: hierarchical_tfp().log_prob(as_tuple(v)), allow_int=True)(values)
+    for name in ("mu", "scale", "theta"):
+        close(ours[name], theirs[name], rtol=1e-4)
+
+
+def test_jit_and_vmap_over_keys_and_over_values():
+    keys = jax.random.split(jax.random.key(1), 5)
+    values = jax.jit(jax.vmap(ppl.joint_sample(hierarchical)))(keys)
+    assert values["theta"].shape == (5, 3)
+    scores = jax.jit(jax.vmap(ppl.joint_log_prob(hierarchical)))(values)
+    close(scores, jax.vmap(hierarchical_tfp().log_prob)(as_tuple(values)))
+
+
+def test_joint_sample_follows_the_key():
+    a, b = draw(3), draw(3)
+    close(a["theta"], b["theta"])
+    assert not np.allclose(a["theta"], draw(4)["theta"])
+
+
+# ---------------------------------------------------------------------------
+# intervene and conditional
+
+
+def hierarchical_with_mu_fixed(key, mu, n_groups=3):
+    """`hierarchical` written by hand with mu a constant."""
+    _, k_scale, k_theta, k_flags = jax.random.split(key, 4)
+    scale = ppl.random_variable(tfd.HalfNormal(1.0), name="scale")(k_scale)
+    theta = ppl.random_variable(
+        tfd.Independent(tfd.Normal(jnp.full(n_groups, mu), scale), 1), name="theta"
+    )(k_theta)
+    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(k_flags)
+
+
+@few
+@given(seed=st.integers(0, 2**16), mu=finite)
+def test_intervene_equals_the_model_with_a_constant(seed, mu):
+    key = jax.random.key(seed)
+    mu = jnp.float32(mu)
+    fixed = ppl.intervene(hierarchical, mu=mu)
+    by_hand = hierarchical_with_mu_fixed
+    samples = ppl.joint_sample(fixed)(key)
+    assert sorted(samples) == ["flags", "scale", "theta"]
+    for name, value in ppl.joint_sample(by_hand)(key, mu).items():
+        close(samples[name], value)
+    close(fixed(key), by_hand(key, mu))
+    close(ppl.joint_log_prob(fixed)(samples), ppl.joint_log_prob(by_hand)(samples, mu))
+
+
+def test_intervened_variable_no_longer_counts_in_the_density():
+    values = draw(5)
+    fixed = ppl.intervene(hierarchical, mu=values["mu"])
+    rest = {k: v for k, v in values.items() if k != "mu"}
+    full = ppl.joint_log_prob(hierarchical)(values)
+    close(ppl.joint_log_prob(fixed)(rest), full - tfd.Normal(0.0, 1.0).log_prob(values["mu"]))
+
+
+def test_intervene_downstream_uses_the_value():
+    out = ppl.intervene(hierarchical, theta=jnp.array([-50.0, -50.0, -50.0]))(jax.random.key(0))
+    close(out, jnp.zeros(3))  # logits of -50 draw zeros
+
+
+def test_conditional_takes_values_after_the_arguments():
+    key = jax.random.key(2)
+    given_mu = ppl.conditional(hierarchical, "mu")
+    close(given_mu(key, 1.5), ppl.intervene(hierarchical, mu=1.5)(key))
+    both = ppl.conditional(hierarchical, ["mu", "theta"])
+    close(both(key, 0.0, jnp.array([-50.0, -50.0, -50.0])), jnp.zeros(3))
+    assert ppl.conditional(hierarchical, []) is hierarchical
+
+
+def test_conditional_under_jit_and_vmap_over_values():
+    keys = jax.random.split(jax.random.key(0), 4)
+    mus = jnp.linspace(-1.0, 1.0, 4)
+    outs = jax.jit(jax.vmap(ppl.conditional(hierarchical, "mu")))(keys, mus)
+    for key, mu, out in zip(keys, mus, outs):
+        close(out, ppl.intervene(hierarchical, mu=mu)(key))
+
+
+def test_nested_names_are_dicts_and_dotted_for_conditional():
+    def model(key):
+        k1, k2 = jax.random.split(key)
+        z = ppl.nest(ppl.random_variable(tfd.Normal(0.0, 1.0), name="z"), scope="prior")(k1)
+        return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
+
+    values = ppl.joint_sample(model)(jax.random.key(0))
+    assert set(values) == {"prior", "x"} and set(values["prior"]) == {"z"}
+    expected = tfd.Normal(0.0, 1.0).log_prob(values["prior"]["z"]) + tfd.Normal(
+        values["prior"]["z"], 1.0
+    ).log_prob(values["x"])
+    close(ppl.joint_log_prob(model)(values), expected)
+    close(ppl.conditional(model, "prior.z")(jax.random.key(0), 7.0), ppl.intervene(model, prior={"z": 7.0})(jax.random.key(0)))
+    assert list(ppl.joint_sample(ppl.intervene(model, prior={"z": 7.0}))(jax.random.key(0))) == ["x"]
+
+
+# ---------------------------------------------------------------------------
+# Time series: random variables in lax.scan use mode="append".
+
+T = 6
+
+
+def ar1(key, rho=0.8):
+    def step(previous, k):
+        x = ppl.random_variable(tfd.Normal(rho * previous, 1.0), name="x", mode="append")(k)
+        return x, x
+
+    return jax.lax.scan(step, 0.0, jax.random.split(key, T))[1]
+
+
+def ar1_tfp(rho=0.8):
+    def coroutine():
+        previous = 0.0
+        for _ in range(T):
+            previous = yield tfd.Normal(rho * previous, 1.0)
+
+    return tfd.JointDistributionCoroutineAutoBatched(coroutine)
+
+
+@few
+@given(seed=st.integers(0, 2**16))
+def test_scan_draws_reap_stacked_and_score_like_tfp(seed):
+    key = jax.random.key(seed)
+    xs = ppl.joint_sample(ar1)(key)["x"]
+    assert xs.shape == (T,)
+    close(xs, ar1(key))
+    close(ppl.joint_log_prob(ar1)({"x": xs}), ar1_tfp().log_prob(tuple(xs)))
+
+
+def test_scan_draws_plant_stacked():
+    path = jnp.arange(T, dtype=jnp.float32)
+    close(ppl.intervene(ar1, x=path)(jax.random.key(0)), path)
+    assert ppl.joint_sample(ppl.intervene(ar1, x=path))(jax.random.key(0)) == {}
+
+
+def test_grad_through_scan_matches_tfp():
+    xs = ppl.joint_sample(ar1)(jax.random.key(9))["x"]
+    ours = jax.grad(lambda x: ppl.joint_log_prob(ar1)({"x": x}))(xs)
+    theirs = jax.grad(lambda x: ar1_tfp().log_prob(tuple(x)))(xs)
+    close(ours, theirs, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# log_prob, plate, plain samplers
+
+
+def test_log_prob_of_a_distribution_and_of_a_single_draw():
+    normal = tfd.Normal(1.0, 2.0)
+    close(ppl.log_prob(normal)(0.5), normal.log_prob(0.5))
+    single = ppl.random_variable(normal, name="y")
+    close(ppl.log_prob(single)(0.5), normal.log_prob(0.5))
+
+
+def test_log_prob_refuses_transformed_outputs_and_latents():
+    with pytest.raises(ValueError, match="does not invert"):
+        ppl.log_prob(lambda key: jnp.exp(ppl.random_variable(tfd.Normal(0.0, 1.0), name="y")(key)))(1.0)
+    with pytest.raises(ValueError, match="also draws mu, scale, theta"):
+        ppl.log_prob(hierarchical)(jnp.zeros(3))
+
+
+@ppl.plate(name="data", size=4)
+def observations(key, mu):
+    return ppl.random_variable(tfd.Normal(mu, 1.0), name="y")(key)
+
+
+@few
+@given(seed=st.integers(0, 2**16), mu=finite)
+def test_plate_draws_independent_copies_and_sums_their_density(seed, mu):
+    ys = ppl.joint_sample(observations)(jax.random.key(seed), mu)["y"]
+    assert ys.shape == (4,) and len(set(np.asarray(ys).tolist())) == 4
+    close(ppl.joint_log_prob(observations)({"y": ys}, mu), tfd.Normal(mu, 1.0).log_prob(ys).sum())
+
+
+def test_plate_inside_a_model_matches_tfp_sample():
+    def model(key):
+        k1, k2 = jax.random.split(key)
+        mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k1)
+        return ppl.plate(ppl.random_variable(tfd.Normal(mu, 1.0), name="y"), name="data", size=5)(k2)
+
+    def reference():
+        mu = yield Root(tfd.Normal(0.0, 1.0))
+        yield tfd.Sample(tfd.Normal(mu, 1.0), 5)
+
+    values = ppl.joint_sample(model)(jax.random.key(0))
+    close(ppl.joint_log_prob(model)(values), tfd.JointDistributionCoroutine(reference).log_prob((values["mu"], values["y"])))
+
+
+def test_plain_sampler_samples_and_intervenes_but_is_not_scored():
+    def model(key):
+        k1, k2 = jax.random.split(key)
+        u = ppl.random_variable(jax.random.uniform, name="u")(k1)
+        return ppl.random_variable(tfd.Normal(u, 1.0), name="x")(k2)
+
+    values = ppl.joint_sample(model)(jax.random.key(0))
+    with pytest.raises(ValueError, match="plain sampling functions"):
+        ppl.joint_log_prob(model)(values)
+    close(ppl.joint_log_prob(ppl.intervene(model, u=0.5))({"x": 0.0}), tfd.Normal(0.5, 1.0).log_prob(0.0))
+
+
+# ---------------------------------------------------------------------------
+# Errors
+
+
+def test_random_variable_without_name_says_how_to_name_it():
+    with pytest.raises(TypeError, match=r"needs a name, e.g. random_variable\(dist, name='x'\)"):
+        ppl.random_variable(tfd.Normal(0.0, 1.0))
+
+
+def test_random_variable_rejects_bad_mode_and_non_distributions():
+    with pytest.raises(ValueError, match="'append' for a draw inside lax.scan"):
+        ppl.random_variable(tfd.Normal(0.0, 1.0), name="x", mode="clobber")
+    with pytest.raises(TypeError, match="TFP distribution .* or a sampling function"):
+        ppl.random_variable(3.0, name="x")
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(KeyError, match="bogus. Its random variables are: flags, mu, scale, theta"):
+        ppl.intervene(hierarchical, bogus=1.0)(jax.random.key(0))
+    with pytest.raises(KeyError, match="Its random variables are"):
+        ppl.conditional(hierarchical, "nope")(jax.random.key(0), 1.0)
+
+
+def test_joint_log_prob_names_missing_values():
+    with pytest.raises(ValueError, match="missing: flags, scale, theta"):
+        ppl.joint_log_prob(hierarchical)({"mu": 0.0})
+    with pytest.raises(TypeError, match="as a dict"):
+        ppl.joint_log_prob(hierarchical)([0.0])
+
+
+def test_conditional_counts_its_values():
+    with pytest.raises(TypeError, match="one value per name"):
+        ppl.conditional(hierarchical, ["mu", "scale"])(jax.random.key(0))
+
+
+# ---------------------------------------------------------------------------
+# The TFP shim
+
+
+def test_shim_restores_only_the_missing_alias(monkeypatch):
+    from jax._src import core
+
+    assert jax.interpreters.xla.pytype_aval_mappings is core.pytype_aval_mappings
+    sentinel = {}
+    monkeypatch.setattr(jax.interpreters.xla, "pytype_aval_mappings", sentinel, raising=False)
+    _tfp_shim.apply_shim()
+    assert jax.interpreters.xla.pytype_aval_mappings is sentinel  # never replaced
+
+
+def test_a_failing_tfp_import_names_the_working_versions(monkeypatch):
+    def broken(name):
+        raise AttributeError("module 'jax' has no attribute 'something_new'")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(ImportError, match="tested with tensorflow-probability 0.25.0 with jax/jaxlib 0.10"):
+        _tfp_shim.import_tfp()
+
+
+def test_tfp_imports_in_a_fresh_interpreter_after_harvest_ppl():
+    import subprocess
+
+    code = "import harvest.ppl; import tensorflow_probability.substrates.jax as tfp; print(tfp.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0.25.0"
+
+
+# ---------------------------------------------------------------------------
+# Docstring examples
+
+
+@pytest.mark.parametrize("module", [ppl, _random_variable, _transforms, _plate], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
