@@ -67,14 +67,24 @@ def _add_cotangents(a, b):
     return a + b
 
 
-@register(custom_jvp_call_p)
-def _custom_jvp(scope, eqn, invals):
-    call = eqn.params["call_jaxpr"]
-    if scope.plants_inside([call.jaxpr]):
-        return interpret(scope, call.jaxpr, call.consts, invals)
-    r = retrace(scope, call.jaxpr, call.consts, invals)
-    body, k, n = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ())), r.num_consts, r.num_outs
-    original = _original(eqn)
+def _keeping_the_rule(wrap):
+    """A rule that re-traces the primal body and wraps it with `wrap`, which
+    attaches a derivative built from the user's rule and the walked body."""
+
+    def rule(scope, eqn, invals):
+        call = eqn.params["call_jaxpr"]
+        if scope.plants_inside([call.jaxpr]):
+            return interpret(scope, call.jaxpr, call.consts, invals)
+        r = retrace(scope, call.jaxpr, call.consts, invals)
+        body = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ()))
+        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs)
+        return r.finish(scope, wrapped(*r.args))
+
+    return rule
+
+
+def _with_jvp(body, original, k, n):
+    """`body` (k closed-over inputs first, n outputs then records) under a custom_jvp."""
 
     @jax.custom_jvp
     def wrapped(*xs):
@@ -86,17 +96,11 @@ def _custom_jvp(scope, eqn, invals):
         recs, rec_dots = jax.jvp(lambda *xs: body(*xs)[n:], primals, tangents)
         return [*outs, *recs], [*out_dots, *rec_dots]
 
-    return r.finish(scope, wrapped(*r.args))
+    return wrapped
 
 
-@register(custom_vjp_call_p)
-def _custom_vjp(scope, eqn, invals):
-    call = eqn.params["call_jaxpr"]
-    if scope.plants_inside([call.jaxpr]):
-        return interpret(scope, call.jaxpr, call.consts, invals)
-    r = retrace(scope, call.jaxpr, call.consts, invals)
-    body, k, n = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ())), r.num_consts, r.num_outs
-    original = _original(eqn)
+def _with_vjp(body, original, k, n):
+    """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp."""
 
     @jax.custom_vjp
     def wrapped(*xs):
@@ -117,4 +121,8 @@ def _custom_vjp(scope, eqn, invals):
         )
 
     wrapped.defvjp(fwd, bwd)
-    return r.finish(scope, wrapped(*r.args))
+    return wrapped
+
+
+register(custom_jvp_call_p)(_keeping_the_rule(_with_jvp))
+register(custom_vjp_call_p)(_keeping_the_rule(_with_vjp))
