@@ -16,8 +16,9 @@ from jax._src import core, effects
 from jax._src.interpreters import batching
 from jax.interpreters import ad, mlir
 
-# "stack" is oryx's append: one occurrence per scope, stacked per loop level.
-MODES = ("collect", "strict", "append", "clobber", "cond_clobber", "stack")
+# Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
+# "cond_clobber" (sow_cond, with a trailing predicate operand); "stack"
+# (oryx's append: one occurrence per scope, stacked once per loop level).
 
 
 class SowEffect(effects.Effect):

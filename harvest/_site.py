@@ -41,11 +41,6 @@ class Site:
     def __str__(self):
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"
 
-    def shape_str(self, leading=()):
-        return ", ".join(
-            f"{a.dtype}{list(leading) + list(a.shape)}" for a in self.avals
-        )
-
     def zeros(self, leading=()):
         return jax.tree_util.tree_unflatten(
             self.tree, [jnp.zeros(tuple(leading) + a.shape, a.dtype) for a in self.avals]
@@ -89,9 +84,3 @@ class Record:
         if mode == "append":
             return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *self.values)
         return self.values[0]
-
-    def count(self):
-        """Occurrences so far: entries for collect, rows for append."""
-        if self.site.mode == "append":
-            return sum(jax.tree_util.tree_leaves(c)[0].shape[0] for c in self.values)
-        return len(self.values)

@@ -7,7 +7,7 @@ import numbers
 import jax
 import numpy as np
 
-from ._primitive import MODES, sow_p
+from ._primitive import sow_p
 
 DEFAULT_TAG = "intermediates"
 PUBLIC_MODES = ("collect", "strict", "append", "clobber")

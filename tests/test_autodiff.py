@@ -1,7 +1,6 @@
 """Autodiff: grad/jvp/vjp of harvested functions, harvesting differentiated functions,
 custom derivatives, hijax backward rules, and perturb."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -11,12 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
 from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .._interpreter import Plant, interpret, register, sub_jaxprs
 from .._primitive import sow_p
-from .._site import LOOP_MODES, Record, path_str
+from .._site import LOOP_MODES, Record
 
 
 def _no_strict(sites, where):
