@@ -29,7 +29,7 @@ class SiteInfo:
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow
-        >>> from harvest._inspect import sites
+        >>> from harvest import sites
         >>> info = sites(lambda x: sow(x, name="h"), jnp.zeros(3))[0]
         >>> info.name, info.shape, info.fires
         ('h', (3,), 1)
@@ -50,7 +50,7 @@ class Sites(list):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow
-        >>> from harvest._inspect import sites
+        >>> from harvest import sites
         >>> print(sites(lambda x: sow(x, name="h", mode="strict"), jnp.zeros(2)))
         tag            name  mode    shape  dtype    fires  where
         intermediates  h     strict  (2,)   float32  1
@@ -92,7 +92,7 @@ def sites(f, *args, tag=None, **kwargs) -> Sites:
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from harvest import sow
-        >>> from harvest._inspect import sites
+        >>> from harvest import sites
         >>> def f(xs):
         ...     def body(c, x):
         ...         return c + sow(x * c, name="step", mode="append"), None

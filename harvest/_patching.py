@@ -94,7 +94,7 @@ def ablate_zero():
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, plant
-        >>> from harvest._patching import ablate_zero
+        >>> from harvest import ablate_zero
         >>> f = lambda x: sow(x + 1.0, name="h", mode="strict") * 2.0
         >>> plant(f)({"h": ablate_zero()}, jnp.ones(2))
         Array([0., 0.], dtype=float32)
@@ -111,7 +111,7 @@ def ablate_mean(mean):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, plant
-        >>> from harvest._patching import ablate_mean
+        >>> from harvest import ablate_mean
         >>> f = lambda x: sow(x, name="h", mode="strict") * 2.0
         >>> plant(f)({"h": ablate_mean(jnp.array([1.0, 3.0]))}, jnp.zeros((2, 2)))
         Array([[2., 6.],
@@ -126,7 +126,7 @@ def add_vector(vector, scale=1.0):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, plant
-        >>> from harvest._patching import add_vector
+        >>> from harvest import add_vector
         >>> f = lambda x: sow(x, name="h", mode="strict")
         >>> plant(f)({"h": add_vector(jnp.array([1.0, 0.0]), scale=3.0)}, jnp.ones(2))
         Array([4., 1.], dtype=float32)
@@ -143,7 +143,7 @@ def patch_positions(clean, positions, axis):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, plant
-        >>> from harvest._patching import patch_positions
+        >>> from harvest import patch_positions
         >>> f = lambda x: sow(x, name="h", mode="strict")
         >>> plant(f)({"h": patch_positions(jnp.ones((2, 4)), [1, 3], axis=1)}, jnp.zeros((2, 4)))
         Array([[0., 1., 0., 1.],
@@ -199,7 +199,7 @@ class PatchingResult:
 
     Example:
         >>> import numpy as np
-        >>> from harvest._patching import PatchingResult
+        >>> from harvest import PatchingResult
         >>> r = PatchingResult(np.array([[0.0, 1.0]]), ("h",), np.arange(2), axis=1, baseline=0.5)
         >>> r.values.shape, r.names
         ((1, 2), ('h',))
@@ -217,7 +217,7 @@ class PatchingResult:
         Example:
             >>> import matplotlib; matplotlib.use("Agg")
             >>> import numpy as np
-            >>> from harvest._patching import PatchingResult
+            >>> from harvest import PatchingResult
             >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
             >>> r.plot(title="effect").get_title()
             'effect'
@@ -401,7 +401,7 @@ def patching_sweep(
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, reap
-        >>> from harvest._patching import patching_sweep
+        >>> from harvest import patching_sweep
         >>> def f(x):
         ...     h = sow(2.0 * x, name="h", mode="strict")
         ...     return sow(h + 1.0, name="g", mode="strict")
@@ -472,7 +472,7 @@ def attribution_patching(
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sow, reap
-        >>> from harvest._patching import attribution_patching
+        >>> from harvest import attribution_patching
         >>> def f(x):
         ...     h = sow(2.0 * x, name="h", mode="strict")
         ...     return sow(h + 1.0, name="g", mode="strict")

@@ -19,7 +19,7 @@ from ._interpreter import NameFilter
 from ._primitive import sow_p
 from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
-from ._transforms import plant
+from ._transforms import _nested, plant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +60,7 @@ def stream(
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from harvest import sow
-        >>> from harvest._stream import stream
+        >>> from harvest import sow, stream
         >>> def f(x):
         ...     def body(c):
         ...         return sow(c * 2.0, name="c", mode="clobber")
@@ -86,10 +85,8 @@ def stream(
     @functools.wraps(f)
     def streamed(*args, **kwargs):
         taps = _taps(jax.make_jaxpr(f)(*args, **kwargs).jaxpr, tag, select, callback)
-        # A plant consumes every site of its tag it handles, planted or not; so
-        # handle only the tapped names, and the rest pass through untouched.
-        tapped = frozenset(tap.name for tap in taps.values())
-        return plant(f, tag=tag, allowlist=tapped.__contains__)(_nested(taps), *args, **kwargs)
+        # Names not tapped are left in place by the plant, for outer harvests.
+        return plant(f, tag=tag)(_nested(taps), *args, **kwargs)
 
     return streamed
 
@@ -103,13 +100,3 @@ def _taps(jaxpr, tag, select, callback):
             taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
     return taps
 
-
-def _nested(flat):
-    """{("scope", "name"): v} -> {"scope": {"name": v}}, the shape plants take."""
-    out: dict = {}
-    for path, value in flat.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out

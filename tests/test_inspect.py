@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from harvest import nest, reap, sow, sow_cond
-from harvest._inspect import SiteInfo, Sites, sites
-from harvest._stream import stream
+from harvest import SiteInfo, Sites, nest, reap, sites, sow, sow_cond, stream
 
 
 def nested_program(xs):

@@ -10,10 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import plant, reap, sow
-from harvest._inspect import sites
-from harvest._patching import ablate_zero, patching_sweep
-from harvest._stream import stream
+from harvest import ablate_zero, patching_sweep, plant, reap, sites, sow, stream
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 

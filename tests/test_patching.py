@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from harvest import plant, reap, sow
-from harvest._patching import (
+from harvest import (
     PatchingResult,
     ablate_mean,
     ablate_zero,
@@ -18,6 +18,9 @@ from harvest._patching import (
     attribution_patching,
     patch_positions,
     patching_sweep,
+    plant,
+    reap,
+    sow,
 )
 
 SITES = ["embed", "mix", "hidden"]
