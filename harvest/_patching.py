@@ -20,8 +20,7 @@ import numpy as np
 from ._inspect import sow_equations
 from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
-from ._stream import _nested
-from ._transforms import plant, reap
+from ._transforms import _nested, plant, reap
 
 # ---------------------------------------------------------------------------
 # Interventions: callables old -> new, usable as planted values.
