@@ -11,6 +11,7 @@ re-emit it for an outer harvest of another tag.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import fnmatch
 import weakref
 from typing import Any, Callable
@@ -188,6 +189,13 @@ class Plant:
         return jax.tree_util.tree_unflatten(site.tree, leaves)
 
 
+def _select(pred, a, b):
+    """`where(pred, a, b)` with `pred`'s axes leading: under vmap a sow_cond's
+    predicate is batched along the same leading axis as its value."""
+    pred = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(a) - jnp.ndim(pred)))
+    return jnp.where(pred, a, b)
+
+
 def _vary_like(new, old):
     """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
     missing = tuple(jax.typeof(old).mat.varying - jax.typeof(new).mat.varying)
@@ -248,7 +256,7 @@ class Scope:
         if plant is not None:
             new = jax.tree_util.tree_map(_vary_like, plant.at(i, value, site), value)
             if pred is not None:
-                new = jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, value)
+                new = jax.tree_util.tree_map(functools.partial(_select, pred), new, value)
             value = new
         self.seen[path] = i + 1
         if plant is None and self.reap:
@@ -264,7 +272,7 @@ class Scope:
             rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
         elif mode == "cond_clobber":
             old = rec.values[0] if rec.values else site.zeros()
-            rec.values = [jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), value, old)]
+            rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]
         else:
             rec.values = [value]
 

@@ -77,6 +77,10 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
     # never changes what vmap (or jacfwd, hessian) sees.
+    if _has_pred(mode) and dims[-1] is not None:
+        # A batched predicate picks per example, so every leaf becomes per example.
+        args = [batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis) for a, d in zip(args, dims)]
+        dims = [0] * len(args)
     args = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
     n = len(out)

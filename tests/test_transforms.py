@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 from jax._src import core as jcore
 
-from harvest import call_and_reap, harvest, plant, reap, sow
+from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
 
 
 def close(a, b):
@@ -287,3 +287,19 @@ def test_vmap_of_reap_of_cond_clobber_keeps_earlier_value_where_not_taken():
     xb = jnp.array([[1.0, 2.0], [-1.0, 3.0]])
     expect = jnp.stack([xb[0] * 5.0, xb[1]])
     close(jax.vmap(reap(f))(xb), {"k": expect})
+
+
+def test_sow_cond_with_a_batched_predicate_agrees_both_ways_round_vmap():
+    # The predicate is per example, so the reaped value is too, whichever side
+    # of vmap the harvest is on; an unbatched value becomes per example.
+    xb = jnp.array([[1.0, 2.0], [-1.0, -3.0]])
+    doubled = lambda x: sow_cond(x * 2.0, x.sum() > 0, name="c")
+    expect = jnp.array([[2.0, 4.0], [0.0, 0.0]])
+    close(reap(jax.vmap(doubled))(xb), {"c": expect})
+    close(jax.vmap(reap(doubled))(xb), {"c": expect})
+    close(plant(jax.vmap(doubled))({"c": jnp.zeros((2, 2))}, xb), jnp.array([[0.0, 0.0], [-2.0, -6.0]]))
+
+    constant = lambda x: sow_cond(jnp.arange(3.0), x.sum() > 0, name="k") + x.sum()
+    expect = jnp.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
+    close(reap(jax.vmap(constant))(xb), {"k": expect})
+    close(jax.vmap(reap(constant))(xb), {"k": expect})
