@@ -28,8 +28,7 @@ class SiteInfo:
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow
-        >>> from harvest import sites
+        >>> from harvest import sites, sow
         >>> info = sites(lambda x: sow(x, name="h"), jnp.zeros(3))[0]
         >>> info.name, info.shape, info.fires
         ('h', (3,), 1)
@@ -49,8 +48,7 @@ class Sites(list):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow
-        >>> from harvest import sites
+        >>> from harvest import sites, sow
         >>> print(sites(lambda x: sow(x, name="h", mode="strict"), jnp.zeros(2)))
         tag            name  mode    shape  dtype    fires  where
         intermediates  h     strict  (2,)   float32  1
@@ -91,8 +89,7 @@ def sites(f, *args, tag=None, **kwargs) -> Sites:
 
     Example:
         >>> import jax, jax.numpy as jnp
-        >>> from harvest import sow
-        >>> from harvest import sites
+        >>> from harvest import sites, sow
         >>> def f(xs):
         ...     def body(c, x):
         ...         return c + sow(x * c, name="step", mode="append"), None

@@ -415,19 +415,14 @@ class Retraced:
         return outs
 
 
-def retrace(scope, jaxpr, consts, invals, make_child=None, export=Scope.export):
-    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr.
-
-    `make_child` builds the child scope inside the new trace (for plants that
-    depend on it, e.g. a shard's index); `export` turns it into the records
-    pytree the body returns.
-    """
+def retrace(scope, jaxpr, consts, invals):
+    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr."""
     holder = {}
 
     def body(*args):
-        child = holder["child"] = make_child() if make_child else scope.child()
+        child = holder["child"] = scope.child()
         outs = interpret(child, jaxpr, consts, args)
-        leaves, holder["tree"] = jax.tree_util.tree_flatten(export(child))
+        leaves, holder["tree"] = jax.tree_util.tree_flatten(child.export())
         return [*outs, *leaves]
 
     closed = jax.make_jaxpr(body)(*invals)

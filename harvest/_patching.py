@@ -92,8 +92,7 @@ def ablate_zero():
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, plant
-        >>> from harvest import ablate_zero
+        >>> from harvest import ablate_zero, plant, sow
         >>> f = lambda x: sow(x + 1.0, name="h", mode="strict") * 2.0
         >>> plant(f)({"h": ablate_zero()}, jnp.ones(2))
         Array([0., 0.], dtype=float32)
@@ -109,8 +108,7 @@ def ablate_mean(mean):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, plant
-        >>> from harvest import ablate_mean
+        >>> from harvest import ablate_mean, plant, sow
         >>> f = lambda x: sow(x, name="h", mode="strict") * 2.0
         >>> plant(f)({"h": ablate_mean(jnp.array([1.0, 3.0]))}, jnp.zeros((2, 2)))
         Array([[2., 6.],
@@ -124,8 +122,7 @@ def add_vector(vector, scale=1.0):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, plant
-        >>> from harvest import add_vector
+        >>> from harvest import add_vector, plant, sow
         >>> f = lambda x: sow(x, name="h", mode="strict")
         >>> plant(f)({"h": add_vector(jnp.array([1.0, 0.0]), scale=3.0)}, jnp.ones(2))
         Array([4., 1.], dtype=float32)
@@ -141,8 +138,7 @@ def patch_positions(clean, positions, axis):
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, plant
-        >>> from harvest import patch_positions
+        >>> from harvest import patch_positions, plant, sow
         >>> f = lambda x: sow(x, name="h", mode="strict")
         >>> plant(f)({"h": patch_positions(jnp.ones((2, 4)), [1, 3], axis=1)}, jnp.zeros((2, 4)))
         Array([[0., 1., 0., 1.],
@@ -399,8 +395,7 @@ def patching_sweep(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, reap
-        >>> from harvest import patching_sweep
+        >>> from harvest import patching_sweep, reap, sow
         >>> def f(x):
         ...     h = sow(2.0 * x, name="h", mode="strict")
         ...     return sow(h + 1.0, name="g", mode="strict")
@@ -470,8 +465,7 @@ def attribution_patching(
 
     Example:
         >>> import jax.numpy as jnp
-        >>> from harvest import sow, reap
-        >>> from harvest import attribution_patching
+        >>> from harvest import attribution_patching, reap, sow
         >>> def f(x):
         ...     h = sow(2.0 * x, name="h", mode="strict")
         ...     return sow(h + 1.0, name="g", mode="strict")
