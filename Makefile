@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install docs bench conformance clean
+.PHONY: demo test install docs bench conformance dist clean
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -30,5 +30,20 @@ bench: $(STAMP)
 conformance: $(STAMP)
 	$(PY) compat/conformance.py
 
+# Build the sdist and wheel, check their metadata, then install the wheel into a
+# fresh venv outside the checkout and run the smoke check and every docstring
+# example against the installed copy (catches files missing from the wheel).
+DIST_VENV := $(or $(TMPDIR),/tmp)/harvest-dist-venv
+dist: $(STAMP)
+	rm -rf dist $(DIST_VENV)
+	mkdir -p build
+	$(PY) -m pip install --quiet "build>=1.2" "twine>=6"
+	$(PY) -m build --outdir dist . > build/dist.log 2>&1 || (cat build/dist.log; exit 1)
+	! grep -i "deprecat" build/dist.log
+	$(PY) -m twine check --strict dist/*
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/python -m pip install --quiet "$$(ls dist/*.whl)[ppl,test]"
+	cd $(DIST_VENV) && $(DIST_VENV)/bin/python $(CURDIR)/tests/dist/check_installed.py $(CURDIR)
+
 clean:
-	rm -rf $(VENV) docs/_build build *.egg-info
+	rm -rf $(VENV) docs/_build build dist *.egg-info

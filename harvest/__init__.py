@@ -24,4 +24,4 @@ from ._transforms import (
     reap as reap,
 )
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
