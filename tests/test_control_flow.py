@@ -441,3 +441,15 @@ def test_append_plant_in_scan_ignores_same_name_of_another_tag():
         return lax.scan(body, 0.0, xs)[1]
 
     close(plant(f)({"y": jnp.arange(5.0) + 10.0}, jnp.zeros(5)), jnp.arange(5.0) + 10.0)
+
+
+def test_zero_size_append_in_scan_keeps_its_shape():
+    def f(xs):
+        body = lambda c, x: (c + x, sow(jnp.zeros((0,)) * x, name="z", mode="append"))
+        return lax.scan(body, 0.0, xs)[0]
+
+    reaped = reap(f)(jnp.ones(4))
+    assert reaped["z"].shape == (4, 0)
+    # A scan around a scan multiplies the rows, still zero-size.
+    outer = lambda xs: lax.scan(lambda c, x: (f(xs) + c, None), 0.0, None, length=2)[0]
+    assert reap(outer)(jnp.ones(4))["z"].shape == (8, 0)

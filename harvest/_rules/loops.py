@@ -44,6 +44,11 @@ def append_rows(jaxpr, site):
     return rows
 
 
+def merge_rows(leaf):
+    """[n, k, *s] -> [n * k, *s]; spelled out, as -1 cannot be inferred for zero-size rows."""
+    return leaf.reshape((leaf.shape[0] * leaf.shape[1],) + leaf.shape[2:])
+
+
 def peel(plant: Plant, idx):
     """Row `idx` of a plant stacked along a leading axis; other plants as they are."""
     if callable(plant.value):
@@ -119,8 +124,7 @@ def _scan(scope, eqn, invals):
         elif site.mode == "stack":
             records[path] = Record(site, [chunk])
         else:
-            flat = jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), chunk)
-            records[path] = Record(site, [flat])
+            records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, chunk)])
     # Entries of a collect name are stacked, so their count stays; rows of every
     # other mode repeat once per iteration.
     seen = {

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .._interpreter import interpret, register
 from .._site import Record
 from .._site import LOOP_MODES
-from .loops import _per_iteration, peel
+from .loops import _per_iteration, merge_rows, peel
 
 
 def _varying(x, axes):
@@ -82,7 +82,7 @@ def _shard_map(scope, eqn, invals):
         if site.mode == "collect":  # [shards, entries...] -> a tuple of stacked entries
             records[path] = Record(_lift(site, shards), list(value))
         elif site.mode == "append":  # [shards, rows, ...] -> [shards * rows, ...]
-            records[path] = Record(site, [jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), value)])
+            records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
         else:
             records[path] = Record(_lift(site, shards), [value])
     for path, n in child.seen.items():
