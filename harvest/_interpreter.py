@@ -156,6 +156,23 @@ class Plant:
             return jnp.ndim(leaf) == len(aval.shape) + 1
         return False
 
+    def check_count(self, n):
+        """A plant given per occurrence needs one entry (collect) or row (append)
+        for each of the `n` occurrences that reap would return."""
+        if not self.per_occurrence():
+            return
+        if self.site.mode == "collect":
+            got, what = len(self.value), "entries"
+        else:
+            got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
+        if got != n:
+            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.site.avals)
+            raise ValueError(
+                f"The plant for the sow site {self.site} has {got} {what}, but reap returns "
+                f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
+                "single value (or callable) used at every occurrence."
+            )
+
     def shift(self, n):
         """The same plant seen from `n` occurrences later."""
         if not n or not self.per_occurrence():

@@ -29,6 +29,7 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
+from ._rules.loops import occurrences
 from ._site import path_str
 from ._sow import DEFAULT_TAG
 
@@ -103,7 +104,10 @@ def _walk(fn, dynamic, static: _Static):
                     f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
                     f"{known.mode!r} and {site.mode!r}. Use one mode per name."
                 )
-    scope = Scope(static.policy, _resolve_plants(plants, handled, static.policy), static.reap)
+    resolved = _resolve_plants(plants, handled, static.policy)
+    for planted in resolved.values():
+        planted.check_count(occurrences(closed.jaxpr, planted.site))
+    scope = Scope(static.policy, resolved, static.reap)
     outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return out, _nested(scope.results())

@@ -218,3 +218,28 @@ def test_a_name_that_is_also_a_nest_scope_is_an_error_not_a_lost_value():
     with pytest.raises(ValueError, match="'y' is both a sown name and a nest scope"):
         reap(f)(1.0)
     assert float(f(1.0)) == 2.0  # nothing left behind
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_append_plant_with_wrong_row_count_in_scan(rows):
+    def g(x):
+        return lax.scan(lambda c, _: (sow(c, name="h", mode="append") + 1.0, None), x, None, length=3)[0]
+
+    with pytest.raises(ValueError, match=rf"(?s)'h'.*has {rows} rows.*3 rows of float32\[\]"):
+        plant(g)({"h": jnp.arange(float(rows))}, 0.0)
+    # Hand-threaded: row t replaces iteration t's carry, the result is the last row + 1.
+    close(plant(g)({"h": jnp.array([5.0, 6.0, 7.0])}, 0.0), jnp.float32(8.0))
+
+
+@pytest.mark.parametrize("mode", ["append", "collect"])
+def test_top_level_plant_with_wrong_occurrence_count(mode):
+    def g(x):
+        return sow(x, name="h", mode=mode) * sow(x + 1.0, name="h", mode=mode)
+
+    what = "rows" if mode == "append" else "entr"
+    for n in (1, 3):
+        value = jnp.arange(float(n)) if mode == "append" else tuple(jnp.float32(i) for i in range(n))
+        with pytest.raises(ValueError, match=rf"(?s)'h'.*has {n} {what}.*2 {what}"):
+            plant(g)({"h": value}, 1.0)
+    two = jnp.array([2.0, 3.0]) if mode == "append" else (jnp.float32(2.0), jnp.float32(3.0))
+    close(plant(g)({"h": two}, 1.0), jnp.float32(6.0))

@@ -28,20 +28,26 @@ def _no_strict(sites, where):
             )
 
 
-def append_rows(jaxpr, site):
-    """How many `append` rows of `site`'s tag and name one run of `jaxpr` produces."""
-    rows = 0
+# primitive -> (params -> how many times one run of it runs its body): append
+# rows repeat that often, while a collect entry is stacked into one.
+REPEATS = {scan_p: lambda params: params["length"]}
+
+
+def occurrences(jaxpr, site):
+    """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
+    gives, as reap returns them; a cond gives its longest branch's."""
+    n = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             p = eqn.params
-            rows += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == "append"
-        elif eqn.primitive is scan_p:
-            rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, site)
+            n += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == site.mode
         elif eqn.primitive.name == "cond":
-            rows += max(append_rows(b.jaxpr, site) for b in eqn.params["branches"])
+            n += max(occurrences(b.jaxpr, site) for b in eqn.params["branches"])
         else:
-            rows += sum(append_rows(j, site) for j in sub_jaxprs(eqn))
-    return rows
+            inner = sum(occurrences(j, site) for j in sub_jaxprs(eqn))
+            repeat = REPEATS.get(eqn.primitive)
+            n += inner * repeat(eqn.params) if repeat and site.mode == "append" else inner
+    return n
 
 
 def merge_rows(leaf):
@@ -75,7 +81,7 @@ def _per_iteration(plant: Plant, idx, body_jaxpr):
             return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
         return Plant(site, tuple(entry(e) for e in plant.value))
-    k = append_rows(body_jaxpr, site)
+    k = occurrences(body_jaxpr, site)
     return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
 
 
