@@ -150,7 +150,9 @@ class Plant:
         if callable(v):
             return False
         if mode == "collect":
-            return isinstance(v, tuple)
+            # A tuple shaped like the sown value is one value; any other tuple
+            # holds one entry per occurrence (its count is checked by the walk).
+            return isinstance(v, tuple) and jax.tree_util.tree_structure(v) != self.site.tree
         if mode == "append":
             leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
             return jnp.ndim(leaf) == len(aval.shape) + 1
