@@ -214,6 +214,23 @@ def _check_plants_arg(plants, fn_name):
         )
 
 
+def _plants_first(g, f):
+    """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
+    in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
+    arguments the user means (functools.wraps alone would report `f`'s)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to report
+        return g
+    taken = set(sig.parameters)
+    name = "plants"
+    while name in taken:
+        name = "_" + name
+    first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+    g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
+    return g
+
+
 def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
     """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
 
@@ -287,7 +304,7 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
         _check_plants_arg(plants, "plant")
         return _call(f, policy, False, plants, args, kwargs)[0]
 
-    return planted
+    return _plants_first(planted, f)
 
 
 def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
@@ -312,7 +329,7 @@ def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=No
         _check_plants_arg(plants, "harvest")
         return _call(f, policy, True, plants, args, kwargs)
 
-    return harvested
+    return _plants_first(harvested, f)
 
 
 def nest(f: Callable, *, scope: str) -> Callable:

@@ -26,7 +26,7 @@ import jax
 from ..._interpreter import NameFilter, Policy
 from ..._primitive import sow_p as sow_p
 from ..._sow import _leaves
-from ..._transforms import _call, _check_plants_arg, nest as nest
+from ..._transforms import _call, _check_plants_arg, _plants_first, nest as nest
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
@@ -146,7 +146,7 @@ def harvest(
         _check_plants_arg(plants, "harvest")
         return _call(f, policy, True, plants, args, kwargs)
 
-    return wrapped
+    return _plants_first(wrapped, f)
 
 
 def plant(
@@ -172,4 +172,4 @@ def plant(
         _check_plants_arg(plants, "plant")
         return _call(f, policy, False, plants, args, kwargs)[0]
 
-    return wrapped
+    return _plants_first(wrapped, f)
