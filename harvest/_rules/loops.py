@@ -15,7 +15,7 @@ from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .._interpreter import Plant, interpret, register, sub_jaxprs
 from .._primitive import sow_p
-from .._site import LOOP_MODES, Record
+from .._site import LOOP_MODES, Record, mode_label
 
 
 def _no_strict(sites, where):
@@ -156,7 +156,7 @@ def _while(scope, eqn, invals):
     for site in sites.values():
         if site.mode in LOOP_MODES:
             raise ValueError(
-                f"The sow site {site} has mode {site.mode!r} inside a while_loop, whose trip "
+                f"The sow site {site} has mode {mode_label(site.mode)} inside a while_loop, whose trip "
                 "count is not known until it runs, so its occurrences cannot be stacked into "
                 "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
                 "'clobber' for the last iteration, sow_cond for a chosen one, or "
