@@ -22,7 +22,7 @@ from jax._src import core, source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from ._primitive import sow_p
-from ._site import CARRIED_MODES, SINGLE_MODES, Record, Site, path_str
+from ._site import CARRIED_MODES, SINGLE_MODES, Record, Site, mode_label, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[core.Primitive, Callable] = {}
@@ -150,11 +150,30 @@ class Plant:
         if callable(v):
             return False
         if mode == "collect":
-            return isinstance(v, tuple)
+            # A tuple shaped like the sown value is one value; any other tuple
+            # holds one entry per occurrence (its count is checked by the walk).
+            return isinstance(v, tuple) and jax.tree_util.tree_structure(v) != self.site.tree
         if mode == "append":
             leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
             return jnp.ndim(leaf) == len(aval.shape) + 1
         return False
+
+    def check_count(self, n):
+        """A plant given per occurrence needs one entry (collect) or row (append)
+        for each of the `n` occurrences that reap would return."""
+        if not self.per_occurrence():
+            return
+        if self.site.mode == "collect":
+            got, what = len(self.value), "entries"
+        else:
+            got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
+        if got != n:
+            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.site.avals)
+            raise ValueError(
+                f"The plant for the sow site {self.site} has {got} {what}, but reap returns "
+                f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
+                "single value (or callable) used at every occurrence."
+            )
 
     def shift(self, n):
         """The same plant seen from `n` occurrences later."""
@@ -242,13 +261,13 @@ class Scope:
         known = self.records.get(path)
         if known is not None and known.site.mode != site.mode:
             raise ValueError(
-                f"The sow site {site} uses mode {site.mode!r}, but the same name was "
-                f"sown with mode {known.site.mode!r} earlier. Use one mode per name."
+                f"The sow site {site} uses mode {mode_label(site.mode)}, but the same name was "
+                f"sown with mode {mode_label(known.site.mode)} earlier. Use one mode per name."
             )
         i = self.seen.get(path, 0)
         if site.mode in SINGLE_MODES and i:
             raise ValueError(
-                f"The sow site {site} has mode {site.mode!r} but is sown more than once. "
+                f"The sow site {site} has mode {mode_label(site.mode)} but is sown more than once. "
                 "Give each occurrence its own name, or use mode 'collect', 'append' or "
                 "'clobber'."
             )
@@ -285,12 +304,12 @@ class Scope:
                 continue
             if mine.site.mode != rec.site.mode:
                 raise ValueError(
-                    f"The sow site {rec.site} uses mode {rec.site.mode!r}, but the same "
-                    f"name was sown with mode {mine.site.mode!r} elsewhere. Use one mode per name."
+                    f"The sow site {rec.site} uses mode {mode_label(rec.site.mode)}, but the same "
+                    f"name was sown with mode {mode_label(mine.site.mode)} elsewhere. Use one mode per name."
                 )
             if rec.site.mode in SINGLE_MODES:
                 raise ValueError(
-                    f"The sow site {rec.site} has mode {rec.site.mode!r} but is sown more than once. "
+                    f"The sow site {rec.site} has mode {mode_label(rec.site.mode)} but is sown more than once. "
                     "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
                 )
             if rec.site.mode in CARRIED_MODES:

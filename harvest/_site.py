@@ -20,6 +20,11 @@ def path_str(path):
     return ".".join(path)
 
 
+def mode_label(mode):
+    """A mode as the user wrote it, for error messages (two modes are internal names)."""
+    return {"cond_clobber": "'sow_cond'", "stack": "'append' (harvest.compat.oryx's)"}.get(mode, repr(mode))
+
+
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One `sow` equation: where it files its value, and what it looks like."""
@@ -66,6 +71,10 @@ class Site:
         return leaves
 
 
+def _shapes_str(shapes):
+    return " and ".join(str(list(s)) for s in shapes)
+
+
 @dataclasses.dataclass
 class Record:
     """The occurrences of one name reaped so far in one scope.
@@ -82,5 +91,13 @@ class Record:
         if mode == "collect":
             return tuple(self.values)
         if mode == "append":
+            shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in self.values}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"The sow site {self.site} has mode 'append', but its occurrences have "
+                    f"different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
+                    "cannot be stacked into one array. Sow one shape per name (give each shape "
+                    "its own name), or use mode 'collect', which keeps each occurrence as it is."
+                )
             return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *self.values)
         return self.values[0]

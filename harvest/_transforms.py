@@ -29,7 +29,8 @@ from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
-from ._site import path_str
+from ._rules.loops import occurrences
+from ._site import mode_label, path_str
 from ._sow import DEFAULT_TAG
 
 
@@ -94,16 +95,21 @@ def _walk(fn, dynamic, static: _Static):
 
     arrays = [arg_leaves[i] for i in positions]
     closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
-    handled = {}
+    handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
+        if site.tag == static.policy.tag and not static.policy.handles(site):
+            filtered.add(site.name)
         if static.policy.handles(site):
             known = handled.setdefault(site.name, site)
             if known.mode != site.mode:
                 raise ValueError(
                     f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
-                    f"{known.mode!r} and {site.mode!r}. Use one mode per name."
+                    f"{mode_label(known.mode)} and {mode_label(site.mode)}. Use one mode per name."
                 )
-    scope = Scope(static.policy, _resolve_plants(plants, handled, static.policy), static.reap)
+    resolved = _resolve_plants(plants, handled, static.policy, filtered)
+    for planted in resolved.values():
+        planted.check_count(occurrences(closed.jaxpr, planted.site))
+    scope = Scope(static.policy, resolved, static.reap)
     outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
     out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     return out, _nested(scope.results())
@@ -149,8 +155,10 @@ def _call(f, policy, reap, plants, args, kwargs):
     return jitted(dynamic, static)
 
 
-def _resolve_plants(plants, sites, policy):
-    """Matches a nested {name: value} dict to the sites it plants into."""
+def _resolve_plants(plants, sites, policy, filtered):
+    """Matches a nested {name: value} dict to the sites it plants into.
+
+    `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
     if plants is None:
         return {}
     if not isinstance(plants, dict):
@@ -166,6 +174,12 @@ def _resolve_plants(plants, sites, policy):
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(p[: len(path)] == path for p in sites):
                 visit(value, path)
+            elif policy.strict_plants and path in filtered:
+                raise KeyError(
+                    f"Cannot plant {path_str(path)!r}: it is sown with tag {policy.tag!r}, but "
+                    "this plant's allowlist/blocklist leaves it out. Drop it from the blocklist "
+                    "(or add it to the allowlist), or leave it out of plants."
+                )
             elif policy.strict_plants:
                 names = ", ".join(sorted(repr(path_str(p)) for p in sites)) or "none"
                 raise KeyError(
@@ -195,6 +209,14 @@ def _nested(flat):
     return out
 
 
+def _check_callable(f, fn_name):
+    if not callable(f):
+        raise TypeError(
+            f"{fn_name}(f) transforms a function, but f is the {type(f).__name__} {f!r}: "
+            f"f must be callable. Pass the function itself, as in {fn_name}(f)(*args)."
+        )
+
+
 def _policy(tag, allowlist, blocklist):
     if not isinstance(tag, str) or not tag:
         raise TypeError(f"tag must be a non-empty string, got {tag!r}.")
@@ -208,6 +230,23 @@ def _check_plants_arg(plants, fn_name):
             f"plants is a dict of sown names to values; its first argument was a "
             f"{type(plants).__name__}."
         )
+
+
+def _plants_first(g, f):
+    """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
+    in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
+    arguments the user means (functools.wraps alone would report `f`'s)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to report
+        return g
+    taken = set(sig.parameters)
+    name = "plants"
+    while name in taken:
+        name = "_" + name
+    first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+    g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
+    return g
 
 
 def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
@@ -229,6 +268,7 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
         >>> jax.jit(reap(f))(jnp.zeros(2))["h"].shape
         (2,)
     """
+    _check_callable(f, "reap")
     policy = _policy(tag, allowlist, blocklist)
 
     @functools.wraps(f)
@@ -247,6 +287,7 @@ def call_and_reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blockl
         >>> call_and_reap(f)(1.0)
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
+    _check_callable(f, "call_and_reap")
     policy = _policy(tag, allowlist, blocklist)
 
     @functools.wraps(f)
@@ -276,6 +317,7 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
         >>> plant(f)({"h": lambda h: -h}, 1.0)
         Array(-20., dtype=float32, weak_type=True)
     """
+    _check_callable(f, "plant")
     policy = _policy(tag, allowlist, blocklist)
 
     @functools.wraps(f)
@@ -283,7 +325,7 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
         _check_plants_arg(plants, "plant")
         return _call(f, policy, False, plants, args, kwargs)[0]
 
-    return planted
+    return _plants_first(planted, f)
 
 
 def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
@@ -301,6 +343,7 @@ def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=No
         >>> out, reaps["b"]
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
+    _check_callable(f, "harvest")
     policy = _policy(tag, allowlist, blocklist)
 
     @functools.wraps(f)
@@ -308,7 +351,7 @@ def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=No
         _check_plants_arg(plants, "harvest")
         return _call(f, policy, True, plants, args, kwargs)
 
-    return harvested
+    return _plants_first(harvested, f)
 
 
 def nest(f: Callable, *, scope: str) -> Callable:
@@ -326,6 +369,7 @@ def nest(f: Callable, *, scope: str) -> Callable:
         >>> reap(f)(1.0)
         {'l1': {'out': Array(4., dtype=float32, weak_type=True)}, 'l2': {'out': Array(2., dtype=float32, weak_type=True)}}
     """
+    _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:
         raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
     policy = Policy(None, prefix=(scope,))

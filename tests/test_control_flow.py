@@ -441,3 +441,25 @@ def test_append_plant_in_scan_ignores_same_name_of_another_tag():
         return lax.scan(body, 0.0, xs)[1]
 
     close(plant(f)({"y": jnp.arange(5.0) + 10.0}, jnp.zeros(5)), jnp.arange(5.0) + 10.0)
+
+
+def test_zero_size_append_in_scan_keeps_its_shape():
+    def f(xs):
+        body = lambda c, x: (c + x, sow(jnp.zeros((0,)) * x, name="z", mode="append"))
+        return lax.scan(body, 0.0, xs)[0]
+
+    reaped = reap(f)(jnp.ones(4))
+    assert reaped["z"].shape == (4, 0)
+    # A scan around a scan multiplies the rows, still zero-size.
+    outer = lambda xs: lax.scan(lambda c, x: (f(xs) + c, None), 0.0, None, length=2)[0]
+    assert reap(outer)(jnp.ones(4))["z"].shape == (8, 0)
+
+
+def test_append_under_lax_map_with_batch_size():
+    # lax.map(batch_size=b) is a scan over a vmap of b examples: [length / b, b].
+    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode="append"), xs, batch_size=2)
+    close(reap(f)(jnp.arange(4.0))["h"], (jnp.arange(4.0) * 2.0).reshape(2, 2))
+    close(plant(f)({"h": jnp.ones((2, 2))}, jnp.arange(4.0)), jnp.ones(4))
+    # collect keeps the last, shorter batch as its own entry.
+    g = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs, batch_size=2)
+    close(reap(g)(jnp.arange(5.0))["h"], ((jnp.arange(4.0) * 2.0).reshape(2, 2), jnp.array([8.0])))

@@ -7,6 +7,7 @@ import pytest
 from jax import lax
 
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
+from harvest.compat import oryx
 
 
 def close(a, b):
@@ -218,3 +219,64 @@ def test_a_name_that_is_also_a_nest_scope_is_an_error_not_a_lost_value():
     with pytest.raises(ValueError, match="'y' is both a sown name and a nest scope"):
         reap(f)(1.0)
     assert float(f(1.0)) == 2.0  # nothing left behind
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_append_plant_with_wrong_row_count_in_scan(rows):
+    def g(x):
+        return lax.scan(lambda c, _: (sow(c, name="h", mode="append") + 1.0, None), x, None, length=3)[0]
+
+    with pytest.raises(ValueError, match=rf"(?s)'h'.*has {rows} rows.*3 rows of float32\[\]"):
+        plant(g)({"h": jnp.arange(float(rows))}, 0.0)
+    # Hand-threaded: row t replaces iteration t's carry, the result is the last row + 1.
+    close(plant(g)({"h": jnp.array([5.0, 6.0, 7.0])}, 0.0), jnp.float32(8.0))
+
+
+@pytest.mark.parametrize("mode", ["append", "collect"])
+def test_top_level_plant_with_wrong_occurrence_count(mode):
+    def g(x):
+        return sow(x, name="h", mode=mode) * sow(x + 1.0, name="h", mode=mode)
+
+    what = "rows" if mode == "append" else "entr"
+    for n in (1, 3):
+        value = jnp.arange(float(n)) if mode == "append" else tuple(jnp.float32(i) for i in range(n))
+        with pytest.raises(ValueError, match=rf"(?s)'h'.*has {n} {what}.*2 {what}"):
+            plant(g)({"h": value}, 1.0)
+    two = jnp.array([2.0, 3.0]) if mode == "append" else (jnp.float32(2.0), jnp.float32(3.0))
+    close(plant(g)({"h": two}, 1.0), jnp.float32(6.0))
+
+
+@pytest.mark.parametrize("make", [reap, call_and_reap, plant, harvest, lambda f: nest(f, scope="s")])
+@pytest.mark.parametrize("f", [3, "abc", None])
+def test_f_must_be_callable(make, f):
+    with pytest.raises(TypeError, match="f must be callable"):
+        make(f)
+    with pytest.raises(TypeError, match="f must be callable"):
+        oryx.plant(f, tag="t")
+
+
+def test_planting_a_filtered_out_name_says_so():
+    f = lambda x: sow(x, name="pair") + sow(x, name="other")
+    with pytest.raises(KeyError, match=r"'pair'.*is sown with tag 'intermediates'.*blocklist"):
+        plant(f, blocklist="pair")({"pair": 1.0}, 1.0)
+    with pytest.raises(KeyError, match=r"'pair'.*allowlist"):
+        plant(f, allowlist="other")({"pair": 1.0}, 1.0)
+
+
+def test_append_occurrences_of_different_shapes_name_the_site():
+    def f(x):
+        return sow(x, name="h", mode="append") + sow(jnp.ones(2), name="h", mode="append").sum()
+
+    with pytest.raises(ValueError, match=r"(?s)name='h'.*'append'.*different shapes \(\[2\], \[\]\)"):
+        reap(f)(1.0)
+    # associative_scan calls its combine function on ever shorter slices.
+    g = lambda xs: lax.associative_scan(lambda a, b: sow(a + b, name="h", mode="append"), xs)
+    with pytest.raises(ValueError, match=r"(?s)name='h'.*different shapes"):
+        reap(g)(jnp.arange(4.0))
+
+
+def test_compat_append_in_while_names_the_mode_as_written():
+    f = lambda x: lax.while_loop(lambda c: c < 3.0, lambda c: oryx.sow(c, tag="t", name="a", mode="append") + 1.0, x)
+    with pytest.raises(ValueError, match=r"mode 'append' \(harvest.compat.oryx's\) inside a while_loop") as err:
+        oryx.reap(f, tag="t")(0.0)
+    assert "'stack'" not in str(err.value)

@@ -381,3 +381,24 @@ def test_collect_occurrences_with_different_shapes_round_trip():
     close(r, {"m": (X, X[:1] * 2.0)})
     close(plant(f)(r, X), f(X))
     close(plant(f)({"m": (jnp.ones(3), jnp.full(1, 5.0))}, X), jnp.float32(8.0))
+
+
+def test_collect_plant_of_a_tuple_valued_sow():
+    # A tuple shaped like the sown value is one value for every occurrence; a
+    # tuple of such tuples gives one per occurrence, as reap returns them.
+    def f(x):
+        a, b = sow((x, 2.0 * x), name="pair")
+        c, d = sow((a + b, a * b), name="pair")
+        return c - d
+
+    def ref(x, first, second):
+        a, b = first if first is not None else (x, 2.0 * x)
+        return second[0] - second[1] if second is not None else (a + b) - a * b
+
+    one = (jnp.float32(10.0), jnp.float32(20.0))
+    close(plant(f)({"pair": one}, 1.0), ref(1.0, one, one))
+    two = ((jnp.float32(1.0), jnp.float32(2.0)), (jnp.float32(5.0), jnp.float32(3.0)))
+    close(plant(f)({"pair": two}, 1.0), ref(1.0, *two))
+    close(plant(f)({"pair": reap(f)(1.5)["pair"]}, 1.5), f(1.5))
+    with pytest.raises(ValueError, match=r"(?s)'pair'.*has 3 entries.*2 entries"):
+        plant(f)({"pair": two + two[:1]}, 1.0)

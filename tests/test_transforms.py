@@ -1,6 +1,7 @@
 """reap/plant through jit, closed_call, vmap and remat."""
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from jax import lax
 from jax._src import core as jcore
 
 from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
+from harvest.compat import oryx
 
 
 def close(a, b):
@@ -303,3 +305,32 @@ def test_sow_cond_with_a_batched_predicate_agrees_both_ways_round_vmap():
     expect = jnp.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
     close(reap(jax.vmap(constant))(xb), {"k": expect})
     close(jax.vmap(reap(constant))(xb), {"k": expect})
+
+
+@pytest.mark.parametrize("make", [plant, harvest, oryx.plant, oryx.harvest])
+def test_jit_static_and_donated_arguments_of_planted_functions(make):
+    # plant(f) is called as g(plants, x, n): argument 2 and the name "n" are n.
+    def f(x, n):
+        return sow(x * n, name="h", tag="t", mode="strict") + x * n
+
+    g = make(f, tag="t")
+    assert list(inspect.signature(g).parameters) == ["plants", "x", "n"]
+    first = lambda out: out[0] if make in (harvest, oryx.harvest) else out
+    x = jnp.arange(3.0)
+    by_num = jax.jit(g, static_argnums=2)
+    by_name = jax.jit(g, static_argnames="n")
+    for jitted in (by_num, by_name):
+        close(first(jitted({}, x, 2)), x * 4)  # reference: f by hand
+        close(first(jitted({"h": jnp.ones(3)}, x, 3)), 1.0 + x * 3)
+
+    # Donating "x" donates x, never the planted dict's arrays.
+    donating = jax.jit(g, donate_argnames="x")
+    planted, x = jnp.full(3, 7.0), jnp.arange(3.0) + 1.0
+    close(first(donating({"h": planted}, x, 1.0)), jnp.array([8.0, 9.0, 10.0]))
+    assert x.is_deleted() and not planted.is_deleted()
+
+
+def test_planted_signature_keeps_a_user_argument_named_plants():
+    g = plant(lambda plants, x: sow(plants * x, name="h") * 1.0)
+    assert list(inspect.signature(g).parameters) == ["_plants", "plants", "x"]
+    close(g({"h": (jnp.float32(5.0),)}, 2.0, 3.0), jnp.float32(5.0))

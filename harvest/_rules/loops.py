@@ -15,7 +15,7 @@ from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .._interpreter import Plant, interpret, register, sub_jaxprs
 from .._primitive import sow_p
-from .._site import LOOP_MODES, Record
+from .._site import LOOP_MODES, Record, mode_label
 
 
 def _no_strict(sites, where):
@@ -28,20 +28,31 @@ def _no_strict(sites, where):
             )
 
 
-def append_rows(jaxpr, site):
-    """How many `append` rows of `site`'s tag and name one run of `jaxpr` produces."""
-    rows = 0
+# primitive -> (params -> how many times one run of it runs its body): append
+# rows repeat that often, while a collect entry is stacked into one.
+REPEATS = {scan_p: lambda params: params["length"]}
+
+
+def occurrences(jaxpr, site):
+    """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
+    gives, as reap returns them; a cond gives its longest branch's."""
+    n = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             p = eqn.params
-            rows += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == "append"
-        elif eqn.primitive is scan_p:
-            rows += eqn.params["length"] * append_rows(eqn.params["jaxpr"].jaxpr, site)
+            n += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == site.mode
         elif eqn.primitive.name == "cond":
-            rows += max(append_rows(b.jaxpr, site) for b in eqn.params["branches"])
+            n += max(occurrences(b.jaxpr, site) for b in eqn.params["branches"])
         else:
-            rows += sum(append_rows(j, site) for j in sub_jaxprs(eqn))
-    return rows
+            inner = sum(occurrences(j, site) for j in sub_jaxprs(eqn))
+            repeat = REPEATS.get(eqn.primitive)
+            n += inner * repeat(eqn.params) if repeat and site.mode == "append" else inner
+    return n
+
+
+def merge_rows(leaf):
+    """[n, k, *s] -> [n * k, *s]; spelled out, as -1 cannot be inferred for zero-size rows."""
+    return leaf.reshape((leaf.shape[0] * leaf.shape[1],) + leaf.shape[2:])
 
 
 def peel(plant: Plant, idx):
@@ -70,7 +81,7 @@ def _per_iteration(plant: Plant, idx, body_jaxpr):
             return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
         return Plant(site, tuple(entry(e) for e in plant.value))
-    k = append_rows(body_jaxpr, site)
+    k = occurrences(body_jaxpr, site)
     return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
 
 
@@ -119,8 +130,7 @@ def _scan(scope, eqn, invals):
         elif site.mode == "stack":
             records[path] = Record(site, [chunk])
         else:
-            flat = jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), chunk)
-            records[path] = Record(site, [flat])
+            records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, chunk)])
     # Entries of a collect name are stacked, so their count stays; rows of every
     # other mode repeat once per iteration.
     seen = {
@@ -146,7 +156,7 @@ def _while(scope, eqn, invals):
     for site in sites.values():
         if site.mode in LOOP_MODES:
             raise ValueError(
-                f"The sow site {site} has mode {site.mode!r} inside a while_loop, whose trip "
+                f"The sow site {site} has mode {mode_label(site.mode)} inside a while_loop, whose trip "
                 "count is not known until it runs, so its occurrences cannot be stacked into "
                 "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
                 "'clobber' for the last iteration, sow_cond for a chosen one, or "

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from .._interpreter import interpret, register
 from .._site import Record
 from .._site import LOOP_MODES
-from .loops import _per_iteration, peel
+from .loops import REPEATS, _per_iteration, merge_rows, peel
 
 
 def _varying(x, axes):
@@ -38,12 +38,21 @@ def _lift(site, shards):
     return dataclasses.replace(site, avals=avals)
 
 
+def _manual_axes(params):
+    """The mesh axes a shard_map splits over, and how many shards they make."""
+    mesh = params["mesh"]
+    axes = tuple(a for a in mesh.axis_names if a in params["newly_manual_axes"])
+    return axes, math.prod(mesh.shape[a] for a in axes)
+
+
+REPEATS[shard_map_p] = lambda params: _manual_axes(params)[1]
+
+
 @register(shard_map_p)
 def _shard_map(scope, eqn, invals):
     p = eqn.params
     mesh, body = p["mesh"], p["jaxpr"]
-    axes = tuple(a for a in mesh.axis_names if a in p["newly_manual_axes"])
-    shards = math.prod(mesh.shape[a] for a in axes)
+    axes, shards = _manual_axes(p)
     sites = scope.handled_sites([body])
     plants = scope.shifted_plants()
 
@@ -82,7 +91,7 @@ def _shard_map(scope, eqn, invals):
         if site.mode == "collect":  # [shards, entries...] -> a tuple of stacked entries
             records[path] = Record(_lift(site, shards), list(value))
         elif site.mode == "append":  # [shards, rows, ...] -> [shards * rows, ...]
-            records[path] = Record(site, [jax.tree_util.tree_map(lambda l: l.reshape((-1,) + l.shape[2:]), value)])
+            records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
         else:
             records[path] = Record(_lift(site, shards), [value])
     for path, n in child.seen.items():

@@ -26,7 +26,7 @@ import jax
 from ..._interpreter import NameFilter, Policy
 from ..._primitive import sow_p as sow_p
 from ..._sow import _leaves
-from ..._transforms import _call, _check_plants_arg, nest as nest
+from ..._transforms import _call, _check_callable, _check_plants_arg, _plants_first, nest as nest
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
@@ -93,6 +93,7 @@ def call_and_reap(
         >>> harvest.call_and_reap(f, tag="t")(1.0)
         (Array(3., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
+    _check_callable(f, "call_and_reap")
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
@@ -139,6 +140,7 @@ def harvest(
         >>> harvest.harvest(f, tag="t")({"a": 5.0}, 1.0)
         (Array(6., dtype=float32, weak_type=True), {'b': Array(6., dtype=float32, weak_type=True)})
     """
+    _check_callable(f, "harvest")
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
@@ -146,7 +148,7 @@ def harvest(
         _check_plants_arg(plants, "harvest")
         return _call(f, policy, True, plants, args, kwargs)
 
-    return wrapped
+    return _plants_first(wrapped, f)
 
 
 def plant(
@@ -165,6 +167,7 @@ def plant(
         >>> harvest.plant(f, tag="t")({"x": 4.0}, 1.0)
         Array(8., dtype=float32, weak_type=True)
     """
+    _check_callable(f, "plant")
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
@@ -172,4 +175,4 @@ def plant(
         _check_plants_arg(plants, "plant")
         return _call(f, policy, False, plants, args, kwargs)[0]
 
-    return wrapped
+    return _plants_first(wrapped, f)
