@@ -19,6 +19,8 @@ from jax.interpreters import ad, mlir
 # Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
 # "cond_clobber" (sow_cond, with a trailing predicate operand); "stack"
 # (oryx's append: one occurrence per scope, stacked once per loop level).
+# `vmapped` (absent: none) counts, per leaf, the leading axes that vmaps
+# around the sow put in front, so one per-example plant can be broadcast.
 
 
 class SowEffect(effects.Effect):
@@ -53,27 +55,27 @@ def _has_pred(mode):
     return mode == "cond_clobber"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree):
+def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
     return list(args[:-1] if _has_pred(mode) else args)
 
 
-def _sow_abstract_eval(*avals, tag, name, scope, mode, tree):
+def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
     outs = avals[:-1] if _has_pred(mode) else avals
     return list(outs), {sow_effect}
 
 
-def _sow_lowering(ctx, *args, tag, name, scope, mode, tree):
+def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):
     return list(args[:-1] if _has_pred(mode) else args)
 
 
-def _sow_jvp(primals, tangents, *, tag, name, scope, mode, tree):
-    out = sow_p.bind(*primals, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
-    if _has_pred(mode):
+def _sow_jvp(primals, tangents, **params):
+    out = sow_p.bind(*primals, **params)
+    if _has_pred(params["mode"]):
         tangents = tangents[:-1]
     return out, [ad.instantiate_zeros(t) for t in tangents]
 
 
-def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree):
+def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=()):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
     # never changes what vmap (or jacfwd, hessian) sees.
@@ -82,8 +84,9 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree):
         args = [batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis) for a, d in zip(args, dims)]
         dims = [0] * len(args)
     args = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree)
-    n = len(out)
+    n = tree.num_leaves
+    vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
+    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped)
     return out, [None if d is None else 0 for d in dims[:n]]
 
 

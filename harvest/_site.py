@@ -34,6 +34,7 @@ class Site:
     mode: str
     tree: PyTreeDef
     avals: tuple
+    vmapped: tuple = ()  # per leaf, how many leading axes are vmap batch axes
 
     @classmethod
     def of(cls, eqn):
@@ -41,7 +42,8 @@ class Site:
         p = eqn.params
         n = len(eqn.outvars)
         path = p["scope"] + (p["name"],)
-        return cls(p["tag"], path, p["mode"], p["tree"], tuple(v.aval for v in eqn.invars[:n]))
+        avals = tuple(v.aval for v in eqn.invars[:n])
+        return cls(p["tag"], path, p["mode"], p["tree"], avals, p.get("vmapped") or (0,) * n)
 
     def __str__(self):
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"
@@ -59,16 +61,26 @@ class Site:
                 f"{what} for the sow site {self} has structure {tree}, but the site "
                 f"sows {self.tree}."
             )
-        for leaf, aval in zip(leaves, self.avals):
+        out = []
+        for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
             shape = tuple(leading) + aval.shape
             got = jnp.shape(leaf), jnp.result_type(leaf)
-            if got[0] != shape or got[1] != aval.dtype:
+            # Under vmap, a value without (some of) the batch axes is one value
+            # for every example.
+            ndim = len(got[0])
+            per_example = len(shape) - batch <= ndim < len(shape) and shape[len(shape) - ndim :] == got[0]
+            if (got[0] != shape and not per_example) or got[1] != aval.dtype:
                 raise ValueError(
                     f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the "
-                    f"site expects {aval.dtype}{list(shape)}. Plant a value of the "
-                    "sown shape and dtype (or a callable old -> new)."
+                    f"site expects {aval.dtype}{list(shape)}{self._per_example(aval, batch)}. "
+                    "Plant a value of the sown shape and dtype (or a callable old -> new)."
                 )
-        return leaves
+            out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
+        return out
+
+    @staticmethod
+    def _per_example(aval, batch):
+        return f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)" if batch else ""
 
 
 def _shapes_str(shapes):

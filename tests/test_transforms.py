@@ -334,3 +334,24 @@ def test_planted_signature_keeps_a_user_argument_named_plants():
     g = plant(lambda plants, x: sow(plants * x, name="h") * 1.0)
     assert list(inspect.signature(g).parameters) == ["_plants", "plants", "x"]
     close(g({"h": (jnp.float32(5.0),)}, 2.0, 3.0), jnp.float32(5.0))
+
+
+def test_plant_one_value_for_every_example_of_a_vmap_inside_f():
+    # Reference: the same function with the planted value written in by hand.
+    f = lambda x: sow(x * 2.0, name="h", mode="strict") * 3.0
+    xs = jnp.arange(4.0)
+    close(plant(jax.vmap(f))({"h": 5.0}, xs), jax.vmap(lambda x: 5.0 * 3.0 + 0.0 * x)(xs))
+    g = lambda x: sow_cond(x * 2.0, x > 1.0, name="h") * 3.0
+    close(plant(jax.vmap(g))({"h": 5.0}, xs), jnp.where(xs > 1.0, 15.0, xs * 6.0))
+    rows = jnp.ones((4, 3))
+    close(plant(jax.vmap(f))({"h": jnp.arange(3.0)}, rows), jnp.tile(jnp.arange(3.0) * 3.0, (4, 1)))
+    # Nested vmaps: one value for both batch axes, or one per outer example.
+    close(plant(jax.vmap(jax.vmap(f)))({"h": jnp.float32(1.0)}, jnp.ones((2, 4))), jnp.full((2, 4), 3.0))
+    per_row = jnp.arange(4.0)
+    close(plant(jax.vmap(jax.vmap(f)))({"h": per_row}, jnp.ones((2, 4))), jnp.tile(per_row * 3.0, (2, 1)))
+    # Only vmap's axes may be left out: a wrong per-example shape still says both.
+    with pytest.raises(ValueError, match=r"float32\[2\].*expects float32\[4, 3\] \(or float32\[3\] for every example"):
+        plant(jax.vmap(f))({"h": jnp.arange(2.0)}, rows)
+    # Outside vmap a value still must have the sown shape.
+    with pytest.raises(ValueError, match=r"is float32\[\], but the site expects float32\[4\]\. "):
+        plant(f)({"h": 5.0}, xs)
