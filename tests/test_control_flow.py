@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
-from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
+from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
 
 
 def close(a, b):
@@ -463,3 +463,32 @@ def test_append_under_lax_map_with_batch_size():
     # collect keeps the last, shorter batch as its own entry.
     g = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs, batch_size=2)
     close(reap(g)(jnp.arange(5.0))["h"], ((jnp.arange(4.0) * 2.0).reshape(2, 2), jnp.array([8.0])))
+
+
+def _while_per_example(x):
+    # Each example loops its own number of times; "ran" sows a value that is
+    # the same for every example, yet is set only where the loop ran.
+    def body(c):
+        i, v = c
+        sow(v, name="last", mode="clobber")
+        sow(i, name="step", mode="clobber")
+        sow(jnp.ones(2), name="ran", mode="clobber")
+        sow_cond(v, v > 2.0, name="big")
+        return i + 1.0, v * 1.5 + 1.0
+
+    return lax.while_loop(lambda c: c[1] < 4.0, body, (jnp.float32(0.0), x))
+
+
+def test_reap_plant_nest_of_vmap_of_a_while_with_a_batched_predicate():
+    xs = jnp.array([0.0, 1.0, 2.5, 5.0], jnp.float32)
+    expected = jax.vmap(call_and_reap(_while_per_example))(xs)  # reference: per example
+    close(call_and_reap(jax.vmap(_while_per_example))(xs), expected)
+    close(reap(jax.vmap(_while_per_example))(xs), expected[1])
+    # Planting replaces the value at every iteration, per example.
+    planted = jax.vmap(lambda x: plant(_while_per_example)({"last": lambda v: v + 0.5}, x))(xs)
+    close(plant(jax.vmap(_while_per_example))({"last": lambda v: v + 0.5}, xs), planted)
+    # nest re-emits the sows with a scope, under the same loop.
+    nested = nest(jax.vmap(_while_per_example), scope="s")
+    close(nested(xs), jax.vmap(_while_per_example)(xs))
+    close(reap(nested)(xs), {"s": expected[1]})
+    close(jax.jit(reap(jax.vmap(_while_per_example)))(xs), expected[1])

@@ -8,9 +8,13 @@ wins. A while loop has no fixed length, so only the carried modes work there.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .._interpreter import Plant, interpret, register, sub_jaxprs
@@ -170,7 +174,20 @@ def _while(scope, eqn, invals):
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     carried = scope.carried(sites)
-    holder = {}
+    # vmap of a loop whose predicate differs per example: JAX stages a while
+    # whose cond gives one bool per example; it runs while any holds, and each
+    # example keeps its carry (batch axes first) once its own fails. The
+    # records ride in that carry, per example, and the loop is re-bound as
+    # staged, so an outer harvest of what this walk re-emits sees the same.
+    batch = cond.out_avals[0].shape
+
+    def per_example(site, value):
+        leaves = jax.tree_util.tree_leaves(value)
+        leaves = [
+            leaf if k >= len(batch) else jnp.broadcast_to(leaf, batch + jnp.shape(leaf))
+            for leaf, k in zip(leaves, site.vmapped)
+        ]
+        return jax.tree_util.tree_unflatten(site.tree, leaves)
 
     def cond_fn(carry):
         (out,) = interpret(scope.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
@@ -180,10 +197,34 @@ def _while(scope, eqn, invals):
         c, rec = carry
         child = scope.child({path: (carried[path][0], v) for path, v in rec.items()})
         outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
-        holder["child"] = child
-        return outs, {path: child.records[path].values[0] for path in carried}
+        new = {path: child.records[path].values[0] for path in carried}
+        if batch:
+            new = {path: per_example(carried[path][0], v) for path, v in new.items()}
+        return outs, new
 
-    rec0 = {path: value for path, (_, value) in carried.items()}
-    c, rec = lax.while_loop(cond_fn, body_fn, (list(init), rec0))
+    rec0 = {path: per_example(site, value) if batch else value for path, (site, value) in carried.items()}
+    loop = _while_per_example if batch else lax.while_loop
+    c, rec = loop(cond_fn, body_fn, (list(init), rec0))
     scope.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})
     return c
+
+
+def _while_per_example(cond_fn, body_fn, init):
+    """`lax.while_loop`, for a `cond_fn` that gives one bool per example."""
+    leaves, tree = jax.tree_util.tree_flatten(init)
+    # The carry's types must match exactly, so no weak types on either side.
+    strong = lambda xs: [lax.convert_element_type(x, jnp.result_type(x)) for x in xs]
+    leaves = strong(leaves)
+    unflatten = functools.partial(jax.tree_util.tree_unflatten, tree)
+    cond = jax.make_jaxpr(lambda *xs: cond_fn(unflatten(xs)))(*leaves)
+    body = jax.make_jaxpr(lambda *xs: strong(jax.tree_util.tree_leaves(body_fn(unflatten(xs)))))(*leaves)
+    outs = while_p.bind(
+        *cond.consts,
+        *body.consts,
+        *leaves,
+        cond_nconsts=len(cond.consts),
+        cond_jaxpr=core.ClosedJaxpr(pe.convert_constvars_jaxpr(cond.jaxpr), ()),
+        body_nconsts=len(body.consts),
+        body_jaxpr=core.ClosedJaxpr(pe.convert_constvars_jaxpr(body.jaxpr), ()),
+    )
+    return unflatten(outs)
