@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from ._calling import make_jaxpr
 from ._interpreter import sub_jaxprs
 from ._primitive import sow_p
 from ._site import Site, path_str
@@ -82,8 +83,9 @@ class Sites(list):
 def sites(f, *args, tag=None, **kwargs) -> Sites:
     """Lists every sow site of `f(*args, **kwargs)`, without running `f`.
 
-    `f` is traced with `jax.make_jaxpr`, so `args` may be arrays or
-    `jax.ShapeDtypeStruct`s. Each sow equation gives one `SiteInfo`, in program
+    `f` is traced with `jax.make_jaxpr`: array arguments (or
+    `jax.ShapeDtypeStruct`s standing for them) are traced, and every other
+    argument reaches `f` as itself, as in `reap`. Each sow equation gives one `SiteInfo`, in program
     order, recursing into `jit`, `scan`, `cond`, `while_loop`, `checkpoint`
     and custom derivatives. `tag=None` lists every tag.
 
@@ -103,7 +105,7 @@ def sites(f, *args, tag=None, **kwargs) -> Sites:
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
     found = Sites()
-    for eqn, where, fires in sow_equations(jax.make_jaxpr(f)(*args, **kwargs).jaxpr):
+    for eqn, where, fires in sow_equations(make_jaxpr(f, args, kwargs)[0].jaxpr):
         site = Site.of(eqn)
         if tag is None or site.tag == tag:
             found.append(_info(site, where, fires))

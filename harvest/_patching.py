@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._calling import is_array, make_jaxpr
 from ._inspect import sow_equations
 from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
@@ -279,7 +280,7 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
             f"{type(clean).__name__}."
         )
     by_name: dict[str, list] = {}
-    for eqn, where, fires in sow_equations(jax.make_jaxpr(f)(*corrupted_args).jaxpr):
+    for eqn, where, fires in sow_equations(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
         site = Site.of(eqn)
         if site.tag == tag:
             by_name.setdefault(path_str(site.name), []).append((site, where, fires))
@@ -352,13 +353,13 @@ def _scalar(m):
 def _jit_on_arrays(fn, tree):
     """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    is_array = [isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in leaves]
+    traced = [is_array(leaf) for leaf in leaves]
 
     def rebuilt(arrays):
         it = iter(arrays)
-        return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, is_array)]))
+        return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
 
-    return jax.jit(rebuilt)([leaf for leaf, a in zip(leaves, is_array) if a])
+    return jax.jit(rebuilt)([leaf for leaf, a in zip(leaves, traced) if a])
 
 
 def _labels(targets, size):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import jax
 
+from ._calling import make_jaxpr
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
 from ._primitive import sow_p
@@ -84,7 +85,7 @@ def stream(
 
     @functools.wraps(f)
     def streamed(*args, **kwargs):
-        taps = _taps(jax.make_jaxpr(f)(*args, **kwargs).jaxpr, tag, select, callback)
+        taps = _taps(make_jaxpr(f, args, kwargs)[0].jaxpr, tag, select, callback)
         # Names not tapped are left in place by the plant, for outer harvests.
         return plant(f, tag=tag)(_nested(taps), *args, **kwargs)
 

@@ -24,18 +24,20 @@ import weakref
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
+from ._calling import is_array, make_jaxpr
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._rules.loops import occurrences
 from ._site import mode_label, path_str
 from ._sow import DEFAULT_TAG
 
 
-def _is_dynamic(leaf):
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)) and not callable(leaf)
+def _is_traced(leaf, planted):
+    """Arrays are traced (see `_calling`); so are numbers given as planted values,
+    which are data, not configuration: sweeping them does not recompile."""
+    return is_array(leaf) or (planted and isinstance(leaf, numbers.Number))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +45,7 @@ class _Static:
     """Everything about a call that is not an array: the jit cache key."""
 
     treedef: Any
-    static_leaves: tuple  # (index, leaf) for each non-array leaf
+    static_leaves: tuple  # (index, type, leaf) for each leaf not traced; the type keeps 1, 1.0 and True apart
     policy: Policy
     reap: bool
 
@@ -75,26 +77,15 @@ def _rewrap(fn, data):
 
 def _walk(fn, dynamic, static: _Static):
     leaves, dyn = [], iter(dynamic)
-    static_at = dict(static.static_leaves)
+    static_at = {i: leaf for i, _, leaf in static.static_leaves}
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
     bound, plants, args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
     f = _rewrap(fn, bound)
 
-    # Trace with the arrays as inputs and everything else (strings, flags held
-    # as static data) closed over, as jit's static arguments would be.
-    arg_leaves, arg_tree = jax.tree_util.tree_flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(arg_leaves) if _is_dynamic(leaf)]
-
-    def flat_f(*arrays):
-        filled = list(arg_leaves)
-        for i, a in zip(positions, arrays):
-            filled[i] = a
-        a, k = jax.tree_util.tree_unflatten(arg_tree, filled)
-        return f(*a, **k)
-
-    arrays = [arg_leaves[i] for i in positions]
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    # Trace with the arrays as inputs and everything else (numbers, flags,
+    # strings) closed over, as jit's static arguments would be.
+    closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
     handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
         if site.tag == static.policy.tag and not static.policy.handles(site):
@@ -137,9 +128,12 @@ def _call(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     fn, bound = _unwrap(f)
     leaves, treedef = jax.tree_util.tree_flatten((bound, plants, args, kwargs))
-    dynamic = [leaf for leaf in leaves if _is_dynamic(leaf)]
+    n_bound = treedef.children()[0].num_leaves
+    planted = range(n_bound, n_bound + treedef.children()[1].num_leaves)
+    traced = [_is_traced(leaf, i in planted) for i, leaf in enumerate(leaves)]
+    dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
-        treedef, tuple((i, leaf) for i, leaf in enumerate(leaves) if not _is_dynamic(leaf)), policy, reap
+        treedef, tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t), policy, reap
     )
     if isinstance(core.trace_ctx.trace, pe.DynamicJaxprTrace):
         # Already being staged (under jit, scan, ...): the outer trace is the
@@ -149,8 +143,9 @@ def _call(f, policy, reap, plants, args, kwargs):
         hash(static)
         jitted = _jit_for(fn)
     except TypeError:
-        # Unhashable static data, or a function that cannot be weakly
-        # referenced (rare): still correct, just traced at every call.
+        # An unhashable non-array argument (a mutable config object, say), or
+        # a function that cannot be weakly referenced: still correct, just
+        # traced at every call, with nothing cached that could go stale.
         return _walk(fn, dynamic, static)
     return jitted(dynamic, static)
 
@@ -257,6 +252,13 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
     predicates on names. How occurrences accumulate is decided by each site's
     mode (see `sow`). Nested `nest` scopes come back as nested dicts.
 
+    Arguments are taken as `equinox.filter_jit` takes them, here and in every
+    other transformation: JAX and NumPy arrays are traced; every other leaf
+    (Python numbers, bools, None, strings, callables, enums, configs) reaches
+    `f` as itself and is part of the compile-cache key, so a new value
+    re-traces (a loop over many distinct Python floats compiles once per float;
+    pass such a number as an array to trace it).
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from harvest import sow, reap
@@ -267,6 +269,12 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
         {'h': Array([0., 0.], dtype=float32)}
         >>> jax.jit(reap(f))(jnp.zeros(2))["h"].shape
         (2,)
+        >>> def g(x, n, training=False):  # Python values stay Python values
+        ...     for i in range(n):
+        ...         x = sow(x + 1.0, name=f"step{i}", mode="strict")
+        ...     return x * 0.5 if training else x
+        >>> sorted(reap(g)(jnp.zeros(2), 3, training=True))
+        ['step0', 'step1', 'step2']
     """
     _check_callable(f, "reap")
     policy = _policy(tag, allowlist, blocklist)

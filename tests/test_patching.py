@@ -121,7 +121,7 @@ def test_sweep_matches_a_loop_of_plant_calls(seed, positions, axis):
     expected = loop_of_plants(model, clean, x_corrupt, SITES, axis)
     np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-5)
     assert result.names == tuple(SITES) and list(result.positions) == list(range(positions))
-    np.testing.assert_allclose(result.baseline, metric(model(x_corrupt)), rtol=1e-6)
+    np.testing.assert_allclose(result.baseline, metric(model(x_corrupt)), rtol=1e-5)  # jit vs eager: an ulp
 
 
 def test_sweep_whole_sites_default_names_and_batching():
