@@ -400,3 +400,38 @@ def test_value_and_grad_sow_and_perturb_two_tags_one_pass():
     close(a, {"h": (jnp.tanh(X * 2.0),)})
     (vg, gr) = call_and_reap(jax.value_and_grad(loss), tag="grads")(X)
     close(gr, {"h": (dloss_dh(X),)})
+
+
+@jax.custom_vjp
+def _looped(y):
+    body = lambda c: (c[0] + 1, sow(c[1] * y, name="h", mode="clobber"))
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, y))[1]
+
+
+_looped.defvjp(lambda y: (_looped(y), y), lambda y, ct: (7.0 * ct,))
+
+
+def test_grad_of_output_through_custom_vjp_whose_body_loops():
+    # The reaped value has no cotangent, so only the user's rule runs: the
+    # body's while_loop (which has no VJP) is never differentiated.
+    out, reaped = call_and_reap(_looped)(1.5)
+    close(out, _looped(1.5))
+    close(reaped["h"], jnp.float32(1.5**4))  # y, then three multiplications by y
+    close(jax.grad(lambda y: call_and_reap(_looped)(y)[0])(1.5), jax.grad(_looped)(1.5))
+    close(jax.grad(lambda y: call_and_reap(_looped)(y)[0])(1.5), jnp.float32(7.0))
+    close(jax.value_and_grad(lambda y: call_and_reap(_looped)(y)[0])(2.0), (_looped(2.0), jnp.float32(7.0)))
+
+
+def test_grad_of_odeint_with_a_sow_in_the_vector_field():
+    from jax.experimental.ode import odeint
+
+    def decay(y0, k):
+        field = lambda y, t, k: -k * sow(y, name="y", mode="clobber")
+        return odeint(field, y0, jnp.array([0.0, 1.0]), k)[-1]
+
+    grad_k = jax.grad(lambda k: call_and_reap(decay)(1.0, k)[0])(0.5)
+    close(grad_k, jax.grad(decay, argnums=1)(1.0, 0.5))
+    np.testing.assert_allclose(grad_k, -np.exp(-0.5), rtol=1e-4)  # d/dk exp(-k) at k = 0.5
+    out, reaped = jax.jit(call_and_reap(decay))(1.0, 0.5)
+    close(out, decay(1.0, 0.5))
+    assert reaped["y"].shape == ()

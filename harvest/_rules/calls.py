@@ -8,10 +8,12 @@ derivative its rule.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src import core
 from jax._src.ad_checkpoint import remat_p
 from jax._src.custom_derivatives import custom_jvp_call_p, custom_vjp_call_p
+from jax.custom_derivatives import SymbolicZero
 from jax._src.pjit import jit_p
 from jax._src.sharding_impls import UNSPECIFIED
 
@@ -67,6 +69,17 @@ def _add_cotangents(a, b):
     return a + b
 
 
+def _instantiate(ct):
+    if not isinstance(ct, SymbolicZero):
+        return ct
+    zeros = np.zeros if ct.dtype == jax.dtypes.float0 else jnp.zeros
+    return zeros(ct.shape, ct.dtype)
+
+
+def _all_zero(cts):
+    return all(isinstance(ct, SymbolicZero) for ct in cts)
+
+
 def _keeping_the_rule(wrap):
     """A rule that re-traces the primal body and wraps it with `wrap`, which
     attaches a derivative built from the user's rule and the walked body."""
@@ -77,14 +90,15 @@ def _keeping_the_rule(wrap):
             return interpret(scope, call.jaxpr, call.consts, invals)
         r = retrace(scope, call.jaxpr, call.consts, invals)
         body = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ()))
-        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs)
+        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs, eqn.params.get("num_consts", 0))
         return r.finish(scope, wrapped(*r.args))
 
     return rule
 
 
-def _with_jvp(body, original, k, n):
-    """`body` (k closed-over inputs first, n outputs then records) under a custom_jvp."""
+def _with_jvp(body, original, k, n, nconsts):
+    """`body` (k closed-over inputs first, n outputs then records) under a custom_jvp
+    (whose own JVP handles its `nconsts` closure-converted constants)."""
 
     @jax.custom_jvp
     def wrapped(*xs):
@@ -99,7 +113,7 @@ def _with_jvp(body, original, k, n):
     return wrapped
 
 
-def _with_vjp(body, original, k, n):
+def _with_vjp(body, original, k, n, nconsts):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp."""
 
     @jax.custom_vjp
@@ -107,20 +121,28 @@ def _with_vjp(body, original, k, n):
         return body(*xs)
 
     def fwd(*xs):
+        xs = [x.value for x in xs]
         return body(*xs), xs
 
     def bwd(xs, cts):
         # The user's backward rule for the outputs (its forward re-run here),
-        # plain autodiff of the body for the reaped values.
-        _, original_vjp = jax.vjp(original, *xs[k:])
-        _, records_vjp = jax.vjp(lambda *ys: body(*ys)[n:], *xs)
-        from_outs = [np.zeros((), jax.dtypes.float0)] * k + list(original_vjp(list(cts[:n])))
-        from_recs = records_vjp(list(cts[n:]))
-        return tuple(
-            b if i < k else _add_cotangents(a, b) for i, (a, b) in enumerate(zip(from_outs, from_recs))
-        )
+        # plain autodiff of the body for the reaped values. Either part whose
+        # cotangents are all zero is skipped: grad of the outputs alone must not
+        # differentiate the body, which may loop (while_loop has no VJP) or be
+        # one the user's rule exists to avoid.
+        total = [None] * len(xs)
+        if not _all_zero(cts[:n]):
+            # Its closure-converted constants are not differentiated, as in JAX.
+            consts, args = xs[k : k + nconsts], xs[k + nconsts :]
+            _, original_vjp = jax.vjp(lambda *ys: original(*consts, *ys), *args)
+            total[k + nconsts :] = original_vjp([_instantiate(ct) for ct in cts[:n]])
+        if not _all_zero(cts[n:]):
+            _, records_vjp = jax.vjp(lambda *ys: body(*ys)[n:], *xs)
+            from_recs = records_vjp([_instantiate(ct) for ct in cts[n:]])
+            total = [b if a is None else _add_cotangents(a, b) for a, b in zip(total, from_recs)]
+        return tuple(total)
 
-    wrapped.defvjp(fwd, bwd)
+    wrapped.defvjp(fwd, bwd, symbolic_zeros=True)
     return wrapped
 
 
