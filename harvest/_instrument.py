@@ -15,6 +15,7 @@ primitive's output sown (`_op_sites.py`).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -44,9 +45,12 @@ class _Call:
     ops: bool
     paths: dict  # id(module) -> dotted path, for module targets
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
+    scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
     sown: int = 0
 
     def sow(self, path, value):
+        if not self.select((path,)):
+            return value
         leaves, tree = jax.tree_util.tree_flatten(value)
         for key, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
@@ -66,14 +70,18 @@ class _Call:
         """Calls `method` of `module` (at `path`) and sows its output."""
         self.inside.add(id(module))
         try:
-            if self.ops:  # lets op names carry the module's path
-                with jax.named_scope(path):
-                    out = method(module, *args, **kwargs)
-            else:
+            with self.scope(path):
                 out = method(module, *args, **kwargs)
         finally:
             self.inside.discard(id(module))
         return self.sow(path, out)
+
+    def scope(self, path):
+        """With ops=True, a named scope that gives the ops inside the module's path."""
+        if not self.ops:
+            return contextlib.nullcontext()
+        self.scopes.add(path)
+        return jax.named_scope(path)
 
 
 _active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("harvest_instrument", default=None)
@@ -238,12 +246,14 @@ class Instrumented:
         if self._kind == "function":
             run = functools.partial(_with_linen, call, self.target)
         else:
-            parts = [(p, m) for p, m in _modules(self.target, self._kind) if self._select((p,))]
-            if self._where is not None and not parts and not self._ops:
+            parts = _modules(self.target, self._kind)
+            if self._where is not None and not self._ops and not any(self._select((p,)) for p, _ in parts):
                 raise ValueError(
                     f"instrument: where={self._where!r} selects none of the model's submodules "
-                    f"({_sample([p for p, _ in _modules(self.target, self._kind)])})."
+                    f"({_sample([p for p, _ in parts])})."
                 )
+            # Every module is wrapped (with ops=True its path names the ops inside,
+            # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, self.target)
         if self._ops:
@@ -296,12 +306,9 @@ def _with_linen(call, f, *args, **kwargs):
 
     def interceptor(next_fun, a, k, context):
         path = ".".join(context.module.path) if context.method_name == "__call__" else ""
-        if not path or not call.select((path,)):
+        if not path:
             return next_fun(*a, **k)
-        if call.ops:
-            with jax.named_scope(path):
-                out = next_fun(*a, **k)
-        else:
+        with call.scope(path):
             out = next_fun(*a, **k)
         return call.sow(path, out)
 

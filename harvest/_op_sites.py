@@ -9,9 +9,8 @@ derivatives (e.g. `jax.nn.relu`) and other higher-order primitives count as one
 op and are re-bound untouched. Sows already in the jaxpr are re-bound as they
 are, never sown again.
 
-A name is `"<scope>/<primitive>:<n>"`: the `jax.named_scope` stack (an
-instrumented module pushes its path, and an enclosing module path that
-prefixes the next one is dropped), the primitive (a custom derivative's or
+A name is `"<scope>/<primitive>:<n>"`: the `jax.named_scope` stack from the
+innermost instrumented module's path on (each pushes its whole path), the primitive (a custom derivative's or
 jit's function name), and a count per scope and primitive, in program order.
 """
 
@@ -51,10 +50,11 @@ def _scopes(name_stack):
     return tuple(s.name for s in name_stack.stack if type(s).__name__ == "Scope")
 
 
-def _scope_str(scopes):
-    # A module path is pushed whole ("blocks.0", then "blocks.0.attn"): keep the innermost.
-    kept = [s for s, nxt in zip(scopes, scopes[1:] + ("",)) if not nxt.startswith(s + ".")]
-    return "/".join(kept)
+def _scope_str(scopes, module_paths):
+    # A module's path is pushed whole, so it starts the name; the scopes around
+    # it (enclosing modules, Linen's own per-module scopes) are dropped.
+    starts = [i for i, s in enumerate(scopes) if s in module_paths]
+    return "/".join(scopes[starts[-1] if starts else 0 :])
 
 
 def _sowable(x):
@@ -68,7 +68,7 @@ class _Walk:
         self.counts: dict[tuple, int] = {}
 
     def name(self, scopes, op):
-        scope = _scope_str(scopes)
+        scope = _scope_str(scopes, self.call.scopes)
         n = self.counts.get((scope, op), 0)
         self.counts[(scope, op)] = n + 1
         return f"{scope}/{op}:{n}" if scope else f"{op}:{n}"
@@ -97,7 +97,7 @@ class _Walk:
             body = p.get("jaxpr", p.get("call_jaxpr"))
             inner = here + ((p["name"],) if "name" in p else ())
             return self.eval(body.jaxpr, body.consts, invals, inner, mode)
-        if prim.name == "checkpoint":
+        if prim.name in ("checkpoint", "remat2"):
             fn = self.body(lambda *a: self.eval(p["jaxpr"], (), a, here, mode))
             return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
         if prim.name == "scan":

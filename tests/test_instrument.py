@@ -377,3 +377,177 @@ def test_bad_targets_and_outputs():
     assert list(reap(model, tag="modules")(X)) == ["mul:0"]
     with pytest.raises(ValueError, match="where='head' selected nothing"):
         instrument(Model(), where="head", ops=True)(X)
+
+
+# ---------------------------------------------------------------------------
+# Linen, through its own method interception.
+
+nn = pytest.importorskip("flax.linen")
+
+
+class LinenAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k = nn.Dense(D, name="q")(x), nn.Dense(D, name="k")(x)
+        return nn.Dense(D, name="o")(jax.nn.softmax(q @ k.T) @ x)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + LinenAttention(name="attn")(nn.LayerNorm(name="ln")(x))
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = LinenBlock(name=f"blocks_{i}")(x)
+        return nn.Dense(2, name="head")(x)
+
+
+def hand_linen(params, x, site):
+    def dense(p, x):
+        return x @ p["kernel"] + p["bias"]
+
+    for i in range(2):
+        p = params[f"blocks_{i}"]
+        name = f"blocks_{i}"
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        h = site(f"{name}.ln", (x - mean) / jnp.sqrt(var + 1e-6) * p["ln"]["scale"] + p["ln"]["bias"])
+        a = p["attn"]
+        q, k = site(f"{name}.attn.q", dense(a["q"], h)), site(f"{name}.attn.k", dense(a["k"], h))
+        o = site(f"{name}.attn.o", dense(a["o"], jax.nn.softmax(q @ k.T) @ h))
+        x = site(name, x + site(f"{name}.attn", o))
+    return site("head", dense(params["head"], x))
+
+
+def test_linen_modules_applied_in_a_function():
+    module = LinenModel()
+    variables = module.init(jax.random.key(8), X)
+    f = instrument(lambda x: module.apply(variables, x))
+    assert np.array_equal(f(X), module.apply(variables, X))
+    rec = Recorder()
+    hand_linen(variables["params"], X, rec)
+    reaped = reap(f, tag="modules")(X)
+    assert sorted(reaped) == sorted(rec.values)
+    for name, value in rec.values.items():
+        np.testing.assert_allclose(reaped[name], value, **TOL, err_msg=name)
+    patch = jnp.ones((T, D))
+    want = hand_linen(variables["params"], X, Recorder({"blocks_0.attn": patch}))
+    np.testing.assert_allclose(jax.jit(plant(f, tag="modules"))({"blocks_0.attn": patch}, X), want, **TOL)
+    # The variables as an argument, under vmap.
+    g = instrument(module.apply)
+    got = jax.vmap(reap(g, tag="modules"), in_axes=(None, 0))(variables, X[:, None, :])["blocks_1.attn.q"]
+    rec = Recorder()
+    hand_linen(variables["params"], X[:, None, :][0], rec)
+    np.testing.assert_allclose(got[0], rec.values["blocks_1.attn.q"], **TOL)
+
+
+def test_function_without_linen_modules_needs_ops():
+    with pytest.raises(ValueError, match="applies no Flax Linen module.*ops=True"):
+        instrument(jnp.sin)(X)
+
+
+# ---------------------------------------------------------------------------
+# ops=True: every primitive's output.
+
+
+def scan_and_cond(x, xs):
+    def body(c, x):
+        with jax.named_scope("cell"):
+            c = jnp.tanh(c * 0.5 + x)
+        return c, c * 2.0
+
+    c, ys = jax.lax.scan(body, x, xs)
+    return jax.lax.cond(c.sum() > 0, jnp.sin, jnp.cos, ys).sum()
+
+
+def hand_scan_and_cond(x, xs, cell=None):
+    c, muls, cells, ys = x, [], [], []
+    for t, x_t in enumerate(xs):
+        muls.append(c * 0.5)
+        c = jnp.tanh(muls[-1] + x_t) if cell is None else cell[t]
+        cells.append(c)
+        ys.append(c * 2.0)
+    ys = jnp.stack(ys)
+    taken = c.sum() > 0
+    return dict(muls=jnp.stack(muls), cells=jnp.stack(cells), ys=ys, taken=taken, out=(jnp.sin(ys) if taken else jnp.cos(ys)).sum())
+
+
+XS = jax.random.normal(jax.random.key(9), (4, 3))
+X0 = jnp.array([0.3, -0.2, 0.9])
+
+
+def test_ops_inside_scan_and_cond():
+    f = instrument(scan_and_cond, ops=True)
+    assert np.array_equal(f(X0, XS), scan_and_cond(X0, XS))
+    assert np.array_equal(jax.jit(f)(X0, XS), jax.jit(scan_and_cond)(X0, XS))
+    names = sites(f, X0, XS, tag="modules").names()
+    assert names == sites(instrument(scan_and_cond, ops=True), X0, XS, tag="modules").names()  # stable
+    assert {"cell/mul:0", "cell/tanh:0", "mul:0", "sin:0", "cos:0", "scan:0", "cond:0"} <= set(names)
+    reaped = reap(f, tag="modules")(X0, XS)
+    hand = hand_scan_and_cond(X0, XS)
+    np.testing.assert_allclose(reaped["cell/mul:0"], hand["muls"], **TOL)  # stacked per iteration
+    np.testing.assert_allclose(reaped["cell/tanh:0"], hand["cells"], **TOL)
+    np.testing.assert_allclose(reaped["mul:0"], hand["ys"], **TOL)
+    taken, other = ("sin:0", "cos:0") if hand["taken"] else ("cos:0", "sin:0")
+    np.testing.assert_allclose(reaped[taken], (jnp.sin if hand["taken"] else jnp.cos)(hand["ys"]), **TOL)
+    np.testing.assert_array_equal(reaped[other], 0.0)  # the branch not taken
+    # A plant of an op inside the scan: one value for every iteration, or one row each.
+    v = jnp.array([0.1, 0.2, -0.3])
+    got = plant(f, tag="modules")({"cell/tanh:0": v}, X0, XS)
+    np.testing.assert_allclose(got, hand_scan_and_cond(X0, XS, cell=[v] * 4)["out"], **TOL)
+    rows = XS[::-1]
+    got = jax.jit(plant(f, tag="modules"))({"cell/tanh:0": rows}, X0, XS)
+    np.testing.assert_allclose(got, hand_scan_and_cond(X0, XS, cell=rows)["out"], **TOL)
+    np.testing.assert_allclose(jax.grad(f)(X0, XS), jax.grad(scan_and_cond)(X0, XS), **TOL)
+
+
+def test_ops_inside_jit_checkpoint_and_while():
+    @jax.jit
+    def inner(x):
+        return jnp.exp(x) * 3.0
+
+    def f(x, n):
+        y = jax.checkpoint(lambda z: jnp.sin(z) * 2.0)(inner(x))
+        return jax.lax.fori_loop(0, n, lambda i, c: c * 0.5 + y, y)
+
+    g = instrument(f, ops=True)
+    n = jnp.int32(3)
+    reaped = reap(g, tag="modules")(X0, n)
+    y = jnp.sin(jnp.exp(X0) * 3.0) * 2.0
+    np.testing.assert_allclose(reaped["inner/exp:0"], jnp.exp(X0), **TOL)  # jit bodies under their name
+    np.testing.assert_allclose(reaped["sin:0"], jnp.sin(jnp.exp(X0) * 3.0), **TOL)  # inside checkpoint
+    c = y
+    for _ in range(2):
+        c = c * 0.5 + y
+    np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
+    assert sites(g, X0, n, tag="modules")[5].mode == "clobber"
+    np.testing.assert_allclose(jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL)
+
+
+def test_ops_python_arguments_stay_static():
+    def f(x, times, square=False):
+        for _ in range(times):
+            x = x * x if square else x + 1.0
+        return x
+
+    g = instrument(f, ops=True)
+    assert np.array_equal(g(X0, 2, square=True), f(X0, 2, square=True))
+    assert sorted(reap(lambda x: g(x, 2, square=True), tag="modules")(X0)) == ["mul:0", "mul:1"]
+    assert sorted(reap(lambda x: g(x, 3), tag="modules")(X0)) == ["add:0", "add:1", "add:2"]
+
+
+def test_ops_named_by_module_path(transformer):
+    model = instrument(transformer, ops=True, where="blocks.0.attn.q_proj*")
+    reaped = reap(model, tag="modules")(X)
+    rec = Recorder()
+    hand_transformer(transformer, X, rec)
+    ln = rec.values["blocks.0.ln"]
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj/dot_general:0"], ln @ transformer.blocks[0].attn.q_proj.kernel[...], **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj"], rec.values["blocks.0.attn.q_proj"], **TOL)
+    # Names do not depend on `where`.
+    every = reap(instrument(transformer, ops=True), tag="modules")(X)
+    assert set(reaped) <= set(every) and len(every) > 100
