@@ -332,23 +332,21 @@ def test_classes_are_restored_and_calls_nest(transformer):
 
 
 def test_other_threads_see_the_plain_model(transformer):
+    # Both threads trace (sites never hits a cache) while the other one runs.
     model = instrument(transformer)
-    start, stop = threading.Event(), threading.Event()
+    done = threading.Event()
     found = []
 
     def plain_calls():
-        start.wait()
-        while not stop.is_set():
+        while not done.is_set() or len(found) < 3:
             found.append(len(sites(lambda x: transformer(x), X)))
 
     thread = threading.Thread(target=plain_calls)
     thread.start()
-    start.set()
-    for _ in range(3):
-        assert len(reap(model, tag="modules")(X)) == 17
-    stop.set()
+    mine = [len(sites(model, X, tag="modules")) for _ in range(4)]
+    done.set()
     thread.join()
-    assert found and set(found) == {0}
+    assert mine == [17] * 4 and set(found) == {0}
 
 
 # ---------------------------------------------------------------------------
@@ -538,6 +536,9 @@ def test_ops_python_arguments_stay_static():
     assert np.array_equal(g(X0, 2, square=True), f(X0, 2, square=True))
     assert sorted(reap(lambda x: g(x, 2, square=True), tag="modules")(X0)) == ["mul:0", "mul:1"]
     assert sorted(reap(lambda x: g(x, 3), tag="modules")(X0)) == ["add:0", "add:1", "add:2"]
+    # reap's own calling convention keeps them Python values too.
+    assert sorted(reap(g, tag="modules")(X0, 2, square=True)) == ["mul:0", "mul:1"]
+    np.testing.assert_allclose(plant(g, tag="modules")({"add:2": X0}, X0, 3), X0)
 
 
 def test_ops_named_by_module_path(transformer):
