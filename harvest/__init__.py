@@ -2,6 +2,7 @@
 
 from . import _rules  # noqa: F401  (registers the interpreter's rules)
 from ._capture import capture as capture
+from ._instrument import instrument as instrument
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._patching import (
     PatchingResult as PatchingResult,

@@ -22,7 +22,7 @@ from jax._src import core, source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from ._primitive import sow_p
-from ._site import CARRIED_MODES, SINGLE_MODES, Record, Site, mode_label, path_str
+from ._site import CARRIED_MODES, ROW_MODES, SINGLE_MODES, Record, Site, mode_label, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[core.Primitive, Callable] = {}
@@ -153,7 +153,7 @@ class Plant:
             # A tuple shaped like the sown value is one value; any other tuple
             # holds one entry per occurrence (its count is checked by the walk).
             return isinstance(v, tuple) and jax.tree_util.tree_structure(v) != self.site.tree
-        if mode == "append":
+        if mode in ROW_MODES:
             leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
             return jnp.ndim(leaf) == len(aval.shape) + 1
         return False
@@ -287,8 +287,8 @@ class Scope:
         rec = self.records.setdefault(path, Record(site, []))
         if mode == "collect":
             rec.values.append(value)
-        elif mode == "append":
-            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
+        elif mode in ROW_MODES:
+            rec.values.append(value)  # stacked into rows by `Record.rows`
         elif mode == "cond_clobber":
             old = rec.values[0] if rec.values else site.zeros()
             rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]

@@ -18,7 +18,9 @@ from jax.interpreters import ad, mlir
 
 # Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
 # "cond_clobber" (sow_cond, with a trailing predicate operand); "stack"
-# (oryx's append: one occurrence per scope, stacked once per loop level).
+# (oryx's append: one occurrence per scope, stacked once per loop level); "auto"
+# (`instrument`'s sites: the value itself when sown once outside any loop, else
+# every occurrence stacked on a leading axis, as "append" does).
 # `vmapped` (absent: none) counts, per leaf, the leading axes that vmaps
 # around the sow put in front, so one per-example plant can be broadcast.
 

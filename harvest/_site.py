@@ -7,11 +7,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import PyTreeDef
 
 from ._primitive import sow_p
 
-LOOP_MODES = ("collect", "append", "stack")  # occurrences that stack along a loop's axis
+LOOP_MODES = ("collect", "append", "auto", "stack")  # occurrences that stack along a loop's axis
+ROW_MODES = ("append", "auto")  # occurrences counted as rows of one leading axis
 SINGLE_MODES = ("strict", "stack")  # at most one occurrence per scope
 CARRIED_MODES = ("clobber", "cond_clobber")  # one value, threaded through loops
 
@@ -21,8 +23,9 @@ def path_str(path):
 
 
 def mode_label(mode):
-    """A mode as the user wrote it, for error messages (two modes are internal names)."""
-    return {"cond_clobber": "'sow_cond'", "stack": "'append' (harvest.compat.oryx's)"}.get(mode, repr(mode))
+    """A mode as the user wrote it, for error messages (three modes are internal names)."""
+    labels = {"cond_clobber": "'sow_cond'", "stack": "'append' (harvest.compat.oryx's)", "auto": "'auto' (instrument's)"}
+    return labels.get(mode, repr(mode))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +51,18 @@ class Site:
     def __str__(self):
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"
 
-    def zeros(self, leading=()):
+    def one_occurrence(self, value):
+        """Whether `value` (an `auto` record entry) is one occurrence, not a chunk of rows."""
+        leaves = jax.tree_util.tree_leaves(value)
+        return not leaves or len(np.shape(leaves[0])) == len(self.avals[0].shape)
+
+    def zeros_shape(self, leading=()):
         return jax.tree_util.tree_unflatten(
-            self.tree, [jnp.zeros(tuple(leading) + a.shape, a.dtype) for a in self.avals]
+            self.tree, [jax.ShapeDtypeStruct(tuple(leading) + a.shape, a.dtype) for a in self.avals]
         )
+
+    def zeros(self, leading=()):
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading))
 
     def check(self, value, what, leading=()):
         """Flattens `value`, or says exactly how it differs from this site."""
@@ -91,8 +102,9 @@ def _shapes_str(shapes):
 class Record:
     """The occurrences of one name reaped so far in one scope.
 
-    `values` holds, by mode: collect, one pytree per occurrence; append, chunks
-    of occurrences stacked on a leading axis; the other modes, one pytree.
+    `values` holds, by mode: collect, one pytree per occurrence; append and
+    auto, single occurrences and chunks of occurrences stacked on a leading
+    axis (by a loop), in order; the other modes, one pytree.
     """
 
     site: Site
@@ -102,14 +114,24 @@ class Record:
         mode = self.site.mode
         if mode == "collect":
             return tuple(self.values)
-        if mode == "append":
-            shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in self.values}
-            if len(shapes) > 1:
-                raise ValueError(
-                    f"The sow site {self.site} has mode 'append', but its occurrences have "
-                    f"different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
-                    "cannot be stacked into one array. Sow one shape per name (give each shape "
-                    "its own name), or use mode 'collect', which keeps each occurrence as it is."
-                )
-            return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *self.values)
+        if mode == "auto" and len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
+            return self.values[0]  # sown once, outside any loop: the value itself
+        if mode in ROW_MODES:
+            return self.rows()
         return self.values[0]
+
+    def rows(self):
+        """An append or auto record's occurrences, stacked on one leading axis."""
+        chunks = [
+            jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), v) if self.site.one_occurrence(v) else v
+            for v in self.values
+        ]
+        shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
+        if len(shapes) > 1:
+            raise ValueError(
+                f"The sow site {self.site} has mode {mode_label(self.site.mode)}, but its occurrences "
+                f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
+                "cannot be stacked into one array. Sow one shape per name (give each shape "
+                "its own name), or use mode 'collect', which keeps each occurrence as it is."
+            )
+        return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)

@@ -22,6 +22,7 @@ PAGES = [
     "semantics.md",
     "guides/gradients.md",
     "guides/many_devices.md",
+    "guides/unmodified_models.md",
 ]
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

@@ -10,7 +10,7 @@ import pytest
 import harvest
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-REQUIRED = ["harvest._sow", "harvest._transforms", "harvest._perturb", "harvest._capture"]
+REQUIRED = ["harvest._sow", "harvest._transforms", "harvest._perturb", "harvest._capture", "harvest._instrument"]
 
 
 def _modules():

@@ -18,7 +18,7 @@ from jax._src import core
 from jax._src.lax.control_flow.conditionals import cond_p
 
 from .._interpreter import interpret, register
-from .._site import Record
+from .._site import ROW_MODES, Record
 
 
 def _zeros(shape):
@@ -41,11 +41,10 @@ def _union(shapes, site):
                     "of a cond. Sow the same shapes in every branch, or use different names."
                 )
         return longest
-    if mode == "append":
-        rows = max(jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
-        return jax.tree_util.tree_map(
-            lambda l: jax.ShapeDtypeStruct((rows,) + l.shape[1:], l.dtype), present[0]
-        )
+    single = mode == "auto" and all(site.one_occurrence(s) for s in present)
+    if mode in ROW_MODES and not single:  # else one unstacked value, as for the modes below
+        rows = max(1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
+        return site.zeros_shape((rows,))
     shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
     if len(shapes) > 1:
         raise ValueError(
@@ -60,7 +59,9 @@ def _pad(value, union, site):
         return _zeros(union)
     if site.mode == "collect":
         return list(value) + [_zeros(u) for u in union[len(value) :]]
-    if site.mode == "append":
+    if site.mode in ROW_MODES and not site.one_occurrence(union):
+        if site.one_occurrence(value):
+            value = jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, 0), value)
         return jax.tree_util.tree_map(
             lambda v, u: jnp.concatenate([v, jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)]),
             value,

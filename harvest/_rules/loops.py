@@ -19,7 +19,7 @@ from jax._src.lax.control_flow.loops import scan_p, while_p
 
 from .._interpreter import Plant, interpret, register, sub_jaxprs
 from .._primitive import sow_p
-from .._site import LOOP_MODES, Record, mode_label
+from .._site import LOOP_MODES, ROW_MODES, Record, mode_label
 
 
 def _no_strict(sites, where):
@@ -50,7 +50,7 @@ def occurrences(jaxpr, site):
         else:
             inner = sum(occurrences(j, site) for j in sub_jaxprs(eqn))
             repeat = REPEATS.get(eqn.primitive)
-            n += inner * repeat(eqn.params) if repeat and site.mode == "append" else inner
+            n += inner * repeat(eqn.params) if repeat and site.mode in ROW_MODES else inner
     return n
 
 
@@ -148,6 +148,8 @@ def _one_chunk(record: Record):
     """A scan body's occurrences of one name: a list of entries, or one chunk."""
     if record.site.mode == "collect":
         return list(record.values)
+    if record.site.mode in ROW_MODES:
+        return record.rows()
     return record.result()
 
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from .._interpreter import interpret, register
 from .._site import Record
-from .._site import LOOP_MODES
+from .._site import LOOP_MODES, ROW_MODES
 from .loops import REPEATS, _per_iteration, merge_rows, peel
 
 
@@ -72,7 +72,7 @@ def _shard_map(scope, eqn, invals):
         # One leading row per shard, so the out_spec lays the rows along `axes`.
         rows = jax.tree_util.tree_map(
             lambda x: _varying(jnp.expand_dims(x, 0), axes) if p["check_vma"] else jnp.expand_dims(x, 0),
-            {path: rec.result() for path, rec in child.records.items()},
+            {path: rec.rows() if rec.site.mode in ROW_MODES else rec.result() for path, rec in child.records.items()},
         )
         return tuple(outs), rows
 
@@ -90,13 +90,13 @@ def _shard_map(scope, eqn, invals):
         site = child.records[path].site
         if site.mode == "collect":  # [shards, entries...] -> a tuple of stacked entries
             records[path] = Record(_lift(site, shards), list(value))
-        elif site.mode == "append":  # [shards, rows, ...] -> [shards * rows, ...]
+        elif site.mode in ROW_MODES:  # [shards, rows, ...] -> [shards * rows, ...]
             records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
         else:
             records[path] = Record(_lift(site, shards), [value])
     for path, n in child.seen.items():
         mode = sites[path].mode
-        seen[path] = n if mode == "collect" else shards * n if mode == "append" else 1
+        seen[path] = n if mode == "collect" else shards * n if mode in ROW_MODES else 1
     scope.absorb(records, seen)
     return list(outs)
 

@@ -1,0 +1,370 @@
+"""`instrument`: the parts of a model nobody sowed in, as sow sites.
+
+A module target (Flax NNX, Equinox) is read as data: its submodules and their
+dotted paths from the root. For the length of one call, each submodule class
+in it has its `__call__` wrapped; the wrapper looks the instance up in the
+call's own path table (held in a context variable, so other threads and other
+calls never see it) and sows the output under that path. The wrappers are
+counted per class and removed when the last call using them returns, so the
+user's classes and objects are as they were between calls.
+
+A plain function gets its Flax Linen submodule outputs sown through Linen's
+own `intercept_methods`; with `ops=True`, any callable also gets every
+primitive's output sown (`_op_sites.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import numbers
+import threading
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from ._interpreter import NameFilter
+from ._primitive import sow_p
+
+INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked
+
+
+# ---------------------------------------------------------------------------
+# Sowing one part's output.
+
+
+@dataclasses.dataclass
+class _Call:
+    """One running call of an instrumented target, in one thread."""
+
+    tag: str
+    select: NameFilter
+    ops: bool
+    paths: dict  # id(module) -> dotted path, for module targets
+    inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
+    scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
+    sown: int = 0
+
+    def sow(self, path, value):
+        if not self.select((path,)):
+            return value
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        for key, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+                part = jax.tree_util.keystr(key) or "its output"
+                raise TypeError(
+                    f"instrument(tag={self.tag!r}): the module at {path!r} returned {part} of type "
+                    f"{type(leaf).__name__}, which is not an array, so it cannot be a site. "
+                    f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
+                )
+        if not leaves:
+            return value
+        self.sown += 1
+        out = sow_p.bind(*leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree)
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    def run_module(self, path, module, method, args, kwargs):
+        """Calls `method` of `module` (at `path`) and sows its output."""
+        self.inside.add(id(module))
+        try:
+            with self.scope(path):
+                out = method(module, *args, **kwargs)
+        finally:
+            self.inside.discard(id(module))
+        return self.sow(path, out)
+
+    def scope(self, path):
+        """With ops=True, a named scope that gives the ops inside the module's path."""
+        if not self.ops:
+            return contextlib.nullcontext()
+        self.scopes.add(path)
+        return jax.named_scope(path)
+
+
+_active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("harvest_instrument", default=None)
+
+
+# ---------------------------------------------------------------------------
+# Wrapping `__call__` of module classes while an instrumented call runs.
+
+_MISSING = object()
+_lock = threading.Lock()
+_wrapped: dict[type, list] = {}  # class -> [its own __call__ or _MISSING, number of calls using it]
+
+
+def _wrapper(original):
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        call = _active.get()
+        path = None if call is None else call.paths.get(id(self))
+        if path is None or id(self) in call.inside:  # not ours, or a super().__call__
+            return original(self, *args, **kwargs)
+        return call.run_module(path, self, original, args, kwargs)
+
+    return __call__
+
+
+def _wrap(classes):
+    with _lock:
+        for cls in classes:
+            entry = _wrapped.get(cls)
+            if entry is None:
+                _wrapped[cls] = [cls.__dict__.get("__call__", _MISSING), 1]
+                cls.__call__ = _wrapper(cls.__call__)
+            else:
+                entry[1] += 1
+
+
+def _unwrap(classes):
+    with _lock:
+        for cls in classes:
+            entry = _wrapped[cls]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _wrapped[cls]
+                if entry[0] is _MISSING:
+                    del cls.__call__
+                else:
+                    cls.__call__ = entry[0]
+
+
+# ---------------------------------------------------------------------------
+# The parts of each kind of target.
+
+
+def _nnx():
+    try:
+        from flax import nnx
+    except ImportError:  # Flax is optional
+        return None
+    return nnx
+
+
+def _eqx():
+    try:
+        import equinox
+    except ImportError:  # Equinox is optional
+        return None
+    return equinox
+
+
+def _kind(target):
+    nnx, eqx = _nnx(), _eqx()
+    if nnx is not None and isinstance(target, nnx.Module):
+        return "nnx"
+    if eqx is not None and isinstance(target, eqx.Module):
+        return "equinox"
+    if callable(target):
+        return "function"
+    return None
+
+
+def _nnx_modules(model):
+    """(dotted path, submodule) for each submodule of an NNX model, root excluded."""
+    nnx = _nnx()
+    return [
+        (".".join(str(k) for k in path), node)
+        for path, node in nnx.iter_graph(model)
+        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
+    ]
+
+
+def _key_str(key):
+    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _eqx_modules(model):
+    """(dotted path, submodule) for each submodule of an Equinox model, root excluded."""
+    eqx = _eqx()
+    found, seen = [], set()
+
+    def visit(node, prefix):
+        children = jax.tree_util.tree_flatten_with_path(
+            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
+        )[0]
+        for key, child in children:
+            if isinstance(child, eqx.Module) and id(child) not in seen:
+                seen.add(id(child))
+                path = prefix + tuple(_key_str(k) for k in key)
+                found.append((".".join(path), child))
+                visit(child, path)
+
+    visit(model, ())
+    return found
+
+
+def _modules(target, kind):
+    return _nnx_modules(target) if kind == "nnx" else _eqx_modules(target)
+
+
+# ---------------------------------------------------------------------------
+# The public callable.
+
+
+class Instrumented:
+    """`target`, callable as before, with its parts sown under `tag`.
+
+    A pytree whose child is the target (for a module), so transformations that
+    take it as an argument or bound object trace the model's arrays.
+    """
+
+    def __init__(self, target, kind, tag, ops, select, where):
+        self.target = target
+        self._kind = kind
+        self._tag = tag
+        self._ops = ops
+        self._select = select
+        self._where = where
+        functools.update_wrapper(self, target if kind == "function" else type(target).__call__, updated=())
+        if kind != "function":
+            self.__wrapped__ = target  # `inspect.signature` shows the model's call signature
+
+    def _static(self):
+        return (self._kind, self._tag, self._ops, self._select, self._where)
+
+    def tree_flatten(self):
+        if self._kind == "function":
+            return (), (self.target, self._static())
+        return (self.target,), (None, self._static())
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        target = aux[0] if children == () else children[0]
+        return cls(target, *aux[1])
+
+    def __repr__(self):
+        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops})"
+
+    def __call__(self, *args, **kwargs):
+        call = _Call(self._tag, self._select, self._ops, {})
+        if self._kind == "function":
+            run = functools.partial(_with_linen, call, self.target)
+        else:
+            parts = _modules(self.target, self._kind)
+            if self._where is not None and not self._ops and not any(self._select((p,)) for p, _ in parts):
+                raise ValueError(
+                    f"instrument: where={self._where!r} selects none of the model's submodules "
+                    f"({_sample([p for p, _ in parts])})."
+                )
+            # Every module is wrapped (with ops=True its path names the ops inside,
+            # whatever `where` selects); `sow` keeps to the selected ones.
+            call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
+            run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, self.target)
+        if self._ops:
+            from ._op_sites import sow_ops
+
+            out = sow_ops(run, call, args, kwargs)
+        else:
+            out = run(*args, **kwargs)
+        if not call.sown:
+            raise ValueError(self._nothing_sown())
+        return out
+
+    def _nothing_sown(self):
+        if self._where is not None:
+            return f"instrument: where={self._where!r} selected nothing that {self.target!r} computes."
+        if self._kind == "function":
+            return (
+                f"instrument: {self.target!r} applies no Flax Linen module, so it has no module sites. "
+                "Pass ops=True to make every primitive's output a site, or instrument the model itself."
+            )
+        return f"instrument: {self.target!r} called none of its submodules, so it has no sites. Pass ops=True for op sites."
+
+
+jax.tree_util.register_pytree_node_class(Instrumented)
+
+
+def _sample(names, k=6):
+    if not names:
+        return "it has none"
+    names = sorted(names, key=lambda n: (n.count("."), n))  # the outermost first
+    more = f", ... ({len(names)} in all)" if len(names) > k else ""
+    return "they are " + ", ".join(map(repr, names[:k])) + more
+
+
+def _with_modules(call, classes, model, *args, **kwargs):
+    _wrap(classes)
+    token = _active.set(call)
+    try:
+        return model(*args, **kwargs)
+    finally:
+        _active.reset(token)
+        _unwrap(classes)
+
+
+def _with_linen(call, f, *args, **kwargs):
+    try:
+        import flax.linen as nn
+    except ImportError:  # Flax is optional
+        return f(*args, **kwargs)
+
+    def interceptor(next_fun, a, k, context):
+        path = ".".join(context.module.path) if context.method_name == "__call__" else ""
+        if not path:
+            return next_fun(*a, **k)
+        with call.scope(path):
+            out = next_fun(*a, **k)
+        return call.sow(path, out)
+
+    with nn.intercept_methods(interceptor):
+        return f(*args, **kwargs)
+
+
+def instrument(target: Callable, *, tag: str = "modules", ops: bool = False, where=None) -> Callable:
+    """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
+
+    The result is called exactly as `target` is and returns the same values
+    (bit for bit; outside a harvest every sow is the identity), but `reap`,
+    `plant`, `harvest`, `sites`, `stream` and the patching sweeps see sites:
+
+    * a Flax NNX or Equinox module: the output of every submodule call, named
+      by its dotted path from the root (`"blocks.0.attn"`, `"head"`); list
+      indices and dict keys are path elements;
+    * a plain function: the output of every Flax Linen submodule it applies,
+      named by the Linen scope path joined with dots (`"blocks_0.attn"`);
+    * with `ops=True`, any callable: also every primitive's output, named
+      `"<scope>/<primitive>:<n>"` from the `jax.named_scope` stack (module
+      paths included) and a counter per scope and primitive; ops inside `scan`,
+      `cond`, `jit` and `checkpoint` are sites too.
+
+    A site sown once holds the value itself; one sown k times (a shared module,
+    a layer inside `scan`) holds the k values stacked on a leading axis, and
+    takes plants of either shape. `where` (a name, glob pattern, predicate on
+    names, or a list of them) picks the sites before anything is traced.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> from harvest import instrument, reap, plant
+        >>> class MLP(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.layers = nnx.List([nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs)])
+        ...     def __call__(self, x):
+        ...         return self.layers[1](nnx.relu(self.layers[0](x)))
+        >>> model = instrument(MLP(nnx.Rngs(0)))
+        >>> {k: v.shape for k, v in reap(model, tag="modules")(jnp.ones(2)).items()}
+        {'layers.0': (3,), 'layers.1': (1,)}
+        >>> plant(model, tag="modules")({"layers.1": jnp.zeros(1)}, jnp.ones(2))
+        Array([0.], dtype=float32)
+    """
+    kind = _kind(target)
+    if kind is None:
+        raise TypeError(
+            f"instrument needs a Flax NNX module, an Equinox module or a callable, got a "
+            f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
+            "e.g. instrument(lambda x: model.apply(variables, x))."
+        )
+    if not isinstance(tag, str) or not tag:
+        raise TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
+    if not isinstance(ops, bool):
+        raise TypeError(f"instrument needs `ops` to be True or False, got {ops!r}.")
+    select = NameFilter.make(where)
+    if isinstance(where, list):
+        where = tuple(where)
+    return Instrumented(target, kind, tag, ops, select, where)

@@ -1,0 +1,174 @@
+"""Op sites: every primitive's output in a function, sown (`instrument(..., ops=True)`).
+
+The function is traced to a jaxpr once per call, and the jaxpr re-evaluated
+equation by equation with a sow after each one. Loop and branch bodies are
+re-staged through `lax.scan`, `lax.while_loop`, `lax.switch` and
+`jax.checkpoint` with their ops sown inside, so reap stacks them as it stacks
+any sow in a loop; `jit` bodies are inlined under their name. Custom
+derivatives (e.g. `jax.nn.relu`) and other higher-order primitives count as one
+op and are re-bound untouched. Sows already in the jaxpr are re-bound as they
+are, never sown again.
+
+A name is `"<scope>/<primitive>:<n>"`: the `jax.named_scope` stack from the
+innermost instrumented module's path on (each pushes its whole path), the primitive (a custom derivative's or
+jit's function name), and a count per scope and primitive, in program order.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax import lax
+from jax._src import source_info_util
+
+from ._instrument import INSTRUMENT_MODE
+from ._primitive import sow_p
+
+INLINED = ("jit", "pjit", "closed_call", "core_call")
+WHILE_MODE = "clobber"  # a while loop's trip count is unknown: keep the last iteration
+
+
+def sow_ops(f, call, args, kwargs):
+    """Runs `f(*args, **kwargs)` with each primitive's output sown for `call`."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
+
+    def flat_f(*arrays):
+        filled = list(leaves)
+        for i, a in zip(positions, arrays):
+            filled[i] = a
+        a, k = jax.tree_util.tree_unflatten(tree, filled)
+        return f(*a, **k)
+
+    arrays = [leaves[i] for i in positions]
+    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+
+def _scopes(name_stack):
+    return tuple(s.name for s in name_stack.stack if type(s).__name__ == "Scope")
+
+
+def _scope_str(scopes, module_paths):
+    # A module's path is pushed whole, so it starts the name; the scopes around
+    # it (enclosing modules, Linen's own per-module scopes) are dropped.
+    starts = [i for i, s in enumerate(scopes) if s in module_paths]
+    return "/".join(scopes[starts[-1] if starts else 0 :])
+
+
+def _sowable(x):
+    dtype = jax.typeof(x).dtype
+    return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and dtype != jax.dtypes.float0
+
+
+class _Walk:
+    def __init__(self, call):
+        self.call = call
+        self.counts: dict[tuple, int] = {}
+
+    def name(self, scopes, op):
+        scope = _scope_str(scopes, self.call.scopes)
+        n = self.counts.get((scope, op), 0)
+        self.counts[(scope, op)] = n + 1
+        return f"{scope}/{op}:{n}" if scope else f"{op}:{n}"
+
+    def eval(self, jaxpr, consts, args, scopes, mode):
+        env = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+
+        def read(v):
+            return v.val if type(v).__name__ == "Literal" else env[v]
+
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            here = scopes + _scopes(eqn.source_info.name_stack)
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                outs = self.eqn(eqn, invals, here, mode)
+            env.update(zip(eqn.outvars, outs))
+        return [read(v) for v in jaxpr.outvars]
+
+    def eqn(self, eqn, invals, here, mode):
+        prim, p = eqn.primitive, eqn.params
+        if prim is sow_p:
+            return sow_p.bind(*invals, **p)
+        if prim.name in INLINED:
+            body = p.get("jaxpr", p.get("call_jaxpr"))
+            inner = here + ((p["name"],) if "name" in p else ())
+            return self.eval(body.jaxpr, body.consts, invals, inner, mode)
+        if prim.name in ("checkpoint", "remat2"):
+            fn = self.body(lambda *a: self.eval(p["jaxpr"], (), a, here, mode))
+            return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
+        if prim.name == "scan":
+            outs = self.scan(p, invals, here, mode)
+        elif prim.name == "while":
+            outs = self.while_loop(p, invals, here, mode)
+        elif prim.name == "cond":
+            branches = [
+                self.body(lambda *ops, b=b: self.eval(b.jaxpr, b.consts, ops, here, mode)) for b in p["branches"]
+            ]
+            outs = lax.switch(invals[0], branches, *invals[1:])
+        else:
+            outs = prim.bind(*invals, **prim.get_bind_params(p))
+        outs = list(outs) if prim.multiple_results or prim.name in ("scan", "while", "cond") else [outs]
+        op = p["name"] if prim.name.startswith("custom_") and isinstance(p.get("name"), str) else prim.name
+        return self.sow(outs, here, op, mode, single=len(eqn.outvars) == 1)
+
+    def body(self, fn):
+        """`fn`, naming its ops the same however often JAX traces it."""
+        start = None
+
+        def traced(*args):
+            nonlocal start
+            if start is None:
+                start = dict(self.counts)
+            else:
+                self.counts = dict(start)
+            return fn(*args)
+
+        return traced
+
+    def sow(self, outs, here, op, mode, single):
+        if mode is None:
+            return outs
+        name = self.name(here, op)
+        keep = [i for i, o in enumerate(outs) if _sowable(o)]
+        if not keep or not self.call.select((name,)):
+            return outs
+        value = outs[0] if single else tuple(outs[i] for i in keep)
+        leaves, tree = jax.tree_util.tree_flatten(value)
+        sown = jax.tree_util.tree_unflatten(
+            tree, sow_p.bind(*leaves, tag=self.call.tag, name=name, scope=(), mode=mode, tree=tree)
+        )
+        self.call.sown += 1
+        if single:
+            return [sown]
+        outs = list(outs)
+        for i, v in zip(keep, sown):
+            outs[i] = v
+        return outs
+
+    def scan(self, p, invals, here, mode):
+        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+
+        @self.body
+        def step(carry, x):
+            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], here, mode)
+            return outs[:ncarry], outs[ncarry:]
+
+        carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+
+    def while_loop(self, p, invals, here, mode):
+        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+        ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+        cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
+        # Ops of cond_fun are not sown (a sow may not sit there); body ops keep the last iteration.
+        body_mode = None if mode is None else WHILE_MODE
+        return lax.while_loop(
+            lambda c: self.eval(cond.jaxpr, cond.consts, [*cconsts, *c], here, None)[0],
+            self.body(lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, body_mode)),
+            list(init),
+        )

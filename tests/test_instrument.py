@@ -1,0 +1,554 @@
+"""instrument: sites on unmodified NNX, Equinox and Linen models and plain functions.
+
+Every reaped or planted value is checked against the model's forward pass
+written out by hand from its parameters (`hand_*` below), with the patched
+value substituted by hand.
+"""
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import attribution_patching, call_and_reap, instrument, patching_sweep, plant, reap, sites
+
+nnx = pytest.importorskip("flax.nnx")
+eqx = pytest.importorskip("equinox")
+
+D, T = 8, 5
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+class Recorder:
+    """The hand-written forward's sites: records each value, or substitutes a patch."""
+
+    def __init__(self, patch=None):
+        self.patch = patch or {}
+        self.values = {}
+
+    def __call__(self, name, value):
+        value = self.patch.get(name, value)
+        self.values[name] = value
+        return value
+
+
+# ---------------------------------------------------------------------------
+# A small NNX transformer: a list of blocks, LayerNorm, attention.
+
+
+class Attention(nnx.Module):
+    def __init__(self, d, rngs):
+        self.q_proj = nnx.Linear(d, d, rngs=rngs)
+        self.k_proj = nnx.Linear(d, d, rngs=rngs)
+        self.v_proj = nnx.Linear(d, d, rngs=rngs)
+        self.out = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        weights = jax.nn.softmax(q @ k.T / np.sqrt(q.shape[-1]), axis=-1)
+        return self.out(weights @ v)
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = Attention(d, rngs)
+        self.mlp = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + jax.nn.gelu(self.mlp(x))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, d, layers, rngs):
+        self.blocks = nnx.List([Block(d, rngs) for _ in range(layers)])
+        self.head = nnx.Linear(d, 3, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def lin(layer, x):
+    return x @ layer.kernel[...] + layer.bias[...]
+
+
+def layer_norm(ln, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + ln.epsilon) * ln.scale[...] + ln.bias[...]
+
+
+def hand_transformer(model, x, site):
+    for i, block in enumerate(model.blocks):
+        p = f"blocks.{i}"
+        a = block.attn
+        h = site(f"{p}.ln", layer_norm(block.ln, x))
+        q = site(f"{p}.attn.q_proj", lin(a.q_proj, h))
+        k = site(f"{p}.attn.k_proj", lin(a.k_proj, h))
+        v = site(f"{p}.attn.v_proj", lin(a.v_proj, h))
+        w = jax.nn.softmax(q @ k.T / np.sqrt(D), axis=-1)
+        x = x + site(f"{p}.attn", site(f"{p}.attn.out", lin(a.out, w @ v)))
+        x = site(p, x + jax.nn.gelu(site(f"{p}.mlp", lin(block.mlp, x))))
+    return site("head", lin(model.head, x))
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return Transformer(D, 2, nnx.Rngs(0))
+
+
+X = jax.random.normal(jax.random.key(1), (T, D))
+
+
+def test_nnx_outputs_are_bit_identical(transformer):
+    model = instrument(transformer)
+    assert np.array_equal(model(X), transformer(X))
+    assert np.array_equal(jax.jit(lambda x: model(x))(X), jax.jit(lambda x: transformer(x))(X))
+
+
+def test_nnx_reap_every_submodule(transformer):
+    model = instrument(transformer)
+    reaped = reap(model, tag="modules")(X)
+    rec = Recorder()
+    hand_transformer(transformer, X, rec)
+    assert sorted(reaped) == sorted(rec.values)
+    for name, value in rec.values.items():
+        np.testing.assert_allclose(reaped[name], value, **TOL, err_msg=name)
+    # The containers are not sites; their elements are, by index.
+    assert "blocks" not in reaped and "blocks.1.attn.q_proj" in reaped
+
+
+@pytest.mark.parametrize("name", ["blocks.0.attn", "blocks.0.attn.q_proj", "blocks.1.ln", "blocks.0"])
+def test_nnx_plant_changes_everything_downstream(transformer, name):
+    model = instrument(transformer)
+    shape = reap(model, tag="modules")(X)[name].shape
+    patch = jnp.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape)
+    out, reaps = jax.jit(lambda x: _harvest(model, {name: patch}, x))(X)
+    rec = Recorder({name: patch})
+    expected = hand_transformer(transformer, X, rec)
+    np.testing.assert_allclose(out, expected, **TOL)
+    for other, value in rec.values.items():
+        if other != name:
+            np.testing.assert_allclose(reaps[other], value, **TOL, err_msg=other)
+
+
+def _harvest(model, plants, x):
+    from harvest import harvest
+
+    return harvest(model, tag="modules")(plants, x)
+
+
+def test_nnx_grad_and_vmap(transformer):
+    model = instrument(transformer)
+    xs = jax.random.normal(jax.random.key(2), (3, T, D))
+
+    def hand_site(x, name):
+        rec = Recorder()
+        hand_transformer(transformer, x, rec)
+        return rec.values[name]
+
+    got = jax.vmap(reap(model, tag="modules"))(xs)["blocks.1.attn"]
+    np.testing.assert_allclose(got, jax.vmap(lambda x: hand_site(x, "blocks.1.attn"))(xs), **TOL)
+    got = jax.grad(lambda x: reap(model, tag="modules")(x)["blocks.0.mlp"].sum())(X)
+    want = jax.grad(lambda x: hand_site(x, "blocks.0.mlp").sum())(X)
+    np.testing.assert_allclose(got, want, **TOL)
+    # Gradient through a plant: d(output)/d(planted value).
+    zero = jnp.zeros((T, D))
+    got = jax.grad(lambda v: plant(model, tag="modules")({"blocks.1.attn": v}, X).sum())(zero)
+    want = jax.grad(lambda v: hand_transformer(transformer, X, Recorder({"blocks.1.attn": v})).sum())(zero)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_nnx_sites_sweep_and_attribution(transformer):
+    model = instrument(transformer)
+    corrupted = X[::-1]
+    clean = reap(model, tag="modules")(X)
+    names = ["blocks.0", "blocks.1.attn"]
+    info = {s.name: s for s in sites(model, X, tag="modules")}
+    assert info["blocks.0"].shape == (T, D) and info["head"].fires == 1
+
+    def metric(y):
+        return y[:, 0].sum()
+
+    r = patching_sweep(model, clean, (corrupted,), metric, tag="modules", names=names, axis=0)
+    for i, name in enumerate(names):
+        for t in range(T):
+            rec = Recorder()
+            hand_transformer(transformer, corrupted, rec)
+            row = rec.values[name].at[t].set(clean[name][t])
+            want = metric(hand_transformer(transformer, corrupted, Recorder({name: row})))
+            np.testing.assert_allclose(r.values[i, t] + r.baseline, want, rtol=1e-4, atol=1e-4)
+    a = attribution_patching(model, clean, (corrupted,), metric, tag="modules", names=names, axis=0)
+    assert a.values.shape == (2, T) and np.isfinite(a.values).all()
+
+
+def test_where_selects_before_tracing(transformer):
+    model = instrument(transformer, where=["blocks.*.attn", "head"])
+    assert sorted(reap(model, tag="modules")(X)) == ["blocks.0.attn", "blocks.1.attn", "head"]
+    model = instrument(transformer, where=lambda name: name.endswith("q_proj"))
+    assert sorted(reap(model, tag="modules")(X)) == ["blocks.0.attn.q_proj", "blocks.1.attn.q_proj"]
+    with pytest.raises(ValueError, match="selects none of the model's submodules.*'blocks.0'"):
+        instrument(transformer, where="decoder.*")(X)
+
+
+# ---------------------------------------------------------------------------
+# Repeated calls: a shared module, a module inside scan.
+
+
+class Shared(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(jnp.tanh(self.lin(jnp.tanh(self.lin(x)))))
+
+
+def test_shared_module_stacks_its_calls():
+    shared = Shared(nnx.Rngs(3))
+    model = instrument(shared)
+    reaped = reap(model, tag="modules")(X)
+    first = lin(shared.lin, X)
+    second = lin(shared.lin, jnp.tanh(first))
+    np.testing.assert_allclose(reaped["lin"], jnp.stack([first, second]), **TOL)
+    assert reaped["head"].shape == (T, 1)
+    # Plant one value for every call, or one per call.
+    v = jnp.full((T, D), 0.5)
+    want = lin(shared.head, jnp.tanh(v))
+    np.testing.assert_allclose(plant(model, tag="modules")({"lin": v}, X), want, **TOL)
+    stacked = jnp.stack([v, 2 * v])
+    want = lin(shared.head, jnp.tanh(2 * v))
+    np.testing.assert_allclose(plant(model, tag="modules")({"lin": stacked}, X), want, **TOL)
+
+
+class Scanned(nnx.Module):
+    def __init__(self, rngs):
+        self.cell = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, xs):
+        def step(h, x):
+            h = jnp.tanh(self.cell(h) + x)
+            return h, h
+
+        return jax.lax.scan(step, jnp.zeros(D), xs)[0]
+
+
+def test_module_inside_scan_stacks_per_iteration():
+    scanned = Scanned(nnx.Rngs(4))
+    model = instrument(scanned)
+    h, hand = jnp.zeros(D), []
+    for x in X:
+        hand.append(lin(scanned.cell, h))
+        h = jnp.tanh(hand[-1] + x)
+    np.testing.assert_allclose(reap(model, tag="modules")(X)["cell"], jnp.stack(hand), **TOL)
+    # A stacked plant gives each iteration its row.
+    rows = jnp.arange(T * D, dtype=jnp.float32).reshape(T, D) / 40.0
+    h = jnp.zeros(D)
+    for t, x in enumerate(X):
+        h = jnp.tanh(rows[t] + x)
+    np.testing.assert_allclose(plant(model, tag="modules")({"cell": rows}, X), h, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# Equinox.
+
+
+class EqxMLP(eqx.Module):
+    layers: list
+    out: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.layers = [eqx.nn.Linear(D, D, key=k) for k in keys[:3]]
+        self.out = eqx.nn.Linear(D, 2, key=keys[3])
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jax.nn.relu(layer(x))
+        return self.out(x)
+
+
+def hand_eqx(model, x, site):
+    for i, layer in enumerate(model.layers):
+        x = jax.nn.relu(site(f"layers.{i}", layer.weight @ x + layer.bias))
+    return site("out", model.out.weight @ x + model.out.bias)
+
+
+def test_equinox_reap_and_plant():
+    mlp = EqxMLP(jax.random.key(5))
+    model = instrument(mlp)
+    x = X[0]
+    assert np.array_equal(model(x), mlp(x))
+    rec = Recorder()
+    hand_eqx(mlp, x, rec)
+    reaped = reap(model, tag="modules")(x)
+    assert sorted(reaped) == ["layers.0", "layers.1", "layers.2", "out"]
+    for name, value in rec.values.items():
+        np.testing.assert_allclose(reaped[name], value, **TOL)
+    patch = jnp.linspace(-1.0, 1.0, D)
+    want = hand_eqx(mlp, x, Recorder({"layers.1": patch}))
+    np.testing.assert_allclose(jax.jit(plant(model, tag="modules"))({"layers.1": patch}, x), want, **TOL)
+    # The model is data: under eqx.filter_jit and vmap, and as an argument.
+    batched = jax.vmap(reap(model, tag="modules"))(X)["layers.2"]
+    np.testing.assert_allclose(batched, jax.vmap(lambda x: _hand_site(hand_eqx, mlp, x, "layers.2"))(X), **TOL)
+    reaped = eqx.filter_jit(lambda m, x: reap(m, tag="modules")(x))(model, x)
+    np.testing.assert_allclose(reaped["out"], rec.values["out"], **TOL)
+
+
+def _hand_site(hand, model, x, name):
+    rec = Recorder()
+    hand(model, x, rec)
+    return rec.values[name]
+
+
+# ---------------------------------------------------------------------------
+# The interception is scoped to the call.
+
+
+def test_classes_are_restored_and_calls_nest(transformer):
+    before = {cls: cls.__dict__.get("__call__") for cls in (nnx.Linear, nnx.LayerNorm, Block, Attention)}
+    inner = instrument(transformer, tag="inner")
+
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.pre = nnx.Linear(D, D, rngs=nnx.Rngs(7))
+
+        def __call__(self, x):
+            return inner(self.pre(x))
+
+    outer = instrument(Outer())
+    # An instrumented model called inside another's call: each sows its own paths.
+    out, reaped = call_and_reap(outer, tag="modules")(X)
+    assert list(reaped) == ["pre"]
+    np.testing.assert_allclose(out, transformer(reaped["pre"]), **TOL)
+    assert len(reap(outer, tag="inner")(X)) == 17
+    assert {cls: cls.__dict__.get("__call__") for cls in before} == before
+    assert np.array_equal(transformer(X), instrument(transformer)(X))
+
+
+def test_other_threads_see_the_plain_model(transformer):
+    # Both threads trace (sites never hits a cache) while the other one runs.
+    model = instrument(transformer)
+    done = threading.Event()
+    found = []
+
+    def plain_calls():
+        while not done.is_set() or len(found) < 3:
+            found.append(len(sites(lambda x: transformer(x), X)))
+
+    thread = threading.Thread(target=plain_calls)
+    thread.start()
+    mine = [len(sites(model, X, tag="modules")) for _ in range(4)]
+    done.set()
+    thread.join()
+    assert mine == [17] * 4 and set(found) == {0}
+
+
+# ---------------------------------------------------------------------------
+# Bad input.
+
+
+def test_bad_targets_and_outputs():
+    with pytest.raises(TypeError, match="NNX module, an Equinox module or a callable, got a int"):
+        instrument(3)
+
+    class Labels(nnx.Module):
+        def __call__(self, x):
+            return "label"
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.labels = Labels()
+
+        def __call__(self, x):
+            self.labels(x)
+            return 2.0 * x
+
+    with pytest.raises(TypeError, match="module at 'labels' returned its output of type str"):
+        instrument(Model())(X)
+    model = instrument(Model(), where=lambda n: n != "labels", ops=True)
+    assert list(reap(model, tag="modules")(X)) == ["mul:0"]
+    with pytest.raises(ValueError, match="where='head' selected nothing"):
+        instrument(Model(), where="head", ops=True)(X)
+
+
+# ---------------------------------------------------------------------------
+# Linen, through its own method interception.
+
+nn = pytest.importorskip("flax.linen")
+
+
+class LinenAttention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k = nn.Dense(D, name="q")(x), nn.Dense(D, name="k")(x)
+        return nn.Dense(D, name="o")(jax.nn.softmax(q @ k.T) @ x)
+
+
+class LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + LinenAttention(name="attn")(nn.LayerNorm(name="ln")(x))
+
+
+class LinenModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = LinenBlock(name=f"blocks_{i}")(x)
+        return nn.Dense(2, name="head")(x)
+
+
+def hand_linen(params, x, site):
+    def dense(p, x):
+        return x @ p["kernel"] + p["bias"]
+
+    for i in range(2):
+        p = params[f"blocks_{i}"]
+        name = f"blocks_{i}"
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        h = site(f"{name}.ln", (x - mean) / jnp.sqrt(var + 1e-6) * p["ln"]["scale"] + p["ln"]["bias"])
+        a = p["attn"]
+        q, k = site(f"{name}.attn.q", dense(a["q"], h)), site(f"{name}.attn.k", dense(a["k"], h))
+        o = site(f"{name}.attn.o", dense(a["o"], jax.nn.softmax(q @ k.T) @ h))
+        x = site(name, x + site(f"{name}.attn", o))
+    return site("head", dense(params["head"], x))
+
+
+def test_linen_modules_applied_in_a_function():
+    module = LinenModel()
+    variables = module.init(jax.random.key(8), X)
+    f = instrument(lambda x: module.apply(variables, x))
+    assert np.array_equal(f(X), module.apply(variables, X))
+    rec = Recorder()
+    hand_linen(variables["params"], X, rec)
+    reaped = reap(f, tag="modules")(X)
+    assert sorted(reaped) == sorted(rec.values)
+    for name, value in rec.values.items():
+        np.testing.assert_allclose(reaped[name], value, **TOL, err_msg=name)
+    patch = jnp.ones((T, D))
+    want = hand_linen(variables["params"], X, Recorder({"blocks_0.attn": patch}))
+    np.testing.assert_allclose(jax.jit(plant(f, tag="modules"))({"blocks_0.attn": patch}, X), want, **TOL)
+    # The variables as an argument, under vmap.
+    g = instrument(module.apply)
+    got = jax.vmap(reap(g, tag="modules"), in_axes=(None, 0))(variables, X[:, None, :])["blocks_1.attn.q"]
+    rec = Recorder()
+    hand_linen(variables["params"], X[:, None, :][0], rec)
+    np.testing.assert_allclose(got[0], rec.values["blocks_1.attn.q"], **TOL)
+
+
+def test_function_without_linen_modules_needs_ops():
+    with pytest.raises(ValueError, match="applies no Flax Linen module.*ops=True"):
+        instrument(jnp.sin)(X)
+
+
+# ---------------------------------------------------------------------------
+# ops=True: every primitive's output.
+
+
+def scan_and_cond(x, xs):
+    def body(c, x):
+        with jax.named_scope("cell"):
+            c = jnp.tanh(c * 0.5 + x)
+        return c, c * 2.0
+
+    c, ys = jax.lax.scan(body, x, xs)
+    return jax.lax.cond(c.sum() > 0, jnp.sin, jnp.cos, ys).sum()
+
+
+def hand_scan_and_cond(x, xs, cell=None):
+    c, muls, cells, ys = x, [], [], []
+    for t, x_t in enumerate(xs):
+        muls.append(c * 0.5)
+        c = jnp.tanh(muls[-1] + x_t) if cell is None else cell[t]
+        cells.append(c)
+        ys.append(c * 2.0)
+    ys = jnp.stack(ys)
+    taken = c.sum() > 0
+    return dict(muls=jnp.stack(muls), cells=jnp.stack(cells), ys=ys, taken=taken, out=(jnp.sin(ys) if taken else jnp.cos(ys)).sum())
+
+
+XS = jax.random.normal(jax.random.key(9), (4, 3))
+X0 = jnp.array([0.3, -0.2, 0.9])
+
+
+def test_ops_inside_scan_and_cond():
+    f = instrument(scan_and_cond, ops=True)
+    assert np.array_equal(f(X0, XS), scan_and_cond(X0, XS))
+    assert np.array_equal(jax.jit(f)(X0, XS), jax.jit(scan_and_cond)(X0, XS))
+    names = sites(f, X0, XS, tag="modules").names()
+    assert names == sites(instrument(scan_and_cond, ops=True), X0, XS, tag="modules").names()  # stable
+    assert {"cell/mul:0", "cell/tanh:0", "mul:0", "sin:0", "cos:0", "scan:0", "cond:0"} <= set(names)
+    reaped = reap(f, tag="modules")(X0, XS)
+    hand = hand_scan_and_cond(X0, XS)
+    np.testing.assert_allclose(reaped["cell/mul:0"], hand["muls"], **TOL)  # stacked per iteration
+    np.testing.assert_allclose(reaped["cell/tanh:0"], hand["cells"], **TOL)
+    np.testing.assert_allclose(reaped["mul:0"], hand["ys"], **TOL)
+    taken, other = ("sin:0", "cos:0") if hand["taken"] else ("cos:0", "sin:0")
+    np.testing.assert_allclose(reaped[taken], (jnp.sin if hand["taken"] else jnp.cos)(hand["ys"]), **TOL)
+    np.testing.assert_array_equal(reaped[other], 0.0)  # the branch not taken
+    # A plant of an op inside the scan: one value for every iteration, or one row each.
+    v = jnp.array([0.1, 0.2, -0.3])
+    got = plant(f, tag="modules")({"cell/tanh:0": v}, X0, XS)
+    np.testing.assert_allclose(got, hand_scan_and_cond(X0, XS, cell=[v] * 4)["out"], **TOL)
+    rows = XS[::-1]
+    got = jax.jit(plant(f, tag="modules"))({"cell/tanh:0": rows}, X0, XS)
+    np.testing.assert_allclose(got, hand_scan_and_cond(X0, XS, cell=rows)["out"], **TOL)
+    np.testing.assert_allclose(jax.grad(f)(X0, XS), jax.grad(scan_and_cond)(X0, XS), **TOL)
+
+
+def test_ops_inside_jit_checkpoint_and_while():
+    @jax.jit
+    def inner(x):
+        return jnp.exp(x) * 3.0
+
+    def f(x, n):
+        y = jax.checkpoint(lambda z: jnp.sin(z) * 2.0)(inner(x))
+        return jax.lax.fori_loop(0, n, lambda i, c: c * 0.5 + y, y)
+
+    g = instrument(f, ops=True)
+    n = jnp.int32(3)
+    reaped = reap(g, tag="modules")(X0, n)
+    y = jnp.sin(jnp.exp(X0) * 3.0) * 2.0
+    np.testing.assert_allclose(reaped["inner/exp:0"], jnp.exp(X0), **TOL)  # jit bodies under their name
+    np.testing.assert_allclose(reaped["sin:0"], jnp.sin(jnp.exp(X0) * 3.0), **TOL)  # inside checkpoint
+    c = y
+    for _ in range(2):
+        c = c * 0.5 + y
+    np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
+    assert sites(g, X0, n, tag="modules")[5].mode == "clobber"
+    np.testing.assert_allclose(jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL)
+
+
+def test_ops_python_arguments_stay_static():
+    def f(x, times, square=False):
+        for _ in range(times):
+            x = x * x if square else x + 1.0
+        return x
+
+    g = instrument(f, ops=True)
+    assert np.array_equal(g(X0, 2, square=True), f(X0, 2, square=True))
+    assert sorted(reap(lambda x: g(x, 2, square=True), tag="modules")(X0)) == ["mul:0", "mul:1"]
+    assert sorted(reap(lambda x: g(x, 3), tag="modules")(X0)) == ["add:0", "add:1", "add:2"]
+    # reap's own calling convention keeps them Python values too.
+    assert sorted(reap(g, tag="modules")(X0, 2, square=True)) == ["mul:0", "mul:1"]
+    np.testing.assert_allclose(plant(g, tag="modules")({"add:2": X0}, X0, 3), X0)
+
+
+def test_ops_named_by_module_path(transformer):
+    model = instrument(transformer, ops=True, where="blocks.0.attn.q_proj*")
+    reaped = reap(model, tag="modules")(X)
+    rec = Recorder()
+    hand_transformer(transformer, X, rec)
+    ln = rec.values["blocks.0.ln"]
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj/dot_general:0"], ln @ transformer.blocks[0].attn.q_proj.kernel[...], **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj"], rec.values["blocks.0.attn.q_proj"], **TOL)
+    # Names do not depend on `where`.
+    every = reap(instrument(transformer, ops=True), tag="modules")(X)
+    assert set(reaped) <= set(every) and len(every) > 100
