@@ -34,6 +34,14 @@ def _patching(size):
     return module.run(size)
 
 
+def _instrument(size):
+    """benchmarks.bench_instrument's ratios (its sizes are tiny and small)."""
+    from . import bench_instrument
+
+    size = "tiny" if size == "tiny" else "small"
+    return bench_instrument.section(bench_instrument.run(size), size)
+
+
 def _load():
     return "{:.1f}".format(os.getloadavg()[0])
 
@@ -171,6 +179,8 @@ def render(results):
         "",
         *_patching_lines(results["patching"], results["patching_size"]),
         "",
+        *results["instrument"],
+        "",
         "## Reading the numbers",
         "",
         *ANALYSIS,
@@ -212,6 +222,7 @@ def run(quick=False, large=False):
     start, load = time.perf_counter(), [_load()]
     results = {"machine": _timing.machine(), "config": cfg, "core": bench_core.run(cfg)}
     results["patching"], results["patching_size"] = _patching(size), size
+    results["instrument"] = _instrument(size)
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

@@ -63,7 +63,10 @@ def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
 
 def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
     outs = avals[:-1] if _has_pred(mode) else avals
-    return list(outs), {sow_effect}
+    # `instrument`'s sows replace a value that flows on, so they are never bare
+    # and need no effect to survive; without one, a jit of an instrumented model
+    # keeps JAX's fast dispatch and compiles to the model's own program.
+    return list(outs), set() if mode == "auto" else {sow_effect}
 
 
 def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):

@@ -11,7 +11,7 @@ def test_quick_run_writes_the_page(tmp_path):
     page = tmp_path / "benchmarks.md"
     results = bench.main(["--quick", "--output", str(page)])
     text = page.read_text()
-    for heading in ("# Benchmarks", "## Targets", "## Interpreter cost", "## Activation patching"):
+    for heading in ("# Benchmarks", "## Targets", "## Interpreter cost", "## Activation patching", "## Probing an unmodified model"):
         assert heading in text
     assert "JAX" in text and "cores" in text
     rows = results["core"]["mlp"]

@@ -111,6 +111,13 @@ def test_nnx_outputs_are_bit_identical(transformer):
     assert np.array_equal(jax.jit(lambda x: model(x))(X), jax.jit(lambda x: transformer(x))(X))
 
 
+def test_instrumented_programs_carry_no_effect(transformer):
+    # Sites that replace a value that flows on need no effect, so jit keeps its
+    # fast dispatch and the program is the model's own.
+    closed = jax.make_jaxpr(instrument(transformer))(X)
+    assert not closed.effects and sum(e.primitive.name == "sow" for e in closed.jaxpr.eqns) == 17
+
+
 def test_nnx_reap_every_submodule(transformer):
     model = instrument(transformer)
     reaped = reap(model, tag="modules")(X)
@@ -246,6 +253,9 @@ def test_module_inside_scan_stacks_per_iteration():
         hand.append(lin(scanned.cell, h))
         h = jnp.tanh(hand[-1] + x)
     np.testing.assert_allclose(reap(model, tag="modules")(X)["cell"], jnp.stack(hand), **TOL)
+    # Reaped through grad (the scan is linearized and partially evaluated).
+    got = reap(jax.grad(lambda xs: model(xs).sum()), tag="modules")(X)["cell"]
+    np.testing.assert_allclose(got, jnp.stack(hand), **TOL)
     # A stacked plant gives each iteration its row.
     rows = jnp.arange(T * D, dtype=jnp.float32).reshape(T, D) / 40.0
     h = jnp.zeros(D)
