@@ -19,17 +19,15 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import numbers
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import jax
-import numpy as np
 
 from ._interpreter import NameFilter
+from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
-
-INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked
+from ._sow import non_array
 
 
 # ---------------------------------------------------------------------------
@@ -51,15 +49,14 @@ class _Call:
     def sow(self, path, value):
         if not self.select((path,)):
             return value
+        bad = non_array(value)
+        if bad is not None:
+            raise TypeError(
+                f"instrument(tag={self.tag!r}): the module at {path!r} returned {bad[0] or 'its output'} "
+                f"of type {type(bad[1]).__name__}, which is not an array, so it cannot be a site. "
+                f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
+            )
         leaves, tree = jax.tree_util.tree_flatten(value)
-        for key, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
-                part = jax.tree_util.keystr(key) or "its output"
-                raise TypeError(
-                    f"instrument(tag={self.tag!r}): the module at {path!r} returned {part} of type "
-                    f"{type(leaf).__name__}, which is not an array, so it cannot be a site. "
-                    f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
-                )
         if not leaves:
             return value
         self.sown += 1
@@ -221,9 +218,7 @@ class Instrumented:
         self._ops = ops
         self._select = select
         self._where = where
-        functools.update_wrapper(self, target if kind == "function" else type(target).__call__, updated=())
-        if kind != "function":
-            self.__wrapped__ = target  # `inspect.signature` shows the model's call signature
+        functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
         return (self._kind, self._tag, self._ops, self._select, self._where)
@@ -257,8 +252,6 @@ class Instrumented:
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, self.target)
         if self._ops:
-            from ._op_sites import sow_ops
-
             out = sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)

@@ -22,7 +22,7 @@ from jax._src import core, source_info_util
 from jax._src.interpreters import partial_eval as pe
 
 from ._primitive import sow_p
-from ._site import CARRIED_MODES, ROW_MODES, SINGLE_MODES, Record, Site, mode_label, path_str
+from ._site import CARRIED_MODES, ROW_MODES, SINGLE_MODES, Record, Site, different_shapes, mode_label, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[core.Primitive, Callable] = {}
@@ -287,8 +287,12 @@ class Scope:
         rec = self.records.setdefault(path, Record(site, []))
         if mode == "collect":
             rec.values.append(value)
-        elif mode in ROW_MODES:
-            rec.values.append(value)  # stacked into rows by `Record.rows`
+        elif mode == "append":
+            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
+        elif mode == "auto":
+            if rec.site.avals != site.avals:  # a shared module called on different shapes
+                raise different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
+            rec.values.append(value)  # kept as is: sown once, it reaps unstacked
         elif mode == "cond_clobber":
             old = rec.values[0] if rec.values else site.zeros()
             rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]

@@ -17,31 +17,20 @@ jit's function name), and a count per scope and primitive, in program order.
 from __future__ import annotations
 
 import jax
-import numpy as np
 from jax import lax
 from jax._src import source_info_util
 
-from ._instrument import INSTRUMENT_MODE
+from ._calling import make_jaxpr
 from ._primitive import sow_p
 
+INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked (`instrument`)
 INLINED = ("jit", "pjit", "closed_call", "core_call")
 WHILE_MODE = "clobber"  # a while loop's trip count is unknown: keep the last iteration
 
 
 def sow_ops(f, call, args, kwargs):
     """Runs `f(*args, **kwargs)` with each primitive's output sown for `call`."""
-    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (jax.Array, np.ndarray, np.generic))]
-
-    def flat_f(*arrays):
-        filled = list(leaves)
-        for i, a in zip(positions, arrays):
-            filled[i] = a
-        a, k = jax.tree_util.tree_unflatten(tree, filled)
-        return f(*a, **k)
-
-    arrays = [leaves[i] for i in positions]
-    closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
     outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 

@@ -52,9 +52,16 @@ class Site:
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"
 
     def one_occurrence(self, value):
-        """Whether `value` (an `auto` record entry) is one occurrence, not a chunk of rows."""
+        """Whether `value` (an auto record entry) is one occurrence, not rows of them.
+
+        An append record holds only rows; an auto one also holds occurrences
+        sown outside any loop, kept as they are.
+        """
+        if self.mode != "auto":
+            return False
         leaves = jax.tree_util.tree_leaves(value)
-        return not leaves or len(np.shape(leaves[0])) == len(self.avals[0].shape)
+        shape = tuple(np.shape(leaves[0])) if leaves else ()
+        return not leaves or len(shape) != len(self.avals[0].shape) + 1 or shape[1:] != self.avals[0].shape
 
     def zeros_shape(self, leading=()):
         return jax.tree_util.tree_unflatten(
@@ -102,9 +109,9 @@ def _shapes_str(shapes):
 class Record:
     """The occurrences of one name reaped so far in one scope.
 
-    `values` holds, by mode: collect, one pytree per occurrence; append and
-    auto, single occurrences and chunks of occurrences stacked on a leading
-    axis (by a loop), in order; the other modes, one pytree.
+    `values` holds, by mode: collect, one pytree per occurrence; append, chunks
+    of occurrences stacked on a leading axis; auto, such chunks and single
+    occurrences sown outside any loop, in order; the other modes, one pytree.
     """
 
     site: Site
@@ -114,7 +121,7 @@ class Record:
         mode = self.site.mode
         if mode == "collect":
             return tuple(self.values)
-        if mode == "auto" and len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
+        if len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
             return self.values[0]  # sown once, outside any loop: the value itself
         if mode in ROW_MODES:
             return self.rows()
@@ -128,10 +135,15 @@ class Record:
         ]
         shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
         if len(shapes) > 1:
-            raise ValueError(
-                f"The sow site {self.site} has mode {mode_label(self.site.mode)}, but its occurrences "
-                f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
-                "cannot be stacked into one array. Sow one shape per name (give each shape "
-                "its own name), or use mode 'collect', which keeps each occurrence as it is."
-            )
+            raise different_shapes(self.site, shapes)
         return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
+
+
+def different_shapes(site, shapes):
+    """The error for occurrences of one stacking name with different shapes."""
+    return ValueError(
+        f"The sow site {site} has mode {mode_label(site.mode)}, but its occurrences "
+        f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
+        "cannot be stacked into one array. Sow one shape per name (give each shape "
+        "its own name), or use mode 'collect', which keeps each occurrence as it is."
+    )

@@ -20,17 +20,23 @@ def _check_name(name, tag):
         raise TypeError(f"sow needs `tag` to be a non-empty string, got {tag!r}.")
 
 
-def _leaves(value, name, tag):
-    leaves, tree = jax.tree_util.tree_flatten(value)
+def non_array(value):
+    """(where in `value`, leaf) for its first leaf that is not an array, or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
-            where = jax.tree_util.keystr(path) or "the value"
-            raise TypeError(
-                f"sow(name={name!r}, tag={tag!r}): {where} is a {type(leaf).__name__}, "
-                "not an array. Sow only arrays (or pytrees of arrays); keep static "
-                "data out of the sown value."
-            )
-    return leaves, tree
+            return jax.tree_util.keystr(path), leaf
+    return None
+
+
+def _leaves(value, name, tag):
+    bad = non_array(value)
+    if bad is not None:
+        raise TypeError(
+            f"sow(name={name!r}, tag={tag!r}): {bad[0] or 'the value'} is a {type(bad[1]).__name__}, "
+            "not an array. Sow only arrays (or pytrees of arrays); keep static "
+            "data out of the sown value."
+        )
+    return jax.tree_util.tree_flatten(value)
 
 
 def sow(value, *, name, tag=DEFAULT_TAG, mode="collect"):

@@ -41,7 +41,7 @@ def _union(shapes, site):
                     "of a cond. Sow the same shapes in every branch, or use different names."
                 )
         return longest
-    single = mode == "auto" and all(site.one_occurrence(s) for s in present)
+    single = all(site.one_occurrence(s) for s in present)
     if mode in ROW_MODES and not single:  # else one unstacked value, as for the modes below
         rows = max(1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
         return site.zeros_shape((rows,))
