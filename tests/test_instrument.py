@@ -379,6 +379,11 @@ def test_bad_targets_and_outputs():
             self.labels(x)
             return 2.0 * x
 
+    shared = Shared(nnx.Rngs(10))
+    # One module called on two shapes: its occurrences cannot be stacked.
+    with pytest.raises(ValueError, match=r"(?s)name='lin'.*different shapes \(\[3, 8\], \[8\]\)"):
+        reap(lambda x: instrument(shared)(x) + instrument(shared)(x[0])[0], tag="modules")(X[:3])
+
     with pytest.raises(TypeError, match="module at 'labels' returned its output of type str"):
         instrument(Model())(X)
     model = instrument(Model(), where=lambda n: n != "labels", ops=True)
