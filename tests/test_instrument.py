@@ -567,3 +567,25 @@ def test_ops_named_by_module_path(transformer):
     # Names do not depend on `where`.
     every = reap(instrument(transformer, ops=True), tag="modules")(X)
     assert set(reaped) <= set(every) and len(every) > 100
+
+
+def test_direct_call_has_the_model_s_state_effects():
+    # The instrumented call runs the user's own objects: batch statistics and
+    # RNG counters move exactly as in a direct call.
+    class Stateful(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D, D, rngs=rngs)
+            self.bn = nnx.BatchNorm(D, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.lin(x)))
+
+    model, twin = Stateful(nnx.Rngs(11)), Stateful(nnx.Rngs(11))
+    probed = instrument(model)
+    for _ in range(2):
+        np.testing.assert_array_equal(probed(X), twin(X))
+    for kind in (nnx.BatchStat, nnx.RngCount):
+        for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, kind)), jax.tree_util.tree_leaves(nnx.state(twin, kind))):
+            np.testing.assert_array_equal(a, b)
+    assert int(jax.tree_util.tree_leaves(nnx.state(model, nnx.RngCount))[0]) == 2
