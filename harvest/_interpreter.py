@@ -323,13 +323,16 @@ class Scope:
         for path, n in seen.items():
             self.seen[path] = self.seen.get(path, 0) + n
 
-    def carried(self, sites):
-        """(site, current value) of the reaped clobber-like names among `sites`."""
+    def carried(self, sites, where, batch=()):
+        """(site, current value) of the reaped clobber-like names among `sites`,
+        shaped as the site sows it, since `where` carries one fixed type. `batch`:
+        the leading axes a loop with a per-example predicate adds to every leaf."""
         out = {}
         for site in sites.values():
             if self.reap and site.mode in CARRIED_MODES and site.name not in self.plants:
                 rec = self.records.get(site.name)
-                out[site.name] = (site, rec.values[0] if rec else site.zeros())
+                value = rec.values[0] if rec else site.zeros()
+                out[site.name] = (site, site.fit(value, where, batch))
         return out
 
     def handled_sites(self, jaxprs):

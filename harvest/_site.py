@@ -96,6 +96,27 @@ class Site:
             out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
         return out
 
+    def fit(self, value, where, batch=()):
+        """`value` (of this name, from before `where`) broadcast to the shapes this
+        site sows, with `batch` in front of the leaves vmap did not batch."""
+        leaves = jax.tree_util.tree_leaves(value)
+        targets = [
+            (a.shape if k >= len(batch) else tuple(batch) + a.shape)
+            for a, k in zip(self.avals, self.vmapped or (0,) * len(self.avals))
+        ]
+        have = [jnp.shape(leaf) for leaf in leaves]
+        if len(have) != len(targets) or any(
+            len(h) > len(t) or t[len(t) - len(h) :] != h for h, t in zip(have, targets)
+        ):
+            raise ValueError(
+                f"The sow site {self} has mode {mode_label(self.mode)} and was sown with shape "
+                f"{_shapes_str(have)} before this {where}, which sows it with shape "
+                f"{_shapes_str(targets)} and carries one value per name. Sow one shape per "
+                "name (give each shape its own name)."
+            )
+        leaves = [jnp.broadcast_to(leaf, t) for leaf, t in zip(leaves, targets)]
+        return jax.tree_util.tree_unflatten(self.tree, leaves)
+
     @staticmethod
     def _per_example(aval, batch):
         return f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)" if batch else ""

@@ -492,3 +492,36 @@ def test_reap_plant_nest_of_vmap_of_a_while_with_a_batched_predicate():
     close(nested(xs), jax.vmap(_while_per_example)(xs))
     close(reap(nested)(xs), {"s": expected[1]})
     close(jax.jit(reap(jax.vmap(_while_per_example)))(xs), expected[1])
+
+
+def test_collect_plant_round_trip_when_a_later_entry_has_more_axes():
+    # The scan's entry is stacked [3, 2]; the entry after it comes from a vmap, [2, 2]:
+    # only the scan's own entries are sliced per iteration.
+    def f(x):
+        x = lax.scan(lambda c, _: (sow(jnp.sin(c), name="h") + 0.1, None), x, None, length=3)[0]
+        return jnp.sum(jax.vmap(lambda r: sow(r * 2.0, name="h"))(jnp.stack([x, -x])), axis=0)
+
+    x = jnp.array([0.5, -1.0])
+    reaped = reap(f)(x)
+    assert [e.shape for e in reaped["h"]] == [(3, 2), (2, 2)]
+    close(plant(f)(reaped, x), f(x))
+    planted = (jnp.ones((3, 2)), jnp.full((2, 2), 5.0))
+    close(plant(f)({"h": planted}, x), jnp.full(2, 10.0))  # by hand: the vmap's entry, summed
+
+
+def test_clobber_carried_into_a_loop_with_another_shape():
+    def f(x):
+        sow(x, name="last", mode="clobber")  # shape [2]
+        body = lambda c, _: (c, sow(jnp.sum(c), name="last", mode="clobber"))  # shape []
+        return lax.scan(body, x, None, length=2)[0]
+
+    with pytest.raises(ValueError, match=r"(?s)name='last'.*shape \[2\] before this scan.*shape \[\]"):
+        reap(f)(jnp.ones(2))
+
+    # Sown unbatched before the loop and per example inside it: broadcast, as vmap would.
+    def g(xs):
+        sow(jnp.float32(-1.0), name="last", mode="clobber")
+        body = lambda c, _: (c + 1.0, sow(c, name="last", mode="clobber"))
+        return jax.vmap(lambda x: lax.scan(body, x, None, length=0)[0])(xs)
+
+    close(reap(g)(jnp.arange(3.0))["last"], jnp.full(3, -1.0))

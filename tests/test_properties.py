@@ -82,8 +82,8 @@ def _vmap_inputs(x):
 # The program as a JAX function.
 
 
-def build(nodes, in_while=False):
-    fns = [build_node(n, in_while) for n in nodes]
+def build(nodes, in_while=False, vmaps=0):
+    fns = [build_node(n, in_while, vmaps) for n in nodes]
 
     def run(x):
         for fn in fns:
@@ -93,21 +93,22 @@ def build(nodes, in_while=False):
     return run
 
 
-def _site(node, in_while):
+def _site(node, in_while, vmaps):
     """The name and mode a leaf sows with: inside a while_loop, `clobber` under
-    its own name (collect cannot stack a loop of unknown length)."""
+    its own name per vmap depth (collect cannot stack a loop of unknown length,
+    and a loop carries one shape per name)."""
     name = node[2] if node[0] == "sow" else "p"
-    return (name + "_w", "clobber") if in_while else (name, "collect")
+    return (f"{name}_w{vmaps}", "clobber") if in_while else (name, "collect")
 
 
-def build_node(node, in_while=False):
+def build_node(node, in_while, vmaps):
     kind = node[0]
     if _is_leaf(node):
-        op, (name, mode) = OPS[node[1]], _site(node, in_while)
+        op, (name, mode) = OPS[node[1]], _site(node, in_while, vmaps)
         if kind == "sow":
             return lambda x: sow(op(x), name=name, mode=mode)
         return lambda x: sow({"v": op(x), "e": x[:0] * 2.0}, name=name, mode=mode)["v"]
-    body = build(node[1], in_while or kind == "while")
+    body = build(node[1], in_while or kind == "while", vmaps + (kind == "vmap"))
     if kind == "jit":
         return jax.jit(body)
     if kind == "remat":
@@ -136,8 +137,9 @@ def build_node(node, in_while=False):
 
 
 class Ref:
-    def __init__(self, plants):
+    def __init__(self, plants, outer=0):
         self.plants = plants
+        self.outer = outer  # 1 when the whole program runs under vmap
         self.entries = {}  # collect: name -> {k: {"levels": ..., "vals": {idx: value}}}
         self.last = {}  # clobber: name -> {"levels": ..., "vals": {vmap idx: value}}
 
@@ -204,7 +206,8 @@ def ref_run(ref, nodes, x, counter, idx, in_while=False):
 def ref_node(ref, node, x, counter, idx, in_while):
     kind = node[0]
     if _is_leaf(node):
-        op, (name, mode) = OPS[node[1]], _site(node, in_while)
+        vmaps = sum(k == "vmap" for k, _ in idx) - ref.outer
+        op, (name, mode) = OPS[node[1]], _site(node, in_while, vmaps)
         y = op(x)
         value = y if kind == "sow" else {"v": y, "e": x[:0] * 2.0}
         if mode == "clobber":
@@ -232,7 +235,7 @@ def ref_node(ref, node, x, counter, idx, in_while):
         if bool(_pred(x)):
             return ref_run(ref, children, x, counter, idx, in_while)
         # Not taken: its collect entries exist, as zeros; its clobbers keep their values.
-        shadow = Ref(None)
+        shadow = Ref(None, ref.outer)
         ref_run(shadow, children, x, counter, idx, in_while)
         for name, es in shadow.entries.items():
             for k, e in es.items():
@@ -264,7 +267,7 @@ def _taken(nodes):
 
 def reference(nodes, x, plants=None, batch=False):
     """(output, reaps) of the program; `batch`: of its vmap over x's rows."""
-    ref = Ref(plants)
+    ref = Ref(plants, outer=int(batch))
     if batch:
         outs = [ref_run(ref, nodes, x[b], {}, (("vmap", b),)) for b in range(x.shape[0])]
         zeros = jax.tree_util.tree_map(lambda z: jnp.zeros(x.shape[:1] + z.shape), _clobber_zeros(nodes, x[0]))

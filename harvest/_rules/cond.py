@@ -84,7 +84,7 @@ def _cond(scope, eqn, invals):
     branches = eqn.params["branches"]
     index, ops = invals[0], invals[1:]
     sites = scope.handled_sites([b.jaxpr for b in branches])
-    carried = scope.carried(sites)
+    carried = scope.carried(sites, "cond")
     plants = scope.shifted_plants()
 
     traced = []

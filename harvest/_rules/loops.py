@@ -69,22 +69,26 @@ def peel(plant: Plant, idx):
     return plant
 
 
-def _per_iteration(plant: Plant, idx, body_jaxpr):
-    """The part of a plant that one iteration (number `idx`) sees."""
+def _per_iteration(plant: Plant, idx, body_jaxpr, body_site):
+    """The part of a plant that one iteration (number `idx`) sees; `body_site`
+    is the name's site in the body (its shape may differ from other sites')."""
     site = plant.site
     if site.mode == "stack":  # stacked once per enclosing loop
         return peel(plant, idx)
     if not plant.per_occurrence():
         return plant
     if site.mode == "collect":
-        ndim = [len(a.shape) for a in site.avals]
+        # The body's entries come first, each stacked over iterations (or one
+        # value for all); entries for later sows are not the body's to slice.
+        ndim = [len(a.shape) for a in body_site.avals]
+        n = occurrences(body_jaxpr, site)
 
         def entry(e):
             leaves = jax.tree_util.tree_leaves(e)
             stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
             return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
-        return Plant(site, tuple(entry(e) for e in plant.value))
+        return Plant(site, tuple(entry(e) for e in plant.value[:n]) + plant.value[n:])
     k = occurrences(body_jaxpr, site)
     return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
 
@@ -97,7 +101,7 @@ def _scan(scope, eqn, invals):
     _no_strict(sites, "scan")
     nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-    carried = scope.carried(sites)
+    carried = scope.carried(sites, "scan")
     plants = scope.shifted_plants()
     holder = {}
 
@@ -105,7 +109,7 @@ def _scan(scope, eqn, invals):
         c, rec = carry
         idx, x = x
         body_plants = {
-            path: _per_iteration(pl, idx, body.jaxpr) for path, pl in plants.items() if path in sites
+            path: _per_iteration(pl, idx, body.jaxpr, sites[path]) for path, pl in plants.items() if path in sites
         }
         child = scope.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
         outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
@@ -175,21 +179,13 @@ def _while(scope, eqn, invals):
         )
     ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
-    carried = scope.carried(sites)
     # vmap of a loop whose predicate differs per example: JAX stages a while
     # whose cond gives one bool per example; it runs while any holds, and each
     # example keeps its carry (batch axes first) once its own fails. The
     # records ride in that carry, per example, and the loop is re-bound as
     # staged, so an outer harvest of what this walk re-emits sees the same.
     batch = cond.out_avals[0].shape
-
-    def per_example(site, value):
-        leaves = jax.tree_util.tree_leaves(value)
-        leaves = [
-            leaf if k >= len(batch) else jnp.broadcast_to(leaf, batch + jnp.shape(leaf))
-            for leaf, k in zip(leaves, site.vmapped)
-        ]
-        return jax.tree_util.tree_unflatten(site.tree, leaves)
+    carried = scope.carried(sites, "while_loop", batch)
 
     def cond_fn(carry):
         (out,) = interpret(scope.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
@@ -200,11 +196,11 @@ def _while(scope, eqn, invals):
         child = scope.child({path: (carried[path][0], v) for path, v in rec.items()})
         outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
         new = {path: child.records[path].values[0] for path in carried}
-        if batch:
-            new = {path: per_example(carried[path][0], v) for path, v in new.items()}
+        if batch:  # per example, whether or not vmap batched the value
+            new = {path: carried[path][0].fit(v, "while_loop", batch) for path, v in new.items()}
         return outs, new
 
-    rec0 = {path: per_example(site, value) if batch else value for path, (site, value) in carried.items()}
+    rec0 = {path: value for path, (_, value) in carried.items()}
     loop = _while_per_example if batch else lax.while_loop
     c, rec = loop(cond_fn, body_fn, (list(init), rec0))
     scope.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})

@@ -63,7 +63,7 @@ def _shard_map(scope, eqn, invals):
         idx = lax.axis_index(axes)
         child = holder["child"] = scope.child(
             plants={
-                path: _per_iteration(pl, idx, body) if pl.site.mode in LOOP_MODES else peel(pl, idx)
+                path: _per_iteration(pl, idx, body, sites[path]) if pl.site.mode in LOOP_MODES else peel(pl, idx)
                 for path, pl in plants.items()
                 if path in sites
             }
