@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install docs bench conformance dist clean
+.PHONY: demo test test-matrix install docs bench conformance dist clean
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The suite on every tested JAX release, one venv each (.venv-jax-<version>);
+# see tests/matrix/run.py and docs/jax_versions.md.
+test-matrix:
+	$(PYTHON) tests/matrix/run.py
 
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
@@ -46,4 +51,4 @@ dist: $(STAMP)
 	cd $(DIST_VENV) && $(DIST_VENV)/bin/python $(CURDIR)/tests/dist/check_installed.py $(CURDIR)
 
 clean:
-	rm -rf $(VENV) docs/_build build dist *.egg-info
+	rm -rf $(VENV) .venv-jax-* docs/_build build dist *.egg-info

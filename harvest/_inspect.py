@@ -8,8 +8,8 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 
+from . import _jax
 from ._calling import make_jaxpr
-from ._interpreter import sub_jaxprs
 from ._primitive import sow_p
 from ._site import Site, path_str
 
@@ -130,16 +130,22 @@ def sow_equations(jaxpr, where=(), fires=1) -> Iterator[tuple[Any, tuple, int | 
             yield from sow_equations(sub, where + (label,), inner)
 
 
-_LABELS = {"remat2": "checkpoint", "custom_jvp_call": "custom_jvp", "custom_vjp_call": "custom_vjp"}
+_LABELS = {
+    _jax.jit_p: "jit",
+    _jax.remat_p: "checkpoint",
+    _jax.custom_jvp_call_p: "custom_jvp",
+    _jax.custom_vjp_call_p: "custom_vjp",
+}
 
 
 def _bodies(eqn):
     """(label, body jaxpr, runs of the body per run of `eqn`) for each body."""
-    name = eqn.primitive.name
-    if name == "cond":
-        return [(f"cond[{i}]", b.jaxpr, 1) for i, b in enumerate(eqn.params["branches"])]
-    if name == "scan":
-        return [(f"scan[{eqn.params['length']}]", eqn.params["jaxpr"].jaxpr, eqn.params["length"])]
-    if name == "while":
-        return [("while", sub, UNBOUNDED) for sub in sub_jaxprs(eqn)]
-    return [(_LABELS.get(name, name), sub, 1) for sub in sub_jaxprs(eqn)]
+    prim = eqn.primitive
+    if prim is _jax.cond_p:
+        return [(f"cond[{i}]", b.jaxpr, 1) for i, b in enumerate(_jax.cond_branches(eqn))]
+    if prim is _jax.scan_p:
+        scan = _jax.Scan.of(eqn)
+        return [(f"scan[{scan.length}]", scan.body.jaxpr, scan.length)]
+    if prim is _jax.while_p:
+        return [("while", sub, UNBOUNDED) for sub in _jax.sub_jaxprs(eqn)]
+    return [(_LABELS.get(prim, prim.name), sub, 1) for sub in _jax.sub_jaxprs(eqn)]

@@ -18,14 +18,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax._src import core, source_info_util
-from jax._src.interpreters import partial_eval as pe
-
+from . import _jax
 from ._primitive import sow_p
 from ._site import CARRIED_MODES, ROW_MODES, SINGLE_MODES, Record, Site, different_shapes, mode_label, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
-RULES: dict[core.Primitive, Callable] = {}
+RULES: dict[_jax.Primitive, Callable] = {}
 
 
 def register(*primitives):
@@ -40,12 +38,7 @@ def register(*primitives):
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-_tags_cache: "weakref.WeakKeyDictionary[core.Jaxpr, frozenset]" = weakref.WeakKeyDictionary()
-
-
-def sub_jaxprs(eqn):
-    """The open jaxprs held in an equation's params."""
-    return [j.jaxpr if isinstance(j, core.ClosedJaxpr) else j for j in core.jaxprs_in_params(eqn.params)]
+_tags_cache: "weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset]" = weakref.WeakKeyDictionary()
 
 
 def sites_in(jaxpr) -> frozenset:
@@ -58,7 +51,7 @@ def sites_in(jaxpr) -> frozenset:
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             found.add((Site.of(eqn), None))
-        for sub in sub_jaxprs(eqn):
+        for sub in _jax.sub_jaxprs(eqn):
             for site, _ in sites_in(sub):
                 found.add((site, eqn.primitive))
     _tags_cache[jaxpr] = result = frozenset(found)
@@ -217,8 +210,7 @@ def _select(pred, a, b):
 
 def _vary_like(new, old):
     """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
-    missing = tuple(jax.typeof(old).mat.varying - jax.typeof(new).mat.varying)
-    return jax.lax.pcast(new, missing, to="varying") if missing else new
+    return _jax.pcast_varying(new, _jax.varying_axes(old))
 
 
 # ---------------------------------------------------------------------------
@@ -365,17 +357,16 @@ class Scope:
 
 
 def _read(env, v):
-    return v.val if isinstance(v, core.Literal) else env[v]
+    return v.val if isinstance(v, _jax.Literal) else env[v]
 
 
-def interpret(scope: Scope, jaxpr: core.Jaxpr, consts, args):
+def interpret(scope: Scope, jaxpr: _jax.Jaxpr, consts, args):
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        with _jax.eqn_context(eqn):
             outs = _eval_eqn(scope, eqn, invals)
         if not eqn.primitive.multiple_results:
             outs = [outs]
@@ -386,7 +377,7 @@ def interpret(scope: Scope, jaxpr: core.Jaxpr, consts, args):
 def _eval_eqn(scope, eqn, invals):
     if eqn.primitive is sow_p:
         return sow_rule(scope, eqn, invals)
-    subs = sub_jaxprs(eqn)
+    subs = _jax.sub_jaxprs(eqn)
     if subs:
         sites = frozenset().union(*(sites_in(j) for j in subs))
         if scope.policy.touches(sites):
@@ -399,8 +390,7 @@ def _eval_eqn(scope, eqn, invals):
                     "file an issue naming this primitive."
                 )
             return rule(scope, eqn, invals)
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    return eqn.primitive.bind(*invals, **bind_params)
+    return _jax.rebind(eqn, invals)
 
 
 def sow_rule(scope, eqn, invals):
@@ -427,7 +417,7 @@ class Retraced:
     """A body re-traced by the walk: `jaxpr` maps `args` to the body's outputs
     followed by the leaves of the child's records."""
 
-    jaxpr: core.Jaxpr  # closed-over values are leading invars
+    jaxpr: _jax.Jaxpr  # closed-over values are leading invars
     args: list
     num_consts: int
     num_outs: int
@@ -452,7 +442,7 @@ def retrace(scope, jaxpr, consts, invals):
         return [*outs, *leaves]
 
     closed = jax.make_jaxpr(body)(*invals)
-    open_jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+    open_jaxpr = _jax.consts_as_inputs(closed.jaxpr)
     return Retraced(
         open_jaxpr, [*closed.consts, *invals], len(closed.consts), len(jaxpr.outvars), holder["child"], holder["tree"]
     )

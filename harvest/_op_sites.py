@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import jax
 from jax import lax
-from jax._src import source_info_util
 
+from . import _jax
 from ._calling import make_jaxpr
 from ._primitive import sow_p
 
 INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked (`instrument`)
-INLINED = ("jit", "pjit", "closed_call", "core_call")
+INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p})
+CUSTOM = frozenset({_jax.custom_jvp_call_p, _jax.custom_vjp_call_p})
 WHILE_MODE = "clobber"  # a while loop's trip count is unknown: keep the last iteration
 
 
@@ -33,10 +34,6 @@ def sow_ops(f, call, args, kwargs):
     closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
     outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-
-
-def _scopes(name_stack):
-    return tuple(s.name for s in name_stack.stack if type(s).__name__ == "Scope")
 
 
 def _scope_str(scopes, module_paths):
@@ -67,13 +64,12 @@ class _Walk:
         env.update(zip(jaxpr.invars, args))
 
         def read(v):
-            return v.val if type(v).__name__ == "Literal" else env[v]
+            return v.val if isinstance(v, _jax.Literal) else env[v]
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            here = scopes + _scopes(eqn.source_info.name_stack)
-            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            here = scopes + _jax.name_scopes(eqn)
+            with _jax.eqn_context(eqn):
                 outs = self.eqn(eqn, invals, here, mode)
             env.update(zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
@@ -82,26 +78,30 @@ class _Walk:
         prim, p = eqn.primitive, eqn.params
         if prim is sow_p:
             return sow_p.bind(*invals, **p)
-        if prim.name in INLINED:
-            body = p.get("jaxpr", p.get("call_jaxpr"))
-            inner = here + ((p["name"],) if "name" in p else ())
+        if prim in INLINED:
+            body = _jax.call_body(eqn)
+            name = _jax.function_name(eqn)
+            inner = here + ((name,) if name is not None else ())
             return self.eval(body.jaxpr, body.consts, invals, inner, mode)
-        if prim.name in ("checkpoint", "remat2"):
-            fn = self.body(lambda *a: self.eval(p["jaxpr"], (), a, here, mode))
-            return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals)
-        if prim.name == "scan":
-            outs = self.scan(p, invals, here, mode)
-        elif prim.name == "while":
-            outs = self.while_loop(p, invals, here, mode)
-        elif prim.name == "cond":
+        if prim is _jax.remat_p:
+            remat = _jax.Remat.of(eqn)
+            fn = self.body(lambda *a: self.eval(remat.body, (), a, here, mode))
+            return jax.checkpoint(fn, prevent_cse=remat.prevent_cse, policy=remat.policy)(*invals)
+        if prim is _jax.scan_p:
+            outs = self.scan(_jax.Scan.of(eqn), invals, here, mode)
+        elif prim is _jax.while_p:
+            outs = self.while_loop(_jax.While.of(eqn), invals, here, mode)
+        elif prim is _jax.cond_p:
             branches = [
-                self.body(lambda *ops, b=b: self.eval(b.jaxpr, b.consts, ops, here, mode)) for b in p["branches"]
+                self.body(lambda *ops, b=b: self.eval(b.jaxpr, b.consts, ops, here, mode))
+                for b in _jax.cond_branches(eqn)
             ]
             outs = lax.switch(invals[0], branches, *invals[1:])
         else:
-            outs = prim.bind(*invals, **prim.get_bind_params(p))
-        outs = list(outs) if prim.multiple_results or prim.name in ("scan", "while", "cond") else [outs]
-        op = p["name"] if prim.name.startswith("custom_") and isinstance(p.get("name"), str) else prim.name
+            outs = _jax.rebind(eqn, invals)
+        outs = list(outs) if prim.multiple_results or prim in (_jax.scan_p, _jax.while_p, _jax.cond_p) else [outs]
+        name = _jax.function_name(eqn) if prim in CUSTOM else None
+        op = name if name is not None else prim.name
         return self.sow(outs, here, op, mode, single=len(eqn.outvars) == 1)
 
     def body(self, fn):
@@ -139,7 +139,7 @@ class _Walk:
         return outs
 
     def scan(self, p, invals, here, mode):
-        body, nc, ncarry = p["jaxpr"], p["num_consts"], p["num_carry"]
+        body, nc, ncarry = p.body, p.num_consts, p.num_carry
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
 
         @self.body
@@ -147,12 +147,12 @@ class _Walk:
             outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], here, mode)
             return outs[:ncarry], outs[ncarry:]
 
-        carry, ys = lax.scan(step, list(init), list(xs), length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        carry, ys = lax.scan(step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
         return [*carry, *ys]
 
     def while_loop(self, p, invals, here, mode):
-        cond, body = p["cond_jaxpr"], p["body_jaxpr"]
-        ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = p.cond, p.body
+        ncc, nbc = p.cond_nconsts, p.body_nconsts
         cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
         # Ops of cond_fun are not sown (a sow may not sit there); body ops keep the last iteration.
         body_mode = None if mode is None else WHILE_MODE

@@ -12,9 +12,9 @@ make it survive the journey there:
 
 from __future__ import annotations
 
-from jax._src import core, effects
-from jax._src.interpreters import batching
-from jax.interpreters import ad, mlir
+import jax.numpy as jnp
+
+from . import _jax
 
 # Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
 # "cond_clobber" (sow_cond, with a trailing predicate operand); "stack"
@@ -25,7 +25,7 @@ from jax.interpreters import ad, mlir
 # around the sow put in front, so one per-example plant can be broadcast.
 
 
-class SowEffect(effects.Effect):
+class SowEffect(_jax.Effect):
     """Marks `sow` as effectful so dead-code elimination keeps it."""
 
     def __hash__(self):
@@ -39,16 +39,9 @@ class SowEffect(effects.Effect):
 
 
 sow_effect = SowEffect()
-for _allowed in (
-    effects.lowerable_effects,
-    effects.control_flow_allowed_effects,
-    effects.custom_derivatives_allowed_effects,
-    effects.remat_allowed_effects,
-    effects.partial_eval_kept_effects,  # else partial eval (e.g. of scan) drops it
-):
-    _allowed.add_type(SowEffect)
+_jax.allow_effect(SowEffect)
 
-sow_p = core.Primitive("sow")
+sow_p = _jax.Primitive("sow")
 sow_p.multiple_results = True
 
 
@@ -77,7 +70,7 @@ def _sow_jvp(primals, tangents, **params):
     out = sow_p.bind(*primals, **params)
     if _has_pred(params["mode"]):
         tangents = tangents[:-1]
-    return out, [ad.instantiate_zeros(t) for t in tangents]
+    return out, [_jax.instantiate_zeros(t) for t in tangents]
 
 
 def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=()):
@@ -86,9 +79,9 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(
     # never changes what vmap (or jacfwd, hessian) sees.
     if _has_pred(mode) and dims[-1] is not None:
         # A batched predicate picks per example, so every leaf becomes per example.
-        args = [batching.bdim_at_front(a, d, axis_data.size, axis_data.explicit_mesh_axis) for a, d in zip(args, dims)]
+        args = [_jax.bdim_at_front(a, d, axis_data) for a, d in zip(args, dims)]
         dims = [0] * len(args)
-    args = [a if d is None else batching.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     n = tree.num_leaves
     vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
     out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped)
@@ -97,6 +90,6 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(
 
 sow_p.def_impl(_sow_impl)
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
-mlir.register_lowering(sow_p, _sow_lowering)
-ad.primitive_jvps[sow_p] = _sow_jvp
-batching.fancy_primitive_batchers[sow_p] = _sow_batch
+_jax.register_lowering(sow_p, _sow_lowering)
+_jax.register_jvp(sow_p, _sow_jvp)
+_jax.register_batching(sow_p, _sow_batch)

@@ -24,9 +24,8 @@ import weakref
 from typing import Any, Callable
 
 import jax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
 
+from . import _jax
 from ._calling import is_array, make_jaxpr
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._rules.loops import occurrences
@@ -135,7 +134,7 @@ def _call(f, policy, reap, plants, args, kwargs):
     static = _Static(
         treedef, tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t), policy, reap
     )
-    if isinstance(core.trace_ctx.trace, pe.DynamicJaxprTrace):
+    if _jax.is_staging():
         # Already being staged (under jit, scan, ...): the outer trace is the
         # cache, and walking in place saves a nested jit for XLA to inline.
         return _walk(fn, dynamic, static)

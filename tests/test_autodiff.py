@@ -257,7 +257,8 @@ class _SqHi(VJPHiPrimitive):
     def expand(self, x):
         return x**2
 
-    def vjp_fwd(self, nzs_in, x):
+    def vjp_fwd(self, *args):
+        x = args[-1]  # newer JAX passes which inputs are nonzero first (nzs_in); 0.8 does not
         return self(x), x
 
     def vjp_bwd_retval(self, x, g):

@@ -244,6 +244,33 @@ def test_log_prob_of_a_distribution_and_of_a_single_draw():
     close(ppl.log_prob(single)(0.5), normal.log_prob(0.5))
 
 
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint, jax.named_call], ids=["jit", "checkpoint", "named_call"])
+def test_log_prob_sees_a_draw_through_a_call_primitive(wrap):
+    # Calls are recognised by primitive object, not by name (JAX renames them:
+    # `checkpoint` is staged as `remat2`), so every call passes the draw through.
+    def draw(key, loc):
+        k1, k2 = jax.random.split(key)
+        return (
+            ppl.random_variable(tfd.Normal(loc, 1.0), name="a")(k1),
+            ppl.random_variable(tfd.Normal(loc, 2.0), name="b")(k2),
+        )
+
+    def model(key):
+        return wrap(draw)(key, 0.5)
+
+    def unwrapped(key):
+        return draw(key, 0.5)
+
+    value = (0.5, 1.5)
+    expected = tfd.Normal(0.5, 1.0).log_prob(0.5) + tfd.Normal(0.5, 2.0).log_prob(1.5)
+    close(ppl.log_prob(model)(value), expected)
+    close(ppl.log_prob(model)(value), ppl.log_prob(unwrapped)(value))
+    # The example: one standard normal draw, scored at 0.
+    single = wrap(ppl.random_variable(tfd.Normal(0.0, 1.0), name="x"))
+    close(ppl.log_prob(single)(0.0), tfd.Normal(0.0, 1.0).log_prob(0.0))
+    close(ppl.log_prob(single)(0.0), -0.9189385)
+
+
 def test_log_prob_refuses_transformed_outputs_and_latents():
     with pytest.raises(ValueError, match="does not invert"):
         ppl.log_prob(lambda key: jnp.exp(ppl.random_variable(tfd.Normal(0.0, 1.0), name="y")(key)))(1.0)
@@ -330,13 +357,19 @@ def test_conditional_counts_its_values():
 
 
 def test_shim_restores_only_the_missing_alias(monkeypatch):
-    from jax._src import core
+    from harvest import _jax
 
-    assert jax.interpreters.xla.pytype_aval_mappings is core.pytype_aval_mappings
+    if not hasattr(jax.interpreters.xla, "pytype_aval_mappings"):
+        pytest.skip("this JAX has neither the alias nor the table TFP 0.25 needs")
+    assert not _jax.tfp_needs_alias()  # restored at import, or JAX's own
     sentinel = {}
     monkeypatch.setattr(jax.interpreters.xla, "pytype_aval_mappings", sentinel, raising=False)
     _tfp_shim.apply_shim()
     assert jax.interpreters.xla.pytype_aval_mappings is sentinel  # never replaced
+    monkeypatch.delattr(jax.interpreters.xla, "pytype_aval_mappings")
+    assert _jax.tfp_needs_alias()
+    _tfp_shim.apply_shim()
+    assert hasattr(jax.interpreters.xla, "pytype_aval_mappings")
 
 
 def test_a_failing_tfp_import_names_the_working_versions(monkeypatch):
@@ -344,8 +377,37 @@ def test_a_failing_tfp_import_names_the_working_versions(monkeypatch):
         raise AttributeError("module 'jax' has no attribute 'something_new'")
 
     monkeypatch.setattr(importlib, "import_module", broken)
-    with pytest.raises(ImportError, match="tested with tensorflow-probability 0.25.0 with jax/jaxlib 0.10"):
+    with pytest.raises(ImportError, match="tested with tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x"):
         _tfp_shim.import_tfp()
+
+
+def test_a_tfp_import_that_failed_before_harvest_is_named(monkeypatch):
+    from harvest import _jax
+
+    def broken(name):
+        raise AttributeError("module 'jax.interpreters.xla' has no attribute 'pytype_aval_mappings'")
+
+    monkeypatch.setattr(importlib, "import_module", broken)
+    monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: True)
+    monkeypatch.setitem(sys.modules, "tensorflow_probability.python.internal.backend.jax.nest", sys)
+    with pytest.raises(ImportError, match="imported before harvest.ppl.*import harvest.ppl first"):
+        _tfp_shim.import_tfp()
+
+
+def test_tfp_recovers_from_an_import_before_harvest_ppl():
+    import subprocess
+
+    code = (
+        "try:\n"
+        "    import tensorflow_probability.substrates.jax\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "import harvest.ppl\n"
+        "import tensorflow_probability.substrates.jax as tfp\n"
+        "print(tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "-0.9189385"
 
 
 def test_tfp_imports_in_a_fresh_interpreter_after_harvest_ppl():

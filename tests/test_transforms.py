@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax._src import core as jcore
 
-from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
+from harvest import _jax, call_and_reap, harvest, plant, reap, sow, sow_cond
 from harvest.compat import oryx
 
 
@@ -90,11 +89,10 @@ def test_closed_call():
 
     def f(x):
         closed = jax.make_jaxpr(body)(x)
-        params = jcore.closed_call_p.get_bind_params({"call_jaxpr": closed})
-        return jcore.closed_call_p.bind(x, **params)[0]
+        return _jax.bind_with(_jax.closed_call_p, {"call_jaxpr": closed}, [x])[0]
 
     # confirm the test exercises closed_call
-    assert any(e.primitive is jcore.closed_call_p for e in jax.make_jaxpr(f)(X).jaxpr.eqns)
+    assert any(e.primitive is _jax.closed_call_p for e in jax.make_jaxpr(f)(X).jaxpr.eqns)
     y, h = ref_layer(X)
     out, r = call_and_reap(f)(X)
     close(out, y * 3.0)

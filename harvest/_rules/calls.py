@@ -7,49 +7,23 @@ derivative its rule.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.ad_checkpoint import remat_p
-from jax._src.custom_derivatives import custom_jvp_call_p, custom_vjp_call_p
 from jax.custom_derivatives import SymbolicZero
-from jax._src.pjit import jit_p
-from jax._src.sharding_impls import UNSPECIFIED
 
+from .. import _jax
 from .._interpreter import interpret, register, retrace
 
 
-@register(jit_p)
-def _jit(scope, eqn, invals):
-    p = eqn.params
-    r = retrace(scope, p["jaxpr"].jaxpr, p["jaxpr"].consts, invals)
-    k, m = r.num_consts, len(r.jaxpr.outvars) - r.num_outs
-    params = dict(
-        p,
-        jaxpr=core.ClosedJaxpr(r.jaxpr, ()),
-        in_shardings=(UNSPECIFIED,) * k + tuple(p["in_shardings"]),
-        in_layouts=(None,) * k + tuple(p["in_layouts"]),
-        donated_invars=(False,) * k + tuple(p["donated_invars"]),
-        out_shardings=tuple(p["out_shardings"]) + (UNSPECIFIED,) * m,
-        out_layouts=tuple(p["out_layouts"]) + (None,) * m,
-    )
-    return r.finish(scope, jit_p.bind(*r.args, **params))
-
-
-@register(core.closed_call_p)
-def _closed_call(scope, eqn, invals):
-    call = eqn.params["call_jaxpr"]
-    r = retrace(scope, call.jaxpr, call.consts, invals)
-    params = core.closed_call_p.get_bind_params(dict(eqn.params, call_jaxpr=core.ClosedJaxpr(r.jaxpr, ())))
-    return r.finish(scope, core.closed_call_p.bind(*r.args, **params))
-
-
-@register(remat_p)
-def _remat(scope, eqn, invals):
-    r = retrace(scope, eqn.params["jaxpr"], (), invals)
-    params = dict(eqn.params, jaxpr=r.jaxpr)
-    return r.finish(scope, remat_p.bind(*r.args, **params))
+@register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
+def _call(scope, eqn, invals):
+    body = _jax.call_body(eqn)
+    r = retrace(scope, body.jaxpr, body.consts, invals)
+    outs = _jax.rebind_call(eqn, r.jaxpr, r.args, r.num_consts, len(r.jaxpr.outvars) - r.num_outs)
+    return r.finish(scope, outs)
 
 
 # Custom derivatives. Reaping inside keeps the user's rule for the outputs and
@@ -59,8 +33,7 @@ def _remat(scope, eqn, invals):
 
 
 def _original(eqn):
-    params = eqn.primitive.get_bind_params(eqn.params)
-    return lambda *xs: eqn.primitive.bind(*xs, **params)
+    return lambda *xs: _jax.rebind(eqn, xs)
 
 
 def _add_cotangents(a, b):
@@ -85,12 +58,12 @@ def _keeping_the_rule(wrap):
     attaches a derivative built from the user's rule and the walked body."""
 
     def rule(scope, eqn, invals):
-        call = eqn.params["call_jaxpr"]
+        call = _jax.call_body(eqn)
         if scope.plants_inside([call.jaxpr]):
             return interpret(scope, call.jaxpr, call.consts, invals)
         r = retrace(scope, call.jaxpr, call.consts, invals)
-        body = core.jaxpr_as_fun(core.ClosedJaxpr(r.jaxpr, ()))
-        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs, eqn.params.get("num_consts", 0))
+        body = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())
+        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn))
         return r.finish(scope, wrapped(*r.args))
 
     return rule
@@ -146,5 +119,5 @@ def _with_vjp(body, original, k, n, nconsts):
     return wrapped
 
 
-register(custom_jvp_call_p)(_keeping_the_rule(_with_jvp))
-register(custom_vjp_call_p)(_keeping_the_rule(_with_vjp))
+register(_jax.custom_jvp_call_p)(_keeping_the_rule(_with_jvp))
+register(_jax.custom_vjp_call_p)(_keeping_the_rule(_with_vjp))

@@ -14,9 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
-from jax._src.lax.control_flow.conditionals import cond_p
 
+from .. import _jax
 from .._interpreter import interpret, register
 from .._site import ROW_MODES, Record
 
@@ -79,9 +78,9 @@ def _normalize(exported, children):
     return out
 
 
-@register(cond_p)
+@register(_jax.cond_p)
 def _cond(scope, eqn, invals):
-    branches = eqn.params["branches"]
+    branches = _jax.cond_branches(eqn)
     index, ops = invals[0], invals[1:]
     sites = scope.handled_sites([b.jaxpr for b in branches])
     carried = scope.carried(sites, "cond")
@@ -103,7 +102,7 @@ def _cond(scope, eqn, invals):
 
     def branch_fn(closed, shape):
         def fn(*ops):
-            flat = core.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
+            flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
             outs, recs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), flat)
             return outs, {p: _pad(recs.get(p), union[p], sites[p]) for p in paths}
 

@@ -13,11 +13,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax.control_flow.loops import scan_p, while_p
 
-from .._interpreter import Plant, interpret, register, sub_jaxprs
+from .. import _jax
+from .._interpreter import Plant, interpret, register
 from .._primitive import sow_p
 from .._site import LOOP_MODES, ROW_MODES, Record, mode_label
 
@@ -32,9 +30,9 @@ def _no_strict(sites, where):
             )
 
 
-# primitive -> (params -> how many times one run of it runs its body): append
+# primitive -> (equation -> how many times one run of it runs its body): append
 # rows repeat that often, while a collect entry is stacked into one.
-REPEATS = {scan_p: lambda params: params["length"]}
+REPEATS = {_jax.scan_p: lambda eqn: _jax.Scan.of(eqn).length}
 
 
 def occurrences(jaxpr, site):
@@ -45,12 +43,12 @@ def occurrences(jaxpr, site):
         if eqn.primitive is sow_p:
             p = eqn.params
             n += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == site.mode
-        elif eqn.primitive.name == "cond":
-            n += max(occurrences(b.jaxpr, site) for b in eqn.params["branches"])
+        elif eqn.primitive is _jax.cond_p:
+            n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:
-            inner = sum(occurrences(j, site) for j in sub_jaxprs(eqn))
+            inner = sum(occurrences(j, site) for j in _jax.sub_jaxprs(eqn))
             repeat = REPEATS.get(eqn.primitive)
-            n += inner * repeat(eqn.params) if repeat and site.mode in ROW_MODES else inner
+            n += inner * repeat(eqn) if repeat and site.mode in ROW_MODES else inner
     return n
 
 
@@ -93,13 +91,13 @@ def _per_iteration(plant: Plant, idx, body_jaxpr, body_site):
     return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * k, k), plant.value))
 
 
-@register(scan_p)
+@register(_jax.scan_p)
 def _scan(scope, eqn, invals):
-    p = eqn.params
-    body = p["jaxpr"]
+    p = _jax.Scan.of(eqn)
+    body = p.body
     sites = scope.handled_sites([body.jaxpr])
     _no_strict(sites, "scan")
-    nc, ncarry, length = p["num_consts"], p["num_carry"], p["length"]
+    nc, ncarry, length = p.num_consts, p.num_carry, p.length
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     carried = scope.carried(sites, "scan")
     plants = scope.shifted_plants()
@@ -126,8 +124,8 @@ def _scan(scope, eqn, invals):
         (init, rec0),
         (jnp.arange(length), xs),
         length=length,
-        reverse=p["reverse"],
-        unroll=p["unroll"],
+        reverse=p.reverse,
+        unroll=p.unroll,
     )
     child = holder["child"]
     records = {path: Record(carried[path][0], [v]) for path, v in rec.items()}
@@ -157,10 +155,10 @@ def _one_chunk(record: Record):
     return record.result()
 
 
-@register(while_p)
+@register(_jax.while_p)
 def _while(scope, eqn, invals):
-    p = eqn.params
-    cond, body = p["cond_jaxpr"], p["body_jaxpr"]
+    p = _jax.While.of(eqn)
+    cond, body = p.cond, p.body
     sites = scope.handled_sites([body.jaxpr])
     _no_strict(sites, "while_loop")
     for site in sites.values():
@@ -177,7 +175,7 @@ def _while(scope, eqn, invals):
             f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in "
             "body_fun instead."
         )
-    ncc, nbc = p["cond_nconsts"], p["body_nconsts"]
+    ncc, nbc = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     # vmap of a loop whose predicate differs per example: JAX stages a while
     # whose cond gives one bool per example; it runs while any holds, and each
@@ -216,13 +214,4 @@ def _while_per_example(cond_fn, body_fn, init):
     unflatten = functools.partial(jax.tree_util.tree_unflatten, tree)
     cond = jax.make_jaxpr(lambda *xs: cond_fn(unflatten(xs)))(*leaves)
     body = jax.make_jaxpr(lambda *xs: strong(jax.tree_util.tree_leaves(body_fn(unflatten(xs)))))(*leaves)
-    outs = while_p.bind(
-        *cond.consts,
-        *body.consts,
-        *leaves,
-        cond_nconsts=len(cond.consts),
-        cond_jaxpr=core.ClosedJaxpr(pe.convert_constvars_jaxpr(cond.jaxpr), ()),
-        body_nconsts=len(body.consts),
-        body_jaxpr=core.ClosedJaxpr(pe.convert_constvars_jaxpr(body.jaxpr), ()),
-    )
-    return unflatten(outs)
+    return unflatten(_jax.bind_while(cond, body, leaves))

@@ -12,24 +12,17 @@ shard, or stacked the same way as reaped, one row per shard.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.shard_map import shard_map_p
 from jax.sharding import PartitionSpec as P
 
+from .. import _jax
 from .._interpreter import interpret, register
 from .._site import Record
 from .._site import LOOP_MODES, ROW_MODES
 from .loops import REPEATS, _per_iteration, merge_rows, peel
-
-
-def _varying(x, axes):
-    """Marks `x` as varying over `axes`, as an output sharded over them must be."""
-    missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-    return lax.pcast(x, missing, to="varying") if missing else x
 
 
 def _lift(site, shards):
@@ -38,21 +31,13 @@ def _lift(site, shards):
     return dataclasses.replace(site, avals=avals)
 
 
-def _manual_axes(params):
-    """The mesh axes a shard_map splits over, and how many shards they make."""
-    mesh = params["mesh"]
-    axes = tuple(a for a in mesh.axis_names if a in params["newly_manual_axes"])
-    return axes, math.prod(mesh.shape[a] for a in axes)
+REPEATS[_jax.shard_map_p] = lambda eqn: _jax.ShardMap.of(eqn).shards
 
 
-REPEATS[shard_map_p] = lambda params: _manual_axes(params)[1]
-
-
-@register(shard_map_p)
+@register(_jax.shard_map_p)
 def _shard_map(scope, eqn, invals):
-    p = eqn.params
-    mesh, body = p["mesh"], p["jaxpr"]
-    axes, shards = _manual_axes(p)
+    p = _jax.ShardMap.of(eqn)
+    body, axes, shards = p.body, p.axes, p.shards
     sites = scope.handled_sites([body])
     plants = scope.shifted_plants()
 
@@ -71,18 +56,18 @@ def _shard_map(scope, eqn, invals):
         outs = interpret(child, body, (), args)
         # One leading row per shard, so the out_spec lays the rows along `axes`.
         rows = jax.tree_util.tree_map(
-            lambda x: _varying(jnp.expand_dims(x, 0), axes) if p["check_vma"] else jnp.expand_dims(x, 0),
+            lambda x: _jax.pcast_varying(jnp.expand_dims(x, 0), axes) if p.check_vma else jnp.expand_dims(x, 0),
             {path: rec.rows() if rec.site.mode in ROW_MODES else rec.result() for path, rec in child.records.items()},
         )
         return tuple(outs), rows
 
     outs, exported = jax.shard_map(
         per_shard,
-        mesh=mesh,
-        in_specs=tuple(p["in_specs"]),
-        out_specs=(tuple(p["out_specs"]), P(axes)),
+        mesh=p.mesh,
+        in_specs=p.in_specs,
+        out_specs=(p.out_specs, P(axes)),
         axis_names=set(axes),
-        check_vma=p["check_vma"],
+        check_vma=p.check_vma,
     )(*invals)
     child = holder["child"]
     records, seen = {}, {}

@@ -1,41 +1,46 @@
 """Lets TensorFlow Probability's JAX substrate import on current JAX.
 
-TFP 0.25.0 registers its `Variable` type in `jax.interpreters.xla.pytype_aval_mappings`
-at import time. JAX moved that table into its core (`jax._src.core`) and dropped
-the old alias, so `import tensorflow_probability.substrates.jax` fails with an
-AttributeError on JAX 0.10. Putting the alias back is all TFP needs.
+TFP 0.25.0 registers its `Variable` type in the table `pytype_aval_mappings` of
+JAX's `xla` interpreter module at import time. JAX moved that table into its core and dropped the old alias,
+so `import tensorflow_probability.substrates.jax` fails with an AttributeError
+on such a JAX. Putting the alias back is all TFP needs.
 
-The shim is guarded: it only adds the alias when it is missing and JAX's core
-still has the table, and it never replaces anything JAX defines. It runs when
-`harvest.ppl` is imported, so import `harvest.ppl` before TFP.
+Whether the alias is missing is a feature check in the adapter (`harvest._jax`):
+on a JAX that still has it, nothing is touched, and nothing JAX defines is ever
+replaced. It runs when `harvest.ppl` is imported, so import `harvest.ppl`
+before TFP; a TFP import that already failed before that is retried here.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
-import jax.interpreters.xla
-from jax._src import core as _jax_core
+from .. import _jax
 
 # The versions this shim is tested against; see `tfp_error_message`.
-TESTED = "tensorflow-probability 0.25.0 with jax/jaxlib 0.10.x"
+TESTED = "tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x, 0.9.x and 0.10.x"
+SUBSTRATE = "tensorflow_probability.substrates.jax"
 
 
 def apply_shim():
-    """Restores `jax.interpreters.xla.pytype_aval_mappings` if JAX lacks it."""
-    xla = jax.interpreters.xla
-    table = getattr(_jax_core, "pytype_aval_mappings", None)
-    if table is not None and not hasattr(xla, "pytype_aval_mappings"):
-        xla.pytype_aval_mappings = table
+    """Restores the alias TFP writes to, if (and only if) this JAX lacks it."""
+    _jax.restore_tfp_alias()
 
 
-def tfp_error_message(cause):
+def tfp_error_message(cause, imported_before=False):
+    order = ""
+    if imported_before:
+        order = (
+            " TFP's JAX substrate was imported before harvest.ppl, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py); "
+            "import harvest.ppl first, in a fresh interpreter."
+        )
     return (
-        "harvest.ppl could not import TensorFlow Probability's JAX substrate "
-        f"(tensorflow_probability.substrates.jax): {type(cause).__name__}: {cause}. "
-        f"harvest.ppl is tested with {TESTED}; install them with "
-        "`pip install 'harvest[ppl]'`, or use plain sampling functions "
+        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({SUBSTRATE}): "
+        f"{type(cause).__name__}: {cause}.{order} harvest.ppl is tested with {TESTED}; "
+        "install them with `pip install 'harvest[ppl]'`, or use plain sampling functions "
         "(key -> value) instead of TFP distributions."
     )
 
@@ -43,6 +48,10 @@ def tfp_error_message(cause):
 def import_tfp():
     """Imports TFP's JAX substrate after the shim, or raises an ImportError that
     says which versions work."""
+    # A failed import leaves parts of TFP's JAX backend in sys.modules.
+    imported_before = _jax.tfp_needs_alias() and any(
+        m.startswith("tensorflow_probability.python.internal.backend.jax") for m in sys.modules
+    )
     apply_shim()
     try:
         with warnings.catch_warnings():
@@ -50,6 +59,6 @@ def import_tfp():
             # the warning is about TFP's code, not the user's.
             warnings.filterwarnings("ignore", category=DeprecationWarning, module="jax.*")
             warnings.filterwarnings("ignore", message=".*pytype_aval_mappings.*")
-            return importlib.import_module("tensorflow_probability.substrates.jax")
+            return importlib.import_module(SUBSTRATE)
     except Exception as cause:  # TFP fails in many ways on an untested JAX
-        raise ImportError(tfp_error_message(cause)) from cause
+        raise ImportError(tfp_error_message(cause, imported_before)) from cause

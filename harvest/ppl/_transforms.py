@@ -20,9 +20,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
 from jax.tree_util import Partial
 
+from .. import _jax
 from .._primitive import sow_p
 from .._site import Site
 from .._transforms import call_and_reap, harvest, plant, reap
@@ -264,13 +264,6 @@ def _conditioned(f, names, *args, **kwargs):
 # ---------------------------------------------------------------------------
 # log_prob: which random variables is a program's output?
 
-_CALL_PRIMITIVES = ("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
-
-
-def _inner_jaxpr(eqn):
-    inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return getattr(inner, "jaxpr", inner)
-
 
 def _origin(jaxpr, var):
     """Where `var` comes from: ("rv", site, leaf index), ("input", index), or None.
@@ -278,7 +271,7 @@ def _origin(jaxpr, var):
     Follows identities only: sows of other tags and calls whose body passes
     the value through. Anything computed from a draw is not the draw.
     """
-    if isinstance(var, Literal):
+    if isinstance(var, _jax.Literal):
         return None
     if var in jaxpr.invars:
         return ("input", jaxpr.invars.index(var))
@@ -287,8 +280,8 @@ def _origin(jaxpr, var):
     if eqn.primitive is sow_p:
         site = Site.of(eqn)
         return ("rv", site, i) if site.tag == RANDOM_VARIABLE else _origin(jaxpr, eqn.invars[i])
-    if eqn.primitive.name in _CALL_PRIMITIVES:
-        inner = _inner_jaxpr(eqn)
+    if eqn.primitive in _jax.CALL_PRIMITIVES:
+        inner = _jax.call_body(eqn).jaxpr
         found = _origin(inner, inner.outvars[i])
         if found and found[0] == "input":
             return _origin(jaxpr, eqn.invars[found[1]])

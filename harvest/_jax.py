@@ -1,0 +1,335 @@
+"""The one adapter between harvest and JAX's internals.
+
+Everything harvest needs from JAX beyond its public API lives here, under
+harvest's own names: the primitives the rules are registered for, what their
+params hold, how to re-bind them, and the few private hooks the engine needs.
+The rest of the package imports only this module (and `jax` itself).
+
+Public `jax.extend` names are used where they exist. Anything else is reached
+by a feature check (`hasattr`, a key present in params), never by comparing
+version strings, so one code path follows JAX as it moves; the releases it is
+tested on are listed in `docs/jax_versions.md`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import jax
+from jax import lax
+from jax.extend import core as _core
+from jax.extend import source_info_util
+from jax.extend.core import primitives as _primitives
+
+# Private modules, only for what jax.extend does not offer.
+from jax._src import core as _src_core
+from jax._src import effects as _effects
+from jax._src.interpreters import partial_eval as _pe
+from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
+
+# ---------------------------------------------------------------------------
+# Jaxprs and primitives.
+
+Primitive = _core.Primitive
+Jaxpr = _core.Jaxpr
+ClosedJaxpr = _core.ClosedJaxpr
+Literal = _core.Literal
+Effect = getattr(_core, "Effect", None) or _effects.Effect
+
+# `jit` is staged as `jit_p` (named "pjit" in older releases, exported as pjit_p).
+jit_p = getattr(_primitives, "jit_p", None) or _primitives.pjit_p
+remat_p = _primitives.remat_p  # named "checkpoint" or "remat2" depending on the release
+closed_call_p = _primitives.closed_call_p
+custom_jvp_call_p = _primitives.custom_jvp_call_p
+custom_vjp_call_p = _primitives.custom_vjp_call_p
+scan_p = _primitives.scan_p
+while_p = _primitives.while_p
+cond_p = _primitives.cond_p
+core_call_p = _primitives.call_p  # a plain call ("core_call")
+
+
+def _find_shard_map_p():
+    try:
+        from jax._src.shard_map import shard_map_p
+    except ImportError:  # older releases kept it under jax.experimental
+        from jax.experimental.shard_map import shard_map_p
+    return shard_map_p
+
+
+shard_map_p = _find_shard_map_p()
+
+# Primitives that call their body once with the same inputs and outputs.
+CALL_PRIMITIVES = frozenset({jit_p, closed_call_p, remat_p, custom_jvp_call_p, custom_vjp_call_p})
+
+
+def sub_jaxprs(eqn) -> list:
+    """The open jaxprs held in an equation's params (alone or in a tuple), in params order."""
+    found = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                found.append(v.jaxpr)
+            elif isinstance(v, Jaxpr):
+                found.append(v)
+    return found
+
+
+def eval_jaxpr(jaxpr, consts, *args):
+    return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
+
+
+def consts_as_inputs(jaxpr):
+    """`jaxpr` with its constvars turned into leading invars."""
+    return _pe.convert_constvars_jaxpr(jaxpr)
+
+
+def bind_with(primitive, params, args):
+    """Binds `primitive` on `args` with the params stored in a jaxpr equation."""
+    bind_params = primitive.get_bind_params(params)
+    if isinstance(bind_params, tuple):  # (subfuns, params) in older releases
+        subfuns, bind_params = bind_params
+        return primitive.bind(*subfuns, *args, **bind_params)
+    return primitive.bind(*args, **bind_params)
+
+
+def rebind(eqn, args):
+    """Re-binds an equation's primitive, unchanged, on new inputs."""
+    return bind_with(eqn.primitive, eqn.params, args)
+
+
+@contextlib.contextmanager
+def eqn_context(eqn):
+    """Re-enters the source location, name stack and context an equation was staged under."""
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def name_scopes(eqn) -> tuple:
+    """The `jax.named_scope` names on the name stack an equation was staged under."""
+    return tuple(s.name for s in eqn.source_info.name_stack.stack if type(s).__name__ == "Scope")
+
+
+def function_name(eqn):
+    """The function name JAX recorded for a jit or custom-derivative equation, or None."""
+    name = eqn.params.get("name")
+    return name if isinstance(name, str) else None
+
+
+def is_staging() -> bool:
+    """True while the current trace stages a jaxpr (under jit, scan, make_jaxpr, ...)."""
+    return isinstance(_src_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
+
+
+# ---------------------------------------------------------------------------
+# What the params of each higher-order primitive hold.
+
+
+def call_body(eqn) -> ClosedJaxpr:
+    """The body of a call-like equation (see CALL_PRIMITIVES), as a closed jaxpr."""
+    p = eqn.params
+    body = p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
+    return body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+
+
+def custom_num_consts(eqn) -> int:
+    """How many leading inputs of a custom_jvp/custom_vjp equation are its
+    closure-converted constants (0 where JAX does not record it)."""
+    return eqn.params.get("num_consts", 0)
+
+
+def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
+    """Binds the call primitive of `eqn` around a new body `jaxpr`.
+
+    The new body takes `num_consts` closed-over values before the call's own
+    inputs and returns `num_extra_outs` values after its own outputs; the
+    call keeps everything else (a jit its shardings and name, a remat its
+    policy).
+    """
+    p = eqn.params
+    if eqn.primitive is jit_p:
+        k, m = num_consts, num_extra_outs
+        params = dict(
+            p,
+            jaxpr=ClosedJaxpr(jaxpr, ()),
+            in_shardings=(_UNSPECIFIED,) * k + tuple(p["in_shardings"]),
+            in_layouts=(None,) * k + tuple(p["in_layouts"]),
+            donated_invars=(False,) * k + tuple(p["donated_invars"]),
+            out_shardings=tuple(p["out_shardings"]) + (_UNSPECIFIED,) * m,
+            out_layouts=tuple(p["out_layouts"]) + (None,) * m,
+        )
+    elif eqn.primitive is remat_p:
+        params = dict(p, jaxpr=jaxpr)
+    elif eqn.primitive is closed_call_p:
+        params = dict(p, call_jaxpr=ClosedJaxpr(jaxpr, ()))
+    else:
+        raise TypeError(f"rebind_call: `{eqn.primitive}` is not a call primitive harvest re-binds.")
+    return bind_with(eqn.primitive, params, args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Remat:
+    """A `checkpoint` equation's params: its open body and what `jax.checkpoint` was given."""
+
+    body: Jaxpr
+    prevent_cse: bool
+    policy: Any
+
+    @classmethod
+    def of(cls, eqn):
+        p = eqn.params
+        return cls(p["jaxpr"], p["prevent_cse"], p["policy"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Scan:
+    """A `scan` equation's params: `body` maps (consts, carry, x) to (carry, y)."""
+
+    body: ClosedJaxpr
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: Any
+
+    @classmethod
+    def of(cls, eqn):
+        p = eqn.params
+        return cls(p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"])
+
+
+@dataclasses.dataclass(frozen=True)
+class While:
+    """A `while` equation's params: its inputs are cond consts, body consts, carry."""
+
+    cond: ClosedJaxpr
+    body: ClosedJaxpr
+    cond_nconsts: int
+    body_nconsts: int
+
+    @classmethod
+    def of(cls, eqn):
+        p = eqn.params
+        return cls(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
+
+
+def bind_while(cond: ClosedJaxpr, body: ClosedJaxpr, carry):
+    """Binds `while_p` itself: unlike `lax.while_loop`, it takes a `cond` that
+    gives one bool per example, as JAX stages a vmapped loop."""
+    return while_p.bind(
+        *cond.consts,
+        *body.consts,
+        *carry,
+        cond_nconsts=len(cond.consts),
+        cond_jaxpr=ClosedJaxpr(consts_as_inputs(cond.jaxpr), ()),
+        body_nconsts=len(body.consts),
+        body_jaxpr=ClosedJaxpr(consts_as_inputs(body.jaxpr), ()),
+    )
+
+
+def cond_branches(eqn) -> tuple:
+    """A `cond` equation's branches (closed jaxprs); its first input is the index."""
+    return tuple(eqn.params["branches"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardMap:
+    """A `shard_map` equation's params; `axes` are the manual mesh axes in mesh order."""
+
+    mesh: Any
+    body: Jaxpr
+    axes: tuple
+    in_specs: tuple
+    out_specs: tuple
+    check_vma: bool
+
+    @classmethod
+    def of(cls, eqn):
+        p = eqn.params
+        # The axes this shard_map makes manual: `newly_manual_axes` from 0.10.1, `manual_axes` before.
+        manual = p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+        axes = tuple(a for a in p["mesh"].axis_names if a in manual)
+        return cls(p["mesh"], p["jaxpr"], axes, tuple(p["in_specs"]), tuple(p["out_specs"]), p["check_vma"])
+
+    @property
+    def shards(self):
+        """How many shards the manual axes split the mesh into."""
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+
+# ---------------------------------------------------------------------------
+# Values varying over manual mesh axes (inside shard_map).
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which `x` may differ from shard to shard."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)  # newer releases group them under `aval.mat`
+    return frozenset(mat.varying if mat is not None else aval.vma)
+
+
+def pcast_varying(x, axes):
+    """`x` marked as varying over `axes` too (it must be, to be stacked along them)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+# ---------------------------------------------------------------------------
+# Registering a new primitive's rules.
+
+register_lowering = _mlir.register_lowering
+instantiate_zeros = _ad.instantiate_zeros
+
+
+def register_jvp(primitive, rule):
+    _ad.primitive_jvps[primitive] = rule
+
+
+def register_batching(primitive, rule):
+    """`rule(axis_data, args, dims)`; `axis_data` goes to `bdim_at_front`."""
+    _batching.fancy_primitive_batchers[primitive] = rule
+
+
+def bdim_at_front(x, dim, axis_data):
+    """`x` with its batch axis (`dim`, or None if unbatched: broadcast) moved to the front."""
+    mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
+    return _batching.bdim_at_front(x, dim, axis_data.size, mesh_axis)
+
+
+def allow_effect(effect_type):
+    """Lets `effect_type` through lowering, control flow, custom derivatives,
+    remat, and partial eval (which would otherwise drop its equation)."""
+    for allowed in (
+        _effects.lowerable_effects,
+        _effects.control_flow_allowed_effects,
+        _effects.custom_derivatives_allowed_effects,
+        _effects.remat_allowed_effects,
+        _effects.partial_eval_kept_effects,
+    ):
+        allowed.add_type(effect_type)
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow Probability's JAX substrate.
+
+
+def tfp_needs_alias() -> bool:
+    """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings`, which TFP
+    0.25 writes to at import time, but still has the table it used to alias."""
+    import jax.interpreters.xla as xla
+
+    return not hasattr(xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
+
+
+def restore_tfp_alias():
+    """Puts `jax.interpreters.xla.pytype_aval_mappings` back as an alias of JAX's table."""
+    import jax.interpreters.xla as xla
+
+    if tfp_needs_alias():
+        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings
