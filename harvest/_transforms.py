@@ -323,11 +323,14 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
     `plants` maps names to replacement values, shaped as `reap` returns them
     (a tuple per `collect` name, a stacked array per `append` name), or to a
     single value used at every occurrence, or to a callable `old -> new` (an
-    intervention: ablate, add a vector, patch a slice). Planting a name no site
-    of `tag` has is an error that lists the names there are.
+    intervention: ablate, add a vector, patch a slice). A callable that
+    requires a second positional argument is called as `fn(old, index)`, with
+    the occurrence's row in what `reap` returns for the name (traced inside a
+    `scan`). Planting a name no site of `tag` has is an error that lists the
+    names there are.
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from harvest import sow, plant
         >>> def f(x):
         ...     h = sow(x + 1.0, name="h", mode="strict")
@@ -336,6 +339,11 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
         Array(5., dtype=float32, weak_type=True)
         >>> plant(f)({"h": lambda h: -h}, 1.0)
         Array(-20., dtype=float32, weak_type=True)
+        >>> def g(xs):  # a callable taking a second argument sees the occurrence index
+        ...     step = lambda c, x: (c + sow(x, name="x", mode="append"), None)
+        ...     return jax.lax.scan(step, 0.0, xs)[0]
+        >>> plant(g)({"x": lambda old, i: jnp.where(i == 2, 0.0, old)}, jnp.ones(4))
+        Array(3., dtype=float32)
     """
     _check_callable(f, "plant")
     policy = _policy(tag, allowlist, blocklist)
