@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import fnmatch
+import inspect
 import weakref
 from typing import Any, Callable
 
@@ -132,11 +133,16 @@ class Plant:
 
     `value` is, by the site's mode: collect, a tuple with one entry per
     occurrence; append, leaves stacked on a leading axis; or, for any mode, a
-    single value or a callable `old -> new` used at every occurrence.
+    single value or a callable `old -> new` used at every occurrence. A
+    callable that requires a second positional argument is called as
+    `value(old, index)`, `index` being the occurrence's position among the
+    name's occurrences in one call (its row in reap's stack; traced inside a
+    scan); `start` is the index of this scope's first occurrence.
     """
 
     site: Site
     value: Any
+    start: Any = 0
 
     def per_occurrence(self):
         v, mode = self.value, self.site.mode
@@ -168,9 +174,20 @@ class Plant:
                 "single value (or callable) used at every occurrence."
             )
 
+    def takes_index(self):
+        return callable(self.value) and _takes_index(self.value)
+
+    def starting_at(self, start):
+        """The same plant, its occurrences counted from `start`."""
+        return Plant(self.site, self.value, start) if self.takes_index() else self
+
     def shift(self, n):
         """The same plant seen from `n` occurrences later."""
-        if not n or not self.per_occurrence():
+        if not n:
+            return self
+        if self.takes_index():
+            return self.starting_at(self.start + n)
+        if not self.per_occurrence():
             return self
         if self.site.mode == "collect":
             return Plant(self.site, self.value[n:])
@@ -180,7 +197,7 @@ class Plant:
         """The replacement for occurrence `i` (fired by `site`) given its old value."""
         v = self.value
         if callable(v):
-            new = v(old)
+            new = v(old, self.start + i) if self.takes_index() else v(old)
             what = "the value returned by the planted callable"
         elif self.per_occurrence():
             if self.site.mode == "collect":
@@ -199,6 +216,18 @@ class Plant:
             what = "the planted value"
         leaves = site.check(new, what)
         return jax.tree_util.tree_unflatten(site.tree, leaves)
+
+
+def _takes_index(fn):
+    """Whether a planted callable requires a second positional argument (the
+    occurrence index). Parameters with defaults do not count, so the idiom
+    `lambda old, c=c: ...` stays a callable of the old value alone."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: old -> new
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in params) >= 2
 
 
 def _select(pred, a, b):

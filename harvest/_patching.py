@@ -19,7 +19,7 @@ import numpy as np
 
 from ._calling import is_array, make_jaxpr
 from ._inspect import sow_equations
-from ._site import Site, path_str
+from ._site import ROW_MODES, Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant, reap
 
@@ -77,6 +77,33 @@ class _PatchWhere:
             return jnp.where(_along(self.mask, self.axis, jnp.ndim(o)), c, o)
 
         return jax.tree_util.tree_map(patch, self.clean, old)
+
+
+@_pytree_dataclass(data=("clean", "mask", "which"), meta=("axis",))
+class _PatchOccurrence:
+    """`_PatchWhere` at occurrence `which` of a site that fires several times;
+    `clean` stacks every occurrence's clean value."""
+
+    clean: Any
+    mask: Any
+    which: Any
+    axis: int | None
+
+    def __call__(self, old, index):
+        def patch(c, o):
+            return jnp.where(_along(self.mask, self.axis, jnp.ndim(o)) & (index == self.which), c[index], o)
+
+        return jax.tree_util.tree_map(patch, self.clean, old)
+
+
+@_pytree_dataclass(data=("deltas",))
+class _AddRow:
+    """Adds row `index` of `deltas` to occurrence `index` of a site."""
+
+    deltas: Any
+
+    def __call__(self, old, index):
+        return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
 
 
 def _along(mask, axis, ndim):
@@ -244,11 +271,36 @@ class PatchingResult:
 @dataclasses.dataclass(frozen=True)
 class _Target:
     site: Site
-    clean: Any  # the value of one occurrence, the site's shape
+    clean: Any  # one occurrence's value; for a looped site, every occurrence's, stacked
+    count: int | None = None  # occurrences of a looped site (None: it fires once)
+
+    @property
+    def one(self):
+        """The value of one occurrence (the first), the site's shape."""
+        return self.clean if self.count is None else jax.tree_util.tree_map(lambda l: l[0], self.clean)
+
+    @property
+    def rows(self):
+        return 1 if self.count is None else self.count
 
 
-def _site_value(reaps, site, what):
-    """One occurrence's value of `site` from a dict shaped as `reap` returns it."""
+def _site_value(reaps, site, what, count=None):
+    """One occurrence's value of `site` from a dict shaped as `reap` returns it
+    (all `count` of them, stacked, for a looped site)."""
+    node = _lookup(reaps, site, what)
+    if count is not None:
+        site.check(node, f"the {what} value", leading=(count,))
+        return node
+    if site.mode == "collect":
+        node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
+    elif site.mode == "append":
+        node = jax.tree_util.tree_map(lambda l: l[0], node)
+    site.check(node, f"the {what} value")
+    return node
+
+
+def _lookup(reaps, site, what):
+    """What `reap` returned for `site`'s name."""
     node = reaps
     for key in site.name:
         if not isinstance(node, dict) or key not in node:
@@ -257,11 +309,6 @@ def _site_value(reaps, site, what):
                 f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
             )
         node = node[key]
-    if site.mode == "collect":
-        node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
-    elif site.mode == "append":
-        node = jax.tree_util.tree_map(lambda l: l[0], node)
-    site.check(node, f"the {what} value")
     return node
 
 
@@ -297,7 +344,7 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
     size = None
     if axis is not None:
         sizes = {
-            t.site.name: _axis_size(t.clean, axis, f"{caller} at {path_str(t.site.name)!r}")
+            t.site.name: _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
             for t in targets
         }
         if len(set(sizes.values())) != 1:
@@ -326,15 +373,21 @@ def _target(by_name, name, clean, tag, caller):
         )
     occurrences = by_name[name]
     (site, where, fires), *others = occurrences
-    if others or fires != 1:
-        total = sum(o[2] or 0 for o in occurrences)
-        count = "an unbounded number of" if fires is None else str(total)
-        raise ValueError(
-            f"{caller}: the site {name!r} fires {count} times per call (at "
-            f"{_where_str(occurrences)}); patching needs sites that fire once. Give each "
-            "occurrence its own name (e.g. with nest or f'layer{i}'), or leave it out with names=."
-        )
-    return _Target(site, _site_value(clean, site, "clean"))
+    if not others and fires == 1:
+        return _Target(site, _site_value(clean, site, "clean"))
+    if site.mode in ROW_MODES and all(o[2] is not None for o in occurrences):
+        # Fires several times (in a scan, say): one row per occurrence, as reap stacks them.
+        count = int(np.shape(jax.tree_util.tree_leaves(_lookup(clean, site, "clean"))[0])[0])
+        return _Target(site, _site_value(clean, site, "clean", count), count)
+    total = sum(o[2] or 0 for o in occurrences)
+    count = "an unbounded number of" if fires is None else str(total)
+    raise ValueError(
+        f"{caller}: the site {name!r} (mode {mode_label(site.mode)}) fires {count} times per call "
+        f"(at {_where_str(occurrences)}); a sweep patches each occurrence of a site sown with "
+        "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
+        "with mode='append', give each occurrence its own name (e.g. with nest or "
+        "f'layer{i}'), or leave it out with names=."
+    )
 
 
 def _where_str(occurrences):
@@ -363,8 +416,13 @@ def _jit_on_arrays(fn, tree):
 
 
 def _labels(targets, size):
+    """One name per row: a looped site's occurrences are `name[0]` ... `name[k-1]`."""
     positions = None if size is None else np.arange(size)
-    return tuple(path_str(t.site.name) for t in targets), positions
+    names = []
+    for t in targets:
+        name = path_str(t.site.name)
+        names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
+    return tuple(names), positions
 
 
 # ---------------------------------------------------------------------------
@@ -390,12 +448,14 @@ def patching_sweep(
     clean value there and keeps its own everywhere else. `clean` is
     `reap(f, tag=tag)(*clean_args)`. All patches run as one compiled, vmapped
     computation over a one-hot selection; `batch_size` bounds how many run at
-    once (via `lax.map`) when memory is tight. Each patched site must fire once
-    per call. `metric` maps `f`'s output to a scalar; each value of the result
+    once (via `lax.map`) when memory is tight. A site that fires `k` times
+    (mode `append` in a `scan`, e.g. scan-over-layers) gives `k` rows,
+    `name[0]` ... `name[k-1]`, each patching that occurrence alone; `axis`
+    counts the axes of one occurrence's value. `metric` maps `f`'s output to a scalar; each value of the result
     is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from harvest import patching_sweep, reap, sow
         >>> def f(x):
         ...     h = sow(2.0 * x, name="h", mode="strict")
@@ -407,24 +467,34 @@ def patching_sweep(
         >>> r.values  # patching h or g at position i adds 2 * (i + 1) to the sum
         array([[2., 4., 6.],
                [2., 4., 6.]], dtype=float32)
+        >>> def layers(x):  # the same site in each of 2 scanned layers
+        ...     step = lambda c, _: (sow(c * 2.0, name="h", mode="append"), None)
+        ...     return jax.lax.scan(step, x, None, length=2)[0]
+        >>> r = patching_sweep(layers, reap(layers)(jnp.ones(3)), (jnp.zeros(3),), jnp.sum, axis=0)
+        >>> r.names, r.values.shape
+        (('h[0]', 'h[1]'), (2, 3))
     """
     targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
     positions = 1 if size is None else size
-    axes = [None if axis is None else _normalize_axis(t.clean, axis) for t in targets]
+    axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
+    firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
     planted = plant(f, tag=tag)
 
     def patched_metric(k, cleans, args):
         row, pos = k // positions, k % positions
         plants = {}
-        for i, (t, c, ax) in enumerate(zip(targets, cleans, axes)):
-            mask = row == i if ax is None else (jnp.arange(size) == pos) & (row == i)
-            plants[t.site.name] = _PatchWhere(c, mask, ax)
+        for t, c, ax, first in zip(targets, cleans, axes, firsts):
+            here = jnp.ones((), bool) if ax is None else jnp.arange(size) == pos
+            if t.count is None:
+                plants[t.site.name] = _PatchWhere(c, here & (row == first), ax)
+            else:  # row `first + j` patches occurrence j
+                plants[t.site.name] = _PatchOccurrence(c, here, row - first, ax)
         return _scalar(metric(planted(_nested(plants), *args)))
 
     def sweep(operands):
         cleans, args = operands
         one = functools.partial(patched_metric, cleans=cleans, args=args)
-        ks = jnp.arange(len(targets) * positions)
+        ks = jnp.arange(int(firsts[-1]) * positions)
         if batch_size is None:
             patched = jax.vmap(one)(ks)
         else:
@@ -434,7 +504,7 @@ def patching_sweep(
 
     values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))
     names, labels = _labels(targets, size)
-    shape = (len(targets),) if size is None else (len(targets), size)
+    shape = (len(names),) if size is None else (len(names), size)
     return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline))
 
 
@@ -476,23 +546,31 @@ def attribution_patching(
                [2., 4., 6.]], dtype=float32)
     """
     targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
-    axes = [None if axis is None else _normalize_axis(t.clean, axis) for t in targets]
+    axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
     patched = frozenset(path_str(t.site.name) for t in targets)
     planted = plant(f, tag=tag)
 
     def estimate(operands):
         cleans, args = operands
         reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
-        corrupts = [_site_value(reaped, t.site, "corrupted") for t in targets]
+        corrupts = [_site_value(reaped, t.site, "corrupted", t.count) for t in targets]
 
         def metric_of(offsets):
-            plants = {t.site.name: _AddVector(d, jnp.ones(())) for t, d in zip(targets, offsets)}
+            plants = {
+                t.site.name: _AddVector(d, jnp.ones(())) if t.count is None else _AddRow(d)
+                for t, d in zip(targets, offsets)
+            }
             return _scalar(metric(planted(_nested(plants), *args)))
 
         zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
         baseline, grads = jax.value_and_grad(metric_of)(zeros)
-        effects = [_contract(c, k, g, ax) for c, k, g, ax in zip(cleans, corrupts, grads, axes)]
-        return jnp.stack(effects), baseline
+        effects = []
+        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, axes):
+            if t.count is None:
+                effects.append(_contract(c, k, g, ax)[None])
+            else:  # one row per occurrence
+                effects.append(jax.vmap(functools.partial(_contract, axis=ax))(c, k, g))
+        return jnp.concatenate(effects), baseline
 
     values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args))
     names, labels = _labels(targets, size)

@@ -10,7 +10,8 @@ its compiled programs live as long as the function does, as `jax.jit(f)`'s
 do, so harvesting fresh closures in a loop does not pile up programs. Bound
 methods and `functools.partial` are unwrapped to their function; what they
 bind (the object, the partial's arguments) is passed as data, its arrays
-traced and the rest part of the cache key.
+traced and the rest part of the cache key. Flax NNX graph nodes among that
+data are split into a static graph and traced state (see `_calling`).
 """
 
 from __future__ import annotations
@@ -26,17 +27,18 @@ from typing import Any, Callable
 import jax
 
 from . import _jax
-from ._calling import is_array, make_jaxpr
+from ._calling import is_array, make_jaxpr, split_nodes, write_back
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._rules.loops import occurrences
 from ._site import mode_label, path_str
 from ._sow import DEFAULT_TAG
 
 
-def _is_traced(leaf, planted):
-    """Arrays are traced (see `_calling`); so are numbers given as planted values,
-    which are data, not configuration: sweeping them does not recompile."""
-    return is_array(leaf) or (planted and isinstance(leaf, numbers.Number))
+def _is_traced(leaf, data):
+    """Arrays are traced (see `_calling`); so are numbers given as planted values
+    or held in NNX state, which are data, not configuration: sweeping them does
+    not recompile."""
+    return is_array(leaf) or (data and isinstance(leaf, numbers.Number))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +81,14 @@ def _walk(fn, dynamic, static: _Static):
     static_at = {i: leaf for i, _, leaf in static.static_leaves}
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
-    bound, plants, args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    f = _rewrap(fn, bound)
+    bound, plants, args, kwargs, graph = jax.tree_util.tree_unflatten(static.treedef, leaves)
+
+    def call(bound, /, *args, **kwargs):
+        return _rewrap(fn, bound)(*args, **kwargs)
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
+    closed, arrays, out_shape = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
     handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
         if site.tag == static.policy.tag and not static.policy.handles(site):
@@ -101,8 +105,8 @@ def _walk(fn, dynamic, static: _Static):
         planted.check_count(occurrences(closed.jaxpr, planted.site))
     scope = Scope(static.policy, resolved, static.reap)
     outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
-    out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-    return out, _nested(scope.results())
+    out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    return out, _nested(scope.results()), changes
 
 
 def _walk_weak(fn_ref, dynamic, static):
@@ -126,10 +130,12 @@ def _jit_for(fn):
 def _call(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     fn, bound = _unwrap(f)
-    leaves, treedef = jax.tree_util.tree_flatten((bound, plants, args, kwargs))
-    n_bound = treedef.children()[0].num_leaves
-    planted = range(n_bound, n_bound + treedef.children()[1].num_leaves)
-    traced = [_is_traced(leaf, i in planted) for i, leaf in enumerate(leaves)]
+    (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
+    leaves, treedef = jax.tree_util.tree_flatten((bound, plants, args, kwargs, graph))
+    sizes = [child.num_leaves for child in treedef.children()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    data = {*range(starts[1], starts[1] + sizes[1]), *range(starts[4], starts[4] + sizes[4])}
+    traced = [_is_traced(leaf, i in data) for i, leaf in enumerate(leaves)]
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
         treedef, tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t), policy, reap
@@ -137,16 +143,19 @@ def _call(f, policy, reap, plants, args, kwargs):
     if _jax.is_staging():
         # Already being staged (under jit, scan, ...): the outer trace is the
         # cache, and walking in place saves a nested jit for XLA to inline.
-        return _walk(fn, dynamic, static)
-    try:
-        hash(static)
-        jitted = _jit_for(fn)
-    except TypeError:
-        # An unhashable non-array argument (a mutable config object, say), or
-        # a function that cannot be weakly referenced: still correct, just
-        # traced at every call, with nothing cached that could go stale.
-        return _walk(fn, dynamic, static)
-    return jitted(dynamic, static)
+        out, reaps, changes = _walk(fn, dynamic, static)
+    else:
+        try:
+            hash(static)
+            jitted = _jit_for(fn)
+        except TypeError:
+            # An unhashable non-array argument (a mutable config object, say), or
+            # a function that cannot be weakly referenced: still correct, just
+            # traced at every call, with nothing cached that could go stale.
+            jitted = functools.partial(_walk, fn)
+        out, reaps, changes = jitted(dynamic, static)
+    write_back(nodes, changes)
+    return out, reaps
 
 
 def _resolve_plants(plants, sites, policy, filtered):
@@ -256,7 +265,10 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
     (Python numbers, bools, None, strings, callables, enums, configs) reaches
     `f` as itself and is part of the compile-cache key, so a new value
     re-traces (a loop over many distinct Python floats compiles once per float;
-    pass such a number as an array to trace it).
+    pass such a number as an array to trace it). Flax NNX modules, as `f`,
+    its `self` or arguments, are split and merged as `nnx.jit` does, so the
+    call leaves their state (batch statistics, RNG counters, intermediates)
+    as a direct call would.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -310,11 +322,14 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
     `plants` maps names to replacement values, shaped as `reap` returns them
     (a tuple per `collect` name, a stacked array per `append` name), or to a
     single value used at every occurrence, or to a callable `old -> new` (an
-    intervention: ablate, add a vector, patch a slice). Planting a name no site
-    of `tag` has is an error that lists the names there are.
+    intervention: ablate, add a vector, patch a slice). A callable that
+    requires a second positional argument is called as `fn(old, index)`, with
+    the occurrence's row in what `reap` returns for the name (traced inside a
+    `scan`). Planting a name no site of `tag` has is an error that lists the
+    names there are.
 
     Example:
-        >>> import jax.numpy as jnp
+        >>> import jax, jax.numpy as jnp
         >>> from harvest import sow, plant
         >>> def f(x):
         ...     h = sow(x + 1.0, name="h", mode="strict")
@@ -323,6 +338,11 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
         Array(5., dtype=float32, weak_type=True)
         >>> plant(f)({"h": lambda h: -h}, 1.0)
         Array(-20., dtype=float32, weak_type=True)
+        >>> def g(xs):  # a callable taking a second argument sees the occurrence index
+        ...     step = lambda c, x: (c + sow(x, name="x", mode="append"), None)
+        ...     return jax.lax.scan(step, 0.0, xs)[0]
+        >>> plant(g)({"x": lambda old, i: jnp.where(i == 2, 0.0, old)}, jnp.ones(4))
+        Array(3., dtype=float32)
     """
     _check_callable(f, "plant")
     policy = _policy(tag, allowlist, blocklist)

@@ -525,3 +525,67 @@ def test_clobber_carried_into_a_loop_with_another_shape():
         return jax.vmap(lambda x: lax.scan(body, x, None, length=0)[0])(xs)
 
     close(reap(g)(jnp.arange(3.0))["last"], jnp.full(3, -1.0))
+
+
+# ---------------------------------------------------------------------------
+# A planted callable that takes the occurrence index
+
+
+def indexed_program(xs):
+    """'h' fires once before a scan, twice per iteration of a 3-step scan whose
+    body holds a 2-step scan, and once after: 1 + 3 * (1 + 2) + 1 = 11 rows.
+    Every sown value reaches the output, so planting `index` shows which
+    index each occurrence saw."""
+    first = sow(xs[0], name="h", mode="append")
+
+    def inner(c, x):
+        return c, sow(x, name="h", mode="append")
+
+    def outer(c, x):
+        a = sow(x, name="h", mode="append")
+        _, bs = lax.scan(inner, c, jnp.stack([x, x]))
+        return c, jnp.concatenate([a[None], bs])
+
+    _, mid = lax.scan(outer, 0.0, xs)
+    last = sow(xs[-1], name="h", mode="append")
+    return jnp.concatenate([first[None], mid.reshape(-1), last[None]])
+
+
+def test_a_planted_callable_sees_the_occurrence_index_as_reap_stacks_rows():
+    xs = jnp.arange(3.0)
+    rows = reap(indexed_program)(xs)["h"]
+    assert rows.shape == (11,)
+    got = plant(indexed_program)({"h": lambda old, i: 0.0 * old + i}, xs)
+    np.testing.assert_array_equal(got, jnp.arange(11.0))  # row j of reap is occurrence j
+    jitted = jax.jit(lambda xs: plant(indexed_program)({"h": lambda old, i: old + 100.0 * (i == 5)}, xs))
+    want = rows.at[5].add(100.0)  # only occurrence 5 moved: iteration 1's inner step 0
+    np.testing.assert_array_equal(jitted(xs), want)
+    # harvest: the same index, while the unplanted names are reaped.
+    def two(xs):
+        return sow(indexed_program(xs).sum(), name="total", mode="strict")
+
+    out, reaps = harvest(two)({"h": lambda old, i: jnp.where(i % 2 == 0, old, 0.0)}, xs)
+    np.testing.assert_allclose(reaps["total"], jnp.sum(jnp.where(jnp.arange(11) % 2 == 0, rows, 0.0)))
+    # A callable with a defaulted second parameter is a callable of the old value alone.
+    np.testing.assert_array_equal(plant(indexed_program)({"h": lambda old, i=7.0: old + i}, xs), rows + 7.0)
+
+
+def test_an_indexed_plant_in_a_reversed_scan_and_bad_places():
+    def rev(xs):
+        return lax.scan(lambda c, x: (c, sow(x, name="h", mode="append")), 0.0, xs, reverse=True)[1]
+
+    xs = jnp.arange(4.0)
+    np.testing.assert_array_equal(plant(rev)({"h": lambda old, i: 0.0 * old + i}, xs), jnp.arange(4.0))
+
+    def collected(xs):
+        return lax.scan(lambda c, x: (c + sow(x, name="h"), None), 0.0, xs)[0]
+
+    with pytest.raises(ValueError, match="takes an occurrence index.*'collect' inside a loop"):
+        plant(collected)({"h": lambda old, i: old}, xs)
+
+    def looped(x):
+        return lax.while_loop(lambda c: c < 3.0, lambda c: sow(c, name="h", mode="clobber") + 1.0, x)
+
+    with pytest.raises(ValueError, match="takes an occurrence index.*while_loop"):
+        plant(looped)({"h": lambda old, i: old}, 0.0)
+    assert float(plant(looped)({"h": lambda old: old + 1.0}, 0.0)) == 4.0

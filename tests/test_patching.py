@@ -274,12 +274,12 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, (x_corrupt,), lambda out: out)
 
 
-def test_sites_must_fire_once_and_agree_on_size():
+def test_looped_sites_must_be_append_and_sites_agree_on_size():
     def looped(xs):
-        return jax.lax.scan(lambda c, x: (c + sow(x, name="x", mode="append"), None), 0.0, xs)[0]
+        return jax.lax.scan(lambda c, x: (c + sow(x, name="x", mode="collect"), None), 0.0, xs)[0]
 
     xs = jnp.ones(3)
-    with pytest.raises(ValueError, match="fires 3 times per call .*scan\\[3\\]"):
+    with pytest.raises(ValueError, match="fires 3 times per call .*scan\\[3\\].*mode='append'"):
         patching_sweep(looped, reap(looped)(xs), (xs,), lambda y: y)
 
     def two_sizes(x):
@@ -288,6 +288,104 @@ def test_sites_must_fire_once_and_agree_on_size():
     x = jnp.ones(3)
     with pytest.raises(ValueError, match="different sizes along axis 0"):
         patching_sweep(two_sizes, reap(two_sizes)(x), (x,), lambda y: y, axis=0)
+
+
+# ---------------------------------------------------------------------------
+# Sites that fire once per iteration of a scan: one row per occurrence
+
+LAYERS, T, D = 3, 5, 4
+
+
+def scanned_model(key):
+    """A residual stream [T, D] sown once before and once in each of L scanned layers."""
+    ws = jax.random.normal(key, (LAYERS, D, D)) / 2
+
+    def model(x):
+        x = sow(x, name="resid", mode="append")
+
+        def layer(c, w):
+            return sow(c + jnp.tanh(c @ w), name="resid", mode="append"), None
+
+        return jax.lax.scan(layer, x, ws)[0]
+
+    def by_hand(x, clean_resid, occurrence, where):
+        """`model` with only occurrence `occurrence` patched, at the entries `where` selects."""
+        x = jnp.where(where & (occurrence == 0), clean_resid[0], x)
+
+        def layer(c, wi):
+            w, i = wi
+            c = c + jnp.tanh(c @ w)
+            return jnp.where(where & (occurrence == i + 1), clean_resid[i + 1], c), None
+
+        return jax.lax.scan(layer, x, (ws, jnp.arange(LAYERS)))[0]
+
+    return model, by_hand
+
+
+def last_sum(out):
+    return jnp.sum(out[-1])
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), axis=st.sampled_from([None, 0, 1, -1]))
+def test_sweep_over_a_scanned_site_equals_patching_that_iteration_by_hand(seed, axis):
+    model, by_hand = scanned_model(jax.random.key(seed))
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(seed + 1), (2, T, D))
+    clean = reap(model)(x_clean)
+    result = patching_sweep(model, clean, (x_corrupt,), last_sum, axis=axis)
+    k = LAYERS + 1
+    assert result.names == tuple(f"resid[{j}]" for j in range(k))
+    base = last_sum(model(x_corrupt))
+    if axis is None:
+        where = jnp.ones((T, D), bool)
+        expected = [last_sum(by_hand(x_corrupt, clean["resid"], j, where)) - base for j in range(k)]
+    else:
+        size = (T, D)[axis]
+        masks = [jnp.expand_dims(jnp.arange(size) == p, 1 - axis % 2) for p in range(size)]
+        expected = [[last_sum(by_hand(x_corrupt, clean["resid"], j, m)) - base for m in masks] for j in range(k)]
+        assert result.values.shape == (k, size)  # [occurrences, positions]
+    np.testing.assert_allclose(result.values, np.array(expected), rtol=1e-4, atol=1e-5)
+
+
+def test_attribution_over_a_scanned_site_is_the_hand_gradient_estimate():
+    model, _ = scanned_model(jax.random.key(3))
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(4), (2, T, D))
+    clean = reap(model)(x_clean)["resid"]
+    corrupt = reap(model)(x_corrupt)["resid"]
+    ws = None
+
+    def offset_model(deltas):  # the model with deltas[j] added to occurrence j, written out
+        def layer(c, wd):
+            w, d = wd
+            return c + jnp.tanh(c @ w) + d, None
+
+        nonlocal ws
+        return jax.lax.scan(layer, x_corrupt + deltas[0], (ws, deltas[1:]))[0]
+
+    ws = jax.random.normal(jax.random.key(3), (LAYERS, D, D)) / 2
+    grads = jax.grad(lambda d: last_sum(offset_model(d)))(jnp.zeros((LAYERS + 1, T, D)))
+    expected = jnp.sum((clean - corrupt) * grads, axis=2)  # [occurrence, position]
+    result = attribution_patching(model, {"resid": clean}, (x_corrupt,), last_sum, axis=0)
+    assert result.names == tuple(f"resid[{j}]" for j in range(LAYERS + 1))
+    np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-5)
+    whole = attribution_patching(model, {"resid": clean}, (x_corrupt,), last_sum)
+    np.testing.assert_allclose(whole.values, expected.sum(1), rtol=1e-4, atol=1e-5)
+
+
+def test_sweep_over_a_scanned_site_with_other_sites_and_batching():
+    model, by_hand = scanned_model(jax.random.key(5))
+
+    def with_head(x):
+        return sow(model(x) * 2.0, name="head", mode="strict")
+
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(6), (2, T, D))
+    clean = reap(with_head)(x_clean)
+    full = patching_sweep(with_head, clean, (x_corrupt,), last_sum, axis=0)
+    batched = patching_sweep(with_head, clean, (x_corrupt,), last_sum, axis=0, batch_size=4)
+    assert full.names == ("resid[0]", "resid[1]", "resid[2]", "resid[3]", "head")
+    np.testing.assert_allclose(batched.values, full.values, rtol=1e-5, atol=1e-6)
+    hand = by_hand(x_corrupt, clean["resid"], 2, jnp.expand_dims(jnp.arange(T) == 1, 1))
+    np.testing.assert_allclose(full.values[2, 1], last_sum(2.0 * hand) - full.baseline, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------

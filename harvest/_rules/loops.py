@@ -58,9 +58,10 @@ def merge_rows(leaf):
 
 
 def peel(plant: Plant, idx):
-    """Row `idx` of a plant stacked along a leading axis; other plants as they are."""
+    """Row `idx` of a plant stacked along a leading axis; other plants as they
+    are, but a callable taking the occurrence index counts from row `idx`."""
     if callable(plant.value):
-        return plant
+        return plant.starting_at(plant.start + idx)
     ndim = [len(a.shape) for a in plant.site.avals]
     if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(plant.value), ndim)):
         return Plant(plant.site, jax.tree_util.tree_map(lambda l: l[idx], plant.value))
@@ -73,6 +74,16 @@ def _per_iteration(plant: Plant, idx, body_jaxpr, body_site):
     site = plant.site
     if site.mode == "stack":  # stacked once per enclosing loop
         return peel(plant, idx)
+    if plant.takes_index():
+        if site.mode == "collect":
+            raise ValueError(
+                f"The planted callable for the sow site {site} takes an occurrence index, but "
+                "the site has mode 'collect' inside a loop, where reap stacks each sow's "
+                "iterations into one entry, so occurrences have no single index. Use mode "
+                "'append' (one row per iteration), or a callable of the old value alone."
+            )
+        # Iteration `idx` starts `idx` bodies' worth of rows later.
+        return plant.starting_at(plant.start + idx * occurrences(body_jaxpr, site))
     if not plant.per_occurrence():
         return plant
     if site.mode == "collect":
@@ -175,6 +186,13 @@ def _while(scope, eqn, invals):
             f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in "
             "body_fun instead."
         )
+    for path in sites:
+        if path in scope.plants and scope.plants[path].takes_index():
+            raise ValueError(
+                f"The planted callable for the sow site {sites[path]} takes an occurrence index, "
+                "but the site is inside a while_loop, whose iterations are not counted. Use "
+                "lax.scan (or fori_loop with static bounds), or a callable of the old value alone."
+            )
     ncc, nbc = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     # vmap of a loop whose predicate differs per example: JAX stages a while
