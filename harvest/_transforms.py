@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 import jax
 from jax._src import core
+from jax._src.interpreters import mlir
 from jax._src.interpreters import partial_eval as pe
 
 from ._calling import is_array, make_jaxpr
-from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
+from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in, sub_jaxprs
 from ._rules.loops import occurrences
 from ._site import mode_label, path_str
 from ._sow import DEFAULT_TAG
@@ -75,7 +76,7 @@ def _rewrap(fn, data):
     return functools.partial(_rewrap(fn, inner), *args, **keywords)
 
 
-def _walk(fn, dynamic, static: _Static):
+def _walk(fn, dynamic, static: _Static, staged=False):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -86,6 +87,8 @@ def _walk(fn, dynamic, static: _Static):
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
     closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
+    if staged and not _lowerable(closed.jaxpr):
+        raise _Unlowerable
     handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
         if site.tag == static.policy.tag and not static.policy.handles(site):
@@ -107,7 +110,7 @@ def _walk(fn, dynamic, static: _Static):
 
 
 def _walk_weak(fn_ref, dynamic, static):
-    return _walk(fn_ref(), dynamic, static)
+    return _walk(fn_ref(), dynamic, static, staged=True)
 
 
 _jits: "weakref.WeakKeyDictionary[Callable, Any]" = weakref.WeakKeyDictionary()
@@ -147,7 +150,35 @@ def _call(f, policy, reap, plants, args, kwargs):
         # a function that cannot be weakly referenced: still correct, just
         # traced at every call, with nothing cached that could go stale.
         return _walk(fn, dynamic, static)
-    return jitted(dynamic, static)
+    if fn in _eager_only:
+        return _walk(fn, dynamic, static)
+    try:
+        return jitted(dynamic, static)
+    except _Unlowerable:
+        # `f` binds a primitive that has an implementation but no XLA lowering
+        # (oryx's tests define one): run the walk op by op, as JAX runs `f`
+        # itself outside `jit`, and remember not to try compiling it again.
+        _eager_only.add(fn)
+        return _walk(fn, dynamic, static)
+
+
+# Functions whose walk cannot be compiled, because they bind a primitive
+# without a lowering; they are walked eagerly.
+_eager_only: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+
+
+class _Unlowerable(Exception):
+    """Raised while staging the walk of a function that cannot be compiled."""
+
+
+def _lowerable(jaxpr):
+    for eqn in jaxpr.eqns:
+        p = eqn.primitive
+        if p not in mlir._lowerings and not any(p in t for t in mlir._platform_specific_lowerings.values()):
+            return False
+        if not all(_lowerable(j) for j in sub_jaxprs(eqn)):
+            return False
+    return True
 
 
 def _resolve_plants(plants, sites, policy, filtered):
