@@ -4,8 +4,9 @@ A program is a function `f(key, *args)` whose draws are named with
 `random_variable`. `joint_sample`, `trace`, `joint_log_prob`, `log_prob` (by
 inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
 `graph_replace` transform it; `deterministic` records a computed value and
-`factor` adds a log weight; `make_effect_handler` builds custom interpreters; `plate` draws independent copies of a block
-and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
+`factor` adds a log weight; `unconstrained` gives the density over R^n that
+HMC/NUTS need; `make_effect_handler` builds custom interpreters; `plate`
+draws independent copies of a block and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
 substrate importable on current JAX (see `_tfp_shim.py`).
 """
 
@@ -23,6 +24,11 @@ from ._random_variable import (  # noqa: E402
     deterministic as deterministic,
     factor as factor,
     random_variable as random_variable,
+)
+from ._unconstrained import (  # noqa: E402
+    UNCONSTRAINED as UNCONSTRAINED,
+    Unconstrained as Unconstrained,
+    unconstrained as unconstrained,
 )
 from ._transforms import (  # noqa: E402
     block as block,

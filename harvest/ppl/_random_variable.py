@@ -101,7 +101,8 @@ def random_variable(dist, *, name=None, mode="strict"):
     if is_distribution(dist):
 
         def sample_distribution(key):
-            value = sow(dist.sample(seed=key), tag=RANDOM_VARIABLE, name=name, mode=mode)
+            sample = draw_unconstrained(dist, dist.sample(seed=key), name, mode)
+            value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             sow_density(jnp.sum(dist.log_prob(value)), value, name)
             return value
 
@@ -159,3 +160,6 @@ def factor(log_weight, *, name):
     """
     _check_name("factor", name)
     sow_density(log_weight, (), name)
+
+
+from ._unconstrained import draw_unconstrained  # noqa: E402  (it imports this module's tags)
