@@ -1,4 +1,4 @@
-"""Run oryx 0.2.9's own harvest test module against ``harvest.compat.oryx``.
+"""Run oryx 0.2.9's own harvest and ppl test modules against ``harvest.compat.oryx``.
 
     .venv/bin/python compat/run_oryx_tests.py                  # reference + ours
     .venv/bin/python compat/run_oryx_tests.py --reference skip # ours only
@@ -16,6 +16,12 @@ Steps (everything lands in a temporary directory, nothing in the repo):
    and JAX's renamed ``pjit_p``) and run it under this interpreter.
 4. Print per-test outcomes side by side, the counts, and the tests that use
    anything beyond oryx harvest's public API.
+5. oryx's ppl tests (``transformations_test.py``, ``effect_handler_test.py``)
+   run unmodified twice: under real oryx, and under ``oryx_redirect.py``
+   (loaded by a conftest.py), which maps oryx's modules to harvest's in
+   ``sys.modules``. Their reference outcomes are recorded in
+   ``golden/oryx_0.2.9_ppl_tests.json``; known misses are listed as
+   ``"oryx_ppl_test:Class.test_name"``.
 
 Both pytest runs use 2 virtual CPU devices (``ShardMapTest`` needs a 1x2
 mesh; oryx's ``__main__`` block sets the same flag).  The exit status is 1
