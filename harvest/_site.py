@@ -79,8 +79,6 @@ class Site:
                 f"{what} for the sow site {self} has structure {tree}, but the site "
                 f"sows {self.tree}."
             )
-        if not leading:
-            leaves = [_weak_scalar_as(leaf, aval) for leaf, aval in zip(leaves, self.avals)]
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
             shape = tuple(leading) + aval.shape
@@ -126,15 +124,6 @@ class Site:
 
 def _shapes_str(shapes):
     return " and ".join(str(list(s)) for s in shapes)
-
-
-def _weak_scalar_as(leaf, aval):
-    """A weakly typed scalar (a Python number) planted into a scalar site takes the
-    site's dtype, as JAX casts such values in `x.at[i].set(15.0)`."""
-    weak = isinstance(leaf, (bool, int, float)) or getattr(getattr(leaf, "aval", None), "weak_type", False)
-    if weak and aval.shape == () and jnp.shape(leaf) == () and jnp.result_type(leaf) != aval.dtype:
-        return jax.lax.convert_element_type(leaf, aval.dtype)
-    return leaf
 
 
 @dataclasses.dataclass
