@@ -84,12 +84,6 @@ def test_dependent_draws_invert_through_the_other_draw():
     close(ppl.log_prob(model)((z, y)), expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="since main 9dceaf6 an append-mode reap in this scan fails with 'Zero-dimensional arrays cannot be "
-    "concatenated' (the same error makes tests/test_errors.py::test_append_occurrences_of_different_shapes_name_the_site "
-    "fail on main); passed before that merge",
-)
 def test_log_prob_of_joint_sample_is_joint_log_prob_also_in_scan():
     def ar1(key):
         def step(x, k):
