@@ -1,4 +1,4 @@
-"""Run oryx 0.2.9's own harvest test module against ``harvest.compat.oryx``.
+"""Run oryx 0.2.9's own harvest and ppl test modules against ``harvest.compat.oryx``.
 
     .venv/bin/python compat/run_oryx_tests.py                  # reference + ours
     .venv/bin/python compat/run_oryx_tests.py --reference skip # ours only
@@ -16,6 +16,12 @@ Steps (everything lands in a temporary directory, nothing in the repo):
    and JAX's renamed ``pjit_p``) and run it under this interpreter.
 4. Print per-test outcomes side by side, the counts, and the tests that use
    anything beyond oryx harvest's public API.
+5. oryx's ppl tests (``transformations_test.py``, ``effect_handler_test.py``)
+   run unmodified twice: under real oryx, and under ``oryx_redirect.py``
+   (loaded by a conftest.py), which maps oryx's modules to harvest's in
+   ``sys.modules``. Their reference outcomes are recorded in
+   ``golden/oryx_0.2.9_ppl_tests.json``; known misses are listed as
+   ``"oryx_ppl_test:Class.test_name"``.
 
 Both pytest runs use 2 virtual CPU devices (``ShardMapTest`` needs a 1x2
 mesh; oryx's ``__main__`` block sets the same flag).  The exit status is 1
@@ -48,6 +54,12 @@ BASELINE = HERE / "golden" / "oryx_0.2.9_tests.json"
 ORYX_VERSION = "0.2.9"
 TEST_IN_WHEEL = "oryx/core/interpreters/harvest_test.py"
 BEGIN, END = "<!-- oryx-tests:begin -->", "<!-- oryx-tests:end -->"
+# oryx's ppl tests run unmodified; `oryx_redirect.py` maps oryx's modules to
+# harvest's in `sys.modules` (from a conftest.py), so no line is rewritten.
+PPL_TESTS_IN_WHEEL = ("oryx/core/ppl/transformations_test.py",
+                      "oryx/core/ppl/effect_handler_test.py")
+PPL_BASELINE = HERE / "golden" / "oryx_0.2.9_ppl_tests.json"
+PPL_BEGIN, PPL_END = "<!-- oryx-ppl-tests:begin -->", "<!-- oryx-ppl-tests:end -->"
 
 PUBLIC = {"sow", "sow_cond", "harvest", "reap", "plant", "call_and_reap",
           "nest", "sow_p"}
@@ -89,6 +101,8 @@ def fetch_test(tmp: Path, pip_python: str) -> Path:
     (whl,) = list(wheels.glob("oryx-*.whl"))
     with zipfile.ZipFile(whl) as z:
         src = z.read(TEST_IN_WHEEL).decode()
+        for name in PPL_TESTS_IN_WHEEL:
+            (tmp / Path(name).name).write_text(z.read(name).decode())
     out = tmp / "orig_harvest_test.py"
     out.write_text(src)
     return out
@@ -168,8 +182,9 @@ def test_methods(src: str) -> List[str]:
 def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
                label: str) -> Dict[str, Tuple[str, str]]:
     """Runs pytest; returns {'Class.test_id': (outcome, short message)}."""
-    xml = test_file.with_suffix(f".{label}.xml")
-    ini = test_file.parent / "pytest.ini"
+    where = test_file if test_file.is_dir() else test_file.parent
+    xml = where / f"{test_file.stem}.{label}.xml"
+    ini = where / "pytest.ini"
     ini.write_text("[pytest]\naddopts =\n")
     env = dict(os.environ)
     env.update(extra_env)
@@ -177,11 +192,11 @@ def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=2").strip()
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-c", str(ini), "--rootdir", str(test_file.parent),
+           "-c", str(ini), "--rootdir", str(where),
            f"--junitxml={xml}", str(test_file)]
-    proc = subprocess.run(cmd, cwd=test_file.parent, env=env,
+    proc = subprocess.run(cmd, cwd=where, env=env,
                           capture_output=True, text=True)
-    log = test_file.with_suffix(f".{label}.log")
+    log = where / f"{test_file.stem}.{label}.log"
     log.write_text(proc.stdout + proc.stderr)
     if not xml.exists():
         print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n")
@@ -235,12 +250,12 @@ def ensure_absl(tmp: Path) -> Dict[str, str]:
         return {"_EXTRA_PATH": str(site)}
 
 
-def load_known() -> Dict[str, str]:
+def load_known(prefix: str = "oryx_test:") -> Dict[str, str]:
     if not KNOWN.exists():
         return {}
     data = json.loads(KNOWN.read_text())
-    return {k[len("oryx_test:"):]: v for k, v in data.items()
-            if k.startswith("oryx_test:")}
+    return {k[len(prefix):]: v for k, v in data.items()
+            if k.startswith(prefix)}
 
 
 def render(ref, ours, methods, internal, known, ref_note) -> str:
@@ -288,13 +303,96 @@ def render(ref, ours, methods, internal, known, ref_note) -> str:
     return "\n".join(lines)
 
 
-def update_readme(text: str) -> None:
+def update_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
     body = README.read_text()
-    if BEGIN not in body or END not in body:
-        raise SystemExit(f"{README} lacks the {BEGIN} / {END} markers")
-    pre, rest = body.split(BEGIN, 1)
-    _, post = rest.split(END, 1)
-    README.write_text(f"{pre}{BEGIN}\n{text}\n{END}{post}")
+    if begin not in body or end not in body:
+        raise SystemExit(f"{README} lacks the {begin} / {end} markers")
+    pre, rest = body.split(begin, 1)
+    _, post = rest.split(end, 1)
+    README.write_text(f"{pre}{begin}\n{text}\n{end}{post}")
+
+
+def render_ppl(ref, ours, known, ref_note) -> str:
+    files = ", ".join(f"`{Path(n).name}`" for n in PPL_TESTS_IN_WHEEL)
+    lines = [f"oryx {ORYX_VERSION}'s {files}, extracted from the wheel at run "
+             "time and run unmodified: under real oryx, and under import "
+             "redirection to `harvest.compat.oryx` (`compat/oryx_redirect.py`, "
+             "loaded by a conftest.py; no line of the tests is edited). Last run "
+             "by `compat/run_oryx_tests.py`.", ""]
+    lines.append(f"- Real oryx ({ref_note}): **{counts(ref)}**" if ref is not None
+                 else f"- Real oryx: not run ({ref_note})")
+    lines.append(f"- `harvest.compat.oryx` (project venv): **{counts(ours)}**"
+                 if ours is not None else "- `harvest.compat.oryx`: not run")
+    notable = [t for t in sorted(set(ref or {}) | set(ours or {}))
+               if (ref or {}).get(t, ("passed",))[0] != "passed"
+               or (ours or {}).get(t, ("passed",))[0] != "passed"]
+    if notable:
+        lines += ["", "| test | real oryx | harvest.compat.oryx | note |",
+                  "| --- | --- | --- | --- |"]
+        for t in notable:
+            r = (ref or {}).get(t, ("-", ""))
+            o = (ours or {}).get(t, ("-", ""))
+            note = known.get(t)
+            note = f"documented: {note}" if note else (o[1] or r[1]).replace("|", "\\|")[:100]
+            lines.append(f"| `{t}` | {r[0]} | {o[0]} | {note} |")
+    return "\n".join(lines)
+
+
+def run_ppl_tests(args, tmp: Path) -> int:
+    """oryx's ppl tests: unmodified, under real oryx and under redirection."""
+    names = [Path(n).name for n in PPL_TESTS_IN_WHEEL]
+    ref, ref_note = None, ""
+    oryx_py = ORYX_VENV / "bin" / "python"
+    if args.reference != "skip" and oryx_py.exists():
+        ref_dir = tmp / "reference_ppl"
+        ref_dir.mkdir()
+        for n in names:
+            shutil.copy(tmp / n, ref_dir / n)
+        ref = run_pytest(str(oryx_py), ref_dir, {}, "reference")
+        ref_note = "jax 0.4.38, .oryx-venv"
+        PPL_BASELINE.write_text(json.dumps(
+            {"note": f"outcomes of oryx {ORYX_VERSION}'s unmodified ppl tests "
+                     f"({', '.join(names)}) under real oryx ({ref_note}), "
+                     "written by compat/run_oryx_tests.py",
+             "tests": {t: o for t, (o, _) in sorted(ref.items())}}, indent=1) + "\n")
+    elif PPL_BASELINE.exists():
+        base = json.loads(PPL_BASELINE.read_text())
+        ref = {t: (o, "") for t, o in base["tests"].items()}
+        ref_note = f"recorded in {PPL_BASELINE.relative_to(ROOT)}"
+    else:
+        ref_note = f"{oryx_py} missing; run compat/oryx_venv.sh"
+    if ref is not None:
+        print(f"real oryx {ORYX_VERSION} ppl tests: {counts(ref)} ({ref_note})")
+
+    ours = None
+    if args.ours == "run":
+        ours_dir = tmp / "ours_ppl"
+        ours_dir.mkdir()
+        for n in names:
+            shutil.copy(tmp / n, ours_dir / n)
+        shutil.copy(HERE / "oryx_redirect.py", ours_dir / "oryx_redirect.py")
+        (ours_dir / "conftest.py").write_text("import oryx_redirect  # noqa: F401\n")
+        extra = ensure_absl(tmp)
+        path = [str(ROOT)] + ([extra.pop("_EXTRA_PATH")] if extra else [])
+        pp = os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        ours = run_pytest(sys.executable, ours_dir, {"PYTHONPATH": pp}, "ours")
+
+    known = load_known("oryx_ppl_test:")
+    regressions = []
+    for t in sorted(set(ref or {}) | set(ours or {})):
+        r = (ref or {}).get(t, ("-", ""))
+        o = (ours or {}).get(t, ("-", ""))
+        if args.verbose or r[0] not in ("passed", "-") or o[0] not in ("passed", "-"):
+            print(f"  {t:<75} oryx={r[0]:<7} ours={o[0]:<7} {o[1] or r[1]}"[:220])
+        if ours is not None and o[0] != "passed" and r[0] in ("passed", "-") and t not in known:
+            regressions.append(t)
+    if args.update_readme:
+        update_readme(render_ppl(ref, ours, known, ref_note), PPL_BEGIN, PPL_END)
+    if ours is not None:
+        if regressions:
+            print(f"{len(regressions)} ppl test(s) pass under real oryx but fail here")
+        print(f"oryx_ppl_tests: {counts(ours)}")
+    return 1 if regressions else 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -393,7 +491,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             # The plain closing line CI-style runners read.
             c = counts(ours)
             print(f"oryx_tests: {c}")
-        return 1 if regressions else 0
+        print("\n== oryx 0.2.9's own ppl tests (unmodified, import redirection)", flush=True)
+        rc_ppl = run_ppl_tests(args, tmp)
+        return 1 if (regressions or rc_ppl) else 0
     finally:
         if args.keep:
             print(f"kept {tmp}")

@@ -107,16 +107,20 @@ class Policy:
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
     strict_plants: bool = True  # planting a name no site has is an error (oryx ignores it)
+    drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
 
     def handles(self, site):
         return site.tag == self.tag and self.select(site.name)
 
     def touches(self, sites):
-        return any(self.prefix or self.exclusive or self.handles(s) for s, _ in sites)
+        return any(
+            self.prefix or self.exclusive or (self.drop_filtered and s.tag == self.tag) or self.handles(s)
+            for s, _ in sites
+        )
 
     def reemit(self, params):
         """The params to re-emit a sow this walk does not handle with (None: drop it)."""
-        if self.exclusive:
+        if self.exclusive or (self.drop_filtered and params["tag"] == self.tag):
             return None
         if not self.prefix:
             return params

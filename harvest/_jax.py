@@ -134,8 +134,14 @@ def is_staging() -> bool:
 def call_body(eqn) -> ClosedJaxpr:
     """The body of a call-like equation (see CALL_PRIMITIVES), as a closed jaxpr."""
     p = eqn.params
-    body = p["jaxpr"] if "jaxpr" in p else p["call_jaxpr"]
+    body = next(p[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in p)
     return body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
+
+
+def body_function_name(eqn) -> str:
+    """The Python name of the function a call-like equation's body was traced from ("" if unknown)."""
+    debug = getattr(call_body(eqn).jaxpr, "debug_info", None)
+    return (getattr(debug, "func_name", None) or "").split(" ")[0]
 
 
 def custom_num_consts(eqn) -> int:
@@ -284,7 +290,13 @@ def pcast_varying(x, axes):
 # Registering a new primitive's rules.
 
 register_lowering = _mlir.register_lowering
+lower_fun = _mlir.lower_fun
 instantiate_zeros = _ad.instantiate_zeros
+
+
+def has_lowering(primitive) -> bool:
+    """Whether `primitive` can be compiled by XLA (on any platform)."""
+    return primitive in _mlir._lowerings or any(primitive in t for t in _mlir._platform_specific_lowerings.values())
 
 
 def register_jvp(primitive, rule):
@@ -294,6 +306,11 @@ def register_jvp(primitive, rule):
 def register_batching(primitive, rule):
     """`rule(axis_data, args, dims)`; `axis_data` goes to `bdim_at_front`."""
     _batching.fancy_primitive_batchers[primitive] = rule
+
+
+def register_plain_batching(primitive, rule):
+    """`rule(args, dims, **params) -> (outs, out_dims)`, JAX's classic batching signature."""
+    _batching.primitive_batchers[primitive] = rule
 
 
 def bdim_at_front(x, dim, axis_data):

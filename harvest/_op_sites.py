@@ -20,7 +20,7 @@ import jax
 from jax import lax
 
 from . import _jax
-from ._calling import make_jaxpr
+from ._calling import make_jaxpr, split_nodes, write_back
 from ._primitive import sow_p
 
 INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked (`instrument`)
@@ -31,9 +31,12 @@ WHILE_MODE = "clobber"  # a while loop's trip count is unknown: keep the last it
 
 def sow_ops(f, call, args, kwargs):
     """Runs `f(*args, **kwargs)` with each primitive's output sown for `call`."""
-    closed, arrays, out_shape = make_jaxpr(f, args, kwargs, return_shape=True)
+    (f, args, kwargs), graph, nodes = split_nodes((f, args, kwargs))
+    closed, arrays, out_shape = make_jaxpr(f, args, kwargs, graph, return_shape=True)
     outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
-    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+    write_back(nodes, changes)
+    return out
 
 
 def _scope_str(scopes, module_paths):

@@ -76,7 +76,7 @@ def _rewrap(fn, data):
     return functools.partial(_rewrap(fn, inner), *args, **keywords)
 
 
-def _walk(fn, dynamic, static: _Static):
+def _walk(fn, dynamic, static: _Static, staged=False):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -89,6 +89,8 @@ def _walk(fn, dynamic, static: _Static):
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
     closed, arrays, out_shape = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
+    if staged and not _lowerable(closed.jaxpr):
+        raise _Unlowerable
     handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
         if site.tag == static.policy.tag and not static.policy.handles(site):
@@ -110,7 +112,7 @@ def _walk(fn, dynamic, static: _Static):
 
 
 def _walk_weak(fn_ref, dynamic, static):
-    return _walk(fn_ref(), dynamic, static)
+    return _walk(fn_ref(), dynamic, static, staged=True)
 
 
 _jits: "weakref.WeakKeyDictionary[Callable, Any]" = weakref.WeakKeyDictionary()
@@ -153,9 +155,33 @@ def _call(f, policy, reap, plants, args, kwargs):
             # a function that cannot be weakly referenced: still correct, just
             # traced at every call, with nothing cached that could go stale.
             jitted = functools.partial(_walk, fn)
-        out, reaps, changes = jitted(dynamic, static)
+        if fn in _eager_only:
+            jitted = functools.partial(_walk, fn)
+        try:
+            out, reaps, changes = jitted(dynamic, static)
+        except _Unlowerable:
+            # `f` binds a primitive that has an implementation but no XLA lowering
+            # (oryx's tests define one): run the walk op by op, as JAX runs `f`
+            # itself outside `jit`, and remember not to try compiling it again.
+            _eager_only.add(fn)
+            out, reaps, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
     return out, reaps
+
+
+# Functions whose walk cannot be compiled, because they bind a primitive
+# without a lowering; they are walked eagerly.
+_eager_only: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+
+
+class _Unlowerable(Exception):
+    """Raised while staging the walk of a function that cannot be compiled."""
+
+
+def _lowerable(jaxpr):
+    return all(
+        _jax.has_lowering(eqn.primitive) and all(_lowerable(j) for j in _jax.sub_jaxprs(eqn)) for eqn in jaxpr.eqns
+    )
 
 
 def _resolve_plants(plants, sites, policy, filtered):

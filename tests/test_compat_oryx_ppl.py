@@ -61,7 +61,7 @@ def test_function_random_variable_tags_the_output_and_intervenes():
 def test_untagged_and_value_forms():
     sampler = ppl.random_variable(tfd.Normal(0.0, 1.0))
     assert ppl.joint_sample(sampler)(jax.random.PRNGKey(0)) == {}
-    with pytest.raises(ValueError, match="without a name"):
+    with pytest.raises(ValueError, match="without passing in a name"):
         ppl.random_variable(jnp.ones(2))
     with pytest.raises(ValueError, match="with a plate"):
         ppl.random_variable(jnp.ones(2), name="w", plate="p")

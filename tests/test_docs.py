@@ -23,6 +23,7 @@ PAGES = [
     "guides/gradients.md",
     "guides/many_devices.md",
     "guides/unmodified_models.md",
+    "guides/probabilistic_intervention.md",
 ]
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

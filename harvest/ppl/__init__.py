@@ -1,9 +1,12 @@
 """harvest.ppl: probabilistic programs on TensorFlow Probability, built from sow/reap/plant.
 
 A program is a function `f(key, *args)` whose draws are named with
-`random_variable`. `joint_sample`, `joint_log_prob`, `log_prob`, `intervene`
-and `conditional` transform it; `plate` draws independent copies of a block
-and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
+`random_variable`. `joint_sample`, `trace`, `joint_log_prob`, `log_prob` (by
+inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
+`graph_replace` transform it; `deterministic` records a computed value and
+`factor` adds a log weight; `unconstrained` gives the density over R^n that
+HMC/NUTS need; `make_effect_handler` builds custom interpreters; `plate`
+draws independent copies of a block and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
 substrate importable on current JAX (see `_tfp_shim.py`).
 """
 
@@ -13,15 +16,28 @@ _import_tfp()  # fail here, with the versions that work, rather than at first us
 
 from .._transforms import nest as nest  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
+from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
 from ._random_variable import (  # noqa: E402
+    DETERMINISTIC as DETERMINISTIC,
     LOG_DENSITY as LOG_DENSITY,
     RANDOM_VARIABLE as RANDOM_VARIABLE,
+    deterministic as deterministic,
+    factor as factor,
     random_variable as random_variable,
 )
+from ._unconstrained import (  # noqa: E402
+    UNCONSTRAINED as UNCONSTRAINED,
+    Unconstrained as Unconstrained,
+    unconstrained as unconstrained,
+)
 from ._transforms import (  # noqa: E402
+    block as block,
     conditional as conditional,
+    graph_replace as graph_replace,
     intervene as intervene,
     joint_log_prob as joint_log_prob,
     joint_sample as joint_sample,
     log_prob as log_prob,
+    trace as trace,
+    trace_log_prob as trace_log_prob,
 )

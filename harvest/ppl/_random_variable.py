@@ -2,11 +2,13 @@
 
 A draw leaves two sows behind. Its sample is sown under `RANDOM_VARIABLE`
 (so `joint_sample` reaps it and `intervene` plants it), and, for a
-distribution, its log density — computed from the value after that sow, so
-from the planted value when there is one — under `LOG_DENSITY`, where
-`joint_log_prob` reaps it. Both sows share the draw's name. The density is
-sown in mode "collect" whatever the draw's mode: densities are only summed,
-and "collect" keeps every occurrence in and out of loops.
+distribution, the pair `(log density, value)` — the density computed from the
+value after that sow, so from the planted value when there is one — under
+`LOG_DENSITY`, where `joint_log_prob` reaps it. The value rides along so that
+`log_prob`'s inverse walk knows which variable each density scores. Both
+sows share the draw's name. The density is sown in mode "collect" whatever
+the draw's mode: densities are only summed, and "collect" keeps every
+occurrence in and out of loops.
 """
 
 from __future__ import annotations
@@ -17,10 +19,27 @@ from .._sow import sow
 
 RANDOM_VARIABLE = "random_variable"
 LOG_DENSITY = "random_variable_log_density"
+DETERMINISTIC = "deterministic"
 
 # "strict": one draw per name (the default, as in oryx). "append": one draw per
 # loop iteration, stacked on a leading axis, for random variables in a scan.
 RV_MODES = ("strict", "append")
+
+
+def sow_density(log_density, value, name):
+    """Files a log density (and the value it scores) for joint_log_prob and log_prob."""
+    sow((log_density, value), tag=LOG_DENSITY, name=name, mode="collect")
+
+
+def densities_of(reaped):
+    """The log densities in what a reap of `LOG_DENSITY` returned, flattened."""
+    out = []
+    for value in reaped.values():
+        if isinstance(value, dict):
+            out += densities_of(value)
+        else:
+            out += [jnp.sum(density) for density, _ in value]
+    return out
 
 
 def is_distribution(obj):
@@ -82,8 +101,9 @@ def random_variable(dist, *, name=None, mode="strict"):
     if is_distribution(dist):
 
         def sample_distribution(key):
-            value = sow(dist.sample(seed=key), tag=RANDOM_VARIABLE, name=name, mode=mode)
-            sow(jnp.sum(dist.log_prob(value)), tag=LOG_DENSITY, name=name, mode="collect")
+            sample = draw_unconstrained(dist, dist.sample(seed=key), name, mode)
+            value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
+            sow_density(jnp.sum(dist.log_prob(value)), value, name)
             return value
 
         return sample_distribution
@@ -92,3 +112,54 @@ def random_variable(dist, *, name=None, mode="strict"):
         return sow(dist(key, *args, **kwargs), tag=RANDOM_VARIABLE, name=name, mode=mode)
 
     return sample_function
+
+
+def _check_name(fn_name, name):
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{fn_name} needs `name` to be a non-empty string, got {name!r}.")
+
+
+def deterministic(value, *, name):
+    """Records `value` (a function of the draws) as the site `name`, and returns it.
+
+    The site is not random: `trace` returns it beside the random variables,
+    `joint_sample` and `joint_log_prob` leave it out.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def model(key):
+        ...     z = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(key)
+        ...     return ppl.deterministic(jax.numpy.exp(z), name="scale")
+        >>> _, sites = ppl.trace(model)(jax.random.key(0))
+        >>> bool(sites["scale"] == jax.numpy.exp(sites["z"]))
+        True
+    """
+    _check_name("deterministic", name)
+    return sow(value, tag=DETERMINISTIC, name=name, mode="strict")
+
+
+def factor(log_weight, *, name):
+    """Adds `log_weight` to the program's log density, as the site `name`.
+
+    `joint_log_prob`, `log_prob` and `trace_log_prob` add it (summed over its
+    elements) to the densities of the random variables; sampling is unchanged.
+    Use it for likelihood terms that are not a distribution, or for soft
+    constraints.
+
+    Example:
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def model(key):
+        ...     z = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(key)
+        ...     ppl.factor(-z**2, name="penalty")
+        ...     return z
+        >>> ppl.joint_log_prob(model)({"z": 1.0})
+        Array(-2.4189386, dtype=float32)
+    """
+    _check_name("factor", name)
+    sow_density(log_weight, (), name)
+
+
+from ._unconstrained import draw_unconstrained  # noqa: E402  (it imports this module's tags)

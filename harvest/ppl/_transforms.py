@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _jax
-from .._primitive import sow_p
-from .._site import Site
-from .._transforms import call_and_reap, harvest, plant, reap
-from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE, is_distribution
+from .._interpreter import NameFilter, Policy
+from .._sow import sow
+from .._transforms import _call, call_and_reap, harvest, plant, reap
+from ._log_prob import log_density
+from ._random_variable import DETERMINISTIC, LOG_DENSITY, RANDOM_VARIABLE, densities_of, is_distribution
 
 
 def _placeholder_key():
@@ -80,7 +79,11 @@ def joint_sample(f):
         >>> draws["z"].shape, draws["x"].shape
         ((4,), (4,))
     """
-    return reap(f, tag=RANDOM_VARIABLE)
+    return Partial(_joint_sample, f)
+
+
+def _joint_sample(f, *args, **kwargs):
+    return reap(f, tag=RANDOM_VARIABLE)(*args, **kwargs)
 
 
 def _unscored(values, densities):
@@ -122,7 +125,7 @@ def _joint_log_prob(f, values, *args, **kwargs):
             "drawn by plain sampling functions, which have no density. Draw them from "
             "a TFP distribution, or fix them with intervene/conditional."
         )
-    return sum(jnp.sum(d) for d in jax.tree_util.tree_leaves(densities))
+    return sum(densities_of(densities))
 
 
 def joint_log_prob(f):
@@ -262,94 +265,178 @@ def _conditioned(f, names, *args, **kwargs):
 
 
 # ---------------------------------------------------------------------------
-# log_prob: which random variables is a program's output?
-
-
-def _origin(jaxpr, var):
-    """Where `var` comes from: ("rv", site, leaf index), ("input", index), or None.
-
-    Follows identities only: sows of other tags and calls whose body passes
-    the value through. Anything computed from a draw is not the draw.
-    """
-    if isinstance(var, _jax.Literal):
-        return None
-    if var in jaxpr.invars:
-        return ("input", jaxpr.invars.index(var))
-    eqn = next(e for e in jaxpr.eqns if var in e.outvars)
-    i = eqn.outvars.index(var)
-    if eqn.primitive is sow_p:
-        site = Site.of(eqn)
-        return ("rv", site, i) if site.tag == RANDOM_VARIABLE else _origin(jaxpr, eqn.invars[i])
-    if eqn.primitive in _jax.CALL_PRIMITIVES:
-        inner = _jax.call_body(eqn).jaxpr
-        found = _origin(inner, inner.outvars[i])
-        if found and found[0] == "input":
-            return _origin(jaxpr, eqn.invars[found[1]])
-        return found
-    return None
-
-
-def _output_as_values(f, value, args, kwargs):
-    """The `{name: value}` that `f`'s output `value` spells, or a clear error."""
-    closed = jax.make_jaxpr(f)(_placeholder_key(), *args, **kwargs)
-    origins = [_origin(closed.jaxpr, v) for v in closed.jaxpr.outvars]
-    leaves = jax.tree_util.tree_leaves(value)
-    if len(leaves) != len(origins) or any(o is None or o[0] != "rv" for o in origins):
-        raise ValueError(
-            "log_prob(f) needs f to return its random variables themselves (as drawn by "
-            "random_variable); f returns something computed from them or from its inputs, "
-            "and harvest.ppl does not invert computations. Use joint_log_prob(f) with a "
-            "value for each random variable instead."
-        )
-    by_site: dict = {}
-    for (_, site, i), leaf in zip(origins, leaves):
-        by_site.setdefault(site, {})[i] = leaf
-    values = {}
-    for site, parts in by_site.items():
-        d = values
-        for scope in site.name[:-1]:
-            d = d.setdefault(scope, {})
-        d[site.name[-1]] = jax.tree_util.tree_unflatten(site.tree, [parts[i] for i in sorted(parts)])
-    return values
+# log_prob by inversion, and what is built on it.
 
 
 def log_prob(f):
     """Returns `log_density(value, *args)` of a distribution or of a program's output.
 
-    For a TFP distribution this is its own `log_prob`. For a program, it is
-    defined when the program returns its random variables themselves (one, or
-    a pytree of them) and has no other random variables; the density is then
-    `joint_log_prob` at those values. A program that transforms its draws, or
-    draws latent variables it does not return, is an error: use
-    `joint_log_prob`.
+    For a TFP distribution this is its own `log_prob`. For a program
+    `f(key, *args)`, `value` is shaped like `f`'s output, and the density is
+    found by inverting `f`: every draw the output depends on is recovered from
+    `value` (through the invertible primitives listed in the guide: `exp`,
+    `log`, affine maps by known values, `tanh`, `sigmoid`, `softplus`,
+    reshapes, ...), scored at that value, and the log-det-Jacobian of the
+    inversion is added. Draws the output does not depend on integrate out. A
+    draw the output depends on but does not determine (a latent) is an error:
+    use `joint_log_prob`, or `log_prob(joint_sample(f))`, which is exactly
+    `joint_log_prob(f)`. Eager by default (as oryx); wrap it in `jax.jit`.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def log_normal(key):
+        ...     return jnp.exp(ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(key))
+        >>> ppl.log_prob(log_normal)(2.0)
+        Array(-1.8523122, dtype=float32)
+        >>> tfd.LogNormal(0.0, 1.0).log_prob(2.0)
+        Array(-1.8523122, dtype=float32)
+    """
+    if is_distribution(f):
+        return f.log_prob
+    if not callable(f):
+        raise TypeError(f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}.")
+    if isinstance(f, Partial) and f.func is _joint_sample:
+        return joint_log_prob(*f.args)
+    return Partial(_log_prob, f)
+
+
+def _log_prob(f, value, *args, **kwargs):
+    return log_density(f, value, args, kwargs)
+
+
+def trace(f):
+    """Returns a program `(key, *args) -> (output, {name: value})` with every recorded site.
+
+    The dict holds the random variables (as `joint_sample` returns them) and the
+    `deterministic` sites.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def model(key):
+        ...     z = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(key)
+        ...     return ppl.deterministic(2.0 * z, name="twice")
+        >>> out, sites = ppl.trace(model)(jax.random.key(0))
+        >>> sorted(sites), bool(out == sites["twice"] == 2 * sites["z"])
+        (['twice', 'z'], True)
+    """
+    return Partial(_trace, f)
+
+
+def _trace(f, *args, **kwargs):
+    out, draws = call_and_reap(Partial(_with_deterministic, f), tag=RANDOM_VARIABLE)(*args, **kwargs)
+    out, recorded = out
+    return out, {**draws, **recorded}
+
+
+def _with_deterministic(f, *args, **kwargs):
+    return call_and_reap(f, tag=DETERMINISTIC)(*args, **kwargs)
+
+
+def trace_log_prob(f):
+    """Returns `log_density(output, sites, *args)`: the density of `trace(f)`'s result.
 
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
         >>> import tensorflow_probability.substrates.jax as tfp
         >>> tfd = tfp.distributions
-        >>> def pair(key):
+        >>> def model(key):
         ...     k1, k2 = jax.random.split(key)
-        ...     a = ppl.random_variable(tfd.Normal(0.0, 1.0), name="a")(k1)
-        ...     return a, ppl.random_variable(tfd.Normal(a, 1.0), name="b")(k2)
-        >>> ppl.log_prob(pair)((0.0, 0.0))
-        Array(-1.837877, dtype=float32)
+        ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
+        ...     return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
+        >>> ppl.trace_log_prob(model)(1.0, {"z": 0.0, "x": 1.0})
+        Array(-2.337877, dtype=float32)
     """
-    if is_distribution(f):
-        return f.log_prob
-    if not callable(f):
-        raise TypeError(f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}.")
-    return Partial(_log_prob, f)
+    return Partial(_trace_log_prob, f)
 
 
-def _log_prob(f, value, *args, **kwargs):
-    values = _output_as_values(f, value, args, kwargs)
-    known = jax.eval_shape(joint_sample(f), _placeholder_key(), *args, **kwargs)
-    latent = sorted(set(_leaf_paths(known)) - set(_leaf_paths(values)))
-    if latent:
-        raise ValueError(
-            f"log_prob(f) is not defined: f also draws {', '.join(latent)}, which its "
-            "output does not contain. Use joint_log_prob(f) with values for all random "
-            "variables, or return them from f."
+def _trace_log_prob(f, out, sites, *args, **kwargs):
+    return log_density(trace(f), (out, sites), args, kwargs)
+
+
+def block(f, names):
+    """Returns `f` with the random variables `names` hidden from every transformation.
+
+    The blocked variables are still drawn, but `joint_sample`, `joint_log_prob`,
+    `intervene`, `trace`... of the result no longer see them, as if `f` drew
+    them with plain `jax.random` calls.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def model(key):
+        ...     k1, k2 = jax.random.split(key)
+        ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
+        ...     return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
+        >>> list(ppl.joint_sample(ppl.block(model, ["x"]))(jax.random.key(0)))
+        ['z']
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    if not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"block takes random variable names as strings, got {names!r}.")
+    return Partial(_blocked, f, _Among(frozenset(names)))
+
+
+def _drop(f, tag, names, *args, **kwargs):
+    policy = Policy(tag, NameFilter.make(blocklist=(names,)), drop_filtered=True)
+    return _call(f, policy, False, {}, args, kwargs)[0]
+
+
+def _blocked(f, names, *args, **kwargs):
+    without_draws = Partial(_drop, f, RANDOM_VARIABLE, names)
+    return _drop(without_draws, LOG_DENSITY, names, *args, **kwargs)
+
+
+def graph_replace(f, input_names, output_names):
+    """Re-expresses `f` as a program from the random variables `input_names` to `output_names`.
+
+    The new program is called as `g(key, *args, *inputs)` (as `conditional`)
+    and returns the values of `output_names` (a list, or one value for a
+    single name given as a string). The other random variables stay random
+    variables of the new program.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def chain(key):
+        ...     k1, k2, k3 = jax.random.split(key, 3)
+        ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
+        ...     x = ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
+        ...     return ppl.random_variable(tfd.Normal(x, 1.0), name="y")(k3)
+        >>> z_to_x = ppl.graph_replace(chain, "z", "x")
+        >>> list(ppl.joint_sample(z_to_x)(jax.random.key(0), 5.0))
+        ['y']
+        >>> ppl.log_prob(z_to_x)(5.0, 5.0)
+        Array(-0.9189385, dtype=float32)
+    """
+    single = isinstance(output_names, str)
+    outputs = [output_names] if single else list(output_names)
+    if not all(isinstance(n, str) and n for n in outputs):
+        raise TypeError(f"graph_replace takes output names as strings, got {output_names!r}.")
+    return Partial(_replaced, conditional(f, input_names), output_names if single else tuple(outputs))
+
+
+def _replaced(given, output_names, *args, **kwargs):
+    single = isinstance(output_names, str)
+    outputs = (output_names,) if single else output_names
+    draws = reap(given, tag=RANDOM_VARIABLE)(*args, **kwargs)
+    missing = [n for n in outputs if n not in draws]
+    if missing:
+        raise KeyError(
+            f"graph_replace: {', '.join(missing)} are not random variables of the program "
+            f"(or are among its inputs). Its random variables are: {', '.join(sorted(draws)) or 'none'}."
         )
-    return _joint_log_prob(f, values, *args, **kwargs)
+    for name, value in draws.items():
+        if name not in outputs:
+            sow(value, tag=RANDOM_VARIABLE, name=name, mode="strict")
+    values = [draws[n] for n in outputs]
+    return values[0] if single else values

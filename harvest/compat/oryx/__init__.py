@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable, Hashable, Iterable, Optional
 
 import jax
@@ -73,8 +74,34 @@ def sow_cond(value, pred, *, tag: Hashable, name: str, mode: str = "cond_clobber
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+# oryx's wording for the errors its own tests match, in front of the core's
+# message (which says what to do instead): (the core's message, oryx's).
+_ORYX_WORDING = (
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode '\w+' but is sown more than once"),
+     "Variable has already been reaped: {}"),
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode 'strict' but sits inside a scan"),
+     "Cannot use strict mode for '{}' inside `scan`."),
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode '\w+' (?:inside a while_loop|but sits inside a while_loop)"),
+     "Must use clobber or cond_clobber mode for '{}' inside of a `while_loop`."),
+)
+
+
+def _run(f, policy, reap, plants, args, kwargs):
+    try:
+        return _call(f, policy, reap, plants, args, kwargs)
+    except ValueError as error:
+        for pattern, wording in _ORYX_WORDING:
+            found = pattern.search(str(error))
+            if found:
+                raise ValueError(f"{wording.format(found.group(1))} ({error})") from error
+        raise
+
+
 def _policy(tag, allowlist, blocklist, exclusive):
-    return Policy(tag, NameFilter.make(allowlist, tuple(blocklist)), exclusive=exclusive, strict_plants=False)
+    # As in oryx, a sow of `tag` that the allowlist/blocklist filters out is
+    # removed: enclosing transformations of `tag` do not see it either.
+    select = NameFilter.make(allowlist, tuple(blocklist))
+    return Policy(tag, select, exclusive=exclusive, strict_plants=False, drop_filtered=True)
 
 
 def call_and_reap(
@@ -98,7 +125,7 @@ def call_and_reap(
 
     @functools.wraps(f)
     def wrapped(*args, **kwargs):
-        return _call(f, policy, True, {}, args, kwargs)
+        return _run(f, policy, True, {}, args, kwargs)
 
     return wrapped
 
@@ -146,7 +173,7 @@ def harvest(
     @functools.wraps(f)
     def wrapped(plants, *args, **kwargs):
         _check_plants_arg(plants, "harvest")
-        return _call(f, policy, True, plants, args, kwargs)
+        return _run(f, policy, True, plants, args, kwargs)
 
     return _plants_first(wrapped, f)
 
@@ -173,6 +200,6 @@ def plant(
     @functools.wraps(f)
     def wrapped(plants, *args, **kwargs):
         _check_plants_arg(plants, "plant")
-        return _call(f, policy, False, plants, args, kwargs)[0]
+        return _run(f, policy, False, plants, args, kwargs)[0]
 
     return _plants_first(wrapped, f)

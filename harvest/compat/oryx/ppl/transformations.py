@@ -1,5 +1,7 @@
-"""oryx.core.ppl's names and calling conventions, on harvest.ppl.
+"""oryx.core.ppl.transformations's names and calling conventions, on harvest.ppl.
 
+Replace `from oryx.core.ppl import transformations` with
+`from harvest.compat.oryx.ppl import transformations` and nothing else changes.
 Written against oryx 0.2.9's documented semantics:
 
 * `random_variable(obj, *, name=None, plate=None)` dispatches on `obj`: a TFP
@@ -7,43 +9,52 @@ Written against oryx 0.2.9's documented semantics:
   a program whose output is the random variable `name` (its own draws are
   nested under `name`), and an array is tagged as is. Without a name,
   distributions and functions are returned as untagged samplers.
-* `joint_sample(f)(key, *args) -> {name: value}`;
-  `joint_log_prob(f)(values, *args)`; `log_prob(f)(output, *args)`;
-  `intervene(f, **values)`; `conditional(f, names)(key, *args, *values)`.
+* `log_prob(f)(sample, *args)` inverts `f` (harvest.ppl's inverse walk) and
+  scores draws of TFP distributions and of the primitives registered in
+  `harvest.compat.oryx.log_prob.log_prob_registry`, as oryx does;
+  `joint_log_prob(f)` is `log_prob(joint_sample(f))` and
+  `trace_log_prob(f)(out, latents, *args)` is `log_prob(trace(f))`.
+* `joint_sample`, `trace` (= `call_and_reap`), `block`, `intervene`,
+  `conditional(f, names)(key, *args, *values)`, `graph_replace`.
 * `plate(f, name=...)` uses a named axis that an outer `jax.vmap(...,
   axis_name=name)` provides: each index draws with `fold_in(key, index)`, and
   log densities are summed (`psum`) over the axis, so every index reports the
-  whole plate's density. Compute densities inside that vmap, as in oryx; a
-  `joint_log_prob` taken outside it would count the plate once per index.
+  whole plate's density. Compute densities inside that vmap, as in oryx.
   `harvest.ppl.plate`, which owns its vmap, has no such pitfall.
 
-Differences from oryx: `log_prob` of a program does not invert computations
-(it scores programs that return their random variables), and a distribution
-with a batch shape is allowed (its density is summed over the batch).
+Differences from oryx are listed in docs/guides/probabilistic_intervention.md.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from ... import ppl as _ppl
-from ..._sow import sow
-from ..._transforms import call_and_reap, nest
-from ...ppl._random_variable import LOG_DENSITY, is_distribution
+from .... import ppl as _ppl
+from ...._sow import sow
+from ...._transforms import call_and_reap, nest
+from ....ppl._log_prob import PLATE_SCOPE, log_density
+from ....ppl._random_variable import LOG_DENSITY, is_distribution, sow_density
+from .. import log_prob as _lp
+
+Program = Callable[..., Any]
+LogProbFunction = Callable[..., Any]
 
 RANDOM_VARIABLE = _ppl.RANDOM_VARIABLE
 joint_sample = _ppl.joint_sample
-joint_log_prob = _ppl.joint_log_prob
-log_prob = _ppl.log_prob
 intervene = _ppl.intervene
 conditional = _ppl.conditional
+block = _ppl.block
+graph_replace = _ppl.graph_replace
 
 __all__ = [
     "RANDOM_VARIABLE",
+    "block",
     "conditional",
+    "graph_replace",
     "intervene",
     "joint_log_prob",
     "joint_sample",
@@ -52,7 +63,72 @@ __all__ = [
     "plate",
     "random_variable",
     "rv",
+    "trace",
+    "trace_log_prob",
 ]
+
+
+def log_prob(f):
+    """oryx's log_prob: the density of a distribution, or of a program's output by inversion.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest.compat.oryx import ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def model(key):
+        ...     return jnp.exp(ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(key))
+        >>> ppl.log_prob(model)(1.0)
+        Array(-0.9189385, dtype=float32)
+    """
+    if is_distribution(f):
+        return f.log_prob
+    if not callable(f):
+        raise NotImplementedError(f"`log_prob` not implemented for type: {type(f)}")
+
+    @functools.wraps(f)
+    def wrapped(sample, *args, **kwargs):
+        return log_density(f, sample, args, kwargs, densities=_lp.registered(), plain_samplers_ok=True)
+
+    return wrapped
+
+
+def joint_log_prob(f):
+    """oryx's joint_log_prob: `log_prob(joint_sample(f))`.
+
+    Example:
+        >>> from harvest.compat.oryx import ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> model = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")
+        >>> ppl.joint_log_prob(model)({"z": 0.0})
+        Array(-0.9189385, dtype=float32)
+    """
+    return log_prob(joint_sample(f))
+
+
+def trace(f):
+    """oryx's trace: `(key, *args) -> (output, {name: random variable})`.
+
+    Example:
+        >>> import jax
+        >>> from harvest.compat.oryx import ppl
+        >>> out, latents = ppl.trace(ppl.random_variable(jax.random.normal, name="x"))(jax.random.PRNGKey(0))
+        >>> bool(out == latents["x"])
+        True
+    """
+    return call_and_reap(f, tag=RANDOM_VARIABLE)
+
+
+def trace_log_prob(f):
+    """oryx's trace_log_prob: `(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)`.
+
+    Example:
+        >>> from harvest.compat.oryx import ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> model = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")
+        >>> ppl.trace_log_prob(model)(0.0, {"z": 0.0})
+        Array(-0.9189385, dtype=float32)
+    """
+    return lambda obs, latents, *args: log_prob(trace(f))((obs, latents), *args)
 
 
 def _resow_summed(densities, axis_name, scope=()):
@@ -61,12 +137,11 @@ def _resow_summed(densities, axis_name, scope=()):
         if isinstance(value, dict):
             _resow_summed(value, axis_name, scope + (key,))
             continue
-        total = jax.lax.psum(sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(value)), axis_name)
-        # "collect", like random_variable's own density sows: it works in and out of loops.
-        resow = functools.partial(sow, tag=LOG_DENSITY, name=key, mode="collect")
+        resow = functools.partial(sow_density, name=key)
         for outer in reversed(scope):
             resow = nest(resow, scope=outer)
-        resow(total)
+        for density, drawn in value:
+            resow(jax.lax.psum(jnp.sum(density), axis_name), drawn)
 
 
 def plate(f=None, name=None):
@@ -97,7 +172,9 @@ def _plated(f, axis_name):
     @functools.wraps(f)
     def plated(key, *args, **kwargs):
         key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
-        out, densities = scored(key, *args, **kwargs)
+        # The scope tells log_prob to sum the densities it finds inside over the axis.
+        with jax.named_scope(PLATE_SCOPE.format(axis_name)):
+            out, densities = scored(key, *args, **kwargs)
         _resow_summed(densities, axis_name)
         return out
 
@@ -141,9 +218,9 @@ def random_variable(obj, *, name=None, plate=None):  # noqa: A002 (oryx's keywor
     if callable(obj):
         return _function_random_variable(obj, name, plate)
     if name is None:
-        raise ValueError(f"Cannot call random_variable on a {type(obj).__name__} without a name.")
+        raise ValueError(f"Cannot call `random_variable` on {type(obj)} without passing in a name.")
     if plate is not None:
-        raise ValueError(f"Cannot call random_variable on a {type(obj).__name__} with a plate.")
+        raise ValueError(f"Cannot call `random_variable` on {type(obj)} with a plate.")
     return sow(obj, tag=RANDOM_VARIABLE, name=name, mode="strict")
 
 
