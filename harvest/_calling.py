@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from ._primitive import tracing_for_harvest
+
 
 def is_array(leaf):
     """Whether a leaf of the arguments is traced (a JAX or NumPy array, or a tracer)."""
@@ -25,7 +27,8 @@ def make_jaxpr(f, args, kwargs, return_shape=False):
     `jax.ShapeDtypeStruct` leaves are traced too, so a function's sites can be
     found from shapes alone. Returns the closed jaxpr, whose inputs are the
     traced leaves in order, those leaves, and (if `return_shape`) the output's
-    shape.
+    shape. Sows keep their effect while tracing, so dead-code elimination and
+    partial evaluation (of `grad`, `scan`, ...) cannot drop a bare one.
     """
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct)]
@@ -38,7 +41,8 @@ def make_jaxpr(f, args, kwargs, return_shape=False):
         return f(*a, **k)
 
     arrays = [leaves[i] for i in positions]
-    traced = jax.make_jaxpr(flat_f, return_shape=return_shape)(*arrays)
+    with tracing_for_harvest():
+        traced = jax.make_jaxpr(flat_f, return_shape=return_shape)(*arrays)
     if return_shape:
         closed, out_shape = traced
         return closed, arrays, out_shape

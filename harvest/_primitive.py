@@ -4,15 +4,22 @@ Every rule here is the identity on values. The marker matters only to the
 interpreter (`_interpreter.py`), which finds it by walking a jaxpr. Two details
 make it survive the journey there:
 
-* It carries an effect, so a bare `sow` whose result is unused is not removed
-  by dead-code elimination before a harvest sees it.
+* While a harvest traces the function it will walk (`tracing_for_harvest`), a
+  sow carries an effect, so a bare `sow` whose result is unused is not removed
+  by dead-code elimination or partial evaluation (`grad` of a `scan`, say)
+  before the walk sees it. Everywhere else it carries none: any effect in a
+  jitted program turns off JAX's fast C++ dispatch path, and a sow nobody
+  harvests must cost nothing. Whether a harvest is tracing is part of JAX's
+  trace-cache key, so a `jax.jit` traced outside a harvest (its bare sows
+  maybe dropped) is traced afresh, with the effect, inside one.
 * Its JVP re-binds it on primals only: a tangent is never sown, so `reap` of a
   differentiated function sees each forward value once.
 """
 
 from __future__ import annotations
 
-from jax._src import core, effects
+import jax
+from jax._src import config, core, effects
 from jax._src.interpreters import batching
 from jax.interpreters import ad, mlir
 
@@ -26,7 +33,7 @@ from jax.interpreters import ad, mlir
 
 
 class SowEffect(effects.Effect):
-    """Marks `sow` as effectful so dead-code elimination keeps it."""
+    """Marks `sow` as effectful, while a harvest traces, so dead-code elimination keeps it."""
 
     def __hash__(self):
         return hash(type(self))
@@ -39,6 +46,7 @@ class SowEffect(effects.Effect):
 
 
 sow_effect = SowEffect()
+
 for _allowed in (
     effects.lowerable_effects,
     effects.control_flow_allowed_effects,
@@ -47,6 +55,21 @@ for _allowed in (
     effects.partial_eval_kept_effects,  # else partial eval (e.g. of scan) drops it
 ):
     _allowed.add_type(SowEffect)
+
+_harvest_tracing = config.bool_state(
+    "harvest_tracing",
+    False,
+    "Set by harvest while it traces a function to walk; gives `sow` its effect.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def tracing_for_harvest():
+    """A context in which traced sows carry their effect: wrap the tracing of
+    every function a harvest will walk (or search for sows) in it."""
+    return _harvest_tracing(True)
+
 
 sow_p = core.Primitive("sow")
 sow_p.multiple_results = True
@@ -64,9 +87,8 @@ def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
 def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
     outs = avals[:-1] if _has_pred(mode) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
-    # and need no effect to survive; without one, a jit of an instrumented model
-    # keeps JAX's fast dispatch and compiles to the model's own program.
-    return list(outs), set() if mode == "auto" else {sow_effect}
+    # and need no effect to survive, even while a harvest traces.
+    return list(outs), ({sow_effect} if _harvest_tracing.value and mode != "auto" else set())
 
 
 def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.extend.core import Literal
 from jax.tree_util import Partial
 
-from .._primitive import sow_p
+from .._primitive import sow_p, tracing_for_harvest
 from .._site import Site
 from .._transforms import call_and_reap, harvest, plant, reap
 from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE, is_distribution
@@ -298,7 +298,8 @@ def _origin(jaxpr, var):
 
 def _output_as_values(f, value, args, kwargs):
     """The `{name: value}` that `f`'s output `value` spells, or a clear error."""
-    closed = jax.make_jaxpr(f)(_placeholder_key(), *args, **kwargs)
+    with tracing_for_harvest():
+        closed = jax.make_jaxpr(f)(_placeholder_key(), *args, **kwargs)
     origins = [_origin(closed.jaxpr, v) for v in closed.jaxpr.outvars]
     leaves = jax.tree_util.tree_leaves(value)
     if len(leaves) != len(origins) or any(o is None or o[0] != "rv" for o in origins):
