@@ -13,7 +13,12 @@ make it survive the journey there:
   trace-cache key, so a `jax.jit` traced outside a harvest (its bare sows
   maybe dropped) is traced afresh, with the effect, inside one.
 * Its JVP re-binds it on primals only: a tangent is never sown, so `reap` of a
-  differentiated function sees each forward value once.
+  differentiated function sees each forward value once. Likewise under
+  `jax.experimental.jet` only the primal is sown.
+
+Outside a harvest a sow is the identity for every JAX transformation. Under
+`jax.linear_transpose` the transposed function computes no forward value, so
+the site sows what does flow through it: the cotangent.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import jax
 from jax._src import config, core, effects
 from jax._src.interpreters import batching
+from jax.experimental import jet
 from jax.interpreters import ad, mlir
 
 # Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
@@ -102,6 +108,18 @@ def _sow_jvp(primals, tangents, **params):
     return out, [ad.instantiate_zeros(t) for t in tangents]
 
 
+def _sow_transpose(cts, *args, **params):
+    # Only the sown leaves are linear; a sow_cond predicate is a known primal.
+    pred = list(args[-1:]) if _has_pred(params["mode"]) else []
+    out = sow_p.bind(*[ad.instantiate_zeros(ct) for ct in cts], *pred, **params)
+    return [*out, *(None for _ in pred)]
+
+
+def _sow_jet(primals, series, **params):
+    out = sow_p.bind(*primals, **params)
+    return out, series[: len(out)]
+
+
 def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=()):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
@@ -121,4 +139,6 @@ sow_p.def_impl(_sow_impl)
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
 mlir.register_lowering(sow_p, _sow_lowering)
 ad.primitive_jvps[sow_p] = _sow_jvp
+ad.primitive_transposes[sow_p] = _sow_transpose
+jet.jet_rules[sow_p] = _sow_jet
 batching.fancy_primitive_batchers[sow_p] = _sow_batch

@@ -7,7 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import reap, sow, sow_cond, sow_p
+from jax.experimental import jet
+
+from harvest import call_and_reap, plant, reap, sow, sow_cond, sow_p
 
 
 def close(a, b):
@@ -278,3 +280,116 @@ def test_sowing_program_has_no_effect_outside_a_harvest():
     strip = lambda t: "\n".join(l for l in t.splitlines() if not l.startswith("#loc"))  # noqa: E731
     assert len(strip(text).splitlines()) == len(strip(jax.jit(plain).lower(X).as_text()).splitlines())
     close(reap(f)(X)["s"], jnp.cos(X * 2.0)[None])
+
+
+# ---------------------------------------------------------------------------
+# Outside a harvest a sow is the identity for every JAX transformation; inside
+# one, its value is still read and replaced.
+
+
+def _lin(x):
+    return 2.0 * sow(x * 3.0, name="s")
+
+
+def _nonlin(x):
+    return jnp.sin(sow(x * 3.0, name="s")) * x
+
+
+def _nonlin_plain(x):
+    return jnp.sin(x * 3.0) * x
+
+
+C = jnp.array([1.0, -2.0, 0.25], jnp.float32)
+
+
+def test_linear_transpose_passes_cotangents_through_sow():
+    (xbar,) = jax.linear_transpose(_lin, X)(C)
+    close(xbar, 6.0 * C)
+    # sow_cond's predicate is no linear input, and a bare sow transposes too.
+    def f(x):
+        sow(x, name="bare")
+        return sow_cond(x * 3.0, X[0] > 0.0, name="c") * 2.0
+
+    close(jax.linear_transpose(f, X)(C), (6.0 * C,))
+
+
+def test_linear_transpose_inside_a_harvest_sees_the_cotangent():
+    # The transposed function computes no forward value; what flows through the
+    # site is the cotangent (2 * C here), so that is what is reaped and planted.
+    transposed = lambda c: jax.linear_transpose(_lin, X)(c)[0]  # noqa: E731
+    close(call_and_reap(transposed)(C), (6.0 * C, {"s": (2.0 * C,)}))
+    close(jax.jit(reap(transposed))(C), {"s": (2.0 * C,)})
+    close(plant(transposed)({"s": (C,)}, C), 3.0 * C)
+
+    def bare(x):
+        sow(x, name="bare")
+        return 2.0 * x
+
+    # No cotangent reaches a sow whose value is unused: it sows zeros.
+    close(reap(lambda c: jax.linear_transpose(bare, X)(c))(C), {"bare": (jnp.zeros(3),)})
+
+
+def test_jet_sows_the_primal_only():
+    series = ([jnp.ones(3), C],)
+    got = jet.jet(_nonlin, (X,), series)
+    want = jet.jet(_nonlin_plain, (X,), series)
+    close(got, want)
+    primal = lambda x: jet.jet(_nonlin, (x,), ([x, x],))  # noqa: E731
+    out, reaped = call_and_reap(primal)(X)
+    close(out, jet.jet(_nonlin_plain, (X,), ([X, X],)))
+    close(reaped, {"s": (3.0 * X,)})
+    # As under grad, a plant replaces the primal only; the series flow on unchanged.
+    planted = plant(primal)({"s": (C,)}, X)
+    close(planted, jet.jet(lambda x, s: jnp.sin(s) * x, (X, C), ([X, X], [3.0 * X, 3.0 * X])))
+
+
+def test_export_round_trip():
+    exported = jax.export.export(jax.jit(_nonlin))(X)
+    assert not exported.ordered_effects and not exported.unordered_effects
+    close(jax.export.deserialize(exported.serialize()).call(X), _nonlin_plain(X))
+    # A harvested function exports like any other.
+    harvested = jax.export.export(jax.jit(call_and_reap(_nonlin)))(X)
+    close(jax.export.deserialize(harvested.serialize()).call(X), (_nonlin_plain(X), {"s": (3.0 * X,)}))
+
+
+def test_checkify():
+    from jax.experimental import checkify
+
+    def f(x):
+        checkify.check(jnp.all(x < 10.0), "x too large")
+        return _nonlin(x)
+
+    err, out = checkify.checkify(f)(X)
+    assert err.get() is None
+    close(out, _nonlin_plain(X))
+    err, reaped = checkify.checkify(reap(f))(X)
+    assert err.get() is None
+    close(reaped, {"s": (3.0 * X,)})
+    (err, out), reaped = call_and_reap(checkify.checkify(f))(X + 10.0)
+    assert "x too large" in err.get()
+    close(reaped, {"s": (3.0 * (X + 10.0),)})
+
+
+def test_eval_shape():
+    assert jax.eval_shape(_nonlin, X).shape == (3,)
+    shapes = jax.eval_shape(reap(_nonlin), jax.ShapeDtypeStruct((5, 2), jnp.float32))
+    assert jax.tree.map(lambda s: s.shape, shapes) == {"s": ((5, 2),)}
+
+
+def test_aot_lower_and_compile():
+    lowered = jax.jit(_nonlin).lower(X)
+    assert "token" not in lowered.as_text()
+    close(lowered.compile()(X), _nonlin_plain(X))
+    compiled = jax.jit(reap(_nonlin)).lower(X).compile()
+    close(compiled(X), {"s": (3.0 * X,)})
+    close(jax.jit(plant(_nonlin)).lower({"s": (X,)}, X).compile()({"s": (C,)}, X), jnp.sin(C) * X)
+
+
+def test_transpose_and_jet_of_a_vmapped_sow():
+    # A sow bound under vmap carries its batching in its params; both rules keep them.
+    xs = jnp.stack([X, 2.0 * X])
+    f = jax.vmap(_lin)
+    close(jax.linear_transpose(f, xs)(xs), (6.0 * xs,))
+    close(reap(lambda c: jax.linear_transpose(f, xs)(c)[0])(xs), {"s": (2.0 * xs,)})
+    g = jax.vmap(_nonlin)
+    close(reap(lambda x: jet.jet(g, (x,), ([x, x],))[0])(xs), {"s": (3.0 * xs,)})

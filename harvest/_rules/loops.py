@@ -36,6 +36,10 @@ def _no_strict(sites, where):
 # rows repeat that often, while a collect entry is stacked into one.
 REPEATS = {scan_p: lambda params: params["length"]}
 
+# primitive -> (params -> the jaxprs one run of it runs), for primitives that
+# hold jaxprs they run only when differentiated (custom_linear_solve).
+RUNS: dict = {}
+
 
 def occurrences(jaxpr, site):
     """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
@@ -48,7 +52,8 @@ def occurrences(jaxpr, site):
         elif eqn.primitive.name == "cond":
             n += max(occurrences(b.jaxpr, site) for b in eqn.params["branches"])
         else:
-            inner = sum(occurrences(j, site) for j in sub_jaxprs(eqn))
+            runs = RUNS.get(eqn.primitive, lambda _: sub_jaxprs(eqn))(eqn.params)
+            inner = sum(occurrences(j, site) for j in runs)
             repeat = REPEATS.get(eqn.primitive)
             n += inner * repeat(eqn.params) if repeat and site.mode in ROW_MODES else inner
     return n
