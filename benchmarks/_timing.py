@@ -29,12 +29,11 @@ def per_call(fn, calls):
     return (time.perf_counter() - start) / calls
 
 
-def ratio(ours, theirs, repeats, calls=1, setup=None):
-    """Median time of `ours` over median time of `theirs`, interleaved.
+def samples(ours, theirs, repeats, calls=1, setup=None):
+    """Seconds per call of each side, `repeats` timings each, interleaved.
 
     Each repeat times `calls` calls of each side after `setup()` (e.g. clearing
     caches), alternating which side goes first so drift hits both equally.
-    Returns (ratio, median seconds of ours, median seconds of theirs).
     """
     a, b = [], []
     for r in range(repeats):
@@ -43,6 +42,15 @@ def ratio(ours, theirs, repeats, calls=1, setup=None):
             if setup is not None:
                 setup()
             out.append(per_call(fn, calls))
+    return a, b
+
+
+def ratio(ours, theirs, repeats, calls=1, setup=None):
+    """Median time of `ours` over median time of `theirs`, interleaved (see `samples`).
+
+    Returns (ratio, median seconds of ours, median seconds of theirs).
+    """
+    a, b = samples(ours, theirs, repeats, calls, setup)
     ma, mb = statistics.median(a), statistics.median(b)
     return ma / mb, ma, mb
 

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._primitive import tracing_for_harvest
+
 
 def is_array(leaf):
     """Whether a leaf of the arguments is traced (a JAX or NumPy array, or a tracer)."""
@@ -150,7 +152,9 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     (and `f` itself, if it is one or a method of one) are split and merged
     (`graph` is given when the caller split them already). The traced function returns `(f's output, changed NNX state)`.
     Returns the closed jaxpr, the traced leaves in order, and, if
-    `return_shape`, the traced function's output shape.
+    `return_shape`, the traced function's output shape. Sows keep their effect
+    while tracing, so dead-code elimination and partial evaluation (of `grad`,
+    `scan`, ...) cannot drop a bare one.
     """
     if graph is None:
         (f, args, kwargs), graph, _ = split_nodes((f, args, kwargs))
@@ -169,7 +173,8 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         return call_merged(*jax.tree_util.tree_unflatten(tree, filled))
 
     arrays = [leaves[i] for i in positions]
-    traced = jax.make_jaxpr(flat_f, return_shape=return_shape)(*arrays)
+    with tracing_for_harvest():
+        traced = jax.make_jaxpr(flat_f, return_shape=return_shape)(*arrays)
     if return_shape:
         closed, out_shape = traced
         return closed, arrays, out_shape

@@ -20,12 +20,14 @@ from typing import Any
 
 import jax
 from jax import lax
+from jax.experimental import jet as _jet
 from jax.extend import core as _core
 from jax.extend import source_info_util
 from jax.extend.core import primitives as _primitives
 
 # Private modules, only for what jax.extend does not offer.
 from jax._src import core as _src_core
+from jax._src import config as _config
 from jax._src import effects as _effects
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED
@@ -52,6 +54,8 @@ scan_p = _primitives.scan_p
 while_p = _primitives.while_p
 cond_p = _primitives.cond_p
 core_call_p = _primitives.call_p  # a plain call ("core_call")
+linear_solve_p = _primitives.linear_solve_p
+jaxpr_as_fun = _core.jaxpr_as_fun
 
 
 def _find_shard_map_p():
@@ -194,6 +198,22 @@ class Remat:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearSolve:
+    """A `custom_linear_solve` equation's params: the jaxprs (matvec, vecmat,
+    solve, transpose_solve; None where not given) and their const counts."""
+
+    jaxprs: Any
+    const_lengths: Any
+
+    @classmethod
+    def of(cls, eqn):
+        return cls(eqn.params["jaxprs"], eqn.params["const_lengths"])
+
+    def __iter__(self):
+        return iter((self.jaxprs, self.const_lengths))
+
+
+@dataclasses.dataclass(frozen=True)
 class Scan:
     """A `scan` equation's params: `body` maps (consts, carry, x) to (carry, y)."""
 
@@ -301,6 +321,21 @@ def has_lowering(primitive) -> bool:
 
 def register_jvp(primitive, rule):
     _ad.primitive_jvps[primitive] = rule
+
+
+def register_transpose(primitive, rule):
+    _ad.primitive_transposes[primitive] = rule
+
+
+def register_jet(primitive, rule):
+    _jet.jet_rules[primitive] = rule
+
+
+def trace_flag(name, help):
+    """A boolean context flag (default False) that is part of jit's cache key
+    and of the trace context, so a function traced with the flag off is traced
+    afresh with it on. Returns the state; `state(True)` is a context manager."""
+    return _config.bool_state(name, False, help, include_in_jit_key=True, include_in_trace_context=True)
 
 
 def register_batching(primitive, rule):

@@ -4,10 +4,21 @@ Every rule here is the identity on values. The marker matters only to the
 interpreter (`_interpreter.py`), which finds it by walking a jaxpr. Two details
 make it survive the journey there:
 
-* It carries an effect, so a bare `sow` whose result is unused is not removed
-  by dead-code elimination before a harvest sees it.
+* While a harvest traces the function it will walk (`tracing_for_harvest`), a
+  sow carries an effect, so a bare `sow` whose result is unused is not removed
+  by dead-code elimination or partial evaluation (`grad` of a `scan`, say)
+  before the walk sees it. Everywhere else it carries none: any effect in a
+  jitted program turns off JAX's fast C++ dispatch path, and a sow nobody
+  harvests must cost nothing. Whether a harvest is tracing is part of JAX's
+  trace-cache key, so a `jax.jit` traced outside a harvest (its bare sows
+  maybe dropped) is traced afresh, with the effect, inside one.
 * Its JVP re-binds it on primals only: a tangent is never sown, so `reap` of a
-  differentiated function sees each forward value once.
+  differentiated function sees each forward value once. Likewise under
+  `jax.experimental.jet` only the primal is sown.
+
+Outside a harvest a sow is the identity for every JAX transformation. Under
+`jax.linear_transpose` the transposed function computes no forward value, so
+the site sows what does flow through it: the cotangent.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from . import _jax
 
 
 class SowEffect(_jax.Effect):
-    """Marks `sow` as effectful so dead-code elimination keeps it."""
+    """Marks `sow` as effectful, while a harvest traces, so dead-code elimination keeps it."""
 
     def __hash__(self):
         return hash(type(self))
@@ -40,6 +51,16 @@ class SowEffect(_jax.Effect):
 
 sow_effect = SowEffect()
 _jax.allow_effect(SowEffect)
+
+_harvest_tracing = _jax.trace_flag(
+    "harvest_tracing", "Set by harvest while it traces a function to walk; gives `sow` its effect."
+)
+
+
+def tracing_for_harvest():
+    """A context in which traced sows carry their effect: wrap the tracing of
+    every function a harvest will walk (or search for sows) in it."""
+    return _harvest_tracing(True)
 
 sow_p = _jax.Primitive("sow")
 sow_p.multiple_results = True
@@ -57,9 +78,8 @@ def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
 def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
     outs = avals[:-1] if _has_pred(mode) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
-    # and need no effect to survive; without one, a jit of an instrumented model
-    # keeps JAX's fast dispatch and compiles to the model's own program.
-    return list(outs), set() if mode == "auto" else {sow_effect}
+    # and need no effect to survive, even while a harvest traces.
+    return list(outs), ({sow_effect} if _harvest_tracing.value and mode != "auto" else set())
 
 
 def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):
@@ -71,6 +91,18 @@ def _sow_jvp(primals, tangents, **params):
     if _has_pred(params["mode"]):
         tangents = tangents[:-1]
     return out, [_jax.instantiate_zeros(t) for t in tangents]
+
+
+def _sow_transpose(cts, *args, **params):
+    # Only the sown leaves are linear; a sow_cond predicate is a known primal.
+    pred = list(args[-1:]) if _has_pred(params["mode"]) else []
+    out = sow_p.bind(*[_jax.instantiate_zeros(ct) for ct in cts], *pred, **params)
+    return [*out, *(None for _ in pred)]
+
+
+def _sow_jet(primals, series, **params):
+    out = sow_p.bind(*primals, **params)
+    return out, series[: len(out)]
 
 
 def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=()):
@@ -92,4 +124,6 @@ sow_p.def_impl(_sow_impl)
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
 _jax.register_lowering(sow_p, _sow_lowering)
 _jax.register_jvp(sow_p, _sow_jvp)
+_jax.register_transpose(sow_p, _sow_transpose)
+_jax.register_jet(sow_p, _sow_jet)
 _jax.register_batching(sow_p, _sow_batch)

@@ -35,3 +35,17 @@ def test_ratio_interleaves_and_takes_medians():
     r, ours, theirs = _timing.ratio(lambda: calls.append("a"), lambda: calls.append("b"), repeats=4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert r == ours / theirs
+
+
+def test_only_one_section_updates_just_that_section(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\n## Targets\n\nkept\n\n## Reading the numbers\n\nkept too\n")
+    rows = bench.main(["--quick", "--only", "unharvested", "--output", str(page)])
+    assert [r["same_program"] for r in rows] == [True] * len(rows)
+    assert all(r["effects"] == [] and r["ratio"] > 0 for r in rows)
+    first = page.read_text()
+    assert first.count("## Sows nobody harvests") == 1
+    assert first.index("## Targets") < first.index("## Sows nobody harvests") < first.index("## Reading")
+    bench.main(["--quick", "--only", "unharvested", "--output", str(page)])  # replaces, does not add
+    again = page.read_text()
+    assert again.count("## Sows nobody harvests") == 1 and "kept\n" in again and "kept too" in again

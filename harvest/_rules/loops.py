@@ -34,6 +34,10 @@ def _no_strict(sites, where):
 # rows repeat that often, while a collect entry is stacked into one.
 REPEATS = {_jax.scan_p: lambda eqn: _jax.Scan.of(eqn).length}
 
+# primitive -> (equation -> the jaxprs one run of it runs), for primitives that
+# hold jaxprs they run only when differentiated (custom_linear_solve).
+RUNS: dict = {}
+
 
 def occurrences(jaxpr, site):
     """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
@@ -46,7 +50,8 @@ def occurrences(jaxpr, site):
         elif eqn.primitive is _jax.cond_p:
             n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:
-            inner = sum(occurrences(j, site) for j in _jax.sub_jaxprs(eqn))
+            runs = RUNS.get(eqn.primitive, _jax.sub_jaxprs)(eqn)
+            inner = sum(occurrences(j, site) for j in runs)
             repeat = REPEATS.get(eqn.primitive)
             n += inner * repeat(eqn) if repeat and site.mode in ROW_MODES else inner
     return n

@@ -53,7 +53,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 from jax.extend.core import primitives as P
 
 from .. import _jax
-from .._primitive import sow_p
+from .._primitive import sow_p, tracing_for_harvest
 from .._calling import make_jaxpr
 
 
@@ -235,7 +235,8 @@ def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
     """The same program with jit, closed_call, remat and custom_jvp/vjp bodies inlined."""
     avals = [v.aval for v in closed.jaxpr.invars]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*specs)
+    with tracing_for_harvest():
+        return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*specs)
 
 
 # ---------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def sow(value, *, tag: Hashable, name: str, mode: str = "strict", key=None):
         >>> harvest.reap(lambda x: harvest.sow(x, tag="t", name="x"), tag="t")(3.0)
         {'x': Array(3., dtype=float32, weak_type=True)}
     """
-    del key  # oryx ties `key` in for ordering; sow here is effectful, so order is kept anyway
+    del key  # oryx ties `key` in for ordering; a jaxpr keeps sows in program order anyway
     if mode == "cond_clobber":
         raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
     if mode not in _MODES:
