@@ -42,6 +42,7 @@ Primitive = _core.Primitive
 Jaxpr = _core.Jaxpr
 ClosedJaxpr = _core.ClosedJaxpr
 Literal = _core.Literal
+Var = _core.Var
 Effect = getattr(_core, "Effect", None) or _effects.Effect
 
 # `jit` is staged as `jit_p` (named "pjit" in older releases, exported as pjit_p).
@@ -55,6 +56,8 @@ while_p = _primitives.while_p
 cond_p = _primitives.cond_p
 core_call_p = _primitives.call_p  # a plain call ("core_call")
 linear_solve_p = _primitives.linear_solve_p
+# The primitives of jax.lax, by their JAX names (`lax.exp_p` is `lax_primitives.exp_p`).
+lax_primitives = _primitives
 jaxpr_as_fun = _core.jaxpr_as_fun
 
 

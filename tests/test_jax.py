@@ -30,7 +30,7 @@ def test_only_the_adapter_reaches_jax_internals(pattern):
         f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
         for p in _sources()
         for i, line in enumerate(p.read_text().splitlines(), 1)
-        if re.search(pattern, line)
+        if re.search(pattern, line) and not line.lstrip().startswith((">>>", "..."))  # user code in examples
     ]
     assert not hits, "\n".join(hits)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-from jax.extend.core import Literal
 
+from .. import _jax
 from .._jax import sub_jaxprs
 from ._inverse import CALLS, call_body, trace_program
 
@@ -27,7 +27,7 @@ def _holds(jaxpr, handlers):
 def _eval(jaxpr, consts, state, args, handlers):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive in handlers:

@@ -49,8 +49,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
-from jax.extend.core import primitives as P
 
 from .. import _jax
 from .._primitive import sow_p, tracing_for_harvest
@@ -85,18 +83,18 @@ def _unary(prim, inverse, ildj):
     INVERSES[prim] = rule
 
 
-_unary(P.exp_p, jnp.log, lambda y: -jnp.log(y))
-_unary(P.log_p, jnp.exp, lambda y: y)
-_unary(P.expm1_p, jnp.log1p, lambda y: -jnp.log1p(y))
-_unary(P.log1p_p, jnp.expm1, lambda y: y)
-_unary(P.tanh_p, jnp.arctanh, lambda y: -jnp.log1p(-jnp.square(y)))
-_unary(P.logistic_p, lambda y: jnp.log(y) - jnp.log1p(-y), lambda y: -jnp.log(y) - jnp.log1p(-y))
-_unary(P.sqrt_p, jnp.square, lambda y: jnp.log(2.0 * y))
-_unary(P.neg_p, jnp.negative, lambda y: jnp.zeros_like(y))
-_unary(P.copy_p, lambda y: y, lambda y: jnp.zeros_like(y))
+_unary(_jax.lax_primitives.exp_p, jnp.log, lambda y: -jnp.log(y))
+_unary(_jax.lax_primitives.log_p, jnp.exp, lambda y: y)
+_unary(_jax.lax_primitives.expm1_p, jnp.log1p, lambda y: -jnp.log1p(y))
+_unary(_jax.lax_primitives.log1p_p, jnp.expm1, lambda y: y)
+_unary(_jax.lax_primitives.tanh_p, jnp.arctanh, lambda y: -jnp.log1p(-jnp.square(y)))
+_unary(_jax.lax_primitives.logistic_p, lambda y: jnp.log(y) - jnp.log1p(-y), lambda y: -jnp.log(y) - jnp.log1p(-y))
+_unary(_jax.lax_primitives.sqrt_p, jnp.square, lambda y: jnp.log(2.0 * y))
+_unary(_jax.lax_primitives.neg_p, jnp.negative, lambda y: jnp.zeros_like(y))
+_unary(_jax.lax_primitives.copy_p, lambda y: y, lambda y: jnp.zeros_like(y))
 
 
-@_register(P.convert_element_type_p)
+@_register(_jax.lax_primitives.convert_element_type_p)
 def _convert(eqn, invals, outvals):
     aval = eqn.invars[0].aval
     if not (jnp.issubdtype(aval.dtype, jnp.floating) and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
@@ -119,27 +117,27 @@ def _out_sized(c, eqn):
     return jnp.broadcast_to(c, eqn.outvars[0].aval.shape)
 
 
-@_register(P.add_p)
+@_register(_jax.lax_primitives.add_p)
 def _add(eqn, invals, outvals):
     i = _the_unknown(eqn, invals)
     return {i: outvals[0] - invals[1 - i]}, 0.0
 
 
-@_register(P.sub_p)
+@_register(_jax.lax_primitives.sub_p)
 def _sub(eqn, invals, outvals):
     i = _the_unknown(eqn, invals)
     y = outvals[0]
     return {i: y + invals[1] if i == 0 else invals[0] - y}, 0.0
 
 
-@_register(P.mul_p)
+@_register(_jax.lax_primitives.mul_p)
 def _mul(eqn, invals, outvals):
     i = _the_unknown(eqn, invals)
     c = invals[1 - i]
     return {i: outvals[0] / c}, -jnp.sum(jnp.log(jnp.abs(_out_sized(c, eqn))))
 
 
-@_register(P.div_p)
+@_register(_jax.lax_primitives.div_p)
 def _div(eqn, invals, outvals):
     if _the_unknown(eqn, invals) != 0:
         raise NotInvertible
@@ -147,12 +145,12 @@ def _div(eqn, invals, outvals):
     return {0: outvals[0] * c}, jnp.sum(jnp.log(jnp.abs(_out_sized(c, eqn))))
 
 
-@_register(P.reshape_p, P.squeeze_p)
+@_register(_jax.lax_primitives.reshape_p, _jax.lax_primitives.squeeze_p)
 def _reshape(eqn, invals, outvals):
     return {0: jnp.reshape(outvals[0], eqn.invars[0].aval.shape)}, 0.0
 
 
-@_register(P.broadcast_in_dim_p)
+@_register(_jax.lax_primitives.broadcast_in_dim_p)
 def _broadcast(eqn, invals, outvals):
     aval = eqn.invars[0].aval
     if aval.size != eqn.outvars[0].aval.size:
@@ -160,12 +158,12 @@ def _broadcast(eqn, invals, outvals):
     return {0: jnp.reshape(outvals[0], aval.shape)}, 0.0
 
 
-@_register(P.transpose_p)
+@_register(_jax.lax_primitives.transpose_p)
 def _transpose(eqn, invals, outvals):
     return {0: jnp.transpose(outvals[0], np.argsort(eqn.params["permutation"]))}, 0.0
 
 
-@_register(P.cumsum_p)
+@_register(_jax.lax_primitives.cumsum_p)
 def _cumsum(eqn, invals, outvals):
     y, axis = outvals[0], eqn.params["axis"]
     if eqn.params["reverse"]:
@@ -209,7 +207,7 @@ def _kept_whole(eqn):
 def _eval_inlined(jaxpr, consts, args):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]  # noqa: E731
+    read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]  # noqa: E731
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         with _jax.eqn_context(eqn):
@@ -231,7 +229,7 @@ def trace_program(f, args, kwargs):
     return closed, out_shape, arrays
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+def inline_calls(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
     """The same program with jit, closed_call, remat and custom_jvp/vjp bodies inlined."""
     avals = [v.aval for v in closed.jaxpr.invars]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
@@ -252,13 +250,13 @@ class Known:
     stuck: dict  # primitive name -> how often it blocked the way back
 
     def has(self, v):
-        return isinstance(v, Literal) or v in self.values
+        return isinstance(v, _jax.Literal) or v in self.values
 
     def get(self, v):
-        return v.val if isinstance(v, Literal) else self.values.get(v)
+        return v.val if isinstance(v, _jax.Literal) else self.values.get(v)
 
     def ildj_of(self, v):
-        return self.ildj.get(v, 0.0) if isinstance(v, Var) else 0.0
+        return self.ildj.get(v, 0.0) if isinstance(v, _jax.Var) else 0.0
 
 
 def bind_eqn(eqn, invals):
@@ -274,10 +272,10 @@ def _inverse_rule(eqn):
 
 
 def _outvars(eqn):
-    return [v for v in eqn.outvars if isinstance(v, Var) and type(v).__name__ != "DropVar"]
+    return [v for v in eqn.outvars if isinstance(v, _jax.Var) and type(v).__name__ != "DropVar"]
 
 
-def propagate(jaxpr: Jaxpr, known: Known, forward: Callable | None = None):
+def propagate(jaxpr: _jax.Jaxpr, known: Known, forward: Callable | None = None):
     """Runs forward and backward moves over `jaxpr` until nothing changes.
 
     `forward(eqn, invals)`, when given, evaluates an equation forward (default:
@@ -298,7 +296,7 @@ def propagate(jaxpr: Jaxpr, known: Known, forward: Callable | None = None):
                 if not outs_known:
                     vals = forward(eqn, [known.get(v) for v in eqn.invars])
                     for v, val in zip(eqn.outvars, vals):
-                        if isinstance(v, Var) and not known.has(v):
+                        if isinstance(v, _jax.Var) and not known.has(v):
                             known.values[v] = val
                 done.add(id(eqn))
                 changed = True
@@ -316,7 +314,7 @@ def propagate(jaxpr: Jaxpr, known: Known, forward: Callable | None = None):
                 carried = sum(known.ildj_of(v) for v in outs) + ildj
                 for i, val in found.items():
                     v = eqn.invars[i]
-                    if isinstance(v, Var) and not known.has(v):
+                    if isinstance(v, _jax.Var) and not known.has(v):
                         known.values[v] = val
                         # A sow passes each leaf through on its own.
                         known.ildj[v] = known.ildj_of(eqn.outvars[i]) if eqn.primitive is sow_p else carried
@@ -324,10 +322,10 @@ def propagate(jaxpr: Jaxpr, known: Known, forward: Callable | None = None):
                 changed = True
 
 
-def live_vars(jaxpr: Jaxpr) -> set:
+def live_vars(jaxpr: _jax.Jaxpr) -> set:
     """The variables the outputs depend on."""
-    live = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    live = {v for v in jaxpr.outvars if isinstance(v, _jax.Var)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in live for v in eqn.outvars):
-            live.update(v for v in eqn.invars if isinstance(v, Var))
+            live.update(v for v in eqn.invars if isinstance(v, _jax.Var))
     return live

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Var
 
 from .._interpreter import sites_in
+from .. import _jax
 from .._jax import sub_jaxprs
 from .._primitive import sow_p
 from .._site import Site, path_str
@@ -101,7 +101,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
     known.values.update(zip(jaxpr.constvars, closed.consts))
     known.values.update(zip(jaxpr.invars[1:], arrays))
     for var, leaf in zip(jaxpr.outvars, out_leaves):
-        if isinstance(var, Var) and not known.has(var):
+        if isinstance(var, _jax.Var) and not known.has(var):
             known.values[var] = jnp.asarray(leaf, var.aval.dtype)
 
     nested = []  # densities sown inside scan/cond/while bodies evaluated forward
@@ -126,7 +126,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
         if eqn.primitive is sow_p:
             site = Site.of(eqn)
             if site.tag == LOG_DENSITY:
-                value_vars = [v for v in eqn.invars[1:] if isinstance(v, Var)]
+                value_vars = [v for v in eqn.invars[1:] if isinstance(v, _jax.Var)]
                 if eqn.invars[1:] and not any(v in live for v in value_vars):
                     continue  # a draw the output does not depend on: integrated out
                 if not known.has(eqn.invars[0]):

@@ -22,14 +22,13 @@ from __future__ import annotations
 import functools
 
 import jax
-from jax.extend.core import Primitive
 
 from ... import _jax
 
 __all__ = ["FlatPrimitive", "tie_all", "tie_in"]
 
 
-class FlatPrimitive(Primitive):
+class FlatPrimitive(_jax.Primitive):
     """A primitive whose every rule is derived from its implementation."""
 
     def __init__(self, name):
