@@ -8,6 +8,12 @@ calls never see it) and sows the output under that path. The wrappers are
 counted per class and removed when the last call using them returns, so the
 user's classes and objects are as they were between calls.
 
+NNX transforms (`nnx.scan`, `nnx.vmap`, `nnx.jit`, `nnx.remat`) split a module
+and merge it into fresh objects, which no table knows. So for the same call
+each NNX submodule also carries its path as a private static attribute; being
+static it lands in the graph definition and so on every fresh copy, where the
+wrapper reads it (and checks it against the call's table).
+
 A plain function gets its Flax Linen submodule outputs sown through Linen's
 own `intercept_methods`; with `ops=True`, any callable also gets every
 primitive's output sown (`_op_sites.py`).
@@ -42,6 +48,7 @@ class _Call:
     select: NameFilter
     ops: bool
     paths: dict  # id(module) -> dotted path, for module targets
+    known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
     scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
     sown: int = 0
@@ -96,12 +103,21 @@ def _wrapper(original):
     @functools.wraps(original)
     def __call__(self, *args, **kwargs):
         call = _active.get()
-        path = None if call is None else call.paths.get(id(self))
+        path = None if call is None else _path(call, self)
         if path is None or id(self) in call.inside:  # not ours, or a super().__call__
             return original(self, *args, **kwargs)
         return call.run_module(path, self, original, args, kwargs)
 
     return __call__
+
+
+def _path(call, module):
+    """`module`'s path in `call`: from the table, or, for a copy an NNX transform
+    merged, from the paths its original was marked with."""
+    path = call.paths.get(id(module))
+    if path is None:
+        path = next((p for p in getattr(module, _MARK, ()) if p in call.known), None)
+    return path
 
 
 def _wrap(classes):
@@ -126,6 +142,41 @@ def _unwrap(classes):
                     del cls.__call__
                 else:
                     cls.__call__ = entry[0]
+
+
+# ---------------------------------------------------------------------------
+# Marking NNX submodules with their paths while an instrumented call runs.
+
+_MARK = "_harvest_instrument_paths"
+_marks: dict[int, tuple] = {}  # id(module) -> (module, {path: number of calls marking it so})
+
+
+def _mark(parts):
+    """Sets each module's mark to the sorted paths every running call gives it.
+
+    Set past NNX's attribute checks, as a static tuple of strings: the graph
+    definition (a compile-cache key of `nnx.jit`) then depends on the paths
+    only, not on which call runs.
+    """
+    with _lock:
+        for path, module in parts:
+            counts = _marks.setdefault(id(module), (module, {}))[1]
+            counts[path] = counts.get(path, 0) + 1
+            object.__setattr__(module, _MARK, tuple(sorted(counts)))
+
+
+def _unmark(parts):
+    with _lock:
+        for path, module in parts:
+            counts = _marks[id(module)][1]
+            counts[path] -= 1
+            if not counts[path]:
+                del counts[path]
+            if counts:
+                object.__setattr__(module, _MARK, tuple(sorted(counts)))
+            else:
+                del _marks[id(module)]
+                object.__delattr__(module, _MARK)
 
 
 # ---------------------------------------------------------------------------
@@ -250,7 +301,9 @@ class Instrumented:
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
-            run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, self.target)
+            call.known = frozenset(call.paths.values())
+            marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, marked, self.target)
         if self._ops:
             out = sow_ops(run, call, args, kwargs)
         else:
@@ -281,13 +334,15 @@ def _sample(names, k=6):
     return "they are " + ", ".join(map(repr, names[:k])) + more
 
 
-def _with_modules(call, classes, model, *args, **kwargs):
+def _with_modules(call, classes, marked, model, *args, **kwargs):
     _wrap(classes)
+    _mark(marked)
     token = _active.set(call)
     try:
         return model(*args, **kwargs)
     finally:
         _active.reset(token)
+        _unmark(marked)
         _unwrap(classes)
 
 

@@ -499,7 +499,8 @@ def patching_sweep(
             patched = jax.vmap(one)(ks)
         else:
             patched = jax.lax.map(one, ks, batch_size=batch_size)
-        baseline = _scalar(metric(f(*args)))
+        # Through the calling convention, as the patched runs: NNX modules are split and merged.
+        baseline = _scalar(metric(planted({}, *args)))
         return patched - baseline, baseline
 
     values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))

@@ -265,6 +265,163 @@ def test_module_inside_scan_stacks_per_iteration():
 
 
 # ---------------------------------------------------------------------------
+# Through NNX transforms: scan over stacked layers, remat and jit of a submodule.
+
+L = 3
+
+
+class ScanOverLayers(nnx.Module):
+    """The standard NNX pattern: layers made by `nnx.vmap`, applied by `nnx.scan`."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return nnx.Linear(D, D, rngs=rngs)
+
+        self.layers = make(rngs)
+        self.head = nnx.Linear(D, 1, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x, layer):
+            return jnp.tanh(layer(x))
+
+        return self.head(step(x, self.layers))
+
+
+def hand_scan_over_layers(model, x, patch=None):
+    """The scanned forward as a Python loop over the stacked parameters;
+    `patch` maps a layer index to the value its Linear output is replaced by."""
+    patch = patch or {}
+    kernel, bias = model.layers.kernel.get_value(), model.layers.bias.get_value()
+    outs = []
+    for i in range(L):
+        y = patch.get(i, x @ kernel[i] + bias[i])
+        outs.append(y)
+        x = jnp.tanh(y)
+    return lin(model.head, x), jnp.stack(outs)
+
+
+@pytest.fixture(scope="module")
+def scan_model():
+    return ScanOverLayers(nnx.Rngs(6))
+
+
+def test_scan_over_layers_reaps_each_layer(scan_model):
+    model = instrument(scan_model)
+    np.testing.assert_array_equal(model(X), scan_model(X))
+    out, reaped = call_and_reap(model, tag="modules")(X)
+    want_out, want = hand_scan_over_layers(scan_model, X)
+    assert sorted(reaped) == ["head", "layers"]
+    assert reaped["layers"].shape == (L, T, D)
+    np.testing.assert_allclose(reaped["layers"], want, **TOL)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    assert not hasattr(scan_model.layers, "_harvest_instrument_paths")  # the mark lasts one call
+    info = {s.name: s for s in sites(model, X, tag="modules")}
+    assert info["layers"].fires == L and info["layers"].shape == (T, D)
+
+
+def test_scan_over_layers_plant_one_iteration(scan_model):
+    model = instrument(scan_model)
+    v = jnp.full((T, D), 0.25)
+    # Layer 1 only (a callable sees the iteration); layer 2 recomputes from it.
+    want, _ = hand_scan_over_layers(scan_model, X, {1: v})
+    got = plant(model, tag="modules")({"layers": lambda old, i: jnp.where(i == 1, v, old)}, X)
+    np.testing.assert_allclose(got, want, **TOL)
+    # A stacked value: row i for layer i.
+    rows = jnp.stack([v, 2 * v, -v])
+    want, _ = hand_scan_over_layers(scan_model, X, {0: v, 1: 2 * v, 2: -v})
+    np.testing.assert_allclose(plant(model, tag="modules")({"layers": rows}, X), want, **TOL)
+    # One value for every layer.
+    want, _ = hand_scan_over_layers(scan_model, X, {i: v for i in range(L)})
+    np.testing.assert_allclose(plant(model, tag="modules")({"layers": v}, X), want, **TOL)
+
+
+def test_scan_over_layers_under_jit_and_grad(scan_model):
+    model = instrument(scan_model)
+    got = jax.jit(reap(model, tag="modules"))(X)["layers"]
+    np.testing.assert_allclose(got, hand_scan_over_layers(scan_model, X)[1], **TOL)
+    got = jax.grad(lambda x: reap(model, tag="modules")(x)["layers"][2].sum())(X)
+    want = jax.grad(lambda x: hand_scan_over_layers(scan_model, x)[1][2].sum())(X)
+    np.testing.assert_allclose(got, want, **TOL)
+    # Gradient through a plant into the middle layer.
+    _, clean = hand_scan_over_layers(scan_model, X)
+    middle = lambda v: {"layers": lambda old, i: jnp.where(i == 1, v, old)}  # noqa: E731
+    got = jax.grad(lambda v: plant(model, tag="modules")(middle(v), X).sum())(clean[1])
+    want = jax.grad(lambda v: hand_scan_over_layers(scan_model, X, {1: v})[0].sum())(clean[1])
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_scan_over_layers_sweep_gives_a_row_per_layer(scan_model):
+    model = instrument(scan_model)
+    corrupted = X[::-1]
+    clean = reap(model, tag="modules")(X)
+
+    def metric(y):
+        return y.sum()
+
+    r = patching_sweep(model, clean, (corrupted,), metric, tag="modules", names=["layers"])
+    assert list(r.names) == [f"layers[{i}]" for i in range(L)]
+    _, corrupt_layers = hand_scan_over_layers(scan_model, corrupted)
+    for i in range(L):
+        # Patching one layer's output by hand; later layers recompute from it.
+        want = metric(hand_scan_over_layers(scan_model, corrupted, {i: clean["layers"][i]})[0])
+        np.testing.assert_allclose(r.values[i] + r.baseline, want, rtol=1e-4, atol=1e-4)
+    a = attribution_patching(model, clean, (corrupted,), metric, tag="modules", names=["layers"])
+    assert list(a.names) == list(r.names)
+    for i in range(L):
+        g = jax.grad(lambda v: metric(hand_scan_over_layers(scan_model, corrupted, {i: v})[0]))(corrupt_layers[i])
+        want = jnp.vdot(g, clean["layers"][i] - corrupt_layers[i])
+        np.testing.assert_allclose(a.values[i], want, rtol=1e-4, atol=1e-4)
+
+
+class WrappedCalls(nnx.Module):
+    """Submodules called through `nnx.remat`, `nnx.jit` and `nnx.vmap`."""
+
+    def __init__(self, rngs):
+        self.first = nnx.Linear(D, D, rngs=rngs)
+        self.second = nnx.Linear(D, D, rngs=rngs)
+        self.third = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = jnp.tanh(nnx.remat(lambda m, x: m(x))(self.first, x))
+        h = jnp.tanh(nnx.jit(lambda m, x: m(x))(self.second, h))
+        return nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(self.third, h)
+
+
+def hand_wrapped(model, x, patch=None):
+    patch = patch or {}
+    values = {}
+    for name in ("first", "second", "third"):
+        y = patch.get(name, lin(getattr(model, name), x))
+        values[name] = y
+        x = jnp.tanh(y)
+    return values["third"], values
+
+
+def test_remat_jit_and_vmap_wrapped_submodule_calls():
+    wrapped = WrappedCalls(nnx.Rngs(7))
+    model = instrument(wrapped)
+    out, reaped = call_and_reap(model, tag="modules")(X)
+    want_out, want = hand_wrapped(wrapped, X)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    assert sorted(reaped) == ["first", "second", "third"]
+    for name in want:
+        np.testing.assert_allclose(reaped[name], want[name], **TOL, err_msg=name)
+    v = jnp.full((T, D), -0.5)
+    np.testing.assert_allclose(
+        plant(model, tag="modules")({"first": v}, X), hand_wrapped(wrapped, X, {"first": v})[0], **TOL
+    )
+    v = jnp.full((T, D), 0.5)
+    np.testing.assert_allclose(
+        plant(model, tag="modules")({"second": v}, X), hand_wrapped(wrapped, X, {"second": v})[0], **TOL
+    )
+    np.testing.assert_array_equal(model(X), wrapped(X))
+    assert not hasattr(wrapped.second, "_harvest_instrument_paths")  # the mark lasts one call
+
+
+# ---------------------------------------------------------------------------
 # Equinox.
 
 
