@@ -376,6 +376,34 @@ def test_scan_over_layers_sweep_gives_a_row_per_layer(scan_model):
         np.testing.assert_allclose(a.values[i], want, rtol=1e-4, atol=1e-4)
 
 
+class Holder(nnx.Module):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def test_two_roots_sharing_scanned_layers_in_threads(scan_model):
+    # The same stacked layers are "layers" from one root and "inner.layers" from
+    # the other; each thread's calls (traced anew by `sites`) keep their own name.
+    direct, held = instrument(scan_model), instrument(Holder(scan_model))
+    done = threading.Event()
+    found = []
+
+    def held_calls():
+        while not done.is_set() or len(found) < 3:
+            found.append(tuple(sites(held, X, tag="modules").names()))
+
+    thread = threading.Thread(target=held_calls)
+    thread.start()
+    mine = {tuple(sites(direct, X, tag="modules").names()) for _ in range(4)}
+    done.set()
+    thread.join()
+    assert mine == {("layers", "head")} and set(found) == {("inner.layers", "inner.head", "inner")}
+    assert not hasattr(scan_model.layers, "_harvest_instrument_paths")
+
+
 class WrappedCalls(nnx.Module):
     """Submodules called through `nnx.remat`, `nnx.jit` and `nnx.vmap`."""
 
