@@ -233,9 +233,37 @@ class PatchingResult:
     positions: np.ndarray | None
     axis: int | None
     baseline: float
+    measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
 
-    def plot(self, ax=None, title=None, cmap="RdBu_r", **imshow_kwargs):
+    def normalized(self, clean_metric):
+        """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
+
+        1 means the patch restores the clean run's metric, 0 that it does
+        nothing. `clean_metric` is `metric(f(*clean_args))`.
+
+        Example:
+            >>> import numpy as np
+            >>> from harvest import PatchingResult
+            >>> r = PatchingResult(np.array([[1.0, 3.0]]), ("h",), np.arange(2), axis=1, baseline=1.0)
+            >>> r.normalized(clean_metric=5.0).values
+            array([[0.25, 0.75]])
+        """
+        gap = float(clean_metric) - self.baseline
+        if gap == 0.0:
+            raise ValueError(
+                f"normalized: the clean metric equals the corrupted baseline ({self.baseline}), so there "
+                "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
+            )
+        return dataclasses.replace(self, values=self.values / gap, measure="fraction of clean-corrupt gap")
+
+    def _grid(self):
+        return self.values if self.positions is not None else self.values[:, None]
+
+    def plot(self, ax=None, title=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
+
+        `vmax` fixes the colour scale (default: the largest magnitude); use
+        `PatchingResult.plot_many` to put several results on one scale.
 
         Example:
             >>> import matplotlib; matplotlib.use("Agg")
@@ -245,23 +273,55 @@ class PatchingResult:
             >>> r.plot(title="effect").get_title()
             'effect'
         """
-        import matplotlib.pyplot as plt  # lazily: plotting is optional
+        return PatchingResult.plot_many([self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs)[0]
 
-        grid = self.values if self.positions is not None else self.values[:, None]
-        if ax is None:
-            _, ax = plt.subplots(figsize=(1.0 + 0.4 * grid.shape[1], 1.0 + 0.4 * grid.shape[0]))
-        bound = float(np.max(np.abs(grid))) or 1.0
-        image = ax.imshow(grid, cmap=cmap, vmin=-bound, vmax=bound, aspect="auto", **imshow_kwargs)
-        ax.set_yticks(range(len(self.names)), self.names)
-        if self.positions is None:
-            ax.set_xticks([])
-        else:
-            ax.set_xticks(range(len(self.positions)), [str(p) for p in self.positions])
-            ax.set_xlabel(f"position (axis {self.axis})")
-        ax.figure.colorbar(image, ax=ax)
-        if title is not None:
-            ax.set_title(title)
-        return ax
+    @staticmethod
+    def plot_many(results, titles=None, *, ax=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
+        """Draws several results side by side on one colour scale with one colourbar; returns the axes.
+
+        The results must have the same rows (sites) and columns; the figure is
+        laid out so no label overlaps a neighbouring panel or the colourbar.
+
+        Example:
+            >>> import matplotlib; matplotlib.use("Agg")
+            >>> import numpy as np
+            >>> from harvest import PatchingResult
+            >>> a = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+            >>> b = PatchingResult(3 * np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+            >>> axes = PatchingResult.plot_many([a, b], titles=["exact", "estimate"])
+            >>> [ax.images[0].get_clim() for ax in axes]
+            [(-3.0, 3.0), (-3.0, 3.0)]
+        """
+        from ._plots import heatmaps
+
+        results = list(results)
+        if not results:
+            raise ValueError("plot_many needs at least one PatchingResult.")
+        grids = [r._grid() for r in results]
+        if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
+            raise ValueError(
+                "plot_many draws results with the same sites and positions; got shapes "
+                f"{[g.shape for g in grids]}. Plot them separately (each with the same vmax)."
+            )
+        titles = [None] * len(results) if titles is None else list(titles)
+        if len(titles) != len(results):
+            raise ValueError(f"plot_many: {len(titles)} titles for {len(results)} results.")
+        bound = float(max(np.max(np.abs(g)) for g in grids)) if vmax is None else float(vmax)
+        first = results[0]
+        return heatmaps(
+            grids,
+            titles=titles,
+            row_labels=first.names,
+            col_labels=first.positions,
+            xlabel=f"position (axis {first.axis})",
+            ylabel=None,
+            cmap=cmap,
+            vmin=-(bound or 1.0),
+            vmax=bound or 1.0,
+            cbar_label=first.measure,
+            ax=ax,
+            **imshow_kwargs,
+        )
 
 
 # ---------------------------------------------------------------------------
