@@ -9,6 +9,7 @@ values under `jit` and `vmap`. That is what lets `patching_sweep` run every
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -19,6 +20,7 @@ import numpy as np
 
 from ._calling import is_array, make_jaxpr
 from ._inspect import sow_equations
+from ._interpreter import NameFilter
 from ._site import ROW_MODES, Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant, reap
@@ -218,7 +220,8 @@ class PatchingResult:
     An effect is `metric(patched run) - baseline`, where `baseline` is the
     metric of the unpatched corrupted run (estimated, for attribution
     patching). Without a position axis, `values` has shape `[len(names)]` and
-    `positions` is `None`.
+    `positions` is `None`. `skipped` lists the sites a sweep without `names=`
+    left out (a different size along the swept axis), each with the reason.
 
     Example:
         >>> import numpy as np
@@ -234,6 +237,7 @@ class PatchingResult:
     axis: int | None
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
+    skipped: tuple = ()  # sites left out of a sweep without names=, each with the reason
 
     def normalized(self, clean_metric):
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
@@ -360,15 +364,13 @@ def _site_value(reaps, site, what, count=None):
 
 
 def _lookup(reaps, site, what):
-    """What `reap` returned for `site`'s name."""
-    node = reaps
-    for key in site.name:
-        if not isinstance(node, dict) or key not in node:
-            raise KeyError(
-                f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
-                f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
-            )
-        node = node[key]
+    """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
+    node = _lookup_dotted(reaps, path_str(site.name))
+    if node is _MISSING:
+        raise KeyError(
+            f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
+            f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
+        )
     return node
 
 
@@ -391,46 +393,80 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
         site = Site.of(eqn)
         if site.tag == tag:
             by_name.setdefault(path_str(site.name), []).append((site, where, fires))
+    chosen = names
     if names is None:
-        names = [n for n, occ in by_name.items() if _has_path(clean, occ[0][0].name)]
-    elif isinstance(names, str):
-        names = [names]
+        names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
+    else:
+        names = _select_names(names, list(by_name), tag, caller)
     if not names:
         raise ValueError(
             f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
-            f"names sown with that tag: {sorted(by_name) or 'none'}."
+            f"names sown with that tag: {list(by_name) or 'none'}."
         )
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
-    size = None
+    size, skipped = None, ()
     if axis is not None:
-        sizes = {
-            t.site.name: _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
-            for t in targets
-        }
-        if len(set(sizes.values())) != 1:
-            raise ValueError(
-                f"{caller}: the sites have different sizes along axis {axis}: "
-                f"{ {path_str(k): v for k, v in sizes.items()} }. Sweep sites of one size "
-                "together (pass names=...)."
+        sizes = {path_str(t.site.name): _size_along(t.one, axis) for t in targets}
+        if chosen is None:
+            # Sweep the sites of the most common size; say which were left out.
+            counts = collections.Counter(n for n in sizes.values() if n is not None)
+            if not counts:
+                raise ValueError(f"{caller}: no site has an axis {axis}; sizes: {sizes}.")
+            size = counts.most_common(1)[0][0]
+            skipped = tuple(
+                f"{name}: size {n} along axis {axis}, not {size}" if n is not None else f"{name}: no axis {axis}"
+                for name, n in sizes.items()
+                if n != size
             )
-        size = next(iter(sizes.values()))
-    return targets, size
+            targets = [t for t in targets if sizes[path_str(t.site.name)] == size]
+        else:
+            for t in targets:  # the full message for a bad axis or mismatched leaves
+                _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
+            if len(set(sizes.values())) != 1:
+                raise ValueError(
+                    f"{caller}: the sites have different sizes along axis {axis}: {sizes}. "
+                    "Sweep sites of one size together (pass names=...)."
+                )
+            size = next(iter(sizes.values()))
+    return targets, size, skipped
 
 
-def _has_path(tree, path):
-    for key in path:
-        if not isinstance(tree, dict) or key not in tree:
-            return False
-        tree = tree[key]
-    return True
+def _size_along(value, axis):
+    """The size of every leaf along `axis`, or None if they differ or lack that axis."""
+    sizes = {jnp.shape(l)[axis] if -jnp.ndim(l) <= axis < jnp.ndim(l) else None for l in jax.tree_util.tree_leaves(value)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _select_names(names, sown, tag, caller):
+    """The names `names=` selects (exact names, globs, predicates, or a list of
+    them), in the order of its entries, each entry's matches in program order."""
+    entries = names if isinstance(names, (list, tuple)) else [names]
+    picked = {}
+    for entry in entries:
+        select = NameFilter.make(entry)
+        picked.update(dict.fromkeys(n for n in sown if select((n,))))
+    NameFilter.make(list(entries)).check_allowlist(sown, f"{caller}: names=", tag)
+    return list(picked)
+
+
+_MISSING = object()
+
+
+def _lookup_dotted(tree, name):
+    """`tree`'s value for the dotted `name`, its keys dotted paths or nested dicts alike."""
+    if not isinstance(tree, dict):
+        return _MISSING
+    if name in tree:
+        return tree[name]
+    for key, value in tree.items():
+        if isinstance(key, str) and name.startswith(key + "."):
+            found = _lookup_dotted(value, name[len(key) + 1 :])
+            if found is not _MISSING:
+                return found
+    return _MISSING
 
 
 def _target(by_name, name, clean, tag, caller):
-    if name not in by_name:
-        raise KeyError(
-            f"{caller}: no sow site of tag {tag!r} is named {name!r}. Names sown with that "
-            f"tag: {sorted(by_name) or 'none'}."
-        )
     occurrences = by_name[name]
     (site, where, fires), *others = occurrences
     if not others and fires == 1:
@@ -502,10 +538,15 @@ def patching_sweep(
 ) -> PatchingResult:
     """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
 
-    For every site in `names` (default: every site of `tag` with a value in
-    `clean`), and, if `axis` is given, every index along that axis of the sown
-    value (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
-    clean value there and keeps its own everywhere else. `clean` is
+    For every site in `names` (exact names, glob patterns such as
+    `"blocks.*.attn"`, predicates on names, or a list of them; each string must
+    match a site), or by default every site of `tag` with a value in `clean`,
+    and, if `axis` is given, every index along that axis of the sown value
+    (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
+    clean value there and keeps its own everywhere else. Without `names`, the
+    sites whose size along `axis` differs from the most common one (attention
+    patterns beside the residual stream, say) are left out and listed in the
+    result's `skipped`. `clean` is
     `reap(f, tag=tag)(*clean_args)`. All patches run as one compiled, vmapped
     computation over a one-hot selection; `batch_size` bounds how many run at
     once (via `lax.map`) when memory is tight. A site that fires `k` times
@@ -534,7 +575,7 @@ def patching_sweep(
         >>> r.names, r.values.shape
         (('h[0]', 'h[1]'), (2, 3))
     """
-    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
+    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
     positions = 1 if size is None else size
     axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
@@ -565,7 +606,7 @@ def patching_sweep(
     values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))
     names, labels = _labels(targets, size)
     shape = (len(names),) if size is None else (len(names), size)
-    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline))
+    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline), skipped=skipped)
 
 
 # ---------------------------------------------------------------------------
@@ -605,7 +646,7 @@ def attribution_patching(
         array([[2., 4., 6.],
                [2., 4., 6.]], dtype=float32)
     """
-    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
+    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
     axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
     patched = frozenset(path_str(t.site.name) for t in targets)
     planted = plant(f, tag=tag)
@@ -634,7 +675,7 @@ def attribution_patching(
 
     values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args))
     names, labels = _labels(targets, size)
-    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline))
+    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline), skipped=skipped)
 
 
 def _contract(clean, corrupt, grad, axis):

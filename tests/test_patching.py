@@ -16,6 +16,7 @@ from harvest import (
     ablate_zero,
     add_vector,
     attribution_patching,
+    nest,
     patch_positions,
     patching_sweep,
     plant,
@@ -260,7 +261,7 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, x_corrupt, metric)
     with pytest.raises(TypeError, match="clean must be the dict"):
         run(model, [1], (x_corrupt,), metric)
-    with pytest.raises(KeyError, match="no sow site of tag 'intermediates' is named 'nope'"):
+    with pytest.raises(ValueError, match="names= 'nope' matches no sow site of tag 'intermediates'"):
         run(model, clean, (x_corrupt,), metric, names=["nope"])
     with pytest.raises(KeyError, match="clean has no value for 'mix'"):
         run(model, {"embed": clean["embed"]}, (x_corrupt,), metric, names=["mix"])
@@ -268,8 +269,10 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, (x_corrupt,), metric, tag="absent")
     with pytest.raises(ValueError, match="expects float32\\[2, 5, 4\\]"):
         run(model, dict(clean, embed=clean["embed"][:1]), (x_corrupt,), metric, names=["embed"])
-    with pytest.raises(ValueError, match="axis 3 is out of range"):
+    with pytest.raises(ValueError, match="no site has an axis 3"):
         run(model, clean, (x_corrupt,), metric, axis=3)
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        run(model, clean, (x_corrupt,), metric, names="embed", axis=3)
     with pytest.raises(TypeError, match="must return a scalar"):
         run(model, clean, (x_corrupt,), lambda out: out)
 
@@ -285,9 +288,41 @@ def test_looped_sites_must_be_append_and_sites_agree_on_size():
     def two_sizes(x):
         return sow(x, name="a", mode="strict").sum() + sow(x[:2], name="b", mode="strict").sum()
 
-    x = jnp.ones(3)
+    x = jnp.arange(3.0)
     with pytest.raises(ValueError, match="different sizes along axis 0"):
-        patching_sweep(two_sizes, reap(two_sizes)(x), (x,), lambda y: y, axis=0)
+        patching_sweep(two_sizes, reap(two_sizes)(x), (x,), lambda y: y, names="*", axis=0)
+    # Without names=, the odd size out is skipped, and the result says so.
+    r = patching_sweep(two_sizes, reap(two_sizes)(x), (jnp.zeros(3),), lambda y: y, axis=0)
+    assert r.names == ("a",) and r.skipped == ("b: size 2 along axis 0, not 3",)
+    np.testing.assert_allclose(r.values, [x])
+
+
+def test_names_take_globs_predicates_and_dotted_clean_values():
+    def layer(x, w):
+        return sow(jnp.tanh(sow(x * w, name="pre", mode="strict")), name="post", mode="strict")
+
+    def f(x):
+        for i in range(3):
+            x = nest(layer, scope=f"blocks{i}")(x, i + 1.0)
+        return sow(x.sum(), name="out", mode="strict")
+
+    x_clean, x_corrupt = jnp.linspace(-1.0, 1.0, 4), jnp.zeros(4)
+    clean = reap(f)(x_clean)
+    flat = {f"blocks{i}.{k}": clean[f"blocks{i}"][k] for i in range(3) for k in ("pre", "post")}
+    by_hand = {}  # every single patch, planted one at a time
+    for name, value in flat.items():
+        by_hand[name] = float(plant(f)({name: value}, x_corrupt).sum() - f(x_corrupt).sum())
+    for names, want in [
+        ("blocks*.post", ["blocks0.post", "blocks1.post", "blocks2.post"]),
+        (["blocks2.pre", "blocks0.*"], ["blocks2.pre", "blocks0.pre", "blocks0.post"]),
+        (lambda n: n.endswith("1.pre"), ["blocks1.pre"]),
+    ]:
+        for given in (clean, flat):  # dotted keys and nested dicts alike
+            r = patching_sweep(f, given, (x_corrupt,), jnp.sum, names=names)
+            assert r.names == tuple(want)
+            np.testing.assert_allclose(r.values, [by_hand[n] for n in want], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"'blocks\*.mid' matches no sow site.*'blocks0.pre', 'blocks0.post'"):
+        patching_sweep(f, clean, (x_corrupt,), jnp.sum, names=["blocks*.post", "blocks*.mid"])
 
 
 # ---------------------------------------------------------------------------
