@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -499,16 +501,61 @@ def _scalar(m):
     return m
 
 
-def _jit_on_arrays(fn, tree):
-    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static."""
+def _jit_on_arrays(fn, tree, key):
+    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static.
+
+    Calls with equal `key` (which says everything `fn` closes over that shapes
+    the program) and equal static leaves share one compiled program: only the
+    first traces and compiles, later ones with the same shapes just run it.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     traced = [is_array(leaf) for leaf in leaves]
+    static = _Compiled((key, treedef, tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a)))
+    arrays = [leaf for leaf, a in zip(leaves, traced) if a]
+    try:
+        hash(static)
+    except TypeError:  # an unhashable static leaf: compiled for this call only
+        return jax.jit(functools.partial(_rebuilt, fn, treedef, leaves, traced))(arrays)
+    static.trace = functools.partial(_rebuilt, fn, treedef, leaves, traced)
+    try:
+        return _run_compiled(static, arrays)
+    finally:
+        static.trace = None  # the cache keeps the key, not this call's function and arrays
 
-    def rebuilt(arrays):
-        it = iter(arrays)
-        return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
 
-    return jax.jit(rebuilt)([leaf for leaf, a in zip(leaves, traced) if a])
+def _rebuilt(fn, treedef, leaves, traced, arrays):
+    it = iter(arrays)
+    return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
+
+
+class _Compiled:
+    """`_run_compiled`'s static argument: compared by `key` alone; `trace` is the
+    current call's function, read only when JAX traces (a new key or new shapes)."""
+
+    def __init__(self, key):
+        self.key = key
+        self.trace = None
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Compiled) and self.key == other.key
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_compiled(static, arrays):
+    # One jit for every sweep: its cache (bounded, cleared by jax.clear_caches)
+    # holds one program per key and set of shapes.
+    return static.trace(arrays)
+
+
+def _weak(f):
+    """`f` held weakly in a cache key, so caching a sweep does not keep `f` alive."""
+    try:
+        return weakref.WeakMethod(f) if inspect.ismethod(f) else weakref.ref(f)
+    except TypeError:  # not weakly referenceable (a builtin, say): held by the cache
+        return f
 
 
 def _labels(targets, size):
@@ -554,6 +601,13 @@ def patching_sweep(
     `name[0]` ... `name[k-1]`, each patching that occurrence alone; `axis`
     counts the axes of one occurrence's value. `metric` maps `f`'s output to a scalar; each value of the result
     is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
+
+    The compiled program is kept and reused by later calls with the same `f`,
+    `metric`, `tag`, swept sites, `axis`, `batch_size` and argument shapes (and
+    equal non-array arguments), as `jax.jit` reuses its programs: a repeated
+    sweep on new data only runs. A new `metric` or `f` object (a fresh lambda)
+    compiles again; the cache holds `f` weakly and is cleared by
+    `jax.clear_caches()`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -603,7 +657,8 @@ def patching_sweep(
         baseline = _scalar(metric(f(*args)))
         return patched - baseline, baseline
 
-    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))
+    key = ("patching_sweep", _weak(f), metric, tag, tuple(t.site for t in targets), tuple(axes), size, batch_size)
+    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
     shape = (len(names),) if size is None else (len(names), size)
     return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline), skipped=skipped)
@@ -673,7 +728,8 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axis=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args))
+    key = ("attribution_patching", _weak(f), metric, tag, tuple(t.site for t in targets), tuple(axes))
+    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
     return PatchingResult(np.asarray(values), names, labels, axis, float(baseline), skipped=skipped)
 

@@ -443,3 +443,67 @@ def test_benchmark_runs_at_tiny_size():
 
     ratios = run(size="tiny")
     assert ratios and all(r > 0 for r in ratios.values())
+
+
+# ---------------------------------------------------------------------------
+# Compiled once
+
+
+@pytest.mark.parametrize("run", [patching_sweep, attribution_patching])
+def test_repeated_sweeps_reuse_the_compiled_program(run):
+    traced = []
+
+    def metric(out):  # runs only while the sweep's program is traced
+        traced.append(1)
+        return jnp.sum(out)
+
+    def f(x, w):
+        h = sow(jnp.tanh(x @ w), name="h", mode="strict")
+        return sow(h * 2.0, name="g", mode="strict")
+
+    w = jax.random.normal(jax.random.key(0), (4, 4))
+    xs = [jax.random.normal(jax.random.key(i), (3, 4)) for i in range(1, 4)]
+    clean = reap(f)(xs[0], w)
+    first = run(f, clean, (xs[1], w), metric, axis=0)
+    n = len(traced)
+    assert n > 0
+    # Same function, names, axis and shapes, other data: no new trace, the values of the new data.
+    second = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), metric, axis=0)
+    assert len(traced) == n
+    reference = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), lambda out: jnp.sum(out), axis=0)  # a new metric compiles
+    np.testing.assert_allclose(second.values, reference.values, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(first.values, second.values)
+    # Per-position plants, one at a time, as the reference for the exact sweep.
+    if run is patching_sweep:
+        base = jnp.sum(f(xs[1] * 3.0, w))
+        clean2 = reap(f)(xs[2], w)
+        by_hand = [
+            [float(jnp.sum(plant(f)({n_: patch_positions(clean2[n_], p, axis=0)}, xs[1] * 3.0, w)) - base) for p in range(3)]
+            for n_ in ("h", "g")
+        ]
+        np.testing.assert_allclose(second.values, by_hand, rtol=1e-5, atol=1e-5)
+    # What retriggers compilation: other names, another axis, other shapes.
+    run(f, clean, (xs[1], w), metric, names="h", axis=0)
+    assert len(traced) > n
+    n = len(traced)
+    run(f, clean, (xs[1], w), metric, axis=1)
+    assert len(traced) > n
+    n = len(traced)
+    run(f, reap(f)(xs[0][:2], w), (xs[1][:2], w), metric, axis=0)
+    assert len(traced) > n
+
+
+def test_a_cached_sweep_does_not_keep_its_function_alive():
+    import gc
+    import weakref
+
+    def make():
+        return lambda x: sow(x * 2.0, name="h", mode="strict").sum()
+
+    f = make()
+    x = jnp.arange(3.0)
+    patching_sweep(f, reap(f)(x), (x * 0.0,), lambda y: y, axis=0)
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None
