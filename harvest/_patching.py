@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._calling import is_array, make_jaxpr
+from ._calling import is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
 from ._site import ROW_MODES, Site, mode_label, path_str
@@ -514,7 +514,10 @@ def _jit_on_arrays(fn, tree, key):
     arrays = [leaf for leaf, a in zip(leaves, traced) if a]
     try:
         hash(static)
-    except TypeError:  # an unhashable static leaf: compiled for this call only
+        cached = key is not None and not split_nodes(tree)[2]
+    except TypeError:  # an unhashable static leaf
+        cached = False
+    if not cached:  # compiled for this call only
         return jax.jit(functools.partial(_rebuilt, fn, treedef, leaves, traced))(arrays)
     static.trace = functools.partial(_rebuilt, fn, treedef, leaves, traced)
     try:
@@ -550,12 +553,12 @@ def _run_compiled(static, arrays):
     return static.trace(arrays)
 
 
-def _weak(f):
-    """`f` held weakly in a cache key, so caching a sweep does not keep `f` alive."""
-    try:
-        return weakref.WeakMethod(f) if inspect.ismethod(f) else weakref.ref(f)
-    except TypeError:  # not weakly referenceable (a builtin, say): held by the cache
-        return f
+def _key(f, *spec):
+    """The cache key of a sweep of `f` (held weakly, so the cache does not keep
+    it alive), or None (compile for this call only) unless `f` is a plain
+    function: a module's or bound method's arrays are baked into the program,
+    and they may have changed in place since the last call."""
+    return (weakref.ref(f), *spec) if inspect.isfunction(f) else None
 
 
 def _labels(targets, size):
@@ -602,12 +605,16 @@ def patching_sweep(
     counts the axes of one occurrence's value. `metric` maps `f`'s output to a scalar; each value of the result
     is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
 
-    The compiled program is kept and reused by later calls with the same `f`,
-    `metric`, `tag`, swept sites, `axis`, `batch_size` and argument shapes (and
-    equal non-array arguments), as `jax.jit` reuses its programs: a repeated
-    sweep on new data only runs. A new `metric` or `f` object (a fresh lambda)
-    compiles again; the cache holds `f` weakly and is cleared by
-    `jax.clear_caches()`.
+    When `f` is a plain function, the compiled program is kept and reused by
+    later calls with the same `f`, `metric`, `tag`, swept sites, `axis`,
+    `batch_size` and argument shapes (and equal non-array arguments), as
+    `jax.jit` reuses its programs (and, as there, arrays `f` closes over are
+    read when it first compiles): a repeated sweep on new data only runs. A new
+    `metric` or `f` object (a fresh lambda) compiles again; the cache holds `f`
+    weakly and is cleared by `jax.clear_caches()`. A module or bound method as
+    `f`, or NNX modules among the arguments, compile at every call (their
+    weights may change in place); wrap the call in a function taking the
+    weights as an argument to reuse the program.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -657,7 +664,7 @@ def patching_sweep(
         baseline = _scalar(metric(f(*args)))
         return patched - baseline, baseline
 
-    key = ("patching_sweep", _weak(f), metric, tag, tuple(t.site for t in targets), tuple(axes), size, batch_size)
+    key = _key(f, "patching_sweep", metric, tag, tuple(t.site for t in targets), tuple(axes), size, batch_size)
     values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
     shape = (len(names),) if size is None else (len(names), size)
@@ -728,7 +735,7 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axis=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    key = ("attribution_patching", _weak(f), metric, tag, tuple(t.site for t in targets), tuple(axes))
+    key = _key(f, "attribution_patching", metric, tag, tuple(t.site for t in targets), tuple(axes))
     values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
     return PatchingResult(np.asarray(values), names, labels, axis, float(baseline), skipped=skipped)

@@ -507,3 +507,20 @@ def test_a_cached_sweep_does_not_keep_its_function_alive():
     del f
     gc.collect()
     assert ref() is None
+
+
+def test_a_module_as_f_sees_weights_changed_in_place():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+        def __call__(self, x):
+            return sow(x * self.w[...], name="h", mode="strict").sum()
+
+    module, x = Scale(), jnp.arange(3.0)
+    for w in (1.0, 2.0):
+        module.w[...] = jnp.full(3, w)  # the same object, trained in place between sweeps
+        r = patching_sweep(module, reap(module)(x), (x * 0.0,), lambda y: y, axis=0)
+        np.testing.assert_allclose(r.values, [np.asarray(x * w)])
