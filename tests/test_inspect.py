@@ -197,6 +197,8 @@ def test_stream_bad_input():
         stream(scanned, "print")
     with pytest.raises(TypeError, match="allowlist"):
         stream(scanned, print, allowlist=[3])
+    with pytest.raises(ValueError, match=r"stream: allowlist entry 'fni\*' matches no sow site"):
+        stream(scanned, print, allowlist="fni*")(jnp.ones(3))
 
 
 # ---------------------------------------------------------------------------
