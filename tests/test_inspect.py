@@ -297,3 +297,14 @@ def test_html_view_shows_every_op_of_an_instrumented_function():
     assert block[0] == "scan[4]"
     assert [line[0] for line in block[1]] == ["tanh:0", "mul:0"]
     assert [line[0] for line in outline[1] if isinstance(line, tuple)] == [s.name for s in found if s.where == ""]
+
+
+def test_html_view_of_a_hand_built_sites_nests_by_labels():
+    info = lambda name, where: SiteInfo("t", name, "strict", (2,), np.dtype("float32"), 3, where)  # noqa: E731
+    found = Sites([info("a", "jit › scan[3]"), info("b", "jit"), info("c", "")])
+    want = [
+        "program",
+        [["jit", [["scan[3]", [("a", "float32[2]", "strict", "× 3 · t")]], ("b", "float32[2]", "strict", "× 3 · t")]],
+         ("c", "float32[2]", "strict", "× 3 · t")],
+    ]
+    assert _outline(found.to_html()) == want
