@@ -116,7 +116,9 @@ def _patching_lines(patching, size):
     return [
         f"`benchmarks/bench_patching.py` at size `{size}`: the compiled patching sweep against",
         "Python loops of `plant` calls, compile time included. These ratios are speed-ups (the",
-        "loop's time over the sweep's), so above 1 means the sweep was faster.",
+        "loop's time over the sweep's), so above 1 means the sweep was faster. The",
+        "`first_call_vs_second` rows time a first call (trace and compile) over a second one with",
+        "the same function, names, axis and shapes on other data, which reuses the compiled program.",
         "",
         "| comparison | speed-up |",
         "|---|---|",

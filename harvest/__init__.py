@@ -14,6 +14,7 @@ from ._patching import (
     patching_sweep as patching_sweep,
 )
 from ._perturb import perturb as perturb
+from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
 from ._stream import stream as stream

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import html
+import pathlib
 from typing import Any, Iterator
 
 import jax
@@ -79,6 +81,111 @@ class Sites(list):
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
 
+    def _repr_html_(self):
+        return _html_view(self)
+
+    def to_html(self, path=None) -> str:
+        """The program's structure as one self-contained HTML page; written to `path` if given.
+
+        Every site sits in its nesting (`jit › scan[12] › cond[1]`), each body a
+        collapsible block, with its shape, dtype, mode, tag and fires per call.
+        In a notebook, a `Sites` value shows the same view. With
+        `instrument(f, ops=True)`, every op is a site, so every op is shown.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from harvest import sites, sow
+            >>> def f(xs):
+            ...     def body(c, x):
+            ...         return c + sow(x * c, name="step", mode="append"), None
+            ...     return sow(jax.lax.scan(body, 1.0, xs)[0], name="total", mode="strict")
+            >>> page = sites(f, jnp.zeros(12)).to_html()
+            >>> page.startswith("<!DOCTYPE html>"), "scan[12]" in page, "total" in page
+            (True, True, True)
+        """
+        page = (
+            '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>harvest sites</title></head>\n'
+            f"<body>\n{_html_view(self)}\n</body></html>\n"
+        )
+        if path is not None:
+            pathlib.Path(path).write_text(page, encoding="utf-8")
+        return page
+
+
+_STYLE = """
+.harvest-sites { font: 13px/1.5 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; color: #222; }
+.harvest-sites ul { list-style: none; margin: 0; padding-left: 1.4em; border-left: 1px dotted #bbb; }
+.harvest-sites > details > ul { padding-left: 0.4em; border-left: none; }
+.harvest-sites summary { cursor: pointer; }
+.harvest-sites .body { color: #7a3e9d; font-weight: 600; }
+.harvest-sites .name { font-weight: 600; }
+.harvest-sites .meta { color: #777; }
+.harvest-sites .shape { color: #0b6e4f; }
+.harvest-sites .mode { color: #a15c00; }
+"""
+
+
+def _nest_blocks(found):
+    """The sites arranged in their bodies: a list of `SiteInfo` and `(label, items)`."""
+    blocks = getattr(found, "_blocks", None)
+    if blocks is None or len(blocks) != len(found):  # a Sites built by hand: nest by labels
+        blocks = [tuple((None, w) for w in s.where.split(" › ")) if s.where else () for s in found]
+    root: list = []
+    stack = [((), root)]
+    for info, keys in zip(found, blocks):
+        while stack[-1][0] != keys[: len(stack[-1][0])]:
+            stack.pop()
+        for key in keys[len(stack[-1][0]) :]:
+            items: list = []
+            stack[-1][1].append((key[1], items))
+            stack.append((stack[-1][0] + (key,), items))
+        stack[-1][1].append(info)
+    return root
+
+
+def _count(items):
+    return sum(1 if isinstance(it, SiteInfo) else _count(it[1]) for it in items)
+
+
+def _html_items(items, cells):
+    out = ["<ul>"]
+    for it in items:
+        if isinstance(it, SiteInfo):
+            tag, name, mode, _, _, fires, where = map(html.escape, cells(it))
+            out.append(
+                f'<li title="{name} ({where or "top level"})"><span class="name">{name}</span> '
+                f'<span class="shape">{html.escape(_aval_str(it))}</span> <span class="mode">{mode}</span> '
+                f'<span class="meta">× {fires} · {tag}</span></li>'
+            )
+        else:
+            label, kids = it
+            n = _count(kids)
+            out.append(
+                f'<li><details open><summary><span class="body">{html.escape(label)}</span> '
+                f'<span class="meta">{n} site{"s" * (n != 1)}</span></summary>'
+                f"{_html_items(kids, cells)}</details></li>"
+            )
+    out.append("</ul>")
+    return "".join(out)
+
+
+def _aval_str(info):
+    """`float32[2, 3]`, or that per leaf for a pytree value."""
+    if isinstance(info.shape, tuple) and all(isinstance(d, int) for d in info.shape):
+        return f"{np.dtype(info.dtype).name}{list(info.shape)}"
+    shapes = jax.tree_util.tree_leaves(info.shape, is_leaf=lambda x: isinstance(x, tuple))
+    dtypes = jax.tree_util.tree_leaves(info.dtype)
+    return "(" + ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in zip(shapes, dtypes)) + ")"
+
+
+def _html_view(found):
+    tags = ", ".join(dict.fromkeys(s.tag for s in found)) or "no tags"
+    head = f'<span class="body">program</span> <span class="meta">{len(found)} sow sites · {html.escape(tags)}</span>'
+    return (
+        f'<div class="harvest-sites"><style>{_STYLE}</style><details open><summary>{head}</summary>'
+        f"{_html_items(_nest_blocks(found), found._cells)}</details></div>"
+    )
+
 
 def sites(f, *args, tag=None, **kwargs) -> Sites:
     """Lists every sow site of `f(*args, **kwargs)`, without running `f`.
@@ -104,11 +211,13 @@ def sites(f, *args, tag=None, **kwargs) -> Sites:
         raise TypeError(f"sites(f, *args) needs a callable f, got {type(f).__name__}.")
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
-    found = Sites()
-    for eqn, where, fires in sow_equations(make_jaxpr(f, args, kwargs)[0].jaxpr):
+    found, blocks = Sites(), []
+    for eqn, where, fires, keys in _sow_tree(make_jaxpr(f, args, kwargs)[0].jaxpr, (), 1, ()):
         site = Site.of(eqn)
         if tag is None or site.tag == tag:
             found.append(_info(site, where, fires))
+            blocks.append(keys)
+    found._blocks = blocks
     return found
 
 
@@ -119,15 +228,22 @@ def _info(site: Site, where, fires):
     return SiteInfo(site.tag, path_str(site.name), mode, shape, dtype, fires, " › ".join(where))
 
 
-def sow_equations(jaxpr, where=(), fires=1) -> Iterator[tuple[Any, tuple, int | None]]:
+def sow_equations(jaxpr) -> Iterator[tuple[Any, tuple, int | None]]:
     """Yields (sow equation, enclosing labels, firings per call), in program order."""
+    for eqn, where, fires, _ in _sow_tree(jaxpr, (), 1, ()):
+        yield eqn, where, fires
+
+
+def _sow_tree(jaxpr, where, fires, blocks):
+    """As `sow_equations`, plus a key per enclosing body (two scans of one length
+    have the same label, not the same key)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            yield eqn, where, fires
+            yield eqn, where, fires, blocks
             continue
         for label, sub, times in _bodies(eqn):
             inner = None if fires is UNBOUNDED or times is UNBOUNDED else fires * times
-            yield from sow_equations(sub, where + (label,), inner)
+            yield from _sow_tree(sub, where + (label,), inner, blocks + ((id(eqn), label),))
 
 
 _LABELS = {

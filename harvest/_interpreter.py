@@ -91,11 +91,32 @@ class NameFilter:
     def _hit(items, name):
         return any(it(name) if callable(it) else (it == name or fnmatch.fnmatchcase(name, it)) for it in items)
 
+    def check_allowlist(self, names, what, tag):
+        """Raises if a string entry of the allowlist matches none of `names` (dotted).
+
+        Predicates are not checked: a predicate that selects nothing is how to
+        say "this site may be absent" (behind a Python flag, say)."""
+        missing = [
+            it for it in self.allow or () if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
+        ]
+        if missing:
+            raise ValueError(no_such_names(missing, names, what, tag))
+
     def __call__(self, path):
         name = path_str(path)
         if self.allow is not None and not self._hit(self.allow, name):
             return False
         return not self._hit(self.block, name)
+
+
+def no_such_names(missing, names, what, tag):
+    """The message for names or patterns (`missing`) that match no site of `tag`."""
+    listed = ", ".join(repr(n) for n in names) or "none"
+    return (
+        f"{what} {', '.join(map(repr, missing))} matches no sow site of tag {tag!r}. "
+        f"Names sown with that tag, in program order: {listed}. Check the spelling, or use a "
+        "predicate (lambda name: ...) for a site that may be absent."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +127,7 @@ class Policy:
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
-    strict_plants: bool = True  # planting a name no site has is an error (oryx ignores it)
+    strict_names: bool = True  # planting, or allowlisting by string, a name no site has is an error (oryx ignores it)
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
 
     def handles(self, site):

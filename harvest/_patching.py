@@ -9,16 +9,20 @@ values under `jit` and `vmap`. That is what lets `patching_sweep` run every
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import inspect
+import weakref
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._calling import is_array, make_jaxpr
+from ._calling import is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
+from ._interpreter import NameFilter
 from ._site import ROW_MODES, Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant, reap
@@ -218,7 +222,8 @@ class PatchingResult:
     An effect is `metric(patched run) - baseline`, where `baseline` is the
     metric of the unpatched corrupted run (estimated, for attribution
     patching). Without a position axis, `values` has shape `[len(names)]` and
-    `positions` is `None`.
+    `positions` is `None`. `skipped` lists the sites a sweep without `names=`
+    left out (a different size along the swept axis), each with the reason.
 
     Example:
         >>> import numpy as np
@@ -233,9 +238,38 @@ class PatchingResult:
     positions: np.ndarray | None
     axis: int | None
     baseline: float
+    measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
+    skipped: tuple = ()  # sites left out of a sweep without names=, each with the reason
 
-    def plot(self, ax=None, title=None, cmap="RdBu_r", **imshow_kwargs):
+    def normalized(self, clean_metric):
+        """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
+
+        1 means the patch restores the clean run's metric, 0 that it does
+        nothing. `clean_metric` is `metric(f(*clean_args))`.
+
+        Example:
+            >>> import numpy as np
+            >>> from harvest import PatchingResult
+            >>> r = PatchingResult(np.array([[1.0, 3.0]]), ("h",), np.arange(2), axis=1, baseline=1.0)
+            >>> r.normalized(clean_metric=5.0).values
+            array([[0.25, 0.75]])
+        """
+        gap = float(clean_metric) - self.baseline
+        if gap == 0.0:
+            raise ValueError(
+                f"normalized: the clean metric equals the corrupted baseline ({self.baseline}), so there "
+                "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
+            )
+        return dataclasses.replace(self, values=self.values / gap, measure="fraction of clean-corrupt gap")
+
+    def _grid(self):
+        return self.values if self.positions is not None else self.values[:, None]
+
+    def plot(self, ax=None, title=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
+
+        `vmax` fixes the colour scale (default: the largest magnitude); use
+        `PatchingResult.plot_many` to put several results on one scale.
 
         Example:
             >>> import matplotlib; matplotlib.use("Agg")
@@ -245,23 +279,55 @@ class PatchingResult:
             >>> r.plot(title="effect").get_title()
             'effect'
         """
-        import matplotlib.pyplot as plt  # lazily: plotting is optional
+        return PatchingResult.plot_many([self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs)[0]
 
-        grid = self.values if self.positions is not None else self.values[:, None]
-        if ax is None:
-            _, ax = plt.subplots(figsize=(1.0 + 0.4 * grid.shape[1], 1.0 + 0.4 * grid.shape[0]))
-        bound = float(np.max(np.abs(grid))) or 1.0
-        image = ax.imshow(grid, cmap=cmap, vmin=-bound, vmax=bound, aspect="auto", **imshow_kwargs)
-        ax.set_yticks(range(len(self.names)), self.names)
-        if self.positions is None:
-            ax.set_xticks([])
-        else:
-            ax.set_xticks(range(len(self.positions)), [str(p) for p in self.positions])
-            ax.set_xlabel(f"position (axis {self.axis})")
-        ax.figure.colorbar(image, ax=ax)
-        if title is not None:
-            ax.set_title(title)
-        return ax
+    @staticmethod
+    def plot_many(results, titles=None, *, ax=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
+        """Draws several results side by side on one colour scale with one colourbar; returns the axes.
+
+        The results must have the same rows (sites) and columns; the figure is
+        laid out so no label overlaps a neighbouring panel or the colourbar.
+
+        Example:
+            >>> import matplotlib; matplotlib.use("Agg")
+            >>> import numpy as np
+            >>> from harvest import PatchingResult
+            >>> a = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+            >>> b = PatchingResult(3 * np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+            >>> axes = PatchingResult.plot_many([a, b], titles=["exact", "estimate"])
+            >>> [ax.images[0].get_clim() for ax in axes]
+            [(-3.0, 3.0), (-3.0, 3.0)]
+        """
+        from ._plots import heatmaps
+
+        results = list(results)
+        if not results:
+            raise ValueError("plot_many needs at least one PatchingResult.")
+        grids = [r._grid() for r in results]
+        if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
+            raise ValueError(
+                "plot_many draws results with the same sites and positions; got shapes "
+                f"{[g.shape for g in grids]}. Plot them separately (each with the same vmax)."
+            )
+        titles = [None] * len(results) if titles is None else list(titles)
+        if len(titles) != len(results):
+            raise ValueError(f"plot_many: {len(titles)} titles for {len(results)} results.")
+        bound = float(max(np.max(np.abs(g)) for g in grids)) if vmax is None else float(vmax)
+        first = results[0]
+        return heatmaps(
+            grids,
+            titles=titles,
+            row_labels=first.names,
+            col_labels=first.positions,
+            xlabel=f"position (axis {first.axis})",
+            ylabel=None,
+            cmap=cmap,
+            vmin=-(bound or 1.0),
+            vmax=bound or 1.0,
+            cbar_label=first.measure,
+            ax=ax,
+            **imshow_kwargs,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -300,15 +366,13 @@ def _site_value(reaps, site, what, count=None):
 
 
 def _lookup(reaps, site, what):
-    """What `reap` returned for `site`'s name."""
-    node = reaps
-    for key in site.name:
-        if not isinstance(node, dict) or key not in node:
-            raise KeyError(
-                f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
-                f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
-            )
-        node = node[key]
+    """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
+    node = _lookup_dotted(reaps, path_str(site.name))
+    if node is _MISSING:
+        raise KeyError(
+            f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
+            f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
+        )
     return node
 
 
@@ -331,46 +395,80 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
         site = Site.of(eqn)
         if site.tag == tag:
             by_name.setdefault(path_str(site.name), []).append((site, where, fires))
+    chosen = names
     if names is None:
-        names = [n for n, occ in by_name.items() if _has_path(clean, occ[0][0].name)]
-    elif isinstance(names, str):
-        names = [names]
+        names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
+    else:
+        names = _select_names(names, list(by_name), tag, caller)
     if not names:
         raise ValueError(
             f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
-            f"names sown with that tag: {sorted(by_name) or 'none'}."
+            f"names sown with that tag: {list(by_name) or 'none'}."
         )
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
-    size = None
+    size, skipped = None, ()
     if axis is not None:
-        sizes = {
-            t.site.name: _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
-            for t in targets
-        }
-        if len(set(sizes.values())) != 1:
-            raise ValueError(
-                f"{caller}: the sites have different sizes along axis {axis}: "
-                f"{ {path_str(k): v for k, v in sizes.items()} }. Sweep sites of one size "
-                "together (pass names=...)."
+        sizes = {path_str(t.site.name): _size_along(t.one, axis) for t in targets}
+        if chosen is None:
+            # Sweep the sites of the most common size; say which were left out.
+            counts = collections.Counter(n for n in sizes.values() if n is not None)
+            if not counts:
+                raise ValueError(f"{caller}: no site has an axis {axis}; sizes: {sizes}.")
+            size = counts.most_common(1)[0][0]
+            skipped = tuple(
+                f"{name}: size {n} along axis {axis}, not {size}" if n is not None else f"{name}: no axis {axis}"
+                for name, n in sizes.items()
+                if n != size
             )
-        size = next(iter(sizes.values()))
-    return targets, size
+            targets = [t for t in targets if sizes[path_str(t.site.name)] == size]
+        else:
+            for t in targets:  # the full message for a bad axis or mismatched leaves
+                _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
+            if len(set(sizes.values())) != 1:
+                raise ValueError(
+                    f"{caller}: the sites have different sizes along axis {axis}: {sizes}. "
+                    "Sweep sites of one size together (pass names=...)."
+                )
+            size = next(iter(sizes.values()))
+    return targets, size, skipped
 
 
-def _has_path(tree, path):
-    for key in path:
-        if not isinstance(tree, dict) or key not in tree:
-            return False
-        tree = tree[key]
-    return True
+def _size_along(value, axis):
+    """The size of every leaf along `axis`, or None if they differ or lack that axis."""
+    sizes = {jnp.shape(l)[axis] if -jnp.ndim(l) <= axis < jnp.ndim(l) else None for l in jax.tree_util.tree_leaves(value)}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _select_names(names, sown, tag, caller):
+    """The names `names=` selects (exact names, globs, predicates, or a list of
+    them), in the order of its entries, each entry's matches in program order."""
+    entries = names if isinstance(names, (list, tuple)) else [names]
+    picked = {}
+    for entry in entries:
+        select = NameFilter.make(entry)
+        picked.update(dict.fromkeys(n for n in sown if select((n,))))
+    NameFilter.make(list(entries)).check_allowlist(sown, f"{caller}: names=", tag)
+    return list(picked)
+
+
+_MISSING = object()
+
+
+def _lookup_dotted(tree, name):
+    """`tree`'s value for the dotted `name`, its keys dotted paths or nested dicts alike."""
+    if not isinstance(tree, dict):
+        return _MISSING
+    if name in tree:
+        return tree[name]
+    for key, value in tree.items():
+        if isinstance(key, str) and name.startswith(key + "."):
+            found = _lookup_dotted(value, name[len(key) + 1 :])
+            if found is not _MISSING:
+                return found
+    return _MISSING
 
 
 def _target(by_name, name, clean, tag, caller):
-    if name not in by_name:
-        raise KeyError(
-            f"{caller}: no sow site of tag {tag!r} is named {name!r}. Names sown with that "
-            f"tag: {sorted(by_name) or 'none'}."
-        )
     occurrences = by_name[name]
     (site, where, fires), *others = occurrences
     if not others and fires == 1:
@@ -403,16 +501,64 @@ def _scalar(m):
     return m
 
 
-def _jit_on_arrays(fn, tree):
-    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static."""
+def _jit_on_arrays(fn, tree, key):
+    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static.
+
+    Calls with equal `key` (which says everything `fn` closes over that shapes
+    the program) and equal static leaves share one compiled program: only the
+    first traces and compiles, later ones with the same shapes just run it.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     traced = [is_array(leaf) for leaf in leaves]
+    static = _Compiled((key, treedef, tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a)))
+    arrays = [leaf for leaf, a in zip(leaves, traced) if a]
+    try:
+        hash(static)
+        cached = key is not None and not split_nodes(tree)[2]
+    except TypeError:  # an unhashable static leaf
+        cached = False
+    if not cached:  # compiled for this call only
+        return jax.jit(functools.partial(_rebuilt, fn, treedef, leaves, traced))(arrays)
+    static.trace = functools.partial(_rebuilt, fn, treedef, leaves, traced)
+    try:
+        return _run_compiled(static, arrays)
+    finally:
+        static.trace = None  # the cache keeps the key, not this call's function and arrays
 
-    def rebuilt(arrays):
-        it = iter(arrays)
-        return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
 
-    return jax.jit(rebuilt)([leaf for leaf, a in zip(leaves, traced) if a])
+def _rebuilt(fn, treedef, leaves, traced, arrays):
+    it = iter(arrays)
+    return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
+
+
+class _Compiled:
+    """`_run_compiled`'s static argument: compared by `key` alone; `trace` is the
+    current call's function, read only when JAX traces (a new key or new shapes)."""
+
+    def __init__(self, key):
+        self.key = key
+        self.trace = None
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Compiled) and self.key == other.key
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _run_compiled(static, arrays):
+    # One jit for every sweep: its cache (bounded, cleared by jax.clear_caches)
+    # holds one program per key and set of shapes.
+    return static.trace(arrays)
+
+
+def _key(f, *spec):
+    """The cache key of a sweep of `f` (held weakly, so the cache does not keep
+    it alive), or None (compile for this call only) unless `f` is a plain
+    function: a module's or bound method's arrays are baked into the program,
+    and they may have changed in place since the last call."""
+    return (weakref.ref(f), *spec) if inspect.isfunction(f) else None
 
 
 def _labels(targets, size):
@@ -442,10 +588,15 @@ def patching_sweep(
 ) -> PatchingResult:
     """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
 
-    For every site in `names` (default: every site of `tag` with a value in
-    `clean`), and, if `axis` is given, every index along that axis of the sown
-    value (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
-    clean value there and keeps its own everywhere else. `clean` is
+    For every site in `names` (exact names, glob patterns such as
+    `"blocks.*.attn"`, predicates on names, or a list of them; each string must
+    match a site), or by default every site of `tag` with a value in `clean`,
+    and, if `axis` is given, every index along that axis of the sown value
+    (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
+    clean value there and keeps its own everywhere else. Without `names`, the
+    sites whose size along `axis` differs from the most common one (attention
+    patterns beside the residual stream, say) are left out and listed in the
+    result's `skipped`. `clean` is
     `reap(f, tag=tag)(*clean_args)`. All patches run as one compiled, vmapped
     computation over a one-hot selection; `batch_size` bounds how many run at
     once (via `lax.map`) when memory is tight. A site that fires `k` times
@@ -453,6 +604,17 @@ def patching_sweep(
     `name[0]` ... `name[k-1]`, each patching that occurrence alone; `axis`
     counts the axes of one occurrence's value. `metric` maps `f`'s output to a scalar; each value of the result
     is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
+
+    When `f` is a plain function, the compiled program is kept and reused by
+    later calls with the same `f`, `metric`, `tag`, swept sites, `axis`,
+    `batch_size` and argument shapes (and equal non-array arguments), as
+    `jax.jit` reuses its programs (and, as there, arrays `f` closes over are
+    read when it first compiles): a repeated sweep on new data only runs. A new
+    `metric` or `f` object (a fresh lambda) compiles again; the cache holds `f`
+    weakly and is cleared by `jax.clear_caches()`. A module or bound method as
+    `f`, or NNX modules among the arguments, compile at every call (their
+    weights may change in place); wrap the call in a function taking the
+    weights as an argument to reuse the program.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -474,7 +636,7 @@ def patching_sweep(
         >>> r.names, r.values.shape
         (('h[0]', 'h[1]'), (2, 3))
     """
-    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
+    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
     positions = 1 if size is None else size
     axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
@@ -503,10 +665,11 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return patched - baseline, baseline
 
-    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args))
+    key = _key(f, "patching_sweep", metric, tag, tuple(t.site for t in targets), tuple(axes), size, batch_size)
+    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
     shape = (len(names),) if size is None else (len(names), size)
-    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline))
+    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline), skipped=skipped)
 
 
 # ---------------------------------------------------------------------------
@@ -546,7 +709,7 @@ def attribution_patching(
         array([[2., 4., 6.],
                [2., 4., 6.]], dtype=float32)
     """
-    targets, size = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
+    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
     axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
     patched = frozenset(path_str(t.site.name) for t in targets)
     planted = plant(f, tag=tag)
@@ -573,9 +736,10 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axis=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args))
+    key = _key(f, "attribution_patching", metric, tag, tuple(t.site for t in targets), tuple(axes))
+    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args), key)
     names, labels = _labels(targets, size)
-    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline))
+    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline), skipped=skipped)
 
 
 def _contract(clean, corrupt, grad, axis):

@@ -94,10 +94,13 @@ def stream(
 
 def _taps(jaxpr, tag, select, callback):
     """{site path: _Tap} for every streamed site."""
-    taps = {}
+    taps, names = {}, {}
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
+        if site.tag == tag:
+            names[path_str(site.name)] = None
         if site.tag == tag and site.mode != "cond_clobber" and select(site.name):
             taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
+    select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps
 

@@ -28,9 +28,10 @@ import jax
 
 from . import _jax
 from ._calling import is_array, make_jaxpr, split_nodes, write_back
+from ._inspect import sow_equations
 from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._rules.loops import occurrences
-from ._site import mode_label, path_str
+from ._site import Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
 
 
@@ -91,24 +92,43 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     closed, arrays, out_shape = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
     if staged and not _lowerable(closed.jaxpr):
         raise _Unlowerable
+    policy = static.policy
+    first = {}  # path -> rank of its first sow in program order
+    for eqn, _, _ in sow_equations(closed.jaxpr):
+        first.setdefault(Site.of(eqn).name, len(first))
     handled, filtered = {}, set()
     for site, _ in sites_in(closed.jaxpr):
-        if site.tag == static.policy.tag and not static.policy.handles(site):
+        if site.tag == policy.tag and not policy.handles(site):
             filtered.add(site.name)
-        if static.policy.handles(site):
+        if policy.handles(site):
             known = handled.setdefault(site.name, site)
             if known.mode != site.mode:
                 raise ValueError(
                     f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
                     f"{mode_label(known.mode)} and {mode_label(site.mode)}. Use one mode per name."
                 )
-    resolved = _resolve_plants(plants, handled, static.policy, filtered)
+    handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order, for messages
+    if policy.strict_names:
+        tagged = sorted(filtered.union(handled), key=first.__getitem__)
+        policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
+    resolved = _resolve_plants(plants, handled, policy, filtered)
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
-    scope = Scope(static.policy, resolved, static.reap)
+    scope = Scope(policy, resolved, static.reap)
     outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-    return out, _nested(scope.results()), changes
+    results = scope.results()
+    return out, _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}), changes
+
+
+class _InOrder(dict):
+    """Reaped values by path, in program order: a pytree whose key order is
+    static data, so it survives the jit (which would sort a dict's keys)."""
+
+
+jax.tree_util.register_pytree_node(
+    _InOrder, lambda d: (list(d.values()), tuple(d)), lambda keys, values: _InOrder(zip(keys, values))
+)
 
 
 def _walk_weak(fn_ref, dynamic, static):
@@ -145,7 +165,7 @@ def _call(f, policy, reap, plants, args, kwargs):
     if _jax.is_staging():
         # Already being staged (under jit, scan, ...): the outer trace is the
         # cache, and walking in place saves a nested jit for XLA to inline.
-        out, reaps, changes = _walk(fn, dynamic, static)
+        out, flat, changes = _walk(fn, dynamic, static)
     else:
         try:
             hash(static)
@@ -158,15 +178,15 @@ def _call(f, policy, reap, plants, args, kwargs):
         if fn in _eager_only:
             jitted = functools.partial(_walk, fn)
         try:
-            out, reaps, changes = jitted(dynamic, static)
+            out, flat, changes = jitted(dynamic, static)
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`
             # itself outside `jit`, and remember not to try compiling it again.
             _eager_only.add(fn)
-            out, reaps, changes = _walk(fn, dynamic, static)
+            out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
-    return out, reaps
+    return out, _nested(flat)
 
 
 # Functions whose walk cannot be compiled, because they bind a primitive
@@ -195,24 +215,32 @@ def _resolve_plants(plants, sites, policy, filtered):
             f"plants must be a dict mapping sown names to values, got {type(plants).__name__}."
         )
     resolved = {}
+    # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
+    dotted = {path_str(p): p for p in sites}
+    left_out = {path_str(p) for p in filtered}
 
     def visit(d, prefix):
         for key, value in d.items():
-            path = prefix + (key,)
-            if path in sites:
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if name in dotted:
+                path = dotted[name]
+                if path in resolved:
+                    raise ValueError(
+                        f"plants give {name!r} twice (once as a dotted name, once nested). Give it once."
+                    )
                 resolved[path] = Plant(sites[path], value)
-            elif isinstance(value, dict) and any(p[: len(path)] == path for p in sites):
-                visit(value, path)
-            elif policy.strict_plants and path in filtered:
+            elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
+                visit(value, name)
+            elif policy.strict_names and name in left_out:
                 raise KeyError(
-                    f"Cannot plant {path_str(path)!r}: it is sown with tag {policy.tag!r}, but "
+                    f"Cannot plant {name!r}: it is sown with tag {policy.tag!r}, but "
                     "this plant's allowlist/blocklist leaves it out. Drop it from the blocklist "
                     "(or add it to the allowlist), or leave it out of plants."
                 )
-            elif policy.strict_plants:
-                names = ", ".join(sorted(repr(path_str(p)) for p in sites)) or "none"
+            elif policy.strict_names:
+                names = ", ".join(repr(n) for n in dotted) or "none"
                 raise KeyError(
-                    f"Cannot plant {path_str(path)!r}: no sow site of tag {policy.tag!r} has that "
+                    f"Cannot plant {name!r}: no sow site of tag {policy.tag!r} has that "
                     f"name. Names sown with that tag: {names}."
                 )
 
@@ -283,8 +311,14 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
 
     Only sows of `tag` are read; sows of other tags pass through untouched.
     `allowlist`/`blocklist` take exact names, glob patterns (`"blocks.*"`) or
-    predicates on names. How occurrences accumulate is decided by each site's
-    mode (see `sow`). Nested `nest` scopes come back as nested dicts.
+    predicates on names; a string in `allowlist` that matches no site of `tag`
+    is an error listing the names there are (a predicate may match nothing).
+    How occurrences accumulate is decided by each site's mode (see `sow`):
+    under the default `"collect"`, each value is a tuple of occurrences, so
+    sow with `mode="strict"` to reap a site sown once as a plain array.
+    Nested `nest` scopes come back as nested dicts. Names come in program
+    order (by first occurrence), at every level; under an outer `jax.jit`,
+    JAX returns any dict with its keys sorted.
 
     Arguments are taken as `equinox.filter_jit` takes them, here and in every
     other transformation: JAX and NumPy arrays are traced; every other leaf
@@ -351,8 +385,9 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
     intervention: ablate, add a vector, patch a slice). A callable that
     requires a second positional argument is called as `fn(old, index)`, with
     the occurrence's row in what `reap` returns for the name (traced inside a
-    `scan`). Planting a name no site of `tag` has is an error that lists the
-    names there are.
+    `scan`). Names under `nest` scopes are given as nested dicts or as dotted
+    paths (`{"block.h": v}` is `{"block": {"h": v}}`). Planting a name no site
+    of `tag` has is an error that lists the names there are.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -418,9 +453,9 @@ def nest(f: Callable, *, scope: str) -> Callable:
         >>> def layer(x):
         ...     return sow(x * 2.0, name="out", mode="strict")
         >>> def f(x):
-        ...     return nest(layer, scope="l1")(nest(layer, scope="l2")(x))
+        ...     return nest(layer, scope="l2")(nest(layer, scope="l1")(x))
         >>> reap(f)(1.0)
-        {'l1': {'out': Array(4., dtype=float32, weak_type=True)}, 'l2': {'out': Array(2., dtype=float32, weak_type=True)}}
+        {'l1': {'out': Array(2., dtype=float32, weak_type=True)}, 'l2': {'out': Array(4., dtype=float32, weak_type=True)}}
     """
     _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:

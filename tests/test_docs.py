@@ -21,6 +21,8 @@ PAGES = [
     "how_it_works.md",
     "semantics.md",
     "guides/gradients.md",
+    "guides/reading_intermediates.md",
+    "guides/activation_patching.md",
     "guides/many_devices.md",
     "guides/unmodified_models.md",
     "guides/probabilistic_intervention.md",

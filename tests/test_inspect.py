@@ -1,5 +1,7 @@
 """sites (structure without running) and stream (host callbacks as sows fire)."""
 
+from html import parser as html_parser
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -195,3 +197,114 @@ def test_stream_bad_input():
         stream(scanned, "print")
     with pytest.raises(TypeError, match="allowlist"):
         stream(scanned, print, allowlist=[3])
+    with pytest.raises(ValueError, match=r"stream: allowlist entry 'fni\*' matches no sow site"):
+        stream(scanned, print, allowlist="fni*")(jnp.ones(3))
+
+
+# ---------------------------------------------------------------------------
+# The HTML structure view
+
+
+class _Outline(html_parser.HTMLParser):
+    """Reads a `Sites` HTML view back as nested (label, [items]) and site lines."""
+
+    def __init__(self):
+        super().__init__()
+        self.root = []
+        self.stack = [self.root]
+        self.span = None
+        self.line = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "details":
+            self.stack[-1].append(["?", []])
+            self.stack.append(self.stack[-1][-1][1])
+        elif tag == "span":
+            self.span = dict(attrs).get("class")
+        elif tag == "li":
+            self.line = {}
+
+    def handle_endtag(self, tag):
+        if tag == "details":
+            self.stack.pop()
+        elif tag == "li" and self.line:
+            self.stack[-1].append((self.line["name"], self.line["shape"], self.line["mode"], self.line["meta"]))
+            self.line = None
+        elif tag == "span":
+            self.span = None
+
+    def handle_data(self, data):
+        if self.span == "body" and len(self.stack) > 1:
+            parent = self.stack[-2][-1]
+            parent[0] = data
+        elif self.span and self.line is not None and self.span in ("name", "shape", "mode", "meta"):
+            self.line[self.span] = data
+
+
+def _outline(page):
+    parser = _Outline()
+    parser.feed(page)
+    (program,) = parser.root
+    return program
+
+
+def test_html_view_nests_each_site_in_its_body():
+    def f(xs):
+        def body(c, x):
+            c = jax.lax.cond(
+                x > 0, lambda c: sow(c, name="pos", mode="clobber"), lambda c: sow(-c, name="neg", mode="clobber"), c
+            )
+            return c + sow(x * c, name="step", mode="append"), None
+
+        a = jax.lax.scan(body, 1.0, xs)[0]
+        b = jax.lax.scan(body, a, xs[:3])[0]  # a second scan: its own block
+        return sow(jnp.stack([b, b]), name="total", mode="strict")
+
+    found = sites(jax.jit(f), jnp.zeros(12))
+
+    def scan(n):
+        return [
+            f"scan[{n}]",
+            [
+                ["cond[0]", [("neg", "float32[]", "clobber", f"× {n} · intermediates")]],
+                ["cond[1]", [("pos", "float32[]", "clobber", f"× {n} · intermediates")]],
+                ("step", "float32[]", "append", f"× {n} · intermediates"),
+            ],
+        ]
+
+    want = ["program", [["jit", [scan(12), scan(3), ("total", "float32[2]", "strict", "× 1 · intermediates")]]]]
+    assert _outline(found.to_html()) == want
+    assert _outline(found._repr_html_()) == want
+
+
+def test_html_view_writes_a_page_and_escapes_names(tmp_path):
+    found = sites(lambda x: sow(x, name="<b>&", tag="t&t") * 2.0, jnp.zeros((2, 3), jnp.int32))
+    page = found.to_html(tmp_path / "view.html")
+    assert (tmp_path / "view.html").read_text(encoding="utf-8") == page
+    assert _outline(page) == ["program", [("<b>&", "int32[2, 3]", "collect", "× 1 · t&t")]]
+    assert "<b>&" not in page
+
+
+def test_html_view_shows_every_op_of_an_instrumented_function():
+    from harvest import instrument
+
+    def f(x):
+        return jax.lax.scan(lambda c, _: (jnp.tanh(c) * 2.0, None), x, None, length=4)[0].sum()
+
+    found = sites(instrument(f, ops=True), jnp.ones(3))
+    outline = _outline(found.to_html())
+    (block,) = [it for it in outline[1] if isinstance(it, list)]
+    assert block[0] == "scan[4]"
+    assert [line[0] for line in block[1]] == ["tanh:0", "mul:0"]
+    assert [line[0] for line in outline[1] if isinstance(line, tuple)] == [s.name for s in found if s.where == ""]
+
+
+def test_html_view_of_a_hand_built_sites_nests_by_labels():
+    info = lambda name, where: SiteInfo("t", name, "strict", (2,), np.dtype("float32"), 3, where)  # noqa: E731
+    found = Sites([info("a", "jit › scan[3]"), info("b", "jit"), info("c", "")])
+    want = [
+        "program",
+        [["jit", [["scan[3]", [("a", "float32[2]", "strict", "× 3 · t")]], ("b", "float32[2]", "strict", "× 3 · t")]],
+         ("c", "float32[2]", "strict", "× 3 · t")],
+    ]
+    assert _outline(found.to_html()) == want

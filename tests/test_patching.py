@@ -16,6 +16,7 @@ from harvest import (
     ablate_zero,
     add_vector,
     attribution_patching,
+    nest,
     patch_positions,
     patching_sweep,
     plant,
@@ -260,7 +261,7 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, x_corrupt, metric)
     with pytest.raises(TypeError, match="clean must be the dict"):
         run(model, [1], (x_corrupt,), metric)
-    with pytest.raises(KeyError, match="no sow site of tag 'intermediates' is named 'nope'"):
+    with pytest.raises(ValueError, match="names= 'nope' matches no sow site of tag 'intermediates'"):
         run(model, clean, (x_corrupt,), metric, names=["nope"])
     with pytest.raises(KeyError, match="clean has no value for 'mix'"):
         run(model, {"embed": clean["embed"]}, (x_corrupt,), metric, names=["mix"])
@@ -268,8 +269,10 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, (x_corrupt,), metric, tag="absent")
     with pytest.raises(ValueError, match="expects float32\\[2, 5, 4\\]"):
         run(model, dict(clean, embed=clean["embed"][:1]), (x_corrupt,), metric, names=["embed"])
-    with pytest.raises(ValueError, match="axis 3 is out of range"):
+    with pytest.raises(ValueError, match="no site has an axis 3"):
         run(model, clean, (x_corrupt,), metric, axis=3)
+    with pytest.raises(ValueError, match="axis 3 is out of range"):
+        run(model, clean, (x_corrupt,), metric, names="embed", axis=3)
     with pytest.raises(TypeError, match="must return a scalar"):
         run(model, clean, (x_corrupt,), lambda out: out)
 
@@ -285,9 +288,41 @@ def test_looped_sites_must_be_append_and_sites_agree_on_size():
     def two_sizes(x):
         return sow(x, name="a", mode="strict").sum() + sow(x[:2], name="b", mode="strict").sum()
 
-    x = jnp.ones(3)
+    x = jnp.arange(3.0)
     with pytest.raises(ValueError, match="different sizes along axis 0"):
-        patching_sweep(two_sizes, reap(two_sizes)(x), (x,), lambda y: y, axis=0)
+        patching_sweep(two_sizes, reap(two_sizes)(x), (x,), lambda y: y, names="*", axis=0)
+    # Without names=, the odd size out is skipped, and the result says so.
+    r = patching_sweep(two_sizes, reap(two_sizes)(x), (jnp.zeros(3),), lambda y: y, axis=0)
+    assert r.names == ("a",) and r.skipped == ("b: size 2 along axis 0, not 3",)
+    np.testing.assert_allclose(r.values, [x])
+
+
+def test_names_take_globs_predicates_and_dotted_clean_values():
+    def layer(x, w):
+        return sow(jnp.tanh(sow(x * w, name="pre", mode="strict")), name="post", mode="strict")
+
+    def f(x):
+        for i in range(3):
+            x = nest(layer, scope=f"blocks{i}")(x, i + 1.0)
+        return sow(x.sum(), name="out", mode="strict")
+
+    x_clean, x_corrupt = jnp.linspace(-1.0, 1.0, 4), jnp.zeros(4)
+    clean = reap(f)(x_clean)
+    flat = {f"blocks{i}.{k}": clean[f"blocks{i}"][k] for i in range(3) for k in ("pre", "post")}
+    by_hand = {}  # every single patch, planted one at a time
+    for name, value in flat.items():
+        by_hand[name] = float(plant(f)({name: value}, x_corrupt).sum() - f(x_corrupt).sum())
+    for names, want in [
+        ("blocks*.post", ["blocks0.post", "blocks1.post", "blocks2.post"]),
+        (["blocks2.pre", "blocks0.*"], ["blocks2.pre", "blocks0.pre", "blocks0.post"]),
+        (lambda n: n.endswith("1.pre"), ["blocks1.pre"]),
+    ]:
+        for given in (clean, flat):  # dotted keys and nested dicts alike
+            r = patching_sweep(f, given, (x_corrupt,), jnp.sum, names=names)
+            assert r.names == tuple(want)
+            np.testing.assert_allclose(r.values, [by_hand[n] for n in want], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"'blocks\*.mid' matches no sow site.*'blocks0.pre', 'blocks0.post'"):
+        patching_sweep(f, clean, (x_corrupt,), jnp.sum, names=["blocks*.post", "blocks*.mid"])
 
 
 # ---------------------------------------------------------------------------
@@ -408,3 +443,84 @@ def test_benchmark_runs_at_tiny_size():
 
     ratios = run(size="tiny")
     assert ratios and all(r > 0 for r in ratios.values())
+
+
+# ---------------------------------------------------------------------------
+# Compiled once
+
+
+@pytest.mark.parametrize("run", [patching_sweep, attribution_patching])
+def test_repeated_sweeps_reuse_the_compiled_program(run):
+    traced = []
+
+    def metric(out):  # runs only while the sweep's program is traced
+        traced.append(1)
+        return jnp.sum(out)
+
+    def f(x, w):
+        h = sow(jnp.tanh(x @ w), name="h", mode="strict")
+        return sow(h * 2.0, name="g", mode="strict")
+
+    w = jax.random.normal(jax.random.key(0), (4, 4))
+    xs = [jax.random.normal(jax.random.key(i), (3, 4)) for i in range(1, 4)]
+    clean = reap(f)(xs[0], w)
+    first = run(f, clean, (xs[1], w), metric, axis=0)
+    n = len(traced)
+    assert n > 0
+    # Same function, names, axis and shapes, other data: no new trace, the values of the new data.
+    second = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), metric, axis=0)
+    assert len(traced) == n
+    reference = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), lambda out: jnp.sum(out), axis=0)  # a new metric compiles
+    np.testing.assert_allclose(second.values, reference.values, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(first.values, second.values)
+    # Per-position plants, one at a time, as the reference for the exact sweep.
+    if run is patching_sweep:
+        base = jnp.sum(f(xs[1] * 3.0, w))
+        clean2 = reap(f)(xs[2], w)
+        by_hand = [
+            [float(jnp.sum(plant(f)({n_: patch_positions(clean2[n_], p, axis=0)}, xs[1] * 3.0, w)) - base) for p in range(3)]
+            for n_ in ("h", "g")
+        ]
+        np.testing.assert_allclose(second.values, by_hand, rtol=1e-5, atol=1e-5)
+    # What retriggers compilation: other names, another axis, other shapes.
+    run(f, clean, (xs[1], w), metric, names="h", axis=0)
+    assert len(traced) > n
+    n = len(traced)
+    run(f, clean, (xs[1], w), metric, axis=1)
+    assert len(traced) > n
+    n = len(traced)
+    run(f, reap(f)(xs[0][:2], w), (xs[1][:2], w), metric, axis=0)
+    assert len(traced) > n
+
+
+def test_a_cached_sweep_does_not_keep_its_function_alive():
+    import gc
+    import weakref
+
+    def make():
+        return lambda x: sow(x * 2.0, name="h", mode="strict").sum()
+
+    f = make()
+    x = jnp.arange(3.0)
+    patching_sweep(f, reap(f)(x), (x * 0.0,), lambda y: y, axis=0)
+    ref = weakref.ref(f)
+    del f
+    gc.collect()
+    assert ref() is None
+
+
+def test_a_module_as_f_sees_weights_changed_in_place():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Scale(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(3))
+
+        def __call__(self, x):
+            return sow(x * self.w[...], name="h", mode="strict").sum()
+
+    module, x = Scale(), jnp.arange(3.0)
+    for w in (1.0, 2.0):
+        module.w[...] = jnp.full(3, w)  # the same object, trained in place between sweeps
+        r = patching_sweep(module, reap(module)(x), (x * 0.0,), lambda y: y, axis=0)
+        np.testing.assert_allclose(r.values, [np.asarray(x * w)])

@@ -263,7 +263,7 @@ ALL = {"enc.a": X + 1.0, "enc.b": X + 2.0, "dec.a": X + 3.0, "head": X + 4.0}
         (dict(blocklist=["enc.*"]), ["dec.a", "head"]),
         (dict(blocklist=[lambda n: "." in n]), ["head"]),
         (dict(allowlist=["enc.*", "head"], blocklist=["enc.b"]), ["enc.a", "head"]),
-        (dict(allowlist=["nothing*"]), []),
+        (dict(allowlist=lambda n: n.startswith("nothing")), []),
     ],
 )
 def test_allow_block_lists(kw, keys):
@@ -271,6 +271,33 @@ def test_allow_block_lists(kw, keys):
     close(reap(many, **kw)(X), {k: ALL[k] for k in keys})
     # call_and_reap filters the same way
     close(call_and_reap(many, **kw)(X)[1], {k: ALL[k] for k in keys})
+
+
+@pytest.mark.parametrize("allowlist", ["haed", ["head", "enc.c"], ["nothing*"], ["enc.*", "*.z"]])
+@pytest.mark.parametrize("transform", [reap, call_and_reap])
+def test_allowlist_strings_that_match_nothing_list_the_names(allowlist, transform):
+    # A typo must not silently reap {}: each string entry has to match a site,
+    # and the message lists the names there are, in program order.
+    with pytest.raises(ValueError, match=r"matches no sow site.*'enc.a', 'enc.b', 'dec.a', 'head'"):
+        transform(many, allowlist=allowlist)(X)
+    # The same under an outer jit (the walk then runs in place).
+    with pytest.raises(ValueError, match=r"matches no sow site"):
+        jax.jit(transform(many, allowlist=allowlist))(X)
+
+
+def test_allowlist_check_is_per_tag_and_spares_predicates_and_blocklists():
+    def f(x):
+        sow(x, name="a", tag="other", mode="strict")
+        return sow(x + 1.0, name="b", mode="strict")
+
+    with pytest.raises(ValueError, match=r"'a' matches no sow site of tag 'intermediates'.*: 'b'"):
+        reap(f, allowlist="a")(X)
+    close(reap(f, tag="other", allowlist="a")(X), {"a": X})
+    # A predicate may select nothing (a site behind a Python flag); a blocklist may block nothing.
+    assert reap(f, allowlist=lambda n: n == "a")(X) == {}
+    close(reap(f, blocklist=["zzz"])(X), {"b": X + 1.0})
+    with pytest.raises(ValueError, match=r"'zz\*' matches no sow site"):
+        plant(f, allowlist="zz*")({}, X)
 
 
 def test_plant_respects_blocklist_of_unplanted_names():
@@ -402,3 +429,62 @@ def test_collect_plant_of_a_tuple_valued_sow():
     close(plant(f)({"pair": reap(f)(1.5)["pair"]}, 1.5), f(1.5))
     with pytest.raises(ValueError, match=r"(?s)'pair'.*has 3 entries.*2 entries"):
         plant(f)({"pair": two + two[:1]}, 1.0)
+
+
+# ---------------------------------------------------------------------------
+# Program order, and dotted names
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    names=st.lists(st.text("abcxyz", min_size=1, max_size=3), min_size=1, max_size=6, unique=True),
+    inner=st.sampled_from(["plain", "jit", "scan", "cond"]),
+)
+def test_reaped_dicts_come_in_program_order(names, inner):
+    # The reference is the order the sows were written in; jit's dict
+    # flattening (which sorts keys) must not leak through.
+    def body(x):
+        for i, n in enumerate(names):
+            x = sow(x + i, name=n, mode="clobber")
+        return x
+
+    def wrapped(x):
+        if inner == "jit":
+            return jax.jit(body)(x)
+        if inner == "scan":
+            return jax.lax.scan(lambda c, _: (body(c), None), x, None, length=2)[0]
+        if inner == "cond":
+            return jax.lax.cond(x[0] > 0, body, lambda x: body(x * 2.0), x)
+        return body(x)
+
+    def f(x):
+        x = sow(x, name="~first", mode="strict")
+        x = nest(wrapped, scope="mid")(x)
+        return sow(x, name="!last", mode="strict")
+
+    reaped = reap(f)(X)
+    assert list(reaped) == ["~first", "mid", "!last"]
+    assert list(reaped["mid"]) == names
+    assert list(call_and_reap(f)(X)[1]["mid"]) == names
+    assert list(harvest(f)({"~first": X}, X)[1]) == ["mid", "!last"]
+
+
+def test_plants_take_dotted_names_and_nested_dicts_alike():
+    def layer(x):
+        return sow(x * 2.0, name="resid", mode="strict")
+
+    def f(x):
+        x = nest(nest(layer, scope="attn"), scope="blocks1")(x)
+        return sow(x + 1.0, name="head", mode="strict")
+
+    five = jnp.full_like(X, 5.0)
+    want = five + 1.0
+    for plants in [{"blocks1.attn.resid": five}, {"blocks1": {"attn.resid": five}}, {"blocks1": {"attn": {"resid": five}}}]:
+        close(plant(f)(plants, X), want)
+        out, reaps = harvest(f)(plants, X)
+        close(out, want)
+        close(reaps, {"head": want})
+    with pytest.raises(ValueError, match="twice"):
+        plant(f)({"blocks1.attn.resid": five, "blocks1": {"attn": {"resid": five}}}, X)
+    with pytest.raises(KeyError, match=r"'blocks1.attn.res'.*'blocks1.attn.resid', 'head'"):
+        plant(f)({"blocks1.attn.res": five}, X)

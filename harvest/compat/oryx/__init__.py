@@ -101,7 +101,7 @@ def _policy(tag, allowlist, blocklist, exclusive):
     # As in oryx, a sow of `tag` that the allowlist/blocklist filters out is
     # removed: enclosing transformations of `tag` do not see it either.
     select = NameFilter.make(allowlist, tuple(blocklist))
-    return Policy(tag, select, exclusive=exclusive, strict_plants=False, drop_filtered=True)
+    return Policy(tag, select, exclusive=exclusive, strict_names=False, drop_filtered=True)
 
 
 def call_and_reap(

@@ -1,0 +1,90 @@
+"""Heatmap panels for patching results and attention patterns (matplotlib, imported lazily).
+
+Panels share one colour scale and one colourbar, and the figure uses
+matplotlib's constrained layout sized from the longest tick label, so long
+site names never run into a neighbouring panel or the colourbar.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def heatmaps(grids, *, titles, row_labels, col_labels, xlabel, ylabel, cmap, vmin, vmax, cbar_label, ax=None, **imshow_kwargs):
+    """Draws each 2-D grid as a panel on one shared scale; returns the list of axes."""
+    import matplotlib.pyplot as plt  # lazily: plotting is optional
+
+    rows, cols = grids[0].shape
+    if ax is None:
+        label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
+        width = label_width + len(grids) * (0.8 + 0.3 * cols) + 1.2
+        _, axes = plt.subplots(
+            1, len(grids), figsize=(width, 1.4 + 0.35 * rows), squeeze=False, layout="constrained"
+        )
+        axes = list(axes[0])
+    else:
+        axes = [ax] if len(grids) == 1 else list(ax)
+    for i, (grid, axis) in enumerate(zip(grids, axes)):
+        image = axis.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", **imshow_kwargs)
+        # Only the first panel names the rows, unless the panels are on separate figures' axes.
+        axis.set_yticks(range(rows), row_labels if i == 0 else [""] * rows)
+        if col_labels is None:
+            axis.set_xticks([])
+        else:
+            axis.set_xticks(range(cols), [str(c) for c in col_labels], rotation=90 if cols > 12 else 0)
+            axis.set_xlabel(xlabel)
+        if ylabel and i == 0:
+            axis.set_ylabel(ylabel)
+        if titles[i] is not None:
+            axis.set_title(titles[i])
+    axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
+    return axes
+
+
+def plot_attention(pattern, tokens=None, *, heads=None, title=None, cmap="Blues"):
+    """Draws an attention pattern, one panel per head (query × key), on one scale from 0.
+
+    `pattern` is `[heads, query, key]` -- e.g. a pattern site as `reap`
+    returns it: a `collect` 1-tuple or a leading batch axis of size 1 is
+    taken off. `tokens` labels both axes; `heads` picks which heads to draw.
+    Returns the list of axes.
+
+    Example:
+        >>> import matplotlib; matplotlib.use("Agg")
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import plot_attention
+        >>> scores = jnp.arange(2 * 3 * 3.0).reshape(2, 3, 3)
+        >>> axes = plot_attention(jax.nn.softmax(scores, -1), tokens=["a", "b", "c"])
+        >>> [ax.get_title() for ax in axes]
+        ['head 0', 'head 1']
+    """
+    if isinstance(pattern, tuple) and len(pattern) == 1:
+        pattern = pattern[0]
+    pattern = np.asarray(pattern)
+    if pattern.ndim == 4 and pattern.shape[0] == 1:
+        pattern = pattern[0]
+    if pattern.ndim != 3:
+        raise ValueError(
+            f"plot_attention needs a pattern of shape [heads, query, key], got shape {pattern.shape}. "
+            "Index the example to draw, e.g. plot_attention(reaped['pattern'][0][i])."
+        )
+    heads = range(pattern.shape[0]) if heads is None else list(heads)
+    if tokens is not None and len(tokens) != pattern.shape[2]:
+        raise ValueError(f"plot_attention: {len(tokens)} tokens for {pattern.shape[2]} key positions.")
+    labels = range(pattern.shape[1]) if tokens is None else tokens
+    grids = [pattern[h] for h in heads]
+    axes = heatmaps(
+        grids,
+        titles=[f"head {h}" for h in heads],
+        row_labels=list(labels)[: pattern.shape[1]],
+        col_labels=list(range(pattern.shape[2]) if tokens is None else tokens),
+        xlabel="key",
+        ylabel="query",
+        cmap=cmap,
+        vmin=0.0,
+        vmax=float(max(np.max(g) for g in grids)) or 1.0,
+        cbar_label="attention",
+    )
+    if title is not None:
+        axes[0].figure.suptitle(title)
+    return axes

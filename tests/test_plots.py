@@ -1,0 +1,94 @@
+"""PatchingResult views (normalized, shared scales, layout) and plot_attention."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import numpy as np
+import pytest
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from harvest import PatchingResult, patching_sweep, plot_attention, reap, sow  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def result(values, names=None):
+    values = np.asarray(values, np.float32)
+    names = names or tuple(f"blocks.{i}.attn.hook_result_long_name" for i in range(values.shape[0]))
+    return PatchingResult(values, names, np.arange(values.shape[1]), axis=1, baseline=0.5)
+
+
+def test_normalized_divides_by_the_clean_corrupt_gap_of_a_real_sweep():
+    def f(x):
+        h = sow(2.0 * x, name="h", mode="strict")
+        return sow(h + 1.0, name="g", mode="strict")
+
+    clean_x, corrupt_x = jnp.array([1.0, 2.0, 3.0]), jnp.zeros(3)
+    r = patching_sweep(f, reap(f)(clean_x), (corrupt_x,), jnp.sum, axis=0)
+    clean_metric, corrupt_metric = float(jnp.sum(f(clean_x))), float(jnp.sum(f(corrupt_x)))
+    n = r.normalized(clean_metric)
+    np.testing.assert_allclose(n.values, r.values / (clean_metric - corrupt_metric), rtol=1e-6)
+    # Each position carries its share of the gap; together they close it.
+    np.testing.assert_allclose(n.values.sum(1), [1.0, 1.0], rtol=1e-6)
+    assert n.measure == "fraction of clean-corrupt gap" and r.measure == "effect on metric"
+    with pytest.raises(ValueError, match="no gap"):
+        r.normalized(corrupt_metric)
+
+
+def test_panels_share_one_scale_and_one_colourbar():
+    a, b = result([[1.0, -2.0], [0.5, 0.0]]), result([[4.0, 0.0], [0.0, -1.0]])
+    axes = PatchingResult.plot_many([a, b], titles=["a", "b"])
+    assert [ax.images[0].get_clim() for ax in axes] == [(-4.0, 4.0), (-4.0, 4.0)]
+    fig = axes[0].figure
+    assert len(fig.axes) == 3  # two panels and one colourbar
+    assert fig.axes[2].get_ylabel() == "effect on metric"
+    np.testing.assert_array_equal(axes[1].images[0].get_array(), b.values)
+    assert a.plot(vmax=10.0).images[0].get_clim() == (-10.0, 10.0)
+    with pytest.raises(ValueError, match="same sites"):
+        PatchingResult.plot_many([a, result([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])])
+
+
+@pytest.mark.parametrize("positions,panels", [(3, 1), (20, 2), (40, 3)])
+def test_no_label_overlaps_another_panel_or_the_colourbar(positions, panels):
+    rng = np.random.default_rng(0)
+    names = tuple(f"blocks.{i}.attn.{'z' * (3 * i)}" for i in range(6))
+    results = [result(rng.normal(size=(6, positions)), names) for _ in range(panels)]
+    axes = PatchingResult.plot_many(results, titles=[f"panel {i}" for i in range(panels)])
+    fig = axes[0].figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = []  # (owner, bbox) of every label and every axes' drawing area
+    for i, ax in enumerate(fig.axes):
+        boxes.append((i, ax.get_window_extent(renderer)))
+        for label in [*ax.get_yticklabels(), *ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]:
+            if label.get_text():
+                boxes.append((i, label.get_window_extent(renderer)))
+    figure_box = fig.bbox
+    for (i, box), (j, other) in itertools.combinations(boxes, 2):
+        if i != j:
+            assert not box.overlaps(other), (i, j, box, other)
+    for _, box in boxes:
+        assert figure_box.x0 - 1 <= box.x0 and box.x1 <= figure_box.x1 + 1
+
+
+def test_plot_attention_draws_each_head_on_one_scale():
+    scores = jax.random.normal(jax.random.key(0), (1, 3, 4, 4))
+    pattern = jax.nn.softmax(scores, -1)
+    axes = plot_attention((pattern,), tokens=["The", "cat", "sat", "."], heads=[0, 2])
+    assert [ax.get_title() for ax in axes] == ["head 0", "head 2"]
+    np.testing.assert_allclose(axes[1].images[0].get_array(), np.asarray(pattern[0, 2]))
+    top = float(jnp.max(pattern[0, jnp.array([0, 2])]))
+    assert [ax.images[0].get_clim() for ax in axes] == [(0.0, pytest.approx(top))] * 2
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["The", "cat", "sat", "."]
+    with pytest.raises(ValueError, match=r"\[heads, query, key\]"):
+        plot_attention(pattern[0, 0])
+    with pytest.raises(ValueError, match="3 tokens for 4 key positions"):
+        plot_attention(pattern[0], tokens=["a", "b", "c"])
