@@ -43,7 +43,7 @@ def _eval(jaxpr, consts, state, args, handlers):
                 "the handled operations out of the loop or branch."
             )
         else:
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars], state

@@ -215,7 +215,7 @@ def _eval_inlined(jaxpr, consts, args):
                 body, body_consts = call_body(eqn)
                 outs = _eval_inlined(body, body_consts, invals)
             else:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
                 outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
@@ -261,7 +261,7 @@ class Known:
 
 def bind_eqn(eqn, invals):
     with _jax.eqn_context(eqn):
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+        outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
     return outs if eqn.primitive.multiple_results else [outs]
 
 
