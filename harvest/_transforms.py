@@ -169,13 +169,11 @@ def _call(f, policy, reap, plants, args, kwargs):
     else:
         try:
             hash(static)
-            jitted = _jit_for(fn)
+            jitted = functools.partial(_walk, fn) if fn in _eager_only else _jit_for(fn)
         except TypeError:
             # An unhashable non-array argument (a mutable config object, say), or
             # a function that cannot be weakly referenced: still correct, just
             # traced at every call, with nothing cached that could go stale.
-            jitted = functools.partial(_walk, fn)
-        if fn in _eager_only:
             jitted = functools.partial(_walk, fn)
         try:
             out, flat, changes = jitted(dynamic, static)
