@@ -6,9 +6,12 @@ from typing import Callable
 
 from ._sow import DEFAULT_TAG
 from ._transforms import call_and_reap
+from ._typing import NameSelect, P, R, Reaped
 
 
-def capture(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+def capture(
+    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+) -> Callable[P, tuple[R, Reaped]]:
     """Returns a function that runs `f` and also returns what it sowed.
 
     `capture(f)(*args)` gives `(out, collected)`, where `collected` maps each

@@ -46,7 +46,7 @@ class SiteInfo:
     where: str
 
 
-class Sites(list):
+class Sites(list[SiteInfo]):
     """A list of `SiteInfo` that prints as a table.
 
     Example:
@@ -58,6 +58,7 @@ class Sites(list):
     """
 
     COLUMNS = ("tag", "name", "mode", "shape", "dtype", "fires", "where")
+    _blocks: list[Any]  # set by `sites`: each site's nest-scope keys, for the HTML view
 
     def names(self):
         """The distinct names, in program order."""

@@ -30,7 +30,7 @@ from jax._src import core as _src_core
 from jax._src import config as _config
 from jax._src import effects as _effects
 from jax._src.interpreters import partial_eval as _pe
-from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED
+from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
@@ -43,10 +43,10 @@ Jaxpr = _core.Jaxpr
 ClosedJaxpr = _core.ClosedJaxpr
 Literal = _core.Literal
 Var = _core.Var
-Effect = getattr(_core, "Effect", None) or _effects.Effect
+Effect = _effects.Effect  # what jax.extend.core exports as Effect, where it does
 
 # `jit` is staged as `jit_p` (named "pjit" in older releases, exported as pjit_p).
-jit_p = getattr(_primitives, "jit_p", None) or _primitives.pjit_p
+jit_p = getattr(_primitives, "jit_p", None) or _primitives.pjit_p  # type: ignore[attr-defined]  # older JAX only
 remat_p = _primitives.remat_p  # named "checkpoint" or "remat2" depending on the release
 closed_call_p = _primitives.closed_call_p
 custom_jvp_call_p = _primitives.custom_jvp_call_p

@@ -3,22 +3,24 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 
 from ._sow import DEFAULT_TAG, _check_name, sow
+from ._typing import T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _perturb(value, name, tag):
+def _perturb(value: Any, name: str, tag: str) -> Any:
     return value
 
 
-def _perturb_fwd(value, name, tag):
+def _perturb_fwd(value: Any, name: str, tag: str) -> tuple[Any, None]:
     return value, None
 
 
-def _perturb_bwd(name, tag, _, cotangent):
+def _perturb_bwd(name: str, tag: str, _: None, cotangent: Any) -> tuple[Any]:
     # The backward rule is traced into the gradient's jaxpr, so this sow is an
     # ordinary site there: `reap(jax.grad(f))` finds it.
     return (sow(cotangent, name=name, tag=tag),)
@@ -27,7 +29,7 @@ def _perturb_bwd(name, tag, _, cotangent):
 _perturb.defvjp(_perturb_fwd, _perturb_bwd)
 
 
-def perturb(value, *, name, tag=DEFAULT_TAG):
+def perturb(value: T, *, name: str, tag: str = DEFAULT_TAG) -> T:
     """Identity on `value`; under differentiation, sows the cotangent reaching it.
 
     Reap a differentiated function (`reap(jax.grad(loss))`) to read the gradient
@@ -48,4 +50,5 @@ def perturb(value, *, name, tag=DEFAULT_TAG):
         Array([18., 36.], dtype=float32)
     """
     _check_name(name, tag)
-    return _perturb(value, name, tag)
+    out: T = _perturb(value, name, tag)
+    return out

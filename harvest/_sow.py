@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import jax
 import numpy as np
 
 from ._primitive import sow_p
+from ._typing import SowMode, T
 
 DEFAULT_TAG = "intermediates"
 PUBLIC_MODES = ("collect", "strict", "append", "clobber")
 
 
-def _check_name(name, tag):
+def _check_name(name: object, tag: object) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"sow needs `name` to be a non-empty string, got {name!r}.")
     if not isinstance(tag, str) or not tag:
         raise TypeError(f"sow needs `tag` to be a non-empty string, got {tag!r}.")
 
 
-def non_array(value):
+def non_array(value: Any) -> tuple[str, Any] | None:
     """(where in `value`, leaf) for its first leaf that is not an array, or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
@@ -28,7 +30,7 @@ def non_array(value):
     return None
 
 
-def _leaves(value, name, tag):
+def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
     bad = non_array(value)
     if bad is not None:
         raise TypeError(
@@ -39,7 +41,7 @@ def _leaves(value, name, tag):
     return jax.tree_util.tree_flatten(value)
 
 
-def sow(value, *, name, tag=DEFAULT_TAG, mode="collect"):
+def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect") -> T:
     """Tag `value` as `name` under `tag`, and return it unchanged.
 
     Outside a harvest, `sow` is the identity (it lowers to nothing under `jit`).
@@ -68,10 +70,11 @@ def sow(value, *, name, tag=DEFAULT_TAG, mode="collect"):
         )
     leaves, tree = _leaves(value, name, tag)
     out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=mode, tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+    sown: T = jax.tree_util.tree_unflatten(tree, out)
+    return sown
 
 
-def sow_cond(value, pred, *, name, tag=DEFAULT_TAG):
+def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
     """Sow `value` only where the scalar boolean `pred` is true.
 
     The reaped value is the last occurrence whose `pred` held (zeros if none did),
@@ -98,4 +101,5 @@ def sow_cond(value, pred, *, name, tag=DEFAULT_TAG):
         )
     leaves, tree = _leaves(value, name, tag)
     out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+    sown: T = jax.tree_util.tree_unflatten(tree, out)
+    return sown

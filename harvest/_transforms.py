@@ -22,7 +22,7 @@ import inspect
 import numbers
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Concatenate
 
 import jax
 
@@ -33,6 +33,7 @@ from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
 from ._rules.loops import occurrences
 from ._site import Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
+from ._typing import NameSelect, P, Plants, R, Reaped
 
 
 def _is_traced(leaf, data):
@@ -93,10 +94,11 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     if staged and not _lowerable(closed.jaxpr):
         raise _Unlowerable
     policy = static.policy
-    first = {}  # path -> rank of its first sow in program order
+    first: dict[tuple, int] = {}  # path -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(closed.jaxpr):
         first.setdefault(Site.of(eqn).name, len(first))
-    handled, filtered = {}, set()
+    handled: dict[tuple, Site] = {}
+    filtered = set()
     for site, _ in sites_in(closed.jaxpr):
         if site.tag == policy.tag and not policy.handles(site):
             filtered.add(site.name)
@@ -304,7 +306,9 @@ def _plants_first(g, f):
     return g
 
 
-def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+def reap(
+    f: Callable[P, Any], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+) -> Callable[P, Reaped]:
     """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
 
     Only sows of `tag` are read; sows of other tags pass through untouched.
@@ -355,7 +359,9 @@ def reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None)
     return reaped
 
 
-def call_and_reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+def call_and_reap(
+    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+) -> Callable[P, tuple[R, Reaped]]:
     """Like `reap`, but the function returns `(f's output, {name: value})`.
 
     Example:
@@ -374,7 +380,9 @@ def call_and_reap(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blockl
     return called
 
 
-def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+def plant(
+    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+) -> Callable[Concatenate[Plants, P], R]:
     """Returns `g(plants, *args, **kwargs)`: `f` with the planted sows replaced.
 
     `plants` maps names to replacement values, shaped as `reap` returns them
@@ -414,7 +422,9 @@ def plant(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None
     return _plants_first(planted, f)
 
 
-def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=None) -> Callable:
+def harvest(
+    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns `g(plants, *args, **kwargs) -> (out, reaps)`: plant and reap in one walk.
 
     `reaps` holds the names of `tag` that were not planted.
@@ -440,7 +450,7 @@ def harvest(f: Callable, *, tag: str = DEFAULT_TAG, allowlist=None, blocklist=No
     return _plants_first(harvested, f)
 
 
-def nest(f: Callable, *, scope: str) -> Callable:
+def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     """Puts every name sown inside `f` (of any tag) under `scope`.
 
     Reaped values come back as `{scope: {name: value}}`, and plants are given
