@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import html
 import pathlib
-from typing import Any, Iterator
+import os
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -60,7 +61,7 @@ class Sites(list[SiteInfo]):
     COLUMNS = ("tag", "name", "mode", "shape", "dtype", "fires", "where")
     _blocks: list[Any]  # set by `sites`: each site's nest-scope keys, for the HTML view
 
-    def names(self):
+    def names(self) -> list[str]:
         """The distinct names, in program order."""
         return list(dict.fromkeys(s.name for s in self))
 
@@ -69,7 +70,7 @@ class Sites(list[SiteInfo]):
         dtype = jax.tree_util.tree_map(lambda d: d.name, info.dtype)
         return (info.tag, info.name, info.mode, str(info.shape), str(dtype), fires, info.where)
 
-    def __str__(self):
+    def __str__(self) -> str:
         if not self:
             return "(no sow sites)"
         rows = [self.COLUMNS] + [self._cells(s) for s in self]
@@ -82,10 +83,10 @@ class Sites(list[SiteInfo]):
     def _repr_pretty_(self, printer, cycle):
         printer.text(str(self))
 
-    def _repr_html_(self):
+    def _repr_html_(self) -> str:
         return _html_view(self)
 
-    def to_html(self, path=None) -> str:
+    def to_html(self, path: str | os.PathLike[str] | None = None) -> str:
         """The program's structure as one self-contained HTML page; written to `path` if given.
 
         Every site sits in its nesting (`jit › scan[12] › cond[1]`), each body a
@@ -188,7 +189,7 @@ def _html_view(found):
     )
 
 
-def sites(f, *args, tag=None, **kwargs) -> Sites:
+def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: Any) -> Sites:
     """Lists every sow site of `f(*args, **kwargs)`, without running `f`.
 
     `f` is traced with `jax.make_jaxpr`: array arguments (or

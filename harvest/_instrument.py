@@ -34,6 +34,7 @@ from ._interpreter import NameFilter
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
+from ._typing import NameSelect, P, R
 
 
 # ---------------------------------------------------------------------------
@@ -364,7 +365,7 @@ def _with_linen(call, f, *args, **kwargs):
         return f(*args, **kwargs)
 
 
-def instrument(target: Callable, *, tag: str = "modules", ops: bool = False, where=None) -> Callable:
+def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = False, where: NameSelect = None) -> Callable[P, R]:
     """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
 
     The result is called exactly as `target` is and returns the same values

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence, SupportsFloat
 
 import jax
 import jax.numpy as jnp
@@ -26,12 +26,18 @@ from ._interpreter import NameFilter
 from ._site import ROW_MODES, Site, mode_label, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant, reap
+from ._typing import NameSelect, Reaped, T, dataclass_transform
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+    from matplotlib.axes import Axes
 
 # ---------------------------------------------------------------------------
 # Interventions: callables old -> new, usable as planted values.
 
 
-def _pytree_dataclass(data, meta=()):
+@dataclass_transform(frozen_default=True)
+def _pytree_dataclass(data: tuple[str, ...], meta: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True)(cls)
         return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
@@ -119,7 +125,7 @@ def _along(mask, axis, ndim):
     return jnp.reshape(mask, shape)
 
 
-def ablate_zero():
+def ablate_zero() -> Callable[[Any], Any]:
     """An intervention replacing the sown value by zeros.
 
     Example:
@@ -132,7 +138,7 @@ def ablate_zero():
     return _Zero()
 
 
-def ablate_mean(mean):
+def ablate_mean(mean: ArrayLike) -> Callable[[Any], Any]:
     """An intervention replacing the sown value by `mean`, broadcast to its shape.
 
     `mean` is typically the site's value averaged over a reference batch, e.g.
@@ -149,7 +155,7 @@ def ablate_mean(mean):
     return _Mean(mean)
 
 
-def add_vector(vector, scale=1.0):
+def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any]:
     """An intervention adding `scale * vector` to the sown value (activation steering).
 
     Example:
@@ -162,7 +168,7 @@ def add_vector(vector, scale=1.0):
     return _AddVector(vector, jnp.asarray(scale))
 
 
-def patch_positions(clean, positions, axis):
+def patch_positions(clean: ArrayLike, positions: ArrayLike, axis: int) -> Callable[[Any], Any]:
     """An intervention taking `clean` at `positions` along `axis`, the old value elsewhere.
 
     `clean` has the site's shape (e.g. its value reaped from a clean run);
@@ -234,14 +240,14 @@ class PatchingResult:
     """
 
     values: np.ndarray
-    names: tuple
+    names: tuple[str, ...]
     positions: np.ndarray | None
     axis: int | None
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
-    skipped: tuple = ()  # sites left out of a sweep without names=, each with the reason
+    skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
 
-    def normalized(self, clean_metric):
+    def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
 
         1 means the patch restores the clean run's metric, 0 that it does
@@ -265,7 +271,9 @@ class PatchingResult:
     def _grid(self):
         return self.values if self.positions is not None else self.values[:, None]
 
-    def plot(self, ax=None, title=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
+    def plot(
+        self, ax: Axes | None = None, title: str | None = None, cmap: str = "RdBu_r", vmax: float | None = None, **imshow_kwargs: Any
+    ) -> Axes:
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
 
         `vmax` fixes the colour scale (default: the largest magnitude); use
@@ -282,7 +290,15 @@ class PatchingResult:
         return PatchingResult.plot_many([self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs)[0]
 
     @staticmethod
-    def plot_many(results, titles=None, *, ax=None, cmap="RdBu_r", vmax=None, **imshow_kwargs):
+    def plot_many(
+        results: Sequence[PatchingResult],
+        titles: Sequence[str | None] | None = None,
+        *,
+        ax: Axes | Sequence[Axes] | None = None,
+        cmap: str = "RdBu_r",
+        vmax: float | None = None,
+        **imshow_kwargs: Any,
+    ) -> list[Axes]:
         """Draws several results side by side on one colour scale with one colourbar; returns the axes.
 
         The results must have the same rows (sites) and columns; the figure is
@@ -561,10 +577,10 @@ def _key(f, *spec):
     return (weakref.ref(f), *spec) if inspect.isfunction(f) else None
 
 
-def _labels(targets, size):
+def _labels(targets: list[_Target], size: int | None) -> tuple[tuple[str, ...], np.ndarray | None]:
     """One name per row: a looped site's occurrences are `name[0]` ... `name[k-1]`."""
     positions = None if size is None else np.arange(size)
-    names = []
+    names: list[str] = []
     for t in targets:
         name = path_str(t.site.name)
         names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
@@ -576,13 +592,13 @@ def _labels(targets, size):
 
 
 def patching_sweep(
-    f: Callable,
-    clean: dict,
-    corrupted_args: tuple,
-    metric: Callable,
+    f: Callable[..., Any],
+    clean: Reaped,
+    corrupted_args: tuple[Any, ...],
+    metric: Callable[[Any], ArrayLike],
     *,
     tag: str = DEFAULT_TAG,
-    names=None,
+    names: NameSelect = None,
     axis: int | None = None,
     batch_size: int | None = None,
 ) -> PatchingResult:
@@ -677,13 +693,13 @@ def patching_sweep(
 
 
 def attribution_patching(
-    f: Callable,
-    clean: dict,
-    corrupted_args: tuple,
-    metric: Callable,
+    f: Callable[..., Any],
+    clean: Reaped,
+    corrupted_args: tuple[Any, ...],
+    metric: Callable[[Any], ArrayLike],
     *,
     tag: str = DEFAULT_TAG,
-    names=None,
+    names: NameSelect = None,
     axis: int | None = None,
 ) -> PatchingResult:
     """The first-order estimate of every patch `patching_sweep` would make, from one backward pass.

@@ -7,10 +7,30 @@ site names never run into a neighbouring panel or the colourbar.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
+
 import numpy as np
 
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+    from matplotlib.axes import Axes
 
-def heatmaps(grids, *, titles, row_labels, col_labels, xlabel, ylabel, cmap, vmin, vmax, cbar_label, ax=None, **imshow_kwargs):
+
+def heatmaps(
+    grids: Sequence[np.ndarray],
+    *,
+    titles: Sequence[str | None],
+    row_labels: Sequence[Any],
+    col_labels: Iterable[Any] | None,
+    xlabel: str,
+    ylabel: str | None,
+    cmap: str,
+    vmin: float,
+    vmax: float,
+    cbar_label: str,
+    ax: Axes | Sequence[Axes] | None = None,
+    **imshow_kwargs: Any,
+) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale; returns the list of axes."""
     import matplotlib.pyplot as plt  # lazily: plotting is optional
 
@@ -18,12 +38,12 @@ def heatmaps(grids, *, titles, row_labels, col_labels, xlabel, ylabel, cmap, vmi
     if ax is None:
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
         width = label_width + len(grids) * (0.8 + 0.3 * cols) + 1.2
-        _, axes = plt.subplots(
+        _, grid_of_axes = plt.subplots(
             1, len(grids), figsize=(width, 1.4 + 0.35 * rows), squeeze=False, layout="constrained"
         )
-        axes = list(axes[0])
+        axes: list[Axes] = list(grid_of_axes[0])
     else:
-        axes = [ax] if len(grids) == 1 else list(ax)
+        axes = [cast("Axes", ax)] if len(grids) == 1 else list(cast("Sequence[Axes]", ax))
     for i, (grid, axis) in enumerate(zip(grids, axes)):
         image = axis.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", **imshow_kwargs)
         # Only the first panel names the rows, unless the panels are on separate figures' axes.
@@ -35,13 +55,21 @@ def heatmaps(grids, *, titles, row_labels, col_labels, xlabel, ylabel, cmap, vmi
             axis.set_xlabel(xlabel)
         if ylabel and i == 0:
             axis.set_ylabel(ylabel)
-        if titles[i] is not None:
-            axis.set_title(titles[i])
+        title = titles[i]
+        if title is not None:
+            axis.set_title(title)
     axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
     return axes
 
 
-def plot_attention(pattern, tokens=None, *, heads=None, title=None, cmap="Blues"):
+def plot_attention(
+    pattern: ArrayLike | tuple[ArrayLike],
+    tokens: Sequence[str] | None = None,
+    *,
+    heads: Sequence[int] | None = None,
+    title: str | None = None,
+    cmap: str = "Blues",
+) -> list[Axes]:
     """Draws an attention pattern, one panel per head (query × key), on one scale from 0.
 
     `pattern` is `[heads, query, key]` -- e.g. a pattern site as `reap`
@@ -60,24 +88,24 @@ def plot_attention(pattern, tokens=None, *, heads=None, title=None, cmap="Blues"
     """
     if isinstance(pattern, tuple) and len(pattern) == 1:
         pattern = pattern[0]
-    pattern = np.asarray(pattern)
-    if pattern.ndim == 4 and pattern.shape[0] == 1:
-        pattern = pattern[0]
-    if pattern.ndim != 3:
+    array = np.asarray(pattern)
+    if array.ndim == 4 and array.shape[0] == 1:
+        array = array[0]
+    if array.ndim != 3:
         raise ValueError(
-            f"plot_attention needs a pattern of shape [heads, query, key], got shape {pattern.shape}. "
+            f"plot_attention needs a pattern of shape [heads, query, key], got shape {array.shape}. "
             "Index the example to draw, e.g. plot_attention(reaped['pattern'][0][i])."
         )
-    heads = range(pattern.shape[0]) if heads is None else list(heads)
-    if tokens is not None and len(tokens) != pattern.shape[2]:
-        raise ValueError(f"plot_attention: {len(tokens)} tokens for {pattern.shape[2]} key positions.")
-    labels = range(pattern.shape[1]) if tokens is None else tokens
-    grids = [pattern[h] for h in heads]
+    heads = range(array.shape[0]) if heads is None else list(heads)
+    if tokens is not None and len(tokens) != array.shape[2]:
+        raise ValueError(f"plot_attention: {len(tokens)} tokens for {array.shape[2]} key positions.")
+    labels = range(array.shape[1]) if tokens is None else tokens
+    grids = [array[h] for h in heads]
     axes = heatmaps(
         grids,
         titles=[f"head {h}" for h in heads],
-        row_labels=list(labels)[: pattern.shape[1]],
-        col_labels=list(range(pattern.shape[2]) if tokens is None else tokens),
+        row_labels=list(labels)[: array.shape[1]],
+        col_labels=list(range(array.shape[2]) if tokens is None else tokens),
         xlabel="key",
         ylabel="query",
         cmap=cmap,

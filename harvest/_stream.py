@@ -21,6 +21,7 @@ from ._primitive import sow_p
 from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant
+from ._typing import NameSelect, P, R
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +44,13 @@ class _Tap:
 
 
 def stream(
-    f: Callable,
-    callback: Callable[[str, Any], Any],
+    f: Callable[P, R],
+    callback: Callable[[str, Any], object],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist=None,
-    blocklist=None,
-) -> Callable:
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
+) -> Callable[P, R]:
     """Returns `f`, calling `callback(name, value)` on the host as each sow of `tag` fires.
 
     Calls arrive in program order, one per occurrence (once per iteration inside

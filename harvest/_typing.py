@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Literal, ParamSpec, TypeAlias, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, ParamSpec, TypeAlias, TypeVar, Union
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from typing_extensions import dataclass_transform as dataclass_transform
+else:
+
+    def dataclass_transform(**kwargs: Any) -> Callable[[T], T]:
+        """Marks a dataclass-making decorator for type checkers (`typing`'s from Python 3.11)."""
+        return lambda decorator: decorator
+
 
 # What reap returns: {name: value}, nested dicts under `nest` scopes. A value's
 # type depends on the site's mode (a tuple for "collect", an array otherwise).
