@@ -11,23 +11,32 @@ one are an error (the state cannot be threaded through them).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Concatenate, Sequence
 
 import jax
 
 from .. import _jax
 from .._jax import sub_jaxprs
+from .._typing import P, R
 from ._inverse import CALLS, call_body, trace_program
 
+# handler(state, *inputs, **params) -> (outputs, new state)
+Handler = Callable[..., tuple[Any, Any]]
 
-def _holds(jaxpr, handlers):
+
+def _holds(jaxpr: _jax.Jaxpr, handlers: dict[Any, Handler]) -> bool:
     return any(e.primitive in handlers or any(_holds(j, handlers) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
 
 
-def _eval(jaxpr, consts, state, args, handlers):
+def _eval(
+    jaxpr: _jax.Jaxpr, consts: Sequence[Any], state: Any, args: Sequence[Any], handlers: dict[Any, Handler]
+) -> tuple[list[Any], Any]:
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]  # noqa: E731
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, _jax.Literal) else env[v]
+
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive in handlers:
@@ -49,7 +58,9 @@ def _eval(jaxpr, consts, state, args, handlers):
     return [read(v) for v in jaxpr.outvars], state
 
 
-def make_effect_handler(handlers: dict[Any, Callable]) -> Callable:
+def make_effect_handler(
+    handlers: dict[Any, Handler],
+) -> Callable[[Callable[P, R]], Callable[Concatenate[Any, P], tuple[R, Any]]]:
     """Returns a transformation `f -> g(state, *args) -> (f's output, final state)`.
 
     `handlers` maps JAX primitives to `handler(state, *inputs, **params)`
@@ -73,8 +84,8 @@ def make_effect_handler(handlers: dict[Any, Callable]) -> Callable:
             f"(outputs, state)}}; got {handlers!r}."
         )
 
-    def transform(f):
-        def handled(state, *args, **kwargs):
+    def transform(f: Callable[P, R]) -> Callable[Concatenate[Any, P], tuple[R, Any]]:
+        def handled(state: Any, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Any]:
             closed, out_shape, arrays = trace_program(f, args, kwargs)
             outs, state = _eval(closed.jaxpr, closed.consts, state, arrays, handlers)
             return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), state

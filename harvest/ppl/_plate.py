@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Concatenate, overload
 
 import jax
 
+from .._typing import P, R
 
-def plate(f=None, *, name, size):
+
+@overload
+def plate(f: Callable[Concatenate[Any, P], R], *, name: str, size: int) -> Callable[Concatenate[Any, P], R]: ...
+@overload
+def plate(
+    f: None = None, *, name: str, size: int
+) -> Callable[[Callable[Concatenate[Any, P], R]], Callable[Concatenate[Any, P], R]]: ...
+def plate(f: Callable[..., Any] | None = None, *, name: str, size: int) -> Callable[..., Any]:
     """Draws `size` independent copies of the program `f(key, *args)`.
 
     The key is split into `size` keys and `f` is mapped over them with
@@ -40,7 +49,7 @@ def plate(f=None, *, name, size):
         return functools.partial(plate, name=name, size=size)
 
     @functools.wraps(f)
-    def plated(key, *args, **kwargs):
+    def plated(key: Any, *args: Any, **kwargs: Any) -> Any:
         keys = jax.random.split(key, size)
         return jax.vmap(lambda k: f(k, *args, **kwargs), axis_name=name)(keys)
 

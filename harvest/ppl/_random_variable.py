@@ -13,9 +13,13 @@ occurrence in and out of loops.
 
 from __future__ import annotations
 
+from typing import Any, Callable, Concatenate, Literal, overload
+
+import jax
 import jax.numpy as jnp
 
 from .._sow import sow
+from .._typing import P, R, T
 
 RANDOM_VARIABLE = "random_variable"
 LOG_DENSITY = "random_variable_log_density"
@@ -26,14 +30,14 @@ DETERMINISTIC = "deterministic"
 RV_MODES = ("strict", "append")
 
 
-def sow_density(log_density, value, name):
+def sow_density(log_density: Any, value: Any, name: str) -> None:
     """Files a log density (and the value it scores) for joint_log_prob and log_prob."""
     sow((log_density, value), tag=LOG_DENSITY, name=name, mode="collect")
 
 
-def densities_of(reaped):
+def densities_of(reaped: dict[str, Any]) -> list[jax.Array]:
     """The log densities in what a reap of `LOG_DENSITY` returned, flattened."""
-    out = []
+    out: list[jax.Array] = []
     for value in reaped.values():
         if isinstance(value, dict):
             out += densities_of(value)
@@ -42,12 +46,13 @@ def densities_of(reaped):
     return out
 
 
-def is_distribution(obj):
+def is_distribution(obj: object) -> bool:
     """Duck-types a TFP distribution, so plain samplers work without TFP."""
     return callable(getattr(obj, "sample", None)) and callable(getattr(obj, "log_prob", None))
 
 
-def _check_arguments(dist, name, mode):
+def _check_arguments(dist: object, name: object, mode: object) -> str:
+    """The validated name."""
     if name is None:
         raise TypeError(
             "random_variable needs a name, e.g. random_variable(dist, name='x'): "
@@ -67,9 +72,18 @@ def _check_arguments(dist, name, mode):
             "tensorflow_probability.substrates.jax) or a sampling function key -> value; "
             f"got a {type(dist).__name__}."
         )
+    return name
 
 
-def random_variable(dist, *, name=None, mode="strict"):
+@overload
+def random_variable(
+    dist: Callable[Concatenate[Any, P], R], *, name: str, mode: Literal["strict", "append"] = "strict"
+) -> Callable[Concatenate[Any, P], R]: ...
+@overload
+def random_variable(dist: Any, *, name: str, mode: Literal["strict", "append"] = "strict") -> Callable[[Any], Any]: ...
+def random_variable(
+    dist: Any, *, name: str | None = None, mode: Literal["strict", "append"] = "strict"
+) -> Callable[..., Any]:
     """Returns a sampler `key -> value` that draws from `dist` as the random variable `name`.
 
     `dist` is a TFP distribution, whose log density `joint_log_prob` sums over
@@ -97,10 +111,10 @@ def random_variable(dist, *, name=None, mode="strict"):
         >>> coin(jax.random.key(1)).dtype
         dtype('bool')
     """
-    _check_arguments(dist, name, mode)
+    name = _check_arguments(dist, name, mode)
     if is_distribution(dist):
 
-        def sample_distribution(key):
+        def sample_distribution(key: Any) -> Any:
             sample = draw_unconstrained(dist, dist.sample(seed=key), name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             sow_density(jnp.sum(dist.log_prob(value)), value, name)
@@ -108,18 +122,18 @@ def random_variable(dist, *, name=None, mode="strict"):
 
         return sample_distribution
 
-    def sample_function(key, *args, **kwargs):
+    def sample_function(key: Any, *args: Any, **kwargs: Any) -> Any:
         return sow(dist(key, *args, **kwargs), tag=RANDOM_VARIABLE, name=name, mode=mode)
 
     return sample_function
 
 
-def _check_name(fn_name, name):
+def _check_name(fn_name: str, name: object) -> None:
     if not isinstance(name, str) or not name:
         raise TypeError(f"{fn_name} needs `name` to be a non-empty string, got {name!r}.")
 
 
-def deterministic(value, *, name):
+def deterministic(value: T, *, name: str) -> T:
     """Records `value` (a function of the draws) as the site `name`, and returns it.
 
     The site is not random: `trace` returns it beside the random variables,
@@ -140,7 +154,7 @@ def deterministic(value, *, name):
     return sow(value, tag=DETERMINISTIC, name=name, mode="strict")
 
 
-def factor(log_weight, *, name):
+def factor(log_weight: Any, *, name: str) -> None:
     """Adds `log_weight` to the program's log density, as the site `name`.
 
     `joint_log_prob`, `log_prob` and `trace_log_prob` add it (summed over its

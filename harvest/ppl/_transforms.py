@@ -17,6 +17,7 @@ placeholder key, as oryx does.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable, Concatenate, Iterable, overload
 
 import jax
 from jax.tree_util import Partial
@@ -24,15 +25,16 @@ from jax.tree_util import Partial
 from .._interpreter import NameFilter, Policy
 from .._sow import sow
 from .._transforms import _call, call_and_reap, harvest, plant, reap
+from .._typing import P, Plants, R, Reaped
 from ._log_prob import log_density
 from ._random_variable import DETERMINISTIC, LOG_DENSITY, RANDOM_VARIABLE, densities_of, is_distribution
 
 
-def _placeholder_key():
+def _placeholder_key() -> jax.Array:
     return jax.random.PRNGKey(0)
 
 
-def _dotted_paths(tree, prefix=()):
+def _dotted_paths(tree: Reaped, prefix: tuple[str, ...] = ()) -> set[str]:
     """Every key path of a nested dict, as dotted names ("scope.x")."""
     paths = set()
     for key, value in tree.items():
@@ -43,16 +45,16 @@ def _dotted_paths(tree, prefix=()):
     return paths
 
 
-def _leaf_paths(tree, prefix=()):
+def _leaf_paths(tree: Reaped, prefix: tuple[str, ...] = ()) -> list[str]:
     """The dotted names of a nested dict's non-dict entries."""
-    out = []
+    out: list[str] = []
     for key, value in tree.items():
         path = prefix + (key,)
         out += _leaf_paths(value, path) if isinstance(value, dict) else [".".join(path)]
     return out
 
 
-def _check_values(values, fn_name):
+def _check_values(values: object, fn_name: str) -> None:
     if not isinstance(values, dict):
         raise TypeError(
             f"{fn_name} takes the values of random variables as a dict {{name: value}} "
@@ -60,7 +62,7 @@ def _check_values(values, fn_name):
         )
 
 
-def joint_sample(f):
+def joint_sample(f: Callable[P, Any]) -> Callable[P, Reaped]:
     """Returns a program `(key, *args) -> {name: value}` with every draw of `f`.
 
     Names put under a scope by `nest` come back as nested dicts; draws of mode
@@ -82,11 +84,11 @@ def joint_sample(f):
     return Partial(_joint_sample, f)
 
 
-def _joint_sample(f, *args, **kwargs):
+def _joint_sample(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Reaped:
     return reap(f, tag=RANDOM_VARIABLE)(*args, **kwargs)
 
 
-def _unscored(values, densities):
+def _unscored(values: Reaped, densities: Reaped) -> list[str]:
     """Names in `values` that have no log density (drawn by a plain sampler)."""
     missing = []
     for key, value in values.items():
@@ -103,7 +105,7 @@ def _unscored(values, densities):
 # intervening the same program again, with new values, reuses the compiled walk.
 
 
-def _densities(f, values, *args, **kwargs):
+def _densities(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     """Runs `f` with every random variable planted from `values`."""
     out, unplanted = harvest(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
     if unplanted:
@@ -115,7 +117,7 @@ def _densities(f, values, *args, **kwargs):
     return out
 
 
-def _joint_log_prob(f, values, *args, **kwargs):
+def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     _check_values(values, "joint_log_prob(f)")
     densities = reap(Partial(_densities, f), tag=LOG_DENSITY)(values, *args, **kwargs)
     unscored = _unscored(values, densities)
@@ -128,7 +130,7 @@ def _joint_log_prob(f, values, *args, **kwargs):
     return sum(densities_of(densities))
 
 
-def joint_log_prob(f):
+def joint_log_prob(f: Callable[Concatenate[Any, P], Any]) -> Callable[Concatenate[Plants, P], jax.Array]:
     """Returns `log_density({name: value}, *args) -> scalar` for the program `f`.
 
     It is the sum of every random variable's log density at the given values,
@@ -157,17 +159,17 @@ class _Among:
     """An allowlist predicate that compares by value, so equal name sets share
     one entry of the core's cache."""
 
-    names: frozenset
+    names: frozenset[str]
 
-    def __call__(self, name):
+    def __call__(self, name: str) -> bool:
         return name in self.names
 
 
-def _plant_values(f, chosen, values, *args, **kwargs):
+def _plant_values(f: Callable[..., Any], chosen: _Among, values: Plants, *args: Any, **kwargs: Any) -> Any:
     return plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)(values, *args, **kwargs)
 
 
-def _fixed(f, names, values, *args, **kwargs):
+def _fixed(f: Callable[..., Any], names: frozenset[str], values: Plants, *args: Any, **kwargs: Any) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
     chosen = _Among(names)
@@ -185,7 +187,7 @@ def _fixed(f, names, values, *args, **kwargs):
         ) from error
 
 
-def intervene(f, **values):
+def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
     """The do-operator: `f` with the named random variables set to `values`.
 
     Everything downstream of an intervened variable uses its value, and the
@@ -211,8 +213,8 @@ def intervene(f, **values):
     return Partial(_fixed, f, frozenset(_dotted_paths(values)), values)
 
 
-def _nested(names, values):
-    out = {}
+def _nested(names: Iterable[str], values: Iterable[Any]) -> Reaped:
+    out: Reaped = {}
     for name, value in zip(names, values):
         *scopes, leaf = name.split(".")
         d = out
@@ -222,7 +224,7 @@ def _nested(names, values):
     return out
 
 
-def conditional(f, names):
+def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[..., R]:
     """Returns a program that takes the values of the random variables `names` as inputs.
 
     The new program is called as `g(key, *args, *values)`: the values of
@@ -253,7 +255,7 @@ def conditional(f, names):
     return Partial(_conditioned, f, tuple(names))
 
 
-def _conditioned(f, names, *args, **kwargs):
+def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     if len(args) < len(names):
         raise TypeError(
             f"conditional(f, {list(names)}) is called as g(key, *args, *values) with one "
@@ -268,7 +270,11 @@ def _conditioned(f, names, *args, **kwargs):
 # log_prob by inversion, and what is built on it.
 
 
-def log_prob(f):
+@overload
+def log_prob(f: Callable[Concatenate[Any, P], Any]) -> Callable[Concatenate[Any, P], jax.Array]: ...
+@overload
+def log_prob(f: Any) -> Callable[..., jax.Array]: ...
+def log_prob(f: Any) -> Callable[..., jax.Array]:
     """Returns `log_density(value, *args)` of a distribution or of a program's output.
 
     For a TFP distribution this is its own `log_prob`. For a program
@@ -295,7 +301,8 @@ def log_prob(f):
         Array(-1.8523122, dtype=float32)
     """
     if is_distribution(f):
-        return f.log_prob
+        dist_log_prob: Callable[..., jax.Array] = f.log_prob
+        return dist_log_prob
     if not callable(f):
         raise TypeError(f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}.")
     if isinstance(f, Partial) and f.func is _joint_sample:
@@ -303,11 +310,11 @@ def log_prob(f):
     return Partial(_log_prob, f)
 
 
-def _log_prob(f, value, *args, **kwargs):
+def _log_prob(f: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> Any:
     return log_density(f, value, args, kwargs)
 
 
-def trace(f):
+def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
     """Returns a program `(key, *args) -> (output, {name: value})` with every recorded site.
 
     The dict holds the random variables (as `joint_sample` returns them) and the
@@ -327,17 +334,17 @@ def trace(f):
     return Partial(_trace, f)
 
 
-def _trace(f, *args, **kwargs):
+def _trace(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Reaped]:
     out, draws = call_and_reap(Partial(_with_deterministic, f), tag=RANDOM_VARIABLE)(*args, **kwargs)
     out, recorded = out
     return out, {**draws, **recorded}
 
 
-def _with_deterministic(f, *args, **kwargs):
+def _with_deterministic(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Reaped]:
     return call_and_reap(f, tag=DETERMINISTIC)(*args, **kwargs)
 
 
-def trace_log_prob(f):
+def trace_log_prob(f: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[R, Reaped, P], jax.Array]:
     """Returns `log_density(output, sites, *args)`: the density of `trace(f)`'s result.
 
     Example:
@@ -355,11 +362,11 @@ def trace_log_prob(f):
     return Partial(_trace_log_prob, f)
 
 
-def _trace_log_prob(f, out, sites, *args, **kwargs):
+def _trace_log_prob(f: Callable[..., Any], out: Any, sites: Reaped, *args: Any, **kwargs: Any) -> Any:
     return log_density(trace(f), (out, sites), args, kwargs)
 
 
-def block(f, names):
+def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
     """Returns `f` with the random variables `names` hidden from every transformation.
 
     The blocked variables are still drawn, but `joint_sample`, `joint_log_prob`,
@@ -384,17 +391,19 @@ def block(f, names):
     return Partial(_blocked, f, _Among(frozenset(names)))
 
 
-def _drop(f, tag, names, *args, **kwargs):
+def _drop(f: Callable[..., Any], tag: str, names: _Among, *args: Any, **kwargs: Any) -> Any:
     policy = Policy(tag, NameFilter.make(blocklist=(names,)), drop_filtered=True)
     return _call(f, policy, False, {}, args, kwargs)[0]
 
 
-def _blocked(f, names, *args, **kwargs):
+def _blocked(f: Callable[..., Any], names: _Among, *args: Any, **kwargs: Any) -> Any:
     without_draws = Partial(_drop, f, RANDOM_VARIABLE, names)
     return _drop(without_draws, LOG_DENSITY, names, *args, **kwargs)
 
 
-def graph_replace(f, input_names, output_names):
+def graph_replace(
+    f: Callable[..., Any], input_names: str | Iterable[str], output_names: str | Iterable[str]
+) -> Callable[..., Any]:
     """Re-expresses `f` as a program from the random variables `input_names` to `output_names`.
 
     The new program is called as `g(key, *args, *inputs)` (as `conditional`)
@@ -425,9 +434,9 @@ def graph_replace(f, input_names, output_names):
     return Partial(_replaced, conditional(f, input_names), output_names if single else tuple(outputs))
 
 
-def _replaced(given, output_names, *args, **kwargs):
+def _replaced(given: Callable[..., Any], output_names: str | tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     single = isinstance(output_names, str)
-    outputs = (output_names,) if single else output_names
+    outputs = (output_names,) if isinstance(output_names, str) else output_names
     draws = reap(given, tag=RANDOM_VARIABLE)(*args, **kwargs)
     missing = [n for n in outputs if n not in draws]
     if missing:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,16 +28,17 @@ from jax.tree_util import Partial
 
 from .._sow import sow
 from .._transforms import harvest, plant, reap
+from .._typing import Reaped, SowMode
 from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE, densities_of, sow_density
 
 UNCONSTRAINED = "random_variable_unconstrained"
 
 # While tracing for `unconstrained`: the names drawn as they are (observed).
-_observed: contextvars.ContextVar = contextvars.ContextVar("harvest_ppl_unconstrained", default=None)
+_observed: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("harvest_ppl_unconstrained", default=None)
 
 
 @contextlib.contextmanager
-def _unconstraining(observed):
+def _unconstraining(observed: frozenset[str]) -> Iterator[None]:
     token = _observed.set(observed)
     try:
         yield
@@ -45,7 +46,7 @@ def _unconstraining(observed):
         _observed.reset(token)
 
 
-def draw_unconstrained(dist, sample, name, mode):
+def draw_unconstrained(dist: Any, sample: Any, name: str, mode: SowMode) -> Any:
     """The draw as `random_variable` makes it: unchanged, or through `u` while unconstraining."""
     observed = _observed.get()
     if observed is None or name in observed:
@@ -63,11 +64,11 @@ def draw_unconstrained(dist, sample, name, mode):
     return bijector.forward(u)
 
 
-def _key():
+def _key() -> jax.Array:
     return jax.random.PRNGKey(0)
 
 
-def _run(f, observed, u, *args, **kwargs):
+def _run(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Any:
     """`f` with the observed values planted and every other draw made from `u`."""
     with _unconstraining(frozenset(observed)):
         out, missing = harvest(Partial(_observed_program, f, observed), tag=UNCONSTRAINED)(u, *args, **kwargs)
@@ -79,24 +80,24 @@ def _run(f, observed, u, *args, **kwargs):
     return out
 
 
-def _observed_program(f, observed, *args, **kwargs):
+def _observed_program(f: Callable[..., Any], observed: Reaped, *args: Any, **kwargs: Any) -> Any:
     return plant(f, tag=RANDOM_VARIABLE)(observed, _key(), *args, **kwargs)
 
 
-def _log_density(f, observed, u, *args, **kwargs):
+def _log_density(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Any:
     densities = reap(Partial(_run, f, observed), tag=LOG_DENSITY)(u, *args, **kwargs)
     return sum(densities_of(densities))
 
 
-def _constrain(f, observed, u, *args, **kwargs):
+def _constrain(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Reaped:
     return reap(Partial(_run, f, observed), tag=RANDOM_VARIABLE)(u, *args, **kwargs)
 
 
-def _init(f, observed, key, *args, **kwargs):
+def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
     return reap(Partial(_prior_draw, f, observed), tag=UNCONSTRAINED)(key, *args, **kwargs)
 
 
-def _prior_draw(f, observed, key, *args, **kwargs):
+def _prior_draw(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Any:
     with _unconstraining(frozenset(observed)):
         return plant(f, tag=RANDOM_VARIABLE)(observed, key, *args, **kwargs)
 
@@ -111,12 +112,12 @@ class Unconstrained:
     random). `init(key, *args)`: a `u` drawn from the prior, to start a chain.
     """
 
-    log_density: Callable
-    constrain: Callable
-    init: Callable
+    log_density: Callable[..., jax.Array]
+    constrain: Callable[..., Reaped]
+    init: Callable[..., Reaped]
 
 
-def unconstrained(f, observed=None):
+def unconstrained(f: Callable[..., Any], observed: Mapping[str, Any] | None = None) -> Unconstrained:
     """Returns the `Unconstrained` density of the program `f`, with `observed` values fixed.
 
     Every TFP-distributed random variable not in `observed` becomes free and is
