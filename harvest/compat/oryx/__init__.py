@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import Callable, Hashable, Iterable, Optional
+from typing import Any, Callable, Concatenate, Hashable, Iterable, Optional
 
 import jax
 
@@ -28,6 +28,7 @@ from ..._interpreter import NameFilter, Policy
 from ..._primitive import sow_p as sow_p
 from ..._sow import _leaves
 from ..._transforms import _call, _check_callable, _check_plants_arg, _plants_first, nest as nest
+from ..._typing import P, Plants, R, Reaped, T
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
@@ -37,7 +38,7 @@ __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest
 _MODES = {"strict": "strict", "clobber": "clobber", "append": "stack"}
 
 
-def sow(value, *, tag: Hashable, name: str, mode: str = "strict", key=None):
+def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = None) -> T:
     """Tags `value` with `name` under `tag` (oryx's signature; `key` is accepted and unused).
 
     Example:
@@ -55,7 +56,7 @@ def sow(value, *, tag: Hashable, name: str, mode: str = "strict", key=None):
     return jax.tree_util.tree_unflatten(tree, out)
 
 
-def sow_cond(value, pred, *, tag: Hashable, name: str, mode: str = "cond_clobber", key=None):
+def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None) -> T:
     """Tags `value` only where `pred` is true; reaped as zeros if it never was.
 
     Example:
@@ -105,13 +106,13 @@ def _policy(tag, allowlist, blocklist, exclusive):
 
 
 def call_and_reap(
-    f: Callable,
+    f: Callable[P, R],
     *,
     tag: Hashable,
     allowlist: Optional[Iterable[str]] = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
-) -> Callable:
+) -> Callable[P, tuple[R, Reaped]]:
     """Returns a function giving `(f's output, {name: sown value})`.
 
     Example:
@@ -131,13 +132,13 @@ def call_and_reap(
 
 
 def reap(
-    f: Callable,
+    f: Callable[P, Any],
     *,
     tag: Hashable,
     allowlist: Optional[Iterable[str]] = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
-) -> Callable:
+) -> Callable[P, Reaped]:
     """Returns a function giving `{name: sown value}` for the sows of `tag` in `f`.
 
     Example:
@@ -150,13 +151,13 @@ def reap(
 
 
 def harvest(
-    f: Callable,
+    f: Callable[P, R],
     *,
     tag: Hashable,
     allowlist: Optional[Iterable[str]] = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
-) -> Callable:
+) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns `g(plants, *args) -> (out, reaps)`: plant some sows, reap the others.
 
     Example:
@@ -179,13 +180,13 @@ def harvest(
 
 
 def plant(
-    f: Callable,
+    f: Callable[P, R],
     *,
     tag: Hashable,
     allowlist: Optional[Iterable[str]] = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
-) -> Callable:
+) -> Callable[Concatenate[Plants, P], R]:
     """Returns `g(plants, *args)`: `f` with the named sows of `tag` replaced.
 
     Example:

@@ -29,21 +29,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax.numpy as jnp
 
 __all__ = ["LogProbRules", "log_prob_registry", "log_prob_rules", "registered"]
 
 
-class LogProbRules(dict):
+class LogProbRules(dict[Any, Callable[..., Any]]):
     """{primitive: rule(incells, outcells, **params) -> (incells, outcells, log_prob)}."""
 
 
 log_prob_rules = LogProbRules()
 
 # The primitives whose outputs are draws with a density (`log_prob_rules` scores them).
-log_prob_registry: set = set()
+log_prob_registry: set[Any] = set()
 
 
 @dataclasses.dataclass
@@ -54,23 +54,23 @@ class Cell:
     val: Any = None
     ildj: Any = 0.0
 
-    def top(self):
+    def top(self) -> bool:
         return self.val is not None
 
-    def bottom(self):
+    def bottom(self) -> bool:
         return self.val is None
 
-    def is_unknown(self):
+    def is_unknown(self) -> bool:
         return self.val is None
 
 
-def _cell(var, known):
+def _cell(var: Any, known: Any) -> Cell:
     if not known.has(var):
         return Cell(var.aval)
     return Cell(var.aval, jnp.asarray(known.get(var)), known.ildj_of(var))
 
 
-def _density(eqn, known):
+def _density(eqn: Any, known: Any) -> Any:
     rule = log_prob_rules.get(eqn.primitive)
     if rule is None:
         raise KeyError(
@@ -82,6 +82,6 @@ def _density(eqn, known):
     return rule(incells, outcells, **eqn.params)[2]
 
 
-def registered():
+def registered() -> dict[Any, Callable[[Any, Any], Any]]:
     """The registry as the inverse walk takes it: {primitive: density(eqn, known)}."""
     return {p: _density for p in log_prob_registry}

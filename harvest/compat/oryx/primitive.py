@@ -20,10 +20,12 @@ Example:
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 
 from ... import _jax
+from ..._typing import T
 
 __all__ = ["FlatPrimitive", "tie_all", "tie_in"]
 
@@ -31,7 +33,7 @@ __all__ = ["FlatPrimitive", "tie_all", "tie_in"]
 class FlatPrimitive(_jax.Primitive):
     """A primitive whose every rule is derived from its implementation."""
 
-    def __init__(self, name):
+    def __init__(self, name: str) -> None:
         super().__init__(name)
         self.multiple_results = True
         self.def_abstract_eval(self._abstract)
@@ -39,29 +41,29 @@ class FlatPrimitive(_jax.Primitive):
         _jax.register_plain_batching(self, self._batch)
         _jax.register_lowering(self, _jax.lower_fun(self._call_impl, multiple_results=True))
 
-    def _call_impl(self, *args, **params):
+    def _call_impl(self, *args: Any, **params: Any) -> Any:
         return self.impl(*args, **params)
 
-    def _abstract(self, *avals, **params):
+    def _abstract(self, *avals: Any, **params: Any) -> list[Any]:
         specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         outs = jax.eval_shape(functools.partial(self.impl, **params), *specs)
         return [jax.core.ShapedArray(o.shape, o.dtype) for o in outs]
 
-    def _jvp(self, primals, tangents, **params):
+    def _jvp(self, primals: Any, tangents: Any, **params: Any) -> Any:
         tangents = [_jax.instantiate_zeros(t) for t in tangents]
         return jax.jvp(lambda *p: list(self.impl(*p, **params)), list(primals), tangents)
 
-    def _batch(self, args, dims, **params):
+    def _batch(self, args: Any, dims: Any, **params: Any) -> tuple[Any, list[int]]:
         outs = jax.vmap(lambda *a: list(self.impl(*a, **params)), in_axes=list(dims))(*args)
         return outs, [0] * len(outs)
 
 
-def tie_all(*args):
+def tie_all(*args: T) -> tuple[T, ...]:
     """Returns `args` unchanged (oryx ties them together in the trace; harvest needs no tie)."""
     return args
 
 
-def tie_in(x, y):
+def tie_in(x: Any, y: T) -> T:
     """Returns `y` (oryx's stand-in for the removed `jax.tie_in`)."""
     del x
     return y

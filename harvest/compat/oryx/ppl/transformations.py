@@ -28,7 +28,7 @@ Differences from oryx are listed in docs/guides/probabilistic_intervention.md.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, overload
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ from ...._sow import sow
 from ...._transforms import call_and_reap, nest
 from ....ppl._log_prob import PLATE_SCOPE, log_density
 from ....ppl._random_variable import LOG_DENSITY, is_distribution, sow_density
+from ...._typing import P, R, Reaped
 from .. import log_prob as _lp
 
 Program = Callable[..., Any]
@@ -68,7 +69,7 @@ __all__ = [
 ]
 
 
-def log_prob(f):
+def log_prob(f: Any) -> LogProbFunction:
     """oryx's log_prob: the density of a distribution, or of a program's output by inversion.
 
     Example:
@@ -81,18 +82,19 @@ def log_prob(f):
         Array(-0.9189385, dtype=float32)
     """
     if is_distribution(f):
-        return f.log_prob
+        dist_log_prob: LogProbFunction = f.log_prob
+        return dist_log_prob
     if not callable(f):
         raise NotImplementedError(f"`log_prob` not implemented for type: {type(f)}")
 
     @functools.wraps(f)
-    def wrapped(sample, *args, **kwargs):
+    def wrapped(sample: Any, *args: Any, **kwargs: Any) -> Any:
         return log_density(f, sample, args, kwargs, densities=_lp.registered(), plain_samplers_ok=True)
 
     return wrapped
 
 
-def joint_log_prob(f):
+def joint_log_prob(f: Program) -> LogProbFunction:
     """oryx's joint_log_prob: `log_prob(joint_sample(f))`.
 
     Example:
@@ -105,7 +107,7 @@ def joint_log_prob(f):
     return log_prob(joint_sample(f))
 
 
-def trace(f):
+def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
     """oryx's trace: `(key, *args) -> (output, {name: random variable})`.
 
     Example:
@@ -118,7 +120,7 @@ def trace(f):
     return call_and_reap(f, tag=RANDOM_VARIABLE)
 
 
-def trace_log_prob(f):
+def trace_log_prob(f: Program) -> LogProbFunction:
     """oryx's trace_log_prob: `(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)`.
 
     Example:
@@ -131,20 +133,24 @@ def trace_log_prob(f):
     return lambda obs, latents, *args: log_prob(trace(f))((obs, latents), *args)
 
 
-def _resow_summed(densities, axis_name, scope=()):
+def _resow_summed(densities: Reaped, axis_name: str, scope: tuple[str, ...] = ()) -> None:
     """Sows each reaped log density again, summed over the plate's axis."""
     for key, value in densities.items():
         if isinstance(value, dict):
             _resow_summed(value, axis_name, scope + (key,))
             continue
-        resow = functools.partial(sow_density, name=key)
+        resow: Callable[..., None] = functools.partial(sow_density, name=key)
         for outer in reversed(scope):
             resow = nest(resow, scope=outer)
         for density, drawn in value:
             resow(jax.lax.psum(jnp.sum(density), axis_name), drawn)
 
 
-def plate(f=None, name=None):
+@overload
+def plate(f: Callable[P, R], name: str) -> Callable[P, R]: ...
+@overload
+def plate(f: None = None, *, name: str) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+def plate(f: Callable[..., Any] | None = None, name: str | None = None) -> Callable[..., Any]:
     """oryx's plate: independent draws along the named axis `name`.
 
     Example:
@@ -166,11 +172,11 @@ def plate(f=None, name=None):
     return transform if f is None else transform(f)
 
 
-def _plated(f, axis_name):
+def _plated(f: Program, axis_name: str) -> Program:
     scored = call_and_reap(f, tag=LOG_DENSITY)
 
     @functools.wraps(f)
-    def plated(key, *args, **kwargs):
+    def plated(key: Any, *args: Any, **kwargs: Any) -> Any:
         key = jax.random.fold_in(key, jax.lax.axis_index(axis_name))
         # The scope tells log_prob to sum the densities it finds inside over the axis.
         with jax.named_scope(PLATE_SCOPE.format(axis_name)):
@@ -181,8 +187,8 @@ def _plated(f, axis_name):
     return plated
 
 
-def _function_random_variable(f, name, plate_name):
-    def program(*args, **kwargs):
+def _function_random_variable(f: Program, name: str | None, plate_name: str | None) -> Program:
+    def program(*args: Any, **kwargs: Any) -> Any:
         fun = f if plate_name is None else _plated(f, plate_name)
         if name is None:
             return fun(*args, **kwargs)
@@ -192,7 +198,7 @@ def _function_random_variable(f, name, plate_name):
     return program
 
 
-def random_variable(obj, *, name=None, plate=None):  # noqa: A002 (oryx's keyword)
+def random_variable(obj: Any, *, name: str | None = None, plate: str | None = None) -> Any:  # noqa: A002 (oryx's keyword)
     """oryx's random_variable: tags a value, or turns a distribution or function into a sampler.
 
     Example:
