@@ -168,7 +168,7 @@ def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any
     return _AddVector(vector, jnp.asarray(scale))
 
 
-def patch_positions(clean: ArrayLike, positions: ArrayLike, axis: int) -> Callable[[Any], Any]:
+def patch_positions(clean: ArrayLike, positions: ArrayLike | Sequence[int], axis: int) -> Callable[[Any], Any]:
     """An intervention taking `clean` at `positions` along `axis`, the old value elsewhere.
 
     `clean` has the site's shape (e.g. its value reaped from a clean run);
