@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-matrix install docs bench conformance dist clean
+.PHONY: demo test lint test-matrix install docs bench conformance dist clean
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m harvest
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Type-checks the package and tests/typing/usage.py (settings in pyproject.toml:
+# strict on the modules that define public names).
+lint: $(STAMP)
+	$(PY) -m mypy
 
 # The suite on every tested JAX release, one venv each (.venv-jax-<version>);
 # see tests/matrix/run.py and docs/jax_versions.md.
