@@ -65,7 +65,7 @@ class Sites(list[SiteInfo]):
         """The distinct names, in program order."""
         return list(dict.fromkeys(s.name for s in self))
 
-    def _cells(self, info):
+    def _cells(self, info: SiteInfo) -> tuple[str, ...]:
         fires = "unbounded" if info.fires is UNBOUNDED else str(info.fires)
         dtype = jax.tree_util.tree_map(lambda d: d.name, info.dtype)
         return (info.tag, info.name, info.mode, str(info.shape), str(dtype), fires, info.where)
@@ -80,7 +80,7 @@ class Sites(list[SiteInfo]):
 
     __repr__ = __str__
 
-    def _repr_pretty_(self, printer, cycle):
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
@@ -127,29 +127,29 @@ _STYLE = """
 """
 
 
-def _nest_blocks(found):
+def _nest_blocks(found: Sites) -> list[Any]:
     """The sites arranged in their bodies: a list of `SiteInfo` and `(label, items)`."""
     blocks = getattr(found, "_blocks", None)
     if blocks is None or len(blocks) != len(found):  # a Sites built by hand: nest by labels
         blocks = [tuple((None, w) for w in s.where.split(" › ")) if s.where else () for s in found]
-    root: list = []
-    stack = [((), root)]
+    root: list[Any] = []
+    stack: list[tuple[tuple[Any, ...], list[Any]]] = [((), root)]
     for info, keys in zip(found, blocks):
         while stack[-1][0] != keys[: len(stack[-1][0])]:
             stack.pop()
         for key in keys[len(stack[-1][0]) :]:
-            items: list = []
+            items: list[Any] = []
             stack[-1][1].append((key[1], items))
             stack.append((stack[-1][0] + (key,), items))
         stack[-1][1].append(info)
     return root
 
 
-def _count(items):
+def _count(items: list[Any]) -> int:
     return sum(1 if isinstance(it, SiteInfo) else _count(it[1]) for it in items)
 
 
-def _html_items(items, cells):
+def _html_items(items: list[Any], cells: Callable[[SiteInfo], tuple[str, ...]]) -> str:
     out = ["<ul>"]
     for it in items:
         if isinstance(it, SiteInfo):
@@ -171,7 +171,7 @@ def _html_items(items, cells):
     return "".join(out)
 
 
-def _aval_str(info):
+def _aval_str(info: SiteInfo) -> str:
     """`float32[2, 3]`, or that per leaf for a pytree value."""
     if isinstance(info.shape, tuple) and all(isinstance(d, int) for d in info.shape):
         return f"{np.dtype(info.dtype).name}{list(info.shape)}"
@@ -180,7 +180,7 @@ def _aval_str(info):
     return "(" + ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in zip(shapes, dtypes)) + ")"
 
 
-def _html_view(found):
+def _html_view(found: Sites) -> str:
     tags = ", ".join(dict.fromkeys(s.tag for s in found)) or "no tags"
     head = f'<span class="body">program</span> <span class="meta">{len(found)} sow sites · {html.escape(tags)}</span>'
     return (
@@ -223,20 +223,22 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
     return found
 
 
-def _info(site: Site, where, fires):
+def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
     mode = "sow_cond" if site.mode == "cond_clobber" else site.mode
     return SiteInfo(site.tag, path_str(site.name), mode, shape, dtype, fires, " › ".join(where))
 
 
-def sow_equations(jaxpr) -> Iterator[tuple[Any, tuple, int | None]]:
+def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:
     """Yields (sow equation, enclosing labels, firings per call), in program order."""
     for eqn, where, fires, _ in _sow_tree(jaxpr, (), 1, ()):
         yield eqn, where, fires
 
 
-def _sow_tree(jaxpr, where, fires, blocks):
+def _sow_tree(
+    jaxpr: Any, where: tuple[str, ...], fires: int | None, blocks: tuple[tuple[Any, str], ...]
+) -> Iterator[tuple[Any, tuple[str, ...], int | None, tuple[tuple[Any, str], ...]]]:
     """As `sow_equations`, plus a key per enclosing body (two scans of one length
     have the same label, not the same key)."""
     for eqn in jaxpr.eqns:
@@ -256,7 +258,7 @@ _LABELS = {
 }
 
 
-def _bodies(eqn):
+def _bodies(eqn: Any) -> list[tuple[str, Any, int | None]]:
     """(label, body jaxpr, runs of the body per run of `eqn`) for each body."""
     prim = eqn.primitive
     if prim is _jax.cond_p:

@@ -32,12 +32,13 @@ class _Tap:
     call with the same callback.
     """
 
-    callback: Callable
+    callback: Callable[[str, Any], object]
     name: str
-    sow_params: tuple  # the site's sow params, as (key, value) pairs
+    sow_params: tuple[tuple[str, Any], ...]  # the site's sow params, as (key, value) pairs
 
-    def __call__(self, old):
-        jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=True)
+    def __call__(self, old: Any) -> Any:
+        # JAX drops the callback's result; its stub asks for None, ours allows any.
+        jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=True)  # type: ignore[arg-type]
         leaves = jax.tree_util.tree_leaves(old)
         out = sow_p.bind(*leaves, **dict(self.sow_params))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), out)
@@ -85,7 +86,7 @@ def stream(
     select = NameFilter.make(allowlist, blocklist)
 
     @functools.wraps(f)
-    def streamed(*args, **kwargs):
+    def streamed(*args: P.args, **kwargs: P.kwargs) -> R:
         taps = _taps(make_jaxpr(f, args, kwargs)[0].jaxpr, tag, select, callback)
         # Names not tapped are left in place by the plant, for outer harvests.
         return plant(f, tag=tag)(_nested(taps), *args, **kwargs)
@@ -93,9 +94,10 @@ def stream(
     return streamed
 
 
-def _taps(jaxpr, tag, select, callback):
+def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any], object]) -> dict[tuple[str, ...], _Tap]:
     """{site path: _Tap} for every streamed site."""
-    taps, names = {}, {}
+    taps: dict[tuple[str, ...], _Tap] = {}
+    names: dict[str, None] = {}
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
         if site.tag == tag:
