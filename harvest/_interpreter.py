@@ -15,7 +15,7 @@ import functools
 import fnmatch
 import inspect
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
@@ -123,7 +123,7 @@ def no_such_names(missing, names, what, tag):
 class Policy:
     """Which sows a walk handles (plants or reaps), and how it re-emits the rest."""
 
-    tag: str | None
+    tag: Hashable | None  # a str, but any hashable under harvest.compat.oryx (as in oryx)
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them

@@ -289,7 +289,7 @@ def _check_plants_arg(plants, fn_name):
         )
 
 
-def _plants_first(g, f):
+def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
     """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
     in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
     arguments the user means (functools.wraps alone would report `f`'s)."""

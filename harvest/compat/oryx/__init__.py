@@ -53,7 +53,8 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
         raise ValueError(f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'.")
     leaves, tree = _leaves(value, name, tag)
     out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=_MODES[mode], tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+    sown: T = jax.tree_util.tree_unflatten(tree, out)
+    return sown
 
 
 def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None) -> T:
@@ -72,7 +73,8 @@ def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond
     leaves, tree = _leaves(value, name, tag)
     pred = jax.numpy.asarray(pred)
     out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+    sown: T = jax.tree_util.tree_unflatten(tree, out)
+    return sown
 
 
 # oryx's wording for the errors its own tests match, in front of the core's
@@ -87,9 +89,12 @@ _ORYX_WORDING = (
 )
 
 
-def _run(f, policy, reap, plants, args, kwargs):
+def _run(
+    f: Callable[..., Any], policy: Policy, reap: bool, plants: Plants, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, Reaped]:
     try:
-        return _call(f, policy, reap, plants, args, kwargs)
+        out: tuple[Any, Reaped] = _call(f, policy, reap, plants, args, kwargs)
+        return out
     except ValueError as error:
         for pattern, wording in _ORYX_WORDING:
             found = pattern.search(str(error))
@@ -98,7 +103,7 @@ def _run(f, policy, reap, plants, args, kwargs):
         raise
 
 
-def _policy(tag, allowlist, blocklist, exclusive):
+def _policy(tag: Hashable, allowlist: Optional[Iterable[str]], blocklist: Iterable[str], exclusive: bool) -> Policy:
     # As in oryx, a sow of `tag` that the allowlist/blocklist filters out is
     # removed: enclosing transformations of `tag` do not see it either.
     select = NameFilter.make(allowlist, tuple(blocklist))
@@ -125,7 +130,7 @@ def call_and_reap(
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
-    def wrapped(*args, **kwargs):
+    def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[R, Reaped]:
         return _run(f, policy, True, {}, args, kwargs)
 
     return wrapped
@@ -172,7 +177,7 @@ def harvest(
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
-    def wrapped(plants, *args, **kwargs):
+    def wrapped(plants: Plants, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Reaped]:
         _check_plants_arg(plants, "harvest")
         return _run(f, policy, True, plants, args, kwargs)
 
@@ -199,8 +204,9 @@ def plant(
     policy = _policy(tag, allowlist, blocklist, exclusive)
 
     @functools.wraps(f)
-    def wrapped(plants, *args, **kwargs):
+    def wrapped(plants: Plants, /, *args: P.args, **kwargs: P.kwargs) -> R:
         _check_plants_arg(plants, "plant")
-        return _run(f, policy, False, plants, args, kwargs)[0]
+        out: R = _run(f, policy, False, plants, args, kwargs)[0]
+        return out
 
     return _plants_first(wrapped, f)
