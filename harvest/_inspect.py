@@ -226,7 +226,7 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
-    mode = "sow_cond" if site.mode == "cond_clobber" else site.mode
+    mode = site.mode.shown
     return SiteInfo(site.tag, path_str(site.name), mode, shape, dtype, fires, " › ".join(where))
 
 

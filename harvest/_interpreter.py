@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import fnmatch
-import inspect
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -21,7 +20,8 @@ import jax
 import jax.numpy as jnp
 from . import _jax
 from ._primitive import sow_p
-from ._site import CARRIED_MODES, ROW_MODES, SINGLE_MODES, Record, Site, different_shapes, mode_label, path_str
+from ._occurrences import Plant, Record
+from ._site import Site, different_shapes, path_str
 
 # primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[_jax.Primitive, Callable] = {}
@@ -148,113 +148,6 @@ class Policy:
         return dict(params, scope=self.prefix + params["scope"])
 
 
-# ---------------------------------------------------------------------------
-# Plants: the replacement for each occurrence of a name.
-
-
-@dataclasses.dataclass(frozen=True)
-class Plant:
-    """A planted value as seen from one scope, starting at its first occurrence.
-
-    `value` is, by the site's mode: collect, a tuple with one entry per
-    occurrence; append, leaves stacked on a leading axis; or, for any mode, a
-    single value or a callable `old -> new` used at every occurrence. A
-    callable that requires a second positional argument is called as
-    `value(old, index)`, `index` being the occurrence's position among the
-    name's occurrences in one call (its row in reap's stack; traced inside a
-    scan); `start` is the index of this scope's first occurrence.
-    """
-
-    site: Site
-    value: Any
-    start: Any = 0
-
-    def per_occurrence(self):
-        v, mode = self.value, self.site.mode
-        if callable(v):
-            return False
-        if mode == "collect":
-            # A tuple shaped like the sown value is one value; any other tuple
-            # holds one entry per occurrence (its count is checked by the walk).
-            return isinstance(v, tuple) and jax.tree_util.tree_structure(v) != self.site.tree
-        if mode in ROW_MODES:
-            leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
-            return jnp.ndim(leaf) == len(aval.shape) + 1
-        return False
-
-    def check_count(self, n):
-        """A plant given per occurrence needs one entry (collect) or row (append)
-        for each of the `n` occurrences that reap would return."""
-        if not self.per_occurrence():
-            return
-        if self.site.mode == "collect":
-            got, what = len(self.value), "entries"
-        else:
-            got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
-        if got != n:
-            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.site.avals)
-            raise ValueError(
-                f"The plant for the sow site {self.site} has {got} {what}, but reap returns "
-                f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
-                "single value (or callable) used at every occurrence."
-            )
-
-    def takes_index(self):
-        return callable(self.value) and _takes_index(self.value)
-
-    def starting_at(self, start):
-        """The same plant, its occurrences counted from `start`."""
-        return Plant(self.site, self.value, start) if self.takes_index() else self
-
-    def shift(self, n):
-        """The same plant seen from `n` occurrences later."""
-        if not n:
-            return self
-        if self.takes_index():
-            return self.starting_at(self.start + n)
-        if not self.per_occurrence():
-            return self
-        if self.site.mode == "collect":
-            return Plant(self.site, self.value[n:])
-        return Plant(self.site, jax.tree_util.tree_map(lambda l: l[n:], self.value))
-
-    def at(self, i, old, site):
-        """The replacement for occurrence `i` (fired by `site`) given its old value."""
-        v = self.value
-        if callable(v):
-            new = v(old, self.start + i) if self.takes_index() else v(old)
-            what = "the value returned by the planted callable"
-        elif self.per_occurrence():
-            if self.site.mode == "collect":
-                if i >= len(v):
-                    raise ValueError(
-                        f"The plant for the sow site {self.site} has {len(v)} entries, but "
-                        f"the site is sown at least {i + 1} times. Plant one entry per "
-                        "occurrence (as reap returns), or a single value for all."
-                    )
-                new = v[i]
-            else:
-                new = jax.tree_util.tree_map(lambda l: l[i], v)
-            what = f"occurrence {i} of the planted value"
-        else:
-            new = v
-            what = "the planted value"
-        leaves = site.check(new, what)
-        return jax.tree_util.tree_unflatten(site.tree, leaves)
-
-
-def _takes_index(fn):
-    """Whether a planted callable requires a second positional argument (the
-    occurrence index). Parameters with defaults do not count, so the idiom
-    `lambda old, c=c: ...` stays a callable of the old value alone."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature: old -> new
-        return False
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in params) >= 2
-
-
 def _select(pred, a, b):
     """`where(pred, a, b)` with `pred`'s axes leading: under vmap a sow_cond's
     predicate is batched along the same leading axis as its value."""
@@ -305,15 +198,15 @@ class Scope:
     def sow(self, site: Site, value, pred=None):
         path = site.name
         known = self.records.get(path)
-        if known is not None and known.site.mode != site.mode:
+        if known is not None and known.site.mode is not site.mode:
             raise ValueError(
-                f"The sow site {site} uses mode {mode_label(site.mode)}, but the same name was "
-                f"sown with mode {mode_label(known.site.mode)} earlier. Use one mode per name."
+                f"The sow site {site} uses mode {site.mode.label}, but the same name was "
+                f"sown with mode {known.site.mode.label} earlier. Use one mode per name."
             )
         i = self.seen.get(path, 0)
-        if site.mode in SINGLE_MODES and i:
+        if site.mode.single and i:
             raise ValueError(
-                f"The sow site {site} has mode {mode_label(site.mode)} but is sown more than once. "
+                f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
                 "Give each occurrence its own name, or use mode 'collect', 'append' or "
                 "'clobber'."
             )
@@ -331,15 +224,15 @@ class Scope:
     def _record(self, site, value, pred):
         path, mode = site.name, site.mode
         rec = self.records.setdefault(path, Record(site, []))
-        if mode == "collect":
+        if mode.entries:
             rec.values.append(value)
-        elif mode == "append":
-            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
-        elif mode == "auto":
+        elif mode.unstacked_once:
             if rec.site.avals != site.avals:  # a shared module called on different shapes
                 raise different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
             rec.values.append(value)  # kept as is: sown once, it reaps unstacked
-        elif mode == "cond_clobber":
+        elif mode.rows:
+            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
+        elif mode.has_pred:
             old = rec.values[0] if rec.values else site.zeros()
             rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]
         else:
@@ -352,17 +245,17 @@ class Scope:
             if mine is None:
                 self.records[path] = Record(rec.site, list(rec.values))
                 continue
-            if mine.site.mode != rec.site.mode:
+            if mine.site.mode is not rec.site.mode:
                 raise ValueError(
-                    f"The sow site {rec.site} uses mode {mode_label(rec.site.mode)}, but the same "
-                    f"name was sown with mode {mode_label(mine.site.mode)} elsewhere. Use one mode per name."
+                    f"The sow site {rec.site} uses mode {rec.site.mode.label}, but the same "
+                    f"name was sown with mode {mine.site.mode.label} elsewhere. Use one mode per name."
                 )
-            if rec.site.mode in SINGLE_MODES:
+            if rec.site.mode.single:
                 raise ValueError(
-                    f"The sow site {rec.site} has mode {mode_label(rec.site.mode)} but is sown more than once. "
+                    f"The sow site {rec.site} has mode {rec.site.mode.label} but is sown more than once. "
                     "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
                 )
-            if rec.site.mode in CARRIED_MODES:
+            if rec.site.mode.carried:
                 mine.values = list(rec.values)
             else:
                 mine.values.extend(rec.values)
@@ -375,7 +268,7 @@ class Scope:
         the leading axes a loop with a per-example predicate adds to every leaf."""
         out = {}
         for site in sites.values():
-            if self.reap and site.mode in CARRIED_MODES and site.name not in self.plants:
+            if self.reap and site.mode.carried and site.name not in self.plants:
                 rec = self.records.get(site.name)
                 value = rec.values[0] if rec else site.zeros()
                 out[site.name] = (site, site.fit(value, where, batch))

@@ -21,12 +21,13 @@ from jax import lax
 
 from . import _jax
 from ._calling import make_jaxpr, split_nodes, write_back
+from ._modes import AUTO, CLOBBER
 from ._primitive import sow_p
 
-INSTRUMENT_MODE = "auto"  # once: the value itself; several times or in a loop: stacked (`instrument`)
+INSTRUMENT_MODE = AUTO.name  # once: the value itself; several times or in a loop: stacked (`instrument`)
 INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p})
 CUSTOM = frozenset({_jax.custom_jvp_call_p, _jax.custom_vjp_call_p})
-WHILE_MODE = "clobber"  # a while loop's trip count is unknown: keep the last iteration
+WHILE_MODE = CLOBBER.name  # a while loop's trip count is unknown: keep the last iteration
 
 
 def sow_ops(f, call, args, kwargs):

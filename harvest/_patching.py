@@ -23,7 +23,7 @@ import numpy as np
 from ._calling import is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
-from ._site import ROW_MODES, Site, mode_label, path_str
+from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
 from ._transforms import _nested, plant, reap
 from ._typing import NameSelect, Reaped, T, dataclass_transform
@@ -373,9 +373,9 @@ def _site_value(reaps, site, what, count=None):
     if count is not None:
         site.check(node, f"the {what} value", leading=(count,))
         return node
-    if site.mode == "collect":
+    if site.mode.entries:
         node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
-    elif site.mode == "append":
+    elif site.mode.rows and not site.mode.unstacked_once:
         node = jax.tree_util.tree_map(lambda l: l[0], node)
     site.check(node, f"the {what} value")
     return node
@@ -489,14 +489,14 @@ def _target(by_name, name, clean, tag, caller):
     (site, where, fires), *others = occurrences
     if not others and fires == 1:
         return _Target(site, _site_value(clean, site, "clean"))
-    if site.mode in ROW_MODES and all(o[2] is not None for o in occurrences):
+    if site.mode.rows and all(o[2] is not None for o in occurrences):
         # Fires several times (in a scan, say): one row per occurrence, as reap stacks them.
         count = int(np.shape(jax.tree_util.tree_leaves(_lookup(clean, site, "clean"))[0])[0])
         return _Target(site, _site_value(clean, site, "clean", count), count)
     total = sum(o[2] or 0 for o in occurrences)
     count = "an unbounded number of" if fires is None else str(total)
     raise ValueError(
-        f"{caller}: the site {name!r} (mode {mode_label(site.mode)}) fires {count} times per call "
+        f"{caller}: the site {name!r} (mode {site.mode.label}) fires {count} times per call "
         f"(at {_where_str(occurrences)}); a sweep patches each occurrence of a site sown with "
         "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
         "with mode='append', give each occurrence its own name (e.g. with nest or "

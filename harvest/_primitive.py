@@ -26,12 +26,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import _jax
+from ._modes import MODES
 
-# Modes (the `mode` param): "collect", "strict", "append", "clobber" (public);
-# "cond_clobber" (sow_cond, with a trailing predicate operand); "stack"
-# (oryx's append: one occurrence per scope, stacked once per loop level); "auto"
-# (`instrument`'s sites: the value itself when sown once outside any loop, else
-# every occurrence stacked on a leading axis, as "append" does).
+# The `mode` param names a mode of `_modes.MODES`.
 # `vmapped` (absent: none) counts, per leaf, the leading axes that vmaps
 # around the sow put in front, so one per-example plant can be broadcast.
 
@@ -68,7 +65,7 @@ sow_p.multiple_results = True
 
 def _has_pred(mode):
     # `sow_cond` sites carry their predicate as a trailing operand.
-    return mode == "cond_clobber"
+    return MODES[mode].has_pred
 
 
 def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
@@ -79,7 +76,7 @@ def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
     outs = avals[:-1] if _has_pred(mode) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
-    return list(outs), ({sow_effect} if _harvest_tracing.value and mode != "auto" else set())
+    return list(outs), ({sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set())
 
 
 def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):

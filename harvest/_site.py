@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef
 
+from ._modes import MODES, Mode
 from ._primitive import sow_p
-
-LOOP_MODES = ("collect", "append", "auto", "stack")  # occurrences that stack along a loop's axis
-ROW_MODES = ("append", "auto")  # occurrences counted as rows of one leading axis
-SINGLE_MODES = ("strict", "stack")  # at most one occurrence per scope
-CARRIED_MODES = ("clobber", "cond_clobber")  # one value, threaded through loops
 
 
 def path_str(path):
     return ".".join(path)
-
-
-def mode_label(mode):
-    """A mode as the user wrote it, for error messages (three modes are internal names)."""
-    labels = {"cond_clobber": "'sow_cond'", "stack": "'append' (harvest.compat.oryx's)", "auto": "'auto' (instrument's)"}
-    return labels.get(mode, repr(mode))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +22,7 @@ class Site:
 
     tag: str
     name: tuple  # a path: ("scope", ..., "name") once `nest` has scoped it
-    mode: str
+    mode: Mode
     tree: PyTreeDef
     avals: tuple
     vmapped: tuple = ()  # per leaf, how many leading axes are vmap batch axes
@@ -46,7 +34,7 @@ class Site:
         n = len(eqn.outvars)
         path = p["scope"] + (p["name"],)
         avals = tuple(v.aval for v in eqn.invars[:n])
-        return cls(p["tag"], path, p["mode"], p["tree"], avals, p.get("vmapped") or (0,) * n)
+        return cls(p["tag"], path, MODES[p["mode"]], p["tree"], avals, p.get("vmapped") or (0,) * n)
 
     def __str__(self):
         return f"tag={self.tag!r}, name={path_str(self.name)!r}"
@@ -57,7 +45,7 @@ class Site:
         An append record holds only rows; an auto one also holds occurrences
         sown outside any loop, kept as they are.
         """
-        if self.mode != "auto":
+        if not self.mode.unstacked_once:
             return False
         leaves = jax.tree_util.tree_leaves(value)
         shape = tuple(np.shape(leaves[0])) if leaves else ()
@@ -109,7 +97,7 @@ class Site:
             len(h) > len(t) or t[len(t) - len(h) :] != h for h, t in zip(have, targets)
         ):
             raise ValueError(
-                f"The sow site {self} has mode {mode_label(self.mode)} and was sown with shape "
+                f"The sow site {self} has mode {self.mode.label} and was sown with shape "
                 f"{_shapes_str(have)} before this {where}, which sows it with shape "
                 f"{_shapes_str(targets)} and carries one value per name. Sow one shape per "
                 "name (give each shape its own name)."
@@ -126,44 +114,10 @@ def _shapes_str(shapes):
     return " and ".join(str(list(s)) for s in shapes)
 
 
-@dataclasses.dataclass
-class Record:
-    """The occurrences of one name reaped so far in one scope.
-
-    `values` holds, by mode: collect, one pytree per occurrence; append, chunks
-    of occurrences stacked on a leading axis; auto, such chunks and single
-    occurrences sown outside any loop, in order; the other modes, one pytree.
-    """
-
-    site: Site
-    values: list[Any]
-
-    def result(self):
-        mode = self.site.mode
-        if mode == "collect":
-            return tuple(self.values)
-        if len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
-            return self.values[0]  # sown once, outside any loop: the value itself
-        if mode in ROW_MODES:
-            return self.rows()
-        return self.values[0]
-
-    def rows(self):
-        """An append or auto record's occurrences, stacked on one leading axis."""
-        chunks = [
-            jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), v) if self.site.one_occurrence(v) else v
-            for v in self.values
-        ]
-        shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
-        if len(shapes) > 1:
-            raise different_shapes(self.site, shapes)
-        return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
-
-
 def different_shapes(site, shapes):
     """The error for occurrences of one stacking name with different shapes."""
     return ValueError(
-        f"The sow site {site} has mode {mode_label(site.mode)}, but its occurrences "
+        f"The sow site {site} has mode {site.mode.label}, but its occurrences "
         f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
         "cannot be stacked into one array. Sow one shape per name (give each shape "
         "its own name), or use mode 'collect', which keeps each occurrence as it is."

@@ -8,11 +8,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from ._modes import COND_CLOBBER, PUBLIC_MODES
 from ._primitive import sow_p
 from ._typing import SowMode, T
 
 DEFAULT_TAG = "intermediates"
-PUBLIC_MODES = ("collect", "strict", "append", "clobber")
 
 
 def _check_name(name: object, tag: object) -> None:
@@ -100,6 +100,6 @@ def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
             f"{pred.dtype}{list(pred.shape)}. Reduce it first, e.g. with jnp.any."
         )
     leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
+    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode=COND_CLOBBER.name, tree=tree)
     sown: T = jax.tree_util.tree_unflatten(tree, out)
     return sown

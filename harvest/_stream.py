@@ -102,7 +102,7 @@ def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any
         site = Site.of(eqn)
         if site.tag == tag:
             names[path_str(site.name)] = None
-        if site.tag == tag and site.mode != "cond_clobber" and select(site.name):
+        if site.tag == tag and not site.mode.has_pred and select(site.name):
             taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
     select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps

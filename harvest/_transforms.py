@@ -29,9 +29,9 @@ import jax
 from . import _jax
 from ._calling import is_array, make_jaxpr, split_nodes, write_back
 from ._inspect import sow_equations
-from ._interpreter import NameFilter, Plant, Policy, Scope, interpret, sites_in
-from ._rules.loops import occurrences
-from ._site import Site, mode_label, path_str
+from ._interpreter import NameFilter, Policy, Scope, interpret, sites_in
+from ._occurrences import Plant, occurrences
+from ._site import Site, path_str
 from ._sow import DEFAULT_TAG
 from ._typing import NameSelect, P, Plants, R, Reaped
 
@@ -104,10 +104,10 @@ def _walk(fn, dynamic, static: _Static, staged=False):
             filtered.add(site.name)
         if policy.handles(site):
             known = handled.setdefault(site.name, site)
-            if known.mode != site.mode:
+            if known.mode is not site.mode:
                 raise ValueError(
                     f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
-                    f"{mode_label(known.mode)} and {mode_label(site.mode)}. Use one mode per name."
+                    f"{known.mode.label} and {site.mode.label}. Use one mode per name."
                 )
     handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order, for messages
     if policy.strict_names:

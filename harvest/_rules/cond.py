@@ -17,7 +17,7 @@ from jax import lax
 
 from .. import _jax
 from .._interpreter import interpret, register
-from .._site import ROW_MODES, Record
+from .._occurrences import Record
 
 
 def _zeros(shape):
@@ -28,7 +28,7 @@ def _union(shapes, site):
     """The record structure every branch returns for one name, as shapes."""
     mode = site.mode
     present = [s for s in shapes if s is not None]
-    if mode == "collect":
+    if mode.entries:
         longest = max(present, key=len)
         for s in present:
             if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(longest[: len(s)]) or any(
@@ -41,7 +41,7 @@ def _union(shapes, site):
                 )
         return longest
     single = all(site.one_occurrence(s) for s in present)
-    if mode in ROW_MODES and not single:  # else one unstacked value, as for the modes below
+    if mode.rows and not single:  # else one unstacked value, as for the modes below
         rows = max(1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
         return site.zeros_shape((rows,))
     shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
@@ -56,9 +56,9 @@ def _union(shapes, site):
 def _pad(value, union, site):
     if value is None:
         return _zeros(union)
-    if site.mode == "collect":
+    if site.mode.entries:
         return list(value) + [_zeros(u) for u in union[len(value) :]]
-    if site.mode in ROW_MODES and not site.one_occurrence(union):
+    if site.mode.rows and not site.one_occurrence(union):
         if site.one_occurrence(value):
             value = jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, 0), value)
         return jax.tree_util.tree_map(
@@ -74,7 +74,7 @@ def _normalize(exported, children):
     out = {}
     for path, values in exported.items():
         rec = children.records[path]
-        out[path] = list(values) if rec.site.mode == "collect" else Record(rec.site, values).result()
+        out[path] = list(values) if rec.site.mode.entries else Record(rec.site, values).result()
     return out
 
 
@@ -110,7 +110,7 @@ def _cond(scope, eqn, invals):
 
     outs, recs = lax.switch(index, [branch_fn(c, s) for c, s, _ in traced], *ops)
     records = {
-        p: Record(sites[p], list(v) if sites[p].mode == "collect" else [v]) for p, v in recs.items()
+        p: Record(sites[p], list(v) if sites[p].mode.entries else [v]) for p, v in recs.items()
     }
     seen = {}
     for _, _, child in traced:

@@ -20,9 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _jax
 from .._interpreter import interpret, register
-from .._site import Record
-from .._site import LOOP_MODES, ROW_MODES
-from .loops import REPEATS, _per_iteration, merge_rows, peel
+from .._occurrences import REPEATS, Record, merge_rows
 
 
 def _lift(site, shards):
@@ -48,7 +46,7 @@ def _shard_map(scope, eqn, invals):
         idx = lax.axis_index(axes)
         child = holder["child"] = scope.child(
             plants={
-                path: _per_iteration(pl, idx, body, sites[path]) if pl.site.mode in LOOP_MODES else peel(pl, idx)
+                path: pl.per_iteration(idx, body, sites[path]) if pl.site.mode.stacks_in_loops else pl.peel(idx)
                 for path, pl in plants.items()
                 if path in sites
             }
@@ -57,7 +55,7 @@ def _shard_map(scope, eqn, invals):
         # One leading row per shard, so the out_spec lays the rows along `axes`.
         rows = jax.tree_util.tree_map(
             lambda x: _jax.pcast_varying(jnp.expand_dims(x, 0), axes) if p.check_vma else jnp.expand_dims(x, 0),
-            {path: rec.rows() if rec.site.mode in ROW_MODES else rec.result() for path, rec in child.records.items()},
+            {path: rec.rows() if rec.site.mode.rows else rec.result() for path, rec in child.records.items()},
         )
         return tuple(outs), rows
 
@@ -73,15 +71,15 @@ def _shard_map(scope, eqn, invals):
     records, seen = {}, {}
     for path, value in exported.items():
         site = child.records[path].site
-        if site.mode == "collect":  # [shards, entries...] -> a tuple of stacked entries
+        if site.mode.entries:  # [shards, entries...] -> a tuple of stacked entries
             records[path] = Record(_lift(site, shards), list(value))
-        elif site.mode in ROW_MODES:  # [shards, rows, ...] -> [shards * rows, ...]
+        elif site.mode.rows:  # [shards, rows, ...] -> [shards * rows, ...]
             records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
         else:
             records[path] = Record(_lift(site, shards), [value])
     for path, n in child.seen.items():
         mode = sites[path].mode
-        seen[path] = n if mode == "collect" else shards * n if mode in ROW_MODES else 1
+        seen[path] = n if mode.entries else shards * n if mode.rows else 1
     scope.absorb(records, seen)
     return list(outs)
 

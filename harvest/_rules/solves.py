@@ -15,7 +15,7 @@ from __future__ import annotations
 from .. import _jax
 from .._interpreter import interpret, register, retrace
 from .calls import _original, _with_jvp
-from .loops import RUNS
+from .._occurrences import RUNS
 
 RUNS[_jax.linear_solve_p] = lambda eqn: [_jax.LinearSolve.of(eqn).jaxprs.solve.jaxpr]
 

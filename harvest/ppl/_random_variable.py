@@ -18,6 +18,7 @@ from typing import Any, Callable, Concatenate, Literal, overload
 import jax
 import jax.numpy as jnp
 
+from .._modes import APPEND, STRICT
 from .._sow import sow
 from .._typing import P, R, T
 
@@ -27,7 +28,7 @@ DETERMINISTIC = "deterministic"
 
 # "strict": one draw per name (the default, as in oryx). "append": one draw per
 # loop iteration, stacked on a leading axis, for random variables in a scan.
-RV_MODES = ("strict", "append")
+RV_MODES = (STRICT.name, APPEND.name)
 
 
 def sow_density(log_density: Any, value: Any, name: str) -> None:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Concatenate, Hashable, Iterable, Optional
 import jax
 
 from ..._interpreter import NameFilter, Policy
+from ..._modes import COND_CLOBBER, ORYX_MODES
 from ..._primitive import sow_p as sow_p
 from ..._sow import _leaves
 from ..._transforms import _call, _check_callable, _check_plants_arg, _plants_first, nest as nest
@@ -33,9 +34,6 @@ from ..._typing import P, Plants, R, Reaped, T
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
 
-# oryx's "append" stacks once per enclosing loop and allows one occurrence per
-# scope; the core calls that mode "stack" (its own "append" counts occurrences).
-_MODES = {"strict": "strict", "clobber": "clobber", "append": "stack"}
 
 
 def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = None) -> T:
@@ -47,12 +45,12 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
         {'x': Array(3., dtype=float32, weak_type=True)}
     """
     del key  # oryx ties `key` in for ordering; a jaxpr keeps sows in program order anyway
-    if mode == "cond_clobber":
+    if mode == COND_CLOBBER.name:
         raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
-    if mode not in _MODES:
+    if mode not in ORYX_MODES:
         raise ValueError(f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'.")
     leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=_MODES[mode], tree=tree)
+    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=ORYX_MODES[mode].name, tree=tree)
     sown: T = jax.tree_util.tree_unflatten(tree, out)
     return sown
 
@@ -68,11 +66,11 @@ def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond
         {'pos': Array(0., dtype=float32)}
     """
     del key
-    if mode != "cond_clobber":
+    if mode != COND_CLOBBER.name:
         raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
     leaves, tree = _leaves(value, name, tag)
     pred = jax.numpy.asarray(pred)
-    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode="cond_clobber", tree=tree)
+    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode=COND_CLOBBER.name, tree=tree)
     sown: T = jax.tree_util.tree_unflatten(tree, out)
     return sown
 

@@ -1,0 +1,259 @@
+"""A name's occurrences: the `Record` a walk reaps, the `Plant` it plants, and
+how both are counted and sliced per iteration of a loop (or per shard).
+
+What each step does depends on the site's mode, which these helpers ask
+(`site.mode.entries`, `.rows`, ...) rather than naming modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _jax
+from ._primitive import sow_p
+from ._site import Site, different_shapes
+
+# primitive -> (equation -> how many times one run of it runs its body): rows
+# repeat that often, while a collect entry is stacked into one.
+REPEATS: dict[Any, Callable[[Any], int]] = {_jax.scan_p: lambda eqn: _jax.Scan.of(eqn).length}
+
+# primitive -> (equation -> the jaxprs one run of it runs), for primitives that
+# hold jaxprs they run only when differentiated (custom_linear_solve).
+RUNS: dict[Any, Callable[[Any], list[Any]]] = {}
+
+
+def occurrences(jaxpr: Any, site: Site) -> int:
+    """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
+    gives, as reap returns them; a cond gives its longest branch's."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            other = Site.of(eqn)
+            n += other.tag == site.tag and other.name == site.name and other.mode is site.mode
+        elif eqn.primitive is _jax.cond_p:
+            n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
+        else:
+            runs = RUNS.get(eqn.primitive, _jax.sub_jaxprs)(eqn)
+            inner = sum(occurrences(j, site) for j in runs)
+            repeat = REPEATS.get(eqn.primitive)
+            n += inner * repeat(eqn) if repeat and site.mode.rows else inner
+    return n
+
+
+def merge_rows(leaf: Any) -> Any:
+    """[n, k, *s] -> [n * k, *s]; spelled out, as -1 cannot be inferred for zero-size rows."""
+    return leaf.reshape((leaf.shape[0] * leaf.shape[1],) + leaf.shape[2:])
+
+
+# ---------------------------------------------------------------------------
+# Records: what a walk reaps for one name.
+
+
+@dataclasses.dataclass
+class Record:
+    """The occurrences of one name reaped so far in one walk of a body.
+
+    `values` holds, by mode: collect, one pytree per occurrence; append, chunks
+    of occurrences stacked on a leading axis; auto, such chunks and single
+    occurrences sown outside any loop, in order; the other modes, one pytree.
+    """
+
+    site: Site
+    values: list[Any]
+
+    def result(self) -> Any:
+        mode = self.site.mode
+        if mode.entries:
+            return tuple(self.values)
+        if len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
+            return self.values[0]  # sown once, outside any loop: the value itself
+        if mode.rows:
+            return self.rows()
+        return self.values[0]
+
+    def rows(self) -> Any:
+        """An append or auto record's occurrences, stacked on one leading axis."""
+        chunks = [
+            jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), v) if self.site.one_occurrence(v) else v
+            for v in self.values
+        ]
+        shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
+        if len(shapes) > 1:
+            raise different_shapes(self.site, shapes)
+        return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
+
+    def chunk(self) -> Any:
+        """One loop body's occurrences, as a loop stacks them: a list of entries
+        (collect), the rows (append, auto), or the one value (other modes)."""
+        if self.site.mode.entries:
+            return list(self.values)
+        if self.site.mode.rows:
+            return self.rows()
+        return self.result()
+
+
+def stacked_record(site: Site, chunk: Any) -> Record:
+    """The record of a loop that stacked each iteration's `chunk` along a new
+    leading axis: entries stay entries, rows of all iterations become one
+    run of rows, and anything else is one stacked value."""
+    if site.mode.entries:
+        return Record(site, list(chunk))
+    if site.mode.rows:
+        return Record(site, [jax.tree_util.tree_map(merge_rows, chunk)])
+    return Record(site, [chunk])
+
+
+# ---------------------------------------------------------------------------
+# Plants: the replacement for each occurrence of a name.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plant:
+    """A planted value as seen from one walk of a body, starting at its first occurrence.
+
+    `value` is, by the site's mode: collect, a tuple with one entry per
+    occurrence; append, leaves stacked on a leading axis; or, for any mode, a
+    single value or a callable `old -> new` used at every occurrence. A
+    callable that requires a second positional argument is called as
+    `value(old, index)`, `index` being the occurrence's position among the
+    name's occurrences in one call (its row in reap's stack; traced inside a
+    scan); `start` is the index of this walk's first occurrence.
+    """
+
+    site: Site
+    value: Any
+    start: Any = 0
+
+    def per_occurrence(self) -> bool:
+        v, mode = self.value, self.site.mode
+        if callable(v):
+            return False
+        if mode.entries:
+            # A tuple shaped like the sown value is one value; any other tuple
+            # holds one entry per occurrence (its count is checked by the walk).
+            return isinstance(v, tuple) and jax.tree_util.tree_structure(v) != self.site.tree
+        if mode.rows:
+            leaf, aval = jax.tree_util.tree_leaves(v)[0], self.site.avals[0]
+            return bool(jnp.ndim(leaf) == len(aval.shape) + 1)
+        return False
+
+    def check_count(self, n: int) -> None:
+        """A plant given per occurrence needs one entry (collect) or row (append)
+        for each of the `n` occurrences that reap would return."""
+        if not self.per_occurrence():
+            return
+        if self.site.mode.entries:
+            got, what = len(self.value), "entries"
+        else:
+            got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
+        if got != n:
+            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.site.avals)
+            raise ValueError(
+                f"The plant for the sow site {self.site} has {got} {what}, but reap returns "
+                f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
+                "single value (or callable) used at every occurrence."
+            )
+
+    def takes_index(self) -> bool:
+        return callable(self.value) and _takes_index(self.value)
+
+    def starting_at(self, start: Any) -> Plant:
+        """The same plant, its occurrences counted from `start`."""
+        return Plant(self.site, self.value, start) if self.takes_index() else self
+
+    def shift(self, n: int) -> Plant:
+        """The same plant seen from `n` occurrences later."""
+        if not n:
+            return self
+        if self.takes_index():
+            return self.starting_at(self.start + n)
+        if not self.per_occurrence():
+            return self
+        if self.site.mode.entries:
+            return Plant(self.site, self.value[n:])
+        return Plant(self.site, jax.tree_util.tree_map(lambda l: l[n:], self.value))
+
+    def at(self, i: int, old: Any, site: Site) -> Any:
+        """The replacement for occurrence `i` (fired by `site`) given its old value."""
+        v = self.value
+        if callable(v):
+            new = v(old, self.start + i) if self.takes_index() else v(old)
+            what = "the value returned by the planted callable"
+        elif self.per_occurrence():
+            if self.site.mode.entries:
+                if i >= len(v):
+                    raise ValueError(
+                        f"The plant for the sow site {self.site} has {len(v)} entries, but "
+                        f"the site is sown at least {i + 1} times. Plant one entry per "
+                        "occurrence (as reap returns), or a single value for all."
+                    )
+                new = v[i]
+            else:
+                new = jax.tree_util.tree_map(lambda l: l[i], v)
+            what = f"occurrence {i} of the planted value"
+        else:
+            new = v
+            what = "the planted value"
+        leaves = site.check(new, what)
+        return jax.tree_util.tree_unflatten(site.tree, leaves)
+
+    def peel(self, idx: Any) -> Plant:
+        """Row `idx` of a plant stacked along a leading axis; other plants as they
+        are, but a callable taking the occurrence index counts from row `idx`."""
+        if callable(self.value):
+            return self.starting_at(self.start + idx)
+        ndim = [len(a.shape) for a in self.site.avals]
+        if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(self.value), ndim)):
+            return Plant(self.site, jax.tree_util.tree_map(lambda l: l[idx], self.value))
+        return self
+
+    def per_iteration(self, idx: Any, body_jaxpr: Any, body_site: Site) -> Plant:
+        """The part of this plant that one iteration (number `idx`) of a loop over
+        `body_jaxpr` sees; `body_site` is the name's site in the body (its shape
+        may differ from other sites')."""
+        site = self.site
+        if site.mode.stacks_per_loop:
+            return self.peel(idx)
+        if self.takes_index():
+            if site.mode.entries:
+                raise ValueError(
+                    f"The planted callable for the sow site {site} takes an occurrence index, but "
+                    "the site has mode 'collect' inside a loop, where reap stacks each sow's "
+                    "iterations into one entry, so occurrences have no single index. Use mode "
+                    "'append' (one row per iteration), or a callable of the old value alone."
+                )
+            # Iteration `idx` starts `idx` bodies' worth of rows later.
+            return self.starting_at(self.start + idx * occurrences(body_jaxpr, site))
+        if not self.per_occurrence():
+            return self
+        n = occurrences(body_jaxpr, site)
+        if site.mode.entries:
+            # The body's entries come first, each stacked over iterations (or one
+            # value for all); entries for later sows are not the body's to slice.
+            ndim = [len(a.shape) for a in body_site.avals]
+
+            def entry(e: Any) -> Any:
+                leaves = jax.tree_util.tree_leaves(e)
+                stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
+                return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
+
+            return Plant(site, tuple(entry(e) for e in self.value[:n]) + self.value[n:])
+        return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * n, n), self.value))
+
+
+def _takes_index(fn: Callable[..., Any]) -> bool:
+    """Whether a planted callable requires a second positional argument (the
+    occurrence index). Parameters with defaults do not count, so the idiom
+    `lambda old, c=c: ...` stays a callable of the old value alone."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: old -> new
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in positional and p.default is p.empty for p in params) >= 2
