@@ -14,7 +14,8 @@ import numpy as np
 from . import _jax
 from ._calling import make_jaxpr
 from ._primitive import sow_p
-from ._site import Site, path_str
+from ._paths import path_str
+from ._site import Site
 
 UNBOUNDED = None  # `SiteInfo.fires` inside a while loop
 
@@ -227,7 +228,7 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
     mode = site.mode.shown
-    return SiteInfo(site.tag, path_str(site.name), mode, shape, dtype, fires, " › ".join(where))
+    return SiteInfo(site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where))
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

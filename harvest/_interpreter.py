@@ -1,10 +1,10 @@
 """The one walk over a jaxpr that serves reap, plant, harvest and nest.
 
-`interpret(scope, jaxpr, consts, args)` evaluates a jaxpr equation by equation
+`interpret(walk, jaxpr, consts, args)` evaluates a jaxpr equation by equation
 under whatever trace is current. An equation whose primitive has a rule in
 `RULES`, and whose body holds a sow this walk cares about, goes to that rule;
 everything else is re-bound untouched (keeping its compile cache and custom
-derivatives). The `Scope` says what to do at each sow: plant it, reap it, or
+derivatives). The `Walk` says what to do at each sow: plant it, reap it, or
 re-emit it for an outer harvest of another tag.
 """
 
@@ -18,12 +18,13 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
-from . import _jax
+from . import _errors, _jax
 from ._primitive import sow_p
 from ._occurrences import Plant, Record
-from ._site import Site, different_shapes, path_str
+from ._paths import path_str
+from ._site import Site
 
-# primitive -> rule(scope, eqn, invals) -> outvals. Filled in by `_rules/`.
+# primitive -> rule(walk, eqn, invals) -> outvals. Filled in by `_rules/`.
 RULES: dict[_jax.Primitive, Callable] = {}
 
 
@@ -39,23 +40,20 @@ def register(*primitives):
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-_tags_cache: "weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset]" = weakref.WeakKeyDictionary()
+_sites_cache: "weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]]" = weakref.WeakKeyDictionary()
 
 
-def sites_in(jaxpr) -> frozenset:
-    """Every (site, enclosing primitive) reachable from `jaxpr`, recursively."""
+def sites_in(jaxpr) -> frozenset[Site]:
+    """Every site reachable from `jaxpr`, recursively."""
     try:
-        return _tags_cache[jaxpr]
+        return _sites_cache[jaxpr]
     except KeyError:
         pass
-    found = set()
+    found = {Site.of(eqn) for eqn in jaxpr.eqns if eqn.primitive is sow_p}
     for eqn in jaxpr.eqns:
-        if eqn.primitive is sow_p:
-            found.add((Site.of(eqn), None))
         for sub in _jax.sub_jaxprs(eqn):
-            for site, _ in sites_in(sub):
-                found.add((site, eqn.primitive))
-    _tags_cache[jaxpr] = result = frozenset(found)
+            found.update(sites_in(sub))
+    _sites_cache[jaxpr] = result = frozenset(found)
     return result
 
 
@@ -80,9 +78,7 @@ class NameFilter:
             items = tuple(items)
             for it in items:
                 if not (isinstance(it, str) or callable(it)):
-                    raise TypeError(
-                        f"{what} takes names, glob patterns or predicates on names; got {it!r}."
-                    )
+                    raise _errors.bad_filter_entry(what, it)
             return items
 
         return NameFilter(norm(allowlist, "allowlist"), norm(blocklist, "blocklist") or ())
@@ -100,23 +96,13 @@ class NameFilter:
             it for it in self.allow or () if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
         ]
         if missing:
-            raise ValueError(no_such_names(missing, names, what, tag))
+            raise ValueError(_errors.no_such_names(missing, names, what, tag))
 
     def __call__(self, path):
         name = path_str(path)
         if self.allow is not None and not self._hit(self.allow, name):
             return False
         return not self._hit(self.block, name)
-
-
-def no_such_names(missing, names, what, tag):
-    """The message for names or patterns (`missing`) that match no site of `tag`."""
-    listed = ", ".join(repr(n) for n in names) or "none"
-    return (
-        f"{what} {', '.join(map(repr, missing))} matches no sow site of tag {tag!r}. "
-        f"Names sown with that tag, in program order: {listed}. Check the spelling, or use a "
-        "predicate (lambda name: ...) for a site that may be absent."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,12 +117,12 @@ class Policy:
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
 
     def handles(self, site):
-        return site.tag == self.tag and self.select(site.name)
+        return site.tag == self.tag and self.select(site.path)
 
     def touches(self, sites):
         return any(
             self.prefix or self.exclusive or (self.drop_filtered and s.tag == self.tag) or self.handles(s)
-            for s, _ in sites
+            for s in sites
         )
 
     def reemit(self, params):
@@ -161,32 +147,32 @@ def _vary_like(new, old):
 
 
 # ---------------------------------------------------------------------------
-# A scope: one walk over one jaxpr body.
+# The state of a walk over one jaxpr body.
 
 
-class Scope:
+class Walk:
     """The state of one walk: plants coming in, records going out.
 
-    A rule for a higher-order primitive makes a `child()` scope for the body it
+    A rule for a higher-order primitive makes a `child()` walk for the body it
     re-traces, then folds the child's records back with `absorb`.
     """
 
     def __init__(self, policy: Policy, plants: dict, reap: bool = True):
         self.policy = policy
-        self.plants = plants  # path -> Plant, as seen from this scope
+        self.plants = plants  # path -> Plant, as seen from this walk
         self.reap = reap
         self.records: dict[tuple, Record] = {}
         self.seen: dict[tuple, int] = {}  # occurrences so far (entries, or append rows)
 
     def child(self, carried=None, plants=None):
-        """A scope for a body that runs after what this scope has seen so far.
+        """A walk for a body that runs after what this walk has seen so far.
 
         `carried` maps clobber-like names to (site, value) to start from;
         `plants` overrides the plants the body sees.
         """
         if plants is None:
             plants = self.shifted_plants()
-        kid = Scope(self.policy, plants, self.reap)
+        kid = Walk(self.policy, plants, self.reap)
         for path, (site, value) in (carried or {}).items():
             kid.records[path] = Record(site, [value])
         return kid
@@ -196,20 +182,10 @@ class Scope:
 
     # -- a sow fires -------------------------------------------------------
     def sow(self, site: Site, value, pred=None):
-        path = site.name
-        known = self.records.get(path)
-        if known is not None and known.site.mode is not site.mode:
-            raise ValueError(
-                f"The sow site {site} uses mode {site.mode.label}, but the same name was "
-                f"sown with mode {known.site.mode.label} earlier. Use one mode per name."
-            )
+        path = site.path
         i = self.seen.get(path, 0)
         if site.mode.single and i:
-            raise ValueError(
-                f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
-                "Give each occurrence its own name, or use mode 'collect', 'append' or "
-                "'clobber'."
-            )
+            raise _errors.sown_twice(site)
         plant = self.plants.get(path)
         if plant is not None:
             new = jax.tree_util.tree_map(_vary_like, plant.at(i, value, site), value)
@@ -222,13 +198,13 @@ class Scope:
         return value
 
     def _record(self, site, value, pred):
-        path, mode = site.name, site.mode
+        path, mode = site.path, site.mode
         rec = self.records.setdefault(path, Record(site, []))
         if mode.entries:
             rec.values.append(value)
         elif mode.unstacked_once:
             if rec.site.avals != site.avals:  # a shared module called on different shapes
-                raise different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
+                raise _errors.different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
             rec.values.append(value)  # kept as is: sown once, it reaps unstacked
         elif mode.rows:
             rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
@@ -245,16 +221,9 @@ class Scope:
             if mine is None:
                 self.records[path] = Record(rec.site, list(rec.values))
                 continue
-            if mine.site.mode is not rec.site.mode:
-                raise ValueError(
-                    f"The sow site {rec.site} uses mode {rec.site.mode.label}, but the same "
-                    f"name was sown with mode {mine.site.mode.label} elsewhere. Use one mode per name."
-                )
+            # One mode per name is checked before the walk.
             if rec.site.mode.single:
-                raise ValueError(
-                    f"The sow site {rec.site} has mode {rec.site.mode.label} but is sown more than once. "
-                    "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
-                )
+                raise _errors.sown_twice(rec.site)
             if rec.site.mode.carried:
                 mine.values = list(rec.values)
             else:
@@ -268,19 +237,19 @@ class Scope:
         the leading axes a loop with a per-example predicate adds to every leaf."""
         out = {}
         for site in sites.values():
-            if self.reap and site.mode.carried and site.name not in self.plants:
-                rec = self.records.get(site.name)
+            if self.reap and site.mode.carried and site.path not in self.plants:
+                rec = self.records.get(site.path)
                 value = rec.values[0] if rec else site.zeros()
-                out[site.name] = (site, site.fit(value, where, batch))
+                out[site.path] = (site, site.fit(value, where, batch))
         return out
 
     def handled_sites(self, jaxprs):
         """The sites of this walk's tag inside `jaxprs`, first one per name."""
         out = {}
         for j in jaxprs:
-            for site, _ in sites_in(j):
+            for site in sites_in(j):
                 if self.policy.handles(site):
-                    out.setdefault(site.name, site)
+                    out.setdefault(site.path, site)
         return out
 
     def plants_inside(self, jaxprs):
@@ -291,7 +260,7 @@ class Scope:
         return {path: rec.values for path, rec in self.records.items()}
 
     def absorb_export(self, child, exported):
-        """Folds a child's records, as returned by a traced body, into this scope."""
+        """Folds a child's records, as returned by a traced body, into this walk."""
         records = {p: Record(child.records[p].site, list(v)) for p, v in exported.items()}
         self.absorb(records, child.seen)
 
@@ -307,51 +276,47 @@ def _read(env, v):
     return v.val if isinstance(v, _jax.Literal) else env[v]
 
 
-def interpret(scope: Scope, jaxpr: _jax.Jaxpr, consts, args):
+def interpret(walk: Walk, jaxpr: _jax.Jaxpr, consts, args):
     env: dict[Any, Any] = {}
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [_read(env, v) for v in eqn.invars]
         with _jax.eqn_context(eqn):
-            outs = _eval_eqn(scope, eqn, invals)
+            outs = _eval_eqn(walk, eqn, invals)
         if not eqn.primitive.multiple_results:
             outs = [outs]
         env.update(zip(eqn.outvars, outs))
     return [_read(env, v) for v in jaxpr.outvars]
 
 
-def _eval_eqn(scope, eqn, invals):
+def _eval_eqn(walk, eqn, invals):
     if eqn.primitive is sow_p:
-        return sow_rule(scope, eqn, invals)
+        return sow_rule(walk, eqn, invals)
     subs = _jax.sub_jaxprs(eqn)
     if subs:
         sites = frozenset().union(*(sites_in(j) for j in subs))
-        if scope.policy.touches(sites):
+        if walk.policy.touches(sites):
             rule = RULES.get(eqn.primitive)
             if rule is None:
-                site = next(s for s, _ in sites if scope.policy.touches([(s, None)]))
-                raise NotImplementedError(
-                    f"harvest has no rule for the primitive `{eqn.primitive}`, which holds "
-                    f"the sow site {site}. Move the sow outside `{eqn.primitive}`, or "
-                    "file an issue naming this primitive."
-                )
-            return rule(scope, eqn, invals)
+                site = next(s for s in sites if walk.policy.touches([s]))
+                raise _errors.no_rule(eqn.primitive, site)
+            return rule(walk, eqn, invals)
     return _jax.rebind(eqn, invals)
 
 
-def sow_rule(scope, eqn, invals):
+def sow_rule(walk, eqn, invals):
     site = Site.of(eqn)
     n = len(eqn.outvars)
-    if not scope.policy.handles(site):
-        params = scope.policy.reemit(eqn.params)
+    if not walk.policy.handles(site):
+        params = walk.policy.reemit(eqn.params)
         return invals[:n] if params is None else sow_p.bind(*invals, **params)
-    if not scope.reap and site.name not in scope.plants:
+    if not walk.reap and site.path not in walk.plants:
         # A plant leaves the names it does not plant for an outer harvest.
         return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
-    value = scope.sow(site, value, pred)
+    value = walk.sow(site, value, pred)
     return jax.tree_util.tree_leaves(value)
 
 
@@ -368,22 +333,22 @@ class Retraced:
     args: list
     num_consts: int
     num_outs: int
-    child: Scope
+    child: Walk
     records_tree: Any
 
-    def finish(self, scope, outs):
-        """Splits a bind's outputs, folding the records into `scope`."""
+    def finish(self, walk, outs):
+        """Splits a bind's outputs, folding the records into `walk`."""
         outs, rec_leaves = outs[: self.num_outs], outs[self.num_outs :]
-        scope.absorb_export(self.child, jax.tree_util.tree_unflatten(self.records_tree, rec_leaves))
+        walk.absorb_export(self.child, jax.tree_util.tree_unflatten(self.records_tree, rec_leaves))
         return outs
 
 
-def retrace(scope, jaxpr, consts, invals):
-    """Traces `interpret` of `jaxpr` in a child scope into a new jaxpr."""
+def retrace(walk, jaxpr, consts, invals):
+    """Traces `interpret` of `jaxpr` in a child walk into a new jaxpr."""
     holder = {}
 
     def body(*args):
-        child = holder["child"] = scope.child()
+        child = holder["child"] = walk.child()
         outs = interpret(child, jaxpr, consts, args)
         leaves, holder["tree"] = jax.tree_util.tree_flatten(child.export())
         return [*outs, *leaves]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import re
 from typing import Any
 
 import jax
@@ -31,6 +33,8 @@ from jax._src import config as _config
 from jax._src import effects as _effects
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
+from jax._src import source_info_util as _src_source_info
+from jax._src import traceback_util as _traceback_util
 from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
@@ -127,6 +131,34 @@ def function_name(eqn):
     """The function name JAX recorded for a jit or custom-derivative equation, or None."""
     name = eqn.params.get("name")
     return name if isinstance(name, str) else None
+
+
+def user_location(source_info: Any) -> str | None:
+    """"file:line" of the user's code that staged an equation (the innermost frame
+    outside JAX and harvest), or None where JAX kept no traceback."""
+    summary = source_info_util.summarize(source_info) if source_info is not None else ""
+    found = re.match(r"(.*?):(\d+)(?::\d+)? \(", summary)
+    return f"{found.group(1)}:{found.group(2)}" if found else None
+
+
+def hide_frames_of(path: str) -> None:
+    """Treats the code under `path` as JAX's own: left out of the tracebacks an
+    `api_boundary` filters, and skipped when naming an equation's user frame."""
+    if hasattr(_traceback_util, "register_exclusion"):
+        _traceback_util.register_exclusion(path)
+    if hasattr(_src_source_info, "register_exclusion"):
+        _src_source_info.register_exclusion(path)
+
+
+def api_boundary(fn: Any) -> Any:
+    """`fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does."""
+    boundary = getattr(_traceback_util, "api_boundary", None)
+    return fn if boundary is None else boundary(fn)
+
+
+# harvest's own frames are hidden like JAX's: a user's traceback and an
+# equation's source line point at the user's code.
+hide_frames_of(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def is_staging() -> bool:

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _jax
+from . import _errors, _jax
 from ._primitive import sow_p
-from ._site import Site, different_shapes
+from ._site import Site
 
 # primitive -> (equation -> how many times one run of it runs its body): rows
 # repeat that often, while a collect entry is stacked into one.
@@ -35,7 +35,7 @@ def occurrences(jaxpr: Any, site: Site) -> int:
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             other = Site.of(eqn)
-            n += other.tag == site.tag and other.name == site.name and other.mode is site.mode
+            n += other.tag == site.tag and other.path == site.path and other.mode is site.mode
         elif eqn.primitive is _jax.cond_p:
             n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:
@@ -85,7 +85,7 @@ class Record:
         ]
         shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
         if len(shapes) > 1:
-            raise different_shapes(self.site, shapes)
+            raise _errors.different_shapes(self.site, shapes)
         return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
 
     def chunk(self) -> Any:
@@ -153,12 +153,7 @@ class Plant:
         else:
             got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
         if got != n:
-            shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in self.site.avals)
-            raise ValueError(
-                f"The plant for the sow site {self.site} has {got} {what}, but reap returns "
-                f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
-                "single value (or callable) used at every occurrence."
-            )
+            raise _errors.plant_count(self.site, got, n, what)
 
     def takes_index(self) -> bool:
         return callable(self.value) and _takes_index(self.value)
@@ -188,11 +183,7 @@ class Plant:
         elif self.per_occurrence():
             if self.site.mode.entries:
                 if i >= len(v):
-                    raise ValueError(
-                        f"The plant for the sow site {self.site} has {len(v)} entries, but "
-                        f"the site is sown at least {i + 1} times. Plant one entry per "
-                        "occurrence (as reap returns), or a single value for all."
-                    )
+                    raise _errors.too_few_entries(site, len(v), i + 1)
                 new = v[i]
             else:
                 new = jax.tree_util.tree_map(lambda l: l[i], v)
@@ -222,12 +213,7 @@ class Plant:
             return self.peel(idx)
         if self.takes_index():
             if site.mode.entries:
-                raise ValueError(
-                    f"The planted callable for the sow site {site} takes an occurrence index, but "
-                    "the site has mode 'collect' inside a loop, where reap stacks each sow's "
-                    "iterations into one entry, so occurrences have no single index. Use mode "
-                    "'append' (one row per iteration), or a callable of the old value alone."
-                )
+                raise _errors.indexed_plant_of_collect_in_loop(site)
             # Iteration `idx` starts `idx` bodies' worth of rows later.
             return self.starting_at(self.start + idx * occurrences(body_jaxpr, site))
         if not self.per_occurrence():

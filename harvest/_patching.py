@@ -23,9 +23,10 @@ import numpy as np
 from ._calling import is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
-from ._site import Site, path_str
+from ._paths import nested_dict, path_str
+from ._site import Site
 from ._sow import DEFAULT_TAG
-from ._transforms import _nested, plant, reap
+from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped, T, dataclass_transform
 
 if TYPE_CHECKING:
@@ -383,10 +384,10 @@ def _site_value(reaps, site, what, count=None):
 
 def _lookup(reaps, site, what):
     """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
-    node = _lookup_dotted(reaps, path_str(site.name))
+    node = _lookup_dotted(reaps, path_str(site.path))
     if node is _MISSING:
         raise KeyError(
-            f"{what} has no value for {path_str(site.name)!r}. Pass the dict "
+            f"{what} has no value for {path_str(site.path)!r}. Pass the dict "
             f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
         )
     return node
@@ -410,7 +411,7 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
     for eqn, where, fires in sow_equations(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
         site = Site.of(eqn)
         if site.tag == tag:
-            by_name.setdefault(path_str(site.name), []).append((site, where, fires))
+            by_name.setdefault(path_str(site.path), []).append((site, where, fires))
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
@@ -424,7 +425,7 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
     size, skipped = None, ()
     if axis is not None:
-        sizes = {path_str(t.site.name): _size_along(t.one, axis) for t in targets}
+        sizes = {path_str(t.site.path): _size_along(t.one, axis) for t in targets}
         if chosen is None:
             # Sweep the sites of the most common size; say which were left out.
             counts = collections.Counter(n for n in sizes.values() if n is not None)
@@ -436,10 +437,10 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
                 for name, n in sizes.items()
                 if n != size
             )
-            targets = [t for t in targets if sizes[path_str(t.site.name)] == size]
+            targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
         else:
             for t in targets:  # the full message for a bad axis or mismatched leaves
-                _axis_size(t.one, axis, f"{caller} at {path_str(t.site.name)!r}")
+                _axis_size(t.one, axis, f"{caller} at {path_str(t.site.path)!r}")
             if len(set(sizes.values())) != 1:
                 raise ValueError(
                     f"{caller}: the sites have different sizes along axis {axis}: {sizes}. "
@@ -582,7 +583,7 @@ def _labels(targets: list[_Target], size: int | None) -> tuple[tuple[str, ...], 
     positions = None if size is None else np.arange(size)
     names: list[str] = []
     for t in targets:
-        name = path_str(t.site.name)
+        name = path_str(t.site.path)
         names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
     return tuple(names), positions
 
@@ -664,10 +665,10 @@ def patching_sweep(
         for t, c, ax, first in zip(targets, cleans, axes, firsts):
             here = jnp.ones((), bool) if ax is None else jnp.arange(size) == pos
             if t.count is None:
-                plants[t.site.name] = _PatchWhere(c, here & (row == first), ax)
+                plants[t.site.path] = _PatchWhere(c, here & (row == first), ax)
             else:  # row `first + j` patches occurrence j
-                plants[t.site.name] = _PatchOccurrence(c, here, row - first, ax)
-        return _scalar(metric(planted(_nested(plants), *args)))
+                plants[t.site.path] = _PatchOccurrence(c, here, row - first, ax)
+        return _scalar(metric(planted(nested_dict(plants), *args)))
 
     def sweep(operands):
         cleans, args = operands
@@ -727,7 +728,7 @@ def attribution_patching(
     """
     targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
     axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
-    patched = frozenset(path_str(t.site.name) for t in targets)
+    patched = frozenset(path_str(t.site.path) for t in targets)
     planted = plant(f, tag=tag)
 
     def estimate(operands):
@@ -737,10 +738,10 @@ def attribution_patching(
 
         def metric_of(offsets):
             plants = {
-                t.site.name: _AddVector(d, jnp.ones(())) if t.count is None else _AddRow(d)
+                t.site.path: _AddVector(d, jnp.ones(())) if t.count is None else _AddRow(d)
                 for t, d in zip(targets, offsets)
             }
-            return _scalar(metric(planted(_nested(plants), *args)))
+            return _scalar(metric(planted(nested_dict(plants), *args)))
 
         zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
         baseline, grads = jax.value_and_grad(metric_of)(zeros)

@@ -1,19 +1,19 @@
-"""A sow site's static description, and how its occurrences accumulate."""
+"""A sow site's static description: its tag, path, mode, shapes and the line that sowed it."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef
 
+from . import _errors, _jax
 from ._modes import MODES, Mode
+from ._paths import path_str
 from ._primitive import sow_p
-
-
-def path_str(path):
-    return ".".join(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,11 +21,12 @@ class Site:
     """One `sow` equation: where it files its value, and what it looks like."""
 
     tag: str
-    name: tuple  # a path: ("scope", ..., "name") once `nest` has scoped it
+    path: tuple  # the name under its `nest` scopes: ("scope", ..., "name")
     mode: Mode
     tree: PyTreeDef
     avals: tuple
     vmapped: tuple = ()  # per leaf, how many leading axes are vmap batch axes
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)  # the sow equation's source_info
 
     @classmethod
     def of(cls, eqn):
@@ -34,10 +35,15 @@ class Site:
         n = len(eqn.outvars)
         path = p["scope"] + (p["name"],)
         avals = tuple(v.aval for v in eqn.invars[:n])
-        return cls(p["tag"], path, MODES[p["mode"]], p["tree"], avals, p.get("vmapped") or (0,) * n)
+        vmapped = p.get("vmapped") or (0,) * n
+        return cls(p["tag"], path, MODES[p["mode"]], p["tree"], avals, vmapped, eqn.source_info)
+
+    def where(self) -> str:
+        """The file:line of the user's `sow` call that made this site."""
+        return _jax.user_location(self.source) or "an unknown line"
 
     def __str__(self):
-        return f"tag={self.tag!r}, name={path_str(self.name)!r}"
+        return f"tag={self.tag!r}, name={path_str(self.path)!r} (sown at {self.where()})"
 
     def one_occurrence(self, value):
         """Whether `value` (an auto record entry) is one occurrence, not rows of them.
@@ -63,10 +69,7 @@ class Site:
         """Flattens `value`, or says exactly how it differs from this site."""
         leaves, tree = jax.tree_util.tree_flatten(value)
         if tree != self.tree:
-            raise ValueError(
-                f"{what} for the sow site {self} has structure {tree}, but the site "
-                f"sows {self.tree}."
-            )
+            raise _errors.plant_structure(self, what, tree)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
             shape = tuple(leading) + aval.shape
@@ -76,11 +79,8 @@ class Site:
             ndim = len(got[0])
             per_example = len(shape) - batch <= ndim < len(shape) and shape[len(shape) - ndim :] == got[0]
             if (got[0] != shape and not per_example) or got[1] != aval.dtype:
-                raise ValueError(
-                    f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the "
-                    f"site expects {aval.dtype}{list(shape)}{self._per_example(aval, batch)}. "
-                    "Plant a value of the sown shape and dtype (or a callable old -> new)."
-                )
+                expected = f"{aval.dtype}{list(shape)}{self._per_example(aval, batch)}"
+                raise _errors.plant_shape(self, what, f"{got[1]}{list(got[0])}", expected)
             out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
         return out
 
@@ -96,29 +96,10 @@ class Site:
         if len(have) != len(targets) or any(
             len(h) > len(t) or t[len(t) - len(h) :] != h for h, t in zip(have, targets)
         ):
-            raise ValueError(
-                f"The sow site {self} has mode {self.mode.label} and was sown with shape "
-                f"{_shapes_str(have)} before this {where}, which sows it with shape "
-                f"{_shapes_str(targets)} and carries one value per name. Sow one shape per "
-                "name (give each shape its own name)."
-            )
+            raise _errors.carried_shape(self, have, targets, where)
         leaves = [jnp.broadcast_to(leaf, t) for leaf, t in zip(leaves, targets)]
         return jax.tree_util.tree_unflatten(self.tree, leaves)
 
     @staticmethod
     def _per_example(aval, batch):
         return f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)" if batch else ""
-
-
-def _shapes_str(shapes):
-    return " and ".join(str(list(s)) for s in shapes)
-
-
-def different_shapes(site, shapes):
-    """The error for occurrences of one stacking name with different shapes."""
-    return ValueError(
-        f"The sow site {site} has mode {site.mode.label}, but its occurrences "
-        f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
-        "cannot be stacked into one array. Sow one shape per name (give each shape "
-        "its own name), or use mode 'collect', which keeps each occurrence as it is."
-    )

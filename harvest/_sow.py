@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Hashable
 
 import jax
-import numpy as np
 
+from . import _errors
+from ._calling import is_array
 from ._modes import COND_CLOBBER, PUBLIC_MODES
 from ._primitive import sow_p
 from ._typing import SowMode, T
@@ -17,15 +18,15 @@ DEFAULT_TAG = "intermediates"
 
 def _check_name(name: object, tag: object) -> None:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"sow needs `name` to be a non-empty string, got {name!r}.")
+        raise _errors.bad_sow_name("name", name)
     if not isinstance(tag, str) or not tag:
-        raise TypeError(f"sow needs `tag` to be a non-empty string, got {tag!r}.")
+        raise _errors.bad_sow_name("tag", tag)
 
 
 def non_array(value: Any) -> tuple[str, Any] | None:
     """(where in `value`, leaf) for its first leaf that is not an array, or None."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-        if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, numbers.Number)):
+        if not (is_array(leaf) or isinstance(leaf, numbers.Number)):
             return jax.tree_util.keystr(path), leaf
     return None
 
@@ -33,12 +34,16 @@ def non_array(value: Any) -> tuple[str, Any] | None:
 def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
     bad = non_array(value)
     if bad is not None:
-        raise TypeError(
-            f"sow(name={name!r}, tag={tag!r}): {bad[0] or 'the value'} is a {type(bad[1]).__name__}, "
-            "not an array. Sow only arrays (or pytrees of arrays); keep static "
-            "data out of the sown value."
-        )
+        raise _errors.not_an_array(name, tag, *bad)
     return jax.tree_util.tree_flatten(value)
+
+
+def bind_sow(value: Any, *extra: Any, name: str, tag: Hashable, mode: str) -> Any:
+    """Binds `sow_p` on the leaves of `value` (then `extra` operands: a mode's
+    predicate) and returns `value` as the sow returns it."""
+    leaves, tree = _leaves(value, name, tag)
+    out = sow_p.bind(*leaves, *extra, tag=tag, name=name, scope=(), mode=mode, tree=tree)
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect") -> T:
@@ -63,15 +68,8 @@ def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect
     """
     _check_name(name, tag)
     if mode not in PUBLIC_MODES:
-        raise ValueError(
-            f"sow(name={name!r}, tag={tag!r}): unknown mode {mode!r}. "
-            f"Use one of {', '.join(map(repr, PUBLIC_MODES))}, or sow_cond for a "
-            "conditional clobber."
-        )
-    leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=mode, tree=tree)
-    sown: T = jax.tree_util.tree_unflatten(tree, out)
-    return sown
+        raise _errors.unknown_mode(name, tag, mode, PUBLIC_MODES)
+    return bind_sow(value, name=name, tag=tag, mode=mode)
 
 
 def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
@@ -95,11 +93,5 @@ def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
     _check_name(name, tag)
     pred = jax.numpy.asarray(pred)
     if pred.shape != () or pred.dtype != bool:
-        raise TypeError(
-            f"sow_cond(name={name!r}, tag={tag!r}) needs a scalar boolean `pred`, got "
-            f"{pred.dtype}{list(pred.shape)}. Reduce it first, e.g. with jnp.any."
-        )
-    leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode=COND_CLOBBER.name, tree=tree)
-    sown: T = jax.tree_util.tree_unflatten(tree, out)
-    return sown
+        raise _errors.bad_predicate(name, tag, pred.dtype, pred.shape)
+    return bind_sow(value, pred, name=name, tag=tag, mode=COND_CLOBBER.name)

@@ -18,9 +18,10 @@ from ._calling import make_jaxpr
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
 from ._primitive import sow_p
-from ._site import Site, path_str
+from ._paths import nested_dict, path_str
+from ._site import Site
 from ._sow import DEFAULT_TAG
-from ._transforms import _nested, plant
+from ._transforms import plant
 from ._typing import NameSelect, P, R
 
 
@@ -89,7 +90,7 @@ def stream(
     def streamed(*args: P.args, **kwargs: P.kwargs) -> R:
         taps = _taps(make_jaxpr(f, args, kwargs)[0].jaxpr, tag, select, callback)
         # Names not tapped are left in place by the plant, for outer harvests.
-        return plant(f, tag=tag)(_nested(taps), *args, **kwargs)
+        return plant(f, tag=tag)(nested_dict(taps), *args, **kwargs)
 
     return streamed
 
@@ -101,9 +102,9 @@ def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
         if site.tag == tag:
-            names[path_str(site.name)] = None
-        if site.tag == tag and not site.mode.has_pred and select(site.name):
-            taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
+            names[path_str(site.path)] = None
+        if site.tag == tag and not site.mode.has_pred and select(site.path):
+            taps[site.path] = _Tap(callback, path_str(site.path), tuple(sorted(eqn.params.items())))
     select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps
 

@@ -1,6 +1,7 @@
 """reap, plant, harvest, call_and_reap and nest: one walk, four faces.
 
-Each is `_call` with a different policy and plants. `_call` stages the whole
+Each is `transform` with a different policy and plants, and a choice of
+what the transformed function returns. `run_walk` stages the whole
 walk inside a `jax.jit`, so a harvested function called again with the same
 shapes is neither re-traced nor re-compiled, and under an outer `jit` it costs
 what the hand-written function returning the same values costs.
@@ -26,12 +27,13 @@ from typing import Any, Callable, Concatenate
 
 import jax
 
-from . import _jax
+from . import _errors, _jax
 from ._calling import is_array, make_jaxpr, split_nodes, write_back
 from ._inspect import sow_equations
-from ._interpreter import NameFilter, Policy, Scope, interpret, sites_in
+from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
 from ._occurrences import Plant, occurrences
-from ._site import Site, path_str
+from ._paths import nested_dict, path_str
+from ._site import Site
 from ._sow import DEFAULT_TAG
 from ._typing import NameSelect, P, Plants, R, Reaped
 
@@ -96,19 +98,16 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     policy = static.policy
     first: dict[tuple, int] = {}  # path -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(closed.jaxpr):
-        first.setdefault(Site.of(eqn).name, len(first))
+        first.setdefault(Site.of(eqn).path, len(first))
     handled: dict[tuple, Site] = {}
     filtered = set()
-    for site, _ in sites_in(closed.jaxpr):
+    for site in sites_in(closed.jaxpr):
         if site.tag == policy.tag and not policy.handles(site):
-            filtered.add(site.name)
+            filtered.add(site.path)
         if policy.handles(site):
-            known = handled.setdefault(site.name, site)
+            known = handled.setdefault(site.path, site)
             if known.mode is not site.mode:
-                raise ValueError(
-                    f"The name {path_str(site.name)!r} (tag {site.tag!r}) is sown with modes "
-                    f"{known.mode.label} and {site.mode.label}. Use one mode per name."
-                )
+                raise _errors.modes_differ(site, known)
     handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order, for messages
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
@@ -116,10 +115,10 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     resolved = _resolve_plants(plants, handled, policy, filtered)
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
-    scope = Scope(policy, resolved, static.reap)
-    outs = interpret(scope, closed.jaxpr, closed.consts, arrays)
+    walk = Walk(policy, resolved, static.reap)
+    outs = interpret(walk, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-    results = scope.results()
+    results = walk.results()
     return out, _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}), changes
 
 
@@ -151,7 +150,7 @@ def _jit_for(fn):
         return jitted
 
 
-def _call(f, policy, reap, plants, args, kwargs):
+def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     fn, bound = _unwrap(f)
     (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
@@ -186,7 +185,7 @@ def _call(f, policy, reap, plants, args, kwargs):
             _eager_only.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
-    return out, _nested(flat)
+    return out, nested_dict(flat)
 
 
 # Functions whose walk cannot be compiled, because they bind a primitive
@@ -210,10 +209,6 @@ def _resolve_plants(plants, sites, policy, filtered):
     `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
     if plants is None:
         return {}
-    if not isinstance(plants, dict):
-        raise TypeError(
-            f"plants must be a dict mapping sown names to values, got {type(plants).__name__}."
-        )
     resolved = {}
     # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
     dotted = {path_str(p): p for p in sites}
@@ -225,68 +220,33 @@ def _resolve_plants(plants, sites, policy, filtered):
             if name in dotted:
                 path = dotted[name]
                 if path in resolved:
-                    raise ValueError(
-                        f"plants give {name!r} twice (once as a dotted name, once nested). Give it once."
-                    )
+                    raise _errors.planted_twice(name)
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
                 visit(value, name)
             elif policy.strict_names and name in left_out:
-                raise KeyError(
-                    f"Cannot plant {name!r}: it is sown with tag {policy.tag!r}, but "
-                    "this plant's allowlist/blocklist leaves it out. Drop it from the blocklist "
-                    "(or add it to the allowlist), or leave it out of plants."
-                )
+                raise _errors.planted_but_filtered(name, policy.tag)
             elif policy.strict_names:
-                names = ", ".join(repr(n) for n in dotted) or "none"
-                raise KeyError(
-                    f"Cannot plant {name!r}: no sow site of tag {policy.tag!r} has that "
-                    f"name. Names sown with that tag: {names}."
-                )
+                raise _errors.planted_unknown(name, policy.tag, dotted)
 
     visit(plants, ())
     return resolved
 
 
-def _nested(flat):
-    out: dict = {}
-    for path in flat:
-        for n in range(1, len(path)):
-            if path[:n] in flat:
-                raise ValueError(
-                    f"{path_str(path[:n])!r} is both a sown name and a nest scope (holding "
-                    f"{path_str(path)!r}), so one would hide the other in the reaped dict. "
-                    "Rename the sow or the scope."
-                )
-    for path, value in flat.items():
-        d = out
-        for key in path[:-1]:
-            d = d.setdefault(key, {})
-        d[path[-1]] = value
-    return out
-
-
 def _check_callable(f, fn_name):
     if not callable(f):
-        raise TypeError(
-            f"{fn_name}(f) transforms a function, but f is the {type(f).__name__} {f!r}: "
-            f"f must be callable. Pass the function itself, as in {fn_name}(f)(*args)."
-        )
+        raise _errors.not_callable(f, fn_name)
 
 
 def _policy(tag, allowlist, blocklist):
     if not isinstance(tag, str) or not tag:
-        raise TypeError(f"tag must be a non-empty string, got {tag!r}.")
+        raise _errors.bad_tag(tag)
     return Policy(tag, NameFilter.make(allowlist, blocklist))
 
 
 def _check_plants_arg(plants, fn_name):
     if not isinstance(plants, dict):
-        raise TypeError(
-            f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
-            f"plants is a dict of sown names to values; its first argument was a "
-            f"{type(plants).__name__}."
-        )
+        raise _errors.plants_not_a_dict(plants, fn_name)
 
 
 def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -304,6 +264,58 @@ def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
     first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
     g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
     return g
+
+
+# What a transformed function returns, from the walk's (out, reaps).
+_GIVES: dict[str, Callable[[tuple[Any, Any]], Any]] = {
+    "out": lambda result: result[0],
+    "reaps": lambda result: result[1],
+    "both": lambda result: result,
+}
+
+
+def transform(
+    f: Callable,
+    fn_name: str,
+    policy: Policy,
+    *,
+    takes_plants: bool,
+    gives: str,
+    reword: Callable[[ValueError], ValueError | None] | None = None,
+) -> Callable:
+    """`f` walked under `policy`: the function the transformation `fn_name` returns.
+
+    With `takes_plants` it is called as `g(plants, *args, **kwargs)`, else as
+    `g(*args, **kwargs)`. It returns `gives` of the walk: `"out"`, `"reaps"` or
+    `"both"` (`(out, reaps)`); the walk reaps only if the reaps are returned.
+    `reword` maps an error of the walk to the one to raise instead (None: as is).
+    """
+    _check_callable(f, fn_name)
+    reap, pick = gives != "out", _GIVES[gives]
+
+    def run(plants: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+        except ValueError as error:
+            better = reword(error) if reword is not None else None
+            if better is None:
+                raise
+            raise better from error
+
+    if not takes_plants:
+
+        @functools.wraps(f)
+        def transformed(*args: Any, **kwargs: Any) -> Any:
+            return run({}, args, kwargs)
+
+        return _jax.api_boundary(transformed)
+
+    @functools.wraps(f)
+    def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_plants_arg(plants, fn_name)
+        return run(plants, args, kwargs)
+
+    return _plants_first(_jax.api_boundary(transformed_with_plants), f)
 
 
 def reap(
@@ -349,14 +361,7 @@ def reap(
         >>> sorted(reap(g)(jnp.zeros(2), 3, training=True))
         ['step0', 'step1', 'step2']
     """
-    _check_callable(f, "reap")
-    policy = _policy(tag, allowlist, blocklist)
-
-    @functools.wraps(f)
-    def reaped(*args, **kwargs):
-        return _call(f, policy, True, {}, args, kwargs)[1]
-
-    return reaped
+    return transform(f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps")
 
 
 def call_and_reap(
@@ -370,14 +375,7 @@ def call_and_reap(
         >>> call_and_reap(f)(1.0)
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
-    _check_callable(f, "call_and_reap")
-    policy = _policy(tag, allowlist, blocklist)
-
-    @functools.wraps(f)
-    def called(*args, **kwargs):
-        return _call(f, policy, True, {}, args, kwargs)
-
-    return called
+    return transform(f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both")
 
 
 def plant(
@@ -411,15 +409,7 @@ def plant(
         >>> plant(g)({"x": lambda old, i: jnp.where(i == 2, 0.0, old)}, jnp.ones(4))
         Array(3., dtype=float32)
     """
-    _check_callable(f, "plant")
-    policy = _policy(tag, allowlist, blocklist)
-
-    @functools.wraps(f)
-    def planted(plants, *args, **kwargs):
-        _check_plants_arg(plants, "plant")
-        return _call(f, policy, False, plants, args, kwargs)[0]
-
-    return _plants_first(planted, f)
+    return transform(f, "plant", _policy(tag, allowlist, blocklist), takes_plants=True, gives="out")
 
 
 def harvest(
@@ -439,15 +429,7 @@ def harvest(
         >>> out, reaps["b"]
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
-    _check_callable(f, "harvest")
-    policy = _policy(tag, allowlist, blocklist)
-
-    @functools.wraps(f)
-    def harvested(plants, *args, **kwargs):
-        _check_plants_arg(plants, "harvest")
-        return _call(f, policy, True, plants, args, kwargs)
-
-    return _plants_first(harvested, f)
+    return transform(f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both")
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
@@ -467,11 +449,5 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     """
     _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:
-        raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
-    policy = Policy(None, prefix=(scope,))
-
-    @functools.wraps(f)
-    def nested(*args, **kwargs):
-        return _call(f, policy, False, {}, args, kwargs)[0]
-
-    return nested
+        raise _errors.bad_nest_scope(scope)
+    return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")

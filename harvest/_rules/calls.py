@@ -19,11 +19,11 @@ from .._interpreter import interpret, register, retrace
 
 
 @register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
-def _call(scope, eqn, invals):
+def _call(walk, eqn, invals):
     body = _jax.call_body(eqn)
-    r = retrace(scope, body.jaxpr, body.consts, invals)
+    r = retrace(walk, body.jaxpr, body.consts, invals)
     outs = _jax.rebind_call(eqn, r.jaxpr, r.args, r.num_consts, len(r.jaxpr.outvars) - r.num_outs)
-    return r.finish(scope, outs)
+    return r.finish(walk, outs)
 
 
 # Custom derivatives. Reaping inside keeps the user's rule for the outputs and
@@ -57,14 +57,14 @@ def _keeping_the_rule(wrap):
     """A rule that re-traces the primal body and wraps it with `wrap`, which
     attaches a derivative built from the user's rule and the walked body."""
 
-    def rule(scope, eqn, invals):
+    def rule(walk, eqn, invals):
         call = _jax.call_body(eqn)
-        if scope.plants_inside([call.jaxpr]):
-            return interpret(scope, call.jaxpr, call.consts, invals)
-        r = retrace(scope, call.jaxpr, call.consts, invals)
+        if walk.plants_inside([call.jaxpr]):
+            return interpret(walk, call.jaxpr, call.consts, invals)
+        r = retrace(walk, call.jaxpr, call.consts, invals)
         body = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())
         wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn))
-        return r.finish(scope, wrapped(*r.args))
+        return r.finish(walk, wrapped(*r.args))
 
     return rule
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _jax
+from .. import _errors, _jax
 from .._interpreter import interpret, register
 from .._occurrences import Record
 
@@ -35,10 +35,7 @@ def _union(shapes, site):
                 a.shape != b.shape or a.dtype != b.dtype
                 for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)]))
             ):
-                raise ValueError(
-                    f"The sow site {site} is sown with different shapes in different branches "
-                    "of a cond. Sow the same shapes in every branch, or use different names."
-                )
+                raise _errors.branch_shapes_differ(site)
         return longest
     single = all(site.one_occurrence(s) for s in present)
     if mode.rows and not single:  # else one unstacked value, as for the modes below
@@ -46,10 +43,7 @@ def _union(shapes, site):
         return site.zeros_shape((rows,))
     shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
     if len(shapes) > 1:
-        raise ValueError(
-            f"The sow site {site} is sown with different shapes in different branches "
-            "of a cond. Sow the same shapes in every branch, or use different names."
-        )
+        raise _errors.branch_shapes_differ(site)
     return present[0]
 
 
@@ -79,22 +73,22 @@ def _normalize(exported, children):
 
 
 @register(_jax.cond_p)
-def _cond(scope, eqn, invals):
+def _cond(walk, eqn, invals):
     branches = _jax.cond_branches(eqn)
     index, ops = invals[0], invals[1:]
-    sites = scope.handled_sites([b.jaxpr for b in branches])
-    carried = scope.carried(sites, "cond")
-    plants = scope.shifted_plants()
+    sites = walk.handled_sites([b.jaxpr for b in branches])
+    carried = walk.carried(sites, "cond")
+    plants = walk.shifted_plants()
 
     traced = []
     for br in branches:
-        child = scope.child(carried, plants)
+        child = walk.child(carried, plants)
 
-        def walk(*ops, br=br, child=child):
+        def walk_branch(*ops, br=br, child=child):
             outs = interpret(child, br.jaxpr, br.consts, ops)
             return outs, _normalize(child.export(), child)
 
-        closed, shape = jax.make_jaxpr(walk, return_shape=True)(*ops)
+        closed, shape = jax.make_jaxpr(walk_branch, return_shape=True)(*ops)
         traced.append((closed, shape, child))
 
     paths = sorted({p for _, shape, _ in traced for p in shape[1]})
@@ -116,5 +110,5 @@ def _cond(scope, eqn, invals):
     for _, _, child in traced:
         for p, n in child.seen.items():
             seen[p] = max(seen.get(p, 0), n)
-    scope.absorb(records, seen)
+    walk.absorb(records, seen)
     return outs

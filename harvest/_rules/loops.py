@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _jax
+from .. import _errors, _jax
 from .._interpreter import interpret, register
 from .._occurrences import Record, stacked_record
 
@@ -22,23 +22,19 @@ from .._occurrences import Record, stacked_record
 def _no_strict(sites, where):
     for site in sites.values():
         if site.mode.single and not site.mode.stacks_in_loops:
-            raise ValueError(
-                f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
-                "sows it once per iteration. Use mode 'collect' or 'append' to keep every "
-                "iteration, 'clobber' for the last one, or sow_cond for a chosen one."
-            )
+            raise _errors.strict_in_loop(site, where)
 
 
 @register(_jax.scan_p)
-def _scan(scope, eqn, invals):
+def _scan(walk, eqn, invals):
     p = _jax.Scan.of(eqn)
     body = p.body
-    sites = scope.handled_sites([body.jaxpr])
+    sites = walk.handled_sites([body.jaxpr])
     _no_strict(sites, "scan")
     nc, ncarry, length = p.num_consts, p.num_carry, p.length
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-    carried = scope.carried(sites, "scan")
-    plants = scope.shifted_plants()
+    carried = walk.carried(sites, "scan")
+    plants = walk.shifted_plants()
     holder = {}
 
     def step(carry, x):
@@ -47,7 +43,7 @@ def _scan(scope, eqn, invals):
         body_plants = {
             path: pl.per_iteration(idx, body.jaxpr, sites[path]) for path, pl in plants.items() if path in sites
         }
-        child = scope.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
+        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
         outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
         holder["child"] = child
         rec = {path: child.records[path].values[0] for path in carried}
@@ -73,37 +69,24 @@ def _scan(scope, eqn, invals):
         path: n if sites[path].mode.entries or sites[path].mode.stacks_per_loop else length * n
         for path, n in child.seen.items()
     }
-    scope.absorb(records, seen)
+    walk.absorb(records, seen)
     return [*c, *ys]
 
 
 @register(_jax.while_p)
-def _while(scope, eqn, invals):
+def _while(walk, eqn, invals):
     p = _jax.While.of(eqn)
     cond, body = p.cond, p.body
-    sites = scope.handled_sites([body.jaxpr])
+    sites = walk.handled_sites([body.jaxpr])
     _no_strict(sites, "while_loop")
     for site in sites.values():
         if site.mode.stacks_in_loops:
-            raise ValueError(
-                f"The sow site {site} has mode {site.mode.label} inside a while_loop, whose trip "
-                "count is not known until it runs, so its occurrences cannot be stacked into "
-                "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
-                "'clobber' for the last iteration, sow_cond for a chosen one, or "
-                "harvest.stream to see every iteration on the host."
-            )
-    for site in scope.handled_sites([cond.jaxpr]).values():
-        raise ValueError(
-            f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in "
-            "body_fun instead."
-        )
+            raise _errors.stacked_in_while(site)
+    for site in walk.handled_sites([cond.jaxpr]).values():
+        raise _errors.sow_in_while_cond(site)
     for path in sites:
-        if path in scope.plants and scope.plants[path].takes_index():
-            raise ValueError(
-                f"The planted callable for the sow site {sites[path]} takes an occurrence index, "
-                "but the site is inside a while_loop, whose iterations are not counted. Use "
-                "lax.scan (or fori_loop with static bounds), or a callable of the old value alone."
-            )
+        if path in walk.plants and walk.plants[path].takes_index():
+            raise _errors.indexed_plant_in_while(sites[path])
     ncc, nbc = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     # vmap of a loop whose predicate differs per example: JAX stages a while
@@ -112,15 +95,15 @@ def _while(scope, eqn, invals):
     # records ride in that carry, per example, and the loop is re-bound as
     # staged, so an outer harvest of what this walk re-emits sees the same.
     batch = cond.out_avals[0].shape
-    carried = scope.carried(sites, "while_loop", batch)
+    carried = walk.carried(sites, "while_loop", batch)
 
     def cond_fn(carry):
-        (out,) = interpret(scope.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
+        (out,) = interpret(walk.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
         return out
 
     def body_fn(carry):
         c, rec = carry
-        child = scope.child({path: (carried[path][0], v) for path, v in rec.items()})
+        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()})
         outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
         new = {path: child.records[path].values[0] for path in carried}
         if batch:  # per example, whether or not vmap batched the value
@@ -130,7 +113,7 @@ def _while(scope, eqn, invals):
     rec0 = {path: value for path, (_, value) in carried.items()}
     loop = _while_per_example if batch else lax.while_loop
     c, rec = loop(cond_fn, body_fn, (list(init), rec0))
-    scope.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})
+    walk.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})
     return c
 
 

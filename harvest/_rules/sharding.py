@@ -33,18 +33,18 @@ REPEATS[_jax.shard_map_p] = lambda eqn: _jax.ShardMap.of(eqn).shards
 
 
 @register(_jax.shard_map_p)
-def _shard_map(scope, eqn, invals):
+def _shard_map(walk, eqn, invals):
     p = _jax.ShardMap.of(eqn)
     body, axes, shards = p.body, p.axes, p.shards
-    sites = scope.handled_sites([body])
-    plants = scope.shifted_plants()
+    sites = walk.handled_sites([body])
+    plants = walk.shifted_plants()
 
     holder = {}
 
     def per_shard(*args):
         # Each shard reads its own row of a plant stacked per shard.
         idx = lax.axis_index(axes)
-        child = holder["child"] = scope.child(
+        child = holder["child"] = walk.child(
             plants={
                 path: pl.per_iteration(idx, body, sites[path]) if pl.site.mode.stacks_in_loops else pl.peel(idx)
                 for path, pl in plants.items()
@@ -80,6 +80,6 @@ def _shard_map(scope, eqn, invals):
     for path, n in child.seen.items():
         mode = sites[path].mode
         seen[path] = n if mode.entries else shards * n if mode.rows else 1
-    scope.absorb(records, seen)
+    walk.absorb(records, seen)
     return list(outs)
 

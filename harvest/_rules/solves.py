@@ -12,7 +12,7 @@ inlined and differentiated as written.
 
 from __future__ import annotations
 
-from .. import _jax
+from .. import _errors, _jax
 from .._interpreter import interpret, register, retrace
 from .calls import _original, _with_jvp
 from .._occurrences import RUNS
@@ -21,26 +21,22 @@ RUNS[_jax.linear_solve_p] = lambda eqn: [_jax.LinearSolve.of(eqn).jaxprs.solve.j
 
 
 @register(_jax.linear_solve_p)
-def _linear_solve(scope, eqn, invals):
+def _linear_solve(walk, eqn, invals):
     jaxprs, lengths = _jax.LinearSolve.of(eqn)
     solve = jaxprs.solve
-    runs = scope.handled_sites([solve.jaxpr])
+    runs = walk.handled_sites([solve.jaxpr])
     for role, closed in zip(jaxprs._fields, jaxprs):
         if closed is None or closed is solve:
             continue
-        for path, site in scope.handled_sites([closed.jaxpr]).items():
+        for path, site in walk.handled_sites([closed.jaxpr]).items():
             if path not in runs:
-                raise ValueError(
-                    f"The sow site {site} sits in custom_linear_solve's `{role}`, which `solve` "
-                    "never calls: it runs only inside derivatives, where nothing can be reaped "
-                    "or planted. Sow in `solve`, or call `matvec` from `solve`."
-                )
+                raise _errors.sow_outside_solve(site, role)
     # invals: the consts of matvec, vecmat, solve, transpose_solve, then b.
     first = lengths.matvec + lengths.vecmat
     pick = lambda ins: [*ins[first : first + lengths.solve], *ins[sum(lengths) :]]  # noqa: E731
-    if scope.plants_inside([solve.jaxpr]):
-        return interpret(scope, solve.jaxpr, solve.consts, pick(invals))
-    r = retrace(scope, solve.jaxpr, solve.consts, pick(invals))
+    if walk.plants_inside([solve.jaxpr]):
+        return interpret(walk, solve.jaxpr, solve.consts, pick(invals))
+    r = retrace(walk, solve.jaxpr, solve.consts, pick(invals))
     body = _jax.jaxpr_as_fun(_jax.ClosedJaxpr(r.jaxpr, ()))
     k = r.num_consts
 
@@ -48,4 +44,4 @@ def _linear_solve(scope, eqn, invals):
         return body(*xs[:k], *pick(xs[k:]))
 
     wrapped = _with_jvp(solved, _original(eqn), k, r.num_outs, 0)
-    return r.finish(scope, wrapped(*r.args[:k], *invals))
+    return r.finish(walk, wrapped(*r.args[:k], *invals))

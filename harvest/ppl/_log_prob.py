@@ -23,7 +23,8 @@ from .._interpreter import sites_in
 from .. import _jax
 from .._jax import sub_jaxprs
 from .._primitive import sow_p
-from .._site import Site, path_str
+from .._paths import path_str
+from .._site import Site
 from .._transforms import call_and_reap
 from ._inverse import INVERSES, INVERTIBLE_CALLS, Known, bind_eqn, inline_calls, live_vars, propagate, trace_program
 from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE
@@ -76,7 +77,7 @@ def _cannot(why, known):
 def _holds_draws(eqn, densities):
     """Whether a nested body (scan, cond, ...) draws or scores anything."""
     for sub in sub_jaxprs(eqn):
-        if any(site.tag in (RANDOM_VARIABLE, LOG_DENSITY) for site, _ in sites_in(sub)):
+        if any(site.tag in (RANDOM_VARIABLE, LOG_DENSITY) for site in sites_in(sub)):
             return True
         if densities and any(e.primitive in densities for e in sub.eqns):
             return True
@@ -121,7 +122,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
     scored_names = set()
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p and eqn.params["tag"] == LOG_DENSITY:
-            scored_names.add(Site.of(eqn).name)
+            scored_names.add(Site.of(eqn).path)
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             site = Site.of(eqn)
@@ -131,7 +132,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
                     continue  # a draw the output does not depend on: integrated out
                 if not known.has(eqn.invars[0]):
                     raise _cannot(
-                        f"the output depends on the random variable {path_str(site.name)!r}, "
+                        f"the output depends on the random variable {path_str(site.path)!r}, "
                         "whose value cannot be recovered from the output",
                         known,
                     )
@@ -142,11 +143,11 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
             elif (
                 site.tag == RANDOM_VARIABLE
                 and not plain_samplers_ok
-                and site.name not in scored_names
+                and site.path not in scored_names
                 and any(v in live for v in eqn.outvars)
             ):
                 raise ValueError(
-                    f"log_prob: the random variable {path_str(site.name)!r} is drawn by a plain "
+                    f"log_prob: the random variable {path_str(site.path)!r} is drawn by a plain "
                     "sampling function, which has no density. Draw it from a TFP "
                     "distribution, or fix it with intervene/conditional."
                 )

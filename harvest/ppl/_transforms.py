@@ -24,7 +24,7 @@ from jax.tree_util import Partial
 
 from .._interpreter import NameFilter, Policy
 from .._sow import sow
-from .._transforms import _call, call_and_reap, harvest, plant, reap
+from .._transforms import call_and_reap, harvest, plant, reap, run_walk
 from .._typing import P, Plants, R, Reaped
 from ._log_prob import log_density
 from ._random_variable import DETERMINISTIC, LOG_DENSITY, RANDOM_VARIABLE, densities_of, is_distribution
@@ -393,7 +393,7 @@ def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
 
 def _drop(f: Callable[..., Any], tag: str, names: _Among, *args: Any, **kwargs: Any) -> Any:
     policy = Policy(tag, NameFilter.make(blocklist=(names,)), drop_filtered=True)
-    return _call(f, policy, False, {}, args, kwargs)[0]
+    return run_walk(f, policy, False, {}, args, kwargs)[0]
 
 
 def _blocked(f: Callable[..., Any], names: _Among, *args: Any, **kwargs: Any) -> Any:

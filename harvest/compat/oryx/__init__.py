@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any, Callable, Concatenate, Hashable, Iterable, Optional
 
@@ -27,8 +26,8 @@ import jax
 from ..._interpreter import NameFilter, Policy
 from ..._modes import COND_CLOBBER, ORYX_MODES
 from ..._primitive import sow_p as sow_p
-from ..._sow import _leaves
-from ..._transforms import _call, _check_callable, _check_plants_arg, _plants_first, nest as nest
+from ..._sow import bind_sow
+from ..._transforms import nest as nest, transform
 from ..._typing import P, Plants, R, Reaped, T
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
@@ -49,10 +48,7 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
         raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
     if mode not in ORYX_MODES:
         raise ValueError(f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'.")
-    leaves, tree = _leaves(value, name, tag)
-    out = sow_p.bind(*leaves, tag=tag, name=name, scope=(), mode=ORYX_MODES[mode].name, tree=tree)
-    sown: T = jax.tree_util.tree_unflatten(tree, out)
-    return sown
+    return bind_sow(value, name=name, tag=tag, mode=ORYX_MODES[mode].name)
 
 
 def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None) -> T:
@@ -68,37 +64,27 @@ def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond
     del key
     if mode != COND_CLOBBER.name:
         raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
-    leaves, tree = _leaves(value, name, tag)
-    pred = jax.numpy.asarray(pred)
-    out = sow_p.bind(*leaves, pred, tag=tag, name=name, scope=(), mode=COND_CLOBBER.name, tree=tree)
-    sown: T = jax.tree_util.tree_unflatten(tree, out)
-    return sown
+    return bind_sow(value, jax.numpy.asarray(pred), name=name, tag=tag, mode=COND_CLOBBER.name)
 
 
 # oryx's wording for the errors its own tests match, in front of the core's
 # message (which says what to do instead): (the core's message, oryx's).
 _ORYX_WORDING = (
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode '\w+' but is sown more than once"),
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' but is sown more than once"),
      "Variable has already been reaped: {}"),
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode 'strict' but sits inside a scan"),
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode 'strict' but sits inside a scan"),
      "Cannot use strict mode for '{}' inside `scan`."),
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' has mode '\w+' (?:inside a while_loop|but sits inside a while_loop)"),
+    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' (?:inside a while_loop|but sits inside a while_loop)"),
      "Must use clobber or cond_clobber mode for '{}' inside of a `while_loop`."),
 )
 
 
-def _run(
-    f: Callable[..., Any], policy: Policy, reap: bool, plants: Plants, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Any, Reaped]:
-    try:
-        out: tuple[Any, Reaped] = _call(f, policy, reap, plants, args, kwargs)
-        return out
-    except ValueError as error:
-        for pattern, wording in _ORYX_WORDING:
-            found = pattern.search(str(error))
-            if found:
-                raise ValueError(f"{wording.format(found.group(1))} ({error})") from error
-        raise
+def _in_oryx_words(error: ValueError) -> ValueError | None:
+    for pattern, wording in _ORYX_WORDING:
+        found = pattern.search(str(error))
+        if found:
+            return ValueError(f"{wording.format(found.group(1))} ({error})")
+    return None
 
 
 def _policy(tag: Hashable, allowlist: Optional[Iterable[str]], blocklist: Iterable[str], exclusive: bool) -> Policy:
@@ -124,14 +110,8 @@ def call_and_reap(
         >>> harvest.call_and_reap(f, tag="t")(1.0)
         (Array(3., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
-    _check_callable(f, "call_and_reap")
     policy = _policy(tag, allowlist, blocklist, exclusive)
-
-    @functools.wraps(f)
-    def wrapped(*args: P.args, **kwargs: P.kwargs) -> tuple[R, Reaped]:
-        return _run(f, policy, True, {}, args, kwargs)
-
-    return wrapped
+    return transform(f, "call_and_reap", policy, takes_plants=False, gives="both", reword=_in_oryx_words)
 
 
 def reap(
@@ -149,8 +129,8 @@ def reap(
         >>> harvest.reap(lambda x: harvest.sow(x, tag="t", name="x") * 2.0, tag="t")(1.0)
         {'x': Array(1., dtype=float32, weak_type=True)}
     """
-    called = call_and_reap(f, tag=tag, allowlist=allowlist, blocklist=blocklist, exclusive=exclusive)
-    return functools.wraps(f)(lambda *args, **kwargs: called(*args, **kwargs)[1])
+    policy = _policy(tag, allowlist, blocklist, exclusive)
+    return transform(f, "reap", policy, takes_plants=False, gives="reaps", reword=_in_oryx_words)
 
 
 def harvest(
@@ -171,15 +151,8 @@ def harvest(
         >>> harvest.harvest(f, tag="t")({"a": 5.0}, 1.0)
         (Array(6., dtype=float32, weak_type=True), {'b': Array(6., dtype=float32, weak_type=True)})
     """
-    _check_callable(f, "harvest")
     policy = _policy(tag, allowlist, blocklist, exclusive)
-
-    @functools.wraps(f)
-    def wrapped(plants: Plants, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Reaped]:
-        _check_plants_arg(plants, "harvest")
-        return _run(f, policy, True, plants, args, kwargs)
-
-    return _plants_first(wrapped, f)
+    return transform(f, "harvest", policy, takes_plants=True, gives="both", reword=_in_oryx_words)
 
 
 def plant(
@@ -198,13 +171,5 @@ def plant(
         >>> harvest.plant(f, tag="t")({"x": 4.0}, 1.0)
         Array(8., dtype=float32, weak_type=True)
     """
-    _check_callable(f, "plant")
     policy = _policy(tag, allowlist, blocklist, exclusive)
-
-    @functools.wraps(f)
-    def wrapped(plants: Plants, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        _check_plants_arg(plants, "plant")
-        out: R = _run(f, policy, False, plants, args, kwargs)[0]
-        return out
-
-    return _plants_first(wrapped, f)
+    return transform(f, "plant", policy, takes_plants=True, gives="out", reword=_in_oryx_words)
