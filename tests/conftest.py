@@ -1,4 +1,4 @@
-"""Hypothesis settings for the whole suite.
+"""Hypothesis settings for the whole suite, and `close`, the pytree comparison tests share.
 
 The default profile draws the same examples on every run and keeps no example
 database, so a test's verdict depends only on the code, never on what an
@@ -9,8 +9,20 @@ hunting bugs locally.
 
 import os
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from hypothesis import settings
 
 settings.register_profile("deterministic", database=None, derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+def close(a, b, rtol=1e-5, atol=1e-6):
+    """Asserts that pytrees `a` and `b` match: same structure, same leaf shapes,
+    values equal within `rtol`/`atol`. Test modules import it (`from conftest import close`)."""
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        assert jnp.shape(x) == jnp.shape(y), (jnp.shape(x), jnp.shape(y))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)

@@ -23,6 +23,7 @@ from harvest import (
     sow,
     stream,
 )
+import conftest
 
 X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
 
@@ -66,9 +67,7 @@ def reference(x, n, training=False, act=Act.TANH, scale=1.0, norm=None):
 
 
 def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=1e-6)
+    conftest.close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @settings(max_examples=6, deadline=None)

@@ -1,19 +1,12 @@
-"""Seed 000's API: `from harvest import sow, capture, perturb`, every example as written."""
+"""`capture` and `perturb` (the first API: `from harvest import sow, capture, perturb`), every example as written."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
 from harvest import capture, perturb, sow
-
-
-def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (x, y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+from conftest import close
 
 
 W1 = jnp.array([[0.5, -0.2], [0.1, 0.3], [-0.4, 0.8]], jnp.float32)  # (3, 2)

@@ -9,13 +9,11 @@ from hypothesis import strategies as st
 from jax import lax
 
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
+import conftest
 
 
 def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (x, y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    conftest.close(a, b, rtol=1e-5, atol=1e-5)
 
 
 XS = jnp.array([[0.5, -1.0], [2.0, 0.25], [-0.75, 1.5], [1.0, 1.0]], jnp.float32)  # length 4

@@ -1,20 +1,18 @@
 """Every error says what went wrong and what to do; no state survives an error."""
 
+import os
+import re
+import traceback
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
+import harvest as harvest_module
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
 from harvest.compat import oryx
-
-
-def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (x, y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+from conftest import close
 
 
 X = jnp.array([1.0, 2.0, 3.0], jnp.float32)
@@ -280,3 +278,31 @@ def test_compat_append_in_while_names_the_mode_as_written():
     with pytest.raises(ValueError, match=r"mode 'append' \(harvest.compat.oryx's\) inside a while_loop") as err:
         oryx.reap(f, tag="t")(0.0)
     assert "'stack'" not in str(err.value)
+
+
+def test_a_duplicate_strict_sow_names_the_users_file_and_line():
+    def twice(x):
+        sow(x, name="h", mode="strict")
+        return sow(x, name="h", mode="strict")
+
+    second = twice.__code__.co_firstlineno + 2
+    with pytest.raises(ValueError, match="sown more than once") as err:
+        reap(twice)(1.0)
+    assert f"name='h' (sown at {__file__}:{second})" in str(err.value)
+
+
+def test_scan_errors_name_the_sow_inside_the_body():
+    def body(c, x):
+        return c + sow(x, name="x", mode="strict"), None
+
+    line = body.__code__.co_firstlineno + 1
+    with pytest.raises(ValueError, match=rf"sown at {re.escape(__file__)}:{line}\).*inside a scan"):
+        reap(lambda xs: lax.scan(body, 0.0, xs)[0])(X)
+
+
+def test_a_failing_reap_shows_only_the_users_frames():
+    harvest_dir = os.path.dirname(os.path.abspath(harvest_module.__file__))
+    with pytest.raises(ValueError) as err:
+        reap(lambda x: plant(f, tag="t")({"alpha": jnp.zeros(5)}, x))(X)
+    files = [frame.filename for frame in traceback.extract_tb(err.value.__traceback__)]
+    assert files and not [name for name in files if name.startswith(harvest_dir)], files

@@ -4,12 +4,12 @@ checked against a hand-threaded, unrolled pure-Python reference."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 from harvest import call_and_reap, plant, reap, sow
+import conftest
 
 NAMES = ("a", "b", "c")
 OPS = (
@@ -22,10 +22,7 @@ BATCH = 2  # vmap size
 
 
 def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (jnp.shape(x), jnp.shape(y))
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+    conftest.close(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------

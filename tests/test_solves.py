@@ -8,16 +8,14 @@ import pytest
 from jax import lax
 
 from harvest import call_and_reap, harvest, plant, reap, sow
+import conftest
 
 A = jnp.array([[4.0, 1.0, 0.0], [1.0, 3.0, 0.5], [0.0, 0.5, 2.0]])
 B = jnp.array([1.0, -2.0, 0.5])
 
 
 def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (x, y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    conftest.close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def refined(b):

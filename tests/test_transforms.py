@@ -5,19 +5,12 @@ import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
 from harvest import _jax, call_and_reap, harvest, plant, reap, sow, sow_cond
 from harvest.compat import oryx
-
-
-def close(a, b):
-    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b), (a, b)
-    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-        assert jnp.shape(x) == jnp.shape(y), (x, y)
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+from conftest import close
 
 
 X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
