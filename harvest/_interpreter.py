@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from . import _errors, _jax
 from ._primitive import sow_p
-from ._occurrences import Plant, Record
+from ._occurrences import Record
 from ._paths import path_str
 from ._site import Site
 

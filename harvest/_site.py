@@ -21,15 +21,15 @@ class Site:
     """One `sow` equation: where it files its value, and what it looks like."""
 
     tag: str
-    path: tuple  # the name under its `nest` scopes: ("scope", ..., "name")
+    path: tuple[str, ...]  # the name under its `nest` scopes: ("scope", ..., "name")
     mode: Mode
     tree: PyTreeDef
-    avals: tuple
-    vmapped: tuple = ()  # per leaf, how many leading axes are vmap batch axes
+    avals: tuple[Any, ...]
+    vmapped: tuple[int, ...] = ()  # per leaf, how many leading axes are vmap batch axes
     source: Any = dataclasses.field(default=None, compare=False, repr=False)  # the sow equation's source_info
 
     @classmethod
-    def of(cls, eqn):
+    def of(cls, eqn: Any) -> Site:
         assert eqn.primitive is sow_p
         p = eqn.params
         n = len(eqn.outvars)
@@ -42,10 +42,10 @@ class Site:
         """The file:line of the user's `sow` call that made this site."""
         return _jax.user_location(self.source) or "an unknown line"
 
-    def __str__(self):
+    def __str__(self) -> str:
         return f"tag={self.tag!r}, name={path_str(self.path)!r} (sown at {self.where()})"
 
-    def one_occurrence(self, value):
+    def one_occurrence(self, value: Any) -> bool:
         """Whether `value` (an auto record entry) is one occurrence, not rows of them.
 
         An append record holds only rows; an auto one also holds occurrences
@@ -57,15 +57,15 @@ class Site:
         shape = tuple(np.shape(leaves[0])) if leaves else ()
         return not leaves or len(shape) != len(self.avals[0].shape) + 1 or shape[1:] != self.avals[0].shape
 
-    def zeros_shape(self, leading=()):
+    def zeros_shape(self, leading: tuple[int, ...] = ()) -> Any:
         return jax.tree_util.tree_unflatten(
             self.tree, [jax.ShapeDtypeStruct(tuple(leading) + a.shape, a.dtype) for a in self.avals]
         )
 
-    def zeros(self, leading=()):
+    def zeros(self, leading: tuple[int, ...] = ()) -> Any:
         return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading))
 
-    def check(self, value, what, leading=()):
+    def check(self, value: Any, what: str, leading: tuple[int, ...] = ()) -> list[Any]:
         """Flattens `value`, or says exactly how it differs from this site."""
         leaves, tree = jax.tree_util.tree_flatten(value)
         if tree != self.tree:
@@ -84,7 +84,7 @@ class Site:
             out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
         return out
 
-    def fit(self, value, where, batch=()):
+    def fit(self, value: Any, where: str, batch: tuple[int, ...] = ()) -> Any:
         """`value` (of this name, from before `where`) broadcast to the shapes this
         site sows, with `batch` in front of the leaves vmap did not batch."""
         leaves = jax.tree_util.tree_leaves(value)
@@ -101,5 +101,5 @@ class Site:
         return jax.tree_util.tree_unflatten(self.tree, leaves)
 
     @staticmethod
-    def _per_example(aval, batch):
+    def _per_example(aval: Any, batch: int) -> str:
         return f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)" if batch else ""

@@ -34,7 +34,6 @@ __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).
 
 
-
 def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = None) -> T:
     """Tags `value` with `name` under `tag` (oryx's signature; `key` is accepted and unused).
 
