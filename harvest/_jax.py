@@ -134,9 +134,10 @@ def function_name(eqn):
 
 
 def user_location(source_info: Any) -> str | None:
-    """"file:line" of the user's code that staged an equation (the innermost frame
-    outside JAX and harvest), or None where JAX kept no traceback."""
-    summary = source_info_util.summarize(source_info) if source_info is not None else ""
+    """The file:line of the user's code that staged an equation (its innermost
+    frame outside JAX and harvest), or None where JAX kept no traceback."""
+    summarize = getattr(source_info_util, "summarize", None) or _src_source_info.summarize
+    summary = summarize(source_info) if source_info is not None else ""
     found = re.match(r"(.*?):(\d+)(?::\d+)? \(", summary)
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
