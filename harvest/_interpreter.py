@@ -17,10 +17,9 @@ import weakref
 from typing import Any, Callable, Hashable
 
 import jax
-import jax.numpy as jnp
 from . import _errors, _jax
 from ._primitive import sow_p
-from ._occurrences import Record
+from ._occurrences import Record, select_where
 from ._paths import path_str
 from ._site import Site
 
@@ -134,13 +133,6 @@ class Policy:
         return dict(params, scope=self.prefix + params["scope"])
 
 
-def _select(pred, a, b):
-    """`where(pred, a, b)` with `pred`'s axes leading: under vmap a sow_cond's
-    predicate is batched along the same leading axis as its value."""
-    pred = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(a) - jnp.ndim(pred)))
-    return jnp.where(pred, a, b)
-
-
 def _vary_like(new, old):
     """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
     return _jax.pcast_varying(new, _jax.varying_axes(old))
@@ -190,7 +182,7 @@ class Walk:
         if plant is not None:
             new = jax.tree_util.tree_map(_vary_like, plant.at(i, value, site), value)
             if pred is not None:
-                new = jax.tree_util.tree_map(functools.partial(_select, pred), new, value)
+                new = jax.tree_util.tree_map(functools.partial(select_where, pred), new, value)
             value = new
         self.seen[path] = i + 1
         if plant is None and self.reap:
@@ -198,21 +190,7 @@ class Walk:
         return value
 
     def _record(self, site, value, pred):
-        path, mode = site.path, site.mode
-        rec = self.records.setdefault(path, Record(site, []))
-        if mode.entries:
-            rec.values.append(value)
-        elif mode.unstacked_once:
-            if rec.site.avals != site.avals:  # a shared module called on different shapes
-                raise _errors.different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
-            rec.values.append(value)  # kept as is: sown once, it reaps unstacked
-        elif mode.rows:
-            rec.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
-        elif mode.has_pred:
-            old = rec.values[0] if rec.values else site.zeros()
-            rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]
-        else:
-            rec.values = [value]
+        self.records.setdefault(site.path, Record(site, [])).add(site, value, pred)
 
     # -- folding a child's records back -----------------------------------
     def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]):

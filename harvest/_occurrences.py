@@ -8,6 +8,7 @@ What each step does depends on the site's mode, which these helpers ask
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -88,6 +89,24 @@ class Record:
             raise _errors.different_shapes(self.site, shapes)
         return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
 
+    def add(self, site: Site, value: Any, pred: Any = None) -> None:
+        """Records one occurrence of the name, fired by `site` (with its
+        predicate `pred`, for a mode that has one)."""
+        mode = site.mode
+        if mode.entries:
+            self.values.append(value)
+        elif mode.unstacked_once:
+            if self.site.avals != site.avals:  # a shared module called on different shapes
+                raise _errors.different_shapes(site, {tuple(a.shape for a in s.avals) for s in (self.site, site)})
+            self.values.append(value)  # kept as is: sown once, it reaps unstacked
+        elif mode.rows:
+            self.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
+        elif mode.has_pred:
+            old = self.values[0] if self.values else site.zeros()
+            self.values = [jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)]
+        else:
+            self.values = [value]
+
     def chunk(self) -> Any:
         """One loop body's occurrences, as a loop stacks them: a list of entries
         (collect), the rows (append, auto), or the one value (other modes)."""
@@ -96,6 +115,13 @@ class Record:
         if self.site.mode.rows:
             return self.rows()
         return self.result()
+
+
+def select_where(pred: Any, a: Any, b: Any) -> Any:
+    """`where(pred, a, b)` with `pred`'s axes leading: under vmap a sow_cond's
+    predicate is batched along the same leading axis as its value."""
+    pred = jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(a) - jnp.ndim(pred)))
+    return jnp.where(pred, a, b)
 
 
 def stacked_record(site: Site, chunk: Any) -> Record:
