@@ -9,7 +9,7 @@ import pytest
 from jax import lax
 from jax.experimental.hijax import VJPHiPrimitive
 
-from harvest import call_and_reap, capture, harvest, perturb, plant, reap, sow
+from harvest import call_and_reap, harvest, perturb, plant, reap, sow
 import conftest
 
 
@@ -217,32 +217,6 @@ def test_custom_vjp_reap_plant_and_rule_kept():
     # planting
     close(plant(clip_grad_sq)({"sq": V}, X), V + 1.0)
     close(jax.grad(lambda v: jnp.sum(plant(clip_grad_sq)({"sq": v}, X)))(V), jnp.ones(3))
-
-
-def test_custom_vjp_sow_in_backward_rule_seed_example():
-    @jax.custom_vjp
-    def h(x):
-        return x**2
-
-    def h_fwd(x):
-        return h(x), x
-
-    def h_bwd(x, g):
-        gx = 2 * x * g
-        sow(gx, name="grad_h")
-        return (gx,)
-
-    h.defvjp(h_fwd, h_bwd)
-
-    def loss(x):
-        return jnp.sum(h(x))
-
-    x = jnp.arange(3.0)
-    grad, collected = capture(jax.grad(loss))(x)
-    close(grad, 2 * x)
-    close(collected, {"grad_h": (2 * x,)})
-    close(reap(jax.grad(loss))(x), {"grad_h": (2 * x,)})
-    close(reap(jax.jit(jax.grad(loss)))(x), {"grad_h": (2 * x,)})
 
 
 class _SqHi(VJPHiPrimitive):

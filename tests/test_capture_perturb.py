@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from harvest import capture, perturb, sow
+from harvest import capture, perturb, reap, sow
 from conftest import close
 
 
@@ -113,6 +113,8 @@ def test_custom_vjp_backward_sow_example():
     grad, collected = capture(jax.grad(loss))(x)
     close(grad, 2 * x)
     close(collected, {"grad_h": (2 * x,)})
+    close(reap(jax.grad(loss))(x), {"grad_h": (2 * x,)})
+    close(reap(jax.jit(jax.grad(loss)))(x), {"grad_h": (2 * x,)})
     # The proposal's claim about the jaxpr: the backward sow is a top-level equation.
     jaxpr = jax.make_jaxpr(jax.grad(loss))(x)
     assert any(e.primitive.name == "sow" for e in jaxpr.jaxpr.eqns)
