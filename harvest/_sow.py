@@ -38,12 +38,13 @@ def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
     return jax.tree_util.tree_flatten(value)
 
 
-def bind_sow(value: Any, *extra: Any, name: str, tag: Hashable, mode: str) -> Any:
+def bind_sow(value: T, *extra: Any, name: str, tag: Hashable, mode: str) -> T:
     """Binds `sow_p` on the leaves of `value` (then `extra` operands: a mode's
     predicate) and returns `value` as the sow returns it."""
     leaves, tree = _leaves(value, name, tag)
     out = sow_p.bind(*leaves, *extra, tag=tag, name=name, scope=(), mode=mode, tree=tree)
-    return jax.tree_util.tree_unflatten(tree, out)
+    sown: T = jax.tree_util.tree_unflatten(tree, out)
+    return sown
 
 
 def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect") -> T:
