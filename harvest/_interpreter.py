@@ -302,7 +302,7 @@ class Scope:
         return {p: pl.shift(self.seen.get(p, 0)) for p, pl in self.plants.items()}
 
     # -- a sow fires -------------------------------------------------------
-    def sow(self, site: Site, value, pred=None):
+    def sow(self, site: Site, value, pred=None, role=None):
         path = site.name
         known = self.records.get(path)
         if known is not None and known.site.mode != site.mode:
@@ -310,6 +310,10 @@ class Scope:
                 f"The sow site {site} uses mode {mode_label(site.mode)}, but the same name was "
                 f"sown with mode {mode_label(known.site.mode)} earlier. Use one mode per name."
             )
+        if role == "record_only":  # an occurrence counted (and planted) where it was sown
+            if path not in self.plants and self.reap:
+                self._record(site, value, pred)
+            return value
         i = self.seen.get(path, 0)
         if site.mode in SINGLE_MODES and i:
             raise ValueError(
@@ -324,7 +328,7 @@ class Scope:
                 new = jax.tree_util.tree_map(functools.partial(_select, pred), new, value)
             value = new
         self.seen[path] = i + 1
-        if plant is None and self.reap:
+        if plant is None and self.reap and role != "plant_only":
             self._record(site, value, pred)
         return value
 
@@ -339,7 +343,7 @@ class Scope:
             if rec.site.avals != site.avals:  # a shared module called on different shapes
                 raise different_shapes(site, {tuple(a.shape for a in s.avals) for s in (rec.site, site)})
             rec.values.append(value)  # kept as is: sown once, it reaps unstacked
-        elif mode == "cond_clobber":
+        elif mode in CARRIED_MODES and pred is not None:
             old = rec.values[0] if rec.values else site.zeros()
             rec.values = [jax.tree_util.tree_map(functools.partial(_select, pred), value, old)]
         else:
@@ -432,6 +436,8 @@ def _eval_eqn(scope, eqn, invals):
     if eqn.primitive is sow_p:
         return sow_rule(scope, eqn, invals)
     subs = _jax.sub_jaxprs(eqn)
+    if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
+        return RULES[eqn.primitive](scope, eqn, invals)
     if subs:
         sites = frozenset().union(*(sites_in(j) for j in subs))
         if scope.policy.touches(sites):
@@ -458,7 +464,7 @@ def sow_rule(scope, eqn, invals):
         return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
-    value = scope.sow(site, value, pred)
+    value = scope.sow(site, value, pred, eqn.params.get("role"))
     return jax.tree_util.tree_leaves(value)
 
 

@@ -351,6 +351,13 @@ def register_plain_batching(primitive, rule):
     _batching.primitive_batchers[primitive] = rule
 
 
+def wrap_batching(primitive, wrapper):
+    """Replaces `primitive`'s batching rule by `wrapper(jax_rule, axis_data, args, dims, **params)`,
+    which may delegate to JAX's own rule, `jax_rule(axis_data, args, dims, **params)`."""
+    jax_rule = _batching.fancy_primitive_batchers[primitive]
+    _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
+
+
 def bdim_at_front(x, dim, axis_data):
     """`x` with its batch axis (`dim`, or None if unbatched: broadcast) moved to the front."""
     mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)

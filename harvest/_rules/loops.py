@@ -17,6 +17,7 @@ from jax import lax
 from .. import _jax
 from .._interpreter import Plant, interpret, register
 from .._primitive import sow_p
+from .batched_cond import branch_p, recount
 from .._site import LOOP_MODES, ROW_MODES, Record, mode_label
 
 
@@ -43,10 +44,18 @@ def occurrences(jaxpr, site):
     """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
     gives, as reap returns them; a cond gives its longest branch's."""
     n = 0
+    groups: dict = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             p = eqn.params
-            n += p["tag"] == site.tag and p["scope"] + (p["name"],) == site.name and p["mode"] == site.mode
+            n += (
+                p["tag"] == site.tag
+                and p["scope"] + (p["name"],) == site.name
+                and p["mode"] == site.mode
+                and p.get("role") != "record_only"
+            )
+        elif eqn.primitive is branch_p:
+            n = recount(eqn, n, groups)
         elif eqn.primitive is _jax.cond_p:
             n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:

@@ -1,0 +1,285 @@
+"""Branches that vmap runs side by side: `cond`/`switch` with a batched predicate.
+
+Under `vmap`, a `cond` whose predicate differs per example cannot pick one
+branch: JAX runs every branch on every example and selects each output per
+example. Left alone, every branch's sows would fire for every example. While a
+harvest traces, this module wraps that batching rule:
+
+* each sow stays where it is but only takes plants (`role="plant_only"`), so a
+  planted value still flows on through the branch that computed it;
+* each branch also returns its sows' (post-plant) values in slots: slot `j` of
+  a name holds its `j`-th occurrence and a flag saying whether the branch
+  sowed it, zeros and False in a branch that sows it fewer times. JAX's rule
+  selects these per example along with the branch outputs;
+* after the select, each slot is sown again with `role="record_only"`: it
+  records the taken branch's value per example and takes no plant.
+
+Markers (`branch_p`) before each branch and after the last tell the walk where
+the alternatives start, so every branch counts occurrences from the same
+point, and the `cond` counts as its longest branch, as an unbatched one does.
+Sows inside a loop or a custom derivative within such a branch cannot leave it
+as slots; they still take plants, and a walk that would record one says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _jax
+from .._interpreter import Scope, register, sites_in
+from .._primitive import sow_effect, sow_p, tracing_a_harvest
+from .._site import Site
+
+LAST = -1  # the `branch` of the marker after the last branch
+
+branch_p = _jax.Primitive("harvest_branch")
+branch_p.multiple_results = True
+branch_p.def_impl(lambda **params: [])
+# The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
+branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
+_jax.register_lowering(branch_p, lambda ctx, **params: [])
+_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
+_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
+_jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), []))
+
+_groups = itertools.count()
+
+# Sows whose values can leave a branch as outputs: inside these, the branch is walked in place.
+_INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p, _jax.remat_p})
+
+
+# ---------------------------------------------------------------------------
+# Rewriting a branch: sows take plants in place, their values leave as outputs.
+
+
+@dataclasses.dataclass
+class _Occurrence:
+    params: dict[str, Any]  # the sow's params, without a role
+    leaves: list[Any]
+    present: Any  # whether it was sown (for sow_cond: and its pred held)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        p = self.params
+        return (p["tag"], p["scope"], p["name"], p["mode"])
+
+
+def _rewrite(jaxpr: _jax.Jaxpr, consts: list[Any], args: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+    """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
+    the sites it cannot bring out (inside loops, custom derivatives) go to `stuck`."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [v.val if isinstance(v, _jax.Literal) else env[v] for v in eqn.invars]
+        subs = _jax.sub_jaxprs(eqn)
+        with _jax.eqn_context(eqn):
+            if eqn.primitive is sow_p:
+                outs = _rewrite_sow(eqn, invals, found)
+            elif not any(sites_in(j) for j in subs):
+                outs = _jax.rebind(eqn, invals)
+            elif eqn.primitive is _jax.cond_p:
+                outs = _rewrite_cond(eqn, invals, found, stuck)
+            elif eqn.primitive in _INLINED:
+                body = _jax.call_body(eqn)
+                outs = _rewrite(body.jaxpr, list(body.consts), invals, found, stuck)
+            else:
+                stuck.update(site for j in subs for site, _ in sites_in(j))
+                outs = _jax.rebind(eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [v.val if isinstance(v, _jax.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[Any]:
+    params = dict(eqn.params)
+    role = params.pop("role", None)
+    n = len(eqn.outvars)
+    if role == "plant_only":  # an inner batched cond's, already brought out by it
+        return sow_p.bind(*invals, **eqn.params)
+    if role == "record_only":  # records of a vmap inside this branch: they leave as slots
+        found.append(_Occurrence(params, invals[:n], invals[n]))
+        return invals[:n]
+    outs = sow_p.bind(*invals, **params, role="plant_only")
+    found.append(_Occurrence(params, outs, invals[n] if len(invals) > n else True))
+    return outs
+
+
+def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+    """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
+    branches = _jax.cond_branches(eqn)
+    new, slots, inner_stuck = _united(branches, group=None)
+    stuck.update(inner_stuck)
+    outs = _jax.bind_with(_jax.cond_p, dict(eqn.params, branches=tuple(new)), invals)
+    found.extend(_unpack(slots, outs[len(branches[0].out_avals) :]))
+    return outs[: len(branches[0].out_avals)]
+
+
+# ---------------------------------------------------------------------------
+# Uniting branches: every one returns the same slots.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    params: dict[str, Any]
+    avals: tuple[Any, ...]  # the value's leaves
+    present: tuple[int, ...]  # the flag's shape
+
+
+def _spec(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
+    """Each branch rewritten to also return the slots of every branch; with a
+    `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
+    specs = [_spec(a) for a in branches[0].in_avals]
+    traced, stuck = [], set()
+    for b, br in enumerate(branches):
+        found: list[_Occurrence] = []
+
+        def walk(*ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b) -> Any:
+            if group is not None:
+                branch_p.bind(group=group, branch=b, stuck=())
+            outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
+            return outs, [(o.leaves, jnp.asarray(o.present, bool)) for o in found]
+
+        closed = jax.make_jaxpr(walk)(*specs)
+        traced.append((closed, found))
+
+    # Slot (key, j): the j-th occurrence of a name, in the order names first occur.
+    slots: dict[tuple[Any, ...], _Slot] = {}
+    where: list[dict[tuple[Any, ...], int]] = []
+    for closed, found in traced:
+        counts: dict[tuple[Any, ...], int] = {}
+        mine = {}
+        for i, occ in enumerate(found):
+            j = counts[occ.key] = counts.get(occ.key, -1) + 1
+            slot_key = (occ.key, j)
+            avals = tuple(jax.typeof(leaf) for leaf in occ.leaves)
+            present = tuple(np.shape(jax.typeof(occ.present))) if not isinstance(occ.present, bool) else ()
+            known = slots.get(slot_key)
+            if known is None:
+                slots[slot_key] = _Slot(occ.params, avals, present)
+            elif [(a.shape, a.dtype) for a in known.avals] != [(a.shape, a.dtype) for a in avals] or (
+                known.params["tree"] != occ.params["tree"]
+            ):
+                raise ValueError(
+                    f"The sow site tag={occ.params['tag']!r}, name={'.'.join((*occ.params['scope'], occ.params['name']))!r} "
+                    "is sown with different shapes in different branches of a cond whose predicate vmap "
+                    "batches. Sow the same shapes in every branch, or use different names."
+                )
+            else:
+                slots[slot_key] = dataclasses.replace(known, present=np.broadcast_shapes(known.present, present))
+            mine[slot_key] = i
+        where.append(mine)
+
+    order = list(slots)
+
+    def padded(closed: Any, mine: dict[tuple[Any, ...], int], n_found: int) -> Any:
+        def fn(*ops: Any) -> Any:
+            flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
+            n_outs = len(flat) - sum(len(s.avals) + 1 for s in (slots[k] for k in order if k in mine))
+            outs, rest = flat[:n_outs], flat[n_outs:]
+            have = {}
+            for k in mine:  # in the order this branch sowed them
+                m = len(slots[k].avals)
+                have[k], rest = (rest[:m], rest[m]), rest[m + 1 :]
+            extra = []
+            for k in order:
+                slot = slots[k]
+                leaves, present = have.get(k, ([jnp.zeros(a.shape, a.dtype) for a in slot.avals], jnp.asarray(False)))
+                extra.extend(leaves)
+                extra.append(jnp.broadcast_to(present, slot.present))
+            return [*outs, *extra]
+
+        return fn
+
+    new = [jax.make_jaxpr(padded(c, m, len(f)))(*specs) for (c, f), m in zip(traced, where)]
+    return new, [slots[k] for k in order], stuck
+
+
+def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
+    found = []
+    for slot in slots:
+        m = len(slot.avals)
+        found.append(_Occurrence(slot.params, list(flat[:m]), flat[m]))
+        flat = flat[m + 1 :]
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The batching rule.
+
+
+def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any) -> Any:
+    if (
+        dims[0] is None
+        or "branches_platforms" in params
+        or not tracing_a_harvest()
+        or not any(sites_in(b.jaxpr) for b in branches)
+    ):
+        return jax_rule(axis_data, args, dims, branches=branches, **params)
+    group = next(_groups)
+    new, slots, stuck = _united(tuple(branches), group)
+    outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
+    n = len(branches[0].out_avals)
+    branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
+    extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
+    for occ in _unpack(slots, extra):
+        k = len(occ.leaves)
+        vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
+        sow_p.bind(*occ.leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+    return outs[:n], out_dims[:n]
+
+
+_jax.wrap_batching(_jax.cond_p, _batch_cond)
+
+
+# ---------------------------------------------------------------------------
+# The walk at a marker.
+
+def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
+    """The occurrences of a name counted so far, `n`, after a marker: each
+    branch counts from where the first began, and the cond as its longest."""
+    p = eqn.params
+    if p["branch"] == 0:
+        groups[p["group"]] = (n, n)
+    start, most = groups[p["group"]]
+    groups[p["group"]] = (start, max(most, n))
+    return max(most, n) if p["branch"] == LAST else start
+
+
+_counts: weakref.WeakKeyDictionary[Scope, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = weakref.WeakKeyDictionary()
+
+
+@register(branch_p)
+def _marker(scope: Scope, eqn: Any, invals: list[Any]) -> list[Any]:
+    p = eqn.params
+    groups = _counts.setdefault(scope, {})
+    if p["branch"] == 0:
+        groups[p["group"]] = (dict(scope.seen), {})
+    start, most = groups[p["group"]]
+    for path, n in scope.seen.items():
+        most[path] = max(most.get(path, 0), n)
+    scope.seen.clear()
+    scope.seen.update(most if p["branch"] == LAST else start)
+    if p["branch"] == LAST:
+        del groups[p["group"]]
+        for site in p["stuck"]:
+            if scope.reap and scope.policy.handles(site) and site.name not in scope.plants:
+                raise NotImplementedError(
+                    f"The sow site {site} is inside a loop or a custom derivative within a branch of a "
+                    "cond whose predicate vmap batches, so every branch runs for every example and "
+                    "harvest cannot tell which branch's value to record. Harvest per example instead, "
+                    "jax.vmap(reap(f)), or move the sow out of the loop."
+                )
+    stuck = tuple(dataclasses.replace(s, name=scope.policy.prefix + s.name) for s in p["stuck"])
+    return branch_p.bind(**dict(p, stuck=stuck))
