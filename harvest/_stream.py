@@ -103,7 +103,7 @@ def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any
         if site.tag == tag:
             names[path_str(site.name)] = None
         if site.tag == tag and site.mode != "cond_clobber" and select(site.name):
-            taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted(eqn.params.items())))
+            taps[site.name] = _Tap(callback, path_str(site.name), tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")))
     select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps
 

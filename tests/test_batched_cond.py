@@ -27,8 +27,15 @@ def close(a, b):
 
 def per_example(fn, xs=XS):
     """Stacks a hand-threaded per-example function's results over `xs`."""
-    is_row = lambda l: isinstance(l, list)  # a list is one array: rows, or a vmap's examples
-    outs = [jax.tree_util.tree_map(lambda l: jnp.asarray(l, jnp.float32), fn(float(x)), is_leaf=is_row) for x in xs]
+    is_row = lambda l: isinstance(
+        l, list
+    )  # a list is one array: rows, or a vmap's examples
+    outs = [
+        jax.tree_util.tree_map(
+            lambda l: jnp.asarray(l, jnp.float32), fn(float(x)), is_leaf=is_row
+        )
+        for x in xs
+    ]
     return jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *outs)
 
 
@@ -38,7 +45,9 @@ def per_example(fn, xs=XS):
 
 def two_sows_or_one(mode):
     def f(x):
-        taken = lambda y: sow(y * 2.0, name="h", mode=mode) + sow(y + 1.0, name="h", mode=mode)
+        taken = lambda y: (
+            sow(y * 2.0, name="h", mode=mode) + sow(y + 1.0, name="h", mode=mode)
+        )
         other = lambda y: sow(y * 3.0, name="h", mode=mode) - 1.0
         return lax.cond(x > 0, taken, other, x)
 
@@ -56,8 +65,12 @@ def test_collect_records_the_taken_branch_per_example():
 
 def test_append_zero_fills_rows_to_the_longest_branch_batch_axis_second():
     f = two_sows_or_one("append")
-    rows = per_example(lambda x: [x * 2.0, x + 1.0] if x > 0 else [x * 3.0, 0.0])  # [batch, n]
-    close(reap(jax.vmap(f))(XS)["h"], rows.T)  # [n, batch], as for any append under vmap
+    rows = per_example(
+        lambda x: [x * 2.0, x + 1.0] if x > 0 else [x * 3.0, 0.0]
+    )  # [batch, n]
+    close(
+        reap(jax.vmap(f))(XS)["h"], rows.T
+    )  # [n, batch], as for any append under vmap
     close(jax.vmap(reap(f))(XS)["h"], rows)
 
 
@@ -66,7 +79,11 @@ def test_clobber_takes_the_taken_branchs_value_else_the_one_before():
         sow(x, name="k", mode="clobber")
         return lax.switch(
             (x > 0).astype(jnp.int32) + (x > 1.5).astype(jnp.int32),
-            [lambda y: y, lambda y: sow(y * 2.0, name="k", mode="clobber"), lambda y: sow(y * 5.0, name="k", mode="clobber")],
+            [
+                lambda y: y,
+                lambda y: sow(y * 2.0, name="k", mode="clobber"),
+                lambda y: sow(y * 5.0, name="k", mode="clobber"),
+            ],
             x,
         )
 
@@ -78,7 +95,10 @@ def test_clobber_takes_the_taken_branchs_value_else_the_one_before():
 def test_sow_cond_in_a_branch_where_its_pred_and_the_branch_hold():
     def f(x):
         sow_cond(x, x > -0.5, name="c")
-        other = lambda y: sow_cond(y * 2.0, y < -0.5, name="c") + sow_cond(y * 3.0, y < -2.0, name="c")
+        other = lambda y: (
+            sow_cond(y * 2.0, y < -0.5, name="c")
+            + sow_cond(y * 3.0, y < -2.0, name="c")
+        )
         return lax.cond(x > 0, lambda y: y, other, x)
 
     expect = per_example(lambda x: x if x > -0.5 else x * 2.0)
@@ -87,14 +107,21 @@ def test_sow_cond_in_a_branch_where_its_pred_and_the_branch_hold():
 
 
 def test_strict_is_zeros_where_the_taken_branch_did_not_sow():
-    f = lambda x: lax.cond(x > 0, lambda y: sow(y * 2.0, name="s", mode="strict"), lambda y: y, x)
+    f = lambda x: lax.cond(
+        x > 0, lambda y: sow(y * 2.0, name="s", mode="strict"), lambda y: y, x
+    )
     expect = per_example(lambda x: x * 2.0 if x > 0 else 0.0)
     close(reap(jax.vmap(f))(XS)["s"], expect)
     close(jax.vmap(reap(f))(XS)["s"], expect)
 
 
 def test_strict_in_both_branches_is_one_occurrence():
-    f = lambda x: lax.cond(x > 0, lambda y: sow(y, name="s", mode="strict"), lambda y: sow(-y, name="s", mode="strict"), x)
+    f = lambda x: lax.cond(
+        x > 0,
+        lambda y: sow(y, name="s", mode="strict"),
+        lambda y: sow(-y, name="s", mode="strict"),
+        x,
+    )
     close(reap(jax.vmap(f))(XS)["s"], jnp.abs(XS))
     close(plant(jax.vmap(f))({"s": 7.0}, XS), jnp.full(4, 7.0))
 
@@ -113,15 +140,24 @@ def test_plant_per_occurrence_counts_each_branch_from_the_cond():
 
 def test_plant_callable_and_per_example_values():
     f = two_sows_or_one("collect")
-    close(plant(jax.vmap(f))({"h": lambda old: old * 0.0 + 1.0}, XS), per_example(lambda x: 2.0 if x > 0 else 0.0))
+    close(
+        plant(jax.vmap(f))({"h": lambda old: old * 0.0 + 1.0}, XS),
+        per_example(lambda x: 2.0 if x > 0 else 0.0),
+    )
     per = jnp.array([1.0, 2.0, 3.0, 4.0])  # one value per example, at both occurrences
-    close(plant(jax.vmap(f))({"h": (per, per)}, XS), per_example(lambda x: 0.0) + jnp.where(XS > 0, 2 * per, per - 1.0))
+    close(
+        plant(jax.vmap(f))({"h": (per, per)}, XS),
+        per_example(lambda x: 0.0) + jnp.where(XS > 0, 2 * per, per - 1.0),
+    )
 
 
 def test_plant_append_rows_into_the_taken_branch():
     f = two_sows_or_one("append")
     rows = jnp.array([[10.0], [20.0]]) + jnp.zeros((2, 4))  # [n, batch]
-    close(plant(jax.vmap(f))({"h": rows}, XS), per_example(lambda x: 30.0 if x > 0 else 9.0))
+    close(
+        plant(jax.vmap(f))({"h": rows}, XS),
+        per_example(lambda x: 30.0 if x > 0 else 9.0),
+    )
 
 
 def test_harvest_plants_one_name_and_reaps_another():
@@ -144,25 +180,34 @@ def test_harvest_plants_one_name_and_reaps_another():
 
 def test_sows_inside_jit_and_a_nested_cond():
     def f(x):
-        first = lambda y: jax.jit(lambda z: sow(z * 2.0, name="a", mode="append") + 1.0)(y)
-        inner = lambda y: lax.cond(y < -0.5, lambda w: sow(w * 3.0, name="a", mode="append"), lambda w: w, y)
+        first = lambda y: jax.jit(
+            lambda z: sow(z * 2.0, name="a", mode="append") + 1.0
+        )(y)
+        inner = lambda y: lax.cond(
+            y < -0.5, lambda w: sow(w * 3.0, name="a", mode="append"), lambda w: w, y
+        )
         return lax.cond(x > 0, first, inner, x)
 
     rows = per_example(lambda x: [x * 2.0] if x > 0 else [x * 3.0 if x < -0.5 else 0.0])
     close(reap(jax.vmap(f))(XS)["a"], rows.T)
     close(jax.vmap(reap(f))(XS)["a"], rows)
-    close(plant(jax.vmap(f))({"a": lambda old: old * 0.0 + 7.0}, XS), per_example(lambda x: 8.0 if x > 0 else (7.0 if x < -0.5 else x)))
+    close(
+        plant(jax.vmap(f))({"a": lambda old: old * 0.0 + 7.0}, XS),
+        per_example(lambda x: 8.0 if x > 0 else (7.0 if x < -0.5 else x)),
+    )
 
 
 def test_nested_cond_with_an_unbatched_predicate():
     def f(x, flag):
-        inner = lambda y: lax.cond(flag, lambda w: sow(w * 3.0, name="n"), lambda w: sow(w * 4.0, name="n"), y)
+        inner = lambda y: lax.cond(
+            flag, lambda w: sow(w * 3.0, name="n"), lambda w: sow(w * 4.0, name="n"), y
+        )
         return lax.cond(x > 0, inner, lambda y: y, x)
 
     for flag in (True, False):
         k = 3.0 if flag else 4.0
         reaped = reap(jax.vmap(f, in_axes=(0, None)))(XS, flag)
-        close(reaped["n"], per_example(lambda x: (x * k if x > 0 else 0.0,)))
+        close(reaped["n"], per_example(lambda x, k=k: (x * k if x > 0 else 0.0,)))
         close(jax.vmap(reap(f), in_axes=(0, None))(XS, flag), reaped)
 
 
@@ -170,7 +215,9 @@ def test_vmap_inside_a_branch_of_a_batched_cond():
     # The inner vmap's records leave the outer branch as its own do.
     def f(x):
         def branch(y):
-            g = lambda v: lax.cond(v > 0.5, lambda u: sow(u * 2.0, name="v"), lambda u: u, v)
+            g = lambda v: lax.cond(
+                v > 0.5, lambda u: sow(u * 2.0, name="v"), lambda u: u, v
+            )
             return jnp.sum(jax.vmap(g)(jnp.stack([y, y + 1.0])))
 
         return lax.cond(x > 0, branch, lambda y: y, x)
@@ -185,7 +232,12 @@ def test_vmap_inside_a_branch_of_a_batched_cond():
 
 def test_vmap_inside_scan_records_each_iteration_per_example():
     def f(x):
-        step = lambda c, t: (lax.cond(c > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, c), None)
+        step = lambda c, t: (
+            lax.cond(
+                c > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, c
+            ),
+            None,
+        )
         return lax.scan(step, x, jnp.arange(1.0, 4.0))[0]
 
     def ref(x):
@@ -196,7 +248,14 @@ def test_vmap_inside_scan_records_each_iteration_per_example():
         return rows
 
     xs = jnp.array([1.0, -1.0, 0.5])
-    step = lambda c, t: (jax.vmap(lambda ci: lax.cond(ci > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, ci))(c), None)
+    step = lambda c, t: (
+        jax.vmap(
+            lambda ci: lax.cond(
+                ci > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, ci
+            )
+        )(c),
+        None,
+    )
     g = lambda xs: lax.scan(step, xs, jnp.arange(1.0, 4.0))[0]
     close(reap(g)(xs)["s"], per_example(ref, xs).T)
     close(reap(jax.vmap(f))(xs)["s"], per_example(ref, xs).T)
@@ -204,13 +263,20 @@ def test_vmap_inside_scan_records_each_iteration_per_example():
 
 def test_a_sow_in_a_loop_in_a_batched_branch_is_an_error_naming_it():
     def f(x):
-        loop = lambda y: lax.fori_loop(0, 2, lambda i, c: sow(c * 2.0, name="looped", mode="clobber"), y)
+        loop = lambda y: lax.fori_loop(
+            0, 2, lambda i, c: sow(c * 2.0, name="looped", mode="clobber"), y
+        )
         return lax.cond(x > 0, loop, lambda y: y, x)
 
-    with pytest.raises(NotImplementedError, match=r"name='looped'.*jax.vmap\(reap\(f\)\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"name='looped'.*jax.vmap\(reap\(f\)\)"
+    ):
         reap(jax.vmap(f))(XS)
     # Planting needs no record: it is right in every branch.
-    close(plant(jax.vmap(f))({"looped": 3.0}, XS), per_example(lambda x: 3.0 if x > 0 else x))
+    close(
+        plant(jax.vmap(f))({"looped": 3.0}, XS),
+        per_example(lambda x: 3.0 if x > 0 else x),
+    )
     # Another tag's reap is unaffected.
     close(reap(jax.vmap(f), tag="other")(XS), {})
 
@@ -227,7 +293,10 @@ def test_other_tags_stay_per_example_through_an_inner_harvest():
     expect_y = per_example(lambda x: (x * 2.0 + 1.0,) if x > 0 else (0.0,))
     close(reap(jax.vmap(f), tag="b")(XS), {"y": expect_y})
     planted = plant(jax.vmap(f), tag="a")
-    close(reap(lambda p, xs: planted(p, xs), tag="b")({"x": 4.0}, XS), {"y": per_example(lambda x: (5.0,) if x > 0 else (0.0,))})
+    close(
+        reap(lambda p, xs: planted(p, xs), tag="b")({"x": 4.0}, XS),
+        {"y": per_example(lambda x: (5.0,) if x > 0 else (0.0,))},
+    )
     reaped_a = reap(lambda xs: reap(jax.vmap(f), tag="b")(xs), tag="a")(XS)
     close(reaped_a, {"x": per_example(lambda x: (x * 2.0,) if x > 0 else (x,))})
 
@@ -235,11 +304,17 @@ def test_other_tags_stay_per_example_through_an_inner_harvest():
 def test_jit_and_grad_of_reap_of_vmap():
     f = two_sows_or_one("collect")
     close(jax.jit(reap(jax.vmap(f)))(XS), reap(jax.vmap(f))(XS))
-    grad = jax.grad(lambda xs: sum(jnp.sum(v ** 2) for v in reap(jax.vmap(f))(xs)["h"]))(XS)
-    ref = jax.grad(lambda xs: sum(jnp.sum(v ** 2) for v in jax.vmap(reap(f))(xs)["h"]))(XS)
+    grad = jax.grad(lambda xs: sum(jnp.sum(v**2) for v in reap(jax.vmap(f))(xs)["h"]))(
+        XS
+    )
+    ref = jax.grad(lambda xs: sum(jnp.sum(v**2) for v in jax.vmap(reap(f))(xs)["h"]))(
+        XS
+    )
     close(grad, ref)
     close(grad, per_example(lambda x: 8 * x + 2 * (x + 1.0) if x > 0 else 18 * x))
-    planted_grad = jax.grad(lambda xs: jnp.sum(plant(jax.vmap(f))({"h": (10.0, 20.0)}, xs)))(XS)
+    planted_grad = jax.grad(
+        lambda xs: jnp.sum(plant(jax.vmap(f))({"h": (10.0, 20.0)}, xs))
+    )(XS)
     close(planted_grad, jnp.zeros(4))
 
 
@@ -257,7 +332,12 @@ def test_nothing_changes_without_a_harvest():
 
 
 def test_different_shapes_per_branch_is_an_error_naming_the_site():
-    f = lambda x: lax.cond(x > 0, lambda y: sow(jnp.stack([y, y]), name="w")[0], lambda y: sow(y, name="w"), x)
+    f = lambda x: lax.cond(
+        x > 0,
+        lambda y: sow(jnp.stack([y, y]), name="w")[0],
+        lambda y: sow(y, name="w"),
+        x,
+    )
     with pytest.raises(ValueError, match="name='w'.*different shapes"):
         reap(jax.vmap(f))(XS)
 
@@ -266,8 +346,13 @@ def test_different_shapes_per_branch_is_an_error_naming_the_site():
 # Random predicates and values.
 
 
-@settings(max_examples=20, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate),
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(
     xs=st.lists(st.floats(-3.0, 3.0, width=32), min_size=1, max_size=5),
     cut=st.floats(-2.0, 2.0, width=32),
@@ -278,7 +363,9 @@ def test_random_predicates_match_per_example_harvest(xs, cut, mode, planted):
     def f(x):
         sow(x, name="h", mode=mode)
         branches = [
-            lambda y: sow(y * 2.0, name="h", mode=mode) + sow(y - 1.0, name="h", mode=mode),
+            lambda y: (
+                sow(y * 2.0, name="h", mode=mode) + sow(y - 1.0, name="h", mode=mode)
+            ),
             lambda y: y * 0.5,
             lambda y: sow(jnp.sin(y), name="h", mode=mode) * 3.0,
         ]
@@ -289,4 +376,7 @@ def test_random_predicates_match_per_example_harvest(xs, cut, mode, planted):
     by_vmap = reap(jax.vmap(f))(xs)["h"]
     per = jax.vmap(reap(f))(xs)["h"]
     close(by_vmap, per.T if mode == "append" else per)
-    close(plant(jax.vmap(f))({"h": planted}, xs), jax.vmap(lambda x: plant(f)({"h": planted}, x))(xs))
+    close(
+        plant(jax.vmap(f))({"h": planted}, xs),
+        jax.vmap(lambda x: plant(f)({"h": planted}, x))(xs),
+    )

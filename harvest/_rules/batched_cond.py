@@ -45,9 +45,15 @@ branch_p.def_impl(lambda **params: [])
 # The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
 branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
 _jax.register_lowering(branch_p, lambda ctx, **params: [])
-_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
-_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
-_jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), []))
+_jax.register_jvp(
+    branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), [])
+)
+_jax.register_jet(
+    branch_p, lambda primals, series, **params: (branch_p.bind(**params), [])
+)
+_jax.register_batching(
+    branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), [])
+)
 
 _groups = itertools.count()
 
@@ -71,7 +77,13 @@ class _Occurrence:
         return (p["tag"], p["scope"], p["name"], p["mode"])
 
 
-def _rewrite(jaxpr: _jax.Jaxpr, consts: list[Any], args: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+def _rewrite(
+    jaxpr: _jax.Jaxpr,
+    consts: list[Any],
+    args: list[Any],
+    found: list[_Occurrence],
+    stuck: set[Site],
+) -> list[Any]:
     """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
     the sites it cannot bring out (inside loops, custom derivatives) go to `stuck`."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
@@ -103,23 +115,27 @@ def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[
     role = params.pop("role", None)
     n = len(eqn.outvars)
     if role == "plant_only":  # an inner batched cond's, already brought out by it
-        return sow_p.bind(*invals, **eqn.params)
-    if role == "record_only":  # records of a vmap inside this branch: they leave as slots
+        return list(sow_p.bind(*invals, **eqn.params))
+    if (
+        role == "record_only"
+    ):  # records of a vmap inside this branch: they leave as slots
         found.append(_Occurrence(params, invals[:n], invals[n]))
         return invals[:n]
-    outs = sow_p.bind(*invals, **params, role="plant_only")
+    outs = list(sow_p.bind(*invals, **params, role="plant_only"))
     found.append(_Occurrence(params, outs, invals[n] if len(invals) > n else True))
     return outs
 
 
-def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+def _rewrite_cond(
+    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
+) -> list[Any]:
     """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
     branches = _jax.cond_branches(eqn)
     new, slots, inner_stuck = _united(branches, group=None)
     stuck.update(inner_stuck)
     outs = _jax.bind_with(_jax.cond_p, dict(eqn.params, branches=tuple(new)), invals)
     found.extend(_unpack(slots, outs[len(branches[0].out_avals) :]))
-    return outs[: len(branches[0].out_avals)]
+    return list(outs[: len(branches[0].out_avals)])
 
 
 # ---------------------------------------------------------------------------
@@ -134,18 +150,25 @@ class _Slot:
 
 
 def _spec(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    return jax.ShapeDtypeStruct(
+        aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)
+    )
 
 
-def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
+def _united(
+    branches: tuple[Any, ...], group: int | None
+) -> tuple[list[Any], list[_Slot], set[Site]]:
     """Each branch rewritten to also return the slots of every branch; with a
     `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
     specs = [_spec(a) for a in branches[0].in_avals]
-    traced, stuck = [], set()
+    traced: list[tuple[Any, list[_Occurrence]]] = []
+    stuck: set[Site] = set()
     for b, br in enumerate(branches):
         found: list[_Occurrence] = []
 
-        def walk(*ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b) -> Any:
+        def walk(
+            *ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b
+        ) -> Any:
             if group is not None:
                 branch_p.bind(group=group, branch=b, stuck=())
             outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
@@ -164,20 +187,26 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
             j = counts[occ.key] = counts.get(occ.key, -1) + 1
             slot_key = (occ.key, j)
             avals = tuple(jax.typeof(leaf) for leaf in occ.leaves)
-            present = tuple(np.shape(jax.typeof(occ.present))) if not isinstance(occ.present, bool) else ()
+            present = (
+                tuple(np.shape(jax.typeof(occ.present)))
+                if not isinstance(occ.present, bool)
+                else ()
+            )
             known = slots.get(slot_key)
             if known is None:
                 slots[slot_key] = _Slot(occ.params, avals, present)
-            elif [(a.shape, a.dtype) for a in known.avals] != [(a.shape, a.dtype) for a in avals] or (
-                known.params["tree"] != occ.params["tree"]
-            ):
+            elif [(a.shape, a.dtype) for a in known.avals] != [
+                (a.shape, a.dtype) for a in avals
+            ] or (known.params["tree"] != occ.params["tree"]):
                 raise ValueError(
                     f"The sow site tag={occ.params['tag']!r}, name={'.'.join((*occ.params['scope'], occ.params['name']))!r} "
                     "is sown with different shapes in different branches of a cond whose predicate vmap "
                     "batches. Sow the same shapes in every branch, or use different names."
                 )
             else:
-                slots[slot_key] = dataclasses.replace(known, present=np.broadcast_shapes(known.present, present))
+                slots[slot_key] = dataclasses.replace(
+                    known, present=np.broadcast_shapes(known.present, present)
+                )
             mine[slot_key] = i
         where.append(mine)
 
@@ -186,7 +215,9 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
     def padded(closed: Any, mine: dict[tuple[Any, ...], int], n_found: int) -> Any:
         def fn(*ops: Any) -> Any:
             flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
-            n_outs = len(flat) - sum(len(s.avals) + 1 for s in (slots[k] for k in order if k in mine))
+            n_outs = len(flat) - sum(
+                len(s.avals) + 1 for s in (slots[k] for k in order if k in mine)
+            )
             outs, rest = flat[:n_outs], flat[n_outs:]
             have = {}
             for k in mine:  # in the order this branch sowed them
@@ -195,14 +226,22 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
             extra = []
             for k in order:
                 slot = slots[k]
-                leaves, present = have.get(k, ([jnp.zeros(a.shape, a.dtype) for a in slot.avals], jnp.asarray(False)))
+                leaves, present = have.get(
+                    k,
+                    (
+                        [jnp.zeros(a.shape, a.dtype) for a in slot.avals],
+                        jnp.asarray(False),
+                    ),
+                )
                 extra.extend(leaves)
                 extra.append(jnp.broadcast_to(present, slot.present))
             return [*outs, *extra]
 
         return fn
 
-    new = [jax.make_jaxpr(padded(c, m, len(f)))(*specs) for (c, f), m in zip(traced, where)]
+    new = [
+        jax.make_jaxpr(padded(c, m, len(f)))(*specs) for (c, f), m in zip(traced, where)
+    ]
     return new, [slots[k] for k in order], stuck
 
 
@@ -219,7 +258,9 @@ def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
 # The batching rule.
 
 
-def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any) -> Any:
+def _batch_cond(
+    jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any
+) -> Any:
     if (
         dims[0] is None
         or "branches_platforms" in params
@@ -232,11 +273,17 @@ def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches
     outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
     n = len(branches[0].out_avals)
     branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
-    extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
+    extra = [
+        _jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])
+    ]
     for occ in _unpack(slots, extra):
         k = len(occ.leaves)
         vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
-        sow_p.bind(*occ.leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+        sow_p.bind(
+            *occ.leaves,
+            occ.present,
+            **dict(occ.params, vmapped=vmapped, role="record_only"),
+        )
     return outs[:n], out_dims[:n]
 
 
@@ -245,6 +292,7 @@ _jax.wrap_batching(_jax.cond_p, _batch_cond)
 
 # ---------------------------------------------------------------------------
 # The walk at a marker.
+
 
 def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
     """The occurrences of a name counted so far, `n`, after a marker: each
@@ -257,7 +305,9 @@ def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
     return max(most, n) if p["branch"] == LAST else start
 
 
-_counts: weakref.WeakKeyDictionary[Scope, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = weakref.WeakKeyDictionary()
+_counts: weakref.WeakKeyDictionary[
+    Scope, dict[int, tuple[dict[Any, int], dict[Any, int]]]
+] = weakref.WeakKeyDictionary()
 
 
 @register(branch_p)
@@ -274,12 +324,18 @@ def _marker(scope: Scope, eqn: Any, invals: list[Any]) -> list[Any]:
     if p["branch"] == LAST:
         del groups[p["group"]]
         for site in p["stuck"]:
-            if scope.reap and scope.policy.handles(site) and site.name not in scope.plants:
+            if (
+                scope.reap
+                and scope.policy.handles(site)
+                and site.name not in scope.plants
+            ):
                 raise NotImplementedError(
                     f"The sow site {site} is inside a loop or a custom derivative within a branch of a "
                     "cond whose predicate vmap batches, so every branch runs for every example and "
                     "harvest cannot tell which branch's value to record. Harvest per example instead, "
                     "jax.vmap(reap(f)), or move the sow out of the loop."
                 )
-    stuck = tuple(dataclasses.replace(s, name=scope.policy.prefix + s.name) for s in p["stuck"])
-    return branch_p.bind(**dict(p, stuck=stuck))
+    stuck = tuple(
+        dataclasses.replace(s, name=scope.policy.prefix + s.name) for s in p["stuck"]
+    )
+    return list(branch_p.bind(**dict(p, stuck=stuck)))
