@@ -45,15 +45,9 @@ branch_p.def_impl(lambda **params: [])
 # The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
 branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
 _jax.register_lowering(branch_p, lambda ctx, **params: [])
-_jax.register_jvp(
-    branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), [])
-)
-_jax.register_jet(
-    branch_p, lambda primals, series, **params: (branch_p.bind(**params), [])
-)
-_jax.register_batching(
-    branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), [])
-)
+_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
+_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
+_jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), []))
 
 _groups = itertools.count()
 
@@ -116,9 +110,7 @@ def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[
     n = len(eqn.outvars)
     if role == "plant_only":  # an inner batched cond's, already brought out by it
         return list(sow_p.bind(*invals, **eqn.params))
-    if (
-        role == "record_only"
-    ):  # records of a vmap inside this branch: they leave as slots
+    if role == "record_only":  # records of a vmap inside this branch: they leave as slots
         found.append(_Occurrence(params, invals[:n], invals[n]))
         return invals[:n]
     outs = list(sow_p.bind(*invals, **params, role="plant_only"))
@@ -126,9 +118,7 @@ def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[
     return outs
 
 
-def _rewrite_cond(
-    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
-) -> list[Any]:
+def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
     """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
     branches = _jax.cond_branches(eqn)
     new, slots, inner_stuck = _united(branches, group=None)
@@ -144,113 +134,80 @@ def _rewrite_cond(
 
 @dataclasses.dataclass(frozen=True)
 class _Slot:
-    params: dict[str, Any]
-    avals: tuple[Any, ...]  # the value's leaves
-    present: tuple[int, ...]  # the flag's shape
+    params: dict[str, Any]  # of the sow that first fills it
+    avals: tuple[Any, ...]  # the value's leaves, then its flag
 
 
-def _spec(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(
-        aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False)
-    )
-
-
-def _united(
-    branches: tuple[Any, ...], group: int | None
-) -> tuple[list[Any], list[_Slot], set[Site]]:
+def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
     """Each branch rewritten to also return the slots of every branch; with a
     `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
-    specs = [_spec(a) for a in branches[0].in_avals]
-    traced: list[tuple[Any, list[_Occurrence]]] = []
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in branches[0].in_avals]
+    n_outs = len(branches[0].out_avals)
+    traced: list[tuple[Any, dict[Any, _Slot]]] = []
     stuck: set[Site] = set()
     for b, br in enumerate(branches):
         found: list[_Occurrence] = []
 
-        def walk(
-            *ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b
-        ) -> Any:
+        def walk(*ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b) -> list[Any]:
             if group is not None:
                 branch_p.bind(group=group, branch=b, stuck=())
             outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
-            return outs, [(o.leaves, jnp.asarray(o.present, bool)) for o in found]
+            return [*outs, *(x for o in found for x in (*o.leaves, jnp.asarray(o.present, bool)))]
 
         closed = jax.make_jaxpr(walk)(*specs)
-        traced.append((closed, found))
+        # Slot (name, j): the j-th occurrence of the name in this branch.
+        mine: dict[Any, _Slot] = {}
+        avals = closed.out_avals[n_outs:]
+        for occ in found:
+            j = sum(key[0] == occ.key for key in mine)
+            k = len(occ.leaves) + 1
+            mine[(occ.key, j)], avals = _Slot(occ.params, tuple(avals[:k])), avals[k:]
+        traced.append((closed, mine))
 
-    # Slot (key, j): the j-th occurrence of a name, in the order names first occur.
-    slots: dict[tuple[Any, ...], _Slot] = {}
-    where: list[dict[tuple[Any, ...], int]] = []
-    for closed, found in traced:
-        counts: dict[tuple[Any, ...], int] = {}
-        mine = {}
-        for i, occ in enumerate(found):
-            j = counts[occ.key] = counts.get(occ.key, -1) + 1
-            slot_key = (occ.key, j)
-            avals = tuple(jax.typeof(leaf) for leaf in occ.leaves)
-            present = (
-                tuple(np.shape(jax.typeof(occ.present)))
-                if not isinstance(occ.present, bool)
-                else ()
-            )
-            known = slots.get(slot_key)
-            if known is None:
-                slots[slot_key] = _Slot(occ.params, avals, present)
-            elif [(a.shape, a.dtype) for a in known.avals] != [
-                (a.shape, a.dtype) for a in avals
-            ] or (known.params["tree"] != occ.params["tree"]):
+    slots: dict[Any, _Slot] = {}  # in the order names first occur
+    for _, mine in traced:
+        for key, slot in mine.items():
+            known = slots.setdefault(key, slot)
+            if known.params["tree"] != slot.params["tree"] or [(a.shape, a.dtype) for a in known.avals[:-1]] != [
+                (a.shape, a.dtype) for a in slot.avals[:-1]
+            ]:
+                p = slot.params
                 raise ValueError(
-                    f"The sow site tag={occ.params['tag']!r}, name={'.'.join((*occ.params['scope'], occ.params['name']))!r} "
-                    "is sown with different shapes in different branches of a cond whose predicate vmap "
-                    "batches. Sow the same shapes in every branch, or use different names."
+                    f"The sow site tag={p['tag']!r}, name={'.'.join((*p['scope'], p['name']))!r} is sown with "
+                    "different shapes in different branches of a cond whose predicate vmap batches. Sow the "
+                    "same shapes in every branch, or use different names."
                 )
-            else:
-                slots[slot_key] = dataclasses.replace(
-                    known, present=np.broadcast_shapes(known.present, present)
-                )
-            mine[slot_key] = i
-        where.append(mine)
+            flag = jax.ShapeDtypeStruct(np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool)
+            slots[key] = dataclasses.replace(known, avals=(*known.avals[:-1], flag))
 
-    order = list(slots)
-
-    def padded(closed: Any, mine: dict[tuple[Any, ...], int], n_found: int) -> Any:
-        def fn(*ops: Any) -> Any:
+    def padded(closed: Any, mine: dict[Any, _Slot]) -> Any:
+        def fn(*ops: Any) -> list[Any]:
             flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
-            n_outs = len(flat) - sum(
-                len(s.avals) + 1 for s in (slots[k] for k in order if k in mine)
-            )
             outs, rest = flat[:n_outs], flat[n_outs:]
             have = {}
-            for k in mine:  # in the order this branch sowed them
-                m = len(slots[k].avals)
-                have[k], rest = (rest[:m], rest[m]), rest[m + 1 :]
+            for key, slot in mine.items():  # in the order this branch sowed them
+                k = len(slot.avals)
+                have[key], rest = rest[:k], rest[k:]
             extra = []
-            for k in order:
-                slot = slots[k]
-                leaves, present = have.get(
-                    k,
-                    (
-                        [jnp.zeros(a.shape, a.dtype) for a in slot.avals],
-                        jnp.asarray(False),
-                    ),
-                )
-                extra.extend(leaves)
-                extra.append(jnp.broadcast_to(present, slot.present))
+            for key, slot in slots.items():
+                values = have.get(key) or [jnp.zeros(a.shape, a.dtype) for a in slot.avals]  # zeros, and False
+                extra.extend(values[:-1])
+                extra.append(jnp.broadcast_to(values[-1], slot.avals[-1].shape))
             return [*outs, *extra]
 
         return fn
 
-    new = [
-        jax.make_jaxpr(padded(c, m, len(f)))(*specs) for (c, f), m in zip(traced, where)
-    ]
-    return new, [slots[k] for k in order], stuck
+    new = [jax.make_jaxpr(padded(closed, mine))(*specs) for closed, mine in traced]
+    return new, list(slots.values()), stuck
 
 
 def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
+    """The occurrences that slots hold, from their flattened values."""
     found = []
     for slot in slots:
-        m = len(slot.avals)
-        found.append(_Occurrence(slot.params, list(flat[:m]), flat[m]))
-        flat = flat[m + 1 :]
+        k = len(slot.avals)
+        found.append(_Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1]))
+        flat = flat[k:]
     return found
 
 
@@ -258,9 +215,7 @@ def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
 # The batching rule.
 
 
-def _batch_cond(
-    jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any
-) -> Any:
+def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any) -> Any:
     if (
         dims[0] is None
         or "branches_platforms" in params
@@ -273,9 +228,7 @@ def _batch_cond(
     outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
     n = len(branches[0].out_avals)
     branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
-    extra = [
-        _jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])
-    ]
+    extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
     for occ in _unpack(slots, extra):
         k = len(occ.leaves)
         vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
@@ -305,9 +258,9 @@ def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
     return max(most, n) if p["branch"] == LAST else start
 
 
-_counts: weakref.WeakKeyDictionary[
-    Scope, dict[int, tuple[dict[Any, int], dict[Any, int]]]
-] = weakref.WeakKeyDictionary()
+_counts: weakref.WeakKeyDictionary[Scope, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @register(branch_p)
@@ -321,21 +274,24 @@ def _marker(scope: Scope, eqn: Any, invals: list[Any]) -> list[Any]:
         most[path] = max(most.get(path, 0), n)
     scope.seen.clear()
     scope.seen.update(most if p["branch"] == LAST else start)
+    stuck = p["stuck"]
     if p["branch"] == LAST:
         del groups[p["group"]]
-        for site in p["stuck"]:
-            if (
-                scope.reap
-                and scope.policy.handles(site)
-                and site.name not in scope.plants
-            ):
-                raise NotImplementedError(
-                    f"The sow site {site} is inside a loop or a custom derivative within a branch of a "
-                    "cond whose predicate vmap batches, so every branch runs for every example and "
-                    "harvest cannot tell which branch's value to record. Harvest per example instead, "
-                    "jax.vmap(reap(f)), or move the sow out of the loop."
-                )
-    stuck = tuple(
-        dataclasses.replace(s, name=scope.policy.prefix + s.name) for s in p["stuck"]
-    )
+        stuck = tuple(_unless_harvested(scope, site) for site in stuck)
+    # What is left goes to an outer harvest, its names as it will see them.
+    stuck = tuple(dataclasses.replace(s, name=scope.policy.prefix + s.name) for s in stuck if s is not None)
     return list(branch_p.bind(**dict(p, stuck=stuck)))
+
+
+def _unless_harvested(scope: Scope, site: Site) -> Site | None:
+    """A stuck site, or None once this walk has planted it (in every branch, as it should)."""
+    if not scope.policy.handles(site) or (not scope.reap and site.name not in scope.plants):
+        return site
+    if site.name in scope.plants:
+        return None
+    raise NotImplementedError(
+        f"The sow site {site} is inside a loop or a custom derivative within a branch of a "
+        "cond whose predicate vmap batches, so every branch runs for every example and "
+        "harvest cannot tell which branch's value to record. Harvest per example instead, "
+        "jax.vmap(reap(f)), or move the sow out of the loop."
+    )
