@@ -229,20 +229,53 @@ def test_vmap_inside_scan_records_each_iteration_per_example():
     close(reap(jax.vmap(f))(xs)["s"], per_example(ref, xs).T)
 
 
-def test_a_sow_in_a_loop_in_a_batched_branch_is_an_error_naming_it():
+@pytest.mark.parametrize("mode", ["collect", "append", "clobber", "sow_cond"])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scan_in_a_batched_branch_records_each_iteration(mode, reverse):
     def f(x):
-        loop = lambda y: lax.fori_loop(0, 2, lambda i, c: sow(c * 2.0, name="looped", mode="clobber"), y)
+        def body(c, t):
+            v = c * t
+            v = sow_cond(v, v > 1.5, name="h") if mode == "sow_cond" else sow(v, name="h", mode=mode)
+            return c + 0.5 * v, None
+
+        loop = lambda y: lax.scan(body, y, jnp.arange(1.0, 4.0), reverse=reverse)[0]
+        return lax.cond(x > 0, loop, lambda y: y * 2.0, x)
+
+    def ref(x):  # (values per iteration in index order, whether each was recorded, output)
+        if x <= 0:
+            return [0.0] * 3, [False] * 3, x * 2.0
+        vals, c = [0.0] * 3, x
+        for t in [2, 1, 0] if reverse else [0, 1, 2]:
+            vals[t] = c * (t + 1.0)
+            c = c + 0.5 * vals[t]
+        return vals, [v > 1.5 if mode == "sow_cond" else True for v in vals], c
+
+    vals = per_example(lambda x: ref(x)[0])  # [batch, 3]
+    held = np.array([ref(float(x))[1] for x in XS])
+    rows = {"collect": (vals.T,), "append": vals.T}  # the loop axis first, as for any scan under vmap
+    order = [2, 1, 0] if reverse else [0, 1, 2]
+    last = [next((vals[b, t] for t in reversed(order) if held[b, t]), 0.0) for b in range(len(XS))]
+    expect = rows.get(mode, jnp.array(last))
+    out, reaped = call_and_reap(jax.vmap(f))(XS)
+    close(reaped["h"], expect)
+    close(out, per_example(lambda x: ref(x)[2]))
+    per = jax.vmap(reap(f))(XS)["h"]
+    close(per, jax.tree_util.tree_map(lambda v: v.T, expect) if mode in rows else expect)
+    twice = plant(jax.vmap(f))({"h": lambda old: old * 2.0}, XS)
+    close(twice, jax.vmap(lambda x: plant(f)({"h": lambda old: old * 2.0}, x))(XS))
+
+
+def test_a_sow_in_a_while_loop_in_a_batched_branch_is_an_error_naming_it():
+    def f(x):
+        loop = lambda y: lax.while_loop(lambda c: c < 5.0, lambda c: sow(c + 1.0, name="looped", mode="clobber"), y)
         return lax.cond(x > 0, loop, lambda y: y, x)
 
-    with pytest.raises(NotImplementedError, match=r"name='looped'.*jax.vmap\(reap\(f\)\)"):
+    with pytest.raises(NotImplementedError, match=r"name='looped'.*while_loop.*jax.vmap\(reap\(f\)\)"):
         reap(jax.vmap(f))(XS)
     # Planting needs no record: it is right in every branch.
-    close(
-        plant(jax.vmap(f))({"looped": 3.0}, XS),
-        per_example(lambda x: 3.0 if x > 0 else x),
-    )
+    close(plant(jax.vmap(f))({"looped": 6.0}, XS), per_example(lambda x: 6.0 if x > 0 else x))
     # Once planted, nothing is left for an outer reap to miss.
-    close(reap(lambda xs: plant(jax.vmap(f))({"looped": 3.0}, xs))(XS), {})
+    close(reap(lambda xs: plant(jax.vmap(f))({"looped": 6.0}, xs))(XS), {})
     # Another tag's reap is unaffected.
     close(reap(jax.vmap(f), tag="other")(XS), {})
 

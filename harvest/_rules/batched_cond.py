@@ -17,8 +17,9 @@ harvest traces, this module wraps that batching rule:
 Markers (`branch_p`) before each branch and after the last tell the walk where
 the alternatives start, so every branch counts occurrences from the same
 point, and the `cond` counts as its longest branch, as an unbatched one does.
-Sows inside a loop or a custom derivative within such a branch cannot leave it
-as slots; they still take plants, and a walk that would record one says so.
+A scan's values leave it stacked, as reap stacks them. Sows inside a
+`while_loop` or a custom derivative within such a branch cannot leave it as
+slots; they still take plants, and a walk that would record one says so.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import _jax
 from .._interpreter import Scope, register, sites_in
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
-from .._site import Site
+from .._site import CARRIED_MODES, ROW_MODES, Site
 
 LAST = -1  # the `branch` of the marker after the last branch
 
@@ -64,6 +66,7 @@ class _Occurrence:
     params: dict[str, Any]  # the sow's params, without a role
     leaves: list[Any]
     present: Any  # whether it was sown (for sow_cond: and its pred held)
+    loops: int = 0  # leading axes the leaves gained from scans (collect entries)
 
     @property
     def key(self) -> tuple[Any, ...]:
@@ -79,7 +82,7 @@ def _rewrite(
     stuck: set[Site],
 ) -> list[Any]:
     """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
-    the sites it cannot bring out (inside loops, custom derivatives) go to `stuck`."""
+    the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
@@ -92,6 +95,8 @@ def _rewrite(
                 outs = _jax.rebind(eqn, invals)
             elif eqn.primitive is _jax.cond_p:
                 outs = _rewrite_cond(eqn, invals, found, stuck)
+            elif eqn.primitive is _jax.scan_p:
+                outs = _rewrite_scan(eqn, invals, found, stuck)
             elif eqn.primitive in _INLINED:
                 body = _jax.call_body(eqn)
                 outs = _rewrite(body.jaxpr, list(body.consts), invals, found, stuck)
@@ -128,6 +133,62 @@ def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: 
     return list(outs[: len(branches[0].out_avals)])
 
 
+def _rewrite_scan(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+    """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
+    p = _jax.Scan.of(eqn)
+    nc, ncarry = p.num_consts, p.num_carry
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    holder: dict[str, list[_Occurrence]] = {}
+
+    def step(carry: list[Any], x: list[Any]) -> Any:
+        inner: list[_Occurrence] = []
+        outs = _rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
+        holder["inner"] = inner = _merge_carried(inner)
+        return outs[:ncarry], (outs[ncarry:], [(o.leaves, jnp.asarray(o.present, bool)) for o in inner])
+
+    carry, (ys, stacked) = lax.scan(step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
+    for o, (leaves, present) in zip(holder["inner"], stacked):
+        mode = o.params["mode"]
+        if mode in ROW_MODES:  # one row per iteration, in order
+            found.extend(_Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length))
+        elif mode in CARRIED_MODES:  # the last iteration that sowed it
+            found.append(_last(o.params, leaves, present, p.reverse))
+        else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
+            found.append(_Occurrence(o.params, leaves, jnp.any(present), o.loops + 1))
+    return [*carry, *ys]
+
+
+def _merge_carried(found: list[_Occurrence]) -> list[_Occurrence]:
+    """One occurrence per clobber-like name: the last one sown, and whether any was."""
+    out: list[_Occurrence] = []
+    where: dict[tuple[Any, ...], int] = {}
+    for o in found:
+        i = where.get(o.key) if o.params["mode"] in CARRIED_MODES else None
+        if i is None:
+            where[o.key] = len(out)
+            out.append(o)
+            continue
+        prev = out[i]
+        pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
+        out[i] = _Occurrence(o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present)
+    return out
+
+
+def _lead(pred: Any, like: Any) -> Any:
+    """`pred` with trailing unit axes, to select along `like`'s leading axes."""
+    return jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(like) - jnp.ndim(pred)))
+
+
+def _last(params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool) -> _Occurrence:
+    """Of values stacked over iterations, the one of the last iteration run whose flag holds."""
+    if reverse:  # the last iteration run is the first
+        leaves, present = [l[::-1] for l in leaves], present[::-1]
+    later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
+    last = present & (later == 1)
+    leaves = [jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype) for l in leaves]
+    return _Occurrence(params, leaves, jnp.any(present, axis=0))
+
+
 # ---------------------------------------------------------------------------
 # Uniting branches: every one returns the same slots.
 
@@ -136,6 +197,7 @@ def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: 
 class _Slot:
     params: dict[str, Any]  # of the sow that first fills it
     avals: tuple[Any, ...]  # the value's leaves, then its flag
+    loops: int  # as its occurrences'
 
 
 def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
@@ -161,16 +223,16 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
         for occ in found:
             j = sum(key[0] == occ.key for key in mine)
             k = len(occ.leaves) + 1
-            mine[(occ.key, j)], avals = _Slot(occ.params, tuple(avals[:k])), avals[k:]
+            mine[(occ.key, j)], avals = _Slot(occ.params, tuple(avals[:k]), occ.loops), avals[k:]
         traced.append((closed, mine))
 
     slots: dict[Any, _Slot] = {}  # in the order names first occur
     for _, mine in traced:
         for key, slot in mine.items():
             known = slots.setdefault(key, slot)
-            if known.params["tree"] != slot.params["tree"] or [(a.shape, a.dtype) for a in known.avals[:-1]] != [
-                (a.shape, a.dtype) for a in slot.avals[:-1]
-            ]:
+            if known.params["tree"] != slot.params["tree"] or [(a.shape, a.dtype) for a in known.avals[:-1]] + [
+                known.loops
+            ] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
                 p = slot.params
                 raise ValueError(
                     f"The sow site tag={p['tag']!r}, name={'.'.join((*p['scope'], p['name']))!r} is sown with "
@@ -206,7 +268,7 @@ def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
     found = []
     for slot in slots:
         k = len(slot.avals)
-        found.append(_Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1]))
+        found.append(_Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1], slot.loops))
         flat = flat[k:]
     return found
 
@@ -232,11 +294,9 @@ def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches
     for occ in _unpack(slots, extra):
         k = len(occ.leaves)
         vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
-        sow_p.bind(
-            *occ.leaves,
-            occ.present,
-            **dict(occ.params, vmapped=vmapped, role="record_only"),
-        )
+        # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
+        leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
+        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
     return outs[:n], out_dims[:n]
 
 
@@ -290,8 +350,8 @@ def _unless_harvested(scope: Scope, site: Site) -> Site | None:
     if site.name in scope.plants:
         return None
     raise NotImplementedError(
-        f"The sow site {site} is inside a loop or a custom derivative within a branch of a "
-        "cond whose predicate vmap batches, so every branch runs for every example and "
-        "harvest cannot tell which branch's value to record. Harvest per example instead, "
-        "jax.vmap(reap(f)), or move the sow out of the loop."
+        f"The sow site {site} is inside a while_loop or a custom derivative (custom_jvp, custom_vjp) "
+        "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
+        "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
+        "example instead, jax.vmap(reap(f)), or move the sow out of that body."
     )
