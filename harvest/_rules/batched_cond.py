@@ -53,7 +53,8 @@ _jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch
 
 _groups = itertools.count()
 
-# Sows whose values can leave a branch as outputs: inside these, the branch is walked in place.
+# Calls whose body, when it sows, is rewritten in place, as if inlined (a jit's
+# boundary and a checkpoint's policy are dropped for that body alone).
 _INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p, _jax.remat_p})
 
 
@@ -250,7 +251,7 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
             for key, slot in mine.items():  # in the order this branch sowed them
                 k = len(slot.avals)
                 have[key], rest = rest[:k], rest[k:]
-            extra = []
+            extra: list[Any] = []
             for key, slot in slots.items():
                 values = have.get(key) or [jnp.zeros(a.shape, a.dtype) for a in slot.avals]  # zeros, and False
                 extra.extend(values[:-1])
