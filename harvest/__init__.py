@@ -7,9 +7,11 @@ from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._patching import (
     PatchingResult as PatchingResult,
     ablate_mean as ablate_mean,
+    ablate_head as ablate_head,
     ablate_zero as ablate_zero,
     add_vector as add_vector,
     attribution_patching as attribution_patching,
+    patch_head as patch_head,
     patch_positions as patch_positions,
     patching_sweep as patching_sweep,
 )

@@ -72,6 +72,7 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
         capture_output=True,
         text=True,
         check=False,
+        env={**os.environ, "HARVEST_DOCS_NOTEBOOKS": "off"},  # tests/test_notebooks_*.py execute them
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert (tmp_path / "html" / "index.html").exists()
