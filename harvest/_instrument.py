@@ -30,6 +30,7 @@ from typing import Callable
 
 import jax
 
+from ._calling import is_array
 from ._interpreter import NameFilter
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
@@ -52,6 +53,8 @@ class _Call:
     known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
     scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
+    parts: list = dataclasses.field(default_factory=list)  # Equinox (path, submodule): what a rebuilt one may be
+    held: list = dataclasses.field(default_factory=list)  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
 
     def sow(self, path, value):
@@ -118,7 +121,88 @@ def _path(call, module):
     path = call.paths.get(id(module))
     if path is None:
         path = next((p for p in getattr(module, _MARK, ()) if p in call.known), None)
+    if path is None and call.parts:
+        path = _rebuilt_path(call, module)
     return path
+
+
+# ---------------------------------------------------------------------------
+# Equinox modules rebuilt from a part's arrays.
+#
+# Scan over layers in Equinox stacks the layers' arrays (`eqx.filter_vmap` of a
+# constructor) and, inside `jax.lax.scan`, rebuilds one layer per iteration
+# from a slice of them (`eqx.combine`, or the module passed as `xs`). An
+# Equinox module carries nothing but its fields, so the rebuilt layer is found
+# by its structure: same class and static fields, and arrays that are the
+# part's own, or of the part's shapes (a copy made by a transformation), or of
+# its shapes without their common leading axis (a slice of a stack).
+
+
+def _rebuilt_path(call, module):
+    """The path of the part `module` was rebuilt from, or None if none fits."""
+    found = [(p, how) for p, part in call.parts if (how := _rebuilt_from(module, part)) is not None]
+    # The very arrays name it; else a slice of a stack (a layer in a scan) is
+    # taken before a copy, which only a module passed through jit or
+    # checkpoint as an argument would be.
+    for how in ("same", "slice", "copy"):
+        paths = [p for p, h in found if h == how]
+        if paths:
+            break
+    paths = paths[:1] if how == "same" else paths
+    if not paths:
+        return None
+    if len(paths) > 1:
+        if not call.ops and not any(call.select((p,)) for p in paths):
+            return None  # not a site whichever it is
+        raise ValueError(
+            f"instrument(tag={call.tag!r}): a {type(module).__name__} rebuilt from arrays (as eqx.combine "
+            f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
+            f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
+            f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+            "copy passed through a transformation."
+        )
+    path = paths[0]
+    call.held.append(module)
+    call.paths[id(module)] = path
+    for sub, child in _eqx_modules(module):  # its submodules are rebuilt with it
+        call.paths.setdefault(id(child), f"{path}.{sub}")
+    return path
+
+
+def _rebuilt_from(module, part):
+    """How `module` was rebuilt from `part`'s arrays: "same" (the very arrays),
+    "copy" (their shapes), "slice" (one row of each), or None if it was not."""
+    leaves, tree = jax.tree_util.tree_flatten(module)
+    part_leaves, part_tree = jax.tree_util.tree_flatten(part)
+    if tree != part_tree:
+        return None
+    hows = set()
+    for a, b in zip(leaves, part_leaves):
+        if a is b:
+            continue
+        if not (is_array(a) and is_array(b)):
+            if is_array(a) or is_array(b) or not _equal(a, b):
+                return None
+        elif a.dtype != b.dtype:
+            return None
+        elif a.shape == b.shape:
+            hows.add("copy")
+        elif b.shape[1:] == a.shape:
+            hows.add(b.shape[0])
+        else:
+            return None
+    if not hows:
+        return "same"
+    if len(hows) > 1:  # copies and slices mixed, or slices of stacks of different lengths
+        return None
+    return "copy" if hows == {"copy"} else "slice"
+
+
+def _equal(a, b):
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a plain truth value
+        return False
 
 
 def _wrap(classes):
@@ -304,6 +388,8 @@ class Instrumented:
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
             marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            if self._kind == "equinox":
+                call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
             run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, marked, self.target)
         if self._ops:
             out = sow_ops(run, call, args, kwargs)

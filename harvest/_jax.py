@@ -91,6 +91,11 @@ def eval_jaxpr(jaxpr, consts, *args):
     return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
 
+def prune_outputs(closed: ClosedJaxpr, used: list[bool]) -> ClosedJaxpr:
+    """`closed` returning only the outputs marked in `used`."""
+    return _pe.prune_closed_jaxpr_outputs(closed, used)
+
+
 def consts_as_inputs(jaxpr):
     """`jaxpr` with its constvars turned into leading invars."""
     return _pe.convert_constvars_jaxpr(jaxpr)
