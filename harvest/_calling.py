@@ -179,17 +179,17 @@ def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
 # ---------------------------------------------------------------------------
 # Which variables a call really changed: decided on the jaxpr.
 
-_FORWARDING = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.remat_p, _jax.core_call_p})
+_CALLS = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.remat_p, _jax.core_call_p})
 
 
 class _Origins:
     """Which input of a jaxpr each of its variables merely is.
 
-    `nnx.jit` and `nnx.remat` hand every variable of the module they call
-    back as an output of their `jit`/`remat` equation: a new variable, so a
-    new tracer, that holds the same value. Following such an output into the
-    equation's body, to the input the body returns unchanged, finds what it
-    copies.
+    NNX transforms hand every variable of the module they call back as an
+    output of their equation (`jit`, `remat`, `scan`, `while`, `cond`): a new
+    variable, so a new tracer, that holds the same value when the body returns
+    the input unchanged. Following such an output into the body, to the input
+    the body returns, finds what it copies.
     """
 
     def __init__(self) -> None:
@@ -204,14 +204,36 @@ class _Origins:
             if any(var is v for v in jaxpr.invars):
                 return var
             eqn = made.get(var)
-            if eqn is None or eqn.primitive not in _FORWARDING:
+            k = None if eqn is None else self._forwarded(eqn, eqn.outvars.index(var))
+            if k is None:
                 return None
-            body = _jax.call_body(eqn).jaxpr
-            inner = self.of(body, body.outvars[eqn.outvars.index(var)])
-            if inner is None:
-                return None
-            var = eqn.invars[body.invars.index(inner)]
+            var = eqn.invars[k]
         return None
+
+    def _forwarded(self, eqn: Any, i: int) -> int | None:
+        """The input of `eqn` its output `i` copies, or None."""
+        p = eqn.params
+        if eqn.primitive in _CALLS:
+            return self._position(_jax.call_body(eqn).jaxpr, i)
+        if eqn.primitive is _jax.scan_p:
+            # Outputs: carries, then stacked ys; the body's inputs: consts, carries, xs.
+            # A carry returned as it came, or a slice of xs returned as y, is the input itself.
+            k = self._position(p["jaxpr"].jaxpr, i)
+            n, c = p["num_consts"], p["num_carry"]
+            return k if (i < c and k == n + i) or (i >= c and k is not None and k >= n + c) else None
+        if eqn.primitive is _jax.while_p:
+            n = p["body_nconsts"]
+            k = self._position(p["body_jaxpr"].jaxpr, i)
+            return p["cond_nconsts"] + k if k == n + i else None
+        if eqn.primitive is _jax.cond_p:
+            ks = {self._position(b.jaxpr, i) for b in _jax.cond_branches(eqn)}
+            return 1 + ks.pop() if len(ks) == 1 and None not in ks else None  # input 0 is the index
+        return None
+
+    def _position(self, body: Any, i: int) -> int | None:
+        """Which input of `body` its output `i` copies, or None."""
+        origin = self.of(body, body.outvars[i])
+        return None if origin is None else next(k for k, v in enumerate(body.invars) if v is origin)
 
 
 def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) -> tuple[Any, Any]:

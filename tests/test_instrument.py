@@ -1053,3 +1053,76 @@ def test_a_real_change_inside_an_outer_trace_says_how_to_pass_the_model():
     with pytest.raises(TraceContextError, match=r"changed the NNX state \(bn.mean, bn.var, drop.rngs.count\).*Pass the model"):
         jax.jit(reap(instrument(model), tag="modules"))(X)
     assert_same_state(model, twin)  # nothing was written
+
+
+class TrainBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.bn = nnx.BatchNorm(D, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x, train):
+        h = nnx.relu(self.bn(self.lin(x), use_running_average=not train))
+        return x + self.drop(h, deterministic=not train)
+
+
+class TrainScan(nnx.Module):
+    """Written as NNX code usually is: layers made by nnx.vmap, applied by
+    nnx.scan of an nnx.remat'd step, BatchNorm and Dropout, a `train` flag."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return TrainBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, x, train=True):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def step(x, block):
+            return block(x, train)
+
+        return self.head(step(x, self.blocks))
+
+
+def hand_train_scan_eval(model, x, patch=None):
+    """The evaluation-mode forward written out over the stacked parameters."""
+    patch = patch or {}
+    b = model.blocks
+    blocks = []
+    for i in range(L):
+        y = x @ b.lin.kernel[...][i] + b.lin.bias[...][i]
+        y = (y - b.bn.mean[...][i]) / jnp.sqrt(b.bn.var[...][i] + 1e-5) * b.bn.scale[...][i] + b.bn.bias[...][i]
+        x = patch.get(i, x + jnp.maximum(y, 0.0))
+        blocks.append(x)
+    return lin(model.head, x), jnp.stack(blocks)
+
+
+def test_nnx_scan_remat_batchnorm_dropout_with_a_train_flag():
+    model, twin = TrainScan(nnx.Rngs(0, dropout=1)), TrainScan(nnx.Rngs(0, dropout=1))
+    probed = instrument(model)
+    for step in range(2):  # training: statistics and RNG counters move as the twin's
+        out, reaped = call_and_reap(probed, tag="modules")(X + step, True)
+        np.testing.assert_allclose(out, twin(X + step, True), **TOL)
+        assert sorted(reaped) == ["blocks", "blocks.bn", "blocks.drop", "blocks.lin", "head"]
+        assert reaped["blocks"].shape == (L, T, D)
+        assert_same_state(model, twin)
+    # Evaluation, under an outer jit that closes over the model (a direct call
+    # could not: nnx.scan refuses a model from outside the trace).
+    out, reaped = jax.jit(lambda x: call_and_reap(probed, tag="modules")(x, train=False))(X)
+    want_out, want = hand_train_scan_eval(model, X)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks"], want, **TOL)
+    assert_same_state(model, twin)  # evaluation changed nothing
+    v = jnp.full((T, D), 0.5)
+    got = plant(probed, tag="modules")({"blocks": lambda old, i: jnp.where(i == 2, v, old)}, X, False)
+    np.testing.assert_allclose(got, hand_train_scan_eval(model, X, {2: v})[0], **TOL)
+    clean = reap(probed, tag="modules")(X, False)
+    r = patching_sweep(probed, clean, (-X, False), jnp.sum, tag="modules", names=["blocks"])
+    assert list(r.names) == [f"blocks[{i}]" for i in range(L)]
+    for i in range(L):
+        want = hand_train_scan_eval(model, -X, {i: clean["blocks"][i]})[0].sum()
+        np.testing.assert_allclose(r.values[i] + r.baseline, want, rtol=1e-4, atol=1e-4)
