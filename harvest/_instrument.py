@@ -49,6 +49,7 @@ class _Call:
     tag: str
     select: NameFilter
     ops: bool
+    inputs: bool
     paths: dict  # id(module) -> dotted path, for module targets
     known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
@@ -74,8 +75,24 @@ class _Call:
         out = sow_p.bind(*leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree)
         return jax.tree_util.tree_unflatten(tree, out)
 
+    def sow_inputs(self, path, args):
+        """With inputs=True, `args` with their array arguments sown as `path + INPUTS`:
+        one such argument is the site's value itself, several a tuple of them."""
+        name = path + INPUTS
+        if not self.inputs or not self.select((name,)):
+            return args
+        at = [i for i, a in enumerate(args) if _sowable_input(a)]
+        if not at:
+            return args
+        sown = self.sow(name, args[at[0]] if len(at) == 1 else tuple(args[i] for i in at))
+        args = list(args)
+        for i, value in zip(at, (sown,) if len(at) == 1 else sown):
+            args[i] = value
+        return tuple(args)
+
     def run_module(self, path, module, method, args, kwargs):
-        """Calls `method` of `module` (at `path`) and sows its output."""
+        """Calls `method` of `module` (at `path`) and sows its output (and, with inputs=True, its inputs)."""
+        args = self.sow_inputs(path, args)
         self.inside.add(id(module))
         try:
             with self.scope(path):
@@ -90,6 +107,17 @@ class _Call:
             return contextlib.nullcontext()
         self.scopes.add(path)
         return jax.named_scope(path)
+
+
+INPUTS = ":in"  # a module's inputs are the site `path + INPUTS`; no path or op name ends so
+
+
+def _sowable_input(arg):
+    """An argument whose leaves are all arrays of numbers (not None, a flag, or a PRNG key)."""
+    leaves = jax.tree_util.tree_leaves(arg)
+    return bool(leaves) and all(
+        is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves
+    )
 
 
 _active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("harvest_instrument", default=None)
@@ -347,17 +375,18 @@ class Instrumented:
     take it as an argument or bound object trace the model's arrays.
     """
 
-    def __init__(self, target, kind, tag, ops, select, where):
+    def __init__(self, target, kind, tag, ops, inputs, select, where):
         self.target = target
         self._kind = kind
         self._tag = tag
         self._ops = ops
+        self._inputs = inputs
         self._select = select
         self._where = where
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
-        return (self._kind, self._tag, self._ops, self._select, self._where)
+        return (self._kind, self._tag, self._ops, self._inputs, self._select, self._where)
 
     def tree_flatten(self):
         if self._kind == "function":
@@ -370,18 +399,19 @@ class Instrumented:
         return cls(target, *aux[1])
 
     def __repr__(self):
-        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops})"
+        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops}, inputs={self._inputs})"
 
     def __call__(self, *args, **kwargs):
-        call = _Call(self._tag, self._select, self._ops, {})
+        call = _Call(self._tag, self._select, self._ops, self._inputs, {})
         if self._kind == "function":
             run = functools.partial(_with_linen, call, self.target)
         else:
             parts = _modules(self.target, self._kind)
-            if self._where is not None and not self._ops and not any(self._select((p,)) for p, _ in parts):
+            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._where is not None and not self._ops and not any(self._select((n,)) for n in names):
                 raise ValueError(
                     f"instrument: where={self._where!r} selects none of the model's submodules "
-                    f"({_sample([p for p, _ in parts])})."
+                    f"({_sample(names)})."
                 )
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
@@ -443,6 +473,7 @@ def _with_linen(call, f, *args, **kwargs):
         path = ".".join(context.module.path) if context.method_name == "__call__" else ""
         if not path:
             return next_fun(*a, **k)
+        a = call.sow_inputs(path, a)
         with call.scope(path):
             out = next_fun(*a, **k)
         return call.sow(path, out)
@@ -451,7 +482,9 @@ def _with_linen(call, f, *args, **kwargs):
         return f(*args, **kwargs)
 
 
-def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = False, where: NameSelect = None) -> Callable[P, R]:
+def instrument(
+    target: Callable[P, R], *, tag: str = "modules", ops: bool = False, inputs: bool = False, where: NameSelect = None
+) -> Callable[P, R]:
     """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
 
     The result is called exactly as `target` is and returns the same values
@@ -466,7 +499,11 @@ def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = Fals
     * with `ops=True`, any callable: also every primitive's output, named
       `"<scope>/<primitive>:<n>"` from the `jax.named_scope` stack (module
       paths included) and a counter per scope and primitive; ops inside `scan`,
-      `cond`, `jit` and `checkpoint` are sites too.
+      `cond`, `jit` and `checkpoint` are sites too;
+    * with `inputs=True`, module targets and Linen: also each submodule call's
+      array arguments, named `"<path>:in"` (one argument: the array itself;
+      several: a tuple of them; flags, None and PRNG keys are left out).
+      Planting there replaces what the submodule receives.
 
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside `scan`) holds the k values stacked on a leading axis, and
@@ -499,7 +536,9 @@ def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = Fals
         raise TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
     if not isinstance(ops, bool):
         raise TypeError(f"instrument needs `ops` to be True or False, got {ops!r}.")
+    if not isinstance(inputs, bool):
+        raise TypeError(f"instrument needs `inputs` to be True or False, got {inputs!r}.")
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, select, where)
+    return Instrumented(target, kind, tag, ops, inputs, select, where)

@@ -1126,3 +1126,56 @@ def test_nnx_scan_remat_batchnorm_dropout_with_a_train_flag():
     for i in range(L):
         want = hand_train_scan_eval(model, -X, {i: clean["blocks"][i]})[0].sum()
         np.testing.assert_allclose(r.values[i] + r.baseline, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# Module inputs as sites (inputs=True).
+
+
+def test_inputs_are_sites_named_path_in(transformer):
+    model = instrument(transformer, inputs=True)
+    rec = Recorder()
+    hand_transformer(transformer, X, rec)
+    reaped = reap(model, tag="modules")(X)
+    assert set(reaped) == set(rec.values) | {name + ":in" for name in rec.values}
+    np.testing.assert_allclose(reaped["blocks.0:in"], X, **TOL)
+    np.testing.assert_allclose(reaped["blocks.1:in"], rec.values["blocks.0"], **TOL)
+    np.testing.assert_allclose(reaped["head:in"], rec.values["blocks.1"], **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj:in"], rec.values["blocks.0.ln"], **TOL)
+    # Block 1's input is block 0's output and nothing else reads it.
+    v = jnp.full((T, D), 0.3)
+    want = hand_transformer(transformer, X, Recorder({"blocks.0": v}))
+    np.testing.assert_allclose(plant(model, tag="modules")({"blocks.1:in": v}, X), want, **TOL)
+    np.testing.assert_allclose(plant(model, tag="modules")({"head:in": v}, X), lin(transformer.head, v), **TOL)
+    # `where` picks inputs like any other name; without inputs=True there are none.
+    only = reap(instrument(transformer, inputs=True, where="*:in"), tag="modules")(X)
+    assert set(only) == {name + ":in" for name in rec.values}
+    assert not any(name.endswith(":in") for name in reap(instrument(transformer), tag="modules")(X))
+    with pytest.raises(TypeError, match="`inputs` to be True or False"):
+        instrument(transformer, inputs="yes")
+
+
+def test_inputs_of_scanned_layers_and_linen(eqx_scan):
+    model = instrument(eqx_scan, inputs=True)
+    x = X[0]
+    reaped = reap(model, tag="modules")(x)
+    _, want = hand_eqx_scan(eqx_scan, x)
+    assert reaped["layers:in"].shape == (L, D)  # one row per iteration
+    np.testing.assert_allclose(reaped["layers:in"], jnp.concatenate([x[None], want["layers"][:-1]]), **TOL)
+    np.testing.assert_allclose(reaped["layers.mlp:in"], want["layers.ln"], **TOL)
+    v = jnp.full(D, 0.5)
+    got = plant(model, tag="modules")({"layers:in": lambda old, i: jnp.where(i == 1, v, old)}, x)
+    np.testing.assert_allclose(got, hand_eqx_scan(eqx_scan, x, {0: v})[0], **TOL)
+    # A Python flag among the arguments is not part of the input.
+    train_model = TrainScan(nnx.Rngs(0, dropout=1))
+    assert reap(instrument(train_model, inputs=True), tag="modules")(X, False)["blocks:in"].shape == (L, T, D)
+    # Linen, through its interceptor.
+    module = LinenModel()
+    variables = module.init(jax.random.key(8), X)
+    f = instrument(lambda x: module.apply(variables, x), inputs=True)
+    rec = Recorder()
+    hand_linen(variables["params"], X, rec)
+    reaped = reap(f, tag="modules")(X)
+    np.testing.assert_allclose(reaped["head:in"], rec.values["blocks_1"], **TOL)
+    want = hand_linen(variables["params"], X, Recorder({"blocks_0": jnp.ones((T, D))}))
+    np.testing.assert_allclose(plant(f, tag="modules")({"blocks_1:in": jnp.ones((T, D))}, X), want, **TOL)
