@@ -205,7 +205,7 @@ class _Origins:
                 return var
             eqn = made.get(var)
             k = None if eqn is None else self._forwarded(eqn, eqn.outvars.index(var))
-            if k is None:
+            if eqn is None or k is None:
                 return None
             var = eqn.invars[k]
         return None
@@ -224,10 +224,11 @@ class _Origins:
         if eqn.primitive is _jax.while_p:
             n = p["body_nconsts"]
             k = self._position(p["body_jaxpr"].jaxpr, i)
-            return p["cond_nconsts"] + k if k == n + i else None
+            return None if k is None or k != n + i else p["cond_nconsts"] + k
         if eqn.primitive is _jax.cond_p:
             ks = {self._position(b.jaxpr, i) for b in _jax.cond_branches(eqn)}
-            return 1 + ks.pop() if len(ks) == 1 and None not in ks else None  # input 0 is the index
+            k = ks.pop() if len(ks) == 1 else None
+            return None if k is None else 1 + k  # input 0 is the branch index
         return None
 
     def _position(self, body: Any, i: int) -> int | None:

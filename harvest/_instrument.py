@@ -26,7 +26,7 @@ import contextvars
 import dataclasses
 import functools
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -36,7 +36,6 @@ from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
 from ._typing import NameSelect, P, R
-
 
 # ---------------------------------------------------------------------------
 # Sowing one part's output.
@@ -75,7 +74,7 @@ class _Call:
         out = sow_p.bind(*leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree)
         return jax.tree_util.tree_unflatten(tree, out)
 
-    def sow_inputs(self, path, args):
+    def sow_inputs(self, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """With inputs=True, `args` with their array arguments sown as `path + INPUTS`:
         one such argument is the site's value itself, several a tuple of them."""
         name = path + INPUTS
@@ -112,7 +111,7 @@ class _Call:
 INPUTS = ":in"  # a module's inputs are the site `path + INPUTS`; no path or op name ends so
 
 
-def _sowable_input(arg):
+def _sowable_input(arg: Any) -> bool:
     """An argument whose leaves are all arrays of numbers (not None, a flag, or a PRNG key)."""
     leaves = jax.tree_util.tree_leaves(arg)
     return bool(leaves) and all(
@@ -166,7 +165,7 @@ def _path(call, module):
 # its shapes without their common leading axis (a slice of a stack).
 
 
-def _rebuilt_path(call, module):
+def _rebuilt_path(call: _Call, module: Any) -> str | None:
     """The path of the part `module` was rebuilt from, or None if none fits."""
     found = [(p, how) for p, part in call.parts if (how := _rebuilt_from(module, part)) is not None]
     # The very arrays name it; else a slice of a stack (a layer in a scan) is
@@ -197,7 +196,7 @@ def _rebuilt_path(call, module):
     return path
 
 
-def _rebuilt_from(module, part):
+def _rebuilt_from(module: Any, part: Any) -> str | None:
     """How `module` was rebuilt from `part`'s arrays: "same" (the very arrays),
     "copy" (their shapes), "slice" (one row of each), or None if it was not."""
     leaves, tree = jax.tree_util.tree_flatten(module)
@@ -226,10 +225,10 @@ def _rebuilt_from(module, part):
     return "copy" if hows == {"copy"} else "slice"
 
 
-def _equal(a, b):
+def _equal(a: Any, b: Any) -> bool:
     try:
         return bool(a == b)
-    except Exception:  # an object whose == is not a plain truth value
+    except (TypeError, ValueError):  # an object whose == is not a plain truth value
         return False
 
 

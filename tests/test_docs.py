@@ -42,7 +42,9 @@ def test_python_blocks_run(page, capsys):
     namespace = {"__name__": f"docs_{page}"}
     for i, block in enumerate(blocks):
         try:
-            exec(compile(block, f"{page}[block {i}]", "exec"), namespace)
+            # dont_inherit: the block runs as a reader's script would, without this file's
+            # `from __future__ import annotations` (which turns dataclass fields into strings).
+            exec(compile(block, f"{page}[block {i}]", "exec", dont_inherit=True), namespace)
         except Exception as err:  # name the block, which pytest's traceback hides
             raise AssertionError(f"{page}, python block {i} failed:\n{block}") from err
 

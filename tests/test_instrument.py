@@ -12,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import attribution_patching, call_and_reap, instrument, patching_sweep, plant, reap, sites, sow
+from harvest import (
+    attribution_patching,
+    call_and_reap,
+    instrument,
+    patching_sweep,
+    plant,
+    reap,
+    sites,
+    sow,
+)
 
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
@@ -941,6 +950,11 @@ def hand_through(model, x, patch=None):
     return x, values
 
 
+def _reaped_but(result, planted):
+    out, values = result
+    return out, {k: v for k, v in values.items() if k != planted}
+
+
 def _target(model):
     return model if isinstance(model, HandSownThrough) else instrument(model)
 
@@ -956,9 +970,7 @@ HARVESTS = {  # (the harvested call, the same by hand), each f(model, x, v) -> (
     ),
     "harvest": (
         lambda m, x, v: _harvest(_target(m), {"bn": v}, x),
-        lambda m, x, v: (lambda out, values: (out, {k: values[k] for k in PARTS if k != "bn"}))(
-            *hand_through(m, x, {"bn": v})
-        ),
+        lambda m, x, v: _reaped_but(hand_through(m, x, {"bn": v}), "bn"),
     ),
 }
 
