@@ -193,16 +193,22 @@ class _Origins:
     """
 
     def __init__(self) -> None:
-        self._made: dict[int, dict[Any, Any]] = {}
+        # id(jaxpr) -> (the equation making each variable, the place of each input by id)
+        self._index: dict[int, tuple[dict[Any, Any], dict[int, int]]] = {}
 
-    def of(self, jaxpr: Any, var: Any) -> Any:
-        """The input of `jaxpr` that `var` is a copy of, or None if it is computed."""
-        made = self._made.get(id(jaxpr))
-        if made is None:
-            made = self._made[id(jaxpr)] = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    def _indexed(self, jaxpr: Any) -> tuple[dict[Any, Any], dict[int, int]]:
+        index = self._index.get(id(jaxpr))
+        if index is None:
+            made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+            index = self._index[id(jaxpr)] = (made, {id(v): k for k, v in enumerate(jaxpr.invars)})
+        return index
+
+    def of(self, jaxpr: Any, var: Any) -> int | None:
+        """The place of the input of `jaxpr` that `var` is a copy of, or None if it is computed."""
+        made, inputs = self._indexed(jaxpr)
         while not isinstance(var, _jax.Literal):
-            if any(var is v for v in jaxpr.invars):
-                return var
+            if id(var) in inputs:
+                return inputs[id(var)]
             eqn = made.get(var)
             k = None if eqn is None else self._forwarded(eqn, eqn.outvars.index(var))
             if eqn is None or k is None:
@@ -233,18 +239,16 @@ class _Origins:
 
     def _position(self, body: Any, i: int) -> int | None:
         """Which input of `body` its output `i` copies, or None."""
-        origin = self.of(body, body.outvars[i])
-        return None if origin is None else next(k for k, v in enumerate(body.invars) if v is origin)
+        return self.of(body, body.outvars[i])
 
 
 def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) -> tuple[Any, Any]:
     """`closed` and its output shape without the changes that copy a variable's
-    own input: those a call to `nnx.jit`/`nnx.remat` handed back unchanged."""
+    own input: those an NNX transform (`nnx.jit`, `nnx.scan`, ...) handed back unchanged."""
     out, changes = out_shape
     if changes is None or not changes.paths:
         return closed, out_shape
     outvars = closed.jaxpr.outvars
-    invars = closed.jaxpr.invars
     origins = _Origins()
     start = len(jax.tree_util.tree_leaves(out))
     used = [True] * start
@@ -254,7 +258,7 @@ def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) ->
         mine = outvars[start : start + n]
         start += n
         same = len(prior) == n and all(
-            p is not None and origins.of(closed.jaxpr, v) is invars[p] for v, p in zip(mine, prior)
+            p is not None and origins.of(closed.jaxpr, v) == p for v, p in zip(mine, prior)
         )
         kept.append(not same)
         used += [not same] * n
