@@ -29,6 +29,7 @@ import threading
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from ._calling import is_array
 from ._interpreter import NameFilter
@@ -84,10 +85,10 @@ class _Call:
         if not at:
             return args
         sown = self.sow(name, args[at[0]] if len(at) == 1 else tuple(args[i] for i in at))
-        args = list(args)
+        new = list(args)
         for i, value in zip(at, (sown,) if len(at) == 1 else sown):
-            args[i] = value
-        return tuple(args)
+            new[i] = value
+        return tuple(new)
 
     def run_module(self, path, module, method, args, kwargs):
         """Calls `method` of `module` (at `path`) and sows its output (and, with inputs=True, its inputs)."""
@@ -115,7 +116,7 @@ def _sowable_input(arg: Any) -> bool:
     """An argument whose leaves are all arrays of numbers (not None, a flag, or a PRNG key)."""
     leaves = jax.tree_util.tree_leaves(arg)
     return bool(leaves) and all(
-        is_array(x) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves
+        is_array(x) and not jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves
     )
 
 
@@ -199,11 +200,11 @@ def _rebuilt_path(call: _Call, module: Any) -> str | None:
 def _rebuilt_from(module: Any, part: Any) -> str | None:
     """How `module` was rebuilt from `part`'s arrays: "same" (the very arrays),
     "copy" (their shapes), "slice" (one row of each), or None if it was not."""
-    leaves, tree = jax.tree_util.tree_flatten(module)
-    part_leaves, part_tree = jax.tree_util.tree_flatten(part)
-    if tree != part_tree:
+    leaves, part_leaves = jax.tree_util.tree_leaves(module), jax.tree_util.tree_leaves(part)
+    tree: Any = jax.tree_util.tree_structure(module)
+    if tree != jax.tree_util.tree_structure(part):
         return None
-    hows = set()
+    hows: set[object] = set()
     for a, b in zip(leaves, part_leaves):
         if a is b:
             continue
