@@ -10,10 +10,12 @@ re-emit it for an outer harvest of another tag.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import fnmatch
 import inspect
+import threading
 import weakref
 from typing import Any, Callable, Hashable
 
@@ -39,13 +41,18 @@ def register(*primitives):
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-_tags_cache: "weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset]" = weakref.WeakKeyDictionary()
+# One cache outside custom_jvp rules, one inside (where rules are not looked into).
+_tags_caches: "tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset], ...]" = (
+    weakref.WeakKeyDictionary(),
+    weakref.WeakKeyDictionary(),
+)
 
 
 def sites_in(jaxpr) -> frozenset:
     """Every (site, enclosing primitive) reachable from `jaxpr`, recursively."""
+    cache = _tags_caches[getattr(_in_rule, "depth", 0) > 0]
     try:
-        return _tags_cache[jaxpr]
+        return cache[jaxpr]
     except KeyError:
         pass
     found = set()
@@ -55,8 +62,42 @@ def sites_in(jaxpr) -> frozenset:
         for sub in _jax.sub_jaxprs(eqn):
             for site, _ in sites_in(sub):
                 found.add((site, eqn.primitive))
-    _tags_cache[jaxpr] = result = frozenset(found)
+        found |= rule_sites(eqn)
+    cache[jaxpr] = result = frozenset(found)
     return result
+
+
+# Sows in a custom_jvp's JVP rule run where the function is differentiated
+# (see `_rules/calls`). Calls inside a rule run their own rules only under a
+# second derivative, and a rule that calls its own function would nest without
+# end, so a rule's rules are not looked into.
+_in_rule = threading.local()  # .depth: how many rules the current walk is inside
+
+
+@contextlib.contextmanager
+def inside_rule():
+    _in_rule.depth = getattr(_in_rule, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _in_rule.depth -= 1
+
+
+def jvp_rule(eqn):
+    """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
+    or None inside a rule or where the rule cannot be traced."""
+    if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0):
+        return None
+    return _jax.custom_jvp_rule(eqn)
+
+
+def rule_sites(eqn) -> frozenset:
+    """(site, custom_jvp_call) for each sow in the JVP rule of `eqn` (see `jvp_rule`)."""
+    rule = jvp_rule(eqn)
+    if rule is None:
+        return frozenset()
+    with inside_rule():
+        return frozenset((site, eqn.primitive) for site, _ in sites_in(rule[0].jaxpr))
 
 
 # ---------------------------------------------------------------------------
@@ -439,7 +480,7 @@ def _eval_eqn(scope, eqn, invals):
     if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
         return RULES[eqn.primitive](scope, eqn, invals)
     if subs:
-        sites = frozenset().union(*(sites_in(j) for j in subs))
+        sites = frozenset().union(*(sites_in(j) for j in subs), rule_sites(eqn))
         if scope.policy.touches(sites):
             rule = RULES.get(eqn.primitive)
             if rule is None:
