@@ -17,7 +17,7 @@ import fnmatch
 import inspect
 import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +75,7 @@ _in_rule = threading.local()  # .depth: how many rules the current walk is insid
 
 
 @contextlib.contextmanager
-def inside_rule():
+def inside_rule() -> Iterator[None]:
     _in_rule.depth = getattr(_in_rule, "depth", 0) + 1
     try:
         yield
@@ -83,7 +83,7 @@ def inside_rule():
         _in_rule.depth -= 1
 
 
-def jvp_rule(eqn):
+def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
     """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
     or None inside a rule or where the rule cannot be traced."""
     if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0):
@@ -91,7 +91,7 @@ def jvp_rule(eqn):
     return _jax.custom_jvp_rule(eqn)
 
 
-def rule_sites(eqn) -> frozenset:
+def rule_sites(eqn: Any) -> frozenset[tuple[Site, Any]]:
     """(site, custom_jvp_call) for each sow in the JVP rule of `eqn` (see `jvp_rule`)."""
     rule = jvp_rule(eqn)
     if rule is None:

@@ -132,7 +132,7 @@ register(_jax.custom_vjp_call_p)(_keeping_the_rule(_with_vjp))
 # time, one level down, so what it reaps has no tangent.
 
 
-def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple, Any]:
+def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
     """The sites `policy` handles in the JVP rule of `eqn` that its body does not
     sow (a rule that calls its own function sows the body's names again)."""
     found = rule_sites(eqn)
@@ -163,7 +163,9 @@ def _custom_jvp(scope: Scope, eqn: Any, invals: list[Any]) -> list[Any]:
             "its body. Differentiated, JAX runs the rule and not the body, so these cannot both be "
             "reaped or planted. Sow in one of the two (a rule may call the function itself)."
         )
-    rule, out_zeros = jvp_rule(eqn)
+    found = jvp_rule(eqn)
+    assert found is not None  # it has sites
+    rule, out_zeros = found
     nconsts = _jax.custom_num_consts(eqn)
     # Planted values enter as arguments, so the rule (run one level down) sees
     # their primals; a planted tangent is ignored, as in oryx.
