@@ -1288,7 +1288,7 @@ def custom_jvp_rule_sows(h, jax, jnp):
         return x + y, t * 2.0 + y
 
     x, one = f32(jnp, 2.0), f32(jnp, 1.0)
-    car = lambda fn: h.call_and_reap(fn, tag="t")  # noqa: E731
+    car = lambda fn: h.call_and_reap(fn, tag="t")
     return {
         "reap_undifferentiated": lambda: car(f)(x),
         "jvp_of_reap": lambda: jax.jvp(car(f), (x,), (one,)),
@@ -1315,7 +1315,7 @@ def plant_python_number(h, jax, jnp):
             return i + 1, v + h.sow(i, tag="t", name="i", mode="clobber")
         return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
 
-    plant = lambda fn: h.plant(fn, tag="t")  # noqa: E731
+    plant = lambda fn: h.plant(fn, tag="t")
     return {
         "float_into_int": lambda: plant(f)({"x": 2.0, "y": 15.0}, f32(jnp, 1.0)),
         "fraction_into_int": lambda: plant(f)({"y": 15.5}, f32(jnp, 1.0)),

@@ -143,11 +143,10 @@ def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
 
 
 def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:
-    """Whether some custom_jvp in `jaxpr` has a JVP rule sowing for `policy`."""
-    return any(
-        rule_only_sites(policy, eqn) or any(holds_rule_sows(j, policy) for j in _jax.sub_jaxprs(eqn))
-        for eqn in jaxpr.eqns
-    )
+    """Whether a custom_jvp among `jaxpr`'s own equations has a JVP rule sowing
+    for `policy` (ones inside a jit, scan or cond body are staged again, where
+    no rule runs, so walking in place would not reach them either)."""
+    return any(rule_only_sites(policy, eqn) for eqn in jaxpr.eqns)
 
 
 @register(_jax.custom_jvp_call_p)
