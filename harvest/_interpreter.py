@@ -86,7 +86,7 @@ def inside_rule() -> Iterator[None]:
 def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
     """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
     or None inside a rule or where the rule cannot be traced."""
-    if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0):
+    if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0) > 0:
         return None
     return _jax.custom_jvp_rule(eqn)
 

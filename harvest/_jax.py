@@ -466,4 +466,4 @@ def restore_tfp_alias() -> None:
 
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
-        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings
+        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
