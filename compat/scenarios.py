@@ -1262,6 +1262,69 @@ def custom_jvp(h, jax, jnp):
     }
 
 
+@scenario
+def custom_jvp_rule_sows(h, jax, jnp):
+    """Sows in a custom_jvp's JVP rule: reaped/planted where jax.jvp or grad runs the rule."""
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        h.sow(x * 2.0, tag="t", name="x")
+        h.sow(t * 3.0, tag="t", name="tan")
+        return x, t * 2.0
+
+    @jax.custom_jvp
+    def g(x):
+        return jnp.sin(x)
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        y = h.sow(x * 2.0, tag="t", name="y")
+        return x + y, t * 2.0 + y
+
+    x, one = f32(jnp, 2.0), f32(jnp, 1.0)
+    car = lambda fn: h.call_and_reap(fn, tag="t")
+    return {
+        "reap_undifferentiated": lambda: car(f)(x),
+        "jvp_of_reap": lambda: jax.jvp(car(f), (x,), (one,)),
+        "jvp_of_jit_of_reap": lambda: jax.jvp(jax.jit(car(f)), (x,), (one,)),
+        "grad_of_reap": lambda: jax.grad(lambda x: car(f)(x)[0])(x),
+        "grad_of_reaped_value": lambda: jax.grad(lambda x: car(f)(x)[1]["x"])(x),
+        "plant_undifferentiated": lambda: h.plant(g, tag="t")({"y": f32(jnp, 0.5)}, x),
+        "jvp_of_plant": lambda: jax.jvp(
+            h.plant(g, tag="t"), ({"y": f32(jnp, 0.5)}, x), ({"y": f32(jnp, 0.25)}, one)),
+    }
+
+
+@scenario
+def plant_python_number(h, jax, jnp):
+    """A Python number planted into a site of another dtype (a sown Python int)."""
+
+    def f(x):
+        y = h.sow(717, tag="t", name="y")
+        return h.sow(x, tag="t", name="x") + y
+
+    def loop(x):
+        def body(c):
+            i, v = c
+            return i + 1, v + h.sow(i, tag="t", name="i", mode="clobber")
+        return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    plant = lambda fn: h.plant(fn, tag="t")
+    return {
+        "float_into_int": lambda: plant(f)({"x": 2.0, "y": 15.0}, f32(jnp, 1.0)),
+        "fraction_into_int": lambda: plant(f)({"y": 15.5}, f32(jnp, 1.0)),
+        "float_into_int_in_while": lambda: plant(loop)({"i": 2.0}, f32(jnp, 1.0)),
+        "vmap_float_into_int_in_while": lambda: jax.vmap(
+            lambda x: plant(loop)({"i": 2.0}, x))(jnp.arange(3.0, dtype=jnp.float32)),
+    }
+
+
 def _custom_vjp_fn(h, jax, jnp):
     @jax.custom_vjp
     def f(x):

@@ -6,6 +6,7 @@ this one meets the same syntax, and the guides stay plain Markdown that the
 tests can execute block by block. Warnings are errors (`-W`) in `make docs`.
 """
 
+import os
 import pathlib
 import sys
 
@@ -25,9 +26,16 @@ extensions = [
     "sphinx.ext.napoleon",  # the docstrings' "Example:" sections
 ]
 
-# `notebooks` links to the repository's notebooks/ folder, whose .ipynb files
-# are executed by the tests; the docs render their stored outputs as they are.
-nb_execution_mode = "off"
+# `notebooks` links to the repository's notebooks/ folder. They are committed
+# without outputs, so the build executes them (top to bottom, in a fresh kernel)
+# and renders what they print and plot; an error in a cell fails the build.
+# HARVEST_DOCS_NOTEBOOKS=off renders them unexecuted -- the docs test does that,
+# because tests/test_notebooks_*.py execute them already.
+nb_execution_mode = os.environ.get("HARVEST_DOCS_NOTEBOOKS", "force")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # kernels import this tree
+nb_execution_timeout = 300  # seconds per cell; training cells on a shared 2-core machine
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True  # the failing cell's traceback in the build log
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 

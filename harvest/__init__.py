@@ -1,15 +1,22 @@
 """harvest: tag any value inside any JAX function, then reap it out or plant a replacement in."""
 
 from . import _rules  # noqa: F401  (registers the interpreter's rules)
+from ._jax import restore_tfp_alias as _restore_tfp_alias
+
+# Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
+# JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
+_restore_tfp_alias()
 from ._capture import capture as capture
 from ._instrument import instrument as instrument
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._patching import (
     PatchingResult as PatchingResult,
     ablate_mean as ablate_mean,
+    ablate_head as ablate_head,
     ablate_zero as ablate_zero,
     add_vector as add_vector,
     attribution_patching as attribution_patching,
+    patch_head as patch_head,
     patch_positions as patch_positions,
     patching_sweep as patching_sweep,
 )

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _jax
 from ._primitive import tracing_for_harvest
 
 
@@ -112,12 +113,32 @@ def split_nodes(tree):
     return jax.tree_util.tree_unflatten(treedef, held), Graph(graphdef, state), nodes
 
 
-def call_merged(f, args, kwargs, graph):
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """The NNX variables a call changed or added: their paths (static) and new states."""
+
+    paths: tuple[tuple[Any, ...], ...]
+    variables: tuple[Any, ...]
+
+    def tree_flatten(self) -> tuple[tuple[tuple[Any, ...]], tuple[tuple[Any, ...], ...]]:
+        return (self.variables,), self.paths
+
+    @classmethod
+    def tree_unflatten(cls, paths: tuple[tuple[Any, ...], ...], children: Any) -> Changes:
+        return cls(paths, tuple(children[0]))
+
+    def keep(self, kept: list[bool]) -> Changes:
+        return Changes(*zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k])) if any(kept) else Changes((), ())
+
+
+def call_merged(f: Any, args: Any, kwargs: Any, graph: Graph | None) -> tuple[Any, Changes | None, list[Any]]:
     """`f(*args, **kwargs)` with `graph`'s nodes merged back in (`f` too may be
-    one, or a method of one); returns
-    (its output, the state of every variable it changed or added)."""
+    one, or a method of one); returns its output, the state of every variable
+    whose value it replaced or that it added, and, for each of those, the
+    value it had before (None for an added one)."""
     if graph is None:
-        return f(*args, **kwargs), None
+        return f(*args, **kwargs), None, []
     nnx = _nnx()
     fresh = nnx.merge(graph.graphdef, graph.state)
     before = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(fresh))}
@@ -130,13 +151,120 @@ def call_merged(f, args, kwargs, graph):
         for path, var in nnx.to_flat_state(nnx.state(fresh))
         if path not in before or var.get_value() is not before[path]
     ]
-    return out, nnx.from_flat_state(changed)
+    changes = Changes(tuple(p for p, _ in changed), tuple(v for _, v in changed))
+    return out, changes, [before.get(p) for p in changes.paths]
 
 
-def write_back(nodes, changes):
+def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
     """Gives the caller's graph nodes the state a call left in their merged copies."""
-    if nodes and changes:
-        _nnx().update(nodes, changes)
+    if not nodes or changes is None or not changes.paths:
+        return
+    nnx = _nnx()
+    from flax.errors import TraceContextError
+
+    try:
+        nnx.update(nodes, nnx.from_flat_state(zip(changes.paths, changes.variables)))
+    except TraceContextError as e:
+        # A path starts with the node's place among the call's nodes: shown only if several.
+        names = ", ".join(".".join(map(str, p[len(nodes) == 1 :])) for p in changes.paths[:4])
+        raise TraceContextError(
+            f"This harvested call changed the NNX state ({names}{', ...' if len(changes.paths) > 4 else ''}) "
+            "of a model made outside the jax.jit/jax.grad/... trace it runs in, and NNX forbids writing "
+            "values of that trace into it (calling the model directly there fails the same way). Pass the "
+            "model through the transformation instead: nnx.jit/nnx.grad, or nnx.split it, nnx.merge it "
+            "inside and return nnx.state(model)."
+        ) from e
+
+
+# ---------------------------------------------------------------------------
+# Which variables a call really changed: decided on the jaxpr.
+
+_CALLS = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.remat_p, _jax.core_call_p})
+
+
+class _Origins:
+    """Which input of a jaxpr each of its variables merely is.
+
+    NNX transforms hand every variable of the module they call back as an
+    output of their equation (`jit`, `remat`, `scan`, `while`, `cond`): a new
+    variable, so a new tracer, that holds the same value when the body returns
+    the input unchanged. Following such an output into the body, to the input
+    the body returns, finds what it copies.
+    """
+
+    def __init__(self) -> None:
+        # id(jaxpr) -> (the equation making each variable, the place of each input by id)
+        self._index: dict[int, tuple[dict[Any, Any], dict[int, int]]] = {}
+
+    def _indexed(self, jaxpr: Any) -> tuple[dict[Any, Any], dict[int, int]]:
+        index = self._index.get(id(jaxpr))
+        if index is None:
+            made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+            index = self._index[id(jaxpr)] = (made, {id(v): k for k, v in enumerate(jaxpr.invars)})
+        return index
+
+    def of(self, jaxpr: Any, var: Any) -> int | None:
+        """The place of the input of `jaxpr` that `var` is a copy of, or None if it is computed."""
+        made, inputs = self._indexed(jaxpr)
+        while not isinstance(var, _jax.Literal):
+            if id(var) in inputs:
+                return inputs[id(var)]
+            eqn = made.get(var)
+            k = None if eqn is None else self._forwarded(eqn, eqn.outvars.index(var))
+            if eqn is None or k is None:
+                return None
+            var = eqn.invars[k]
+        return None
+
+    def _forwarded(self, eqn: Any, i: int) -> int | None:
+        """The input of `eqn` its output `i` copies, or None."""
+        p = eqn.params
+        if eqn.primitive in _CALLS:
+            return self._position(_jax.call_body(eqn).jaxpr, i)
+        if eqn.primitive is _jax.scan_p:
+            # Outputs: carries, then stacked ys; the body's inputs: consts, carries, xs.
+            # A carry returned as it came, or a slice of xs returned as y, is the input itself.
+            k = self._position(p["jaxpr"].jaxpr, i)
+            n, c = p["num_consts"], p["num_carry"]
+            return k if (i < c and k == n + i) or (i >= c and k is not None and k >= n + c) else None
+        if eqn.primitive is _jax.while_p:
+            n = p["body_nconsts"]
+            k = self._position(p["body_jaxpr"].jaxpr, i)
+            return None if k is None or k != n + i else p["cond_nconsts"] + k
+        if eqn.primitive is _jax.cond_p:
+            ks = {self._position(b.jaxpr, i) for b in _jax.cond_branches(eqn)}
+            k = ks.pop() if len(ks) == 1 else None
+            return None if k is None else 1 + k  # input 0 is the branch index
+        return None
+
+    def _position(self, body: Any, i: int) -> int | None:
+        """Which input of `body` its output `i` copies, or None."""
+        return self.of(body, body.outvars[i])
+
+
+def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) -> tuple[Any, Any]:
+    """`closed` and its output shape without the changes that copy a variable's
+    own input: those an NNX transform (`nnx.jit`, `nnx.scan`, ...) handed back unchanged."""
+    out, changes = out_shape
+    if changes is None or not changes.paths:
+        return closed, out_shape
+    outvars = closed.jaxpr.outvars
+    origins = _Origins()
+    start = len(jax.tree_util.tree_leaves(out))
+    used = [True] * start
+    kept = []
+    for variable, prior in zip(changes.variables, priors):
+        n = len(jax.tree_util.tree_leaves(variable))
+        mine = outvars[start : start + n]
+        start += n
+        same = len(prior) == n and all(
+            p is not None and origins.of(closed.jaxpr, v) == p for v, p in zip(mine, prior)
+        )
+        kept.append(not same)
+        used += [not same] * n
+    if all(kept):
+        return closed, out_shape
+    return _jax.prune_outputs(closed, used), (out, changes.keep(kept))
 
 
 # ---------------------------------------------------------------------------
@@ -166,16 +294,21 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) or (i in in_state and isinstance(leaf, numbers.Number))
     ]
 
+    priors: list[list[int | None]] = []  # per changed variable: the positions of its old value's leaves
+
     def flat_f(*arrays):
         filled = list(leaves)
         for i, a in zip(positions, arrays):
             filled[i] = a
-        return call_merged(*jax.tree_util.tree_unflatten(tree, filled))
+        out, changes, before = call_merged(*jax.tree_util.tree_unflatten(tree, filled))
+        at = {id(a): i for i, a in enumerate(arrays)}
+        priors[:] = [[at.get(id(leaf)) for leaf in jax.tree_util.tree_leaves(b)] for b in before]
+        return out, changes
 
     arrays = [leaves[i] for i in positions]
     with tracing_for_harvest():
-        traced = jax.make_jaxpr(flat_f, return_shape=return_shape)(*arrays)
+        closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    closed, out_shape = _drop_copies(closed, out_shape, priors)
     if return_shape:
-        closed, out_shape = traced
         return closed, arrays, out_shape
-    return traced, arrays
+    return closed, arrays

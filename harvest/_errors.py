@@ -146,6 +146,32 @@ def branch_shapes_differ(site: Any) -> ValueError:
     )
 
 
+def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
+    return ValueError(
+        f"The sow site tag={tag!r}, name={name!r} is sown with different shapes in different "
+        "branches of a cond whose predicate vmap batches. Sow the same shapes in every branch, "
+        "or use different names."
+    )
+
+
+def stuck_in_batched_branch(site: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"The sow site {site} is inside a while_loop or a custom derivative (custom_jvp, custom_vjp) "
+        "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
+        "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
+        "example instead, jax.vmap(reap(f)), or move the sow out of that body."
+    )
+
+
+def sown_in_jvp_rule_and_body(site: Any, in_body: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"The sow site {site} sits in the JVP rule of a custom_jvp function that also sows "
+        f"{', '.join(map(repr, in_body))} in its body. Differentiated, JAX runs the rule and not "
+        "the body, so these cannot both be reaped or planted. Sow in one of the two (a rule may "
+        "call the function itself)."
+    )
+
+
 def shapes_str(shapes: Iterable[Any]) -> str:
     return " and ".join(str(list(s)) for s in shapes)
 

@@ -244,7 +244,8 @@ def _sow_tree(
     have the same label, not the same key)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            yield eqn, where, fires, blocks
+            if eqn.params.get("role") != "record_only":  # a copy, after a batched cond, of a sow in its branches
+                yield eqn, where, fires, blocks
             continue
         for label, sub, times in _bodies(eqn):
             inner = None if fires is UNBOUNDED or times is UNBOUNDED else fires * times

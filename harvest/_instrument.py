@@ -26,16 +26,17 @@ import contextvars
 import dataclasses
 import functools
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
+from ._calling import is_array
 from ._interpreter import NameFilter
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
 from ._typing import NameSelect, P, R
-
 
 # ---------------------------------------------------------------------------
 # Sowing one part's output.
@@ -48,10 +49,13 @@ class _Call:
     tag: str
     select: NameFilter
     ops: bool
+    inputs: bool
     paths: dict  # id(module) -> dotted path, for module targets
     known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
     scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
+    parts: list = dataclasses.field(default_factory=list)  # Equinox (path, submodule): what a rebuilt one may be
+    held: list = dataclasses.field(default_factory=list)  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
 
     def sow(self, path, value):
@@ -71,8 +75,24 @@ class _Call:
         out = sow_p.bind(*leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree)
         return jax.tree_util.tree_unflatten(tree, out)
 
+    def sow_inputs(self, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """With inputs=True, `args` with their array arguments sown as `path + INPUTS`:
+        one such argument is the site's value itself, several a tuple of them."""
+        name = path + INPUTS
+        if not self.inputs or not self.select((name,)):
+            return args
+        at = [i for i, a in enumerate(args) if _sowable_input(a)]
+        if not at:
+            return args
+        sown = self.sow(name, args[at[0]] if len(at) == 1 else tuple(args[i] for i in at))
+        new = list(args)
+        for i, value in zip(at, (sown,) if len(at) == 1 else sown):
+            new[i] = value
+        return tuple(new)
+
     def run_module(self, path, module, method, args, kwargs):
-        """Calls `method` of `module` (at `path`) and sows its output."""
+        """Calls `method` of `module` (at `path`) and sows its output (and, with inputs=True, its inputs)."""
+        args = self.sow_inputs(path, args)
         self.inside.add(id(module))
         try:
             with self.scope(path):
@@ -87,6 +107,17 @@ class _Call:
             return contextlib.nullcontext()
         self.scopes.add(path)
         return jax.named_scope(path)
+
+
+INPUTS = ":in"  # a module's inputs are the site `path + INPUTS`; no path or op name ends so
+
+
+def _sowable_input(arg: Any) -> bool:
+    """An argument whose leaves are all arrays of numbers (not None, a flag, or a PRNG key)."""
+    leaves = jax.tree_util.tree_leaves(arg)
+    return bool(leaves) and all(
+        is_array(x) and not jnp.issubdtype(x.dtype, jax.dtypes.extended) for x in leaves
+    )
 
 
 _active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("harvest_instrument", default=None)
@@ -118,7 +149,88 @@ def _path(call, module):
     path = call.paths.get(id(module))
     if path is None:
         path = next((p for p in getattr(module, _MARK, ()) if p in call.known), None)
+    if path is None and call.parts:
+        path = _rebuilt_path(call, module)
     return path
+
+
+# ---------------------------------------------------------------------------
+# Equinox modules rebuilt from a part's arrays.
+#
+# Scan over layers in Equinox stacks the layers' arrays (`eqx.filter_vmap` of a
+# constructor) and, inside `jax.lax.scan`, rebuilds one layer per iteration
+# from a slice of them (`eqx.combine`, or the module passed as `xs`). An
+# Equinox module carries nothing but its fields, so the rebuilt layer is found
+# by its structure: same class and static fields, and arrays that are the
+# part's own, or of the part's shapes (a copy made by a transformation), or of
+# its shapes without their common leading axis (a slice of a stack).
+
+
+def _rebuilt_path(call: _Call, module: Any) -> str | None:
+    """The path of the part `module` was rebuilt from, or None if none fits."""
+    found = [(p, how) for p, part in call.parts if (how := _rebuilt_from(module, part)) is not None]
+    # The very arrays name it; else a slice of a stack (a layer in a scan) is
+    # taken before a copy, which only a module passed through jit or
+    # checkpoint as an argument would be.
+    for how in ("same", "slice", "copy"):
+        paths = [p for p, h in found if h == how]
+        if paths:
+            break
+    paths = paths[:1] if how == "same" else paths
+    if not paths:
+        return None
+    if len(paths) > 1:
+        if not call.ops and not any(call.select((p,)) for p in paths):
+            return None  # not a site whichever it is
+        raise ValueError(
+            f"instrument(tag={call.tag!r}): a {type(module).__name__} rebuilt from arrays (as eqx.combine "
+            f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
+            f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
+            f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+            "copy passed through a transformation."
+        )
+    path = paths[0]
+    call.held.append(module)
+    call.paths[id(module)] = path
+    for sub, child in _eqx_modules(module):  # its submodules are rebuilt with it
+        call.paths.setdefault(id(child), f"{path}.{sub}")
+    return path
+
+
+def _rebuilt_from(module: Any, part: Any) -> str | None:
+    """How `module` was rebuilt from `part`'s arrays: "same" (the very arrays),
+    "copy" (their shapes), "slice" (one row of each), or None if it was not."""
+    leaves, part_leaves = jax.tree_util.tree_leaves(module), jax.tree_util.tree_leaves(part)
+    tree: Any = jax.tree_util.tree_structure(module)
+    if tree != jax.tree_util.tree_structure(part):
+        return None
+    hows: set[object] = set()
+    for a, b in zip(leaves, part_leaves):
+        if a is b:
+            continue
+        if not (is_array(a) and is_array(b)):
+            if is_array(a) or is_array(b) or not _equal(a, b):
+                return None
+        elif a.dtype != b.dtype:
+            return None
+        elif a.shape == b.shape:
+            hows.add("copy")
+        elif b.shape[1:] == a.shape:
+            hows.add(b.shape[0])
+        else:
+            return None
+    if not hows:
+        return "same"
+    if len(hows) > 1:  # copies and slices mixed, or slices of stacks of different lengths
+        return None
+    return "copy" if hows == {"copy"} else "slice"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # an object whose == is not a plain truth value
+        return False
 
 
 def _wrap(classes):
@@ -263,17 +375,18 @@ class Instrumented:
     take it as an argument or bound object trace the model's arrays.
     """
 
-    def __init__(self, target, kind, tag, ops, select, where):
+    def __init__(self, target, kind, tag, ops, inputs, select, where):
         self.target = target
         self._kind = kind
         self._tag = tag
         self._ops = ops
+        self._inputs = inputs
         self._select = select
         self._where = where
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
-        return (self._kind, self._tag, self._ops, self._select, self._where)
+        return (self._kind, self._tag, self._ops, self._inputs, self._select, self._where)
 
     def tree_flatten(self):
         if self._kind == "function":
@@ -286,24 +399,27 @@ class Instrumented:
         return cls(target, *aux[1])
 
     def __repr__(self):
-        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops})"
+        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops}, inputs={self._inputs})"
 
     def __call__(self, *args, **kwargs):
-        call = _Call(self._tag, self._select, self._ops, {})
+        call = _Call(self._tag, self._select, self._ops, self._inputs, {})
         if self._kind == "function":
             run = functools.partial(_with_linen, call, self.target)
         else:
             parts = _modules(self.target, self._kind)
-            if self._where is not None and not self._ops and not any(self._select((p,)) for p, _ in parts):
+            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._where is not None and not self._ops and not any(self._select((n,)) for n in names):
                 raise ValueError(
                     f"instrument: where={self._where!r} selects none of the model's submodules "
-                    f"({_sample([p for p, _ in parts])})."
+                    f"({_sample(names)})."
                 )
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
             marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            if self._kind == "equinox":
+                call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
             run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, marked, self.target)
         if self._ops:
             out = sow_ops(run, call, args, kwargs)
@@ -357,6 +473,7 @@ def _with_linen(call, f, *args, **kwargs):
         path = ".".join(context.module.path) if context.method_name == "__call__" else ""
         if not path:
             return next_fun(*a, **k)
+        a = call.sow_inputs(path, a)
         with call.scope(path):
             out = next_fun(*a, **k)
         return call.sow(path, out)
@@ -365,7 +482,9 @@ def _with_linen(call, f, *args, **kwargs):
         return f(*args, **kwargs)
 
 
-def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = False, where: NameSelect = None) -> Callable[P, R]:
+def instrument(
+    target: Callable[P, R], *, tag: str = "modules", ops: bool = False, inputs: bool = False, where: NameSelect = None
+) -> Callable[P, R]:
     """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
 
     The result is called exactly as `target` is and returns the same values
@@ -380,7 +499,11 @@ def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = Fals
     * with `ops=True`, any callable: also every primitive's output, named
       `"<scope>/<primitive>:<n>"` from the `jax.named_scope` stack (module
       paths included) and a counter per scope and primitive; ops inside `scan`,
-      `cond`, `jit` and `checkpoint` are sites too.
+      `cond`, `jit` and `checkpoint` are sites too;
+    * with `inputs=True`, module targets and Linen: also each submodule call's
+      array arguments, named `"<path>:in"` (one argument: the array itself;
+      several: a tuple of them; flags, None and PRNG keys are left out).
+      Planting there replaces what the submodule receives.
 
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside `scan`) holds the k values stacked on a leading axis, and
@@ -413,7 +536,9 @@ def instrument(target: Callable[P, R], *, tag: str = "modules", ops: bool = Fals
         raise TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
     if not isinstance(ops, bool):
         raise TypeError(f"instrument needs `ops` to be True or False, got {ops!r}.")
+    if not isinstance(inputs, bool):
+        raise TypeError(f"instrument needs `inputs` to be True or False, got {inputs!r}.")
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, select, where)
+    return Instrumented(target, kind, tag, ops, inputs, select, where)

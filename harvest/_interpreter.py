@@ -10,11 +10,13 @@ re-emit it for an outer harvest of another tag.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import fnmatch
+import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 import jax
 from . import _errors, _jax
@@ -39,21 +41,61 @@ def register(*primitives):
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-_sites_cache: "weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]]" = weakref.WeakKeyDictionary()
+# One cache outside custom_jvp rules, one inside (where rules are not looked into).
+_sites_caches: "tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]], ...]" = (
+    weakref.WeakKeyDictionary(),
+    weakref.WeakKeyDictionary(),
+)
 
 
 def sites_in(jaxpr) -> frozenset[Site]:
-    """Every site reachable from `jaxpr`, recursively."""
+    """Every site reachable from `jaxpr`, recursively (and from the JVP rules
+    of its custom_jvp calls, see `rule_sites`)."""
+    cache = _sites_caches[getattr(_in_rule, "depth", 0) > 0]
     try:
-        return _sites_cache[jaxpr]
+        return cache[jaxpr]
     except KeyError:
         pass
     found = {Site.of(eqn) for eqn in jaxpr.eqns if eqn.primitive is sow_p}
     for eqn in jaxpr.eqns:
         for sub in _jax.sub_jaxprs(eqn):
             found.update(sites_in(sub))
-    _sites_cache[jaxpr] = result = frozenset(found)
+        found |= rule_sites(eqn)
+    cache[jaxpr] = result = frozenset(found)
     return result
+
+
+# Sows in a custom_jvp's JVP rule run where the function is differentiated
+# (see `_rules/calls`). Calls inside a rule run their own rules only under a
+# second derivative, and a rule that calls its own function would nest without
+# end, so a rule's rules are not looked into.
+_in_rule = threading.local()  # .depth: how many rules the current walk is inside
+
+
+@contextlib.contextmanager
+def inside_rule() -> Iterator[None]:
+    _in_rule.depth = getattr(_in_rule, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _in_rule.depth -= 1
+
+
+def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
+    """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
+    or None inside a rule or where the rule cannot be traced."""
+    if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0) > 0:
+        return None
+    return _jax.custom_jvp_rule(eqn)
+
+
+def rule_sites(eqn: Any) -> frozenset[Site]:
+    """The sites in the JVP rule of `eqn` (see `jvp_rule`)."""
+    rule = jvp_rule(eqn)
+    if rule is None:
+        return frozenset()
+    with inside_rule():
+        return sites_in(rule[0].jaxpr)
 
 
 # ---------------------------------------------------------------------------
@@ -173,8 +215,12 @@ class Walk:
         return {p: pl.shift(self.seen.get(p, 0)) for p, pl in self.plants.items()}
 
     # -- a sow fires -------------------------------------------------------
-    def sow(self, site: Site, value, pred=None):
+    def sow(self, site: Site, value, pred=None, role=None):
         path = site.path
+        if role == "record_only":  # an occurrence counted (and planted) where it was sown
+            if path not in self.plants and self.reap:
+                self._record(site, value, pred)
+            return value
         i = self.seen.get(path, 0)
         if site.mode.single and i:
             raise _errors.sown_twice(site)
@@ -185,7 +231,7 @@ class Walk:
                 new = jax.tree_util.tree_map(functools.partial(select_where, pred), new, value)
             value = new
         self.seen[path] = i + 1
-        if plant is None and self.reap:
+        if plant is None and self.reap and role != "plant_only":
             self._record(site, value, pred)
         return value
 
@@ -272,8 +318,10 @@ def _eval_eqn(walk, eqn, invals):
     if eqn.primitive is sow_p:
         return sow_rule(walk, eqn, invals)
     subs = _jax.sub_jaxprs(eqn)
+    if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
+        return RULES[eqn.primitive](walk, eqn, invals)
     if subs:
-        sites = frozenset().union(*(sites_in(j) for j in subs))
+        sites = frozenset().union(*(sites_in(j) for j in subs), rule_sites(eqn))
         if walk.policy.touches(sites):
             rule = RULES.get(eqn.primitive)
             if rule is None:
@@ -294,7 +342,7 @@ def sow_rule(walk, eqn, invals):
         return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
-    value = walk.sow(site, value, pred)
+    value = walk.sow(site, value, pred, eqn.params.get("role"))
     return jax.tree_util.tree_leaves(value)
 
 

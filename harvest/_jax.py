@@ -31,7 +31,9 @@ from jax.extend.core import primitives as _primitives
 from jax._src import core as _src_core
 from jax._src import config as _config
 from jax._src import effects as _effects
+from jax._src.interpreters import ad as _ad_internal
 from jax._src.interpreters import partial_eval as _pe
+from jax._src.lax import lax as _lax_internal
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
 from jax._src import source_info_util as _src_source_info
 from jax._src import traceback_util as _traceback_util
@@ -93,6 +95,11 @@ def sub_jaxprs(eqn) -> list:
 
 def eval_jaxpr(jaxpr, consts, *args):
     return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
+
+
+def prune_outputs(closed: ClosedJaxpr, used: list[bool]) -> ClosedJaxpr:
+    """`closed` returning only the outputs marked in `used`."""
+    return _pe.prune_closed_jaxpr_outputs(closed, used)
 
 
 def consts_as_inputs(jaxpr):
@@ -162,6 +169,22 @@ def api_boundary(fn: Any) -> Any:
 hide_frames_of(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
+def differentiating() -> bool:
+    """True while a jvp or linearize trace is current, or under the current trace
+    with no staging trace between: a custom_jvp bound now has its rule called now."""
+    trace = _src_core.trace_ctx.trace
+    while trace is not None and not isinstance(trace, _pe.DynamicJaxprTrace):
+        if isinstance(trace, _DIFFERENTIATING):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+_DIFFERENTIATING = tuple(
+    t for t in (getattr(_ad_internal, "JVPTrace", None), getattr(_ad_internal, "LinearizeTrace", None)) if t
+)
+
+
 def is_staging() -> bool:
     """True while the current trace stages a jaxpr (under jit, scan, make_jaxpr, ...)."""
     return isinstance(_src_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
@@ -188,6 +211,39 @@ def custom_num_consts(eqn) -> int:
     """How many leading inputs of a custom_jvp/custom_vjp equation are its
     closure-converted constants (0 where JAX does not record it)."""
     return eqn.params.get("num_consts", 0)
+
+
+def is_weak(x: Any) -> bool:
+    """Whether `x` is weakly typed: a Python number, or a value traced from one."""
+    if isinstance(x, (bool, int, float, complex)):
+        return True
+    return bool(getattr(getattr(x, "aval", None), "weak_type", False))
+
+
+def cast_like(x: Any, aval: Any) -> Any:
+    """`x` converted to `aval`'s dtype and weak type (a loop carry must keep both)."""
+    return _lax_internal._convert_element_type(x, aval.dtype, weak_type=aval.weak_type)
+
+
+def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
+    """A custom_jvp equation's JVP rule traced for nonzero tangents, and which
+    of its output tangents are symbolic zeros (None if it cannot be traced here).
+
+    The jaxpr maps (primals, tangents) -- the closure-converted constants left
+    out -- to (primal outputs, the nonzero output tangents). JAX memoizes the
+    trace, so a later `jax.jvp` of the equation reuses it.
+    """
+    rule = eqn.params.get("jvp_jaxpr_fun")
+    if rule is None:
+        return None
+    n = len(eqn.invars) - custom_num_consts(eqn)
+    try:
+        jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * n))
+    except Exception:  # noqa: BLE001
+        # A rule that only traces where JAX differentiates (one closing over a
+        # tracer of the enclosing trace, say) holds nothing the walk can see.
+        return None
+    return ClosedJaxpr(jaxpr, consts), list(out_zeros)
 
 
 def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
@@ -384,6 +440,13 @@ def register_plain_batching(primitive, rule):
     _batching.primitive_batchers[primitive] = rule
 
 
+def wrap_batching(primitive, wrapper):
+    """Replaces `primitive`'s batching rule by `wrapper(jax_rule, axis_data, args, dims, **params)`,
+    which may delegate to JAX's own rule, `jax_rule(axis_data, args, dims, **params)`."""
+    jax_rule = _batching.fancy_primitive_batchers[primitive]
+    _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
+
+
 def bdim_at_front(x, dim, axis_data):
     """`x` with its batch axis (`dim`, or None if unbatched: broadcast) moved to the front."""
     mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
@@ -415,9 +478,25 @@ def tfp_needs_alias() -> bool:
     return not hasattr(xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
 
 
-def restore_tfp_alias():
+# TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
+TFP_BACKEND = "tensorflow_probability.python.internal.backend.jax"
+# Set when the alias was restored after a TFP import had already failed for lack of it.
+tfp_failed_before_alias = False
+
+
+def tfp_failed_before() -> bool:
+    """Whether a TFP import failed for lack of the alias (now, or before it was restored)."""
+    import sys
+
+    partly_imported = any(m.startswith(TFP_BACKEND) for m in sys.modules)
+    return tfp_failed_before_alias or (tfp_needs_alias() and partly_imported)
+
+
+def restore_tfp_alias() -> None:
     """Puts `jax.interpreters.xla.pytype_aval_mappings` back as an alias of JAX's table."""
+    global tfp_failed_before_alias
     import jax.interpreters.xla as xla
 
     if tfp_needs_alias():
-        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings
+        tfp_failed_before_alias = tfp_failed_before()
+        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped

@@ -28,15 +28,27 @@ REPEATS: dict[Any, Callable[[Any], int]] = {_jax.scan_p: lambda eqn: _jax.Scan.o
 # hold jaxprs they run only when differentiated (custom_linear_solve).
 RUNS: dict[Any, Callable[[Any], list[Any]]] = {}
 
+# primitive -> (equation, count so far, state kept across one jaxpr's markers ->
+# the count after it), for markers that move the count (`_rules/batched_cond`).
+MARKERS: dict[Any, Callable[[Any, int, dict[Any, Any]], int]] = {}
+
 
 def occurrences(jaxpr: Any, site: Site) -> int:
     """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
     gives, as reap returns them; a cond gives its longest branch's."""
     n = 0
+    markers: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
             other = Site.of(eqn)
-            n += other.tag == site.tag and other.path == site.path and other.mode is site.mode
+            n += (
+                other.tag == site.tag
+                and other.path == site.path
+                and other.mode is site.mode
+                and eqn.params.get("role") != "record_only"  # a copy, after a batched cond, of a sow in its branches
+            )
+        elif eqn.primitive in MARKERS:
+            n = MARKERS[eqn.primitive](eqn, n, markers)
         elif eqn.primitive is _jax.cond_p:
             n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:
@@ -101,7 +113,7 @@ class Record:
             self.values.append(value)  # kept as is: sown once, it reaps unstacked
         elif mode.rows:
             self.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
-        elif mode.has_pred:
+        elif mode.carried and pred is not None:  # sow_cond, or a record-only clobber
             old = self.values[0] if self.values else site.zeros()
             self.values = [jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)]
         else:

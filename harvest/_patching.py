@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import functools
 import inspect
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Sequence, SupportsFloat
 
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._calling import is_array, make_jaxpr, split_nodes
+from ._calling import call_merged, is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
 from ._paths import nested_dict, path_str
@@ -75,22 +76,39 @@ class _AddVector:
         return jax.tree_util.tree_map(add, self.vector, old)
 
 
-@_pytree_dataclass(data=("clean", "mask"), meta=("axis",))
+@_pytree_dataclass(data=("clean", "mask"), meta=("axes",))
 class _PatchWhere:
-    """`clean` where `mask` holds, `old` elsewhere; a 1-D `mask` runs along `axis`."""
+    """`clean` where `mask` holds, `old` elsewhere; `mask` runs along `axes` (one
+    mask axis per swept axis), or is a scalar when `axes` is None."""
 
     clean: Any
     mask: Any
-    axis: int | None
+    axes: tuple[int, ...] | None
 
-    def __call__(self, old):
-        def patch(c, o):
-            return jnp.where(_along(self.mask, self.axis, jnp.ndim(o)), c, o)
+    def __call__(self, old: Any) -> Any:
+        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)), c, o)
 
         return jax.tree_util.tree_map(patch, self.clean, old)
 
 
-@_pytree_dataclass(data=("clean", "mask", "which"), meta=("axis",))
+@_pytree_dataclass(data=("fill", "indices"), meta=("axis",))
+class _FillAt:
+    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere."""
+
+    fill: Any
+    indices: jax.Array
+    axis: int
+
+    def __call__(self, old: Any) -> Any:
+        def patch(n: jax.Array, o: jax.Array) -> jax.Array:
+            mask = jnp.isin(jnp.arange(jnp.shape(o)[self.axis]), self.indices)
+            return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
+
+        return jax.tree_util.tree_map(patch, self.fill(old), old)
+
+
+@_pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
 class _PatchOccurrence:
     """`_PatchWhere` at occurrence `which` of a site that fires several times;
     `clean` stacks every occurrence's clean value."""
@@ -98,11 +116,11 @@ class _PatchOccurrence:
     clean: Any
     mask: Any
     which: Any
-    axis: int | None
+    axes: tuple[int, ...] | None
 
-    def __call__(self, old, index):
-        def patch(c, o):
-            return jnp.where(_along(self.mask, self.axis, jnp.ndim(o)) & (index == self.which), c[index], o)
+    def __call__(self, old: Any, index: jax.Array) -> Any:
+        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)) & (index == self.which), c[index], o)
 
         return jax.tree_util.tree_map(patch, self.clean, old)
 
@@ -117,13 +135,16 @@ class _AddRow:
         return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
 
 
-def _along(mask, axis, ndim):
-    """Reshapes a 1-D mask to broadcast along `axis` of an `ndim`-array."""
-    if axis is None:
+def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:
+    """Reshapes a mask with one axis per entry of `axes` to broadcast along
+    those axes of an `ndim`-array (a scalar mask when `axes` is None)."""
+    if axes is None:
         return mask
+    order = sorted(range(len(axes)), key=lambda i: axes[i])
     shape = [1] * ndim
-    shape[axis] = -1
-    return jnp.reshape(mask, shape)
+    for i in order:
+        shape[axes[i]] = mask.shape[i]
+    return jnp.reshape(jnp.transpose(mask, order), shape)
 
 
 def ablate_zero() -> Callable[[Any], Any]:
@@ -192,7 +213,54 @@ def patch_positions(clean: ArrayLike, positions: ArrayLike | Sequence[int], axis
             f"{positions.dtype}{list(positions.shape)}."
         )
     mask = jnp.isin(jnp.arange(size), positions)
-    return _PatchWhere(clean, mask, axis)
+    return _PatchWhere(clean, mask, (axis,))
+
+
+def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
+    """An intervention patching one attention head, at every position: `clean`
+    at index `head` along the head axis `axis`, the old value elsewhere.
+
+    `clean` has the site's shape, e.g. a per-head output `z` `[positions,
+    heads, d_head]` reaped from a clean run. `head` is data, not part of the
+    compile cache key: planting another head reuses the compiled plant.
+    `patching_sweep(..., axis=head_axis)` patches every head in turn.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import patch_head, plant, sow
+        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
+        >>> plant(f)({"z": patch_head(jnp.ones((3, 2)), 1, axis=1)}, jnp.zeros((3, 2)))
+        Array([[0., 1.],
+               [0., 1.],
+               [0., 1.]], dtype=float32)
+    """
+    return patch_positions(clean, head, axis)
+
+
+def ablate_head(head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLike | None = None) -> Callable[[Any], Any]:
+    """An intervention ablating one attention head, at every position: zeros
+    (or `mean`, broadcast) at index `head` along the head axis `axis`.
+
+    `head` may also be a sequence of heads. `mean` has the shape of one head's
+    slice, or broadcasts to it (e.g. the site's value averaged over a reference
+    batch, taken at that head). `head` is data, so ablating another head reuses
+    the compiled plant.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import ablate_head, plant, sow
+        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
+        >>> plant(f)({"z": ablate_head(0, axis=1)}, jnp.ones((3, 2)))
+        Array([[0., 1.],
+               [0., 1.],
+               [0., 1.]], dtype=float32)
+    """
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise TypeError(f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}.")
+    heads = jnp.atleast_1d(jnp.asarray(head))
+    if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
+        raise TypeError(f"ablate_head needs an integer head (or a 1-D sequence of them), got {heads.dtype}{list(heads.shape)}.")
+    return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis))
 
 
 def _axis_size(value, axis, what):
@@ -218,6 +286,29 @@ def _normalize_axis(value, axis):
     return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])
 
 
+def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
+    """A sweep's `axis` argument as a tuple of axes (None: whole sites)."""
+    if axis is None:
+        return None
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    if not axes or any(not isinstance(a, (int, np.integer)) or isinstance(a, bool) for a in axes):
+        raise TypeError(
+            f"{caller}: axis must be an int or a non-empty tuple of ints (e.g. axis=(2, 1) for every "
+            f"(head, position) pair), got {axis!r}."
+        )
+    return tuple(int(a) for a in axes)
+
+
+def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
+    if axes is None:
+        return None
+    normal = tuple(_normalize_axis(value, a) for a in axes)
+    if len(set(normal)) != len(normal):
+        raise ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
+    return normal
+
+
 # ---------------------------------------------------------------------------
 # Results.
 
@@ -229,8 +320,10 @@ class PatchingResult:
     An effect is `metric(patched run) - baseline`, where `baseline` is the
     metric of the unpatched corrupted run (estimated, for attribution
     patching). Without a position axis, `values` has shape `[len(names)]` and
-    `positions` is `None`. `skipped` lists the sites a sweep without `names=`
-    left out (a different size along the swept axis), each with the reason.
+    `positions` is `None`. A sweep over several axes (`axis=(2, 1)`, say) has
+    `values` of shape `[len(names), *sizes]` and `positions` holds one array of
+    indices per swept axis. `skipped` lists the sites a sweep without `names=`
+    left out (a different size along the swept axes), each with the reason.
 
     Example:
         >>> import numpy as np
@@ -242,8 +335,8 @@ class PatchingResult:
 
     values: np.ndarray
     names: tuple[str, ...]
-    positions: np.ndarray | None
-    axis: int | None
+    positions: Any  # np.ndarray, a tuple of them (several axes), or None
+    axis: Any  # int, tuple of ints, or None
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
     skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
@@ -269,14 +362,21 @@ class PatchingResult:
             )
         return dataclasses.replace(self, values=self.values / gap, measure="fraction of clean-corrupt gap")
 
-    def _grid(self):
+    def _grid(self) -> np.ndarray:
+        if self.values.ndim > 2:
+            raise ValueError(
+                f"plot_many draws results of one swept axis; this one has values of shape {self.values.shape}. "
+                "Use result.plot(), which draws one panel per site."
+            )
         return self.values if self.positions is not None else self.values[:, None]
 
     def plot(
         self, ax: Axes | None = None, title: str | None = None, cmap: str = "RdBu_r", vmax: float | None = None, **imshow_kwargs: Any
-    ) -> Axes:
+    ) -> Any:
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
 
+        A sweep over two axes is drawn as one panel per site (first swept axis
+        × second), all on one colour scale; then the list of axes is returned.
         `vmax` fixes the colour scale (default: the largest magnitude); use
         `PatchingResult.plot_many` to put several results on one scale.
 
@@ -287,8 +387,36 @@ class PatchingResult:
             >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
             >>> r.plot(title="effect").get_title()
             'effect'
+            >>> heads = PatchingResult(np.ones((2, 3, 4)), ("l0", "l1"), (np.arange(3), np.arange(4)), axis=(2, 1), baseline=0.0)
+            >>> [ax.get_title() for ax in heads.plot()]
+            ['l0', 'l1']
         """
+        if self.values.ndim == 3:
+            return self._plot_panels(ax, title, cmap, vmax, **imshow_kwargs)
         return PatchingResult.plot_many([self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs)[0]
+
+    def _plot_panels(self, ax: Any, title: str | None, cmap: str, vmax: float | None, **imshow_kwargs: Any) -> Any:
+        from ._plots import heatmaps
+
+        rows, cols = self.positions
+        bound = float(np.max(np.abs(self.values))) if vmax is None else float(vmax)
+        axes = heatmaps(
+            list(self.values),
+            titles=list(self.names),
+            row_labels=rows,
+            col_labels=cols,
+            xlabel=f"axis {self.axis[1]}",
+            ylabel=f"axis {self.axis[0]}",
+            cmap=cmap,
+            vmin=-(bound or 1.0),
+            vmax=bound or 1.0,
+            cbar_label=self.measure,
+            ax=ax,
+            **imshow_kwargs,
+        )
+        if title is not None:
+            axes[0].figure.suptitle(title)
+        return axes
 
     @staticmethod
     def plot_many(
@@ -393,8 +521,8 @@ def _lookup(reaps, site, what):
     return node
 
 
-def _targets(f, clean, corrupted_args, tag, names, axis, caller):
-    """The sites to patch, with their clean values, and the size along `axis`."""
+def _targets(f, clean, corrupted_args, tag, names, axes, caller):
+    """The sites to patch, with their clean values, their sizes along `axes`, and the sites skipped."""
     if not callable(f):
         raise TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
     if not isinstance(corrupted_args, tuple):
@@ -423,36 +551,50 @@ def _targets(f, clean, corrupted_args, tag, names, axis, caller):
             f"names sown with that tag: {list(by_name) or 'none'}."
         )
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
-    size, skipped = None, ()
-    if axis is not None:
-        sizes = {path_str(t.site.path): _size_along(t.one, axis) for t in targets}
-        if chosen is None:
-            # Sweep the sites of the most common size; say which were left out.
-            counts = collections.Counter(n for n in sizes.values() if n is not None)
-            if not counts:
-                raise ValueError(f"{caller}: no site has an axis {axis}; sizes: {sizes}.")
-            size = counts.most_common(1)[0][0]
-            skipped = tuple(
-                f"{name}: size {n} along axis {axis}, not {size}" if n is not None else f"{name}: no axis {axis}"
-                for name, n in sizes.items()
-                if n != size
+    if axes is None:
+        return targets, None, ()
+    sizes = {path_str(t.site.path): _sizes_along(t.one, axes) for t in targets}
+    where = "axis " + str(axes[0]) if len(axes) == 1 else f"axes {axes}"
+    skipped: tuple[str, ...] = ()
+    if chosen is None:
+        # Sweep the sites of the most common size; say which were left out.
+        counts = collections.Counter(n for n in sizes.values() if n is not None)
+        if not counts:
+            raise ValueError(f"{caller}: no site has {'an ' * (len(axes) == 1)}{where}; sizes: {sizes}.")
+        size = counts.most_common(1)[0][0]
+        skipped = tuple(
+            f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}" if n is not None else f"{name}: no {where}"
+            for name, n in sizes.items()
+            if n != size
+        )
+        targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
+    else:
+        for t in targets:  # the full message for a bad axis or mismatched leaves
+            for a in axes:
+                _axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
+            _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
+        if len(set(sizes.values())) != 1:
+            raise ValueError(
+                f"{caller}: the sites have different sizes along {where}: "
+                f"{ {n: _size_str(z) for n, z in sizes.items()} }. Sweep sites of one size together (pass names=...)."
             )
-            targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
-        else:
-            for t in targets:  # the full message for a bad axis or mismatched leaves
-                _axis_size(t.one, axis, f"{caller} at {path_str(t.site.path)!r}")
-            if len(set(sizes.values())) != 1:
-                raise ValueError(
-                    f"{caller}: the sites have different sizes along axis {axis}: {sizes}. "
-                    "Sweep sites of one size together (pass names=...)."
-                )
-            size = next(iter(sizes.values()))
+        size = next(iter(sizes.values()))
     return targets, size, skipped
 
 
-def _size_along(value, axis):
-    """The size of every leaf along `axis`, or None if they differ or lack that axis."""
-    sizes = {jnp.shape(l)[axis] if -jnp.ndim(l) <= axis < jnp.ndim(l) else None for l in jax.tree_util.tree_leaves(value)}
+def _size_str(sizes: tuple[int, ...]) -> str:
+    return str(sizes[0]) if len(sizes) == 1 else str(sizes)
+
+
+def _sizes_along(value: Any, axes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The size of every leaf along each of `axes`, or None if the leaves differ,
+    lack one of the axes, or two of `axes` are the same axis."""
+    sizes = set()
+    for leaf in jax.tree_util.tree_leaves(value):
+        ndim = jnp.ndim(leaf)
+        if not all(-ndim <= a < ndim for a in axes) or len({a % ndim for a in axes}) != len(axes):
+            return None
+        sizes.add(tuple(jnp.shape(leaf)[a] for a in axes))
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -518,74 +660,164 @@ def _scalar(m):
     return m
 
 
-def _jit_on_arrays(fn, tree, key):
-    """`jax.jit(fn)(tree)`, with `tree`'s non-array leaves (modules' static parts) held static.
+def _jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | None) -> Any:
+    """`jax.jit(fn)(tree)`, with `tree`'s arrays traced and its other leaves static.
 
-    Calls with equal `key` (which says everything `fn` closes over that shapes
-    the program) and equal static leaves share one compiled program: only the
-    first traces and compiles, later ones with the same shapes just run it.
+    NNX graph nodes in `tree` are split first, so their state is traced too,
+    and merged into fresh nodes inside the trace (changes to them are not
+    written back: a sweep is a measurement). Calls with equal `key` (which
+    says everything `fn` closes over that shapes the program) and equal static
+    leaves share one compiled program: only the first traces and compiles,
+    later ones with the same shapes just run it. `key=None` compiles for this
+    call only.
     """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    tree, graph, _ = split_nodes(tree)
+    leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
     traced = [is_array(leaf) for leaf in leaves]
     static = _Compiled((key, treedef, tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a)))
     arrays = [leaf for leaf, a in zip(leaves, traced) if a]
+    rebuilt = functools.partial(_rebuilt, fn, treedef, leaves, traced)
     try:
         hash(static)
-        cached = key is not None and not split_nodes(tree)[2]
+        cached = key is not None
     except TypeError:  # an unhashable static leaf
         cached = False
-    if not cached:  # compiled for this call only
-        return jax.jit(functools.partial(_rebuilt, fn, treedef, leaves, traced))(arrays)
-    static.trace = functools.partial(_rebuilt, fn, treedef, leaves, traced)
+    if not cached:
+        return jax.jit(rebuilt)(arrays)
+    static.trace = rebuilt
     try:
         return _run_compiled(static, arrays)
     finally:
         static.trace = None  # the cache keeps the key, not this call's function and arrays
 
 
-def _rebuilt(fn, treedef, leaves, traced, arrays):
+def _rebuilt(fn: Callable[[Any], Any], treedef: Any, leaves: list[Any], traced: list[bool], arrays: list[Any]) -> Any:
     it = iter(arrays)
-    return fn(treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)]))
+    tree, graph = treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)])
+    if graph is not None:  # fresh NNX nodes holding the traced state
+        tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
+    return fn(tree)
 
 
 class _Compiled:
     """`_run_compiled`'s static argument: compared by `key` alone; `trace` is the
     current call's function, read only when JAX traces (a new key or new shapes)."""
 
-    def __init__(self, key):
+    def __init__(self, key: Any) -> None:
         self.key = key
-        self.trace = None
+        self.trace: Callable[[Any], Any] | None = None
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return hash(self.key)
 
-    def __eq__(self, other):
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, _Compiled) and self.key == other.key
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _run_compiled(static, arrays):
+def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
     # One jit for every sweep: its cache (bounded, cleared by jax.clear_caches)
     # holds one program per key and set of shapes.
+    assert static.trace is not None
     return static.trace(arrays)
 
 
-def _key(f, *spec):
-    """The cache key of a sweep of `f` (held weakly, so the cache does not keep
-    it alive), or None (compile for this call only) unless `f` is a plain
-    function: a module's or bound method's arrays are baked into the program,
-    and they may have changed in place since the last call."""
-    return (weakref.ref(f), *spec) if inspect.isfunction(f) else None
+@_pytree_dataclass(data=("self",), meta=("func",))
+class _BoundMethod:
+    """A bound method whose `self` is a pytree (an Equinox module, say), as a pytree: its arrays are data."""
+
+    func: Callable[..., Any]
+    self: Any
+
+    def __call__(self, *args: Any) -> Any:
+        return self.func(self.self, *args)
 
 
-def _labels(targets: list[_Target], size: int | None) -> tuple[tuple[str, ...], np.ndarray | None]:
-    """One name per row: a looped site's occurrences are `name[0]` ... `name[k-1]`."""
-    positions = None if size is None else np.arange(size)
+def _compile(program: Callable[[Any, Any], Any], f: Callable, operands: Any, spec: tuple[Any, ...]) -> Any:
+    """`program(f, operands)`, compiled once per `spec` and shapes (see `_jit_on_arrays`).
+
+    A plain function `f` is part of the key (held weakly, so the cache does not
+    keep it alive), as under `jax.jit`. A module -- an NNX graph node, a pytree
+    such as an Equinox module, or a bound method of either -- is data: its
+    arrays are traced, so weights changed in place (or a new module of the
+    same structure) reuse the program and are read at every call. Any other
+    callable compiles for this call only.
+    """
+    if inspect.isfunction(f):
+        return _jit_on_arrays(lambda ops: program(f, ops), operands, (weakref.ref(f), *spec))
+    if inspect.ismethod(f) and not split_nodes(f)[2] and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]:
+        f = _BoundMethod(f.__func__, f.__self__)
+    if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
+        return _jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec))
+    return _jit_on_arrays(lambda ops: program(f, ops), operands, None)
+
+
+def _labels(targets: list[_Target], size: tuple[int, ...] | None, axis: Any) -> tuple[tuple[str, ...], Any]:
+    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`),
+    and the indices along the swept axis (a tuple of them, one per axis, for several axes)."""
     names: list[str] = []
     for t in targets:
         name = path_str(t.site.path)
         names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
-    return tuple(names), positions
+    if size is None:
+        return tuple(names), None
+    labels = tuple(np.arange(n) for n in size)
+    return tuple(names), labels if isinstance(axis, (tuple, list)) else labels[0]
+
+
+def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:
+    """The (clean, corrupted args) pairs a sweep averages over: one, or one per batch of a dataset."""
+    if not isinstance(corrupted_args, list):
+        return [(clean, corrupted_args)]
+    if not isinstance(clean, list) or len(clean) != len(corrupted_args) or not clean:
+        raise TypeError(
+            f"{caller}: for a dataset, pass corrupted_args as a non-empty list of argument tuples, one per "
+            "batch, and clean as the list of their clean reaps, [reap(f)(*clean_args) for clean_args in "
+            f"batches]; got {len(corrupted_args)} argument tuples and "
+            f"{len(clean) if isinstance(clean, list) else type(clean).__name__ + ' as'} clean."
+        )
+    return list(zip(clean, corrupted_args))
+
+
+def _batch_cleans(targets: list[_Target], batch_clean: Any, axes: tuple[int, ...] | None, size: Any, caller: str) -> list[Any]:
+    """Each target's clean value in one batch of a dataset, checked against the first batch's sizes."""
+    cleans = []
+    for t in targets:
+        value = _site_value(batch_clean, t.site, "clean", t.count)
+        one = value if t.count is None else jax.tree_util.tree_map(lambda l: l[0], value)
+        if axes is not None and _sizes_along(one, axes) != size:
+            raise ValueError(
+                f"{caller}: in this batch, {path_str(t.site.path)!r} has sizes {_sizes_along(one, axes)} along "
+                f"axis {axes}, not {size} as in the first batch. Every batch must give the swept axes one size."
+            )
+        cleans.append(value)
+    return cleans
+
+
+def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
+    """`items`, under a tqdm progress bar if `progress` (None: only for several
+    steps in a terminal or notebook, and only once the run has taken a second)."""
+    auto = progress is None
+    if auto:
+        progress = len(items) > 1 and _interactive()
+    if not progress:
+        return items
+    try:
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        if auto:
+            return items
+        raise ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.") from None
+    return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
+
+
+def _interactive() -> bool:
+    """Whether a person is watching: a terminal on stderr, or a Jupyter kernel."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    if getattr(shell, "kernel", None) is not None:
+        return True
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
 # ---------------------------------------------------------------------------
@@ -594,14 +826,15 @@ def _labels(targets: list[_Target], size: int | None) -> tuple[tuple[str, ...], 
 
 def patching_sweep(
     f: Callable[..., Any],
-    clean: Reaped,
-    corrupted_args: tuple[Any, ...],
+    clean: Reaped | list[Reaped],
+    corrupted_args: tuple[Any, ...] | list[tuple[Any, ...]],
     metric: Callable[[Any], ArrayLike],
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
-    axis: int | None = None,
+    axis: int | tuple[int, ...] | None = None,
     batch_size: int | None = None,
+    progress: bool | None = None,
 ) -> PatchingResult:
     """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
 
@@ -610,28 +843,38 @@ def patching_sweep(
     match a site), or by default every site of `tag` with a value in `clean`,
     and, if `axis` is given, every index along that axis of the sown value
     (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
-    clean value there and keeps its own everywhere else. Without `names`, the
-    sites whose size along `axis` differs from the most common one (attention
-    patterns beside the residual stream, say) are left out and listed in the
-    result's `skipped`. `clean` is
-    `reap(f, tag=tag)(*clean_args)`. All patches run as one compiled, vmapped
-    computation over a one-hot selection; `batch_size` bounds how many run at
-    once (via `lax.map`) when memory is tight. A site that fires `k` times
-    (mode `append` in a `scan`, e.g. scan-over-layers) gives `k` rows,
-    `name[0]` ... `name[k-1]`, each patching that occurrence alone; `axis`
-    counts the axes of one occurrence's value. `metric` maps `f`'s output to a scalar; each value of the result
-    is `metric(patched out) - metric(corrupted out)` (see `PatchingResult`).
+    clean value there and keeps its own everywhere else. `clean` is
+    `reap(f, tag=tag)(*clean_args)`. `metric` maps `f`'s output to a scalar;
+    each value of the result is `metric(patched out) - metric(corrupted out)`
+    (see `PatchingResult`).
 
-    When `f` is a plain function, the compiled program is kept and reused by
-    later calls with the same `f`, `metric`, `tag`, swept sites, `axis`,
-    `batch_size` and argument shapes (and equal non-array arguments), as
-    `jax.jit` reuses its programs (and, as there, arrays `f` closes over are
-    read when it first compiles): a repeated sweep on new data only runs. A new
-    `metric` or `f` object (a fresh lambda) compiles again; the cache holds `f`
-    weakly and is cleared by `jax.clear_caches()`. A module or bound method as
-    `f`, or NNX modules among the arguments, compile at every call (their
-    weights may change in place); wrap the call in a function taking the
-    weights as an argument to reuse the program.
+    `axis` may be a tuple: `axis=(2, 1)` on a per-head output `[batch,
+    positions, heads, d_head]` patches every (head, position) pair, giving
+    values of shape `(sites, heads, positions)`. Without `names`, the sites
+    whose sizes along the swept axes differ from the most common ones
+    (attention patterns beside the residual stream, say) are left out and
+    listed in the result's `skipped`. A site that fires `k` times (mode
+    `append` in a `scan`, e.g. scan-over-layers) gives `k` rows, `name[0]` ...
+    `name[k-1]`, each patching that occurrence alone; `axis` counts the axes of
+    one occurrence's value.
+
+    All patches run as one compiled, vmapped computation over one-hot
+    selections; `batch_size` bounds how many run at once (the rest follow in
+    chunks through the same compiled program). To average over a dataset, pass
+    `corrupted_args` as a list of argument tuples (one per batch) and `clean`
+    as the list of their clean reaps: the result is the mean over batches.
+    `progress=True` shows a tqdm bar over chunks and batches; by default
+    (`None`) a bar appears for a run of several chunks in a terminal or
+    notebook that is still going after a second.
+
+    The compiled program is kept and reused by later calls with the same `f`,
+    `metric`, `tag`, swept sites, `axis`, `batch_size` and argument shapes (and
+    equal non-array arguments): a repeated sweep on new data only runs. A plain
+    function `f` is part of the key, as under `jax.jit` (a fresh lambda
+    compiles again, and arrays it closes over are read when it first
+    compiles); a module (NNX or Equinox) or a bound method of one is data:
+    weights changed in place are read at every call, without compiling again.
+    The cache holds `f` weakly and is cleared by `jax.clear_caches()`.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -646,6 +889,12 @@ def patching_sweep(
         >>> r.values  # patching h or g at position i adds 2 * (i + 1) to the sum
         array([[2., 4., 6.],
                [2., 4., 6.]], dtype=float32)
+        >>> def heads(z):  # z: [positions, heads]; head 1 counts double
+        ...     return (sow(z, name="z", mode="strict") * jnp.array([1.0, 2.0])).sum()
+        >>> r = patching_sweep(heads, reap(heads)(jnp.ones((3, 2))), (jnp.zeros((3, 2)),), lambda o: o, axis=(1, 0))
+        >>> r.values  # (sites, heads, positions)
+        array([[[1., 1., 1.],
+                [2., 2., 2.]]], dtype=float32)
         >>> def layers(x):  # the same site in each of 2 scanned layers
         ...     step = lambda c, _: (sow(c * 2.0, name="h", mode="append"), None)
         ...     return jax.lax.scan(step, x, None, length=2)[0]
@@ -653,40 +902,53 @@ def patching_sweep(
         >>> r.names, r.values.shape
         (('h[0]', 'h[1]'), (2, 3))
     """
-    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "patching_sweep")
-    positions = 1 if size is None else size
-    axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
+    caller = "patching_sweep"
+    axes = _swept_axes(axis, caller)
+    batches = _dataset(clean, corrupted_args, caller)
+    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+        raise TypeError(f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}.")
+    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
+    cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
-    planted = plant(f, tag=tag)
+    total = int(firsts[-1]) * cells
+    chunk = total if batch_size is None else min(int(batch_size), total)
 
-    def patched_metric(k, cleans, args):
-        row, pos = k // positions, k % positions
-        plants = {}
-        for t, c, ax, first in zip(targets, cleans, axes, firsts):
-            here = jnp.ones((), bool) if ax is None else jnp.arange(size) == pos
-            if t.count is None:
-                plants[t.site.path] = _PatchWhere(c, here & (row == first), ax)
-            else:  # row `first + j` patches occurrence j
-                plants[t.site.path] = _PatchOccurrence(c, here, row - first, ax)
-        return _scalar(metric(planted(nested_dict(plants), *args)))
+    def program(f: Callable, operands: tuple[Any, list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
+        ks, cleans, args = operands
+        planted = plant(f, tag=tag)
 
-    def sweep(operands):
-        cleans, args = operands
-        one = functools.partial(patched_metric, cleans=cleans, args=args)
-        ks = jnp.arange(int(firsts[-1]) * positions)
-        if batch_size is None:
-            patched = jax.vmap(one)(ks)
-        else:
-            patched = jax.lax.map(one, ks, batch_size=batch_size)
+        def patched_metric(k: jax.Array) -> jax.Array:
+            row, cell = k // cells, k % cells
+            here = jnp.ones((), bool) if size is None else (jnp.arange(cells) == cell).reshape(size)
+            plants: dict[Any, Callable[..., Any]] = {}
+            for t, c, ax, first in zip(targets, cleans, site_axes, firsts):
+                if t.count is None:
+                    plants[t.site.path] = _PatchWhere(c, here & (row == first), ax)
+                else:  # row `first + j` patches occurrence j
+                    plants[t.site.path] = _PatchOccurrence(c, here, row - first, ax)
+            return _scalar(metric(planted(nested_dict(plants), *args)))
+
         # Through the calling convention, as the patched runs: NNX modules are split and merged.
         baseline = _scalar(metric(planted({}, *args)))
-        return patched - baseline, baseline
+        return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    key = _key(f, "patching_sweep", metric, tag, tuple(t.site for t in targets), tuple(axes), size, batch_size)
-    values, baseline = _jit_on_arrays(sweep, ([t.clean for t in targets], corrupted_args), key)
-    names, labels = _labels(targets, size)
-    shape = (len(names),) if size is None else (len(names), size)
-    return PatchingResult(np.asarray(values).reshape(shape), names, labels, axis, float(baseline), skipped=skipped)
+    spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes), size)
+    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
+    effects: list[list[np.ndarray]] = [[] for _ in batches]  # each batch's chunks
+    baselines: list[np.ndarray] = []
+    cleans: list[Any] = []
+    for b, start in _steps(steps, progress, caller):
+        if start == 0:
+            cleans = _batch_cleans(targets, batches[b][0], axes, size, caller)
+        ks = np.minimum(np.arange(start, start + chunk), total - 1)  # the last chunk repeats the last patch
+        values, baseline = _compile(program, f, (ks, cleans, batches[b][1]), spec)
+        effects[b].append(np.asarray(values)[: total - start])
+        baselines += [np.asarray(baseline)] if start == 0 else []
+    names_, labels = _labels(targets, size, axis)
+    shape = (len(names_),) + (() if size is None else size)
+    mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
+    return PatchingResult(mean.reshape(shape), names_, labels, axis, float(np.mean(baselines)), skipped=skipped)
 
 
 # ---------------------------------------------------------------------------
@@ -695,13 +957,14 @@ def patching_sweep(
 
 def attribution_patching(
     f: Callable[..., Any],
-    clean: Reaped,
-    corrupted_args: tuple[Any, ...],
+    clean: Reaped | list[Reaped],
+    corrupted_args: tuple[Any, ...] | list[tuple[Any, ...]],
     metric: Callable[[Any], ArrayLike],
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
-    axis: int | None = None,
+    axis: int | tuple[int, ...] | None = None,
+    progress: bool | None = None,
 ) -> PatchingResult:
     """The first-order estimate of every patch `patching_sweep` would make, from one backward pass.
 
@@ -712,7 +975,8 @@ def attribution_patching(
     otherwise. The corrupted activations and the gradients come from one
     compiled function; the gradient is taken with respect to zero offsets
     planted at every site (`old + delta`), which is exactly d metric / d
-    activation including every downstream path. Arguments as in
+    activation including every downstream path. Arguments (a tuple `axis`,
+    a dataset of batches, `progress` over batches) and the compile cache as in
     `patching_sweep`.
 
     Example:
@@ -726,17 +990,20 @@ def attribution_patching(
         array([[2., 4., 6.],
                [2., 4., 6.]], dtype=float32)
     """
-    targets, size, skipped = _targets(f, clean, corrupted_args, tag, names, axis, "attribution_patching")
-    axes = [None if axis is None else _normalize_axis(t.one, axis) for t in targets]
+    caller = "attribution_patching"
+    axes = _swept_axes(axis, caller)
+    batches = _dataset(clean, corrupted_args, caller)
+    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
     patched = frozenset(path_str(t.site.path) for t in targets)
-    planted = plant(f, tag=tag)
 
-    def estimate(operands):
+    def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
         cleans, args = operands
+        planted = plant(f, tag=tag)
         reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
         corrupts = [_site_value(reaped, t.site, "corrupted", t.count) for t in targets]
 
-        def metric_of(offsets):
+        def metric_of(offsets: list[Any]) -> jax.Array:
             plants = {
                 t.site.path: _AddVector(d, jnp.ones(())) if t.count is None else _AddRow(d)
                 for t, d in zip(targets, offsets)
@@ -746,26 +1013,31 @@ def attribution_patching(
         zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
         baseline, grads = jax.value_and_grad(metric_of)(zeros)
         effects = []
-        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, axes):
+        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, site_axes):
             if t.count is None:
                 effects.append(_contract(c, k, g, ax)[None])
             else:  # one row per occurrence
-                effects.append(jax.vmap(functools.partial(_contract, axis=ax))(c, k, g))
+                effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    key = _key(f, "attribution_patching", metric, tag, tuple(t.site for t in targets), tuple(axes))
-    values, baseline = _jit_on_arrays(estimate, ([t.clean for t in targets], corrupted_args), key)
-    names, labels = _labels(targets, size)
-    return PatchingResult(np.asarray(values), names, labels, axis, float(baseline), skipped=skipped)
+    spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
+    results = [
+        _compile(program, f, (_batch_cleans(targets, c, axes, size, caller), args), spec)
+        for c, args in _steps(batches, progress, caller)
+    ]
+    names_, labels = _labels(targets, size, axis)
+    values = np.mean([np.asarray(v) for v, _ in results], 0)
+    return PatchingResult(values, names_, labels, axis, float(np.mean([b for _, b in results])), skipped=skipped)
 
 
-def _contract(clean, corrupt, grad, axis):
-    """sum((clean - corrupt) * grad) over every axis but `axis`, and over leaves."""
+def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None) -> jax.Array:
+    """sum((clean - corrupt) * grad) over every axis but `axes` (kept, in that order), and over leaves."""
 
-    def leaf(c, k, g):
+    def leaf(c: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
         product = (c - k) * g
-        if axis is None:
+        if axes is None:
             return jnp.sum(product)
-        return jnp.sum(jnp.moveaxis(product, axis, 0).reshape(product.shape[axis], -1), 1)
+        moved = jnp.moveaxis(product, axes, tuple(range(len(axes))))
+        return jnp.sum(moved.reshape(moved.shape[: len(axes)] + (-1,)), -1)
 
-    return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad)))
+    return jnp.asarray(sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad))))

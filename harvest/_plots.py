@@ -29,31 +29,39 @@ def heatmaps(
     vmax: float,
     cbar_label: str,
     ax: Axes | Sequence[Axes] | None = None,
+    columns: int = 4,
     **imshow_kwargs: Any,
 ) -> list[Axes]:
-    """Draws each 2-D grid as a panel on one shared scale; returns the list of axes."""
+    """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
+    row; returns the list of axes (one per grid)."""
     import matplotlib.pyplot as plt  # lazily: plotting is optional
 
     rows, cols = grids[0].shape
     if ax is None:
+        across = min(len(grids), columns)
+        down = -(-len(grids) // across)
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
-        width = label_width + len(grids) * (0.8 + 0.3 * cols) + 1.2
+        width = label_width + across * (0.8 + 0.3 * cols) + 1.2
         _, grid_of_axes = plt.subplots(
-            1, len(grids), figsize=(width, 1.4 + 0.35 * rows), squeeze=False, layout="constrained"
+            down, across, figsize=(width, down * (1.4 + 0.35 * rows)), squeeze=False, layout="constrained"
         )
-        axes: list[Axes] = list(grid_of_axes[0])
+        for unused in grid_of_axes.flat[len(grids) :]:
+            unused.set_axis_off()
+        axes: list[Axes] = list(grid_of_axes.flat[: len(grids)])
     else:
+        across = len(grids)
         axes = [cast("Axes", ax)] if len(grids) == 1 else list(cast("Sequence[Axes]", ax))
     for i, (grid, axis) in enumerate(zip(grids, axes)):
         image = axis.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", **imshow_kwargs)
-        # Only the first panel names the rows, unless the panels are on separate figures' axes.
-        axis.set_yticks(range(rows), row_labels if i == 0 else [""] * rows)
+        # Only the first panel of each row names the rows.
+        first = i % across == 0
+        axis.set_yticks(range(rows), [str(r) for r in row_labels] if first else [""] * rows)
         if col_labels is None:
             axis.set_xticks([])
         else:
             axis.set_xticks(range(cols), [str(c) for c in col_labels], rotation=90 if cols > 12 else 0)
             axis.set_xlabel(xlabel)
-        if ylabel and i == 0:
+        if ylabel and first:
             axis.set_ylabel(ylabel)
         title = titles[i]
         if title is not None:

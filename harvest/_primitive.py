@@ -31,6 +31,11 @@ from ._modes import MODES
 # The `mode` param names a mode of `_modes.MODES`.
 # `vmapped` (absent: none) counts, per leaf, the leading axes that vmaps
 # around the sow put in front, so one per-example plant can be broadcast.
+# `role` (absent: both) splits a sow in a branch that vmap runs for every
+# example (see `_rules/batched_cond.py`): "plant_only" takes plants where it
+# stands; "record_only", sown after the branches' outputs are selected per
+# example, records and carries a trailing operand saying whether the taken
+# branch sowed the value (for `sow_cond`, also whether `pred` held).
 
 
 class SowEffect(_jax.Effect):
@@ -59,40 +64,45 @@ def tracing_for_harvest():
     every function a harvest will walk (or search for sows) in it."""
     return _harvest_tracing(True)
 
+
+def tracing_a_harvest() -> bool:
+    """Whether a harvest is tracing now (inside `tracing_for_harvest`)."""
+    return bool(_harvest_tracing.value)
+
 sow_p = _jax.Primitive("sow")
 sow_p.multiple_results = True
 
 
-def _has_pred(mode):
-    # `sow_cond` sites carry their predicate as a trailing operand.
-    return MODES[mode].has_pred
+def _has_pred(mode, role=None):
+    # `sow_cond` sites, and record-only sows, carry a predicate as a trailing operand.
+    return MODES[mode].has_pred or role == "record_only"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=()):
-    return list(args[:-1] if _has_pred(mode) else args)
+def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None):
+    return list(args[:-1] if _has_pred(mode, role) else args)
 
 
-def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=()):
-    outs = avals[:-1] if _has_pred(mode) else avals
+def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=None):
+    outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
     return list(outs), ({sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set())
 
 
-def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=()):
-    return list(args[:-1] if _has_pred(mode) else args)
+def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None):
+    return list(args[:-1] if _has_pred(mode, role) else args)
 
 
 def _sow_jvp(primals, tangents, **params):
     out = sow_p.bind(*primals, **params)
-    if _has_pred(params["mode"]):
+    if _has_pred(params["mode"], params.get("role")):
         tangents = tangents[:-1]
     return out, [_jax.instantiate_zeros(t) for t in tangents]
 
 
 def _sow_transpose(cts, *args, **params):
     # Only the sown leaves are linear; a sow_cond predicate is a known primal.
-    pred = list(args[-1:]) if _has_pred(params["mode"]) else []
+    pred = list(args[-1:]) if _has_pred(params["mode"], params.get("role")) else []
     out = sow_p.bind(*[_jax.instantiate_zeros(ct) for ct in cts], *pred, **params)
     return [*out, *(None for _ in pred)]
 
@@ -102,18 +112,19 @@ def _sow_jet(primals, series, **params):
     return out, series[: len(out)]
 
 
-def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=()):
+def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(), role=None):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
     # never changes what vmap (or jacfwd, hessian) sees.
-    if _has_pred(mode) and dims[-1] is not None:
+    if _has_pred(mode, role) and dims[-1] is not None:
         # A batched predicate picks per example, so every leaf becomes per example.
         args = [_jax.bdim_at_front(a, d, axis_data) for a, d in zip(args, dims)]
         dims = [0] * len(args)
     args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     n = tree.num_leaves
     vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
-    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped)
+    role_param = {} if role is None else {"role": role}
+    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **role_param)
     return out, [None if d is None else 0 for d in dims[:n]]
 
 

@@ -72,6 +72,10 @@ class Site:
             raise _errors.plant_structure(self, what, tree)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
+            if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
+                # A Python number takes the site's dtype, as JAX casts one in
+                # `x.at[i].set(15.0)` (oryx passes it through: 15.5 into an int site stays 15.5).
+                leaf = _jax.cast_like(leaf, aval)
             shape = tuple(leading) + aval.shape
             got = jnp.shape(leaf), jnp.result_type(leaf)
             # Under vmap, a value without (some of) the batch axes is one value

@@ -104,7 +104,7 @@ def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any
         if site.tag == tag:
             names[path_str(site.path)] = None
         if site.tag == tag and not site.mode.has_pred and select(site.path):
-            taps[site.path] = _Tap(callback, path_str(site.path), tuple(sorted(eqn.params.items())))
+            taps[site.path] = _Tap(callback, path_str(site.path), tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")))
     select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps
 

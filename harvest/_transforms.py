@@ -33,6 +33,7 @@ from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
+from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow import DEFAULT_TAG
 from ._typing import NameSelect, P, Plants, R, Reaped
@@ -53,6 +54,7 @@ class _Static:
     static_leaves: tuple  # (index, type, leaf) for each leaf not traced; the type keeps 1, 1.0 and True apart
     policy: Policy
     reap: bool
+    differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
 
 
 # -- the callable, split into a plain function and the data bound to it ------
@@ -95,10 +97,14 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     closed, arrays, out_shape = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
     if staged and not _lowerable(closed.jaxpr):
         raise _Unlowerable
+    if staged and static.differentiating and holds_rule_sows(closed.jaxpr, static.policy):
+        raise _RunsRules
     policy = static.policy
     first: dict[tuple, int] = {}  # path -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(closed.jaxpr):
         first.setdefault(Site.of(eqn).path, len(first))
+    for path in sorted({site.path for site in sites_in(closed.jaxpr)} - first.keys()):
+        first[path] = len(first)  # sown only in a custom_jvp rule: after the others
     handled: dict[tuple, Site] = {}
     filtered = set()
     for site in sites_in(closed.jaxpr):
@@ -161,9 +167,13 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     traced = [_is_traced(leaf, i in data) for i, leaf in enumerate(leaves)]
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
-        treedef, tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t), policy, reap
+        treedef,
+        tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t),
+        policy,
+        reap,
+        _jax.differentiating(),
     )
-    if _jax.is_staging():
+    if _jax.is_staging() or (static.differentiating and fn in _rule_walks):
         # Already being staged (under jit, scan, ...): the outer trace is the
         # cache, and walking in place saves a nested jit for XLA to inline.
         out, flat, changes = _walk(fn, dynamic, static)
@@ -184,6 +194,9 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             # itself outside `jit`, and remember not to try compiling it again.
             _eager_only.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
+        except _RunsRules:
+            _rule_walks.add(fn)
+            out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
     return out, nested_dict(flat)
 
@@ -195,6 +208,16 @@ _eager_only: "weakref.WeakSet[Callable]" = weakref.WeakSet()
 
 class _Unlowerable(Exception):
     """Raised while staging the walk of a function that cannot be compiled."""
+
+
+# Functions holding a custom_jvp whose JVP rule sows: differentiated from
+# outside, they are walked in place, where JAX calls the rules (see `_rules/calls`).
+_rule_walks: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+
+
+class _RunsRules(Exception):
+    """Raised while staging, under a jvp or grad of the call, the walk of a function
+    whose custom_jvp rules sow: a staged walk sees only primals, so no rule runs."""
 
 
 def _lowerable(jaxpr):

@@ -184,6 +184,64 @@ def test_custom_jvp_plant():
     close(jax.grad(lambda e: plant(log1pexp)({"exp": e}, x))(jnp.float32(3.0)), 0.25)
 
 
+# Sows in a custom_jvp's JVP rule run where JAX differentiates the call, as in oryx.
+
+
+@jax.custom_jvp
+def scaled_sin(x):
+    return jnp.sin(x)
+
+
+@scaled_sin.defjvp
+def _scaled_sin_jvp(primals, tangents):
+    (x,), (t,) = primals, tangents
+    scale = sow(jnp.cos(x) * 2.0, name="scale", mode="strict")  # only the rule sows it
+    return scaled_sin(x), scale * t  # the rule calls the function: its body's sows would repeat
+
+
+def test_custom_jvp_rule_sows_reaped_where_the_rule_runs():
+    x, t = jnp.float32(0.7), jnp.float32(1.5)
+    # Undifferentiated, JAX runs the body only: nothing to reap (as oryx).
+    close(reap(scaled_sin)(x), {})
+    (out, r), (out_dot, r_dot) = jax.jvp(call_and_reap(scaled_sin), (x,), (t,))
+    close((out, out_dot), (jnp.sin(x), 2.0 * jnp.cos(x) * t))  # the rule's derivative, not cos
+    close(r, {"scale": 2.0 * jnp.cos(x)})
+    close(r_dot, {"scale": jnp.float32(0.0)})  # a value of the derivative, not differentiated
+    # Reverse mode runs the rule too; the reaped value has no gradient.
+    close(jax.grad(lambda x: call_and_reap(scaled_sin)(x)[0])(x), 2.0 * jnp.cos(x))
+    close(jax.grad(lambda x: reap(scaled_sin)(x)["scale"])(x), jnp.float32(0.0))
+    close(jax.vmap(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(X), {"scale": 2.0 * jnp.cos(X)})
+    # jvp taken inside: the rule is part of the traced program (reaped once, not twice).
+    close(reap(lambda x: jax.jvp(scaled_sin, (x,), (t,)))(x), {"scale": 2.0 * jnp.cos(x)})
+    # Inside a jit the walk sees no tangents, so the rule does not run there (as oryx).
+    close(jax.jvp(jax.jit(reap(scaled_sin)), (x,), (t,))[0], {})
+    close(jax.jit(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(x), {"scale": 2.0 * jnp.cos(x)})
+
+
+def test_custom_jvp_rule_sows_planted_where_the_rule_runs():
+    x, t = jnp.float32(0.7), jnp.float32(1.5)
+    # Undifferentiated: the body runs, the plant has no site to land on.
+    close(plant(scaled_sin)({"scale": jnp.float32(5.0)}, x), jnp.sin(x))
+    out, out_dot = jax.jvp(plant(scaled_sin), ({"scale": jnp.float32(5.0)}, x), ({"scale": jnp.float32(9.0)}, t))
+    close((out, out_dot), (jnp.sin(x), 5.0 * t))  # the planted tangent (9.0) is ignored, as in oryx
+    close(jax.grad(lambda x: plant(scaled_sin)({"scale": jnp.float32(5.0)}, x))(x), jnp.float32(5.0))
+
+
+def test_custom_jvp_sowing_in_body_and_rule_is_a_clear_error_when_differentiated():
+    @jax.custom_jvp
+    def g(x):
+        return sow(x * 2.0, name="body", mode="strict")
+
+    @g.defjvp
+    def _g_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return x * 2.0, sow(t, name="rule", mode="strict") * 2.0
+
+    close(reap(g)(1.0), {"body": 2.0})
+    with pytest.raises(ValueError, match="name='rule'.*JVP rule.*also sows.*body.*Sow in one of the two"):
+        jax.jvp(reap(g), (1.0,), (1.0,))
+
+
 @jax.custom_vjp
 def clip_grad_sq(x):
     h = sow(x * x, name="sq", mode="strict")

@@ -12,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import attribution_patching, call_and_reap, instrument, patching_sweep, plant, reap, sites
+from harvest import (
+    attribution_patching,
+    call_and_reap,
+    instrument,
+    patching_sweep,
+    plant,
+    reap,
+    sites,
+    sow,
+)
 
 nnx = pytest.importorskip("flax.nnx")
 eqx = pytest.importorskip("equinox")
@@ -495,6 +504,125 @@ def test_equinox_reap_and_plant():
     np.testing.assert_allclose(reaped["out"], rec.values["out"], **TOL)
 
 
+class EqxBlock(eqx.Module):
+    ln: eqx.nn.LayerNorm
+    mlp: eqx.nn.Linear
+
+    def __init__(self, key):
+        self.ln = eqx.nn.LayerNorm(D)
+        self.mlp = eqx.nn.Linear(D, D, key=key)
+
+    def __call__(self, x):
+        return x + self.mlp(self.ln(x))
+
+
+class EqxScanOverLayers(eqx.Module):
+    """Equinox's scan over layers: stacked by `eqx.filter_vmap`, each rebuilt by `eqx.combine`."""
+
+    layers: EqxBlock
+    head: eqx.nn.Linear  # shaped like one layer's mlp
+
+    def __init__(self, key):
+        keys = jax.random.split(key, L + 1)
+        self.layers = eqx.filter_vmap(EqxBlock)(keys[:L])
+        self.head = eqx.nn.Linear(D, D, key=keys[L])
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.layers, eqx.is_array)
+
+        def step(x, params):
+            return eqx.combine(params, static)(x), None
+
+        x, _ = jax.lax.scan(step, x, dynamic)
+        return self.head(x)
+
+
+def hand_eqx_scan(model, x, patch=None):
+    """The scan written as a Python loop over the stacked arrays; `patch` maps
+    a layer index to the value that layer's output is replaced by."""
+    patch = patch or {}
+    w = model.layers
+    values = {"layers.ln": [], "layers.mlp": [], "layers": []}
+    for i in range(L):
+        mean, var = x.mean(), x.var()
+        ln = (x - mean) / jnp.sqrt(var + 1e-5) * w.ln.weight[i] + w.ln.bias[i]
+        mlp = w.mlp.weight[i] @ ln + w.mlp.bias[i]
+        x = patch.get(i, x + mlp)
+        for name, v in (("layers.ln", ln), ("layers.mlp", mlp), ("layers", x)):
+            values[name].append(v)
+    out = model.head.weight @ x + model.head.bias
+    return out, {"head": out, **{k: jnp.stack(v) for k, v in values.items()}}
+
+
+@pytest.fixture(scope="module")
+def eqx_scan():
+    return EqxScanOverLayers(jax.random.key(8))
+
+
+def test_equinox_scan_over_layers_reaps_each_layer(eqx_scan):
+    model = instrument(eqx_scan)
+    x = X[0]
+    np.testing.assert_array_equal(model(x), eqx_scan(x))
+    out, reaped = call_and_reap(model, tag="modules")(x)
+    want_out, want = hand_eqx_scan(eqx_scan, x)
+    assert list(reaped) == ["layers.ln", "layers.mlp", "layers", "head"]  # program order
+    np.testing.assert_allclose(out, want_out, **TOL)
+    for name in want:
+        np.testing.assert_allclose(reaped[name], want[name], **TOL, err_msg=name)
+    assert reaped["layers"].shape == (L, D)
+    got = jax.jit(reap(model, tag="modules"))(x)["layers.mlp"]
+    np.testing.assert_allclose(got, want["layers.mlp"], **TOL)
+    got = jax.grad(lambda x: reap(model, tag="modules")(x)["layers"][1].sum())(x)
+    np.testing.assert_allclose(got, jax.grad(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"][1].sum())(x), **TOL)
+    # Batched the Equinox way: vmap over examples.
+    got = jax.vmap(reap(model, tag="modules"))(X)["layers"]
+    np.testing.assert_allclose(got, jax.vmap(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"])(X), **TOL)
+
+
+def test_equinox_scan_over_layers_plant_and_sweep(eqx_scan):
+    model = instrument(eqx_scan)
+    x, corrupted = X[0], X[1]
+    v = jnp.full(D, 0.5)
+    want, _ = hand_eqx_scan(eqx_scan, x, {1: v})
+    got = plant(model, tag="modules")({"layers": lambda old, i: jnp.where(i == 1, v, old)}, x)
+    np.testing.assert_allclose(got, want, **TOL)
+    rows = jnp.stack([v, -v, 2 * v])
+    want, _ = hand_eqx_scan(eqx_scan, x, {0: v, 1: -v, 2: 2 * v})
+    np.testing.assert_allclose(plant(model, tag="modules")({"layers": rows}, x), want, **TOL)
+    clean = reap(model, tag="modules")(x)
+    r = patching_sweep(model, clean, (corrupted,), jnp.sum, tag="modules", names=["layers"])
+    assert list(r.names) == [f"layers[{i}]" for i in range(L)]
+    for i in range(L):
+        want = hand_eqx_scan(eqx_scan, corrupted, {i: clean["layers"][i]})[0].sum()
+        np.testing.assert_allclose(r.values[i] + r.baseline, want, rtol=1e-4, atol=1e-4)
+
+
+class TwoStacks(eqx.Module):
+    enc: eqx.nn.Linear
+    dec: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.enc = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(k1, L))
+        self.dec = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(jax.random.split(k2, L))
+        self.head = eqx.nn.Linear(D, 1, key=k3)
+
+    def __call__(self, x):
+        for stack in (self.enc, self.dec):  # the module itself scanned over, as `xs`
+            x, _ = jax.lax.scan(lambda x, layer: (jnp.tanh(layer(x)), None), x, stack)
+        return self.head(x)
+
+
+def test_equinox_rebuilt_layer_that_fits_two_stacks_is_an_error():
+    model = TwoStacks(jax.random.key(9))
+    with pytest.raises(ValueError, match=r"fits several of the model's submodules: 'enc', 'dec'.*`where`"):
+        reap(instrument(model), tag="modules")(X[0])
+    # Left out by `where`, they are not sites, and the rest still is.
+    cache = reap(instrument(model, where="head"), tag="modules")(X[0])
+    np.testing.assert_allclose(cache["head"], model(X[0]), **TOL)
+
+
 def _hand_site(hand, model, x, name):
     rec = Recorder()
     hand(model, x, rec)
@@ -774,3 +902,292 @@ def test_direct_call_has_the_model_s_state_effects():
         for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, kind)), jax.tree_util.tree_leaves(nnx.state(twin, kind))):
             np.testing.assert_array_equal(a, b)
     assert int(jax.tree_util.tree_leaves(nnx.state(model, nnx.RngCount))[0]) == 2
+
+
+# ---------------------------------------------------------------------------
+# Stateful submodules called through nnx.jit and nnx.remat, under outer transformations.
+
+
+class ThroughTransforms(nnx.Module):
+    """BatchNorm, Dropout and Linears, each called through `nnx.remat` or `nnx.jit`."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.bn = nnx.BatchNorm(D, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.remat(lambda m, x: m(x))(self.lin, x)
+        h = nnx.jit(lambda m, x: m(x))(self.bn, h)
+        h = nnx.jit(lambda m, x: m(x))(self.drop, h)
+        return nnx.jit(lambda m, x: m(x))(self.out, h)
+
+
+class HandSownThrough(ThroughTransforms):
+    """The same model with its sows written by hand, some inside the NNX transforms."""
+
+    def __call__(self, x):
+        def sown(name):
+            return lambda m, x: sow(m(x), name=name, tag="modules", mode="strict")
+
+        h = nnx.remat(sown("lin"))(self.lin, x)
+        h = sow(nnx.jit(lambda m, x: m(x))(self.bn, h), name="bn", tag="modules", mode="strict")
+        h = nnx.jit(sown("drop"))(self.drop, h)
+        return nnx.jit(sown("out"))(self.out, h)
+
+
+PARTS = ("lin", "bn", "drop", "out")
+V = jnp.linspace(-1.0, 1.0, T * D).reshape(T, D)
+
+
+def hand_through(model, x, patch=None):
+    """The forward pass written out: each submodule called directly, `patch` substituted."""
+    patch = patch or {}
+    values = {}
+    for name in PARTS:
+        x = values[name] = patch.get(name, getattr(model, name)(x))
+    return x, values
+
+
+def _reaped_but(result, planted):
+    out, values = result
+    return out, {k: v for k, v in values.items() if k != planted}
+
+
+def _target(model):
+    return model if isinstance(model, HandSownThrough) else instrument(model)
+
+
+HARVESTS = {  # (the harvested call, the same by hand), each f(model, x, v) -> (out, reaped)
+    "reap": (
+        lambda m, x, v: call_and_reap(_target(m), tag="modules")(x),
+        lambda m, x, v: hand_through(m, x),
+    ),
+    "plant": (
+        lambda m, x, v: (plant(_target(m), tag="modules")({"lin": v}, x), {}),
+        lambda m, x, v: (hand_through(m, x, {"lin": v})[0], {}),
+    ),
+    "harvest": (
+        lambda m, x, v: _harvest(_target(m), {"bn": v}, x),
+        lambda m, x, v: _reaped_but(hand_through(m, x, {"bn": v}), "bn"),
+    ),
+}
+
+
+def _under(transform, fn, model, x, v):
+    """`fn(model, x, v)` under `transform`; the model's state comes back as NNX
+    transforms return it (for jax.jit: split, merged inside and returned)."""
+    if transform == "eager":
+        return fn(model, x, v)
+    if transform == "nnx.jit":
+        return nnx.jit(fn)(model, x, v)
+    if transform == "nnx.grad":  # gradients with respect to the parameters
+
+        def loss(m, x, v):
+            result = fn(m, x, v)
+            return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(result)), result
+
+        grads, result = nnx.grad(loss, has_aux=True)(model, x, v)
+        return result, grads
+    graphdef, state = nnx.split(model)
+
+    def pure(state, x, v):
+        m = nnx.merge(graphdef, state)
+        result = fn(m, x, v)
+        return result, nnx.state(m)
+
+    result, state = jax.jit(pure)(state, x, v)
+    nnx.update(model, state)
+    return result
+
+
+def assert_same_state(a, b):
+    sa, sb = nnx.state(a), nnx.state(b)
+    assert jax.tree_util.tree_structure(sa) == jax.tree_util.tree_structure(sb)
+    for u, w in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)):
+        if jnp.issubdtype(u.dtype, jax.dtypes.prng_key):
+            u, w = jax.random.key_data(u), jax.random.key_data(w)
+        np.testing.assert_allclose(u, w, **TOL)
+
+
+@pytest.mark.parametrize("transform", ["eager", "nnx.jit", "jax.jit", "nnx.grad"])
+@pytest.mark.parametrize("which", sorted(HARVESTS))
+@pytest.mark.parametrize("cls", [ThroughTransforms, HandSownThrough])
+def test_state_through_nnx_jit_and_remat_matches_a_direct_twin(cls, which, transform):
+    model = cls(nnx.Rngs(0, dropout=1))
+    twin = ThroughTransforms(nnx.Rngs(0, dropout=1))  # called directly, submodule by submodule
+    harvested, by_hand = HARVESTS[which]
+    for step in range(2):
+        got = _under(transform, harvested, model, X + step, V)
+        want = _under(transform, by_hand, twin, X + step, V)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            np.testing.assert_allclose(a, b, **TOL)
+        assert_same_state(model, twin)  # batch statistics, RNG counters
+    # The RNG counters moved in step: the next dropout masks agree.
+    np.testing.assert_allclose(model(X), twin(X), **TOL)
+    assert_same_state(model, twin)
+
+
+@pytest.mark.parametrize("cls", [ThroughTransforms, HandSownThrough])
+def test_through_nnx_jit_and_remat_inside_outer_jit_and_grad(cls):
+    # A model that only reads its state, closed over by jax.jit and jax.grad:
+    # what nnx.jit and nnx.remat hand back is a copy, not a change, so nothing
+    # is written back into the model from inside the outer trace.
+    model = cls(nnx.Rngs(0, dropout=1))
+    model.eval()
+    twin = ThroughTransforms(nnx.Rngs(0, dropout=1))
+    twin.eval()
+    target = _target(model)
+    out, reaped = jax.jit(call_and_reap(target, tag="modules"))(X)
+    want_out, want = hand_through(twin, X)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    for name in PARTS:
+        np.testing.assert_allclose(reaped[name], want[name], **TOL, err_msg=name)
+    got = jax.jit(lambda x, v: plant(target, tag="modules")({"lin": v}, x))(X, V)
+    np.testing.assert_allclose(got, hand_through(twin, X, {"lin": V})[0], **TOL)
+    got = jax.grad(lambda x: reap(target, tag="modules")(x)["bn"].sum())(X)
+    np.testing.assert_allclose(got, jax.grad(lambda x: hand_through(twin, x)[1]["bn"].sum())(X), **TOL)
+    got = jax.grad(lambda v: _harvest(target, {"lin": v}, X)[0].sum())(V)
+    np.testing.assert_allclose(got, jax.grad(lambda v: hand_through(twin, X, {"lin": v})[0].sum())(V), **TOL)
+    assert_same_state(model, twin)
+
+
+def test_a_real_change_inside_an_outer_trace_says_how_to_pass_the_model():
+    # Training mode changes the batch statistics. A model made outside jax.jit
+    # cannot take values of the jit's trace (a direct call fails there too);
+    # the error says how to pass the model through instead.
+    from flax.errors import TraceContextError
+
+    model = ThroughTransforms(nnx.Rngs(0, dropout=1))
+    twin = nnx.clone(model)
+    with pytest.raises(TraceContextError, match=r"changed the NNX state \(bn.mean, bn.var, drop.rngs.count\).*Pass the model"):
+        jax.jit(reap(instrument(model), tag="modules"))(X)
+    assert_same_state(model, twin)  # nothing was written
+
+
+class TrainBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(D, D, rngs=rngs)
+        self.bn = nnx.BatchNorm(D, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    def __call__(self, x, train):
+        h = nnx.relu(self.bn(self.lin(x), use_running_average=not train))
+        return x + self.drop(h, deterministic=not train)
+
+
+class TrainScan(nnx.Module):
+    """Written as NNX code usually is: layers made by nnx.vmap, applied by
+    nnx.scan of an nnx.remat'd step, BatchNorm and Dropout, a `train` flag."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return TrainBlock(rngs)
+
+        self.blocks = make(rngs)
+        self.head = nnx.Linear(D, 2, rngs=rngs)
+
+    def __call__(self, x, train=True):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.remat
+        def step(x, block):
+            return block(x, train)
+
+        return self.head(step(x, self.blocks))
+
+
+def hand_train_scan_eval(model, x, patch=None):
+    """The evaluation-mode forward written out over the stacked parameters."""
+    patch = patch or {}
+    b = model.blocks
+    blocks = []
+    for i in range(L):
+        y = x @ b.lin.kernel[...][i] + b.lin.bias[...][i]
+        y = (y - b.bn.mean[...][i]) / jnp.sqrt(b.bn.var[...][i] + 1e-5) * b.bn.scale[...][i] + b.bn.bias[...][i]
+        x = patch.get(i, x + jnp.maximum(y, 0.0))
+        blocks.append(x)
+    return lin(model.head, x), jnp.stack(blocks)
+
+
+def test_nnx_scan_remat_batchnorm_dropout_with_a_train_flag():
+    model, twin = TrainScan(nnx.Rngs(0, dropout=1)), TrainScan(nnx.Rngs(0, dropout=1))
+    probed = instrument(model)
+    for step in range(2):  # training: statistics and RNG counters move as the twin's
+        out, reaped = call_and_reap(probed, tag="modules")(X + step, True)
+        np.testing.assert_allclose(out, twin(X + step, True), **TOL)
+        assert sorted(reaped) == ["blocks", "blocks.bn", "blocks.drop", "blocks.lin", "head"]
+        assert reaped["blocks"].shape == (L, T, D)
+        assert_same_state(model, twin)
+    # Evaluation, under an outer jit that closes over the model (a direct call
+    # could not: nnx.scan refuses a model from outside the trace).
+    out, reaped = jax.jit(lambda x: call_and_reap(probed, tag="modules")(x, train=False))(X)
+    want_out, want = hand_train_scan_eval(model, X)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks"], want, **TOL)
+    assert_same_state(model, twin)  # evaluation changed nothing
+    v = jnp.full((T, D), 0.5)
+    got = plant(probed, tag="modules")({"blocks": lambda old, i: jnp.where(i == 2, v, old)}, X, False)
+    np.testing.assert_allclose(got, hand_train_scan_eval(model, X, {2: v})[0], **TOL)
+    clean = reap(probed, tag="modules")(X, False)
+    r = patching_sweep(probed, clean, (-X, False), jnp.sum, tag="modules", names=["blocks"])
+    assert list(r.names) == [f"blocks[{i}]" for i in range(L)]
+    for i in range(L):
+        want = hand_train_scan_eval(model, -X, {i: clean["blocks"][i]})[0].sum()
+        np.testing.assert_allclose(r.values[i] + r.baseline, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------
+# Module inputs as sites (inputs=True).
+
+
+def test_inputs_are_sites_named_path_in(transformer):
+    model = instrument(transformer, inputs=True)
+    rec = Recorder()
+    hand_transformer(transformer, X, rec)
+    reaped = reap(model, tag="modules")(X)
+    assert set(reaped) == set(rec.values) | {name + ":in" for name in rec.values}
+    np.testing.assert_allclose(reaped["blocks.0:in"], X, **TOL)
+    np.testing.assert_allclose(reaped["blocks.1:in"], rec.values["blocks.0"], **TOL)
+    np.testing.assert_allclose(reaped["head:in"], rec.values["blocks.1"], **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj:in"], rec.values["blocks.0.ln"], **TOL)
+    # Block 1's input is block 0's output and nothing else reads it.
+    v = jnp.full((T, D), 0.3)
+    want = hand_transformer(transformer, X, Recorder({"blocks.0": v}))
+    np.testing.assert_allclose(plant(model, tag="modules")({"blocks.1:in": v}, X), want, **TOL)
+    np.testing.assert_allclose(plant(model, tag="modules")({"head:in": v}, X), lin(transformer.head, v), **TOL)
+    # `where` picks inputs like any other name; without inputs=True there are none.
+    only = reap(instrument(transformer, inputs=True, where="*:in"), tag="modules")(X)
+    assert set(only) == {name + ":in" for name in rec.values}
+    assert not any(name.endswith(":in") for name in reap(instrument(transformer), tag="modules")(X))
+    with pytest.raises(TypeError, match="`inputs` to be True or False"):
+        instrument(transformer, inputs="yes")
+
+
+def test_inputs_of_scanned_layers_and_linen(eqx_scan):
+    model = instrument(eqx_scan, inputs=True)
+    x = X[0]
+    reaped = reap(model, tag="modules")(x)
+    _, want = hand_eqx_scan(eqx_scan, x)
+    assert reaped["layers:in"].shape == (L, D)  # one row per iteration
+    np.testing.assert_allclose(reaped["layers:in"], jnp.concatenate([x[None], want["layers"][:-1]]), **TOL)
+    np.testing.assert_allclose(reaped["layers.mlp:in"], want["layers.ln"], **TOL)
+    v = jnp.full(D, 0.5)
+    got = plant(model, tag="modules")({"layers:in": lambda old, i: jnp.where(i == 1, v, old)}, x)
+    np.testing.assert_allclose(got, hand_eqx_scan(eqx_scan, x, {0: v})[0], **TOL)
+    # A Python flag among the arguments is not part of the input.
+    train_model = TrainScan(nnx.Rngs(0, dropout=1))
+    assert reap(instrument(train_model, inputs=True), tag="modules")(X, False)["blocks:in"].shape == (L, T, D)
+    # Linen, through its interceptor.
+    module = LinenModel()
+    variables = module.init(jax.random.key(8), X)
+    f = instrument(lambda x: module.apply(variables, x), inputs=True)
+    rec = Recorder()
+    hand_linen(variables["params"], X, rec)
+    reaped = reap(f, tag="modules")(X)
+    np.testing.assert_allclose(reaped["head:in"], rec.values["blocks_1"], **TOL)
+    want = hand_linen(variables["params"], X, Recorder({"blocks_0": jnp.ones((T, D))}))
+    np.testing.assert_allclose(plant(f, tag="modules")({"blocks_1:in": jnp.ones((T, D))}, X), want, **TOL)

@@ -1,5 +1,6 @@
 """Runs notebooks/activation_patching.ipynb top to bottom; any error fails the test."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,9 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "activation_patch
 
 
 @pytest.mark.slow
-def test_activation_patching_notebook_runs():
+def test_activation_patching_notebook_runs(monkeypatch):
+    # The kernel imports this checkout's harvest, not whichever copy the venv has installed.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")])))
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     notebook = nbformat.read(NOTEBOOK, as_version=4)

@@ -524,3 +524,330 @@ def test_a_module_as_f_sees_weights_changed_in_place():
         module.w[...] = jnp.full(3, w)  # the same object, trained in place between sweeps
         r = patching_sweep(module, reap(module)(x), (x * 0.0,), lambda y: y, axis=0)
         np.testing.assert_allclose(r.values, [np.asarray(x * w)])
+
+
+# ---------------------------------------------------------------------------
+# Several swept axes: every (head, position) pair
+
+
+HT, HH, HE, HL = 4, 3, 2, 2  # positions, heads, head width, layers
+
+
+def head_params(key):
+    k1, k2, k3 = jax.random.split(key, 3)
+    win = jax.random.normal(k1, (HL, HH * HE, HH, HE)) / 2
+    wout = jax.random.normal(k2, (HL, HH, HE, HH * HE)) / 2
+    return win, wout, jax.random.normal(k3, (HH * HE,))
+
+
+def head_model(params, patch=None):
+    """Per-head outputs z [T, heads, e] in each of HL layers; `patch(i, z)` rewrites layer i's z by hand."""
+    win, wout, readout = params
+
+    def model(x):  # x: [T, heads * e]
+        for i in range(HL):
+            z = jnp.einsum("td,dhe->the", x, win[i])
+            if patch is None:
+                z = sow(z, name=f"blocks.{i}.attn.z", mode="strict")
+            else:
+                z = patch(i, z)
+            x = x + jnp.tanh(jnp.einsum("the,hed->td", z, wout[i]))
+        return x[-1] @ readout
+
+    return model
+
+
+def head_metric(out):
+    return out
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), axis=st.sampled_from([(1, 0), (0, 1), (-2, 0)]))
+def test_head_by_position_sweep_equals_per_pair_patches(seed, axis):
+    params = head_params(jax.random.key(seed))
+    model = head_model(params)
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(seed + 1), (2, HT, HH * HE))
+    clean = reap(model)(x_clean)
+    result = patching_sweep(model, clean, (x_corrupt,), head_metric, names=["blocks.*.attn.z"], axis=axis)
+    names = ("blocks.0.attn.z", "blocks.1.attn.z")
+    first = axis[0] % 3  # 1: heads first, 0: positions first
+    sizes = (HH, HT) if first == 1 else (HT, HH)
+    assert result.names == names and result.values.shape == (HL, *sizes) and result.axis == axis
+    assert [list(p) for p in result.positions] == [list(range(n)) for n in sizes]
+    base = model(x_corrupt)
+    for i, name in enumerate(names):
+        c = clean[name]
+        for h in range(HH):
+            for p in range(HT):
+                # By hand: the forward pass rewritten to patch layer i's z at (p, h) ...
+                hand = head_model(params, lambda j, z: z.at[p, h].set(c[p, h]) if j == i else z)(x_corrupt)
+                # ... and one plant per pair.
+                planted = plant(model)({name: lambda old: old.at[p, h].set(c[p, h])}, x_corrupt)
+                cell = result.values[(i, h, p) if first == 1 else (i, p, h)]
+                np.testing.assert_allclose(cell, hand - base, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(planted, hand, rtol=1e-5, atol=1e-6)
+
+
+def test_head_by_position_attribution_is_the_hand_gradient_estimate():
+    params = head_params(jax.random.key(7))
+    model = head_model(params)
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(8), (2, HT, HH * HE))
+    clean, corrupt = reap(model)(x_clean), reap(model)(x_corrupt)
+    names = ("blocks.0.attn.z", "blocks.1.attn.z")
+    offset = lambda deltas: head_model(params, lambda j, z: z + deltas[j])(x_corrupt)  # noqa: E731
+    grads = jax.grad(offset)([jnp.zeros((HT, HH, HE))] * HL)
+    expected = [jnp.einsum("phe,phe->hp", clean[n] - corrupt[n], g) for n, g in zip(names, grads)]
+    result = attribution_patching(model, clean, (x_corrupt,), head_metric, names="blocks.*.attn.z", axis=(1, 0))
+    assert result.values.shape == (HL, HH, HT)
+    np.testing.assert_allclose(result.values, np.stack(expected), rtol=1e-4, atol=1e-5)
+
+
+def scanned_heads(key):
+    """z [T, heads, e] sown (append) in each layer of a scan; `by_hand(x, clean, j, mask)` patches layer j by hand."""
+    win, wout, readout = head_params(key)
+
+    def layer(x, w, patch=None):
+        z = jnp.einsum("td,dhe->the", x, w[0])
+        z = sow(z, name="z", mode="append") if patch is None else patch(z)
+        return x + jnp.tanh(jnp.einsum("the,hed->td", z, w[1]))
+
+    def model(x):
+        return jax.lax.scan(lambda c, w: (layer(c, w), None), x, (win, wout))[0][-1] @ readout
+
+    def by_hand(x, clean, j, mask):
+        for i in range(HL):
+            x = layer(x, (win[i], wout[i]), (lambda z: jnp.where(mask, clean[i], z)) if i == j else (lambda z: z))
+        return x[-1] @ readout
+
+    return model, by_hand
+
+
+def test_head_by_position_sweep_over_a_scanned_site_under_the_compile_cache():
+    traced = []
+
+    def metric(out):  # runs only while a sweep is traced
+        traced.append(1)
+        return out
+
+    model, by_hand = scanned_heads(jax.random.key(9))
+    xs = jax.random.normal(jax.random.key(10), (4, HT, HH * HE))
+    for n, (x_clean, x_corrupt) in enumerate([(xs[0], xs[1]), (xs[2], xs[3])]):
+        clean = reap(model)(x_clean)
+        result = patching_sweep(model, clean, (x_corrupt,), metric, axis=(1, 0), batch_size=5)
+        if n == 0:
+            compiled = len(traced)
+        assert len(traced) == compiled  # the second sweep, on new data, only runs
+        assert result.names == ("z[0]", "z[1]") and result.values.shape == (HL, HH, HT)
+        base = model(x_corrupt)
+        for j in range(HL):
+            for h in range(HH):
+                for p in range(HT):
+                    mask = (jnp.arange(HT)[:, None, None] == p) & (jnp.arange(HH)[None, :, None] == h)
+                    hand = by_hand(x_corrupt, clean["z"], j, mask) - base
+                    np.testing.assert_allclose(result.values[j, h, p], hand, rtol=1e-4, atol=1e-5)
+
+
+def test_head_by_position_attribution_over_a_scanned_site_is_the_hand_gradient_estimate():
+    model, _ = scanned_heads(jax.random.key(13))
+    win, wout, readout = head_params(jax.random.key(13))
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(14), (2, HT, HH * HE))
+    clean, corrupt = reap(model)(x_clean)["z"], reap(model)(x_corrupt)["z"]
+
+    def offset(deltas):  # the scanned model written out, deltas[j] added to layer j's z
+        x = x_corrupt
+        for j in range(HL):
+            z = jnp.einsum("td,dhe->the", x, win[j]) + deltas[j]
+            x = x + jnp.tanh(jnp.einsum("the,hed->td", z, wout[j]))
+        return x[-1] @ readout
+
+    grads = jax.grad(offset)(jnp.zeros((HL, HT, HH, HE)))
+    expected = jnp.einsum("jphe,jphe->jhp", clean - corrupt, grads)
+    result = attribution_patching(model, {"z": clean}, (x_corrupt,), head_metric, axis=(1, 0))
+    assert result.names == ("z[0]", "z[1]") and result.values.shape == (HL, HH, HT)
+    np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_several_axes_skip_sites_of_other_sizes_and_reject_bad_axes():
+    def f(x):
+        z = sow(x, name="z", mode="strict")  # [T, heads, e]
+        pattern = sow(jnp.ones((HH, HT, HT)) * x.sum(), name="pattern", mode="strict")
+        return z.sum() + pattern.sum()
+
+    x = jnp.ones((HT, HH, HE))
+    clean = reap(f)(x)
+    r = patching_sweep(f, clean, (x * 0.0,), lambda o: o, axis=(1, 0))
+    assert r.names == ("z",) and r.values.shape == (1, HH, HT)
+    assert r.skipped == (f"pattern: size ({HT}, {HH}) along axes (1, 0), not ({HH}, {HT})",)
+    with pytest.raises(ValueError, match="different sizes along axes"):
+        patching_sweep(f, clean, (x * 0.0,), lambda o: o, names=["z", "pattern"], axis=(1, 0))
+    with pytest.raises(ValueError, match="names the same axis twice"):
+        patching_sweep(f, clean, (x * 0.0,), lambda o: o, names="z", axis=(1, -2))
+    with pytest.raises(TypeError, match="int or a non-empty tuple of ints"):
+        patching_sweep(f, clean, (x * 0.0,), lambda o: o, axis=())
+    with pytest.raises(ValueError, match="axis 5 is out of range"):
+        attribution_patching(f, clean, (x * 0.0,), lambda o: o, names="z", axis=(0, 5))
+
+
+def test_head_helpers_equal_hand_edits_and_a_head_sweep():
+    from harvest import ablate_head, patch_head
+
+    params = head_params(jax.random.key(11))
+    model = head_model(params)
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(12), (2, HT, HH * HE))
+    clean = reap(model)(x_clean)
+    name = "blocks.1.attn.z"
+    mean = jnp.arange(HE, dtype=jnp.float32)
+    run = plant(model)
+    for h in range(HH):
+        edit = lambda fn: head_model(params, lambda j, z: fn(z) if j == 1 else z)(x_corrupt)  # noqa: E731
+        np.testing.assert_allclose(
+            run({name: ablate_head(h, axis=1)}, x_corrupt), edit(lambda z: z.at[:, h].set(0.0)), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            run({name: ablate_head(h, axis=-2, mean=mean)}, x_corrupt), edit(lambda z: z.at[:, h].set(mean)), rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            run({name: patch_head(clean[name], h, axis=1)}, x_corrupt),
+            edit(lambda z: z.at[:, h].set(clean[name][:, h])),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    both = run({name: ablate_head([0, 2], axis=1)}, x_corrupt)
+    np.testing.assert_allclose(both, edit(lambda z: z.at[:, jnp.array([0, 2])].set(0.0)), rtol=1e-5, atol=1e-6)
+    # Patching each head across all positions is a sweep along the head axis.
+    sweep = patching_sweep(model, clean, (x_corrupt,), head_metric, names=name, axis=1)
+    base = model(x_corrupt)
+    expected = [run({name: patch_head(clean[name], h, axis=1)}, x_corrupt) - base for h in range(HH)]
+    np.testing.assert_allclose(sweep.values[0], expected, rtol=1e-4, atol=1e-5)
+    # Zero-ablating each head in turn is a sweep whose "clean" values are zeros.
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, clean)
+    ablation = patching_sweep(model, zeros, (x_corrupt,), head_metric, names=name, axis=1)
+    expected = [run({name: ablate_head(h, axis=1)}, x_corrupt) - base for h in range(HH)]
+    np.testing.assert_allclose(ablation.values[0], expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="integer head"):
+        ablate_head(0.5, axis=1)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        ablate_head(0, axis=(1,))
+
+
+# ---------------------------------------------------------------------------
+# Modules compile once; their weights are data
+
+
+def counting_sum():
+    """A metric that records each time a sweep's program is traced (it runs only then)."""
+    traces = []
+
+    def metric(out):
+        traces.append(1)
+        return jnp.sum(out)
+
+    return metric, traces
+
+
+def test_an_nnx_module_sweep_compiles_once_and_reads_weights_changed_in_place():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jax.random.normal(jax.random.key(0), (4, 4)))
+
+        def __call__(self, x):
+            h = sow(jnp.tanh(x @ self.w[...]), name="h", mode="strict")
+            return jnp.sum(h @ self.w[...])
+
+        def doubled(self, x):
+            return 2.0 * self(x)
+
+    net = Net()
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(1), (2, 3, 4))
+
+    def by_hand(w):  # per-position plants through a hand-written model with weights w
+        model = lambda x: jnp.sum(sow(jnp.tanh(x @ w), name="h", mode="strict") @ w)  # noqa: E731
+        clean = reap(model)(x_clean)["h"]
+        base = model(x_corrupt)
+        return [plant(model)({"h": patch_positions(clean, p, axis=0)}, x_corrupt) - base for p in range(3)]
+
+    for run, scale in ((net, 1.0), (net.doubled, 2.0)):
+        measure, traces = counting_sum()
+        net.w[...] = jax.random.normal(jax.random.key(0), (4, 4))
+        for sweep in (patching_sweep, attribution_patching):
+            first = sweep(run, reap(run)(x_clean), (x_corrupt,), measure, axis=0)
+        compiled = len(traces)
+        net.w[...] = net.w[...] * 0.5 + 1.0  # trained in place between sweeps
+        changed = patching_sweep(run, reap(run)(x_clean), (x_corrupt,), measure, axis=0)
+        estimate = attribution_patching(run, reap(run)(x_clean), (x_corrupt,), measure, axis=0)
+        assert len(traces) == compiled  # neither sweep traced its program again
+        np.testing.assert_allclose(changed.values[0], scale * np.array(by_hand(net.w[...])), rtol=1e-4, atol=1e-5)
+        assert not np.allclose(changed.values, first.values) and not np.allclose(estimate.values, first.values)
+        np.testing.assert_allclose(estimate.baseline, changed.baseline, rtol=1e-5)
+
+
+def test_an_equinox_module_sweep_compiles_once_and_reads_new_weights():
+    eqx = pytest.importorskip("equinox")
+
+    class Net(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.sum(sow(jnp.tanh(x @ self.w), name="h", mode="strict") @ self.w)
+
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(1), (2, 3, 4))
+    nets = [Net(jax.random.normal(jax.random.key(i), (4, 4))) for i in range(3)]
+    for run in (lambda n: n, lambda n: n.__call__):
+        measure, traces = counting_sum()
+        results = []
+        for i, net in enumerate(nets):
+            clean = reap(run(net))(x_clean)
+            results.append(patching_sweep(run(net), clean, (x_corrupt,), measure, axis=0))
+            compiled = len(traces) if i == 0 else compiled
+            assert len(traces) == compiled  # a module of the same structure reuses the program
+            base = run(net)(x_corrupt)
+            hand = [plant(run(net))({"h": patch_positions(clean["h"], p, axis=0)}, x_corrupt) - base for p in range(3)]
+            np.testing.assert_allclose(results[-1].values[0], hand, rtol=1e-4, atol=1e-5)
+        assert not np.allclose(results[1].values, results[2].values)
+
+
+# ---------------------------------------------------------------------------
+# Datasets, chunks and progress
+
+
+@pytest.mark.parametrize("batch_size", [None, 4])
+def test_a_dataset_sweep_is_the_mean_of_per_batch_hand_results(batch_size):
+    model = make_model(jax.random.key(0))
+    batches = [inputs(jax.random.key(i)) for i in range(1, 4)]
+    cleans = [reap(model)(c) for c, _ in batches]
+    corrupts = [(x,) for _, x in batches]
+    r = patching_sweep(model, cleans, corrupts, metric, names=SITES, axis=1, batch_size=batch_size)
+    hand = [loop_of_plants(model, c, x, SITES, 1) for c, (x,) in zip(cleans, corrupts)]
+    np.testing.assert_allclose(r.values, np.mean(hand, 0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(r.baseline, np.mean([metric(model(x)) for (x,) in corrupts]), rtol=1e-5)
+    a = attribution_patching(model, cleans, corrupts, metric, names=SITES, axis=1)
+    singles = [attribution_patching(model, c, x, metric, names=SITES, axis=1).values for c, x in zip(cleans, corrupts)]
+    np.testing.assert_allclose(a.values, np.mean(singles, 0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="one per batch"):
+        patching_sweep(model, cleans[0], corrupts, metric)
+    with pytest.raises(TypeError, match="one per batch"):
+        patching_sweep(model, cleans[:2], corrupts, metric)
+    with pytest.raises(TypeError, match="batch_size must be a positive int"):
+        patching_sweep(model, cleans[0], corrupts[0], metric, batch_size=0)
+
+
+def test_progress_bar_over_chunks(capsys, monkeypatch):
+    pytest.importorskip("tqdm")
+    import harvest._patching as patching
+
+    model = make_model(jax.random.key(0))
+    x_clean, x_corrupt = inputs(jax.random.key(1))
+    clean = reap(model)(x_clean)
+    patching_sweep(model, clean, (x_corrupt,), metric, axis=1, batch_size=4)
+    assert capsys.readouterr().err == ""  # not a terminal: no bar by default
+    r = patching_sweep(model, clean, (x_corrupt,), metric, axis=1, batch_size=4, progress=True)
+    err = capsys.readouterr().err
+    assert "patching_sweep" in err and "4/4" in err  # 15 patches in chunks of 4
+    np.testing.assert_allclose(r.values, loop_of_plants(model, clean, x_corrupt, SITES, 1), rtol=1e-4, atol=1e-5)
+    # The default rule: a bar (shown after a second) for several chunks when someone is watching.
+    monkeypatch.setattr(patching, "_interactive", lambda: True)
+    assert isinstance(patching._steps([1, 2], None, "x"), __import__("tqdm").tqdm)
+    assert patching._steps([1], None, "x") == [1]
+    assert patching._steps([1, 2], False, "x") == [1, 2]

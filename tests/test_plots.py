@@ -1,6 +1,8 @@
 """PatchingResult views (normalized, shared scales, layout) and plot_attention."""
 
 import itertools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -56,27 +58,32 @@ def test_panels_share_one_scale_and_one_colourbar():
         PatchingResult.plot_many([a, result([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])])
 
 
+def assert_no_overlaps(fig):
+    """No label or drawing area of one axes overlaps another's, and all stay inside the figure."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = []  # (owner, bbox) of every label and every axes' drawing area
+    for i, ax in enumerate(fig.axes):
+        if not ax.axison:
+            continue
+        boxes.append((i, ax.get_window_extent(renderer)))
+        for label in [*ax.get_yticklabels(), *ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]:
+            if label.get_text():
+                boxes.append((i, label.get_window_extent(renderer)))
+    for (i, box), (j, other) in itertools.combinations(boxes, 2):
+        if i != j:
+            assert not box.overlaps(other), (i, j, box, other)
+    for _, box in boxes:
+        assert fig.bbox.x0 - 1 <= box.x0 and box.x1 <= fig.bbox.x1 + 1
+
+
 @pytest.mark.parametrize("positions,panels", [(3, 1), (20, 2), (40, 3)])
 def test_no_label_overlaps_another_panel_or_the_colourbar(positions, panels):
     rng = np.random.default_rng(0)
     names = tuple(f"blocks.{i}.attn.{'z' * (3 * i)}" for i in range(6))
     results = [result(rng.normal(size=(6, positions)), names) for _ in range(panels)]
     axes = PatchingResult.plot_many(results, titles=[f"panel {i}" for i in range(panels)])
-    fig = axes[0].figure
-    fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
-    boxes = []  # (owner, bbox) of every label and every axes' drawing area
-    for i, ax in enumerate(fig.axes):
-        boxes.append((i, ax.get_window_extent(renderer)))
-        for label in [*ax.get_yticklabels(), *ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]:
-            if label.get_text():
-                boxes.append((i, label.get_window_extent(renderer)))
-    figure_box = fig.bbox
-    for (i, box), (j, other) in itertools.combinations(boxes, 2):
-        if i != j:
-            assert not box.overlaps(other), (i, j, box, other)
-    for _, box in boxes:
-        assert figure_box.x0 - 1 <= box.x0 and box.x1 <= figure_box.x1 + 1
+    assert_no_overlaps(axes[0].figure)
 
 
 def test_plot_attention_draws_each_head_on_one_scale():
@@ -92,3 +99,37 @@ def test_plot_attention_draws_each_head_on_one_scale():
         plot_attention(pattern[0, 0])
     with pytest.raises(ValueError, match="3 tokens for 4 key positions"):
         plot_attention(pattern[0], tokens=["a", "b", "c"])
+
+
+@pytest.mark.parametrize("sites", [2, 6])
+def test_a_head_by_position_sweep_draws_one_panel_per_site_on_one_scale(sites):
+    def f(z):  # z: [sites, positions, heads]
+        out = 0.0
+        for i in range(sites):
+            out += jnp.sum(sow(z[i], name=f"blocks.{i}.attn.z", mode="strict") ** 2) * (i + 1)
+        return out
+
+    z = jax.random.normal(jax.random.key(0), (sites, 5, 3))
+    r = patching_sweep(f, reap(f)(z), (z * 0.0,), lambda o: o, axis=(1, 0))
+    assert r.values.shape == (sites, 3, 5)
+    axes = r.plot(title="heads x positions")
+    assert [ax.get_title() for ax in axes] == list(r.names)
+    bound = float(np.max(np.abs(r.values)))
+    for ax, values in zip(axes, r.values):
+        np.testing.assert_array_equal(ax.images[0].get_array(), values)
+        assert ax.images[0].get_clim() == pytest.approx((-bound, bound))
+    assert axes[0].get_ylabel() == "axis 1" and axes[0].get_xlabel() == "axis 0"
+    assert len(axes[0].figure.axes) == -(-sites // 4) * min(sites, 4) + 1  # panels, unused cells, one colourbar
+    assert_no_overlaps(axes[0].figure)
+    with pytest.raises(ValueError, match="one panel per site"):
+        PatchingResult.plot_many([r])
+
+
+def test_the_readme_heatmap_is_drawn_by_a_script_in_the_repository():
+    root = pathlib.Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
+    assert "docs/_static/patching_heatmap.png" in images
+    assert (root / "docs/_static/patching_heatmap.png").stat().st_size > 0
+    script = (root / "docs/_static/patching_heatmap.py").read_text()
+    assert "patching_heatmap.png" in script and "python docs/_static/patching_heatmap.py" in readme

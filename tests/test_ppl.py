@@ -388,7 +388,11 @@ def test_a_tfp_import_that_failed_before_harvest_is_named(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", broken)
     monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: True)
     monkeypatch.setitem(sys.modules, "tensorflow_probability.python.internal.backend.jax.nest", sys)
-    with pytest.raises(ImportError, match="imported before harvest.ppl.*import harvest.ppl first"):
+    with pytest.raises(ImportError, match="imported before harvest.*import harvest \\(or harvest.ppl\\) before"):
+        _tfp_shim.import_tfp()
+    monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: False)  # restored by `import harvest`...
+    monkeypatch.setattr(_jax, "tfp_failed_before_alias", True)  # ...after TFP had failed
+    with pytest.raises(ImportError, match="imported before harvest"):
         _tfp_shim.import_tfp()
 
 
@@ -406,6 +410,44 @@ def test_tfp_recovers_from_an_import_before_harvest_ppl():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "-0.9189385"
+
+
+def test_tfp_imports_after_plain_import_harvest():
+    """`import harvest` (not harvest.ppl) already restores the alias, importing no TFP."""
+    import subprocess
+
+    code = (
+        "import sys, harvest\n"
+        "assert not any(m.startswith('tensorflow_probability') for m in sys.modules)\n"
+        "import tensorflow_probability.substrates.jax as tfp\n"
+        "print(tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "-0.9189385"
+
+
+def test_tfp_imported_before_harvest_recovers_on_a_second_import():
+    """TFP first fails inside TFP's own import (harvest is not loaded yet to speak);
+    after `import harvest`, the same import succeeds."""
+    import subprocess
+
+    code = (
+        "import jax.interpreters.xla as xla\n"
+        "needs = not hasattr(xla, 'pytype_aval_mappings')\n"
+        "try:\n"
+        "    import tensorflow_probability.substrates.jax\n"
+        "    failed = False\n"
+        "except AttributeError:\n"
+        "    failed = True\n"
+        "import harvest\n"
+        "from harvest import _jax\n"
+        "import tensorflow_probability.substrates.jax as tfp\n"
+        "print(needs, failed, _jax.tfp_failed_before_alias, tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    needs, failed, recorded, value = out.stdout.split()
+    assert needs == failed == recorded  # TFP failed exactly where JAX lacked the alias, and harvest noticed
+    assert value == "-0.9189385"
 
 
 def test_tfp_imports_in_a_fresh_interpreter_after_harvest_ppl():

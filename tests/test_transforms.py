@@ -5,6 +5,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -260,9 +261,9 @@ def test_reap_of_vmap_of_scan_layouts():
 
 
 def test_vmap_of_reap_of_cond_with_batched_predicate():
-    # Per batch member, the taken branch's value; zeros where not taken. (reap
-    # of vmap(f) cannot do this: JAX turns the batched cond into a select that
-    # runs both branches; see the semantics table.)
+    # Per batch member, the taken branch's value; zeros where not taken. (JAX
+    # runs both branches of the batched cond in reap(vmap(f)); harvest still
+    # records only the taken one: tests/test_batched_cond.py.)
     def f(x):
         return lax.cond(x[0] > 0, lambda x: sow(x * 2.0, name="b", mode="collect"), lambda x: x - 1.0, x)
 
@@ -270,6 +271,7 @@ def test_vmap_of_reap_of_cond_with_batched_predicate():
     expect_out = jnp.stack([xb[0] * 2.0, xb[1] - 1.0])
     expect_b = (jnp.stack([xb[0] * 2.0, jnp.zeros(2)]),)
     close(jax.vmap(call_and_reap(f))(xb), (expect_out, {"b": expect_b}))
+    close(call_and_reap(jax.vmap(f))(xb), (expect_out, {"b": expect_b}))
 
 
 def test_vmap_of_reap_of_cond_clobber_keeps_earlier_value_where_not_taken():
@@ -346,3 +348,44 @@ def test_plant_one_value_for_every_example_of_a_vmap_inside_f():
     # Outside vmap a value still must have the sown shape.
     with pytest.raises(ValueError, match=r"is float32\[\], but the site expects float32\[4\]\. "):
         plant(f)({"h": 5.0}, xs)
+
+
+def test_a_python_number_planted_into_a_site_of_another_dtype_takes_its_dtype():
+    """As oryx's test_should_plant_constant: a Python float into a site sown from a
+    Python int. It is cast as JAX casts in `x.at[i].set(15.5)`, and keeps the site's
+    weak type, so loop carries keep their types (vmap of a while loop included)."""
+
+    def f(x):
+        return sow(x, name="x", mode="strict") + sow(717, name="y", mode="strict")
+
+    assert float(plant(f)({"x": 2.0, "y": 15.0}, 1.0)) == 17.0
+    assert float(plant(f)({"y": 15.5}, 1.0)) == 16.0  # 15.5 -> int32 15, as jnp.asarray(15.5, int)
+
+    def loop(x, n):
+        def body(c):
+            i, v = c
+            return i + 1, v + sow(i, name="i", mode="clobber")
+
+        return lax.while_loop(lambda c: c[0] < n, body, (0, x))
+
+    def by_hand(x, n, planted):  # the same loop with the planted value in place of i
+        return lax.while_loop(lambda c: c[0] < n, lambda c: (c[0] + 1, c[1] + planted), (0, x))
+
+    xs, ns = jnp.arange(3.0), jnp.array([1, 2, 3])
+    got = jax.vmap(lambda x, n: plant(loop)({"i": 2.0}, x, n))(xs, ns)
+    want = jax.vmap(lambda x, n: by_hand(x, n, 2))(xs, ns)
+    assert jax.tree_util.tree_map(lambda a: (a.dtype, a.weak_type), got) == jax.tree_util.tree_map(
+        lambda a: (a.dtype, a.weak_type), want
+    )
+    np.testing.assert_array_equal(got[1], want[1])
+
+    def scan_carry(xs):
+        return lax.scan(lambda c, x: (sow(c, name="c", mode="clobber") + 1, x * c), 0, xs)
+
+    carry, ys = plant(scan_carry)({"c": 5.0}, jnp.arange(3.0))
+    assert int(carry) == 6 and ys.tolist() == [0.0, 6.0, 12.0]  # x times the unplanted carry: 0, 6, 6
+    cond_out = plant(lambda p, x: lax.cond(p, lambda x: x + sow(1, name="k"), lambda x: x, x))({"k": 4.0}, True, 1.0)
+    assert float(cond_out) == 5.0
+    # Only Python numbers: an array of another dtype is still an error.
+    with pytest.raises(ValueError, match=r"is float32\[\], but the site expects int32\[\]"):
+        plant(f)({"y": jnp.float32(15.0)}, 1.0)

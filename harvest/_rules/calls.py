@@ -7,15 +7,18 @@ derivative its rule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from .. import _jax
-from .._interpreter import interpret, register, retrace
+from .. import _errors, _jax
+from .._interpreter import Policy, Walk, inside_rule, interpret, jvp_rule, register, retrace, rule_sites, sites_in
+from .._paths import path_str
 
 
 @register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
@@ -119,5 +122,79 @@ def _with_vjp(body, original, k, n, nconsts):
     return wrapped
 
 
-register(_jax.custom_jvp_call_p)(_keeping_the_rule(_with_jvp))
+_keeping_the_jvp_rule = _keeping_the_rule(_with_jvp)
 register(_jax.custom_vjp_call_p)(_keeping_the_rule(_with_vjp))
+
+
+# Sows in a custom_jvp's JVP rule. JAX runs the rule instead of the body where
+# it differentiates the call (as oryx reaps them, under `jax.jvp(reap(f))`, and
+# not where nothing is differentiated). A walk under a differentiation trace
+# binds a custom_jvp whose rule is the user's rule, walked: JAX calls it at bind
+# time, one level down, so what it reaps has no tangent.
+
+
+def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
+    """The sites `policy` handles in the JVP rule of `eqn` that its body does not
+    sow (a rule that calls its own function sows the body's names again)."""
+    found = rule_sites(eqn)
+    if not found:
+        return {}
+    in_body = {(s.tag, s.path) for s in sites_in(_jax.call_body(eqn).jaxpr)}
+    return {s.path: s for s in found if policy.handles(s) and (s.tag, s.path) not in in_body}
+
+
+def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:
+    """Whether a custom_jvp among `jaxpr`'s own equations has a JVP rule sowing
+    for `policy` (ones inside a jit, scan or cond body are staged again, where
+    no rule runs, so walking in place would not reach them either)."""
+    return any(rule_only_sites(policy, eqn) for eqn in jaxpr.eqns)
+
+
+@register(_jax.custom_jvp_call_p)
+def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
+    rule_only = rule_only_sites(walk.policy, eqn)
+    if not rule_only or not _jax.differentiating():
+        return _keeping_the_jvp_rule(walk, eqn, invals)
+    call = _jax.call_body(eqn)
+    in_body = walk.handled_sites([call.jaxpr])
+    if in_body:
+        raise _errors.sown_in_jvp_rule_and_body(next(iter(rule_only.values())), map(path_str, in_body))
+    found = jvp_rule(eqn)
+    assert found is not None  # it has sites
+    rule, out_zeros = found
+    nconsts = _jax.custom_num_consts(eqn)
+    # Planted values enter as arguments, so the rule (run one level down) sees
+    # their primals; a planted tangent is ignored, as in oryx.
+    planted = {p: walk.plants[p].value for p in rule_only if p in walk.plants and not callable(walk.plants[p].value)}
+    leaves, tree = jax.tree_util.tree_flatten(planted)
+    k = len(leaves)
+
+    @jax.custom_jvp
+    def walked(*xs: Any) -> list[Any]:
+        return _jax.rebind(eqn, xs[k:])
+
+    @walked.defjvp
+    def walked_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+        values = jax.tree_util.tree_unflatten(tree, primals[:k])
+        primals, tangents = primals[k + nconsts :], tangents[k + nconsts :]
+        plants = {
+            p: (dataclasses.replace(pl, value=values[p]) if p in values else pl).shift(walk.seen.get(p, 0))
+            for p, pl in walk.plants.items()
+        }
+        reaping, running = walk.child(plants=plants), walk.child(plants=plants)
+        with inside_rule():
+            # Reaped at zero tangents: a sown tangent would not be known under
+            # reverse mode, so reaps are values at the primals, alike in both modes.
+            interpret(reaping, rule.jaxpr, rule.consts, [*primals, *map(_zero_tangent, tangents)])
+            ran = interpret(running, rule.jaxpr, rule.consts, [*primals, *tangents])
+        walk.absorb(reaping.records, reaping.seen)
+        outs, dots = ran[: len(out_zeros)], iter(ran[len(out_zeros) :])
+        return outs, [_zero_tangent(o) if zero else next(dots) for o, zero in zip(outs, out_zeros)]
+
+    return walked(*leaves, *invals)
+
+
+def _zero_tangent(x: Any) -> Any:
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(jnp.shape(x), jax.dtypes.float0)

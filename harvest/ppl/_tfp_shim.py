@@ -7,14 +7,15 @@ on such a JAX. Putting the alias back is all TFP needs.
 
 Whether the alias is missing is a feature check in the adapter (`harvest._jax`):
 on a JAX that still has it, nothing is touched, and nothing JAX defines is ever
-replaced. It runs when `harvest.ppl` is imported, so import `harvest.ppl`
-before TFP; a TFP import that already failed before that is retried here.
+replaced. It runs when `harvest` itself is imported (it imports no TFP), so
+import harvest before TFP. TFP imported first fails in TFP's own import, where
+harvest cannot speak; importing harvest afterwards puts the alias back, so
+running the TFP import again works, and `harvest.ppl` retries it itself.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
 import warnings
 
 from .. import _jax
@@ -33,9 +34,10 @@ def tfp_error_message(cause, imported_before=False):
     order = ""
     if imported_before:
         order = (
-            " TFP's JAX substrate was imported before harvest.ppl, on a JAX that needs "
-            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py); "
-            "import harvest.ppl first, in a fresh interpreter."
+            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
+            "importing it again did not recover. Restart the interpreter and import "
+            "harvest (or harvest.ppl) before tensorflow_probability."
         )
     return (
         f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({SUBSTRATE}): "
@@ -48,10 +50,7 @@ def tfp_error_message(cause, imported_before=False):
 def import_tfp():
     """Imports TFP's JAX substrate after the shim, or raises an ImportError that
     says which versions work."""
-    # A failed import leaves parts of TFP's JAX backend in sys.modules.
-    imported_before = _jax.tfp_needs_alias() and any(
-        m.startswith("tensorflow_probability.python.internal.backend.jax") for m in sys.modules
-    )
+    imported_before = _jax.tfp_failed_before()
     apply_shim()
     try:
         with warnings.catch_warnings():

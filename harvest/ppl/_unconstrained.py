@@ -110,6 +110,16 @@ class Unconstrained:
     each variable's map onto its support. `constrain(u, *args)`: the model's
     values `{name: value}` for `u` (the free variables; observed ones are not
     random). `init(key, *args)`: a `u` drawn from the prior, to start a chain.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> model = lambda key: ppl.random_variable(tfp.distributions.Exponential(1.0), name="rate")(key)
+        >>> posterior = ppl.unconstrained(model)
+        >>> u = posterior.init(jax.random.key(0))
+        >>> list(u), bool(posterior.constrain(u)["rate"] > 0)  # any real u maps to a positive rate
+        (['rate'], True)
     """
 
     log_density: Callable[..., jax.Array]

@@ -83,5 +83,11 @@ def _density(eqn: Any, known: Any) -> Any:
 
 
 def registered() -> dict[Any, Callable[[Any, Any], Any]]:
-    """The registry as the inverse walk takes it: {primitive: density(eqn, known)}."""
+    """The registry as the inverse walk takes it: {primitive: density(eqn, known)}.
+
+    Example:
+        >>> from harvest.compat.oryx import log_prob as lp
+        >>> set(lp.registered()) == lp.log_prob_registry
+        True
+    """
     return {p: _density for p in log_prob_registry}

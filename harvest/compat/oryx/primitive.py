@@ -59,11 +59,23 @@ class FlatPrimitive(_jax.Primitive):
 
 
 def tie_all(*args: T) -> tuple[T, ...]:
-    """Returns `args` unchanged (oryx ties them together in the trace; harvest needs no tie)."""
+    """Returns `args` unchanged (oryx ties them together in the trace; harvest needs no tie).
+
+    Example:
+        >>> from harvest.compat.oryx import primitive
+        >>> primitive.tie_all(1.0, 2.0)
+        (1.0, 2.0)
+    """
     return args
 
 
 def tie_in(x: Any, y: T) -> T:
-    """Returns `y` (oryx's stand-in for the removed `jax.tie_in`)."""
+    """Returns `y` (oryx's stand-in for the removed `jax.tie_in`).
+
+    Example:
+        >>> from harvest.compat.oryx import primitive
+        >>> primitive.tie_in(1.0, 2.0)
+        2.0
+    """
     del x
     return y

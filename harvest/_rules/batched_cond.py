@@ -1,0 +1,354 @@
+"""Branches that vmap runs side by side: `cond`/`switch` with a batched predicate.
+
+Under `vmap`, a `cond` whose predicate differs per example cannot pick one
+branch: JAX runs every branch on every example and selects each output per
+example. Left alone, every branch's sows would fire for every example. While a
+harvest traces, this module wraps that batching rule:
+
+* each sow stays where it is but only takes plants (`role="plant_only"`), so a
+  planted value still flows on through the branch that computed it;
+* each branch also returns its sows' (post-plant) values in slots: slot `j` of
+  a name holds its `j`-th occurrence and a flag saying whether the branch
+  sowed it, zeros and False in a branch that sows it fewer times. JAX's rule
+  selects these per example along with the branch outputs;
+* after the select, each slot is sown again with `role="record_only"`: it
+  records the taken branch's value per example and takes no plant.
+
+Markers (`branch_p`) before each branch and after the last tell the walk where
+the alternatives start, so every branch counts occurrences from the same
+point, and the `cond` counts as its longest branch, as an unbatched one does.
+A scan's values leave it stacked, as reap stacks them. Sows inside a
+`while_loop` or a custom derivative within such a branch cannot leave it as
+slots; they still take plants, and a walk that would record one says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .. import _errors, _jax
+from .._interpreter import Walk, register, sites_in
+from .._modes import MODES
+from .._occurrences import MARKERS
+from .._paths import path_str
+from .._primitive import sow_effect, sow_p, tracing_a_harvest
+from .._site import Site
+
+LAST = -1  # the `branch` of the marker after the last branch
+
+branch_p = _jax.Primitive("harvest_branch")
+branch_p.multiple_results = True
+branch_p.def_impl(lambda **params: [])
+# The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
+branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
+_jax.register_lowering(branch_p, lambda ctx, **params: [])
+_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
+_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
+_jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), []))
+
+_groups = itertools.count()
+
+# Calls whose body, when it sows, is rewritten in place, as if inlined (a jit's
+# boundary and a checkpoint's policy are dropped for that body alone).
+_INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p, _jax.remat_p})
+
+
+# ---------------------------------------------------------------------------
+# Rewriting a branch: sows take plants in place, their values leave as outputs.
+
+
+@dataclasses.dataclass
+class _Occurrence:
+    params: dict[str, Any]  # the sow's params, without a role
+    leaves: list[Any]
+    present: Any  # whether it was sown (for sow_cond: and its pred held)
+    loops: int = 0  # leading axes the leaves gained from scans (collect entries)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        p = self.params
+        return (p["tag"], p["scope"], p["name"], p["mode"])
+
+
+def _rewrite(
+    jaxpr: _jax.Jaxpr,
+    consts: list[Any],
+    args: list[Any],
+    found: list[_Occurrence],
+    stuck: set[Site],
+) -> list[Any]:
+    """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
+    the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [v.val if isinstance(v, _jax.Literal) else env[v] for v in eqn.invars]
+        subs = _jax.sub_jaxprs(eqn)
+        with _jax.eqn_context(eqn):
+            if eqn.primitive is sow_p:
+                outs = _rewrite_sow(eqn, invals, found)
+            elif not any(sites_in(j) for j in subs):
+                outs = _jax.rebind(eqn, invals)
+            elif eqn.primitive is _jax.cond_p:
+                outs = _rewrite_cond(eqn, invals, found, stuck)
+            elif eqn.primitive is _jax.scan_p:
+                outs = _rewrite_scan(eqn, invals, found, stuck)
+            elif eqn.primitive in _INLINED:
+                body = _jax.call_body(eqn)
+                outs = _rewrite(body.jaxpr, list(body.consts), invals, found, stuck)
+            else:
+                stuck.update(site for j in subs for site in sites_in(j))
+                outs = _jax.rebind(eqn, invals)
+        if not eqn.primitive.multiple_results:
+            outs = [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [v.val if isinstance(v, _jax.Literal) else env[v] for v in jaxpr.outvars]
+
+
+def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[Any]:
+    params = dict(eqn.params)
+    role = params.pop("role", None)
+    n = len(eqn.outvars)
+    if role == "plant_only":  # an inner batched cond's, already brought out by it
+        return list(sow_p.bind(*invals, **eqn.params))
+    if role == "record_only":  # records of a vmap inside this branch: they leave as slots
+        found.append(_Occurrence(params, invals[:n], invals[n]))
+        return invals[:n]
+    outs = list(sow_p.bind(*invals, **params, role="plant_only"))
+    found.append(_Occurrence(params, outs, invals[n] if len(invals) > n else True))
+    return outs
+
+
+def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+    """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
+    branches = _jax.cond_branches(eqn)
+    new, slots, inner_stuck = _united(branches, group=None)
+    stuck.update(inner_stuck)
+    outs = _jax.bind_with(_jax.cond_p, dict(eqn.params, branches=tuple(new)), invals)
+    found.extend(_unpack(slots, outs[len(branches[0].out_avals) :]))
+    return list(outs[: len(branches[0].out_avals)])
+
+
+def _rewrite_scan(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+    """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
+    p = _jax.Scan.of(eqn)
+    nc, ncarry = p.num_consts, p.num_carry
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    holder: dict[str, list[_Occurrence]] = {}
+
+    def step(carry: list[Any], x: list[Any]) -> Any:
+        inner: list[_Occurrence] = []
+        outs = _rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
+        holder["inner"] = inner = _merge_carried(inner)
+        return outs[:ncarry], (outs[ncarry:], [(o.leaves, jnp.asarray(o.present, bool)) for o in inner])
+
+    carry, (ys, stacked) = lax.scan(step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
+    for o, (leaves, present) in zip(holder["inner"], stacked):
+        mode = MODES[o.params["mode"]]
+        if mode.rows:  # one row per iteration, in order
+            found.extend(_Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length))
+        elif mode.carried:  # the last iteration that sowed it
+            found.append(_last(o.params, leaves, present, p.reverse))
+        else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
+            found.append(_Occurrence(o.params, leaves, jnp.any(present), o.loops + 1))
+    return [*carry, *ys]
+
+
+def _merge_carried(found: list[_Occurrence]) -> list[_Occurrence]:
+    """One occurrence per clobber-like name: the last one sown, and whether any was."""
+    out: list[_Occurrence] = []
+    where: dict[tuple[Any, ...], int] = {}
+    for o in found:
+        i = where.get(o.key) if MODES[o.params["mode"]].carried else None
+        if i is None:
+            where[o.key] = len(out)
+            out.append(o)
+            continue
+        prev = out[i]
+        pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
+        out[i] = _Occurrence(o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present)
+    return out
+
+
+def _lead(pred: Any, like: Any) -> Any:
+    """`pred` with trailing unit axes, to select along `like`'s leading axes."""
+    return jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(like) - jnp.ndim(pred)))
+
+
+def _last(params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool) -> _Occurrence:
+    """Of values stacked over iterations, the one of the last iteration run whose flag holds."""
+    if reverse:  # the last iteration run is the first
+        leaves, present = [l[::-1] for l in leaves], present[::-1]
+    later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
+    last = present & (later == 1)
+    leaves = [jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype) for l in leaves]
+    return _Occurrence(params, leaves, jnp.any(present, axis=0))
+
+
+# ---------------------------------------------------------------------------
+# Uniting branches: every one returns the same slots.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    params: dict[str, Any]  # of the sow that first fills it
+    avals: tuple[Any, ...]  # the value's leaves, then its flag
+    loops: int  # as its occurrences'
+
+
+def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
+    """Each branch rewritten to also return the slots of every branch; with a
+    `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in branches[0].in_avals]
+    n_outs = len(branches[0].out_avals)
+    traced: list[tuple[Any, dict[Any, _Slot]]] = []
+    stuck: set[Site] = set()
+    for b, br in enumerate(branches):
+        found: list[_Occurrence] = []
+
+        def walk(*ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b) -> list[Any]:
+            if group is not None:
+                branch_p.bind(group=group, branch=b, stuck=())
+            outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
+            return [*outs, *(x for o in found for x in (*o.leaves, jnp.asarray(o.present, bool)))]
+
+        closed = jax.make_jaxpr(walk)(*specs)
+        # Slot (name, j): the j-th occurrence of the name in this branch.
+        mine: dict[Any, _Slot] = {}
+        avals = closed.out_avals[n_outs:]
+        for occ in found:
+            j = sum(key[0] == occ.key for key in mine)
+            k = len(occ.leaves) + 1
+            mine[(occ.key, j)], avals = _Slot(occ.params, tuple(avals[:k]), occ.loops), avals[k:]
+        traced.append((closed, mine))
+
+    slots: dict[Any, _Slot] = {}  # in the order names first occur
+    for _, mine in traced:
+        for key, slot in mine.items():
+            known = slots.setdefault(key, slot)
+            if known.params["tree"] != slot.params["tree"] or [(a.shape, a.dtype) for a in known.avals[:-1]] + [
+                known.loops
+            ] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
+                p = slot.params
+                raise _errors.batched_branch_shapes_differ(p["tag"], path_str((*p["scope"], p["name"])))
+            flag = jax.ShapeDtypeStruct(np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool)
+            slots[key] = dataclasses.replace(known, avals=(*known.avals[:-1], flag))
+
+    def padded(closed: Any, mine: dict[Any, _Slot]) -> Any:
+        def fn(*ops: Any) -> list[Any]:
+            flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
+            outs, rest = flat[:n_outs], flat[n_outs:]
+            have = {}
+            for key, slot in mine.items():  # in the order this branch sowed them
+                k = len(slot.avals)
+                have[key], rest = rest[:k], rest[k:]
+            extra: list[Any] = []
+            for key, slot in slots.items():
+                values = have.get(key) or [jnp.zeros(a.shape, a.dtype) for a in slot.avals]  # zeros, and False
+                extra.extend(values[:-1])
+                extra.append(jnp.broadcast_to(values[-1], slot.avals[-1].shape))
+            return [*outs, *extra]
+
+        return fn
+
+    new = [jax.make_jaxpr(padded(closed, mine))(*specs) for closed, mine in traced]
+    return new, list(slots.values()), stuck
+
+
+def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
+    """The occurrences that slots hold, from their flattened values."""
+    found = []
+    for slot in slots:
+        k = len(slot.avals)
+        found.append(_Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1], slot.loops))
+        flat = flat[k:]
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The batching rule.
+
+
+def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any) -> Any:
+    if (
+        dims[0] is None
+        or "branches_platforms" in params
+        or not tracing_a_harvest()
+        or not any(sites_in(b.jaxpr) for b in branches)
+    ):
+        return jax_rule(axis_data, args, dims, branches=branches, **params)
+    group = next(_groups)
+    new, slots, stuck = _united(tuple(branches), group)
+    outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
+    n = len(branches[0].out_avals)
+    branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
+    extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
+    for occ in _unpack(slots, extra):
+        k = len(occ.leaves)
+        vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
+        # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
+        leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
+        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+    return outs[:n], out_dims[:n]
+
+
+_jax.wrap_batching(_jax.cond_p, _batch_cond)
+
+
+# ---------------------------------------------------------------------------
+# The walk at a marker.
+
+
+def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
+    """The occurrences of a name counted so far, `n`, after a marker: each
+    branch counts from where the first began, and the cond as its longest."""
+    p = eqn.params
+    if p["branch"] == 0:
+        groups[p["group"]] = (n, n)
+    start, most = groups[p["group"]]
+    groups[p["group"]] = (start, max(most, n))
+    return max(most, n) if p["branch"] == LAST else start
+
+
+MARKERS[branch_p] = recount
+
+_counts: weakref.WeakKeyDictionary[Walk, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@register(branch_p)
+def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
+    p = eqn.params
+    groups = _counts.setdefault(walk, {})
+    if p["branch"] == 0:
+        groups[p["group"]] = (dict(walk.seen), {})
+    start, most = groups[p["group"]]
+    for path, n in walk.seen.items():
+        most[path] = max(most.get(path, 0), n)
+    walk.seen.clear()
+    walk.seen.update(most if p["branch"] == LAST else start)
+    stuck = p["stuck"]
+    if p["branch"] == LAST:
+        del groups[p["group"]]
+        stuck = tuple(_unless_harvested(walk, site) for site in stuck)
+    # What is left goes to an outer harvest, its names as it will see them.
+    stuck = tuple(dataclasses.replace(s, path=walk.policy.prefix + s.path) for s in stuck if s is not None)
+    return list(branch_p.bind(**dict(p, stuck=stuck)))
+
+
+def _unless_harvested(walk: Walk, site: Site) -> Site | None:
+    """A stuck site, or None once this walk has planted it (in every branch, as it should)."""
+    if not walk.policy.handles(site) or (not walk.reap and site.path not in walk.plants):
+        return site
+    if site.path in walk.plants:
+        return None
+    raise _errors.stuck_in_batched_branch(site)
