@@ -21,9 +21,12 @@ demo: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
-# Type-checks the package and tests/typing/usage.py (settings in pyproject.toml:
-# strict on the modules that define public names).
+# ruff (lint rules and the formatter's check) over the tree, then mypy over the
+# package and tests/typing/usage.py (settings in pyproject.toml: strict on the
+# modules that define public names).
 lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 # The suite on every tested JAX release, one venv each (.venv-jax-<version>);

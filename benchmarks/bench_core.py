@@ -45,7 +45,9 @@ class Config:
     batch: int = BATCH
 
 
-QUICK = Config(layers=(2,), repeats=2, calls=2, compile_repeats=1, trace_sizes=(30, 60), width=8, batch=4)
+QUICK = Config(
+    layers=(2,), repeats=2, calls=2, compile_repeats=1, trace_sizes=(30, 60), width=8, batch=4
+)
 
 
 # ---------------------------------------------------------------------------

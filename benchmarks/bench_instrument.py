@@ -26,7 +26,6 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -98,16 +97,24 @@ def run(size="small"):
     graphdef, state = nnx.split(model)
     functional = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     steady = _timing.ratio(lambda: capture(x), lambda: jitted(model, x), repeats, calls)[0]
-    steady_functional = _timing.ratio(lambda: capture(x), lambda: functional(state, x), repeats, calls)[0]
-    jitted_capture = jax.jit(lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x))
-    steady_jitted = _timing.ratio(lambda: jitted_capture(state, x), lambda: functional(state, x), repeats, calls)[0]
+    steady_functional = _timing.ratio(
+        lambda: capture(x), lambda: functional(state, x), repeats, calls
+    )[0]
+    jitted_capture = jax.jit(
+        lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x)
+    )
+    steady_jitted = _timing.ratio(
+        lambda: jitted_capture(state, x), lambda: functional(state, x), repeats, calls
+    )[0]
     first = _timing.ratio(
         lambda: reap(instrument(model), tag="modules")(x),
         lambda: nnx.jit(forward)(model, x),
         max(3, repeats // 3),
         setup=jax.clear_caches,
     )[0]
-    forward_steady = _timing.ratio(lambda: probed_jitted(model, x), lambda: jitted(model, x), repeats, calls)[0]
+    forward_steady = _timing.ratio(
+        lambda: probed_jitted(model, x), lambda: jitted(model, x), repeats, calls
+    )[0]
     ratios = {
         "sites": len(reaped),
         "capture_steady": steady,
@@ -116,7 +123,10 @@ def run(size="small"):
         "capture_first_call": first,
         "forward_steady": forward_steady,
     }
-    print(f"instrument, {blocks} blocks of width {width} ({size}): " + ", ".join(f"{k} {v:.3g}" for k, v in ratios.items()))
+    print(
+        f"instrument, {blocks} blocks of width {width} ({size}): "
+        + ", ".join(f"{k} {v:.3g}" for k, v in ratios.items())
+    )
     return ratios
 
 

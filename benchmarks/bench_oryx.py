@@ -28,11 +28,26 @@ def run(layers, repeats, calls, width, batch, eager_repeats=3, timeout=900):
     python = venv_python()
     if python is None:
         return None
-    cmd = [str(python), str(SCRIPT), *map(str, layers), "--repeats", str(repeats), "--calls", str(calls),
-           "--eager-repeats", str(eager_repeats), "--width", str(width), "--batch", str(batch)]
+    cmd = [
+        str(python),
+        str(SCRIPT),
+        *map(str, layers),
+        "--repeats",
+        str(repeats),
+        "--calls",
+        str(calls),
+        "--eager-repeats",
+        str(eager_repeats),
+        "--width",
+        str(width),
+        "--batch",
+        str(batch),
+    ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("PYTHONPATH", None)  # keep this venv's harvest and JAX out of the oryx venv
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"oryx_side.py failed in {python}:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

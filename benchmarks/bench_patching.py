@@ -30,7 +30,9 @@ SIZES = {  # layers, positions, width, batch
 
 def make_model(layers, positions, width):
     keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
-    mixes = [jnp.tril(jax.random.normal(k, (positions, positions))) / positions for k in keys[:layers]]
+    mixes = [
+        jnp.tril(jax.random.normal(k, (positions, positions))) / positions for k in keys[:layers]
+    ]
     weights = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[layers:-1]]
     readout = jax.random.normal(keys[-1], (width,))
 
@@ -99,7 +101,11 @@ def run(size="small"):
 
     baseline = metric(model(x_corrupt))
     np.testing.assert_allclose(sweep().ravel(), naive_loop() - baseline, rtol=1e-4, atol=1e-5)
-    seconds = {"sweep": _timed(sweep), "naive_loop": _timed(naive_loop), "cached_loop": _timed(cached_loop)}
+    seconds = {
+        "sweep": _timed(sweep),
+        "naive_loop": _timed(naive_loop),
+        "cached_loop": _timed(cached_loop),
+    }
     ratios = {
         "sweep_vs_naive_loop": seconds["naive_loop"] / seconds["sweep"],
         "sweep_vs_cached_loop": seconds["cached_loop"] / seconds["sweep"],
@@ -132,7 +138,12 @@ def _module_reuse(layers, positions, width, batch):
     class Model(nnx.Module):
         def __init__(self):
             keys = jax.random.split(jax.random.key(0), layers + 1)
-            self.weights = nnx.List([nnx.Param(jax.random.normal(k, (width, width)) / np.sqrt(width)) for k in keys[:-1]])
+            self.weights = nnx.List(
+                [
+                    nnx.Param(jax.random.normal(k, (width, width)) / np.sqrt(width))
+                    for k in keys[:-1]
+                ]
+            )
             self.readout = nnx.Param(jax.random.normal(keys[-1], (width,)))
 
         def __call__(self, x):
@@ -150,7 +161,9 @@ def _module_reuse(layers, positions, width, batch):
     first = _timed(sweep)
     again = []
     for _ in range(3):
-        model.weights[0][...] = model.weights[0][...] * 1.01  # trained in place: read, not recompiled
+        model.weights[0][...] = (
+            model.weights[0][...] * 1.01
+        )  # trained in place: read, not recompiled
         again.append(_repeat(sweep))
     return first / min(again)
 

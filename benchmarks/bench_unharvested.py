@@ -88,9 +88,14 @@ def step_fn(sowing, layers):
 def step_args(width, batch, layers):
     keys = jax.random.split(jax.random.key(0), layers + 2)
     params = [
-        (jax.random.normal(k, (width, width)) / jnp.sqrt(width), jnp.zeros(width)) for k in keys[:layers]
+        (jax.random.normal(k, (width, width)) / jnp.sqrt(width), jnp.zeros(width))
+        for k in keys[:layers]
     ]
-    return params, jax.random.normal(keys[-2], (batch, width)), jax.random.normal(keys[-1], (batch, width))
+    return (
+        params,
+        jax.random.normal(keys[-2], (batch, width)),
+        jax.random.normal(keys[-1], (batch, width)),
+    )
 
 
 def _hlo(jitted, args):
@@ -123,7 +128,12 @@ def compare(build, args, calls, cfg):
 
 
 def run(cfg: Config = Config()):
-    rows = [dict(measure="dispatch, tiny arrays, 4 sows", **compare(dispatch_fn, dispatch_args(), cfg.dispatch_calls, cfg))]
+    rows = [
+        dict(
+            measure="dispatch, tiny arrays, 4 sows",
+            **compare(dispatch_fn, dispatch_args(), cfg.dispatch_calls, cfg),
+        )
+    ]
     for width in cfg.widths:
         args = step_args(width, cfg.batch, cfg.layers)
         build = lambda sowing: step_fn(sowing, cfg.layers)  # noqa: E731

@@ -32,7 +32,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 
@@ -47,30 +47,33 @@ GOLDEN = HERE / "golden" / "oryx_0.2.9.json"
 KNOWN = HERE / "known_differences.json"
 RTOL, ATOL = 1e-5, 1e-6
 
-__all__ = ["compare", "compare_encoded", "decode", "load_golden", "load_known",
-           "main"]
+__all__ = ["compare", "compare_encoded", "decode", "load_golden", "load_known", "main"]
 
 
-def load_golden(path: Path = GOLDEN) -> Dict[str, Any]:
+def load_golden(path: Path = GOLDEN) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def load_known(path: Path = KNOWN) -> Dict[str, str]:
+def load_known(path: Path = KNOWN) -> dict[str, str]:
     path = Path(path)
     if not path.exists():
         return {}
-    return {k: v for k, v in json.loads(path.read_text()).items()
-            if not k.startswith("_")}
+    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
 
 
-def _golden_scenarios(golden) -> Dict[str, Any]:
+def _golden_scenarios(golden) -> dict[str, Any]:
     """Accepts the whole golden file or its scenarios mapping; returns
     {name: encoded result}."""
     if "scenarios" in golden and "format" in golden:
         golden = golden["scenarios"]
-    return {n: (v["result"] if isinstance(v, dict) and "result" in v
-                and set(v) <= {"doc", "result"} else v)
-            for n, v in golden.items()}
+    return {
+        n: (
+            v["result"]
+            if isinstance(v, dict) and "result" in v and set(v) <= {"doc", "result"}
+            else v
+        )
+        for n, v in golden.items()
+    }
 
 
 def decode(enc) -> Any:
@@ -79,11 +82,9 @@ def decode(enc) -> Any:
         return None
     if isinstance(enc, dict):
         if "__error__" in enc:
-            return Raised(enc["__error__"], enc.get("message", ""),
-                          (enc["__error__"],))
+            return Raised(enc["__error__"], enc.get("message", ""), (enc["__error__"],))
         if "__array__" in enc:
-            return np.asarray(enc["value"], dtype=enc["__array__"]).reshape(
-                enc["shape"])
+            return np.asarray(enc["value"], dtype=enc["__array__"]).reshape(enc["shape"])
         if "__tuple__" in enc:
             return tuple(decode(v) for v in enc["__tuple__"])
         if "__list__" in enc:
@@ -110,25 +111,28 @@ def _kind(tree) -> str:
 
 
 def _short(a: np.ndarray) -> str:
-    s = np.array2string(np.asarray(a), precision=6, threshold=12,
-                        separator=",").replace("\n", "")
+    s = np.array2string(np.asarray(a), precision=6, threshold=12, separator=",").replace("\n", "")
     return s if len(s) < 120 else s[:117] + "..."
 
 
-def _walk(got, want, path: str, out: List[str], messages: bool) -> None:
+def _walk(got, want, path: str, out: list[str], messages: bool) -> None:
     if isinstance(want, Raised):
         if not isinstance(got, Raised):
-            out.append(f"{path}: oryx raised {want.type_name}({want.message!r}) "
-                       f"but got {_kind(got)}")
+            out.append(
+                f"{path}: oryx raised {want.type_name}({want.message!r}) but got {_kind(got)}"
+            )
         elif want.type_name not in (got.mro or (got.type_name,)):
-            out.append(f"{path}: oryx raised {want.type_name}({want.message!r}) "
-                       f"but got {got.type_name}({got.message!r})")
+            out.append(
+                f"{path}: oryx raised {want.type_name}({want.message!r}) "
+                f"but got {got.type_name}({got.message!r})"
+            )
         elif messages and got.message != want.message:
             out.append(f"{path}: message {got.message!r} != oryx {want.message!r}")
         return
     if isinstance(got, Raised):
-        out.append(f"{path}: raised {got.type_name}({got.message!r}) "
-                   f"but oryx returned {_kind(want)}")
+        out.append(
+            f"{path}: raised {got.type_name}({got.message!r}) but oryx returned {_kind(want)}"
+        )
         return
     if want is None or got is None:
         if not (want is None and got is None):
@@ -165,8 +169,9 @@ def _walk(got, want, path: str, out: List[str], messages: bool) -> None:
         out.append(f"{path}: shape {g.shape} != oryx {w.shape}")
         return
     if g.dtype.kind != w.dtype.kind:
-        out.append(f"{path}: dtype {g.dtype} (kind {g.dtype.kind}) != oryx "
-                   f"{w.dtype} (kind {w.dtype.kind})")
+        out.append(
+            f"{path}: dtype {g.dtype} (kind {g.dtype.kind}) != oryx {w.dtype} (kind {w.dtype.kind})"
+        )
         return
     if w.dtype.kind in "fc":
         ok = np.allclose(g, w, rtol=RTOL, atol=ATOL, equal_nan=True)
@@ -176,8 +181,9 @@ def _walk(got, want, path: str, out: List[str], messages: bool) -> None:
         out.append(f"{path}: values {_short(g)} != oryx {_short(w)}")
 
 
-def compare(results: Dict[str, Any], golden, *, messages: bool = False,
-            require_all: bool = False) -> List[str]:
+def compare(
+    results: dict[str, Any], golden, *, messages: bool = False, require_all: bool = False
+) -> list[str]:
     """Returns mismatch strings (empty when ``results`` conform).
 
     ``results``: {scenario name: raw result} as from ``scenarios.run_all``.
@@ -185,7 +191,7 @@ def compare(results: Dict[str, Any], golden, *, messages: bool = False,
     but not in ``results`` are reported only with ``require_all``.
     """
     gold = _golden_scenarios(golden)
-    out: List[str] = []
+    out: list[str] = []
     for name, got in results.items():
         if name not in gold:
             out.append(f"{name}: no golden result (re-run record_golden.py)")
@@ -196,7 +202,7 @@ def compare(results: Dict[str, Any], golden, *, messages: bool = False,
     return out
 
 
-def compare_encoded(encoded: Dict[str, Any], golden, **kw) -> List[str]:
+def compare_encoded(encoded: dict[str, Any], golden, **kw) -> list[str]:
     """Like :func:`compare` for already-encoded results (same JSON form)."""
     return compare({n: decode(v) for n, v in encoded.items()}, golden, **kw)
 
@@ -210,19 +216,29 @@ def _case_of(mismatch: str) -> str:
     return head
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Run the oryx conformance scenarios against harvest.compat.oryx")
+        description="Run the oryx conformance scenarios against harvest.compat.oryx"
+    )
     ap.add_argument("names", nargs="*", help="scenario names (default: all)")
     ap.add_argument("--golden", type=Path, default=GOLDEN)
-    ap.add_argument("--known", type=Path, default=KNOWN,
-                    help="JSON {'scenario.case': reason} of accepted differences")
-    ap.add_argument("--module", default="harvest.compat.oryx",
-                    help="module under test (default: harvest.compat.oryx)")
-    ap.add_argument("--messages", action="store_true",
-                    help="also require identical error messages")
-    ap.add_argument("--in-process", action="store_true",
-                    help="run cases in this process instead of forked workers")
+    ap.add_argument(
+        "--known",
+        type=Path,
+        default=KNOWN,
+        help="JSON {'scenario.case': reason} of accepted differences",
+    )
+    ap.add_argument(
+        "--module",
+        default="harvest.compat.oryx",
+        help="module under test (default: harvest.compat.oryx)",
+    )
+    ap.add_argument("--messages", action="store_true", help="also require identical error messages")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run cases in this process instead of forked workers",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     ap.add_argument("--json", type=Path, help="also write this run's encoded results")
     args = ap.parse_args(argv)
@@ -240,18 +256,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     gold = _golden_scenarios(golden)
     names = args.names or list(scenarios.SCENARIOS)
 
-    results = scenarios.run_all(h, jax, jnp, names=names, verbose=args.verbose,
-                                isolate=not args.in_process)
+    results = scenarios.run_all(
+        h, jax, jnp, names=names, verbose=args.verbose, isolate=not args.in_process
+    )
     if args.json:
-        args.json.write_text(json.dumps(
-            {n: scenarios.encode(r) for n, r in results.items()}, indent=1))
+        args.json.write_text(
+            json.dumps({n: scenarios.encode(r) for n, r in results.items()}, indent=1)
+        )
 
     passed = failed = accepted = 0
     for name in names:
         mism = compare({name: results[name]}, golden, messages=args.messages)
-        n_cases = (len(gold.get(name) or {})
-                   if isinstance(gold.get(name), dict)
-                   and "__error__" not in gold[name] else 1)
+        n_cases = (
+            len(gold.get(name) or {})
+            if isinstance(gold.get(name), dict) and "__error__" not in gold[name]
+            else 1
+        )
         bad_cases = {_case_of(m) for m in mism}
         real = [m for m in mism if _case_of(m) not in known]
         doc = [m for m in mism if _case_of(m) in known]

@@ -37,14 +37,16 @@ def _module(name, **attrs):
 def install():
     test_util = _module("oryx.internal.test_util", TestCase=parameterized.TestCase)
     interpreters = _module("oryx.core.interpreters", harvest=harvest_compat, log_prob=log_prob)
-    sys.modules.update({
-        "oryx.core.interpreters.harvest": harvest_compat,
-        "oryx.core.interpreters.log_prob": log_prob,
-        "oryx.core.ppl": ppl,
-        "oryx.core.ppl.transformations": ppl.transformations,
-        "oryx.core.ppl.effect_handler": ppl.effect_handler,
-        "oryx.core.primitive": primitive,
-    })
+    sys.modules.update(
+        {
+            "oryx.core.interpreters.harvest": harvest_compat,
+            "oryx.core.interpreters.log_prob": log_prob,
+            "oryx.core.ppl": ppl,
+            "oryx.core.ppl.transformations": ppl.transformations,
+            "oryx.core.ppl.effect_handler": ppl.effect_handler,
+            "oryx.core.primitive": primitive,
+        }
+    )
     core = _module("oryx.core", ppl=ppl, primitive=primitive, interpreters=interpreters)
     _module("oryx.internal", test_util=test_util)
     _module("oryx", core=core)

@@ -36,8 +36,7 @@ def dumps(obj, indent: int = 1, _level: int = 0) -> str:
     if isinstance(obj, dict):
         if not obj:
             return "{}"
-        items = [f"{pad}{json.dumps(k)}: {dumps(v, indent, _level + 1)}"
-                 for k, v in obj.items()]
+        items = [f"{pad}{json.dumps(k)}: {dumps(v, indent, _level + 1)}" for k, v in obj.items()]
         return "{\n" + ",\n".join(items) + "\n" + end + "}"
     if isinstance(obj, list):
         if not obj:
@@ -48,10 +47,11 @@ def dumps(obj, indent: int = 1, _level: int = 0) -> str:
 
 
 def build_golden(results, leaks, scenarios_mod) -> dict:
+    from importlib import metadata  # noqa: PLC0415
+
     import jax  # noqa: PLC0415
     import jaxlib  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
-    from importlib import metadata  # noqa: PLC0415
 
     meta = {
         "source": "oryx.core.interpreters.harvest",
@@ -78,23 +78,28 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("names", nargs="*", help="scenario names (default: all)")
     ap.add_argument("--out", type=Path, default=GOLDEN)
-    ap.add_argument("--check", action="store_true",
-                    help="compare against the existing golden file, write nothing")
-    ap.add_argument("--in-process", action="store_true",
-                    help="no forked workers (faster to debug; oryx errors leak)")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="compare against the existing golden file, write nothing",
+    )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="no forked workers (faster to debug; oryx errors leak)",
+    )
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
+    import scenarios  # noqa: PLC0415
     from oryx.core.interpreters import harvest as h  # noqa: PLC0415
 
-    import scenarios  # noqa: PLC0415
-
-    results = scenarios.run_all(h, jax, jnp, names=args.names or None,
-                                verbose=args.verbose,
-                                isolate=not args.in_process)
+    results = scenarios.run_all(
+        h, jax, jnp, names=args.names or None, verbose=args.verbose, isolate=not args.in_process
+    )
     golden = build_golden(results, scenarios.LEAKS, scenarios)
 
     if args.check:
@@ -102,8 +107,8 @@ def main(argv=None) -> int:
 
         old = json.loads(args.out.read_text())
         problems = compare.compare_encoded(
-            {n: v["result"] for n, v in golden["scenarios"].items()}, old,
-            messages=True)
+            {n: v["result"] for n, v in golden["scenarios"].items()}, old, messages=True
+        )
         for p in problems:
             print(p)
         print(f"{len(problems)} difference(s) against {args.out}")
@@ -116,12 +121,15 @@ def main(argv=None) -> int:
         golden = old
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(dumps(golden) + "\n")
-    n_cases = sum(len(r["result"]) if isinstance(r["result"], dict)
-                  and "__error__" not in r["result"] else 1
-                  for r in golden["scenarios"].values())
+    n_cases = sum(
+        len(r["result"]) if isinstance(r["result"], dict) and "__error__" not in r["result"] else 1
+        for r in golden["scenarios"].values()
+    )
     n_err = json.dumps(golden["scenarios"]).count('"__error__"')
-    print(f"wrote {args.out} ({len(golden['scenarios'])} scenarios, "
-          f"{n_cases} cases, {n_err} recorded errors)")
+    print(
+        f"wrote {args.out} ({len(golden['scenarios'])} scenarios, "
+        f"{n_cases} cases, {n_err} recorded errors)"
+    )
     return 0
 
 

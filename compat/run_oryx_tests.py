@@ -43,7 +43,6 @@ import tempfile
 import xml.etree.ElementTree as ET
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -56,35 +55,44 @@ TEST_IN_WHEEL = "oryx/core/interpreters/harvest_test.py"
 BEGIN, END = "<!-- oryx-tests:begin -->", "<!-- oryx-tests:end -->"
 # oryx's ppl tests run unmodified; `oryx_redirect.py` maps oryx's modules to
 # harvest's in `sys.modules` (from a conftest.py), so no line is rewritten.
-PPL_TESTS_IN_WHEEL = ("oryx/core/ppl/transformations_test.py",
-                      "oryx/core/ppl/effect_handler_test.py")
+PPL_TESTS_IN_WHEEL = (
+    "oryx/core/ppl/transformations_test.py",
+    "oryx/core/ppl/effect_handler_test.py",
+)
 PPL_BASELINE = HERE / "golden" / "oryx_0.2.9_ppl_tests.json"
 PPL_BEGIN, PPL_END = "<!-- oryx-ppl-tests:begin -->", "<!-- oryx-ppl-tests:end -->"
 
-PUBLIC = {"sow", "sow_cond", "harvest", "reap", "plant", "call_and_reap",
-          "nest", "sow_p"}
+PUBLIC = {"sow", "sow_cond", "harvest", "reap", "plant", "call_and_reap", "nest", "sow_p"}
 
 # (pattern, replacement, why).  Each must match exactly once.
-REWRITES: List[Tuple[str, str, str]] = [
-    (r"^from oryx\.core\.interpreters import harvest$",
-     "from harvest.compat import oryx as harvest",
-     "the module under test"),
-    (r"^from oryx\.internal import test_util$",
-     "import types as _types\n"
-     "test_util = _types.SimpleNamespace(TestCase=parameterized.TestCase)",
-     "oryx.internal.test_util.TestCase is parameterized.TestCase"),
-    (r"^from jax import ad_checkpoint$",
-     "from jax import ad_checkpoint\n"
-     "if not hasattr(ad_checkpoint, 'checkpoint'):\n"
-     "  import types as _types\n"
-     "  ad_checkpoint = _types.SimpleNamespace(checkpoint=jax.checkpoint)",
-     "jax.ad_checkpoint.checkpoint was removed in JAX 0.10 (use jax.checkpoint)"),
-    (r"^from jax\._src import pjit$",
-     "import types as _types\n"
-     "from jax._src import pjit as _jax_pjit\n"
-     "pjit = _types.SimpleNamespace(\n"
-     "    pjit_p=getattr(_jax_pjit, 'pjit_p', None) or _jax_pjit.jit_p)",
-     "JAX renamed pjit_p to jit_p (JAX-private, not oryx)"),
+REWRITES: list[tuple[str, str, str]] = [
+    (
+        r"^from oryx\.core\.interpreters import harvest$",
+        "from harvest.compat import oryx as harvest",
+        "the module under test",
+    ),
+    (
+        r"^from oryx\.internal import test_util$",
+        "import types as _types\n"
+        "test_util = _types.SimpleNamespace(TestCase=parameterized.TestCase)",
+        "oryx.internal.test_util.TestCase is parameterized.TestCase",
+    ),
+    (
+        r"^from jax import ad_checkpoint$",
+        "from jax import ad_checkpoint\n"
+        "if not hasattr(ad_checkpoint, 'checkpoint'):\n"
+        "  import types as _types\n"
+        "  ad_checkpoint = _types.SimpleNamespace(checkpoint=jax.checkpoint)",
+        "jax.ad_checkpoint.checkpoint was removed in JAX 0.10 (use jax.checkpoint)",
+    ),
+    (
+        r"^from jax\._src import pjit$",
+        "import types as _types\n"
+        "from jax._src import pjit as _jax_pjit\n"
+        "pjit = _types.SimpleNamespace(\n"
+        "    pjit_p=getattr(_jax_pjit, 'pjit_p', None) or _jax_pjit.jit_p)",
+        "JAX renamed pjit_p to jit_p (JAX-private, not oryx)",
+    ),
 ]
 
 
@@ -95,9 +103,22 @@ def fetch_test(tmp: Path, pip_python: str) -> Path:
     wheels = tmp / "wheel"
     wheels.mkdir()
     subprocess.run(
-        [pip_python, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--only-binary", ":all:", f"oryx=={ORYX_VERSION}", "-d", str(wheels)],
-        check=True, stderr=subprocess.DEVNULL if not os.environ.get("VERBOSE") else None)
+        [
+            pip_python,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            f"oryx=={ORYX_VERSION}",
+            "-d",
+            str(wheels),
+        ],
+        check=True,
+        stderr=subprocess.DEVNULL if not os.environ.get("VERBOSE") else None,
+    )
     (whl,) = list(wheels.glob("oryx-*.whl"))
     with zipfile.ZipFile(whl) as z:
         src = z.read(TEST_IN_WHEEL).decode()
@@ -110,23 +131,25 @@ def fetch_test(tmp: Path, pip_python: str) -> Path:
 
 def rewrite(src: str, module: str = "harvest.compat.oryx") -> str:
     pkg, _, name = module.rpartition(".")
-    rewrites = [(REWRITES[0][0], f"from {pkg} import {name} as harvest",
-                 REWRITES[0][2])] + REWRITES[1:]
+    rewrites = [
+        (REWRITES[0][0], f"from {pkg} import {name} as harvest", REWRITES[0][2])
+    ] + REWRITES[1:]
     for pat, rep, why in rewrites:
         new, n = re.subn(pat, lambda _m: rep, src, flags=re.M)
         if n != 1:
-            raise SystemExit(f"rewrite {pat!r} ({why}) matched {n} times; "
-                             "oryx's test file changed?")
+            raise SystemExit(
+                f"rewrite {pat!r} ({why}) matched {n} times; oryx's test file changed?"
+            )
         src = new
     return src
 
 
-def internals(src: str) -> Dict[str, List[str]]:
+def internals(src: str) -> dict[str, list[str]]:
     """{'Class.test': [reasons]} for tests using more than oryx's public API."""
     tree = ast.parse(src)
-    out: Dict[str, List[str]] = {}
+    out: dict[str, list[str]] = {}
 
-    def uses(node) -> List[str]:
+    def uses(node) -> list[str]:
         found = set()
         for n in ast.walk(node):
             if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
@@ -138,13 +161,18 @@ def internals(src: str) -> Dict[str, List[str]]:
                 elif mod == "pjit":
                     found.add(f"jax._src.pjit.{attr} (JAX private)")
                 elif mod == "ad_checkpoint":
-                    found.add("jax.ad_checkpoint.checkpoint (removed in JAX "
-                              "0.10; shimmed to jax.checkpoint)")
+                    found.add(
+                        "jax.ad_checkpoint.checkpoint (removed in JAX "
+                        "0.10; shimmed to jax.checkpoint)"
+                    )
                 elif mod == "shard_map":
-                    found.add("jax.experimental.shard_map on a 1x2 mesh "
-                              "(2 devices)")
-            if (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                    and n.func.attr == "assertRaisesRegex" and len(n.args) > 1):
+                    found.add("jax.experimental.shard_map on a 1x2 mesh (2 devices)")
+            if (
+                isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and n.func.attr == "assertRaisesRegex"
+                and len(n.args) > 1
+            ):
                 try:
                     pattern = ast.literal_eval(n.args[1])
                 except ValueError:
@@ -159,8 +187,7 @@ def internals(src: str) -> Dict[str, List[str]]:
         cls_reasons = []
         if any(b.startswith("test_util.") for b in bases):
             cls_reasons.append("base class oryx.internal.test_util.TestCase (shimmed)")
-        setup = [f for f in cls.body
-                 if isinstance(f, ast.FunctionDef) and f.name == "setUp"]
+        setup = [f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "setUp"]
         setup_uses = uses(setup[0]) if setup else []
         for fn in cls.body:
             if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test"):
@@ -172,15 +199,20 @@ def internals(src: str) -> Dict[str, List[str]]:
     return out
 
 
-def test_methods(src: str) -> List[str]:
+def test_methods(src: str) -> list[str]:
     tree = ast.parse(src)
-    return [f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef)
-            for f in c.body
-            if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+    return [
+        f"{c.name}.{f.name}"
+        for c in tree.body
+        if isinstance(c, ast.ClassDef)
+        for f in c.body
+        if isinstance(f, ast.FunctionDef) and f.name.startswith("test")
+    ]
 
 
-def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
-               label: str) -> Dict[str, Tuple[str, str]]:
+def run_pytest(
+    python: str, test_file: Path, extra_env: dict[str, str], label: str
+) -> dict[str, tuple[str, str]]:
     """Runs pytest; returns {'Class.test_id': (outcome, short message)}."""
     where = test_file if test_file.is_dir() else test_file.parent
     xml = where / f"{test_file.stem}.{label}.xml"
@@ -189,13 +221,24 @@ def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
     env = dict(os.environ)
     env.update(extra_env)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=2").strip()
-    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-c", str(ini), "--rootdir", str(where),
-           f"--junitxml={xml}", str(test_file)]
-    proc = subprocess.run(cmd, cwd=where, env=env,
-                          capture_output=True, text=True)
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-c",
+        str(ini),
+        "--rootdir",
+        str(where),
+        f"--junitxml={xml}",
+        str(test_file),
+    ]
+    proc = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
     log = where / f"{test_file.stem}.{label}.log"
     log.write_text(proc.stdout + proc.stderr)
     if not xml.exists():
@@ -209,8 +252,7 @@ def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
         for tag in ("failure", "error", "skipped"):
             el = case.find(tag)
             if el is not None:
-                outcome = {"failure": "failed", "error": "error",
-                           "skipped": "skipped"}[tag]
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 msg = (el.get("message") or "").strip().splitlines()
                 msg = msg[0][:150] if msg else ""
                 break
@@ -218,7 +260,7 @@ def run_pytest(python: str, test_file: Path, extra_env: Dict[str, str],
     return results
 
 
-def method_of(test_id: str, methods: List[str]) -> str:
+def method_of(test_id: str, methods: list[str]) -> str:
     """Maps a pytest id (parameterized suffixes) to its 'Class.method'."""
     best = ""
     for m in methods:
@@ -227,7 +269,7 @@ def method_of(test_id: str, methods: List[str]) -> str:
     return best or test_id
 
 
-def counts(results: Dict[str, Tuple[str, str]]) -> str:
+def counts(results: dict[str, tuple[str, str]]) -> str:
     c = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
     for o, _ in results.values():
         c[o] += 1
@@ -237,39 +279,52 @@ def counts(results: Dict[str, Tuple[str, str]]) -> str:
     return s
 
 
-def ensure_absl(tmp: Path) -> Dict[str, str]:
+def ensure_absl(tmp: Path) -> dict[str, str]:
     """oryx's tests need absl-py; install it into the temp dir if missing."""
     try:
         import absl  # noqa: F401,PLC0415
+
         return {}
     except ImportError:
         site = tmp / "site"
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet",
-                        "--no-deps", "--target", str(site), "absl-py"],
-                       check=True, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(site),
+                "absl-py",
+            ],
+            check=True,
+            stderr=subprocess.DEVNULL,
+        )
         return {"_EXTRA_PATH": str(site)}
 
 
-def load_known(prefix: str = "oryx_test:") -> Dict[str, str]:
+def load_known(prefix: str = "oryx_test:") -> dict[str, str]:
     if not KNOWN.exists():
         return {}
     data = json.loads(KNOWN.read_text())
-    return {k[len(prefix):]: v for k, v in data.items()
-            if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in data.items() if k.startswith(prefix)}
 
 
 def render(ref, ours, methods, internal, known, ref_note) -> str:
     lines = []
-    lines.append(f"oryx {ORYX_VERSION}'s `harvest_test.py`, extracted from the "
-                 "wheel at run time. Last run by `compat/run_oryx_tests.py`.")
+    lines.append(
+        f"oryx {ORYX_VERSION}'s `harvest_test.py`, extracted from the "
+        "wheel at run time. Last run by `compat/run_oryx_tests.py`."
+    )
     lines.append("")
     if ref is not None:
         lines.append(f"- Unmodified, real oryx ({ref_note}): **{counts(ref)}**")
     else:
         lines.append(f"- Unmodified, real oryx: not run ({ref_note})")
     if ours is not None:
-        lines.append(f"- Rewritten for `harvest.compat.oryx` (project venv): "
-                     f"**{counts(ours)}**")
+        lines.append(f"- Rewritten for `harvest.compat.oryx` (project venv): **{counts(ours)}**")
     else:
         lines.append("- Rewritten for `harvest.compat.oryx`: not run")
     lines.append("")
@@ -289,14 +344,14 @@ def render(ref, ours, methods, internal, known, ref_note) -> str:
             note = f"documented: {k}" if k else msg.replace("|", "\\|")[:100]
             lines.append(f"| `{t}` | {r} | {o} | {note} |")
         lines.append("")
-    lines.append("Import rewrites applied to the test (test bodies are not "
-                 "edited):")
+    lines.append("Import rewrites applied to the test (test bodies are not edited):")
     lines.append("")
     for _, _, why in REWRITES:
         lines.append(f"- {why}")
     lines.append("")
-    lines.append("Tests that use more than oryx harvest's public API, or match "
-                 "oryx's exact error text:")
+    lines.append(
+        "Tests that use more than oryx harvest's public API, or match oryx's exact error text:"
+    )
     lines.append("")
     for t, why in sorted(internal.items()):
         lines.append(f"- `{t}`: {'; '.join(why)}")
@@ -314,21 +369,36 @@ def update_readme(text: str, begin: str = BEGIN, end: str = END) -> None:
 
 def render_ppl(ref, ours, known, ref_note) -> str:
     files = ", ".join(f"`{Path(n).name}`" for n in PPL_TESTS_IN_WHEEL)
-    lines = [f"oryx {ORYX_VERSION}'s {files}, extracted from the wheel at run "
-             "time and run unmodified: under real oryx, and under import "
-             "redirection to `harvest.compat.oryx` (`compat/oryx_redirect.py`, "
-             "loaded by a conftest.py; no line of the tests is edited). Last run "
-             "by `compat/run_oryx_tests.py`.", ""]
-    lines.append(f"- Real oryx ({ref_note}): **{counts(ref)}**" if ref is not None
-                 else f"- Real oryx: not run ({ref_note})")
-    lines.append(f"- `harvest.compat.oryx` (project venv): **{counts(ours)}**"
-                 if ours is not None else "- `harvest.compat.oryx`: not run")
-    notable = [t for t in sorted(set(ref or {}) | set(ours or {}))
-               if (ref or {}).get(t, ("passed",))[0] != "passed"
-               or (ours or {}).get(t, ("passed",))[0] != "passed"]
+    lines = [
+        f"oryx {ORYX_VERSION}'s {files}, extracted from the wheel at run "
+        "time and run unmodified: under real oryx, and under import "
+        "redirection to `harvest.compat.oryx` (`compat/oryx_redirect.py`, "
+        "loaded by a conftest.py; no line of the tests is edited). Last run "
+        "by `compat/run_oryx_tests.py`.",
+        "",
+    ]
+    lines.append(
+        f"- Real oryx ({ref_note}): **{counts(ref)}**"
+        if ref is not None
+        else f"- Real oryx: not run ({ref_note})"
+    )
+    lines.append(
+        f"- `harvest.compat.oryx` (project venv): **{counts(ours)}**"
+        if ours is not None
+        else "- `harvest.compat.oryx`: not run"
+    )
+    notable = [
+        t
+        for t in sorted(set(ref or {}) | set(ours or {}))
+        if (ref or {}).get(t, ("passed",))[0] != "passed"
+        or (ours or {}).get(t, ("passed",))[0] != "passed"
+    ]
     if notable:
-        lines += ["", "| test | real oryx | harvest.compat.oryx | note |",
-                  "| --- | --- | --- | --- |"]
+        lines += [
+            "",
+            "| test | real oryx | harvest.compat.oryx | note |",
+            "| --- | --- | --- | --- |",
+        ]
         for t in notable:
             r = (ref or {}).get(t, ("-", ""))
             o = (ours or {}).get(t, ("-", ""))
@@ -350,11 +420,18 @@ def run_ppl_tests(args, tmp: Path) -> int:
             shutil.copy(tmp / n, ref_dir / n)
         ref = run_pytest(str(oryx_py), ref_dir, {}, "reference")
         ref_note = "jax 0.4.38, .oryx-venv"
-        PPL_BASELINE.write_text(json.dumps(
-            {"note": f"outcomes of oryx {ORYX_VERSION}'s unmodified ppl tests "
-                     f"({', '.join(names)}) under real oryx ({ref_note}), "
-                     "written by compat/run_oryx_tests.py",
-             "tests": {t: o for t, (o, _) in sorted(ref.items())}}, indent=1) + "\n")
+        PPL_BASELINE.write_text(
+            json.dumps(
+                {
+                    "note": f"outcomes of oryx {ORYX_VERSION}'s unmodified ppl tests "
+                    f"({', '.join(names)}) under real oryx ({ref_note}), "
+                    "written by compat/run_oryx_tests.py",
+                    "tests": {t: o for t, (o, _) in sorted(ref.items())},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     elif PPL_BASELINE.exists():
         base = json.loads(PPL_BASELINE.read_text())
         ref = {t: (o, "") for t, o in base["tests"].items()}
@@ -395,15 +472,22 @@ def run_ppl_tests(args, tmp: Path) -> int:
     return 1 if regressions else 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", choices=["auto", "build", "skip"], default="auto",
-                    help="run the unmodified test under real oryx in .oryx-venv")
+    ap.add_argument(
+        "--reference",
+        choices=["auto", "build", "skip"],
+        default="auto",
+        help="run the unmodified test under real oryx in .oryx-venv",
+    )
     ap.add_argument("--ours", choices=["run", "skip"], default="run")
-    ap.add_argument("--module", default="harvest.compat.oryx",
-                    help="module the rewritten test imports as `harvest` "
-                         "(e.g. oryx.core.interpreters.harvest to check the "
-                         "rewrite itself inside .oryx-venv)")
+    ap.add_argument(
+        "--module",
+        default="harvest.compat.oryx",
+        help="module the rewritten test imports as `harvest` "
+        "(e.g. oryx.core.interpreters.harvest to check the "
+        "rewrite itself inside .oryx-venv)",
+    )
     ap.add_argument("--update-readme", action="store_true")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -429,24 +513,35 @@ def main(argv: Optional[List[str]] = None) -> int:
             ref = run_pytest(str(oryx_py), ref_file, {}, "reference")
             ver = subprocess.run(
                 [str(oryx_py), "-c", "import jax; print(jax.__version__)"],
-                capture_output=True, text=True, env={**os.environ,
-                                                     "JAX_PLATFORMS": "cpu"})
+                capture_output=True,
+                text=True,
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            )
             ref_note = f"jax {ver.stdout.strip()}, .oryx-venv"
             print(f"real oryx {ORYX_VERSION} (unmodified test): {counts(ref)}")
-            BASELINE.write_text(json.dumps(
-                {"note": f"outcomes of oryx {ORYX_VERSION}'s unmodified "
-                         "harvest_test.py under real oryx (" + ref_note + "), "
-                         "written by compat/run_oryx_tests.py",
-                 "tests": {t: o for t, (o, _) in sorted(ref.items())}},
-                indent=1) + "\n")
+            BASELINE.write_text(
+                json.dumps(
+                    {
+                        "note": f"outcomes of oryx {ORYX_VERSION}'s unmodified "
+                        "harvest_test.py under real oryx (" + ref_note + "), "
+                        "written by compat/run_oryx_tests.py",
+                        "tests": {t: o for t, (o, _) in sorted(ref.items())},
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
         elif BASELINE.exists():
             base = json.loads(BASELINE.read_text())
             ref = {t: (o, "") for t, o in base["tests"].items()}
             ref_note = f"recorded in {BASELINE.relative_to(ROOT)}"
             print(f"real oryx {ORYX_VERSION}: {counts(ref)} ({ref_note})")
         else:
-            ref_note = ("skipped" if args.reference == "skip"
-                        else f"{oryx_py} missing; run compat/oryx_venv.sh")
+            ref_note = (
+                "skipped"
+                if args.reference == "skip"
+                else f"{oryx_py} missing; run compat/oryx_venv.sh"
+            )
             print(f"real oryx: {ref_note}")
 
         ours = None
@@ -462,22 +557,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         known = load_known()
         regressions = []
-        collect_err = [t for t, (o, _) in (ours or {}).items()
-                       if t.split(".")[-1] in ("", "harvest_test")]
+        collect_err = [
+            t for t, (o, _) in (ours or {}).items() if t.split(".")[-1] in ("", "harvest_test")
+        ]
         if ours is not None and collect_err:
-            print(f"ours: the rewritten module did not import: "
-                  f"{ours[collect_err[0]][1]}")
+            print(f"ours: the rewritten module did not import: {ours[collect_err[0]][1]}")
         for t in sorted(set(ref or {}) | set(ours or {})):
             r = (ref or {}).get(t, ("-", ""))
             o = (ours or {}).get(t, ("-", ""))
-            if args.verbose or r[0] not in ("passed", "-") or (
-                    o[0] not in ("passed", "-") and not collect_err):
+            if (
+                args.verbose
+                or r[0] not in ("passed", "-")
+                or (o[0] not in ("passed", "-") and not collect_err)
+            ):
                 print(f"  {t:<75} oryx={r[0]:<7} ours={o[0]:<7} {o[1] or r[1]}"[:220])
             if ours is not None and o[0] != "passed" and r[0] in ("passed", "-"):
                 if method_of(t, methods) not in known and t not in known:
                     regressions.append(t)
-        print("tests using more than oryx harvest's public API "
-              "(or matching its error text):")
+        print("tests using more than oryx harvest's public API (or matching its error text):")
         for t, why in sorted(internal.items()):
             print(f"  {t}: {'; '.join(why)}")
 

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -48,10 +49,10 @@ __all__ = [
 class Scenario:
     name: str
     doc: str
-    fn: Callable[..., Dict[str, Any]]
+    fn: Callable[..., dict[str, Any]]
 
 
-SCENARIOS: Dict[str, Scenario] = {}
+SCENARIOS: dict[str, Scenario] = {}
 
 
 def scenario(fn):
@@ -80,13 +81,12 @@ class Raised:
     mro: tuple = ()
 
     @classmethod
-    def from_exception(cls, e: BaseException) -> "Raised":
+    def from_exception(cls, e: BaseException) -> Raised:
         text = str(e).strip().splitlines()
         msg = text[0] if text else ""
         if len(msg) > 160:
             msg = msg[:157] + "..."
-        return cls(type(e).__name__, msg,
-                   tuple(c.__name__ for c in type(e).__mro__))
+        return cls(type(e).__name__, msg, tuple(c.__name__ for c in type(e).__mro__))
 
 
 def catch(thunk: Callable[[], Any]) -> Any:
@@ -111,7 +111,7 @@ def _materialise(tree):
 
 
 _VERBOSE = False
-LEAKS: List[str] = []  # "scenario.case" after which trace state had leaked
+LEAKS: list[str] = []  # "scenario.case" after which trace state had leaked
 
 
 def trace_state_guard(jax) -> Callable[[], bool]:
@@ -127,6 +127,7 @@ def trace_state_guard(jax) -> Callable[[], bool]:
     """
     try:
         from jax._src import core  # noqa: PLC0415 - JAX-private, best effort
+
         ctx = core.trace_ctx
         ctx.is_top_level  # noqa: B018
     except Exception:  # noqa: BLE001
@@ -143,9 +144,16 @@ def trace_state_guard(jax) -> Callable[[], bool]:
     return check
 
 
-def run_all(h, jax, jnp, names: Optional[List[str]] = None,
-            verbose: bool = False, isolate: bool = False,
-            processes: int = 2, timeout: float = 300.0) -> Dict[str, Any]:
+def run_all(
+    h,
+    jax,
+    jnp,
+    names: list[str] | None = None,
+    verbose: bool = False,
+    isolate: bool = False,
+    processes: int = 2,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
     """Runs the selected (default: all) scenarios; returns {name: result}.
 
     ``isolate=False`` runs everything in this process, calling the trace-state
@@ -475,9 +483,11 @@ def mode_validation(h, jax, jnp):
     x = f32(jnp, 1.0)
     return {
         "sow_cond_clobber_mode": lambda: catch(
-            lambda: h.sow(x, tag="t", name="x", mode="cond_clobber")),
+            lambda: h.sow(x, tag="t", name="x", mode="cond_clobber")
+        ),
         "sow_cond_with_clobber": lambda: catch(
-            lambda: h.sow_cond(x, jnp.array(True), tag="t", name="x", mode="clobber")),
+            lambda: h.sow_cond(x, jnp.array(True), tag="t", name="x", mode="clobber")
+        ),
         "bogus_outside_harvest": lambda: bogus(x),
         "bogus_reap": lambda: h.reap(bogus, tag="t")(x),
         "bogus_plant": lambda: h.plant(bogus, tag="t")({"x": f32(jnp, 2.0)}, x),
@@ -504,19 +514,21 @@ def tag_isolation(h, jax, jnp):
     """Same name under two tags: reap one tag while planting the other."""
     f = _two_tags(h)
     x = f32(jnp, 1.0)
-    reap_a_plant_b = h.reap(
-        lambda pb, x: h.plant(f, tag="b")(pb, x), tag="a")
+    reap_a_plant_b = h.reap(lambda pb, x: h.plant(f, tag="b")(pb, x), tag="a")
     plant_b_reap_a = h.call_and_reap(
-        lambda x: h.plant(f, tag="b")({"v": f32(jnp, 100.0)}, x), tag="a")
+        lambda x: h.plant(f, tag="b")({"v": f32(jnp, 100.0)}, x), tag="a"
+    )
     return {
         "reap_a": lambda: h.reap(f, tag="a")(x),
         "reap_b": lambda: h.reap(f, tag="b")(x),
         "plant_a_reap_b": lambda: h.reap(
-            lambda x: h.plant(f, tag="a")({"v": f32(jnp, 10.0)}, x), tag="b")(x),
+            lambda x: h.plant(f, tag="a")({"v": f32(jnp, 10.0)}, x), tag="b"
+        )(x),
         "reap_a_over_plant_b": lambda: reap_a_plant_b({"v": f32(jnp, 100.0)}, x),
         "plant_b_reap_a": lambda: plant_b_reap_a(x),
         "harvest_a_then_b": lambda: h.harvest(
-            lambda x: h.harvest(f, tag="a")({"v": f32(jnp, 3.0)}, x), tag="b")({}, x),
+            lambda x: h.harvest(f, tag="a")({"v": f32(jnp, 3.0)}, x), tag="b"
+        )({}, x),
     }
 
 
@@ -588,7 +600,8 @@ def exclusive_mode(h, jax, jnp):
         "inclusive_outer_b": lambda: h.call_and_reap(inner_incl, tag="b")(x),
         "exclusive_outer_b": lambda: h.call_and_reap(inner_excl, tag="b")(x),
         "exclusive_plant_outer_b": lambda: h.reap(
-            lambda x: h.plant(f, tag="a", exclusive=True)({}, x), tag="b")(x),
+            lambda x: h.plant(f, tag="a", exclusive=True)({}, x), tag="b"
+        )(x),
         "exclusive_reap_own_tag": lambda: h.reap(f, tag="b", exclusive=True)(x),
     }
 
@@ -612,7 +625,8 @@ def nest_scopes(h, jax, jnp):
     return {
         "harvest_nest": lambda: h.harvest(h.nest(leaf, scope="foo"), tag="t")({}, x),
         "plant_nest": lambda: h.harvest(h.nest(leaf, scope="foo"), tag="t")(
-            {"foo": {"x": f32(jnp, 7.0)}}, x),
+            {"foo": {"x": f32(jnp, 7.0)}}, x
+        ),
         "two_scopes_reap": lambda: h.reap(f, tag="t")(x),
         "two_scopes_plant_one": lambda: h.plant(f, tag="t")({"first": {"x": f32(jnp, 5.0)}}, x),
         "deep_reap": lambda: h.reap(deep, tag="t")(x),
@@ -638,7 +652,8 @@ def nest_with_jit(h, jax, jnp):
         "harvest_jit_nest": lambda: h.harvest(jax.jit(h.nest(leaf, scope="foo")), tag="t")({}, x),
         "harvest_nest_jit": lambda: h.harvest(h.nest(jax.jit(leaf), scope="foo"), tag="t")({}, x),
         "plant_jit_nest": lambda: h.plant(jax.jit(h.nest(leaf, scope="foo")), tag="t")(
-            {"foo": {"x": f32(jnp, 4.0)}}, x),
+            {"foo": {"x": f32(jnp, 4.0)}}, x
+        ),
         "scope_clash": lambda: h.reap(clash, tag="t")(x),
     }
 
@@ -657,7 +672,9 @@ def pytree_values(h, jax, jnp):
         "reap": lambda: h.reap(f, tag="t")(x),
         "plant": lambda: h.plant(f, tag="t")({"tree": planted}, x),
         "harvest": lambda: h.harvest(f, tag="t")({}, x),
-        "tuple_sow": lambda: h.reap(lambda x: h.sow((x, x * 3.0), tag="t", name="p")[1], tag="t")(x),
+        "tuple_sow": lambda: h.reap(lambda x: h.sow((x, x * 3.0), tag="t", name="p")[1], tag="t")(
+            x
+        ),
     }
 
 
@@ -755,10 +772,15 @@ def vmap_outside(h, jax, jnp):
     return {
         "vmap_reap": lambda: jax.vmap(h.reap(f, tag="t"))(xs),
         "vmap_call_and_reap": lambda: jax.vmap(h.call_and_reap(f, tag="t"))(xs),
-        "vmap_plant_batched": lambda: jax.vmap(h.plant(f, tag="t"))({"y": f32(jnp, [0.0, 1.0, 2.0])}, xs),
+        "vmap_plant_batched": lambda: jax.vmap(h.plant(f, tag="t"))(
+            {"y": f32(jnp, [0.0, 1.0, 2.0])}, xs
+        ),
         "vmap_plant_unbatched": lambda: jax.vmap(h.plant(f, tag="t"), in_axes=(None, 0))(
-            {"y": f32(jnp, 5.0)}, xs),
-        "vmap_harvest": lambda: jax.vmap(h.harvest(f, tag="t"), in_axes=(None, 0))({"z": f32(jnp, 1.0)}, xs),
+            {"y": f32(jnp, 5.0)}, xs
+        ),
+        "vmap_harvest": lambda: jax.vmap(h.harvest(f, tag="t"), in_axes=(None, 0))(
+            {"z": f32(jnp, 1.0)}, xs
+        ),
     }
 
 
@@ -791,15 +813,18 @@ def grad_of_harvested(h, jax, jnp):
     return {
         "grad_reap_z": lambda: jax.grad(lambda x: h.reap(f, tag="t")(x)["z"])(x),
         "grad_call_and_reap_out": lambda: jax.grad(lambda x: h.call_and_reap(f, tag="t")(x)[0])(x),
-        "grad_plant_wrt_plant": lambda: jax.grad(
-            lambda p: h.plant(f, tag="t")({"y": p}, x))(f32(jnp, 2.0)),
+        "grad_plant_wrt_plant": lambda: jax.grad(lambda p: h.plant(f, tag="t")({"y": p}, x))(
+            f32(jnp, 2.0)
+        ),
         "grad_plant_wrt_x": lambda: jax.grad(
-            lambda x: h.plant(f, tag="t")({"y": f32(jnp, 2.0)}, x))(x),
+            lambda x: h.plant(f, tag="t")({"y": f32(jnp, 2.0)}, x)
+        )(x),
         "grad_harvest_both": lambda: jax.grad(
-            lambda p, x: h.harvest(f, tag="t")({"y": p}, x)[1]["z"], argnums=(0, 1))(
-                f32(jnp, 2.0), x),
+            lambda p, x: h.harvest(f, tag="t")({"y": p}, x)[1]["z"], argnums=(0, 1)
+        )(f32(jnp, 2.0), x),
         "value_and_grad_plant": lambda: jax.value_and_grad(
-            lambda x: h.plant(f, tag="t")({"z": x * x}, x))(x),
+            lambda x: h.plant(f, tag="t")({"z": x * x}, x)
+        )(x),
     }
 
 
@@ -815,9 +840,12 @@ def harvest_of_grad(h, jax, jnp):
     return {
         "reap_grad": lambda: h.call_and_reap(jax.grad(f), tag="t")(x),
         "plant_grad": lambda: h.plant(jax.grad(f), tag="t")({"y": f32(jnp, 3.0)}, x),
-        "reap_jvp": lambda: h.call_and_reap(lambda x: jax.jvp(f, (x,), (f32(jnp, 1.0),)), tag="t")(x),
+        "reap_jvp": lambda: h.call_and_reap(lambda x: jax.jvp(f, (x,), (f32(jnp, 1.0),)), tag="t")(
+            x
+        ),
         "plant_jvp": lambda: h.plant(lambda x: jax.jvp(f, (x,), (f32(jnp, 1.0),)), tag="t")(
-            {"y": f32(jnp, 3.0)}, x),
+            {"y": f32(jnp, 3.0)}, x
+        ),
         "reap_value_and_grad": lambda: h.reap(jax.value_and_grad(f), tag="t")(x),
     }
 
@@ -884,7 +912,9 @@ def scan_plant(h, jax, jnp):
     fc = _scan_fn(h, jax, "clobber")
     init = f32(jnp, 1.0)
     return {
-        "append_plant": lambda: h.plant(fa, tag="t")({"x": f32(jnp, [10.0, 20.0, 30.0, 40.0, 50.0])}, init),
+        "append_plant": lambda: h.plant(fa, tag="t")(
+            {"x": f32(jnp, [10.0, 20.0, 30.0, 40.0, 50.0])}, init
+        ),
         "clobber_plant": lambda: h.plant(fc, tag="t")({"x": f32(jnp, 3.0)}, init),
         "clobber_plant_python_float": lambda: h.plant(fc, tag="t")({"x": 3.0}, init),
         "append_harvest": lambda: h.harvest(fa, tag="t")({"x": jnp.zeros(5, jnp.float32)}, init),
@@ -944,7 +974,9 @@ def fori_loop_static(h, jax, jnp):
     return {
         "append_reap": lambda: h.call_and_reap(f("append"), tag="t")(init),
         "clobber_reap": lambda: h.call_and_reap(f("clobber"), tag="t")(init),
-        "append_plant": lambda: h.plant(f("append"), tag="t")({"c": f32(jnp, [1.0, 2.0, 3.0, 4.0])}, init),
+        "append_plant": lambda: h.plant(f("append"), tag="t")(
+            {"c": f32(jnp, [1.0, 2.0, 3.0, 4.0])}, init
+        ),
         "clobber_plant": lambda: h.plant(f("clobber"), tag="t")({"c": f32(jnp, 0.5)}, init),
         "clobber_plant_python_float": lambda: h.plant(f("clobber"), tag="t")({"c": 0.5}, init),
     }
@@ -964,10 +996,12 @@ def fori_loop_dynamic(h, jax, jnp):
     return {
         "clobber_reap": lambda: jax.jit(h.call_and_reap(f("clobber"), tag="t"))(n, init),
         "clobber_plant": lambda: jax.jit(h.plant(f("clobber"), tag="t"))(
-            {"c": f32(jnp, 2.0)}, n, init),
+            {"c": f32(jnp, 2.0)}, n, init
+        ),
         "append_reap": lambda: jax.jit(h.reap(f("append"), tag="t"))(n, init),
         "zero_trip_reap": lambda: jax.jit(h.call_and_reap(f("clobber"), tag="t"))(
-            jnp.array(0), init),
+            jnp.array(0), init
+        ),
         "concrete_upper_append": lambda: h.reap(f("append"), tag="t")(n, init),
     }
 
@@ -980,8 +1014,7 @@ def sow_cond_in_loops(h, jax, jnp):
     def body(step, x):
         x = x * 2.0 + step
         # one sow_cond per possible step; only the one for `step` fires
-        outs = [h.sow_cond(x, step == k, tag="t", name=f"x{k}")
-                for k in range(length + 1)]
+        outs = [h.sow_cond(x, step == k, tag="t", name=f"x{k}") for k in range(length + 1)]
         picked = x
         for k, o in enumerate(outs):
             picked = jnp.where(step == k, o, picked)
@@ -1000,7 +1033,8 @@ def sow_cond_in_loops(h, jax, jnp):
         "scan_harvest_array_plant": lambda: h.harvest(g, tag="t")({"x2": f32(jnp, 0.5)}, init),
         "while_reap": lambda: jax.jit(h.reap(f, tag="t"))(jnp.array(length), init),
         "while_harvest": lambda: jax.jit(h.harvest(f, tag="t"))(
-            {"x2": f32(jnp, 0.5)}, jnp.array(length), init),
+            {"x2": f32(jnp, 0.5)}, jnp.array(length), init
+        ),
     }
 
 
@@ -1050,7 +1084,9 @@ def while_loop(h, jax, jnp):
     return {
         "reap": lambda: h.call_and_reap(f, tag="t")(init),
         "plant_x": lambda: h.plant(f, tag="t")({"x": f32(jnp, 5.0)}, init),
-        "plant_x_reap_y": lambda: h.call_and_reap(h.plant(f, tag="t"), tag="t")({"x": f32(jnp, 5.0)}, init),
+        "plant_x_reap_y": lambda: h.call_and_reap(h.plant(f, tag="t"), tag="t")(
+            {"x": f32(jnp, 5.0)}, init
+        ),
         "zero_trip": lambda: h.reap(f, tag="t")((jnp.array(9), f32(jnp, 1.0), f32(jnp, 2.0))),
         "strict_reap": lambda: h.reap(fs, tag="t")(init),
         "strict_plant": lambda: h.plant(fs, tag="t")({"x": f32(jnp, 1.0)}, init),
@@ -1090,7 +1126,8 @@ def cond_reap_plant(h, jax, jnp):
         "python_bool_pred": lambda: h.call_and_reap(f, tag="t")(False, x),
         "jit_harvest": lambda: jax.jit(h.harvest(f, tag="t"))({}, F, x),
         "vmap_pred": lambda: jax.vmap(h.call_and_reap(f, tag="t"))(
-            jnp.array([True, False]), f32(jnp, [1.0, 2.0])),
+            jnp.array([True, False]), f32(jnp, [1.0, 2.0])
+        ),
     }
 
 
@@ -1144,8 +1181,7 @@ def switch_reap_plant(h, jax, jnp):
     out = {}
     for i in range(3):
         out[f"reap_{i}"] = lambda i=i: h.call_and_reap(f, tag="t")(jnp.array(i), x)
-        out[f"plant_{i}"] = lambda i=i: h.plant(f, tag="t")(
-            {"x": f32(jnp, 4.0)}, jnp.array(i), x)
+        out[f"plant_{i}"] = lambda i=i: h.plant(f, tag="t")({"x": f32(jnp, 4.0)}, jnp.array(i), x)
     out["clamped_index"] = lambda: h.call_and_reap(f, tag="t")(jnp.array(7), x)
     return out
 
@@ -1160,7 +1196,8 @@ def cond_sow_modes(h, jax, jnp):
                 p,
                 lambda x: h.sow(x * 2.0, tag="t", name="x", mode=mode),
                 lambda x: h.sow(x * 3.0, tag="t", name="x", mode=mode),
-                x)
+                x,
+            )
 
         return g
 
@@ -1169,7 +1206,8 @@ def cond_sow_modes(h, jax, jnp):
             p,
             lambda x: h.sow_cond(x * 2.0, q, tag="t", name="x"),
             lambda x: h.sow_cond(x * 3.0, q, tag="t", name="x"),
-            x)
+            x,
+        )
 
     x, T, F = f32(jnp, 1.0), jnp.array(True), jnp.array(False)
     return {
@@ -1217,7 +1255,8 @@ def remat_checkpoint(h, jax, jnp):
         "grad_reap": lambda: jax.grad(lambda x: h.reap(f, tag="t")(x)["y"])(x),
         "nested_reap": lambda: h.reap(nested, tag="t")(x),
         "nested_grad_plant": lambda: jax.grad(
-            lambda x: h.plant(nested, tag="t")({"z": f32(jnp, 2.0)}, x))(x),
+            lambda x: h.plant(nested, tag="t")({"z": f32(jnp, 2.0)}, x)
+        )(x),
         "nested_reap_grad": lambda: h.reap(jax.grad(nested), tag="t")(x),
     }
 
@@ -1254,11 +1293,15 @@ def custom_jvp(h, jax, jnp):
         "reap": lambda: h.call_and_reap(f, tag="t")(x),
         "plant": lambda: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x),
         "grad_of_reaped": lambda: jax.grad(lambda x: h.call_and_reap(f, tag="t")(x)[0])(x),
-        "grad_of_planted": lambda: jax.grad(lambda x: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x))(x),
+        "grad_of_planted": lambda: jax.grad(lambda x: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x))(
+            x
+        ),
         "reap_of_jvp": lambda: h.call_and_reap(
-            lambda x: jax.jvp(f, (x,), (f32(jnp, 1.0),)), tag="t")(x),
+            lambda x: jax.jvp(f, (x,), (f32(jnp, 1.0),)), tag="t"
+        )(x),
         "reap_sow_in_jvp_rule": lambda: h.call_and_reap(
-            lambda x: jax.jvp(g, (x,), (f32(jnp, 1.0),)), tag="t")(x),
+            lambda x: jax.jvp(g, (x,), (f32(jnp, 1.0),)), tag="t"
+        )(x),
     }
 
 
@@ -1297,7 +1340,8 @@ def custom_jvp_rule_sows(h, jax, jnp):
         "grad_of_reaped_value": lambda: jax.grad(lambda x: car(f)(x)[1]["x"])(x),
         "plant_undifferentiated": lambda: h.plant(g, tag="t")({"y": f32(jnp, 0.5)}, x),
         "jvp_of_plant": lambda: jax.jvp(
-            h.plant(g, tag="t"), ({"y": f32(jnp, 0.5)}, x), ({"y": f32(jnp, 0.25)}, one)),
+            h.plant(g, tag="t"), ({"y": f32(jnp, 0.5)}, x), ({"y": f32(jnp, 0.25)}, one)
+        ),
     }
 
 
@@ -1313,6 +1357,7 @@ def plant_python_number(h, jax, jnp):
         def body(c):
             i, v = c
             return i + 1, v + h.sow(i, tag="t", name="i", mode="clobber")
+
         return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
 
     plant = lambda fn: h.plant(fn, tag="t")
@@ -1320,8 +1365,9 @@ def plant_python_number(h, jax, jnp):
         "float_into_int": lambda: plant(f)({"x": 2.0, "y": 15.0}, f32(jnp, 1.0)),
         "fraction_into_int": lambda: plant(f)({"y": 15.5}, f32(jnp, 1.0)),
         "float_into_int_in_while": lambda: plant(loop)({"i": 2.0}, f32(jnp, 1.0)),
-        "vmap_float_into_int_in_while": lambda: jax.vmap(
-            lambda x: plant(loop)({"i": 2.0}, x))(jnp.arange(3.0, dtype=jnp.float32)),
+        "vmap_float_into_int_in_while": lambda: jax.vmap(lambda x: plant(loop)({"i": 2.0}, x))(
+            jnp.arange(3.0, dtype=jnp.float32)
+        ),
     }
 
 
@@ -1362,7 +1408,9 @@ def custom_vjp(h, jax, jnp):
         "reap": lambda: h.call_and_reap(f, tag="t")(x),
         "plant": lambda: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x),
         "grad_of_reaped": lambda: jax.grad(lambda x: h.call_and_reap(f, tag="t")(x)[0])(x),
-        "grad_of_planted": lambda: jax.grad(lambda x: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x))(x),
+        "grad_of_planted": lambda: jax.grad(lambda x: h.plant(f, tag="t")({"y": f32(jnp, 1.0)}, x))(
+            x
+        ),
         "reap_sow_in_fwd": lambda: h.call_and_reap(jax.grad(g), tag="t")(x),
         "plant_sow_in_fwd": lambda: h.plant(jax.grad(g), tag="t")({"res": f32(jnp, 4.0)}, x),
     }
@@ -1390,8 +1438,11 @@ def pmap_one_device(h, jax, jnp):
 def _leaf_value(a: np.ndarray):
     """Nested lists of Python scalars; float32/16 via their shortest repr."""
     if a.dtype.kind == "f" and a.dtype.itemsize < 8:
-        return np.vectorize(lambda v: float(str(v)), otypes=[object])(a).tolist() \
-            if a.ndim else float(str(a[()]))
+        return (
+            np.vectorize(lambda v: float(str(v)), otypes=[object])(a).tolist()
+            if a.ndim
+            else float(str(a[()]))
+        )
     return a.tolist()
 
 
@@ -1424,5 +1475,4 @@ def encode(tree) -> Any:
     if isinstance(tree, str):
         return {"__str__": tree}
     a = np.asarray(tree)
-    return {"__array__": str(a.dtype), "shape": list(a.shape),
-            "value": _leaf_value(a)}
+    return {"__array__": str(a.dtype), "shape": list(a.shape), "value": _leaf_value(a)}

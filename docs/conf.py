@@ -32,7 +32,9 @@ extensions = [
 # HARVEST_DOCS_NOTEBOOKS=off renders them unexecuted -- the docs test does that,
 # because tests/test_notebooks_*.py execute them already.
 nb_execution_mode = os.environ.get("HARVEST_DOCS_NOTEBOOKS", "force")
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # kernels import this tree
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+)  # kernels import this tree
 nb_execution_timeout = 300  # seconds per cell; training cells on a shared 2-core machine
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True  # the failing cell's traceback in the build log

@@ -7,12 +7,12 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
 from ._capture import capture as capture
-from ._instrument import instrument as instrument
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
+from ._instrument import instrument as instrument
 from ._patching import (
     PatchingResult as PatchingResult,
-    ablate_mean as ablate_mean,
     ablate_head as ablate_head,
+    ablate_mean as ablate_mean,
     ablate_zero as ablate_zero,
     add_vector as add_vector,
     attribution_patching as attribution_patching,
@@ -32,5 +32,4 @@ from ._transforms import (
     plant as plant,
     reap as reap,
 )
-
 from ._version import __version__ as __version__

@@ -48,11 +48,15 @@ def main():
     print("What reap(model)(x) found:")
     print(f"  {'site':<20} {'shape':<8} {'mean':>8} {'std':>8}")
     for name, value in _flatten(reaped):
-        print(f"  {name:<20} {str(list(value.shape)):<8} {float(value.mean()):>8.3f} {float(value.std()):>8.3f}")
+        print(
+            f"  {name:<20} {str(list(value.shape)):<8} {float(value.mean()):>8.3f} {float(value.std()):>8.3f}"
+        )
 
     base = float(model(corrupted))
-    print(f"\nPatching the clean run's layer outputs into the corrupted run (logit {base:+.3f},"
-          f" clean {float(model(clean)):+.3f}):")
+    print(
+        f"\nPatching the clean run's layer outputs into the corrupted run (logit {base:+.3f},"
+        f" clean {float(model(clean)):+.3f}):"
+    )
     print(f"  {'patched site':<20} {'logit':>8} {'change':>8}")
     for i in range(3):
         site = {f"layer{i}": {"mlp_out": reaped[f"layer{i}"]["mlp_out"]}}

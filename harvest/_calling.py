@@ -129,10 +129,16 @@ class Changes:
         return cls(paths, tuple(children[0]))
 
     def keep(self, kept: list[bool]) -> Changes:
-        return Changes(*zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k])) if any(kept) else Changes((), ())
+        return (
+            Changes(*zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k]))
+            if any(kept)
+            else Changes((), ())
+        )
 
 
-def call_merged(f: Any, args: Any, kwargs: Any, graph: Graph | None) -> tuple[Any, Changes | None, list[Any]]:
+def call_merged(
+    f: Any, args: Any, kwargs: Any, graph: Graph | None
+) -> tuple[Any, Changes | None, list[Any]]:
     """`f(*args, **kwargs)` with `graph`'s nodes merged back in (`f` too may be
     one, or a method of one); returns its output, the state of every variable
     whose value it replaced or that it added, and, for each of those, the
@@ -226,7 +232,9 @@ class _Origins:
             # A carry returned as it came, or a slice of xs returned as y, is the input itself.
             k = self._position(p["jaxpr"].jaxpr, i)
             n, c = p["num_consts"], p["num_carry"]
-            return k if (i < c and k == n + i) or (i >= c and k is not None and k >= n + c) else None
+            return (
+                k if (i < c and k == n + i) or (i >= c and k is not None and k >= n + c) else None
+            )
         if eqn.primitive is _jax.while_p:
             n = p["body_nconsts"]
             k = self._position(p["body_jaxpr"].jaxpr, i)
@@ -278,7 +286,8 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     sites can be found from shapes alone, and numbers in NNX state, which are
     data); everything else is closed over. NNX graph nodes in the arguments
     (and `f` itself, if it is one or a method of one) are split and merged
-    (`graph` is given when the caller split them already). The traced function returns `(f's output, changed NNX state)`.
+    (`graph` is given when the caller split them already). The traced function
+    returns `(f's output, changed NNX state)`.
     Returns the closed jaxpr, the traced leaves in order, and, if
     `return_shape`, the traced function's output shape. Sows keep their effect
     while tracing, so dead-code elimination and partial evaluation (of `grad`,
@@ -287,14 +296,21 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     if graph is None:
         (f, args, kwargs), graph, _ = split_nodes((f, args, kwargs))
     leaves, tree = jax.tree_util.tree_flatten((f, args, kwargs, graph))
-    in_state = range(tree.num_leaves - (0 if graph is None else len(jax.tree_util.tree_leaves(graph))), tree.num_leaves)
+    in_state = range(
+        tree.num_leaves - (0 if graph is None else len(jax.tree_util.tree_leaves(graph))),
+        tree.num_leaves,
+    )
     positions = [
         i
         for i, leaf in enumerate(leaves)
-        if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) or (i in in_state and isinstance(leaf, numbers.Number))
+        if is_array(leaf)
+        or isinstance(leaf, jax.ShapeDtypeStruct)
+        or (i in in_state and isinstance(leaf, numbers.Number))
     ]
 
-    priors: list[list[int | None]] = []  # per changed variable: the positions of its old value's leaves
+    priors: list[
+        list[int | None]
+    ] = []  # per changed variable: the positions of its old value's leaves
 
     def flat_f(*arrays):
         filled = list(leaves)

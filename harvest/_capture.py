@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ._sow import DEFAULT_TAG
 from ._transforms import call_and_reap
@@ -10,7 +10,11 @@ from ._typing import NameSelect, P, R, Reaped
 
 
 def capture(
-    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Returns a function that runs `f` and also returns what it sowed.
 

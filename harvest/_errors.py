@@ -7,7 +7,8 @@ it as `Site` prints itself: its tag, its name and the file:line of the user's
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # -- the arguments of sow and of the transformations ------------------------
 
@@ -80,7 +81,9 @@ def no_such_names(missing: list[str], names: list[str], what: str, tag: Any) -> 
 
 
 def planted_twice(name: str) -> ValueError:
-    return ValueError(f"plants give {name!r} twice (once as a dotted name, once nested). Give it once.")
+    return ValueError(
+        f"plants give {name!r} twice (once as a dotted name, once nested). Give it once."
+    )
 
 
 def planted_but_filtered(name: str, tag: Any) -> KeyError:
@@ -93,7 +96,9 @@ def planted_but_filtered(name: str, tag: Any) -> KeyError:
 
 def planted_unknown(name: str, tag: Any, names: Iterable[str]) -> KeyError:
     listed = ", ".join(repr(n) for n in names) or "none"
-    return KeyError(f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown with that tag: {listed}.")
+    return KeyError(
+        f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown with that tag: {listed}."
+    )
 
 
 def name_and_scope(name: str, inner: str) -> ValueError:
@@ -180,7 +185,9 @@ def shapes_str(shapes: Iterable[Any]) -> str:
 
 
 def plant_structure(site: Any, what: str, tree: Any) -> ValueError:
-    return ValueError(f"{what} for the sow site {site} has structure {tree}, but the site sows {site.tree}.")
+    return ValueError(
+        f"{what} for the sow site {site} has structure {tree}, but the site sows {site.tree}."
+    )
 
 
 def plant_shape(site: Any, what: str, got: str, expected: str) -> ValueError:
@@ -254,7 +261,9 @@ def stacked_in_while(site: Any) -> ValueError:
 
 
 def sow_in_while_cond(site: Any) -> ValueError:
-    return ValueError(f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in body_fun instead.")
+    return ValueError(
+        f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in body_fun instead."
+    )
 
 
 def sow_outside_solve(site: Any, role: str) -> ValueError:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import pathlib
 import os
-from typing import Any, Callable, Iterator
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
 from . import _jax
 from ._calling import make_jaxpr
-from ._primitive import sow_p
 from ._paths import path_str
+from ._primitive import sow_p
 from ._site import Site
 
 UNBOUNDED = None  # `SiteInfo.fires` inside a while loop
@@ -244,7 +245,9 @@ def _sow_tree(
     have the same label, not the same key)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            if eqn.params.get("role") != "record_only":  # a copy, after a batched cond, of a sow in its branches
+            if (
+                eqn.params.get("role") != "record_only"
+            ):  # a copy, after a batched cond, of a sow in its branches
                 yield eqn, where, fires, blocks
             continue
         for label, sub, times in _bodies(eqn):

@@ -26,7 +26,8 @@ import contextvars
 import dataclasses
 import functools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,8 +55,12 @@ class _Call:
     known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
     scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
-    parts: list = dataclasses.field(default_factory=list)  # Equinox (path, submodule): what a rebuilt one may be
-    held: list = dataclasses.field(default_factory=list)  # rebuilt modules in `paths`, kept so their ids stay theirs
+    parts: list = dataclasses.field(
+        default_factory=list
+    )  # Equinox (path, submodule): what a rebuilt one may be
+    held: list = dataclasses.field(
+        default_factory=list
+    )  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
 
     def sow(self, path, value):
@@ -72,7 +77,9 @@ class _Call:
         if not leaves:
             return value
         self.sown += 1
-        out = sow_p.bind(*leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree)
+        out = sow_p.bind(
+            *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree
+        )
         return jax.tree_util.tree_unflatten(tree, out)
 
     def sow_inputs(self, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -120,7 +127,9 @@ def _sowable_input(arg: Any) -> bool:
     )
 
 
-_active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("harvest_instrument", default=None)
+_active: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
+    "harvest_instrument", default=None
+)
 
 
 # ---------------------------------------------------------------------------
@@ -408,7 +417,11 @@ class Instrumented:
         else:
             parts = _modules(self.target, self._kind)
             names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
-            if self._where is not None and not self._ops and not any(self._select((n,)) for n in names):
+            if (
+                self._where is not None
+                and not self._ops
+                and not any(self._select((n,)) for n in names)
+            ):
                 raise ValueError(
                     f"instrument: where={self._where!r} selects none of the model's submodules "
                     f"({_sample(names)})."
@@ -417,10 +430,14 @@ class Instrumented:
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
-            marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            marked = (
+                [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            )
             if self._kind == "equinox":
                 call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
-            run = functools.partial(_with_modules, call, {type(m) for _, m in parts}, marked, self.target)
+            run = functools.partial(
+                _with_modules, call, {type(m) for _, m in parts}, marked, self.target
+            )
         if self._ops:
             out = sow_ops(run, call, args, kwargs)
         else:
@@ -431,13 +448,18 @@ class Instrumented:
 
     def _nothing_sown(self):
         if self._where is not None:
-            return f"instrument: where={self._where!r} selected nothing that {self.target!r} computes."
+            return (
+                f"instrument: where={self._where!r} selected nothing that {self.target!r} computes."
+            )
         if self._kind == "function":
             return (
                 f"instrument: {self.target!r} applies no Flax Linen module, so it has no module sites. "
                 "Pass ops=True to make every primitive's output a site, or instrument the model itself."
             )
-        return f"instrument: {self.target!r} called none of its submodules, so it has no sites. Pass ops=True for op sites."
+        return (
+            f"instrument: {self.target!r} called none of its submodules, so it has no sites. "
+            "Pass ops=True for op sites."
+        )
 
 
 jax.tree_util.register_pytree_node_class(Instrumented)
@@ -483,7 +505,12 @@ def _with_linen(call, f, *args, **kwargs):
 
 
 def instrument(
-    target: Callable[P, R], *, tag: str = "modules", ops: bool = False, inputs: bool = False, where: NameSelect = None
+    target: Callable[P, R],
+    *,
+    tag: str = "modules",
+    ops: bool = False,
+    inputs: bool = False,
+    where: NameSelect = None,
 ) -> Callable[P, R]:
     """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
 

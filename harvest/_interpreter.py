@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import fnmatch
+import functools
 import threading
 import weakref
-from typing import Any, Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 import jax
+
 from . import _errors, _jax
-from ._primitive import sow_p
 from ._occurrences import Record, select_where
 from ._paths import path_str
+from ._primitive import sow_p
 from ._site import Site
 
 # primitive -> rule(walk, eqn, invals) -> outvals. Filled in by `_rules/`.
@@ -42,7 +44,7 @@ def register(*primitives):
 # Which sows a jaxpr holds, cached per jaxpr object.
 
 # One cache outside custom_jvp rules, one inside (where rules are not looked into).
-_sites_caches: "tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]], ...]" = (
+_sites_caches: tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]], ...] = (
     weakref.WeakKeyDictionary(),
     weakref.WeakKeyDictionary(),
 )
@@ -126,7 +128,10 @@ class NameFilter:
 
     @staticmethod
     def _hit(items, name):
-        return any(it(name) if callable(it) else (it == name or fnmatch.fnmatchcase(name, it)) for it in items)
+        return any(
+            it(name) if callable(it) else (it == name or fnmatch.fnmatchcase(name, it))
+            for it in items
+        )
 
     def check_allowlist(self, names, what, tag):
         """Raises if a string entry of the allowlist matches none of `names` (dotted).
@@ -134,7 +139,9 @@ class NameFilter:
         Predicates are not checked: a predicate that selects nothing is how to
         say "this site may be absent" (behind a Python flag, say)."""
         missing = [
-            it for it in self.allow or () if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
+            it
+            for it in self.allow or ()
+            if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
         ]
         if missing:
             raise ValueError(_errors.no_such_names(missing, names, what, tag))
@@ -162,7 +169,10 @@ class Policy:
 
     def touches(self, sites):
         return any(
-            self.prefix or self.exclusive or (self.drop_filtered and s.tag == self.tag) or self.handles(s)
+            self.prefix
+            or self.exclusive
+            or (self.drop_filtered and s.tag == self.tag)
+            or self.handles(s)
             for s in sites
         )
 
@@ -382,5 +392,10 @@ def retrace(walk, jaxpr, consts, invals):
     closed = jax.make_jaxpr(body)(*invals)
     open_jaxpr = _jax.consts_as_inputs(closed.jaxpr)
     return Retraced(
-        open_jaxpr, [*closed.consts, *invals], len(closed.consts), len(jaxpr.outvars), holder["child"], holder["tree"]
+        open_jaxpr,
+        [*closed.consts, *invals],
+        len(closed.consts),
+        len(jaxpr.outvars),
+        holder["child"],
+        holder["tree"],
     )

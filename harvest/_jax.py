@@ -22,24 +22,22 @@ from typing import Any
 
 import jax
 from jax import lax
-from jax.experimental import jet as _jet
-from jax.extend import core as _core
-from jax.extend import source_info_util
-from jax.extend.core import primitives as _primitives
 
 # Private modules, only for what jax.extend does not offer.
-from jax._src import core as _src_core
-from jax._src import config as _config
-from jax._src import effects as _effects
-from jax._src.interpreters import ad as _ad_internal
-from jax._src.interpreters import partial_eval as _pe
+from jax._src import (
+    config as _config,
+    core as _src_core,
+    effects as _effects,
+    source_info_util as _src_source_info,
+    traceback_util as _traceback_util,
+)
+from jax._src.interpreters import ad as _ad_internal, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
-from jax._src import source_info_util as _src_source_info
-from jax._src import traceback_util as _traceback_util
-from jax.interpreters import ad as _ad
-from jax.interpreters import batching as _batching
-from jax.interpreters import mlir as _mlir
+from jax.experimental import jet as _jet
+from jax.extend import core as _core, source_info_util
+from jax.extend.core import primitives as _primitives
+from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
@@ -125,7 +123,10 @@ def rebind(eqn, args):
 def eqn_context(eqn):
     """Re-enters the source location, name stack and context an equation was staged under."""
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
         yield
 
 
@@ -181,7 +182,12 @@ def differentiating() -> bool:
 
 
 _DIFFERENTIATING = tuple(
-    t for t in (getattr(_ad_internal, "JVPTrace", None), getattr(_ad_internal, "LinearizeTrace", None)) if t
+    t
+    for t in (
+        getattr(_ad_internal, "JVPTrace", None),
+        getattr(_ad_internal, "LinearizeTrace", None),
+    )
+    if t
 )
 
 
@@ -319,7 +325,9 @@ class Scan:
     @classmethod
     def of(cls, eqn):
         p = eqn.params
-        return cls(p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"])
+        return cls(
+            p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +381,9 @@ class ShardMap:
         # The axes this shard_map makes manual: `newly_manual_axes` from 0.10.1, `manual_axes` before.
         manual = p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
         axes = tuple(a for a in p["mesh"].axis_names if a in manual)
-        return cls(p["mesh"], p["jaxpr"], axes, tuple(p["in_specs"]), tuple(p["out_specs"]), p["check_vma"])
+        return cls(
+            p["mesh"], p["jaxpr"], axes, tuple(p["in_specs"]), tuple(p["out_specs"]), p["check_vma"]
+        )
 
     @property
     def shards(self):
@@ -408,7 +418,9 @@ instantiate_zeros = _ad.instantiate_zeros
 
 def has_lowering(primitive) -> bool:
     """Whether `primitive` can be compiled by XLA (on any platform)."""
-    return primitive in _mlir._lowerings or any(primitive in t for t in _mlir._platform_specific_lowerings.values())
+    return primitive in _mlir._lowerings or any(
+        primitive in t for t in _mlir._platform_specific_lowerings.values()
+    )
 
 
 def register_jvp(primitive, rule):
@@ -427,7 +439,9 @@ def trace_flag(name, help):
     """A boolean context flag (default False) that is part of jit's cache key
     and of the trace context, so a function traced with the flag off is traced
     afresh with it on. Returns the state; `state(True)` is a context manager."""
-    return _config.bool_state(name, False, help, include_in_jit_key=True, include_in_trace_context=True)
+    return _config.bool_state(
+        name, False, help, include_in_jit_key=True, include_in_trace_context=True
+    )
 
 
 def register_batching(primitive, rule):

@@ -59,7 +59,9 @@ AUTO = Mode(
     replaces_value=True,
 )
 
-MODES: dict[str, Mode] = {m.name: m for m in (COLLECT, STRICT, APPEND, CLOBBER, COND_CLOBBER, ORYX_APPEND, AUTO)}
+MODES: dict[str, Mode] = {
+    m.name: m for m in (COLLECT, STRICT, APPEND, CLOBBER, COND_CLOBBER, ORYX_APPEND, AUTO)
+}
 PUBLIC_MODES: tuple[str, ...] = tuple(m.name for m in MODES.values() if m.public)
 # harvest.compat.oryx's `sow(mode=...)`: oryx's names for the core's modes.
 ORYX_MODES: dict[str, Mode] = {"strict": STRICT, "clobber": CLOBBER, "append": ORYX_APPEND}

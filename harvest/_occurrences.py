@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +46,8 @@ def occurrences(jaxpr: Any, site: Site) -> int:
                 other.tag == site.tag
                 and other.path == site.path
                 and other.mode is site.mode
-                and eqn.params.get("role") != "record_only"  # a copy, after a batched cond, of a sow in its branches
+                and eqn.params.get("role")
+                != "record_only"  # a copy, after a batched cond, of a sow in its branches
             )
         elif eqn.primitive in MARKERS:
             n = MARKERS[eqn.primitive](eqn, n, markers)
@@ -93,7 +95,9 @@ class Record:
     def rows(self) -> Any:
         """An append or auto record's occurrences, stacked on one leading axis."""
         chunks = [
-            jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), v) if self.site.one_occurrence(v) else v
+            jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), v)
+            if self.site.one_occurrence(v)
+            else v
             for v in self.values
         ]
         shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
@@ -109,13 +113,17 @@ class Record:
             self.values.append(value)
         elif mode.unstacked_once:
             if self.site.avals != site.avals:  # a shared module called on different shapes
-                raise _errors.different_shapes(site, {tuple(a.shape for a in s.avals) for s in (self.site, site)})
+                raise _errors.different_shapes(
+                    site, {tuple(a.shape for a in s.avals) for s in (self.site, site)}
+                )
             self.values.append(value)  # kept as is: sown once, it reaps unstacked
         elif mode.rows:
             self.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
         elif mode.carried and pred is not None:  # sow_cond, or a record-only clobber
             old = self.values[0] if self.values else site.zeros()
-            self.values = [jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)]
+            self.values = [
+                jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)
+            ]
         else:
             self.values = [value]
 
@@ -268,7 +276,10 @@ class Plant:
                 return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
 
             return Plant(site, tuple(entry(e) for e in self.value[:n]) + self.value[n:])
-        return Plant(site, jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * n, n), self.value))
+        return Plant(
+            site,
+            jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * n, n), self.value),
+        )
 
 
 def _takes_index(fn: Callable[..., Any]) -> bool:

@@ -24,7 +24,9 @@ from ._calling import make_jaxpr, split_nodes, write_back
 from ._modes import AUTO, CLOBBER
 from ._primitive import sow_p
 
-INSTRUMENT_MODE = AUTO.name  # once: the value itself; several times or in a loop: stacked (`instrument`)
+INSTRUMENT_MODE = (
+    AUTO.name
+)  # once: the value itself; several times or in a loop: stacked (`instrument`)
 INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p})
 CUSTOM = frozenset({_jax.custom_jvp_call_p, _jax.custom_vjp_call_p})
 WHILE_MODE = CLOBBER.name  # a while loop's trip count is unknown: keep the last iteration
@@ -103,7 +105,11 @@ class _Walk:
             outs = lax.switch(invals[0], branches, *invals[1:])
         else:
             outs = _jax.rebind(eqn, invals)
-        outs = list(outs) if prim.multiple_results or prim in (_jax.scan_p, _jax.while_p, _jax.cond_p) else [outs]
+        outs = (
+            list(outs)
+            if prim.multiple_results or prim in (_jax.scan_p, _jax.while_p, _jax.cond_p)
+            else [outs]
+        )
         name = _jax.function_name(eqn) if prim in CUSTOM else None
         op = name if name is not None else prim.name
         return self.sow(outs, here, op, mode, single=len(eqn.outvars) == 1)
@@ -151,7 +157,9 @@ class _Walk:
             outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], here, mode)
             return outs[:ncarry], outs[ncarry:]
 
-        carry, ys = lax.scan(step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
+        carry, ys = lax.scan(
+            step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
+        )
         return [*carry, *ys]
 
     def while_loop(self, p, invals, here, mode):
@@ -162,6 +170,8 @@ class _Walk:
         body_mode = None if mode is None else WHILE_MODE
         return lax.while_loop(
             lambda c: self.eval(cond.jaxpr, cond.consts, [*cconsts, *c], here, None)[0],
-            self.body(lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, body_mode)),
+            self.body(
+                lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, body_mode)
+            ),
             list(init),
         )

@@ -15,7 +15,8 @@ import functools
 import inspect
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Sequence, SupportsFloat
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,9 @@ if TYPE_CHECKING:
 
 
 @dataclass_transform(frozen_default=True)
-def _pytree_dataclass(data: tuple[str, ...], meta: tuple[str, ...] = ()) -> Callable[[type[T]], type[T]]:
+def _pytree_dataclass(
+    data: tuple[str, ...], meta: tuple[str, ...] = ()
+) -> Callable[[type[T]], type[T]]:
     def wrap(cls):
         cls = dataclasses.dataclass(frozen=True)(cls)
         return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
@@ -120,7 +123,9 @@ class _PatchOccurrence:
 
     def __call__(self, old: Any, index: jax.Array) -> Any:
         def patch(c: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)) & (index == self.which), c[index], o)
+            return jnp.where(
+                _along(self.mask, self.axes, jnp.ndim(o)) & (index == self.which), c[index], o
+            )
 
         return jax.tree_util.tree_map(patch, self.clean, old)
 
@@ -190,7 +195,9 @@ def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any
     return _AddVector(vector, jnp.asarray(scale))
 
 
-def patch_positions(clean: ArrayLike, positions: ArrayLike | Sequence[int], axis: int) -> Callable[[Any], Any]:
+def patch_positions(
+    clean: ArrayLike, positions: ArrayLike | Sequence[int], axis: int
+) -> Callable[[Any], Any]:
     """An intervention taking `clean` at `positions` along `axis`, the old value elsewhere.
 
     `clean` has the site's shape (e.g. its value reaped from a clean run);
@@ -237,7 +244,9 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
     return patch_positions(clean, head, axis)
 
 
-def ablate_head(head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLike | None = None) -> Callable[[Any], Any]:
+def ablate_head(
+    head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLike | None = None
+) -> Callable[[Any], Any]:
     """An intervention ablating one attention head, at every position: zeros
     (or `mean`, broadcast) at index `head` along the head axis `axis`.
 
@@ -256,10 +265,14 @@ def ablate_head(head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLik
                [0., 1.]], dtype=float32)
     """
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}.")
+        raise TypeError(
+            f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}."
+        )
     heads = jnp.atleast_1d(jnp.asarray(head))
     if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
-        raise TypeError(f"ablate_head needs an integer head (or a 1-D sequence of them), got {heads.dtype}{list(heads.shape)}.")
+        raise TypeError(
+            f"ablate_head needs an integer head (or a 1-D sequence of them), got {heads.dtype}{list(heads.shape)}."
+        )
     return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis))
 
 
@@ -360,7 +373,9 @@ class PatchingResult:
                 f"normalized: the clean metric equals the corrupted baseline ({self.baseline}), so there "
                 "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
             )
-        return dataclasses.replace(self, values=self.values / gap, measure="fraction of clean-corrupt gap")
+        return dataclasses.replace(
+            self, values=self.values / gap, measure="fraction of clean-corrupt gap"
+        )
 
     def _grid(self) -> np.ndarray:
         if self.values.ndim > 2:
@@ -371,7 +386,12 @@ class PatchingResult:
         return self.values if self.positions is not None else self.values[:, None]
 
     def plot(
-        self, ax: Axes | None = None, title: str | None = None, cmap: str = "RdBu_r", vmax: float | None = None, **imshow_kwargs: Any
+        self,
+        ax: Axes | None = None,
+        title: str | None = None,
+        cmap: str = "RdBu_r",
+        vmax: float | None = None,
+        **imshow_kwargs: Any,
     ) -> Any:
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
 
@@ -387,15 +407,21 @@ class PatchingResult:
             >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
             >>> r.plot(title="effect").get_title()
             'effect'
-            >>> heads = PatchingResult(np.ones((2, 3, 4)), ("l0", "l1"), (np.arange(3), np.arange(4)), axis=(2, 1), baseline=0.0)
+            >>> heads = PatchingResult(
+            ...     np.ones((2, 3, 4)), ("l0", "l1"), (np.arange(3), np.arange(4)), axis=(2, 1), baseline=0.0
+            ... )
             >>> [ax.get_title() for ax in heads.plot()]
             ['l0', 'l1']
         """
         if self.values.ndim == 3:
             return self._plot_panels(ax, title, cmap, vmax, **imshow_kwargs)
-        return PatchingResult.plot_many([self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs)[0]
+        return PatchingResult.plot_many(
+            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs
+        )[0]
 
-    def _plot_panels(self, ax: Any, title: str | None, cmap: str, vmax: float | None, **imshow_kwargs: Any) -> Any:
+    def _plot_panels(
+        self, ax: Any, title: str | None, cmap: str, vmax: float | None, **imshow_kwargs: Any
+    ) -> Any:
         from ._plots import heatmaps
 
         rows, cols = self.positions
@@ -488,7 +514,9 @@ class _Target:
     @property
     def one(self):
         """The value of one occurrence (the first), the site's shape."""
-        return self.clean if self.count is None else jax.tree_util.tree_map(lambda l: l[0], self.clean)
+        return (
+            self.clean if self.count is None else jax.tree_util.tree_map(lambda l: l[0], self.clean)
+        )
 
     @property
     def rows(self):
@@ -560,10 +588,14 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         # Sweep the sites of the most common size; say which were left out.
         counts = collections.Counter(n for n in sizes.values() if n is not None)
         if not counts:
-            raise ValueError(f"{caller}: no site has {'an ' * (len(axes) == 1)}{where}; sizes: {sizes}.")
+            raise ValueError(
+                f"{caller}: no site has {'an ' * (len(axes) == 1)}{where}; sizes: {sizes}."
+            )
         size = counts.most_common(1)[0][0]
         skipped = tuple(
-            f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}" if n is not None else f"{name}: no {where}"
+            f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}"
+            if n is not None
+            else f"{name}: no {where}"
             for name, n in sizes.items()
             if n != size
         )
@@ -674,7 +706,13 @@ def _jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | N
     tree, graph, _ = split_nodes(tree)
     leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
     traced = [is_array(leaf) for leaf in leaves]
-    static = _Compiled((key, treedef, tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a)))
+    static = _Compiled(
+        (
+            key,
+            treedef,
+            tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a),
+        )
+    )
     arrays = [leaf for leaf, a in zip(leaves, traced) if a]
     rebuilt = functools.partial(_rebuilt, fn, treedef, leaves, traced)
     try:
@@ -691,7 +729,9 @@ def _jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | N
         static.trace = None  # the cache keeps the key, not this call's function and arrays
 
 
-def _rebuilt(fn: Callable[[Any], Any], treedef: Any, leaves: list[Any], traced: list[bool], arrays: list[Any]) -> Any:
+def _rebuilt(
+    fn: Callable[[Any], Any], treedef: Any, leaves: list[Any], traced: list[bool], arrays: list[Any]
+) -> Any:
     it = iter(arrays)
     tree, graph = treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)])
     if graph is not None:  # fresh NNX nodes holding the traced state
@@ -733,7 +773,9 @@ class _BoundMethod:
         return self.func(self.self, *args)
 
 
-def _compile(program: Callable[[Any, Any], Any], f: Callable, operands: Any, spec: tuple[Any, ...]) -> Any:
+def _compile(
+    program: Callable[[Any, Any], Any], f: Callable, operands: Any, spec: tuple[Any, ...]
+) -> Any:
     """`program(f, operands)`, compiled once per `spec` and shapes (see `_jit_on_arrays`).
 
     A plain function `f` is part of the key (held weakly, so the cache does not
@@ -745,14 +787,20 @@ def _compile(program: Callable[[Any, Any], Any], f: Callable, operands: Any, spe
     """
     if inspect.isfunction(f):
         return _jit_on_arrays(lambda ops: program(f, ops), operands, (weakref.ref(f), *spec))
-    if inspect.ismethod(f) and not split_nodes(f)[2] and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]:
+    if (
+        inspect.ismethod(f)
+        and not split_nodes(f)[2]
+        and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]
+    ):
         f = _BoundMethod(f.__func__, f.__self__)
     if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
         return _jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec))
     return _jit_on_arrays(lambda ops: program(f, ops), operands, None)
 
 
-def _labels(targets: list[_Target], size: tuple[int, ...] | None, axis: Any) -> tuple[tuple[str, ...], Any]:
+def _labels(
+    targets: list[_Target], size: tuple[int, ...] | None, axis: Any
+) -> tuple[tuple[str, ...], Any]:
     """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`),
     and the indices along the swept axis (a tuple of them, one per axis, for several axes)."""
     names: list[str] = []
@@ -779,7 +827,9 @@ def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, An
     return list(zip(clean, corrupted_args))
 
 
-def _batch_cleans(targets: list[_Target], batch_clean: Any, axes: tuple[int, ...] | None, size: Any, caller: str) -> list[Any]:
+def _batch_cleans(
+    targets: list[_Target], batch_clean: Any, axes: tuple[int, ...] | None, size: Any, caller: str
+) -> list[Any]:
     """Each target's clean value in one batch of a dataset, checked against the first batch's sizes."""
     cleans = []
     for t in targets:
@@ -807,14 +857,18 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     except ImportError:
         if auto:
             return items
-        raise ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.") from None
+        raise ImportError(
+            f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm."
+        ) from None
     return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
 
 
 def _interactive() -> bool:
     """Whether a person is watching: a terminal on stderr, or a Jupyter kernel."""
     ipython = sys.modules.get("IPython")
-    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    shell = (
+        ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    )
     if getattr(shell, "kernel", None) is not None:
         return True
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
@@ -907,7 +961,9 @@ def patching_sweep(
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-        raise TypeError(f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}.")
+        raise TypeError(
+            f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
+        )
     site_axes = [_site_axes(t.one, axes, caller) for t in targets]
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
@@ -941,14 +997,18 @@ def patching_sweep(
     for b, start in _steps(steps, progress, caller):
         if start == 0:
             cleans = _batch_cleans(targets, batches[b][0], axes, size, caller)
-        ks = np.minimum(np.arange(start, start + chunk), total - 1)  # the last chunk repeats the last patch
+        ks = np.minimum(
+            np.arange(start, start + chunk), total - 1
+        )  # the last chunk repeats the last patch
         values, baseline = _compile(program, f, (ks, cleans, batches[b][1]), spec)
         effects[b].append(np.asarray(values)[: total - start])
         baselines += [np.asarray(baseline)] if start == 0 else []
     names_, labels = _labels(targets, size, axis)
     shape = (len(names_),) + (() if size is None else size)
     mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
-    return PatchingResult(mean.reshape(shape), names_, labels, axis, float(np.mean(baselines)), skipped=skipped)
+    return PatchingResult(
+        mean.reshape(shape), names_, labels, axis, float(np.mean(baselines)), skipped=skipped
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -1027,7 +1087,9 @@ def attribution_patching(
     ]
     names_, labels = _labels(targets, size, axis)
     values = np.mean([np.asarray(v) for v, _ in results], 0)
-    return PatchingResult(values, names_, labels, axis, float(np.mean([b for _, b in results])), skipped=skipped)
+    return PatchingResult(
+        values, names_, labels, axis, float(np.mean([b for _, b in results])), skipped=skipped
+    )
 
 
 def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None) -> jax.Array:
@@ -1040,4 +1102,6 @@ def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None)
         moved = jnp.moveaxis(product, axes, tuple(range(len(axes))))
         return jnp.sum(moved.reshape(moved.shape[: len(axes)] + (-1,)), -1)
 
-    return jnp.asarray(sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad))))
+    return jnp.asarray(
+        sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad)))
+    )

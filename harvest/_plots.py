@@ -7,7 +7,8 @@ site names never run into a neighbouring panel or the colourbar.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Sequence, cast
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -43,7 +44,11 @@ def heatmaps(
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
         width = label_width + across * (0.8 + 0.3 * cols) + 1.2
         _, grid_of_axes = plt.subplots(
-            down, across, figsize=(width, down * (1.4 + 0.35 * rows)), squeeze=False, layout="constrained"
+            down,
+            across,
+            figsize=(width, down * (1.4 + 0.35 * rows)),
+            squeeze=False,
+            layout="constrained",
         )
         for unused in grid_of_axes.flat[len(grids) :]:
             unused.set_axis_off()
@@ -59,7 +64,9 @@ def heatmaps(
         if col_labels is None:
             axis.set_xticks([])
         else:
-            axis.set_xticks(range(cols), [str(c) for c in col_labels], rotation=90 if cols > 12 else 0)
+            axis.set_xticks(
+                range(cols), [str(c) for c in col_labels], rotation=90 if cols > 12 else 0
+            )
             axis.set_xlabel(xlabel)
         if ylabel and first:
             axis.set_ylabel(ylabel)
@@ -106,7 +113,9 @@ def plot_attention(
         )
     heads = range(array.shape[0]) if heads is None else list(heads)
     if tokens is not None and len(tokens) != array.shape[2]:
-        raise ValueError(f"plot_attention: {len(tokens)} tokens for {array.shape[2]} key positions.")
+        raise ValueError(
+            f"plot_attention: {len(tokens)} tokens for {array.shape[2]} key positions."
+        )
     labels = range(array.shape[1]) if tokens is None else tokens
     grids = [array[h] for h in heads]
     axes = heatmaps(

@@ -69,6 +69,7 @@ def tracing_a_harvest() -> bool:
     """Whether a harvest is tracing now (inside `tracing_for_harvest`)."""
     return bool(_harvest_tracing.value)
 
+
 sow_p = _jax.Primitive("sow")
 sow_p.multiple_results = True
 
@@ -86,7 +87,9 @@ def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=No
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
-    return list(outs), ({sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set())
+    return list(outs), (
+        {sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set()
+    )
 
 
 def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None):
@@ -124,7 +127,9 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(
     n = tree.num_leaves
     vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
     role_param = {} if role is None else {"role": role}
-    out = sow_p.bind(*args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **role_param)
+    out = sow_p.bind(
+        *args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **role_param
+    )
     return out, [None if d is None else 0 for d in dims[:n]]
 
 

@@ -26,7 +26,9 @@ class Site:
     tree: PyTreeDef
     avals: tuple[Any, ...]
     vmapped: tuple[int, ...] = ()  # per leaf, how many leading axes are vmap batch axes
-    source: Any = dataclasses.field(default=None, compare=False, repr=False)  # the sow equation's source_info
+    source: Any = dataclasses.field(
+        default=None, compare=False, repr=False
+    )  # the sow equation's source_info
 
     @classmethod
     def of(cls, eqn: Any) -> Site:
@@ -55,7 +57,11 @@ class Site:
             return False
         leaves = jax.tree_util.tree_leaves(value)
         shape = tuple(np.shape(leaves[0])) if leaves else ()
-        return not leaves or len(shape) != len(self.avals[0].shape) + 1 or shape[1:] != self.avals[0].shape
+        return (
+            not leaves
+            or len(shape) != len(self.avals[0].shape) + 1
+            or shape[1:] != self.avals[0].shape
+        )
 
     def zeros_shape(self, leading: tuple[int, ...] = ()) -> Any:
         return jax.tree_util.tree_unflatten(
@@ -63,7 +69,9 @@ class Site:
         )
 
     def zeros(self, leading: tuple[int, ...] = ()) -> Any:
-        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading))
+        return jax.tree_util.tree_map(
+            lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading)
+        )
 
     def check(self, value: Any, what: str, leading: tuple[int, ...] = ()) -> list[Any]:
         """Flattens `value`, or says exactly how it differs from this site."""
@@ -81,7 +89,9 @@ class Site:
             # Under vmap, a value without (some of) the batch axes is one value
             # for every example.
             ndim = len(got[0])
-            per_example = len(shape) - batch <= ndim < len(shape) and shape[len(shape) - ndim :] == got[0]
+            per_example = (
+                len(shape) - batch <= ndim < len(shape) and shape[len(shape) - ndim :] == got[0]
+            )
             if (got[0] != shape and not per_example) or got[1] != aval.dtype:
                 expected = f"{aval.dtype}{list(shape)}{self._per_example(aval, batch)}"
                 raise _errors.plant_shape(self, what, f"{got[1]}{list(got[0])}", expected)
@@ -106,4 +116,8 @@ class Site:
 
     @staticmethod
     def _per_example(aval: Any, batch: int) -> str:
-        return f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)" if batch else ""
+        return (
+            f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)"
+            if batch
+            else ""
+        )

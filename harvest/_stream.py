@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from ._calling import make_jaxpr
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
-from ._primitive import sow_p
 from ._paths import nested_dict, path_str
+from ._primitive import sow_p
 from ._site import Site
 from ._sow import DEFAULT_TAG
 from ._transforms import plant
@@ -95,7 +96,9 @@ def stream(
     return streamed
 
 
-def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any], object]) -> dict[tuple[str, ...], _Tap]:
+def _taps(
+    jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any], object]
+) -> dict[tuple[str, ...], _Tap]:
     """{site path: _Tap} for every streamed site."""
     taps: dict[tuple[str, ...], _Tap] = {}
     names: dict[str, None] = {}
@@ -104,7 +107,10 @@ def _taps(jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any
         if site.tag == tag:
             names[path_str(site.path)] = None
         if site.tag == tag and not site.mode.has_pred and select(site.path):
-            taps[site.path] = _Tap(callback, path_str(site.path), tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")))
+            taps[site.path] = _Tap(
+                callback,
+                path_str(site.path),
+                tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")),
+            )
     select.check_allowlist(list(names), "stream: allowlist entry", tag)
     return taps
-

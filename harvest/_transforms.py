@@ -23,7 +23,8 @@ import inspect
 import numbers
 import threading
 import weakref
-from typing import Any, Callable, Concatenate
+from collections.abc import Callable
+from typing import Any, Concatenate
 
 import jax
 
@@ -51,7 +52,9 @@ class _Static:
     """Everything about a call that is not an array: the jit cache key."""
 
     treedef: Any
-    static_leaves: tuple  # (index, type, leaf) for each leaf not traced; the type keeps 1, 1.0 and True apart
+    static_leaves: (
+        tuple  # (index, type, leaf) for each leaf not traced; the type keeps 1, 1.0 and True apart
+    )
     policy: Policy
     reap: bool
     differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
@@ -114,7 +117,9 @@ def _walk(fn, dynamic, static: _Static, staged=False):
             known = handled.setdefault(site.path, site)
             if known.mode is not site.mode:
                 raise _errors.modes_differ(site, known)
-    handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order, for messages
+    handled = dict(
+        sorted(handled.items(), key=lambda item: first[item[0]])
+    )  # program order, for messages
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
@@ -125,7 +130,11 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     outs = interpret(walk, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     results = walk.results()
-    return out, _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}), changes
+    return (
+        out,
+        _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}),
+        changes,
+    )
 
 
 class _InOrder(dict):
@@ -134,7 +143,9 @@ class _InOrder(dict):
 
 
 jax.tree_util.register_pytree_node(
-    _InOrder, lambda d: (list(d.values()), tuple(d)), lambda keys, values: _InOrder(zip(keys, values))
+    _InOrder,
+    lambda d: (list(d.values()), tuple(d)),
+    lambda keys, values: _InOrder(zip(keys, values)),
 )
 
 
@@ -142,7 +153,7 @@ def _walk_weak(fn_ref, dynamic, static):
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
-_jits: "weakref.WeakKeyDictionary[Callable, Any]" = weakref.WeakKeyDictionary()
+_jits: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary()
 _jits_lock = threading.Lock()
 
 
@@ -152,7 +163,9 @@ def _jit_for(fn):
         jitted = _jits.get(fn)
         if jitted is None:
             # Holds `fn` only weakly, or the dict's value would keep its key alive.
-            jitted = _jits[fn] = jax.jit(functools.partial(_walk_weak, weakref.ref(fn)), static_argnums=1)
+            jitted = _jits[fn] = jax.jit(
+                functools.partial(_walk_weak, weakref.ref(fn)), static_argnums=1
+            )
         return jitted
 
 
@@ -203,7 +216,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
 
 # Functions whose walk cannot be compiled, because they bind a primitive
 # without a lowering; they are walked eagerly.
-_eager_only: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+_eager_only: weakref.WeakSet[Callable] = weakref.WeakSet()
 
 
 class _Unlowerable(Exception):
@@ -212,7 +225,7 @@ class _Unlowerable(Exception):
 
 # Functions holding a custom_jvp whose JVP rule sows: differentiated from
 # outside, they are walked in place, where JAX calls the rules (see `_rules/calls`).
-_rule_walks: "weakref.WeakSet[Callable]" = weakref.WeakSet()
+_rule_walks: weakref.WeakSet[Callable] = weakref.WeakSet()
 
 
 class _RunsRules(Exception):
@@ -222,7 +235,8 @@ class _RunsRules(Exception):
 
 def _lowerable(jaxpr):
     return all(
-        _jax.has_lowering(eqn.primitive) and all(_lowerable(j) for j in _jax.sub_jaxprs(eqn)) for eqn in jaxpr.eqns
+        _jax.has_lowering(eqn.primitive) and all(_lowerable(j) for j in _jax.sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
     )
 
 
@@ -342,7 +356,11 @@ def transform(
 
 
 def reap(
-    f: Callable[P, Any], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+    f: Callable[P, Any],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
 ) -> Callable[P, Reaped]:
     """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
 
@@ -384,11 +402,17 @@ def reap(
         >>> sorted(reap(g)(jnp.zeros(2), 3, training=True))
         ['step0', 'step1', 'step2']
     """
-    return transform(f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps")
+    return transform(
+        f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps"
+    )
 
 
 def call_and_reap(
-    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Like `reap`, but the function returns `(f's output, {name: value})`.
 
@@ -398,11 +422,17 @@ def call_and_reap(
         >>> call_and_reap(f)(1.0)
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
-    return transform(f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both")
+    return transform(
+        f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both"
+    )
 
 
 def plant(
-    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
 ) -> Callable[Concatenate[Plants, P], R]:
     """Returns `g(plants, *args, **kwargs)`: `f` with the planted sows replaced.
 
@@ -436,7 +466,11 @@ def plant(
 
 
 def harvest(
-    f: Callable[P, R], *, tag: str = DEFAULT_TAG, allowlist: NameSelect = None, blocklist: NameSelect = None
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns `g(plants, *args, **kwargs) -> (out, reaps)`: plant and reap in one walk.
 
@@ -452,7 +486,9 @@ def harvest(
         >>> out, reaps["b"]
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
-    return transform(f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both")
+    return transform(
+        f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both"
+    )
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
@@ -467,8 +503,11 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
         ...     return sow(x * 2.0, name="out", mode="strict")
         >>> def f(x):
         ...     return nest(layer, scope="l2")(nest(layer, scope="l1")(x))
-        >>> reap(f)(1.0)
-        {'l1': {'out': Array(2., dtype=float32, weak_type=True)}, 'l2': {'out': Array(4., dtype=float32, weak_type=True)}}
+        >>> reaped = reap(f)(1.0)
+        >>> reaped["l1"]
+        {'out': Array(2., dtype=float32, weak_type=True)}
+        >>> reaped["l2"]
+        {'out': Array(4., dtype=float32, weak_type=True)}
     """
     _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:

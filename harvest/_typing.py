@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, ParamSpec, TypeAlias, TypeVar, Union
+from collections.abc import Callable, Iterable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Literal,
+    ParamSpec,
+    TypeAlias,
+    TypeVar,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -26,7 +34,7 @@ Plants: TypeAlias = dict[str, Any]
 
 # A name selector (allowlist, blocklist, `where=`, `names=`): an exact name, a
 # glob pattern, a predicate on names, or several of those.
-NamePattern: TypeAlias = Union[str, Callable[[str], bool]]
-NameSelect: TypeAlias = Union[NamePattern, Iterable[NamePattern], None]
+NamePattern: TypeAlias = str | Callable[[str], bool]
+NameSelect: TypeAlias = NamePattern | Iterable[NamePattern] | None
 
 SowMode: TypeAlias = Literal["collect", "strict", "append", "clobber"]

@@ -1,7 +1,7 @@
 """Autodiff: grad/jvp/vjp of harvested functions, harvesting differentiated functions,
 custom derivatives, hijax backward rules, and perturb."""
 
-
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +10,6 @@ from jax import lax
 from jax.experimental.hijax import VJPHiPrimitive
 
 from harvest import call_and_reap, harvest, perturb, plant, reap, sow
-import conftest
 
 
 def close(a, b):
@@ -57,6 +56,7 @@ def test_grad_of_reaped_value_and_of_harvest():
     # d(sum h)/dx with h = sin(x) * x
     g = jax.grad(lambda x: jnp.sum(reap(f)(x)["h"]))(X)
     close(g, jnp.cos(X) * X + jnp.sin(X))
+
     # harvest: grad of out w.r.t. planted value, with another name reaped
     def f2(x):
         a = sow(x * 2.0, name="a", mode="strict")
@@ -87,6 +87,7 @@ def test_reap_of_grad_sees_forward_sows_once():
     grad, r = call_and_reap(jax.grad(g))(X)
     close(grad, 2 * jnp.sin(X) * jnp.cos(X))
     close(r, {"h": (jnp.sin(X),)})
+
     # strict sites are fine under grad, value_and_grad, jvp and vjp
     def s(x):
         return jnp.sum(sow(jnp.sin(x), name="h", mode="strict") ** 2)
@@ -210,21 +211,29 @@ def test_custom_jvp_rule_sows_reaped_where_the_rule_runs():
     # Reverse mode runs the rule too; the reaped value has no gradient.
     close(jax.grad(lambda x: call_and_reap(scaled_sin)(x)[0])(x), 2.0 * jnp.cos(x))
     close(jax.grad(lambda x: reap(scaled_sin)(x)["scale"])(x), jnp.float32(0.0))
-    close(jax.vmap(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(X), {"scale": 2.0 * jnp.cos(X)})
+    close(
+        jax.vmap(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(X), {"scale": 2.0 * jnp.cos(X)}
+    )
     # jvp taken inside: the rule is part of the traced program (reaped once, not twice).
     close(reap(lambda x: jax.jvp(scaled_sin, (x,), (t,)))(x), {"scale": 2.0 * jnp.cos(x)})
     # Inside a jit the walk sees no tangents, so the rule does not run there (as oryx).
     close(jax.jvp(jax.jit(reap(scaled_sin)), (x,), (t,))[0], {})
-    close(jax.jit(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(x), {"scale": 2.0 * jnp.cos(x)})
+    close(
+        jax.jit(lambda x: jax.jvp(reap(scaled_sin), (x,), (t,))[0])(x), {"scale": 2.0 * jnp.cos(x)}
+    )
 
 
 def test_custom_jvp_rule_sows_planted_where_the_rule_runs():
     x, t = jnp.float32(0.7), jnp.float32(1.5)
     # Undifferentiated: the body runs, the plant has no site to land on.
     close(plant(scaled_sin)({"scale": jnp.float32(5.0)}, x), jnp.sin(x))
-    out, out_dot = jax.jvp(plant(scaled_sin), ({"scale": jnp.float32(5.0)}, x), ({"scale": jnp.float32(9.0)}, t))
+    out, out_dot = jax.jvp(
+        plant(scaled_sin), ({"scale": jnp.float32(5.0)}, x), ({"scale": jnp.float32(9.0)}, t)
+    )
     close((out, out_dot), (jnp.sin(x), 5.0 * t))  # the planted tangent (9.0) is ignored, as in oryx
-    close(jax.grad(lambda x: plant(scaled_sin)({"scale": jnp.float32(5.0)}, x))(x), jnp.float32(5.0))
+    close(
+        jax.grad(lambda x: plant(scaled_sin)({"scale": jnp.float32(5.0)}, x))(x), jnp.float32(5.0)
+    )
 
 
 def test_custom_jvp_sowing_in_body_and_rule_is_a_clear_error_when_differentiated():
@@ -238,7 +247,9 @@ def test_custom_jvp_sowing_in_body_and_rule_is_a_clear_error_when_differentiated
         return x * 2.0, sow(t, name="rule", mode="strict") * 2.0
 
     close(reap(g)(1.0), {"body": 2.0})
-    with pytest.raises(ValueError, match="name='rule'.*JVP rule.*also sows.*body.*Sow in one of the two"):
+    with pytest.raises(
+        ValueError, match="name='rule'.*JVP rule.*also sows.*body.*Sow in one of the two"
+    ):
         jax.jvp(reap(g), (1.0,), (1.0,))
 
 
@@ -450,7 +461,10 @@ def test_grad_of_output_through_custom_vjp_whose_body_loops():
     close(reaped["h"], jnp.float32(1.5**4))  # y, then three multiplications by y
     close(jax.grad(lambda y: call_and_reap(_looped)(y)[0])(1.5), jax.grad(_looped)(1.5))
     close(jax.grad(lambda y: call_and_reap(_looped)(y)[0])(1.5), jnp.float32(7.0))
-    close(jax.value_and_grad(lambda y: call_and_reap(_looped)(y)[0])(2.0), (_looped(2.0), jnp.float32(7.0)))
+    close(
+        jax.value_and_grad(lambda y: call_and_reap(_looped)(y)[0])(2.0),
+        (_looped(2.0), jnp.float32(7.0)),
+    )
 
 
 def test_grad_of_odeint_with_a_sow_in_the_vector_field():

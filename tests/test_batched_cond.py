@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import close
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from jax import lax
 
 from harvest import call_and_reap, harvest, plant, reap, sow, sow_cond
@@ -22,7 +21,10 @@ XS = jnp.array([1.0, -1.0, 2.0, -0.25])
 def per_example(fn, xs=XS):
     """Stacks a hand-threaded per-example function's results over `xs`."""
     is_row = lambda l: isinstance(l, list)  # a list is one array: rows, or a vmap's examples
-    outs = [jax.tree_util.tree_map(lambda l: jnp.asarray(l, jnp.float32), fn(float(x)), is_leaf=is_row) for x in xs]
+    outs = [
+        jax.tree_util.tree_map(lambda l: jnp.asarray(l, jnp.float32), fn(float(x)), is_leaf=is_row)
+        for x in xs
+    ]
     return jax.tree_util.tree_map(lambda *ls: jnp.stack(ls), *outs)
 
 
@@ -76,7 +78,9 @@ def test_clobber_takes_the_taken_branchs_value_else_the_one_before():
 def test_sow_cond_in_a_branch_where_its_pred_and_the_branch_hold():
     def f(x):
         sow_cond(x, x > -0.5, name="c")
-        other = lambda y: sow_cond(y * 2.0, y < -0.5, name="c") + sow_cond(y * 3.0, y < -2.0, name="c")
+        other = lambda y: (
+            sow_cond(y * 2.0, y < -0.5, name="c") + sow_cond(y * 3.0, y < -2.0, name="c")
+        )
         return lax.cond(x > 0, lambda y: y, other, x)
 
     expect = per_example(lambda x: x if x > -0.5 else x * 2.0)
@@ -157,7 +161,9 @@ def test_harvest_plants_one_name_and_reaps_another():
 def test_sows_inside_jit_and_a_nested_cond():
     def f(x):
         first = lambda y: jax.jit(lambda z: sow(z * 2.0, name="a", mode="append") + 1.0)(y)
-        inner = lambda y: lax.cond(y < -0.5, lambda w: sow(w * 3.0, name="a", mode="append"), lambda w: w, y)
+        inner = lambda y: lax.cond(
+            y < -0.5, lambda w: sow(w * 3.0, name="a", mode="append"), lambda w: w, y
+        )
         return lax.cond(x > 0, first, inner, x)
 
     rows = per_example(lambda x: [x * 2.0] if x > 0 else [x * 3.0 if x < -0.5 else 0.0])
@@ -171,7 +177,9 @@ def test_sows_inside_jit_and_a_nested_cond():
 
 def test_nested_cond_with_an_unbatched_predicate():
     def f(x, flag):
-        inner = lambda y: lax.cond(flag, lambda w: sow(w * 3.0, name="n"), lambda w: sow(w * 4.0, name="n"), y)
+        inner = lambda y: lax.cond(
+            flag, lambda w: sow(w * 3.0, name="n"), lambda w: sow(w * 4.0, name="n"), y
+        )
         return lax.cond(x > 0, inner, lambda y: y, x)
 
     for flag in (True, False):
@@ -215,7 +223,11 @@ def test_vmap_inside_scan_records_each_iteration_per_example():
 
     xs = jnp.array([1.0, -1.0, 0.5])
     step = lambda c, t: (
-        jax.vmap(lambda ci: lax.cond(ci > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, ci))(c),
+        jax.vmap(
+            lambda ci: lax.cond(
+                ci > 0, lambda y: sow(y * t, name="s", mode="append"), lambda y: -y, ci
+            )
+        )(c),
         None,
     )
     g = lambda xs: lax.scan(step, xs, jnp.arange(1.0, 4.0))[0]
@@ -229,7 +241,11 @@ def test_a_scan_in_a_batched_branch_records_each_iteration(mode, reverse):
     def f(x):
         def body(c, t):
             v = c * t
-            v = sow_cond(v, v > 1.5, name="h") if mode == "sow_cond" else sow(v, name="h", mode=mode)
+            v = (
+                sow_cond(v, v > 1.5, name="h")
+                if mode == "sow_cond"
+                else sow(v, name="h", mode=mode)
+            )
             return c + 0.5 * v, None
 
         loop = lambda y: lax.scan(body, y, jnp.arange(1.0, 4.0), reverse=reverse)[0]
@@ -246,7 +262,10 @@ def test_a_scan_in_a_batched_branch_records_each_iteration(mode, reverse):
 
     vals = per_example(lambda x: ref(x)[0])  # [batch, 3]
     held = np.array([ref(float(x))[1] for x in XS])
-    rows = {"collect": (vals.T,), "append": vals.T}  # the loop axis first, as for any scan under vmap
+    rows = {
+        "collect": (vals.T,),
+        "append": vals.T,
+    }  # the loop axis first, as for any scan under vmap
     order = [2, 1, 0] if reverse else [0, 1, 2]
     last = [next((vals[b, t] for t in reversed(order) if held[b, t]), 0.0) for b in range(len(XS))]
     expect = rows.get(mode, jnp.array(last))
@@ -261,10 +280,14 @@ def test_a_scan_in_a_batched_branch_records_each_iteration(mode, reverse):
 
 def test_a_sow_in_a_while_loop_in_a_batched_branch_is_an_error_naming_it():
     def f(x):
-        loop = lambda y: lax.while_loop(lambda c: c < 5.0, lambda c: sow(c + 1.0, name="looped", mode="clobber"), y)
+        loop = lambda y: lax.while_loop(
+            lambda c: c < 5.0, lambda c: sow(c + 1.0, name="looped", mode="clobber"), y
+        )
         return lax.cond(x > 0, loop, lambda y: y, x)
 
-    with pytest.raises(NotImplementedError, match=r"name='looped'.*while_loop.*jax.vmap\(reap\(f\)\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"name='looped'.*while_loop.*jax.vmap\(reap\(f\)\)"
+    ):
         reap(jax.vmap(f))(XS)
     # Planting needs no record: it is right in every branch.
     close(plant(jax.vmap(f))({"looped": 6.0}, XS), per_example(lambda x: 6.0 if x > 0 else x))

@@ -11,7 +11,13 @@ def test_quick_run_writes_the_page(tmp_path):
     page = tmp_path / "benchmarks.md"
     results = bench.main(["--quick", "--output", str(page)])
     text = page.read_text()
-    for heading in ("# Benchmarks", "## Targets", "## Interpreter cost", "## Activation patching", "## Probing an unmodified model"):
+    for heading in (
+        "# Benchmarks",
+        "## Targets",
+        "## Interpreter cost",
+        "## Activation patching",
+        "## Probing an unmodified model",
+    ):
         assert heading in text
     assert "JAX" in text and "cores" in text
     rows = results["core"]["mlp"]
@@ -20,7 +26,10 @@ def test_quick_run_writes_the_page(tmp_path):
         assert all(r[m] > 0 for m in bench_core.MEASURES)
     assert len(results["core"]["trace"]) == len(bench_core.QUICK.trace_sizes)
     if bench_oryx.venv_python() is not None:  # the oryx side ran too
-        assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [("unrolled", 2), ("scan", 2)]
+        assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [
+            ("unrolled", 2),
+            ("scan", 2),
+        ]
 
 
 @pytest.mark.parametrize("kind", sorted(bench_core.MODELS))
@@ -45,7 +54,13 @@ def test_only_one_section_updates_just_that_section(tmp_path):
     assert all(r["effects"] == [] and r["ratio"] > 0 for r in rows)
     first = page.read_text()
     assert first.count("## Sows nobody harvests") == 1
-    assert first.index("## Targets") < first.index("## Sows nobody harvests") < first.index("## Reading")
-    bench.main(["--quick", "--only", "unharvested", "--output", str(page)])  # replaces, does not add
+    assert (
+        first.index("## Targets")
+        < first.index("## Sows nobody harvests")
+        < first.index("## Reading")
+    )
+    bench.main(
+        ["--quick", "--only", "unharvested", "--output", str(page)]
+    )  # replaces, does not add
     again = page.read_text()
     assert again.count("## Sows nobody harvests") == 1 and "kept\n" in again and "kept too" in again

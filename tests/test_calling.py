@@ -4,12 +4,11 @@ import dataclasses
 import enum
 import functools
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from harvest import (
     call_and_reap,
@@ -23,7 +22,6 @@ from harvest import (
     sow,
     stream,
 )
-import conftest
 
 X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
 
@@ -92,7 +90,12 @@ def test_every_transformation_takes_python_flags():
     close((out, reaps), (jnp.full(3, 0.5), {"layer0": want["layer0"], "dropout": jnp.full(3, 0.5)}))
     scoped = lambda x, n: nest(model, scope="m")(x, n)
     close(reap(scoped)(X, 3), {"m": reference(X, 3)[1]})
-    assert [s.name for s in sites(model, X, 3, training=True)] == ["layer0", "layer1", "layer2", "dropout"]
+    assert [s.name for s in sites(model, X, 3, training=True)] == [
+        "layer0",
+        "layer1",
+        "layer2",
+        "dropout",
+    ]
     seen = []
     close(stream(model, lambda name, v: seen.append(name))(X, 2, training=True), want_out)
     jax.effects_barrier()
@@ -104,12 +107,15 @@ def test_patching_sweep_takes_python_flags():
     corrupt = -X
     r = patching_sweep(model, clean, (corrupt, 2, True), jnp.sum, names=["layer0"], axis=0)
     for p in range(3):  # the reference: patch position p of layer0 by hand
+
         def patched(x):
             h0 = jnp.tanh(x).at[p].set(clean["layer0"][p])
             return (jnp.tanh(h0) + 1.0) * 0.5
 
         base = jnp.sum(reference(corrupt, 2, True)[0])
-        np.testing.assert_allclose(r.values[0, p], jnp.sum(patched(corrupt)) - base, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            r.values[0, p], jnp.sum(patched(corrupt)) - base, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_a_new_python_value_retraces_and_a_repeated_one_does_not():
@@ -152,7 +158,11 @@ def test_arrays_are_traced_and_numbers_in_plants_too():
     for v in (0.0, 1.0, 2.0):  # numbers planted as values are data
         close(g({"h": v}, 2.0, jnp.float32(v)), v + 1.0)
     assert len(traces) == 1
-    for s in (np.float32(1.0), np.ones((), np.float32), jnp.float32(3.0)):  # NumPy and JAX scalars are arrays
+    for s in (
+        np.float32(1.0),
+        np.ones((), np.float32),
+        jnp.float32(3.0),
+    ):  # NumPy and JAX scalars are arrays
         close(reap(f)(X, s)["h"], X * float(s))
     assert len(traces) == 2
 
@@ -161,7 +171,9 @@ def test_grad_and_jit_over_a_harvest_with_static_arguments():
     def loss(x, n, training):
         return jnp.sum(model(x, n, training))
 
-    g = jax.grad(lambda x: jnp.sum(plant(model)({"dropout": lambda v: 3.0 * v}, x, 2, training=True)))(X)
+    g = jax.grad(
+        lambda x: jnp.sum(plant(model)({"dropout": lambda v: 3.0 * v}, x, 2, training=True))
+    )(X)
     want = jax.grad(lambda x: 3.0 * loss(x, 2, True))(X)
     close(g, want)
     jitted = jax.jit(lambda x: reap(model)(x, 3, training=False))
@@ -177,9 +189,14 @@ def test_static_callables_configs_and_partials():
     def configured(x, cfg):
         return model(x, cfg.layers, act=cfg.act, scale=cfg.scale, norm=jnp.cumsum)
 
-    close(call_and_reap(configured)(X, cfg), reference(X, 2, act=Act.RELU, scale=2.0, norm=jnp.cumsum))
+    close(
+        call_and_reap(configured)(X, cfg), reference(X, 2, act=Act.RELU, scale=2.0, norm=jnp.cumsum)
+    )
     close(reap(functools.partial(model, n=2))(X), reference(X, 2)[1])
-    close(reap(functools.partial(model, training=True), blocklist="layer*")(X, 1), {"dropout": reference(X, 1, True)[1]["dropout"]})
+    close(
+        reap(functools.partial(model, training=True), blocklist="layer*")(X, 1),
+        {"dropout": reference(X, 1, True)[1]["dropout"]},
+    )
 
 
 def test_an_unhashable_argument_is_traced_at_every_call():
@@ -199,4 +216,3 @@ def test_an_unhashable_argument_is_traced_at_every_call():
     cfg.layers = 3  # a cache keyed on this object would now be stale
     close(g(X, cfg), reference(X, 3)[1])
     assert traces == [1, 3]
-

@@ -3,11 +3,10 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import close
 from jax import lax
 
 from harvest import capture, perturb, reap, sow
-from conftest import close
-
 
 W1 = jnp.array([[0.5, -0.2], [0.1, 0.3], [-0.4, 0.8]], jnp.float32)  # (3, 2)
 W2 = jnp.array([1.0, -1.0], jnp.float32)

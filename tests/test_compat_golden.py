@@ -15,7 +15,10 @@ ROOT = pathlib.Path(__file__).parent.parent
 
 def test_compat_oryx_matches_recorded_oryx_results():
     result = subprocess.run(
-        [sys.executable, str(ROOT / "compat" / "compare.py")], capture_output=True, text=True, timeout=900
+        [sys.executable, str(ROOT / "compat" / "compare.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
     assert "0 failed" in result.stdout, result.stdout[-3000:]

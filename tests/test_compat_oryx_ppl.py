@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 from harvest.compat.oryx import ppl
-
-import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 tfd = tfp.distributions
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:tensorflow_probability")
@@ -44,7 +43,9 @@ def test_joint_log_prob_and_log_prob():
         return [a, ppl.random_variable(tfd.Normal(0.0, 1.0), name="b")(k2)]
 
     np.testing.assert_allclose(ppl.log_prob(normals)([0.0, 0.0]), -1.837877, rtol=1e-6)
-    np.testing.assert_allclose(ppl.joint_log_prob(normals)({"a": 0.0, "b": 0.0}), -1.837877, rtol=1e-6)
+    np.testing.assert_allclose(
+        ppl.joint_log_prob(normals)({"a": 0.0, "b": 0.0}), -1.837877, rtol=1e-6
+    )
     np.testing.assert_allclose(ppl.log_prob(tfd.Normal(0.0, 1.0))(0.0), -0.9189385, rtol=1e-6)
 
 
@@ -54,7 +55,9 @@ def test_function_random_variable_tags_the_output_and_intervenes():
 
     key = jax.random.PRNGKey(1)
     assert ppl.joint_sample(outer)(key)["y"] == outer(key)
-    out, draws = jax.jit(lambda k: (ppl.intervene(outer, y=5.0)(k), ppl.joint_sample(ppl.intervene(outer, y=5.0))(k)))(key)
+    out, draws = jax.jit(
+        lambda k: (ppl.intervene(outer, y=5.0)(k), ppl.joint_sample(ppl.intervene(outer, y=5.0))(k))
+    )(key)
     assert out == 5.0 and draws == {}
 
 
@@ -74,12 +77,17 @@ def test_plate_draws_per_index_and_sums_density_over_the_named_axis():
         return ppl.random_variable(tfd.Normal(0.0, 1.0), name="x")(key)
 
     draws = jax.vmap(
-        jax.vmap(plated, axis_name="bar", in_axes=None, axis_size=2), axis_name="foo", in_axes=None, axis_size=3
+        jax.vmap(plated, axis_name="bar", in_axes=None, axis_size=2),
+        axis_name="foo",
+        in_axes=None,
+        axis_size=3,
     )(jax.random.PRNGKey(0))
     assert len(set(np.asarray(draws).ravel().tolist())) == 6
     xs = jnp.arange(6.0).reshape(3, 2)
     out = jax.vmap(jax.vmap(ppl.log_prob(plated), axis_name="bar"), axis_name="foo")(xs)
-    np.testing.assert_allclose(out, np.full((3, 2), tfd.Normal(0.0, 1.0).log_prob(jnp.arange(6.0)).sum()), rtol=1e-5)
+    np.testing.assert_allclose(
+        out, np.full((3, 2), tfd.Normal(0.0, 1.0).log_prob(jnp.arange(6.0)).sum()), rtol=1e-5
+    )
 
 
 def test_plate_keyword_of_random_variable():

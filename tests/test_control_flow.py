@@ -1,15 +1,14 @@
 """Sows inside scan, fori_loop, while_loop, cond and switch."""
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 from jax import lax
 
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
-import conftest
 
 
 def close(a, b):
@@ -218,7 +217,7 @@ def test_fori_loop_static_bounds():
         c = c * 0.5 + i
         steps.append(c)
     close(reap(f)(X2), {"c": (jnp.stack(steps),)})
-    close(plant(f)({"c": lambda c: c + 1.0}, X2), ((((X2 * 0.5 + 1) * 0.5 + 1 + 1) * 0.5 + 2 + 1)))
+    close(plant(f)({"c": lambda c: c + 1.0}, X2), (((X2 * 0.5 + 1) * 0.5 + 1 + 1) * 0.5 + 2 + 1))
 
 
 def test_scan_sow_cond_last_iteration_where_pred_held():
@@ -232,6 +231,7 @@ def test_scan_sow_cond_last_iteration_where_pred_held():
 
     # x[0] > 0.4 holds for rows 0, 1, 3 -> last is 3
     close(reap(f)(XS), {"pick": XS[3], "never": jnp.zeros(2)})
+
     # reverse: executed order 3,2,1,0 -> last where held is 0
     def g(xs):
         def body(c, x):
@@ -314,7 +314,9 @@ def test_while_clobber_and_sow_cond_reap():
 
 def test_while_zero_iterations_clobber_gives_zeros():
     def f(x):
-        return lax.while_loop(lambda c: c[0] > 100.0, lambda c: sow(c * 2.0, name="v", mode="clobber"), x)
+        return lax.while_loop(
+            lambda c: c[0] > 100.0, lambda c: sow(c * 2.0, name="v", mode="clobber"), x
+        )
 
     close(reap(f)(X2), {"v": jnp.zeros(2)})
 
@@ -377,8 +379,10 @@ def test_cond_plant_into_branch_that_runs(pred):
     close(out, v + 1.0 if pred else v - 1.0)
     out = plant(branchy)({"h": lambda h: h * 10.0}, X2, jnp.bool_(pred))
     close(out, jnp.sin(X2) * 10 + 1.0 if pred else jnp.cos(X2) * 10 - 1.0)
-    close(plant(branchy)(reap(branchy)(X2, jnp.bool_(pred)), X2, jnp.bool_(pred)),
-          branchy(X2, jnp.bool_(pred)))
+    close(
+        plant(branchy)(reap(branchy)(X2, jnp.bool_(pred)), X2, jnp.bool_(pred)),
+        branchy(X2, jnp.bool_(pred)),
+    )
 
 
 @pytest.mark.parametrize("index", [0, 1, 2])
@@ -405,8 +409,12 @@ def test_switch_three_branches(index):
 def test_cond_inside_scan():
     def f(xs):
         def body(c, x):
-            y = lax.cond(x[0] > 0, lambda x: sow(x * 2.0, name="y", mode="append"),
-                         lambda x: sow(-x, name="y", mode="append"), x)
+            y = lax.cond(
+                x[0] > 0,
+                lambda x: sow(x * 2.0, name="y", mode="append"),
+                lambda x: sow(-x, name="y", mode="append"),
+                x,
+            )
             return c + y, None
 
         return lax.scan(body, jnp.zeros(2), xs)[0]
@@ -513,7 +521,9 @@ def test_clobber_carried_into_a_loop_with_another_shape():
         body = lambda c, _: (c, sow(jnp.sum(c), name="last", mode="clobber"))  # shape []
         return lax.scan(body, x, None, length=2)[0]
 
-    with pytest.raises(ValueError, match=r"(?s)name='last'.*shape \[2\] before this scan.*shape \[\]"):
+    with pytest.raises(
+        ValueError, match=r"(?s)name='last'.*shape \[2\] before this scan.*shape \[\]"
+    ):
         reap(f)(jnp.ones(2))
 
     # Sown unbatched before the loop and per example inside it: broadcast, as vmap would.
@@ -555,17 +565,24 @@ def test_a_planted_callable_sees_the_occurrence_index_as_reap_stacks_rows():
     assert rows.shape == (11,)
     got = plant(indexed_program)({"h": lambda old, i: 0.0 * old + i}, xs)
     np.testing.assert_array_equal(got, jnp.arange(11.0))  # row j of reap is occurrence j
-    jitted = jax.jit(lambda xs: plant(indexed_program)({"h": lambda old, i: old + 100.0 * (i == 5)}, xs))
+    jitted = jax.jit(
+        lambda xs: plant(indexed_program)({"h": lambda old, i: old + 100.0 * (i == 5)}, xs)
+    )
     want = rows.at[5].add(100.0)  # only occurrence 5 moved: iteration 1's inner step 0
     np.testing.assert_array_equal(jitted(xs), want)
+
     # harvest: the same index, while the unplanted names are reaped.
     def two(xs):
         return sow(indexed_program(xs).sum(), name="total", mode="strict")
 
     out, reaps = harvest(two)({"h": lambda old, i: jnp.where(i % 2 == 0, old, 0.0)}, xs)
-    np.testing.assert_allclose(reaps["total"], jnp.sum(jnp.where(jnp.arange(11) % 2 == 0, rows, 0.0)))
+    np.testing.assert_allclose(
+        reaps["total"], jnp.sum(jnp.where(jnp.arange(11) % 2 == 0, rows, 0.0))
+    )
     # A callable with a defaulted second parameter is a callable of the old value alone.
-    np.testing.assert_array_equal(plant(indexed_program)({"h": lambda old, i=7.0: old + i}, xs), rows + 7.0)
+    np.testing.assert_array_equal(
+        plant(indexed_program)({"h": lambda old, i=7.0: old + i}, xs), rows + 7.0
+    )
 
 
 def test_an_indexed_plant_in_a_reversed_scan_and_bad_places():
@@ -573,7 +590,9 @@ def test_an_indexed_plant_in_a_reversed_scan_and_bad_places():
         return lax.scan(lambda c, x: (c, sow(x, name="h", mode="append")), 0.0, xs, reverse=True)[1]
 
     xs = jnp.arange(4.0)
-    np.testing.assert_array_equal(plant(rev)({"h": lambda old, i: 0.0 * old + i}, xs), jnp.arange(4.0))
+    np.testing.assert_array_equal(
+        plant(rev)({"h": lambda old, i: 0.0 * old + i}, xs), jnp.arange(4.0)
+    )
 
     def collected(xs):
         return lax.scan(lambda c, x: (c + sow(x, name="h"), None), 0.0, xs)[0]
@@ -582,7 +601,9 @@ def test_an_indexed_plant_in_a_reversed_scan_and_bad_places():
         plant(collected)({"h": lambda old, i: old}, xs)
 
     def looped(x):
-        return lax.while_loop(lambda c: c < 3.0, lambda c: sow(c, name="h", mode="clobber") + 1.0, x)
+        return lax.while_loop(
+            lambda c: c < 3.0, lambda c: sow(c, name="h", mode="clobber") + 1.0, x
+        )
 
     with pytest.raises(ValueError, match="takes an occurrence index.*while_loop"):
         plant(looped)({"h": lambda old, i: old}, 0.0)

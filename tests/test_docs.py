@@ -56,8 +56,14 @@ def test_many_devices_snippets_print_what_the_page_shows():
     text = (DOCS / "guides/many_devices.md").read_text()
     script = "\n".join(b for b in BLOCK.findall(text) if b.startswith("# not-run"))
     shown = re.findall(r"^```text\n(.*?)^```", text, re.S | re.M)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Older JAX spells a PartitionSpec out in full where newer prints `P(...)`.
     printed = proc.stdout.replace("PartitionSpec(", "P(").split()
@@ -68,13 +74,29 @@ def test_many_devices_snippets_print_what_the_page_shows():
 
 @pytest.mark.slow
 def test_docs_build_with_warnings_as_errors(tmp_path):
-    pytest.importorskip("sphinx", reason="the docs extra (Sphinx) is not installed; `make test` builds the docs")
+    pytest.importorskip(
+        "sphinx", reason="the docs extra (Sphinx) is not installed; `make test` builds the docs"
+    )
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS), str(tmp_path / "html")],
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            str(DOCS),
+            str(tmp_path / "html"),
+        ],
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "HARVEST_DOCS_NOTEBOOKS": "off"},  # tests/test_notebooks_*.py execute them
+        env={
+            **os.environ,
+            "HARVEST_DOCS_NOTEBOOKS": "off",
+        },  # tests/test_notebooks_*.py execute them
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert (tmp_path / "html" / "index.html").exists()

@@ -10,7 +10,13 @@ import pytest
 import harvest
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-REQUIRED = ["harvest._sow", "harvest._transforms", "harvest._perturb", "harvest._capture", "harvest._instrument"]
+REQUIRED = [
+    "harvest._sow",
+    "harvest._transforms",
+    "harvest._perturb",
+    "harvest._capture",
+    "harvest._instrument",
+]
 
 
 def _modules():

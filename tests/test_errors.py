@@ -7,13 +7,12 @@ import traceback
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import close
 from jax import lax
 
 import harvest as harvest_module
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
 from harvest.compat import oryx
-from conftest import close
-
 
 X = jnp.array([1.0, 2.0, 3.0], jnp.float32)
 
@@ -140,7 +139,9 @@ def test_strict_in_scan():
     def g(xs):
         return lax.scan(lambda c, x: (c + sow(x, name="it", mode="strict"), None), 0.0, xs)[0]
 
-    with pytest.raises(ValueError, match=r"(?s)(?=.*'it')(?=.*scan)(?=.*strict)(?=.*(collect|append))"):
+    with pytest.raises(
+        ValueError, match=r"(?s)(?=.*'it')(?=.*scan)(?=.*strict)(?=.*(collect|append))"
+    ):
         reap(g)(X)
     ok_after()
 
@@ -156,7 +157,9 @@ def test_collect_in_while_points_to_scan_and_sow_cond():
 
 def test_strict_in_while():
     def g(x):
-        return lax.while_loop(lambda c: c[0] < 10.0, lambda c: sow(c * 2.0, name="w", mode="strict"), x)
+        return lax.while_loop(
+            lambda c: c[0] < 10.0, lambda c: sow(c * 2.0, name="w", mode="strict"), x
+        )
 
     with pytest.raises(ValueError, match=r"(?s)(?=.*'w')(?=.*while_loop)(?=.*strict)"):
         reap(g)(X)
@@ -222,7 +225,9 @@ def test_a_name_that_is_also_a_nest_scope_is_an_error_not_a_lost_value():
 @pytest.mark.parametrize("rows", [2, 4])
 def test_append_plant_with_wrong_row_count_in_scan(rows):
     def g(x):
-        return lax.scan(lambda c, _: (sow(c, name="h", mode="append") + 1.0, None), x, None, length=3)[0]
+        return lax.scan(
+            lambda c, _: (sow(c, name="h", mode="append") + 1.0, None), x, None, length=3
+        )[0]
 
     with pytest.raises(ValueError, match=rf"(?s)'h'.*has {rows} rows.*3 rows of float32\[\]"):
         plant(g)({"h": jnp.arange(float(rows))}, 0.0)
@@ -237,14 +242,18 @@ def test_top_level_plant_with_wrong_occurrence_count(mode):
 
     what = "rows" if mode == "append" else "entr"
     for n in (1, 3):
-        value = jnp.arange(float(n)) if mode == "append" else tuple(jnp.float32(i) for i in range(n))
+        value = (
+            jnp.arange(float(n)) if mode == "append" else tuple(jnp.float32(i) for i in range(n))
+        )
         with pytest.raises(ValueError, match=rf"(?s)'h'.*has {n} {what}.*2 {what}"):
             plant(g)({"h": value}, 1.0)
     two = jnp.array([2.0, 3.0]) if mode == "append" else (jnp.float32(2.0), jnp.float32(3.0))
     close(plant(g)({"h": two}, 1.0), jnp.float32(6.0))
 
 
-@pytest.mark.parametrize("make", [reap, call_and_reap, plant, harvest, lambda f: nest(f, scope="s")])
+@pytest.mark.parametrize(
+    "make", [reap, call_and_reap, plant, harvest, lambda f: nest(f, scope="s")]
+)
 @pytest.mark.parametrize("f", [3, "abc", None])
 def test_f_must_be_callable(make, f):
     with pytest.raises(TypeError, match="f must be callable"):
@@ -263,9 +272,13 @@ def test_planting_a_filtered_out_name_says_so():
 
 def test_append_occurrences_of_different_shapes_name_the_site():
     def f(x):
-        return sow(x, name="h", mode="append").sum() + sow(jnp.ones(2), name="h", mode="append").sum()
+        return (
+            sow(x, name="h", mode="append").sum() + sow(jnp.ones(2), name="h", mode="append").sum()
+        )
 
-    with pytest.raises(ValueError, match=r"(?s)name='h'.*'append'.*different shapes \(\[2\], \[3\]\)"):
+    with pytest.raises(
+        ValueError, match=r"(?s)name='h'.*'append'.*different shapes \(\[2\], \[3\]\)"
+    ):
         reap(f)(jnp.ones(3))
     # associative_scan calls its combine function on ever shorter slices.
     g = lambda xs: lax.associative_scan(lambda a, b: sow(a + b, name="h", mode="append"), xs)
@@ -274,8 +287,12 @@ def test_append_occurrences_of_different_shapes_name_the_site():
 
 
 def test_compat_append_in_while_names_the_mode_as_written():
-    f = lambda x: lax.while_loop(lambda c: c < 3.0, lambda c: oryx.sow(c, tag="t", name="a", mode="append") + 1.0, x)
-    with pytest.raises(ValueError, match=r"mode 'append' \(harvest.compat.oryx's\) inside a while_loop") as err:
+    f = lambda x: lax.while_loop(
+        lambda c: c < 3.0, lambda c: oryx.sow(c, tag="t", name="a", mode="append") + 1.0, x
+    )
+    with pytest.raises(
+        ValueError, match=r"mode 'append' \(harvest.compat.oryx's\) inside a while_loop"
+    ) as err:
         oryx.reap(f, tag="t")(0.0)
     assert "'stack'" not in str(err.value)
 

@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from harvest import SiteInfo, Sites, nest, reap, sites, sow, sow_cond, stream
 
@@ -16,13 +15,17 @@ def nested_program(xs):
     @jax.jit
     def inner(xs):
         def body(c, x):
-            y = jax.lax.cond(x > 0, lambda x: sow(x, name="branchy"), lambda x: sow(-x, name="branchy"), x)
+            y = jax.lax.cond(
+                x > 0, lambda x: sow(x, name="branchy"), lambda x: sow(-x, name="branchy"), x
+            )
             return c + sow(y * c, name="step", mode="append"), None
 
         return jax.lax.scan(body, 1.0, xs)[0]
 
     z = inner(xs)
-    z = jax.lax.while_loop(lambda c: c < 100.0, lambda c: sow(c * 2.0, name="grow", mode="clobber"), z + 1.0)
+    z = jax.lax.while_loop(
+        lambda c: c < 100.0, lambda c: sow(c * 2.0, name="grow", mode="clobber"), z + 1.0
+    )
     z = jax.checkpoint(lambda z: sow(z, name="ckpt", mode="strict"))(z)
     z = nest(lambda z: sow(z, name="out", mode="strict", tag="other"), scope="head")(z)
     return z
@@ -130,7 +133,9 @@ def test_stream_reports_every_firing_in_program_order(wrap):
 @given(limit=st.floats(2.0, 1000.0), start=st.floats(0.1, 1.5))
 def test_stream_inside_while_loop(limit, start):
     def f(x):
-        return jax.lax.while_loop(lambda c: c < limit, lambda c: sow(c * 2.0, name="c", mode="clobber"), x)
+        return jax.lax.while_loop(
+            lambda c: c < limit, lambda c: sow(c * 2.0, name="c", mode="clobber"), x
+        )
 
     seen = []
     out = jax.jit(stream(f, collect(seen)))(jnp.float32(start))
@@ -228,7 +233,9 @@ class _Outline(html_parser.HTMLParser):
         if tag == "details":
             self.stack.pop()
         elif tag == "li" and self.line:
-            self.stack[-1].append((self.line["name"], self.line["shape"], self.line["mode"], self.line["meta"]))
+            self.stack[-1].append(
+                (self.line["name"], self.line["shape"], self.line["mode"], self.line["meta"])
+            )
             self.line = None
         elif tag == "span":
             self.span = None
@@ -252,7 +259,10 @@ def test_html_view_nests_each_site_in_its_body():
     def f(xs):
         def body(c, x):
             c = jax.lax.cond(
-                x > 0, lambda c: sow(c, name="pos", mode="clobber"), lambda c: sow(-c, name="neg", mode="clobber"), c
+                x > 0,
+                lambda c: sow(c, name="pos", mode="clobber"),
+                lambda c: sow(-c, name="neg", mode="clobber"),
+                c,
             )
             return c + sow(x * c, name="step", mode="append"), None
 
@@ -272,7 +282,10 @@ def test_html_view_nests_each_site_in_its_body():
             ],
         ]
 
-    want = ["program", [["jit", [scan(12), scan(3), ("total", "float32[2]", "strict", "× 1 · intermediates")]]]]
+    want = [
+        "program",
+        [["jit", [scan(12), scan(3), ("total", "float32[2]", "strict", "× 1 · intermediates")]]],
+    ]
     assert _outline(found.to_html()) == want
     assert _outline(found._repr_html_()) == want
 
@@ -296,7 +309,9 @@ def test_html_view_shows_every_op_of_an_instrumented_function():
     (block,) = [it for it in outline[1] if isinstance(it, list)]
     assert block[0] == "scan[4]"
     assert [line[0] for line in block[1]] == ["tanh:0", "mul:0"]
-    assert [line[0] for line in outline[1] if isinstance(line, tuple)] == [s.name for s in found if s.where == ""]
+    assert [line[0] for line in outline[1] if isinstance(line, tuple)] == [
+        s.name for s in found if s.where == ""
+    ]
 
 
 def test_html_view_of_a_hand_built_sites_nests_by_labels():
@@ -304,7 +319,15 @@ def test_html_view_of_a_hand_built_sites_nests_by_labels():
     found = Sites([info("a", "jit › scan[3]"), info("b", "jit"), info("c", "")])
     want = [
         "program",
-        [["jit", [["scan[3]", [("a", "float32[2]", "strict", "× 3 · t")]], ("b", "float32[2]", "strict", "× 3 · t")]],
-         ("c", "float32[2]", "strict", "× 3 · t")],
+        [
+            [
+                "jit",
+                [
+                    ["scan[3]", [("a", "float32[2]", "strict", "× 3 · t")]],
+                    ("b", "float32[2]", "strict", "× 3 · t"),
+                ],
+            ],
+            ("c", "float32[2]", "strict", "× 3 · t"),
+        ],
     ]
     assert _outline(found.to_html()) == want

@@ -139,7 +139,9 @@ def test_nnx_reap_every_submodule(transformer):
     assert "blocks" not in reaped and "blocks.1.attn.q_proj" in reaped
 
 
-@pytest.mark.parametrize("name", ["blocks.0.attn", "blocks.0.attn.q_proj", "blocks.1.ln", "blocks.0"])
+@pytest.mark.parametrize(
+    "name", ["blocks.0.attn", "blocks.0.attn.q_proj", "blocks.1.ln", "blocks.0"]
+)
 def test_nnx_plant_changes_everything_downstream(transformer, name):
     model = instrument(transformer)
     shape = reap(model, tag="modules")(X)[name].shape
@@ -176,7 +178,9 @@ def test_nnx_grad_and_vmap(transformer):
     # Gradient through a plant: d(output)/d(planted value).
     zero = jnp.zeros((T, D))
     got = jax.grad(lambda v: plant(model, tag="modules")({"blocks.1.attn": v}, X).sum())(zero)
-    want = jax.grad(lambda v: hand_transformer(transformer, X, Recorder({"blocks.1.attn": v})).sum())(zero)
+    want = jax.grad(
+        lambda v: hand_transformer(transformer, X, Recorder({"blocks.1.attn": v})).sum()
+    )(zero)
     np.testing.assert_allclose(got, want, **TOL)
 
 
@@ -380,7 +384,9 @@ def test_scan_over_layers_sweep_gives_a_row_per_layer(scan_model):
     a = attribution_patching(model, clean, (corrupted,), metric, tag="modules", names=["layers"])
     assert list(a.names) == list(r.names)
     for i in range(L):
-        g = jax.grad(lambda v: metric(hand_scan_over_layers(scan_model, corrupted, {i: v})[0]))(corrupt_layers[i])
+        g = jax.grad(lambda v: metric(hand_scan_over_layers(scan_model, corrupted, {i: v})[0]))(
+            corrupt_layers[i]
+        )
         want = jnp.vdot(g, clean["layers"][i] - corrupt_layers[i])
         np.testing.assert_allclose(a.values[i], want, rtol=1e-4, atol=1e-4)
 
@@ -448,11 +454,15 @@ def test_remat_jit_and_vmap_wrapped_submodule_calls():
         np.testing.assert_allclose(reaped[name], want[name], **TOL, err_msg=name)
     v = jnp.full((T, D), -0.5)
     np.testing.assert_allclose(
-        plant(model, tag="modules")({"first": v}, X), hand_wrapped(wrapped, X, {"first": v})[0], **TOL
+        plant(model, tag="modules")({"first": v}, X),
+        hand_wrapped(wrapped, X, {"first": v})[0],
+        **TOL,
     )
     v = jnp.full((T, D), 0.5)
     np.testing.assert_allclose(
-        plant(model, tag="modules")({"second": v}, X), hand_wrapped(wrapped, X, {"second": v})[0], **TOL
+        plant(model, tag="modules")({"second": v}, X),
+        hand_wrapped(wrapped, X, {"second": v})[0],
+        **TOL,
     )
     np.testing.assert_array_equal(model(X), wrapped(X))
     assert not hasattr(wrapped.second, "_harvest_instrument_paths")  # the mark lasts one call
@@ -496,10 +506,14 @@ def test_equinox_reap_and_plant():
         np.testing.assert_allclose(reaped[name], value, **TOL)
     patch = jnp.linspace(-1.0, 1.0, D)
     want = hand_eqx(mlp, x, Recorder({"layers.1": patch}))
-    np.testing.assert_allclose(jax.jit(plant(model, tag="modules"))({"layers.1": patch}, x), want, **TOL)
+    np.testing.assert_allclose(
+        jax.jit(plant(model, tag="modules"))({"layers.1": patch}, x), want, **TOL
+    )
     # The model is data: under eqx.filter_jit and vmap, and as an argument.
     batched = jax.vmap(reap(model, tag="modules"))(X)["layers.2"]
-    np.testing.assert_allclose(batched, jax.vmap(lambda x: _hand_site(hand_eqx, mlp, x, "layers.2"))(X), **TOL)
+    np.testing.assert_allclose(
+        batched, jax.vmap(lambda x: _hand_site(hand_eqx, mlp, x, "layers.2"))(X), **TOL
+    )
     reaped = eqx.filter_jit(lambda m, x: reap(m, tag="modules")(x))(model, x)
     np.testing.assert_allclose(reaped["out"], rec.values["out"], **TOL)
 
@@ -573,10 +587,14 @@ def test_equinox_scan_over_layers_reaps_each_layer(eqx_scan):
     got = jax.jit(reap(model, tag="modules"))(x)["layers.mlp"]
     np.testing.assert_allclose(got, want["layers.mlp"], **TOL)
     got = jax.grad(lambda x: reap(model, tag="modules")(x)["layers"][1].sum())(x)
-    np.testing.assert_allclose(got, jax.grad(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"][1].sum())(x), **TOL)
+    np.testing.assert_allclose(
+        got, jax.grad(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"][1].sum())(x), **TOL
+    )
     # Batched the Equinox way: vmap over examples.
     got = jax.vmap(reap(model, tag="modules"))(X)["layers"]
-    np.testing.assert_allclose(got, jax.vmap(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"])(X), **TOL)
+    np.testing.assert_allclose(
+        got, jax.vmap(lambda x: hand_eqx_scan(eqx_scan, x)[1]["layers"])(X), **TOL
+    )
 
 
 def test_equinox_scan_over_layers_plant_and_sweep(eqx_scan):
@@ -616,7 +634,9 @@ class TwoStacks(eqx.Module):
 
 def test_equinox_rebuilt_layer_that_fits_two_stacks_is_an_error():
     model = TwoStacks(jax.random.key(9))
-    with pytest.raises(ValueError, match=r"fits several of the model's submodules: 'enc', 'dec'.*`where`"):
+    with pytest.raises(
+        ValueError, match=r"fits several of the model's submodules: 'enc', 'dec'.*`where`"
+    ):
         reap(instrument(model), tag="modules")(X[0])
     # Left out by `where`, they are not sites, and the rest still is.
     cache = reap(instrument(model, where="head"), tag="modules")(X[0])
@@ -634,7 +654,9 @@ def _hand_site(hand, model, x, name):
 
 
 def test_classes_are_restored_and_calls_nest(transformer):
-    before = {cls: cls.__dict__.get("__call__") for cls in (nnx.Linear, nnx.LayerNorm, Block, Attention)}
+    before = {
+        cls: cls.__dict__.get("__call__") for cls in (nnx.Linear, nnx.LayerNorm, Block, Attention)
+    }
     inner = instrument(transformer, tag="inner")
 
     class Outer(nnx.Module):
@@ -741,7 +763,9 @@ def hand_linen(params, x, site):
         name = f"blocks_{i}"
         mean = x.mean(-1, keepdims=True)
         var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        h = site(f"{name}.ln", (x - mean) / jnp.sqrt(var + 1e-6) * p["ln"]["scale"] + p["ln"]["bias"])
+        h = site(
+            f"{name}.ln", (x - mean) / jnp.sqrt(var + 1e-6) * p["ln"]["scale"] + p["ln"]["bias"]
+        )
         a = p["attn"]
         q, k = site(f"{name}.attn.q", dense(a["q"], h)), site(f"{name}.attn.k", dense(a["k"], h))
         o = site(f"{name}.attn.o", dense(a["o"], jax.nn.softmax(q @ k.T) @ h))
@@ -762,10 +786,14 @@ def test_linen_modules_applied_in_a_function():
         np.testing.assert_allclose(reaped[name], value, **TOL, err_msg=name)
     patch = jnp.ones((T, D))
     want = hand_linen(variables["params"], X, Recorder({"blocks_0.attn": patch}))
-    np.testing.assert_allclose(jax.jit(plant(f, tag="modules"))({"blocks_0.attn": patch}, X), want, **TOL)
+    np.testing.assert_allclose(
+        jax.jit(plant(f, tag="modules"))({"blocks_0.attn": patch}, X), want, **TOL
+    )
     # The variables as an argument, under vmap.
     g = instrument(module.apply)
-    got = jax.vmap(reap(g, tag="modules"), in_axes=(None, 0))(variables, X[:, None, :])["blocks_1.attn.q"]
+    got = jax.vmap(reap(g, tag="modules"), in_axes=(None, 0))(variables, X[:, None, :])[
+        "blocks_1.attn.q"
+    ]
     rec = Recorder()
     hand_linen(variables["params"], X[:, None, :][0], rec)
     np.testing.assert_allclose(got[0], rec.values["blocks_1.attn.q"], **TOL)
@@ -799,7 +827,13 @@ def hand_scan_and_cond(x, xs, cell=None):
         ys.append(c * 2.0)
     ys = jnp.stack(ys)
     taken = c.sum() > 0
-    return dict(muls=jnp.stack(muls), cells=jnp.stack(cells), ys=ys, taken=taken, out=(jnp.sin(ys) if taken else jnp.cos(ys)).sum())
+    return dict(
+        muls=jnp.stack(muls),
+        cells=jnp.stack(cells),
+        ys=ys,
+        taken=taken,
+        out=(jnp.sin(ys) if taken else jnp.cos(ys)).sum(),
+    )
 
 
 XS = jax.random.normal(jax.random.key(9), (4, 3))
@@ -811,15 +845,21 @@ def test_ops_inside_scan_and_cond():
     assert np.array_equal(f(X0, XS), scan_and_cond(X0, XS))
     assert np.array_equal(jax.jit(f)(X0, XS), jax.jit(scan_and_cond)(X0, XS))
     names = sites(f, X0, XS, tag="modules").names()
-    assert names == sites(instrument(scan_and_cond, ops=True), X0, XS, tag="modules").names()  # stable
-    assert {"cell/mul:0", "cell/tanh:0", "mul:0", "sin:0", "cos:0", "scan:0", "cond:0"} <= set(names)
+    assert (
+        names == sites(instrument(scan_and_cond, ops=True), X0, XS, tag="modules").names()
+    )  # stable
+    assert {"cell/mul:0", "cell/tanh:0", "mul:0", "sin:0", "cos:0", "scan:0", "cond:0"} <= set(
+        names
+    )
     reaped = reap(f, tag="modules")(X0, XS)
     hand = hand_scan_and_cond(X0, XS)
     np.testing.assert_allclose(reaped["cell/mul:0"], hand["muls"], **TOL)  # stacked per iteration
     np.testing.assert_allclose(reaped["cell/tanh:0"], hand["cells"], **TOL)
     np.testing.assert_allclose(reaped["mul:0"], hand["ys"], **TOL)
     taken, other = ("sin:0", "cos:0") if hand["taken"] else ("cos:0", "sin:0")
-    np.testing.assert_allclose(reaped[taken], (jnp.sin if hand["taken"] else jnp.cos)(hand["ys"]), **TOL)
+    np.testing.assert_allclose(
+        reaped[taken], (jnp.sin if hand["taken"] else jnp.cos)(hand["ys"]), **TOL
+    )
     np.testing.assert_array_equal(reaped[other], 0.0)  # the branch not taken
     # A plant of an op inside the scan: one value for every iteration, or one row each.
     v = jnp.array([0.1, 0.2, -0.3])
@@ -844,14 +884,20 @@ def test_ops_inside_jit_checkpoint_and_while():
     n = jnp.int32(3)
     reaped = reap(g, tag="modules")(X0, n)
     y = jnp.sin(jnp.exp(X0) * 3.0) * 2.0
-    np.testing.assert_allclose(reaped["inner/exp:0"], jnp.exp(X0), **TOL)  # jit bodies under their name
-    np.testing.assert_allclose(reaped["sin:0"], jnp.sin(jnp.exp(X0) * 3.0), **TOL)  # inside checkpoint
+    np.testing.assert_allclose(
+        reaped["inner/exp:0"], jnp.exp(X0), **TOL
+    )  # jit bodies under their name
+    np.testing.assert_allclose(
+        reaped["sin:0"], jnp.sin(jnp.exp(X0) * 3.0), **TOL
+    )  # inside checkpoint
     c = y
     for _ in range(2):
         c = c * 0.5 + y
     np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
     assert sites(g, X0, n, tag="modules")[5].mode == "clobber"
-    np.testing.assert_allclose(jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL)
+    np.testing.assert_allclose(
+        jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL
+    )
 
 
 def test_ops_python_arguments_stay_static():
@@ -875,8 +921,14 @@ def test_ops_named_by_module_path(transformer):
     rec = Recorder()
     hand_transformer(transformer, X, rec)
     ln = rec.values["blocks.0.ln"]
-    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj/dot_general:0"], ln @ transformer.blocks[0].attn.q_proj.kernel[...], **TOL)
-    np.testing.assert_allclose(reaped["blocks.0.attn.q_proj"], rec.values["blocks.0.attn.q_proj"], **TOL)
+    np.testing.assert_allclose(
+        reaped["blocks.0.attn.q_proj/dot_general:0"],
+        ln @ transformer.blocks[0].attn.q_proj.kernel[...],
+        **TOL,
+    )
+    np.testing.assert_allclose(
+        reaped["blocks.0.attn.q_proj"], rec.values["blocks.0.attn.q_proj"], **TOL
+    )
     # Names do not depend on `where`.
     every = reap(instrument(transformer, ops=True), tag="modules")(X)
     assert set(reaped) <= set(every) and len(every) > 100
@@ -899,7 +951,10 @@ def test_direct_call_has_the_model_s_state_effects():
     for _ in range(2):
         np.testing.assert_array_equal(probed(X), twin(X))
     for kind in (nnx.BatchStat, nnx.RngCount):
-        for a, b in zip(jax.tree_util.tree_leaves(nnx.state(model, kind)), jax.tree_util.tree_leaves(nnx.state(twin, kind))):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(nnx.state(model, kind)),
+            jax.tree_util.tree_leaves(nnx.state(twin, kind)),
+        ):
             np.testing.assert_array_equal(a, b)
     assert int(jax.tree_util.tree_leaves(nnx.state(model, nnx.RngCount))[0]) == 2
 
@@ -1048,9 +1103,13 @@ def test_through_nnx_jit_and_remat_inside_outer_jit_and_grad(cls):
     got = jax.jit(lambda x, v: plant(target, tag="modules")({"lin": v}, x))(X, V)
     np.testing.assert_allclose(got, hand_through(twin, X, {"lin": V})[0], **TOL)
     got = jax.grad(lambda x: reap(target, tag="modules")(x)["bn"].sum())(X)
-    np.testing.assert_allclose(got, jax.grad(lambda x: hand_through(twin, x)[1]["bn"].sum())(X), **TOL)
+    np.testing.assert_allclose(
+        got, jax.grad(lambda x: hand_through(twin, x)[1]["bn"].sum())(X), **TOL
+    )
     got = jax.grad(lambda v: _harvest(target, {"lin": v}, X)[0].sum())(V)
-    np.testing.assert_allclose(got, jax.grad(lambda v: hand_through(twin, X, {"lin": v})[0].sum())(V), **TOL)
+    np.testing.assert_allclose(
+        got, jax.grad(lambda v: hand_through(twin, X, {"lin": v})[0].sum())(V), **TOL
+    )
     assert_same_state(model, twin)
 
 
@@ -1062,7 +1121,10 @@ def test_a_real_change_inside_an_outer_trace_says_how_to_pass_the_model():
 
     model = ThroughTransforms(nnx.Rngs(0, dropout=1))
     twin = nnx.clone(model)
-    with pytest.raises(TraceContextError, match=r"changed the NNX state \(bn.mean, bn.var, drop.rngs.count\).*Pass the model"):
+    with pytest.raises(
+        TraceContextError,
+        match=r"changed the NNX state \(bn.mean, bn.var, drop.rngs.count\).*Pass the model",
+    ):
         jax.jit(reap(instrument(model), tag="modules"))(X)
     assert_same_state(model, twin)  # nothing was written
 
@@ -1107,7 +1169,9 @@ def hand_train_scan_eval(model, x, patch=None):
     blocks = []
     for i in range(L):
         y = x @ b.lin.kernel[...][i] + b.lin.bias[...][i]
-        y = (y - b.bn.mean[...][i]) / jnp.sqrt(b.bn.var[...][i] + 1e-5) * b.bn.scale[...][i] + b.bn.bias[...][i]
+        y = (y - b.bn.mean[...][i]) / jnp.sqrt(b.bn.var[...][i] + 1e-5) * b.bn.scale[...][
+            i
+        ] + b.bn.bias[...][i]
         x = patch.get(i, x + jnp.maximum(y, 0.0))
         blocks.append(x)
     return lin(model.head, x), jnp.stack(blocks)
@@ -1130,7 +1194,9 @@ def test_nnx_scan_remat_batchnorm_dropout_with_a_train_flag():
     np.testing.assert_allclose(reaped["blocks"], want, **TOL)
     assert_same_state(model, twin)  # evaluation changed nothing
     v = jnp.full((T, D), 0.5)
-    got = plant(probed, tag="modules")({"blocks": lambda old, i: jnp.where(i == 2, v, old)}, X, False)
+    got = plant(probed, tag="modules")(
+        {"blocks": lambda old, i: jnp.where(i == 2, v, old)}, X, False
+    )
     np.testing.assert_allclose(got, hand_train_scan_eval(model, X, {2: v})[0], **TOL)
     clean = reap(probed, tag="modules")(X, False)
     r = patching_sweep(probed, clean, (-X, False), jnp.sum, tag="modules", names=["blocks"])
@@ -1158,7 +1224,9 @@ def test_inputs_are_sites_named_path_in(transformer):
     v = jnp.full((T, D), 0.3)
     want = hand_transformer(transformer, X, Recorder({"blocks.0": v}))
     np.testing.assert_allclose(plant(model, tag="modules")({"blocks.1:in": v}, X), want, **TOL)
-    np.testing.assert_allclose(plant(model, tag="modules")({"head:in": v}, X), lin(transformer.head, v), **TOL)
+    np.testing.assert_allclose(
+        plant(model, tag="modules")({"head:in": v}, X), lin(transformer.head, v), **TOL
+    )
     # `where` picks inputs like any other name; without inputs=True there are none.
     only = reap(instrument(transformer, inputs=True, where="*:in"), tag="modules")(X)
     assert set(only) == {name + ":in" for name in rec.values}
@@ -1173,14 +1241,18 @@ def test_inputs_of_scanned_layers_and_linen(eqx_scan):
     reaped = reap(model, tag="modules")(x)
     _, want = hand_eqx_scan(eqx_scan, x)
     assert reaped["layers:in"].shape == (L, D)  # one row per iteration
-    np.testing.assert_allclose(reaped["layers:in"], jnp.concatenate([x[None], want["layers"][:-1]]), **TOL)
+    np.testing.assert_allclose(
+        reaped["layers:in"], jnp.concatenate([x[None], want["layers"][:-1]]), **TOL
+    )
     np.testing.assert_allclose(reaped["layers.mlp:in"], want["layers.ln"], **TOL)
     v = jnp.full(D, 0.5)
     got = plant(model, tag="modules")({"layers:in": lambda old, i: jnp.where(i == 1, v, old)}, x)
     np.testing.assert_allclose(got, hand_eqx_scan(eqx_scan, x, {0: v})[0], **TOL)
     # A Python flag among the arguments is not part of the input.
     train_model = TrainScan(nnx.Rngs(0, dropout=1))
-    assert reap(instrument(train_model, inputs=True), tag="modules")(X, False)["blocks:in"].shape == (L, T, D)
+    assert reap(instrument(train_model, inputs=True), tag="modules")(X, False)[
+        "blocks:in"
+    ].shape == (L, T, D)
     # Linen, through its interceptor.
     module = LinenModel()
     variables = module.init(jax.random.key(8), X)
@@ -1190,4 +1262,6 @@ def test_inputs_of_scanned_layers_and_linen(eqx_scan):
     reaped = reap(f, tag="modules")(X)
     np.testing.assert_allclose(reaped["head:in"], rec.values["blocks_1"], **TOL)
     want = hand_linen(variables["params"], X, Recorder({"blocks_0": jnp.ones((T, D))}))
-    np.testing.assert_allclose(plant(f, tag="modules")({"blocks_1:in": jnp.ones((T, D))}, X), want, **TOL)
+    np.testing.assert_allclose(
+        plant(f, tag="modules")({"blocks_1:in": jnp.ones((T, D))}, X), want, **TOL
+    )

@@ -24,13 +24,16 @@ def _sources():
 NAME_TESTS = r"(prim|primitive)\.name\s*(==|!=|in\b)|\.name\.startswith|\"(pjit|remat2?|closed_call|core_call)\""
 
 
-@pytest.mark.parametrize("pattern", [r"jax\._src", r"jax\.interpreters", r"jax\.extend", NAME_TESTS])
+@pytest.mark.parametrize(
+    "pattern", [r"jax\._src", r"jax\.interpreters", r"jax\.extend", NAME_TESTS]
+)
 def test_only_the_adapter_reaches_jax_internals(pattern):
     hits = [
         f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
         for p in _sources()
         for i, line in enumerate(p.read_text().splitlines(), 1)
-        if re.search(pattern, line) and not line.lstrip().startswith((">>>", "..."))  # user code in examples
+        if re.search(pattern, line)
+        and not line.lstrip().startswith((">>>", "..."))  # user code in examples
     ]
     assert not hits, "\n".join(hits)
 
@@ -44,20 +47,30 @@ def test_primitives_are_the_ones_jax_stages():
     assert _eqn(jax.jit(jnp.sin), x, primitive=_jax.jit_p)
     assert _eqn(jax.checkpoint(jnp.sin), x, primitive=_jax.remat_p)
     assert _eqn(lambda x: lax.scan(lambda c, y: (c + y, y), 0.0, x), x, primitive=_jax.scan_p)
-    assert _eqn(lambda x: lax.while_loop(lambda c: c < 3, lambda c: c + 1, x), 0, primitive=_jax.while_p)
+    assert _eqn(
+        lambda x: lax.while_loop(lambda c: c < 3, lambda c: c + 1, x), 0, primitive=_jax.while_p
+    )
     assert _eqn(lambda x: lax.cond(x > 0, jnp.sin, jnp.cos, x), 1.0, primitive=_jax.cond_p)
 
 
 def test_params_views_match_what_the_equation_does():
     xs = jnp.arange(4.0)
-    eqn = _eqn(lambda xs: lax.scan(lambda c, x: (c + x, 2 * x), 0.0, xs, reverse=True), xs, primitive=_jax.scan_p)
+    eqn = _eqn(
+        lambda xs: lax.scan(lambda c, x: (c + x, 2 * x), 0.0, xs, reverse=True),
+        xs,
+        primitive=_jax.scan_p,
+    )
     scan = _jax.Scan.of(eqn)
     assert (scan.length, scan.num_consts, scan.num_carry, scan.reverse) == (4, 0, 1, True)
     # Re-binding the equation through the adapter computes what the scan computes.
     carry, ys = _jax.rebind(eqn, [jnp.zeros(()), xs])
     assert float(carry) == 6.0 and ys.tolist() == [0.0, 2.0, 4.0, 6.0]
 
-    eqn = _eqn(lambda x: lax.while_loop(lambda c: c < 5.0, lambda c: c * 2.0, x), 1.0, primitive=_jax.while_p)
+    eqn = _eqn(
+        lambda x: lax.while_loop(lambda c: c < 5.0, lambda c: c * 2.0, x),
+        1.0,
+        primitive=_jax.while_p,
+    )
     loop = _jax.While.of(eqn)
     assert (loop.cond_nconsts, loop.body_nconsts) == (0, 0)
     assert float(_jax.eval_jaxpr(loop.body.jaxpr, loop.body.consts, 3.0)[0]) == 6.0
@@ -80,7 +93,14 @@ def test_bind_with_takes_both_shapes_of_get_bind_params():
 @pytest.mark.parametrize("key", ["newly_manual_axes", "manual_axes"])
 def test_shard_map_view_reads_either_name_of_the_manual_axes(key):
     mesh = types.SimpleNamespace(axis_names=("a", "b", "c"))
-    params = dict(mesh=mesh, jaxpr=None, in_specs=[], out_specs=[], check_vma=True, **{key: frozenset({"c", "a"})})
+    params = dict(
+        mesh=mesh,
+        jaxpr=None,
+        in_specs=[],
+        out_specs=[],
+        check_vma=True,
+        **{key: frozenset({"c", "a"})},
+    )
     view = _jax.ShardMap.of(types.SimpleNamespace(params=params))
     assert view.axes == ("a", "c")  # in mesh order
 

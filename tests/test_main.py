@@ -5,7 +5,9 @@ import sys
 
 
 def test_demo_prints_reaped_sites_and_patching_effects():
-    result = subprocess.run([sys.executable, "-m", "harvest"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "harvest"], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
     assert "What reap(model)(x) found:" in out

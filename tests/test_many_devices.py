@@ -15,7 +15,15 @@ HERE = pathlib.Path(__file__).parent
 def test_many_device_checks_pass_in_their_own_process():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "multidevice" / "sharding_checks.py")],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE / "multidevice" / "sharding_checks.py"),
+        ],
         env=env,
         capture_output=True,
         text=True,

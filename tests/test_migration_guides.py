@@ -15,7 +15,11 @@ def _blocks(name):
 
 @pytest.mark.parametrize(
     "name,index",
-    [(n, i) for n in ("migrating_from_oryx.md", "migrating_from_flax.md") for i in range(len(_blocks(n)))],
+    [
+        (n, i)
+        for n in ("migrating_from_oryx.md", "migrating_from_flax.md")
+        for i in range(len(_blocks(n)))
+    ],
 )
 def test_guide_block_runs(name, index):
     exec(compile(_blocks(name)[index], f"{name}[{index}]", "exec"), {})

@@ -10,7 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import ablate_zero, call_and_reap, harvest, patching_sweep, plant, reap, sites, sow, stream
+from harvest import (
+    ablate_zero,
+    call_and_reap,
+    harvest,
+    patching_sweep,
+    plant,
+    reap,
+    sites,
+    sow,
+    stream,
+)
 
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 
@@ -182,7 +192,9 @@ def test_nnx_nodes_as_bound_self_arguments_and_keywords():
     assert_same_state(nnx, model, twin)
     assert_same_state(nnx, rngs, twin_rngs)
     # A module inside a container argument, and the same module passed twice.
-    out = plant(lambda ms, x: ms["a"].head(ms["b"].body(x)))({"normed": jnp.ones((6, 8))}, {"a": model, "b": model}, XS)
+    out = plant(lambda ms, x: ms["a"].head(ms["b"].body(x)))(
+        {"normed": jnp.ones((6, 8))}, {"a": model, "b": model}, XS
+    )
     twin.body(XS)  # runs (updating the statistics) though its sow is replaced
     np.testing.assert_allclose(out, twin.head(jnp.ones((6, 8))), rtol=1e-5, atol=1e-6)
     assert_same_state(nnx, model, twin)
@@ -235,14 +247,25 @@ def test_linen_apply_with_mutable_collections_returns_them():
     variables = module.init(jax.random.key(0), XS, False)
     rngs = {"dropout": jax.random.key(1)}
     mutable = ["batch_stats", "intermediates"]
-    (out, updates), reaps = call_and_reap(module.apply)(variables, XS, True, mutable=mutable, rngs=rngs)
+    (out, updates), reaps = call_and_reap(module.apply)(
+        variables, XS, True, mutable=mutable, rngs=rngs
+    )
     want, want_updates = module.apply(variables, XS, True, mutable=mutable, rngs=rngs)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(want_updates)
     for u, v in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(want_updates)):
         np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(reaps["normed"], want_updates["intermediates"]["normed"][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        reaps["normed"], want_updates["intermediates"]["normed"][0], rtol=1e-5, atol=1e-6
+    )
     # Planting changes what the mutable collections record downstream.
-    (_, planted_updates) = plant(module.apply)({"normed": jnp.zeros((6, 8))}, variables, XS, True, mutable=mutable, rngs=rngs)
+    (_, planted_updates) = plant(module.apply)(
+        {"normed": jnp.zeros((6, 8))}, variables, XS, True, mutable=mutable, rngs=rngs
+    )
     np.testing.assert_allclose(planted_updates["intermediates"]["normed"][0], 0.0)
-    np.testing.assert_allclose(planted_updates["batch_stats"]["BatchNorm_0"]["mean"], want_updates["batch_stats"]["BatchNorm_0"]["mean"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        planted_updates["batch_stats"]["BatchNorm_0"]["mean"],
+        want_updates["batch_stats"]["BatchNorm_0"]["mean"],
+        rtol=1e-5,
+        atol=1e-6,
+    )

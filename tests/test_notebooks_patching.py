@@ -11,12 +11,18 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "activation_patch
 @pytest.mark.slow
 def test_activation_patching_notebook_runs(monkeypatch):
     # The kernel imports this checkout's harvest, not whichever copy the venv has installed.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(filter(None, [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")])),
+    )
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]

@@ -34,5 +34,10 @@ def test_probabilistic_intervention_notebook_runs(tmp_path):
         notebook, km=kernel, timeout=300, resources={"metadata": {"path": str(NOTEBOOK.parent)}}
     )
     client.execute()  # raises CellExecutionError, naming the cell, on any error
-    errors = [o for cell in notebook.cells for o in cell.get("outputs", []) if o.get("output_type") == "error"]
+    errors = [
+        o
+        for cell in notebook.cells
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors

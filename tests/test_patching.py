@@ -7,8 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from harvest import (
     PatchingResult,
@@ -51,7 +50,9 @@ def metric(out):
 
 def inputs(key, batch=2, positions=5):
     k1, k2 = jax.random.split(key)
-    return jax.random.normal(k1, (batch, positions, 3)), jax.random.normal(k2, (batch, positions, 3))
+    return jax.random.normal(k1, (batch, positions, 3)), jax.random.normal(
+        k2, (batch, positions, 3)
+    )
 
 
 def loop_of_plants(model, clean, corrupted, names, axis):
@@ -62,6 +63,7 @@ def loop_of_plants(model, clean, corrupted, names, axis):
         c = clean[name]
         row = []
         for p in range(c.shape[axis]):
+
             def patch(old, c=c, p=p):
                 index = (slice(None),) * (axis % c.ndim) + (p,)
                 return old.at[index].set(c[index])
@@ -80,7 +82,9 @@ def test_interventions_under_jit():
     x = jnp.arange(4.0).reshape(2, 2)
     run = jax.jit(lambda plants, x: plant(f)(plants, x))
     np.testing.assert_allclose(run({"h": ablate_zero()}, x), jnp.ones((2, 2)))
-    np.testing.assert_allclose(run({"h": ablate_mean(jnp.array([1.0, 2.0]))}, x), [[2.0, 3.0], [2.0, 3.0]])
+    np.testing.assert_allclose(
+        run({"h": ablate_mean(jnp.array([1.0, 2.0]))}, x), [[2.0, 3.0], [2.0, 3.0]]
+    )
     np.testing.assert_allclose(run({"h": add_vector(jnp.ones(2), -1.0)}, x), 2 * x)
     patched = run({"h": patch_positions(jnp.full((2, 2), 9.0), 1, axis=-1)}, x)
     np.testing.assert_allclose(patched, [[1.0, 10.0], [5.0, 10.0]])
@@ -122,7 +126,9 @@ def test_sweep_matches_a_loop_of_plant_calls(seed, positions, axis):
     expected = loop_of_plants(model, clean, x_corrupt, SITES, axis)
     np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-5)
     assert result.names == tuple(SITES) and list(result.positions) == list(range(positions))
-    np.testing.assert_allclose(result.baseline, metric(model(x_corrupt)), rtol=1e-5)  # jit vs eager: an ulp
+    np.testing.assert_allclose(
+        result.baseline, metric(model(x_corrupt)), rtol=1e-5
+    )  # jit vs eager: an ulp
 
 
 def test_sweep_whole_sites_default_names_and_batching():
@@ -133,7 +139,9 @@ def test_sweep_whole_sites_default_names_and_batching():
     assert whole.names == tuple(SITES) and whole.positions is None and whole.values.shape == (3,)
     base = metric(model(x_corrupt))
     for name, value in zip(SITES, whole.values):
-        np.testing.assert_allclose(value, metric(plant(model)({name: clean[name]}, x_corrupt)) - base, rtol=1e-5)
+        np.testing.assert_allclose(
+            value, metric(plant(model)({name: clean[name]}, x_corrupt)) - base, rtol=1e-5
+        )
     # Patching the last site with its clean value restores the clean metric.
     np.testing.assert_allclose(whole.values[-1], metric(model(x_clean)) - base, rtol=1e-5)
     chunked = patching_sweep(model, clean, (x_corrupt,), metric, axis=1, batch_size=4)
@@ -159,7 +167,9 @@ def test_sweep_accepts_collect_sites_and_nested_names():
 def test_plot_draws_a_labelled_heatmap():
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
-    r = PatchingResult(np.array([[0.0, -1.0], [2.0, 0.5]]), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
+    r = PatchingResult(
+        np.array([[0.0, -1.0], [2.0, 0.5]]), ("a", "b"), np.arange(2), axis=1, baseline=0.0
+    )
     ax = r.plot(title="t")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
     assert ax.images[0].get_array().shape == (2, 2)
@@ -213,7 +223,9 @@ def taylor_remainders(seed, eps, positions=5, points=12):
             at_p = (jnp.arange(positions) == p)[None, :, None]
             delta = jnp.where(at_p, clean[name] - corrupt[name], 0.0)
             g = lambda t: metric(plant(model)({name: corrupt[name] + t * delta}, x_corrupt))
-            return jnp.sum(ws * (1.0 - ts) * jax.vmap(jax.grad(jax.grad(g)))(jnp.asarray(ts, jnp.float32)))
+            return jnp.sum(
+                ws * (1.0 - ts) * jax.vmap(jax.grad(jax.grad(g)))(jnp.asarray(ts, jnp.float32))
+            )
 
         rows.append([remainder(p) for p in range(positions)])
     return np.array(rows)
@@ -229,7 +241,9 @@ def test_attribution_tracks_real_patches_on_a_nonlinear_model(seed, eps):
     # and tanh is analytic) separate the two sides.
     estimate, actual = attribution_error(seed, eps)
     remainder = taylor_remainders(seed, eps)
-    np.testing.assert_allclose(actual, estimate + remainder, rtol=0, atol=1e-4 * (1.0 + np.max(np.abs(actual))))
+    np.testing.assert_allclose(
+        actual, estimate + remainder, rtol=0, atol=1e-4 * (1.0 + np.max(np.abs(actual)))
+    )
 
 
 def test_attribution_error_is_second_order():
@@ -261,7 +275,9 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, x_corrupt, metric)
     with pytest.raises(TypeError, match="clean must be the dict"):
         run(model, [1], (x_corrupt,), metric)
-    with pytest.raises(ValueError, match="names= 'nope' matches no sow site of tag 'intermediates'"):
+    with pytest.raises(
+        ValueError, match="names= 'nope' matches no sow site of tag 'intermediates'"
+    ):
         run(model, clean, (x_corrupt,), metric, names=["nope"])
     with pytest.raises(KeyError, match="clean has no value for 'mix'"):
         run(model, {"embed": clean["embed"]}, (x_corrupt,), metric, names=["mix"])
@@ -317,11 +333,13 @@ def test_names_take_globs_predicates_and_dotted_clean_values():
         (["blocks2.pre", "blocks0.*"], ["blocks2.pre", "blocks0.pre", "blocks0.post"]),
         (lambda n: n.endswith("1.pre"), ["blocks1.pre"]),
     ]:
-        for given in (clean, flat):  # dotted keys and nested dicts alike
-            r = patching_sweep(f, given, (x_corrupt,), jnp.sum, names=names)
+        for reaped in (clean, flat):  # dotted keys and nested dicts alike
+            r = patching_sweep(f, reaped, (x_corrupt,), jnp.sum, names=names)
             assert r.names == tuple(want)
             np.testing.assert_allclose(r.values, [by_hand[n] for n in want], rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match=r"'blocks\*.mid' matches no sow site.*'blocks0.pre', 'blocks0.post'"):
+    with pytest.raises(
+        ValueError, match=r"'blocks\*.mid' matches no sow site.*'blocks0.pre', 'blocks0.post'"
+    ):
         patching_sweep(f, clean, (x_corrupt,), jnp.sum, names=["blocks*.post", "blocks*.mid"])
 
 
@@ -377,7 +395,10 @@ def test_sweep_over_a_scanned_site_equals_patching_that_iteration_by_hand(seed, 
     else:
         size = (T, D)[axis]
         masks = [jnp.expand_dims(jnp.arange(size) == p, 1 - axis % 2) for p in range(size)]
-        expected = [[last_sum(by_hand(x_corrupt, clean["resid"], j, m)) - base for m in masks] for j in range(k)]
+        expected = [
+            [last_sum(by_hand(x_corrupt, clean["resid"], j, m)) - base for m in masks]
+            for j in range(k)
+        ]
         assert result.values.shape == (k, size)  # [occurrences, positions]
     np.testing.assert_allclose(result.values, np.array(expected), rtol=1e-4, atol=1e-5)
 
@@ -420,7 +441,9 @@ def test_sweep_over_a_scanned_site_with_other_sites_and_batching():
     assert full.names == ("resid[0]", "resid[1]", "resid[2]", "resid[3]", "head")
     np.testing.assert_allclose(batched.values, full.values, rtol=1e-5, atol=1e-6)
     hand = by_hand(x_corrupt, clean["resid"], 2, jnp.expand_dims(jnp.arange(T) == 1, 1))
-    np.testing.assert_allclose(full.values[2, 1], last_sum(2.0 * hand) - full.baseline, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        full.values[2, 1], last_sum(2.0 * hand) - full.baseline, rtol=1e-4, atol=1e-5
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -430,7 +453,9 @@ def test_sweep_over_a_scanned_site_with_other_sites_and_batching():
 @pytest.mark.parametrize("module", ["harvest._inspect", "harvest._stream", "harvest._patching"])
 def test_docstring_examples_run(module):
     pytest.importorskip("matplotlib").use("Agg")
-    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(
+        importlib.import_module(module), optionflags=doctest.NORMALIZE_WHITESPACE
+    )
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -470,7 +495,9 @@ def test_repeated_sweeps_reuse_the_compiled_program(run):
     # Same function, names, axis and shapes, other data: no new trace, the values of the new data.
     second = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), metric, axis=0)
     assert len(traced) == n
-    reference = run(f, reap(f)(xs[2], w), (xs[1] * 3.0, w), lambda out: jnp.sum(out), axis=0)  # a new metric compiles
+    reference = run(
+        f, reap(f)(xs[2], w), (xs[1] * 3.0, w), lambda out: jnp.sum(out), axis=0
+    )  # a new metric compiles
     np.testing.assert_allclose(second.values, reference.values, rtol=1e-5, atol=1e-6)
     assert not np.allclose(first.values, second.values)
     # Per-position plants, one at a time, as the reference for the exact sweep.
@@ -478,7 +505,13 @@ def test_repeated_sweeps_reuse_the_compiled_program(run):
         base = jnp.sum(f(xs[1] * 3.0, w))
         clean2 = reap(f)(xs[2], w)
         by_hand = [
-            [float(jnp.sum(plant(f)({n_: patch_positions(clean2[n_], p, axis=0)}, xs[1] * 3.0, w)) - base) for p in range(3)]
+            [
+                float(
+                    jnp.sum(plant(f)({n_: patch_positions(clean2[n_], p, axis=0)}, xs[1] * 3.0, w))
+                    - base
+                )
+                for p in range(3)
+            ]
             for n_ in ("h", "g")
         ]
         np.testing.assert_allclose(second.values, by_hand, rtol=1e-5, atol=1e-5)
@@ -568,7 +601,9 @@ def test_head_by_position_sweep_equals_per_pair_patches(seed, axis):
     model = head_model(params)
     x_clean, x_corrupt = jax.random.normal(jax.random.key(seed + 1), (2, HT, HH * HE))
     clean = reap(model)(x_clean)
-    result = patching_sweep(model, clean, (x_corrupt,), head_metric, names=["blocks.*.attn.z"], axis=axis)
+    result = patching_sweep(
+        model, clean, (x_corrupt,), head_metric, names=["blocks.*.attn.z"], axis=axis
+    )
     names = ("blocks.0.attn.z", "blocks.1.attn.z")
     first = axis[0] % 3  # 1: heads first, 0: positions first
     sizes = (HH, HT) if first == 1 else (HT, HH)
@@ -580,7 +615,9 @@ def test_head_by_position_sweep_equals_per_pair_patches(seed, axis):
         for h in range(HH):
             for p in range(HT):
                 # By hand: the forward pass rewritten to patch layer i's z at (p, h) ...
-                hand = head_model(params, lambda j, z: z.at[p, h].set(c[p, h]) if j == i else z)(x_corrupt)
+                hand = head_model(params, lambda j, z: z.at[p, h].set(c[p, h]) if j == i else z)(
+                    x_corrupt
+                )
                 # ... and one plant per pair.
                 planted = plant(model)({name: lambda old: old.at[p, h].set(c[p, h])}, x_corrupt)
                 cell = result.values[(i, h, p) if first == 1 else (i, p, h)]
@@ -597,7 +634,9 @@ def test_head_by_position_attribution_is_the_hand_gradient_estimate():
     offset = lambda deltas: head_model(params, lambda j, z: z + deltas[j])(x_corrupt)  # noqa: E731
     grads = jax.grad(offset)([jnp.zeros((HT, HH, HE))] * HL)
     expected = [jnp.einsum("phe,phe->hp", clean[n] - corrupt[n], g) for n, g in zip(names, grads)]
-    result = attribution_patching(model, clean, (x_corrupt,), head_metric, names="blocks.*.attn.z", axis=(1, 0))
+    result = attribution_patching(
+        model, clean, (x_corrupt,), head_metric, names="blocks.*.attn.z", axis=(1, 0)
+    )
     assert result.values.shape == (HL, HH, HT)
     np.testing.assert_allclose(result.values, np.stack(expected), rtol=1e-4, atol=1e-5)
 
@@ -616,7 +655,11 @@ def scanned_heads(key):
 
     def by_hand(x, clean, j, mask):
         for i in range(HL):
-            x = layer(x, (win[i], wout[i]), (lambda z: jnp.where(mask, clean[i], z)) if i == j else (lambda z: z))
+            x = layer(
+                x,
+                (win[i], wout[i]),
+                (lambda z: jnp.where(mask, clean[i], z)) if i == j else (lambda z: z),
+            )
         return x[-1] @ readout
 
     return model, by_hand
@@ -642,7 +685,9 @@ def test_head_by_position_sweep_over_a_scanned_site_under_the_compile_cache():
         for j in range(HL):
             for h in range(HH):
                 for p in range(HT):
-                    mask = (jnp.arange(HT)[:, None, None] == p) & (jnp.arange(HH)[None, :, None] == h)
+                    mask = (jnp.arange(HT)[:, None, None] == p) & (
+                        jnp.arange(HH)[None, :, None] == h
+                    )
                     hand = by_hand(x_corrupt, clean["z"], j, mask) - base
                     np.testing.assert_allclose(result.values[j, h, p], hand, rtol=1e-4, atol=1e-5)
 
@@ -701,10 +746,16 @@ def test_head_helpers_equal_hand_edits_and_a_head_sweep():
     for h in range(HH):
         edit = lambda fn: head_model(params, lambda j, z: fn(z) if j == 1 else z)(x_corrupt)  # noqa: E731
         np.testing.assert_allclose(
-            run({name: ablate_head(h, axis=1)}, x_corrupt), edit(lambda z: z.at[:, h].set(0.0)), rtol=1e-5, atol=1e-6
+            run({name: ablate_head(h, axis=1)}, x_corrupt),
+            edit(lambda z: z.at[:, h].set(0.0)),
+            rtol=1e-5,
+            atol=1e-6,
         )
         np.testing.assert_allclose(
-            run({name: ablate_head(h, axis=-2, mean=mean)}, x_corrupt), edit(lambda z: z.at[:, h].set(mean)), rtol=1e-5, atol=1e-6
+            run({name: ablate_head(h, axis=-2, mean=mean)}, x_corrupt),
+            edit(lambda z: z.at[:, h].set(mean)),
+            rtol=1e-5,
+            atol=1e-6,
         )
         np.testing.assert_allclose(
             run({name: patch_head(clean[name], h, axis=1)}, x_corrupt),
@@ -713,11 +764,15 @@ def test_head_helpers_equal_hand_edits_and_a_head_sweep():
             atol=1e-6,
         )
     both = run({name: ablate_head([0, 2], axis=1)}, x_corrupt)
-    np.testing.assert_allclose(both, edit(lambda z: z.at[:, jnp.array([0, 2])].set(0.0)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        both, edit(lambda z: z.at[:, jnp.array([0, 2])].set(0.0)), rtol=1e-5, atol=1e-6
+    )
     # Patching each head across all positions is a sweep along the head axis.
     sweep = patching_sweep(model, clean, (x_corrupt,), head_metric, names=name, axis=1)
     base = model(x_corrupt)
-    expected = [run({name: patch_head(clean[name], h, axis=1)}, x_corrupt) - base for h in range(HH)]
+    expected = [
+        run({name: patch_head(clean[name], h, axis=1)}, x_corrupt) - base for h in range(HH)
+    ]
     np.testing.assert_allclose(sweep.values[0], expected, rtol=1e-4, atol=1e-5)
     # Zero-ablating each head in turn is a sweep whose "clean" values are zeros.
     zeros = jax.tree_util.tree_map(jnp.zeros_like, clean)
@@ -766,7 +821,10 @@ def test_an_nnx_module_sweep_compiles_once_and_reads_weights_changed_in_place():
         model = lambda x: jnp.sum(sow(jnp.tanh(x @ w), name="h", mode="strict") @ w)  # noqa: E731
         clean = reap(model)(x_clean)["h"]
         base = model(x_corrupt)
-        return [plant(model)({"h": patch_positions(clean, p, axis=0)}, x_corrupt) - base for p in range(3)]
+        return [
+            plant(model)({"h": patch_positions(clean, p, axis=0)}, x_corrupt) - base
+            for p in range(3)
+        ]
 
     for run, scale in ((net, 1.0), (net.doubled, 2.0)):
         measure, traces = counting_sum()
@@ -778,8 +836,12 @@ def test_an_nnx_module_sweep_compiles_once_and_reads_weights_changed_in_place():
         changed = patching_sweep(run, reap(run)(x_clean), (x_corrupt,), measure, axis=0)
         estimate = attribution_patching(run, reap(run)(x_clean), (x_corrupt,), measure, axis=0)
         assert len(traces) == compiled  # neither sweep traced its program again
-        np.testing.assert_allclose(changed.values[0], scale * np.array(by_hand(net.w[...])), rtol=1e-4, atol=1e-5)
-        assert not np.allclose(changed.values, first.values) and not np.allclose(estimate.values, first.values)
+        np.testing.assert_allclose(
+            changed.values[0], scale * np.array(by_hand(net.w[...])), rtol=1e-4, atol=1e-5
+        )
+        assert not np.allclose(changed.values, first.values) and not np.allclose(
+            estimate.values, first.values
+        )
         np.testing.assert_allclose(estimate.baseline, changed.baseline, rtol=1e-5)
 
 
@@ -796,14 +858,17 @@ def test_an_equinox_module_sweep_compiles_once_and_reads_new_weights():
     nets = [Net(jax.random.normal(jax.random.key(i), (4, 4))) for i in range(3)]
     for run in (lambda n: n, lambda n: n.__call__):
         measure, traces = counting_sum()
-        results = []
-        for i, net in enumerate(nets):
+        results, compiled = [], None
+        for net in nets:
             clean = reap(run(net))(x_clean)
             results.append(patching_sweep(run(net), clean, (x_corrupt,), measure, axis=0))
-            compiled = len(traces) if i == 0 else compiled
+            compiled = len(traces) if compiled is None else compiled
             assert len(traces) == compiled  # a module of the same structure reuses the program
             base = run(net)(x_corrupt)
-            hand = [plant(run(net))({"h": patch_positions(clean["h"], p, axis=0)}, x_corrupt) - base for p in range(3)]
+            hand = [
+                plant(run(net))({"h": patch_positions(clean["h"], p, axis=0)}, x_corrupt) - base
+                for p in range(3)
+            ]
             np.testing.assert_allclose(results[-1].values[0], hand, rtol=1e-4, atol=1e-5)
         assert not np.allclose(results[1].values, results[2].values)
 
@@ -821,9 +886,14 @@ def test_a_dataset_sweep_is_the_mean_of_per_batch_hand_results(batch_size):
     r = patching_sweep(model, cleans, corrupts, metric, names=SITES, axis=1, batch_size=batch_size)
     hand = [loop_of_plants(model, c, x, SITES, 1) for c, (x,) in zip(cleans, corrupts)]
     np.testing.assert_allclose(r.values, np.mean(hand, 0), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(r.baseline, np.mean([metric(model(x)) for (x,) in corrupts]), rtol=1e-5)
+    np.testing.assert_allclose(
+        r.baseline, np.mean([metric(model(x)) for (x,) in corrupts]), rtol=1e-5
+    )
     a = attribution_patching(model, cleans, corrupts, metric, names=SITES, axis=1)
-    singles = [attribution_patching(model, c, x, metric, names=SITES, axis=1).values for c, x in zip(cleans, corrupts)]
+    singles = [
+        attribution_patching(model, c, x, metric, names=SITES, axis=1).values
+        for c, x in zip(cleans, corrupts)
+    ]
     np.testing.assert_allclose(a.values, np.mean(singles, 0), rtol=1e-5, atol=1e-6)
     with pytest.raises(TypeError, match="one per batch"):
         patching_sweep(model, cleans[0], corrupts, metric)
@@ -845,7 +915,9 @@ def test_progress_bar_over_chunks(capsys, monkeypatch):
     r = patching_sweep(model, clean, (x_corrupt,), metric, axis=1, batch_size=4, progress=True)
     err = capsys.readouterr().err
     assert "patching_sweep" in err and "4/4" in err  # 15 patches in chunks of 4
-    np.testing.assert_allclose(r.values, loop_of_plants(model, clean, x_corrupt, SITES, 1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        r.values, loop_of_plants(model, clean, x_corrupt, SITES, 1), rtol=1e-4, atol=1e-5
+    )
     # The default rule: a bar (shown after a second) for several chunks when someone is watching.
     monkeypatch.setattr(patching, "_interactive", lambda: True)
     assert isinstance(patching._steps([1, 2], None, "x"), __import__("tqdm").tqdm)

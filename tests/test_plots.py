@@ -67,7 +67,13 @@ def assert_no_overlaps(fig):
         if not ax.axison:
             continue
         boxes.append((i, ax.get_window_extent(renderer)))
-        for label in [*ax.get_yticklabels(), *ax.get_xticklabels(), ax.title, ax.xaxis.label, ax.yaxis.label]:
+        for label in [
+            *ax.get_yticklabels(),
+            *ax.get_xticklabels(),
+            ax.title,
+            ax.xaxis.label,
+            ax.yaxis.label,
+        ]:
             if label.get_text():
                 boxes.append((i, label.get_window_extent(renderer)))
     for (i, box), (j, other) in itertools.combinations(boxes, 2):
@@ -119,7 +125,9 @@ def test_a_head_by_position_sweep_draws_one_panel_per_site_on_one_scale(sites):
         np.testing.assert_array_equal(ax.images[0].get_array(), values)
         assert ax.images[0].get_clim() == pytest.approx((-bound, bound))
     assert axes[0].get_ylabel() == "axis 1" and axes[0].get_xlabel() == "axis 0"
-    assert len(axes[0].figure.axes) == -(-sites // 4) * min(sites, 4) + 1  # panels, unused cells, one colourbar
+    assert (
+        len(axes[0].figure.axes) == -(-sites // 4) * min(sites, 4) + 1
+    )  # panels, unused cells, one colourbar
     assert_no_overlaps(axes[0].figure)
     with pytest.raises(ValueError, match="one panel per site"):
         PatchingResult.plot_many([r])

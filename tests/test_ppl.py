@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 from hypothesis import given, settings, strategies as st
 
 import harvest.ppl as ppl
 from harvest.ppl import _plate, _random_variable, _tfp_shim, _transforms
-
-import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 tfd = tfp.distributions
 Root = tfd.JointDistributionCoroutine.Root
@@ -36,7 +35,9 @@ def hierarchical(key, n_groups=3):
     theta = ppl.random_variable(
         tfd.Independent(tfd.Normal(jnp.full(n_groups, mu), scale), 1), name="theta"
     )(k_theta)
-    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(k_flags)
+    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(
+        k_flags
+    )
 
 
 def hierarchical_tfp(n_groups=3):
@@ -84,7 +85,11 @@ def test_joint_log_prob_matches_tfp_joint_distribution(seed):
 
 
 @few
-@given(mu=finite, log_scale=st.floats(-1.0, 1.0, width=32), theta=st.lists(finite, min_size=3, max_size=3))
+@given(
+    mu=finite,
+    log_scale=st.floats(-1.0, 1.0, width=32),
+    theta=st.lists(finite, min_size=3, max_size=3),
+)
 def test_grad_of_joint_log_prob_matches_tfp(mu, log_scale, theta):
     values = {
         "mu": jnp.float32(mu),
@@ -123,7 +128,9 @@ def hierarchical_with_mu_fixed(key, mu, n_groups=3):
     theta = ppl.random_variable(
         tfd.Independent(tfd.Normal(jnp.full(n_groups, mu), scale), 1), name="theta"
     )(k_theta)
-    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(k_flags)
+    return ppl.random_variable(tfd.Independent(tfd.Bernoulli(logits=theta), 1), name="flags")(
+        k_flags
+    )
 
 
 @few
@@ -183,8 +190,13 @@ def test_nested_names_are_dicts_and_dotted_for_conditional():
         values["prior"]["z"], 1.0
     ).log_prob(values["x"])
     close(ppl.joint_log_prob(model)(values), expected)
-    close(ppl.conditional(model, "prior.z")(jax.random.key(0), 7.0), ppl.intervene(model, prior={"z": 7.0})(jax.random.key(0)))
-    assert list(ppl.joint_sample(ppl.intervene(model, prior={"z": 7.0}))(jax.random.key(0))) == ["x"]
+    close(
+        ppl.conditional(model, "prior.z")(jax.random.key(0), 7.0),
+        ppl.intervene(model, prior={"z": 7.0})(jax.random.key(0)),
+    )
+    assert list(ppl.joint_sample(ppl.intervene(model, prior={"z": 7.0}))(jax.random.key(0))) == [
+        "x"
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -244,7 +256,9 @@ def test_log_prob_of_a_distribution_and_of_a_single_draw():
     close(ppl.log_prob(single)(0.5), normal.log_prob(0.5))
 
 
-@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint, jax.named_call], ids=["jit", "checkpoint", "named_call"])
+@pytest.mark.parametrize(
+    "wrap", [jax.jit, jax.checkpoint, jax.named_call], ids=["jit", "checkpoint", "named_call"]
+)
 def test_log_prob_sees_a_draw_through_a_call_primitive(wrap):
     # Calls are recognised by primitive object, not by name (JAX renames them:
     # `checkpoint` is staged as `remat2`), so every call passes the draw through.
@@ -293,14 +307,19 @@ def test_plate_inside_a_model_matches_tfp_sample():
     def model(key):
         k1, k2 = jax.random.split(key)
         mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k1)
-        return ppl.plate(ppl.random_variable(tfd.Normal(mu, 1.0), name="y"), name="data", size=5)(k2)
+        return ppl.plate(ppl.random_variable(tfd.Normal(mu, 1.0), name="y"), name="data", size=5)(
+            k2
+        )
 
     def reference():
         mu = yield Root(tfd.Normal(0.0, 1.0))
         yield tfd.Sample(tfd.Normal(mu, 1.0), 5)
 
     values = ppl.joint_sample(model)(jax.random.key(0))
-    close(ppl.joint_log_prob(model)(values), tfd.JointDistributionCoroutine(reference).log_prob((values["mu"], values["y"])))
+    close(
+        ppl.joint_log_prob(model)(values),
+        tfd.JointDistributionCoroutine(reference).log_prob((values["mu"], values["y"])),
+    )
 
 
 def test_plain_sampler_samples_and_intervenes_but_is_not_scored():
@@ -312,7 +331,10 @@ def test_plain_sampler_samples_and_intervenes_but_is_not_scored():
     values = ppl.joint_sample(model)(jax.random.key(0))
     with pytest.raises(ValueError, match="plain sampling functions"):
         ppl.joint_log_prob(model)(values)
-    close(ppl.joint_log_prob(ppl.intervene(model, u=0.5))({"x": 0.0}), tfd.Normal(0.5, 1.0).log_prob(0.0))
+    close(
+        ppl.joint_log_prob(ppl.intervene(model, u=0.5))({"x": 0.0}),
+        tfd.Normal(0.5, 1.0).log_prob(0.0),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -375,7 +397,9 @@ def test_a_failing_tfp_import_names_the_working_versions(monkeypatch):
         raise AttributeError("module 'jax' has no attribute 'something_new'")
 
     monkeypatch.setattr(importlib, "import_module", broken)
-    with pytest.raises(ImportError, match="tested with tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x"):
+    with pytest.raises(
+        ImportError, match="tested with tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x"
+    ):
         _tfp_shim.import_tfp()
 
 
@@ -383,12 +407,16 @@ def test_a_tfp_import_that_failed_before_harvest_is_named(monkeypatch):
     from harvest import _jax
 
     def broken(name):
-        raise AttributeError("module 'jax.interpreters.xla' has no attribute 'pytype_aval_mappings'")
+        raise AttributeError(
+            "module 'jax.interpreters.xla' has no attribute 'pytype_aval_mappings'"
+        )
 
     monkeypatch.setattr(importlib, "import_module", broken)
     monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: True)
     monkeypatch.setitem(sys.modules, "tensorflow_probability.python.internal.backend.jax.nest", sys)
-    with pytest.raises(ImportError, match="imported before harvest.*import harvest \\(or harvest.ppl\\) before"):
+    with pytest.raises(
+        ImportError, match="imported before harvest.*import harvest \\(or harvest.ppl\\) before"
+    ):
         _tfp_shim.import_tfp()
     monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: False)  # restored by `import harvest`...
     monkeypatch.setattr(_jax, "tfp_failed_before_alias", True)  # ...after TFP had failed
@@ -446,7 +474,9 @@ def test_tfp_imported_before_harvest_recovers_on_a_second_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     needs, failed, recorded, value = out.stdout.split()
-    assert needs == failed == recorded  # TFP failed exactly where JAX lacked the alias, and harvest noticed
+    assert (
+        needs == failed == recorded
+    )  # TFP failed exactly where JAX lacked the alias, and harvest noticed
     assert value == "-0.9189385"
 
 
@@ -462,7 +492,9 @@ def test_tfp_imports_in_a_fresh_interpreter_after_harvest_ppl():
 # Docstring examples
 
 
-@pytest.mark.parametrize("module", [ppl, _random_variable, _transforms, _plate], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [ppl, _random_variable, _transforms, _plate], ids=lambda m: m.__name__
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0
@@ -520,7 +552,8 @@ def test_graph_replace_reexpresses_the_program_between_draws():
     values = ppl.joint_sample(z_to_y)(key, 0.0)
     close(
         ppl.log_prob(ppl.graph_replace(chain, "z", ["x", "y"]))([values["x"], sampled_y], 0.0),
-        tfd.Normal(0.0, 1.0).log_prob(values["x"]) + tfd.Normal(values["x"], 1.0).log_prob(sampled_y),
+        tfd.Normal(0.0, 1.0).log_prob(values["x"])
+        + tfd.Normal(values["x"], 1.0).log_prob(sampled_y),
     )
     with pytest.raises(KeyError, match="not random variables of the program"):
         ppl.graph_replace(chain, "z", "nope")(key, 0.0)

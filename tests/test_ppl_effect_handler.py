@@ -28,11 +28,15 @@ def test_no_handlers_is_the_identity_and_keeps_pytrees():
     f = lambda x: {"a": jnp.sin(x), "b": (x, 2 * x)}  # noqa: E731
     out, state = ppl.make_effect_handler({})(f)("untouched", 1.0)
     assert state == "untouched"
-    assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: np.allclose(a, b), out, f(1.0)))
+    assert jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda a, b: np.allclose(a, b), out, f(1.0))
+    )
 
 
 def test_transformed_function_composes_with_jit_and_grad():
-    handled = ppl.make_effect_handler({jax.lax.sin_p: lambda s, x, **p: (jnp.cos(x), s + x)})(jnp.sin)
+    handled = ppl.make_effect_handler({jax.lax.sin_p: lambda s, x, **p: (jnp.cos(x), s + x)})(
+        jnp.sin
+    )
     np.testing.assert_allclose(jax.jit(handled)(0.0, 0.3)[0], np.cos(0.3), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(lambda x: handled(0.0, x)[0])(0.3), -np.sin(0.3), rtol=1e-6)
 

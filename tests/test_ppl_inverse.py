@@ -4,11 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 from hypothesis import given, settings, strategies as st
 
 import harvest.ppl as ppl
-
-import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 tfd, tfb = tfp.distributions, tfp.bijectors
 pytestmark = [
@@ -34,9 +33,17 @@ CASES = {
     "divide_and_negate": (lambda z: -(z / 4.0), tfb.Chain([tfb.Scale(-1.0), tfb.Scale(0.25)]), 0.3),
     "tanh": (jnp.tanh, tfb.Tanh(), 0.6),
     "sigmoid": (jax.nn.sigmoid, tfb.Sigmoid(), 0.2),
-    "softplus_shifted": (lambda z: jax.nn.softplus(z + 1.0), tfb.Chain([tfb.Softplus(), tfb.Shift(1.0)]), 2.5),
+    "softplus_shifted": (
+        lambda z: jax.nn.softplus(z + 1.0),
+        tfb.Chain([tfb.Softplus(), tfb.Shift(1.0)]),
+        2.5,
+    ),
     "expm1": (jnp.expm1, tfb.Chain([tfb.Shift(-1.0), tfb.Exp()]), 0.5),
-    "sqrt_of_exp": (lambda z: jnp.sqrt(jnp.exp(z)), tfb.Chain([tfb.Scale(1.0), tfb.Exp(), tfb.Scale(0.5)]), 1.3),
+    "sqrt_of_exp": (
+        lambda z: jnp.sqrt(jnp.exp(z)),
+        tfb.Chain([tfb.Scale(1.0), tfb.Exp(), tfb.Scale(0.5)]),
+        1.3,
+    ),
     "jitted_exp": (jax.jit(jnp.exp), tfb.Exp(), 0.8),
 }
 
@@ -128,7 +135,9 @@ def test_errors_name_the_latent_and_the_primitive_that_stopped_the_way_back():
     with pytest.raises(ValueError, match=r"random variable 'z'.*stopped at: `integer_pow`"):
         ppl.log_prob(lambda key: base(key) ** 2)(1.0)
     with pytest.raises(ValueError, match=r"random variable 'z'.*`add`"):
-        ppl.log_prob(lambda key: base(key) + ppl.random_variable(tfd.Normal(0.0, 1.0), name="w")(key))(1.0)
+        ppl.log_prob(
+            lambda key: base(key) + ppl.random_variable(tfd.Normal(0.0, 1.0), name="w")(key)
+        )(1.0)
     with pytest.raises(ValueError, match="shaped like f's output"):
         ppl.log_prob(lambda key: (base(key), base(key)))(1.0)
 

@@ -7,10 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 import harvest.ppl as ppl
-
-import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 tfd = tfp.distributions
 pytestmark = [
@@ -26,7 +25,9 @@ def eight_schools(key):
     k_mu, k_tau, k_theta, k_y = jax.random.split(key, 4)
     mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(k_mu)
     tau = ppl.random_variable(tfd.HalfCauchy(0.0, 5.0), name="tau")(k_tau)
-    theta_tilde = ppl.random_variable(tfd.Sample(tfd.Normal(0.0, 1.0), 8), name="theta_tilde")(k_theta)
+    theta_tilde = ppl.random_variable(tfd.Sample(tfd.Normal(0.0, 1.0), 8), name="theta_tilde")(
+        k_theta
+    )
     theta = ppl.deterministic(mu + tau * theta_tilde, name="theta")
     return ppl.random_variable(tfd.Independent(tfd.Normal(theta, SIGMA), 1), name="y")(k_y)
 
@@ -45,7 +46,12 @@ def test_density_is_the_model_s_through_each_default_bijector():
     start = posterior.init(jax.random.key(0))
     assert jax.tree_util.tree_map(jnp.shape, start) == {"mu": (), "tau": (), "theta_tilde": (8,)}
     # The model's own transformations are not affected by the unconstrained traces.
-    assert sorted(ppl.joint_sample(eight_schools)(jax.random.key(0))) == ["mu", "tau", "theta_tilde", "y"]
+    assert sorted(ppl.joint_sample(eight_schools)(jax.random.key(0))) == [
+        "mu",
+        "tau",
+        "theta_tilde",
+        "y",
+    ]
 
 
 def test_hmc_on_the_unconstrained_density_recovers_the_recorded_posterior_mean():
@@ -57,18 +63,26 @@ def test_hmc_on_the_unconstrained_density_recovers_the_recorded_posterior_mean()
         return jax.vmap(posterior.log_density)(u)
 
     kernel = tfp.mcmc.DualAveragingStepSizeAdaptation(
-        tfp.mcmc.HamiltonianMonteCarlo(target, step_size=0.3, num_leapfrog_steps=8), num_adaptation_steps=400
+        tfp.mcmc.HamiltonianMonteCarlo(target, step_size=0.3, num_leapfrog_steps=8),
+        num_adaptation_steps=400,
     )
     start = jax.vmap(posterior.init)(jax.random.split(jax.random.key(1), chains))
     init = [start["mu"], start["tau"], start["theta_tilde"]]
     run = jax.jit(
-        lambda key: tfp.mcmc.sample_chain(1000, init, kernel=kernel, num_burnin_steps=500, trace_fn=None, seed=key)
+        lambda key: tfp.mcmc.sample_chain(
+            1000, init, kernel=kernel, num_burnin_steps=500, trace_fn=None, seed=key
+        )
     )
     draws = run(jax.random.key(2))
-    mu = jax.vmap(jax.vmap(lambda *u: posterior.constrain(dict(zip(["mu", "tau", "theta_tilde"], u)))))(*draws)["mu"]
+    mu = jax.vmap(
+        jax.vmap(lambda *u: posterior.constrain(dict(zip(["mu", "tau", "theta_tilde"], u))))
+    )(*draws)["mu"]
     ess = tfp.mcmc.effective_sample_size(mu, cross_chain_dims=1)
     standard_error = float(jnp.sqrt(mu.var() / ess + GOLDEN["mc_se"] ** 2))
-    assert abs(float(mu.mean()) - GOLDEN["mu_mean"]) < 4 * standard_error, (float(mu.mean()), standard_error)
+    assert abs(float(mu.mean()) - GOLDEN["mu_mean"]) < 4 * standard_error, (
+        float(mu.mean()),
+        standard_error,
+    )
 
 
 def test_discrete_variables_must_be_observed():
@@ -78,4 +92,6 @@ def test_discrete_variables_must_be_observed():
     with pytest.raises(ValueError, match="no continuous support"):
         ppl.unconstrained(coin).log_density({"flip": jnp.array(0.0)})
     observed = ppl.unconstrained(coin, observed={"flip": jnp.array(1, jnp.int32)})
-    np.testing.assert_allclose(observed.log_density({}), tfd.Bernoulli(probs=0.3).log_prob(1), rtol=1e-6)
+    np.testing.assert_allclose(
+        observed.log_density({}), tfd.Bernoulli(probs=0.3).log_prob(1), rtol=1e-6
+    )

@@ -6,11 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
+from conftest import close
 from jax.experimental import jet
 
 from harvest import call_and_reap, plant, reap, sow, sow_cond, sow_p
-from conftest import close
 
 
 @jax.tree_util.register_dataclass
@@ -136,7 +135,12 @@ def test_lowering_is_identity_in_hlo():
 
 
 def test_sow_dtype_preserved():
-    for v in [jnp.int32(4), jnp.arange(3, dtype=jnp.int16), jnp.array([True, False]), jnp.float16(1.0)]:
+    for v in [
+        jnp.int32(4),
+        jnp.arange(3, dtype=jnp.int16),
+        jnp.array([True, False]),
+        jnp.float16(1.0),
+    ]:
         out = jax.jit(lambda v: sow(v, name="x", mode="strict"))(v)
         assert out.dtype == v.dtype
         close(out, v)
@@ -208,13 +212,19 @@ BARE = {
     "jit": _then_sin(jax.jit(_bare)),
     "scan": _scan_of(lambda xi: (_bare(xi), jnp.sin(xi))[1]),
     "scan_of_jit": _scan_of(lambda xi: (jax.jit(_bare)(xi), jnp.sin(xi))[1]),
-    "scan_of_cond": _scan_of(lambda xi: (jax.lax.cond(xi > -5.0, _bare, lambda v: None, xi), jnp.sin(xi))[1]),
+    "scan_of_cond": _scan_of(
+        lambda xi: (jax.lax.cond(xi > -5.0, _bare, lambda v: None, xi), jnp.sin(xi))[1]
+    ),
     "scan_of_remat": _scan_of(lambda xi: (jax.checkpoint(_bare)(xi), jnp.sin(xi))[1]),
     "remat": jax.checkpoint(_then_sin(_bare)),
     "remat_of_jit": jax.checkpoint(_then_sin(jax.jit(_bare))),
     "remat_of_scan": jax.checkpoint(_then_sin(_scan_of(lambda xi: (_bare(xi), 0.0)[1]))),
-    "remat_used": jax.checkpoint(lambda x: jnp.sum(jnp.sin(jnp.arccos(sow(jnp.cos(x), name="s", mode="append"))))),
-    "cond": lambda x: jnp.sum(jax.lax.cond(x[0] < 5.0, lambda y: (_bare(y), jnp.sin(y))[1], jnp.sin, x)),
+    "remat_used": jax.checkpoint(
+        lambda x: jnp.sum(jnp.sin(jnp.arccos(sow(jnp.cos(x), name="s", mode="append"))))
+    ),
+    "cond": lambda x: jnp.sum(
+        jax.lax.cond(x[0] < 5.0, lambda y: (_bare(y), jnp.sin(y))[1], jnp.sin, x)
+    ),
     "custom_vjp": lambda x: jnp.sum(_custom_vjp_body()(x)),
     "custom_jvp": lambda x: jnp.sum(_custom_jvp_body()(x)),
 }
@@ -244,7 +254,10 @@ def test_bare_sow_reaped_once_through_transformations(case, wrapper, request):
         # which has no outputs (a sow's effect does not keep it either).
         # Strict: the test still runs, and passes loudly once JAX keeps the sow.
         request.applymarker(
-            pytest.mark.xfail(strict=True, reason="a bare sow in an output-less checkpoint in a scan in a checkpoint, under grad")
+            pytest.mark.xfail(
+                strict=True,
+                reason="a bare sow in an output-less checkpoint in a scan in a checkpoint, under grad",
+            )
         )
     want = reap(jax.jit(BARE[case]))(X)  # the sow without any transformation in between
     close(jnp.ravel(want["s"]), jnp.cos(X))
@@ -278,7 +291,9 @@ def test_sowing_program_has_no_effect_outside_a_harvest():
     text = jax.jit(f).lower(X).as_text()
     assert "token" not in text
     strip = lambda t: "\n".join(l for l in t.splitlines() if not l.startswith("#loc"))  # noqa: E731
-    assert len(strip(text).splitlines()) == len(strip(jax.jit(plain).lower(X).as_text()).splitlines())
+    assert len(strip(text).splitlines()) == len(
+        strip(jax.jit(plain).lower(X).as_text()).splitlines()
+    )
     close(reap(f)(X)["s"], jnp.cos(X * 2.0)[None])
 
 
@@ -305,6 +320,7 @@ C = jnp.array([1.0, -2.0, 0.25], jnp.float32)
 def test_linear_transpose_passes_cotangents_through_sow():
     (xbar,) = jax.linear_transpose(_lin, X)(C)
     close(xbar, 6.0 * C)
+
     # sow_cond's predicate is no linear input, and a bare sow transposes too.
     def f(x):
         sow(x, name="bare")
@@ -349,7 +365,9 @@ def test_export_round_trip():
     close(jax.export.deserialize(exported.serialize()).call(X), _nonlin_plain(X))
     # A harvested function exports like any other.
     harvested = jax.export.export(jax.jit(call_and_reap(_nonlin)))(X)
-    close(jax.export.deserialize(harvested.serialize()).call(X), (_nonlin_plain(X), {"s": (3.0 * X,)}))
+    close(
+        jax.export.deserialize(harvested.serialize()).call(X), (_nonlin_plain(X), {"s": (3.0 * X,)})
+    )
 
 
 def test_checkify():

@@ -4,14 +4,13 @@ checked against a hand-threaded, unrolled pure-Python reference."""
 
 import itertools
 
+import conftest
 import jax
 import jax.numpy as jnp
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from jax import lax
 
 from harvest import call_and_reap, plant, reap, sow
-import conftest
 
 NAMES = ("a", "b", "c")
 OPS = (
@@ -56,7 +55,9 @@ def _has(nodes, kind, inside=None):
     for n in nodes:
         if _is_leaf(n):
             continue
-        if (inside is None and n[0] == kind) or _has(n[1], kind, None if n[0] == inside else inside):
+        if (inside is None and n[0] == kind) or _has(
+            n[1], kind, None if n[0] == inside else inside
+        ):
             return True
     return False
 
@@ -113,7 +114,9 @@ def build_node(node, in_while, vmaps):
     if kind == "remat":
         return jax.checkpoint(body)
     if kind == "scan":
-        return lambda x: lax.scan(lambda c, i: (body(c + 0.1 * i), None), x, jnp.arange(LENGTH, dtype=jnp.float32))[0]
+        return lambda x: lax.scan(
+            lambda c, i: (body(c + 0.1 * i), None), x, jnp.arange(LENGTH, dtype=jnp.float32)
+        )[0]
     if kind == "while":
 
         def loop(x):
@@ -143,7 +146,9 @@ class Ref:
         self.last = {}  # clobber: name -> {"levels": ..., "vals": {vmap idx: value}}
 
     def collect(self, name, k, idx, value):
-        entry = self.entries.setdefault(name, {}).setdefault(k, {"levels": tuple(kind for kind, _ in idx), "vals": {}})
+        entry = self.entries.setdefault(name, {}).setdefault(
+            k, {"levels": tuple(kind for kind, _ in idx), "vals": {}}
+        )
         entry["vals"][tuple(i for _, i in idx)] = value
         if self.plants is not None and name in self.plants:
             return _at(self.plants[name][k], _layout(idx))
@@ -184,7 +189,9 @@ def _at(tree, index):
 
 def _assemble(levels, vals):
     size = {"scan": LENGTH, "vmap": BATCH}
-    order = [j for j, k in enumerate(levels) if k == "scan"] + [j for j, k in enumerate(levels) if k == "vmap"]
+    order = [j for j, k in enumerate(levels) if k == "scan"] + [
+        j for j, k in enumerate(levels) if k == "vmap"
+    ]
     if not order:
         return vals[()]
 
@@ -243,7 +250,12 @@ def ref_node(ref, node, x, counter, idx, in_while):
         for name, es in shadow.entries.items():
             for k, e in es.items():
                 for key, v in e["vals"].items():
-                    ref.collect(name, k, tuple(zip(e["levels"], key)), jax.tree_util.tree_map(jnp.zeros_like, v))
+                    ref.collect(
+                        name,
+                        k,
+                        tuple(zip(e["levels"], key)),
+                        jax.tree_util.tree_map(jnp.zeros_like, v),
+                    )
         return _false_branch(x)
     if kind == "vmap":
         base, ys = dict(counter), []
@@ -265,7 +277,9 @@ def _clobber_zeros(nodes, x):
 
 def _taken(nodes):
     """The program with every cond taken and every while run: all sites fire."""
-    return [n if _is_leaf(n) else (("jit" if n[0] == "cond" else n[0]), _taken(n[1])) for n in nodes]
+    return [
+        n if _is_leaf(n) else (("jit" if n[0] == "cond" else n[0]), _taken(n[1])) for n in nodes
+    ]
 
 
 def reference(nodes, x, plants=None, batch=False):
@@ -273,14 +287,18 @@ def reference(nodes, x, plants=None, batch=False):
     ref = Ref(plants, outer=int(batch))
     if batch:
         outs = [ref_run(ref, nodes, x[b], {}, (("vmap", b),)) for b in range(x.shape[0])]
-        zeros = jax.tree_util.tree_map(lambda z: jnp.zeros(x.shape[:1] + z.shape), _clobber_zeros(nodes, x[0]))
+        zeros = jax.tree_util.tree_map(
+            lambda z: jnp.zeros(x.shape[:1] + z.shape), _clobber_zeros(nodes, x[0])
+        )
         return jnp.stack(outs), ref.results(zeros)
     return ref_run(ref, nodes, x, {}, ()), ref.results(_clobber_zeros(nodes, x))
 
 
 # ---------------------------------------------------------------------------
 
-xs = st.lists(st.floats(-1.5, 1.5, width=32).filter(lambda v: abs(v) > 1e-3), min_size=2, max_size=2)
+xs = st.lists(
+    st.floats(-1.5, 1.5, width=32).filter(lambda v: abs(v) > 1e-3), min_size=2, max_size=2
+)
 NO_VMAP = ["jit", "scan", "cond", "remat"]
 # Deterministic, and no shrinking: each example compiles, so shrinking a failure
 # would cost minutes. The smallest known failing programs are in the report.
@@ -333,6 +351,8 @@ OUTSIDE = ["jit", "scan", "cond", "remat", "vmap", "while"]
 
 def _loop_in_cond(p):
     return _has(p, "while", inside="cond")
+
+
 LEAVES = ("sow", "pair")
 
 
@@ -353,7 +373,12 @@ def _check_vmapped(program, x):
 
 
 @SETTINGS
-@given(program=programs(INSIDE, LEAVES).filter(lambda p: not (_has(p, "cond", inside="vmap") and _loop_in_cond(p))), x=xs)
+@given(
+    program=programs(INSIDE, LEAVES).filter(
+        lambda p: not (_has(p, "cond", inside="vmap") and _loop_in_cond(p))
+    ),
+    x=xs,
+)
 def test_random_programs_with_vmap_while_and_pytrees_inside(program, x):
     _check_reap(program, x)
     _check_plant(program, x)

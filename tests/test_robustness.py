@@ -111,10 +111,17 @@ def test_threads_calling_harvested_functions_get_correct_results():
 
     keys = jax.random.split(jax.random.key(0), 8)
     # Each thread has its own shapes, so the threads also trace concurrently.
-    cases = [(jax.random.normal(k, (3, 2 + i % 4, 2 + i % 4)), jnp.ones(2 + i % 4)) for i, k in enumerate(keys)]
+    cases = [
+        (jax.random.normal(k, (3, 2 + i % 4, 2 + i % 4)), jnp.ones(2 + i % 4))
+        for i, k in enumerate(keys)
+    ]
     reaped, planted, both = reap(model), plant(model), harvest(model)
     reference = [
-        (reap(model)(w, x), plant(model)({"total": 1.0}, w, x), harvest(model)({"total": 2.0}, w, x))
+        (
+            reap(model)(w, x),
+            plant(model)({"total": 1.0}, w, x),
+            harvest(model)({"total": 2.0}, w, x),
+        )
         for w, x in cases
     ]
     jax.clear_caches()  # so the threads trace and compile, not only dispatch

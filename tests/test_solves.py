@@ -1,6 +1,7 @@
 """custom_linear_solve holding sows (harvest/_rules/solves.py), checked against
 hand-written solves."""
 
+import conftest
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,6 @@ import pytest
 from jax import lax
 
 from harvest import call_and_reap, harvest, plant, reap, sow
-import conftest
 
 A = jnp.array([[4.0, 1.0, 0.0], [1.0, 3.0, 0.5], [0.0, 0.5, 2.0]])
 B = jnp.array([1.0, -2.0, 0.5])
@@ -59,7 +59,10 @@ def test_reaps_solve_and_the_matvec_it_calls(wrap):
 def test_the_solution_keeps_its_implicit_derivative():
     # The solution's derivative comes from custom_linear_solve (A^-T); the reaped
     # values are differentiated by autodiff of `solve`.
-    close(jax.grad(lambda b: call_and_reap(refined)(b)[0].sum())(B), jnp.linalg.solve(A.T, jnp.ones(3)))
+    close(
+        jax.grad(lambda b: call_and_reap(refined)(b)[0].sum())(B),
+        jnp.linalg.solve(A.T, jnp.ones(3)),
+    )
     close(jax.grad(lambda b: reap(refined)(b)["Av"][0].sum())(B), A.sum(0))
     jac = jax.jacfwd(lambda b: reap(refined)(b)["step"][0])(B)
     close(jac, jax.jacfwd(lambda b: by_hand(b)[1]["step"][0])(B))
@@ -104,7 +107,9 @@ def test_iterative_solver_in_a_while_loop():
 def test_a_sow_solve_never_runs_is_a_clear_error():
     def direct(b):
         matvec = lambda v: sow(A @ v, name="Av")  # noqa: E731
-        return lax.custom_linear_solve(matvec, b, lambda mv, b: jnp.linalg.solve(A, b), symmetric=True)
+        return lax.custom_linear_solve(
+            matvec, b, lambda mv, b: jnp.linalg.solve(A, b), symmetric=True
+        )
 
     close(direct(B), jnp.linalg.solve(A, B))  # outside a harvest, fine
     with pytest.raises(ValueError, match=r"name='Av'.*`matvec`, which `solve` never calls"):

@@ -5,11 +5,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import close
+from hypothesis import given, settings, strategies as st
 
 from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
-from conftest import close
 
 
 @jax.tree_util.register_dataclass
@@ -83,7 +82,9 @@ def test_strict_single_and_second_raises():
         sow(x, name="twice", tag="tg", mode="strict")
         return sow(x + 1.0, name="twice", tag="tg", mode="strict")
 
-    with pytest.raises(ValueError, match=r"(?s)(tg.*twice|twice.*tg).*strict|strict.*(tg.*twice|twice.*tg)"):
+    with pytest.raises(
+        ValueError, match=r"(?s)(tg.*twice|twice.*tg).*strict|strict.*(tg.*twice|twice.*tg)"
+    ):
         reap(g, tag="tg")(X)
 
 
@@ -355,7 +356,9 @@ def test_tags_are_namespaces():
     # plant(reap(f, "a"), "b"): the b plant changes nothing that a sees, but goes through
     close(plant(lambda x: reap(f, tag="a")(x), tag="b")({"v": vb}, X), {"v": a})
     # plant b inside, reap a outside, where a's value is used after b: check the output
-    close(plant(lambda x: call_and_reap(f, tag="a")(x), tag="b")({"v": vb}, X), (vb + 1.0, {"v": a}))
+    close(
+        plant(lambda x: call_and_reap(f, tag="a")(x), tag="b")({"v": vb}, X), (vb + 1.0, {"v": a})
+    )
     # plant both tags
     close(plant(lambda x: plant(f, tag="a")({"v": va}, x), tag="b")({"v": vb}, X), vb + 1.0)
 
@@ -472,7 +475,11 @@ def test_plants_take_dotted_names_and_nested_dicts_alike():
 
     five = jnp.full_like(X, 5.0)
     want = five + 1.0
-    for plants in [{"blocks1.attn.resid": five}, {"blocks1": {"attn.resid": five}}, {"blocks1": {"attn": {"resid": five}}}]:
+    for plants in [
+        {"blocks1.attn.resid": five},
+        {"blocks1": {"attn.resid": five}},
+        {"blocks1": {"attn": {"resid": five}}},
+    ]:
         close(plant(f)(plants, X), want)
         out, reaps = harvest(f)(plants, X)
         close(out, want)

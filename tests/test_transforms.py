@@ -7,12 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import close
 from jax import lax
 
 from harvest import _jax, call_and_reap, harvest, plant, reap, sow, sow_cond
 from harvest.compat import oryx
-from conftest import close
-
 
 X = jnp.array([0.5, -1.0, 2.0], jnp.float32)
 XB = jnp.stack([X, X * 2.0 - 1.0])  # batch of 2
@@ -265,7 +264,9 @@ def test_vmap_of_reap_of_cond_with_batched_predicate():
     # runs both branches of the batched cond in reap(vmap(f)); harvest still
     # records only the taken one: tests/test_batched_cond.py.)
     def f(x):
-        return lax.cond(x[0] > 0, lambda x: sow(x * 2.0, name="b", mode="collect"), lambda x: x - 1.0, x)
+        return lax.cond(
+            x[0] > 0, lambda x: sow(x * 2.0, name="b", mode="collect"), lambda x: x - 1.0, x
+        )
 
     xb = jnp.array([[1.0, 2.0], [-1.0, 3.0]])
     expect_out = jnp.stack([xb[0] * 2.0, xb[1] - 1.0])
@@ -292,7 +293,10 @@ def test_sow_cond_with_a_batched_predicate_agrees_both_ways_round_vmap():
     expect = jnp.array([[2.0, 4.0], [0.0, 0.0]])
     close(reap(jax.vmap(doubled))(xb), {"c": expect})
     close(jax.vmap(reap(doubled))(xb), {"c": expect})
-    close(plant(jax.vmap(doubled))({"c": jnp.zeros((2, 2))}, xb), jnp.array([[0.0, 0.0], [-2.0, -6.0]]))
+    close(
+        plant(jax.vmap(doubled))({"c": jnp.zeros((2, 2))}, xb),
+        jnp.array([[0.0, 0.0], [-2.0, -6.0]]),
+    )
 
     constant = lambda x: sow_cond(jnp.arange(3.0), x.sum() > 0, name="k") + x.sum()
     expect = jnp.array([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
@@ -339,11 +343,20 @@ def test_plant_one_value_for_every_example_of_a_vmap_inside_f():
     rows = jnp.ones((4, 3))
     close(plant(jax.vmap(f))({"h": jnp.arange(3.0)}, rows), jnp.tile(jnp.arange(3.0) * 3.0, (4, 1)))
     # Nested vmaps: one value for both batch axes, or one per outer example.
-    close(plant(jax.vmap(jax.vmap(f)))({"h": jnp.float32(1.0)}, jnp.ones((2, 4))), jnp.full((2, 4), 3.0))
+    close(
+        plant(jax.vmap(jax.vmap(f)))({"h": jnp.float32(1.0)}, jnp.ones((2, 4))),
+        jnp.full((2, 4), 3.0),
+    )
     per_row = jnp.arange(4.0)
-    close(plant(jax.vmap(jax.vmap(f)))({"h": per_row}, jnp.ones((2, 4))), jnp.tile(per_row * 3.0, (2, 1)))
+    close(
+        plant(jax.vmap(jax.vmap(f)))({"h": per_row}, jnp.ones((2, 4))),
+        jnp.tile(per_row * 3.0, (2, 1)),
+    )
     # Only vmap's axes may be left out: a wrong per-example shape still says both.
-    with pytest.raises(ValueError, match=r"float32\[2\].*expects float32\[4, 3\] \(or float32\[3\] for every example"):
+    with pytest.raises(
+        ValueError,
+        match=r"float32\[2\].*expects float32\[4, 3\] \(or float32\[3\] for every example",
+    ):
         plant(jax.vmap(f))({"h": jnp.arange(2.0)}, rows)
     # Outside vmap a value still must have the sown shape.
     with pytest.raises(ValueError, match=r"is float32\[\], but the site expects float32\[4\]\. "):
@@ -383,8 +396,14 @@ def test_a_python_number_planted_into_a_site_of_another_dtype_takes_its_dtype():
         return lax.scan(lambda c, x: (sow(c, name="c", mode="clobber") + 1, x * c), 0, xs)
 
     carry, ys = plant(scan_carry)({"c": 5.0}, jnp.arange(3.0))
-    assert int(carry) == 6 and ys.tolist() == [0.0, 6.0, 12.0]  # x times the unplanted carry: 0, 6, 6
-    cond_out = plant(lambda p, x: lax.cond(p, lambda x: x + sow(1, name="k"), lambda x: x, x))({"k": 4.0}, True, 1.0)
+    assert int(carry) == 6 and ys.tolist() == [
+        0.0,
+        6.0,
+        12.0,
+    ]  # x times the unplanted carry: 0, 6, 6
+    cond_out = plant(lambda p, x: lax.cond(p, lambda x: x + sow(1, name="k"), lambda x: x, x))(
+        {"k": 4.0}, True, 1.0
+    )
     assert float(cond_out) == 5.0
     # Only Python numbers: an array of another dtype is still an error.
     with pytest.raises(ValueError, match=r"is float32\[\], but the site expects int32\[\]"):

@@ -57,12 +57,21 @@ def test_mypy_reports_each_misuse(tmp_path):
     path = tmp_path / "wrong.py"
     path.write_text(WRONG)
     stdout, stderr, _ = mypy_api.run(
-        [str(path), "--strict", "--no-incremental", "--cache-dir", str(tmp_path / "cache"), "--follow-imports=silent"]
+        [
+            str(path),
+            "--strict",
+            "--no-incremental",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--follow-imports=silent",
+        ]
     )
     assert not stderr, stderr
     reported = {
         (int(m.group(1)), m.group(2))
-        for m in re.finditer(rf"^{re.escape(str(path))}:(\d+): error: .*\[([a-z-]+)\]$", stdout, re.M)
+        for m in re.finditer(
+            rf"^{re.escape(str(path))}:(\d+): error: .*\[([a-z-]+)\]$", stdout, re.M
+        )
     }
     expected = {
         (number, code)

@@ -31,7 +31,8 @@ def main() -> None:
     from harvest import PatchingResult
 
     axes = PatchingResult.plot_many(
-        [namespace["exact"], namespace["estimate"]], titles=["activation patching", "attribution patching"]
+        [namespace["exact"], namespace["estimate"]],
+        titles=["activation patching", "attribution patching"],
     )
     figure = axes[0].figure
     figure.suptitle("Which (site, position) carries the clean answer")

@@ -52,7 +52,9 @@ branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
 _jax.register_lowering(branch_p, lambda ctx, **params: [])
 _jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
 _jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
-_jax.register_batching(branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), []))
+_jax.register_batching(
+    branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), [])
+)
 
 _groups = itertools.count()
 
@@ -127,7 +129,9 @@ def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[
     return outs
 
 
-def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+def _rewrite_cond(
+    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
+) -> list[Any]:
     """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
     branches = _jax.cond_branches(eqn)
     new, slots, inner_stuck = _united(branches, group=None)
@@ -137,7 +141,9 @@ def _rewrite_cond(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: 
     return list(outs[: len(branches[0].out_avals)])
 
 
-def _rewrite_scan(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]) -> list[Any]:
+def _rewrite_scan(
+    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
+) -> list[Any]:
     """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
     p = _jax.Scan.of(eqn)
     nc, ncarry = p.num_consts, p.num_carry
@@ -148,13 +154,20 @@ def _rewrite_scan(eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: 
         inner: list[_Occurrence] = []
         outs = _rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
         holder["inner"] = inner = _merge_carried(inner)
-        return outs[:ncarry], (outs[ncarry:], [(o.leaves, jnp.asarray(o.present, bool)) for o in inner])
+        return outs[:ncarry], (
+            outs[ncarry:],
+            [(o.leaves, jnp.asarray(o.present, bool)) for o in inner],
+        )
 
-    carry, (ys, stacked) = lax.scan(step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll)
+    carry, (ys, stacked) = lax.scan(
+        step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
+    )
     for o, (leaves, present) in zip(holder["inner"], stacked):
         mode = MODES[o.params["mode"]]
         if mode.rows:  # one row per iteration, in order
-            found.extend(_Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length))
+            found.extend(
+                _Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length)
+            )
         elif mode.carried:  # the last iteration that sowed it
             found.append(_last(o.params, leaves, present, p.reverse))
         else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
@@ -174,7 +187,9 @@ def _merge_carried(found: list[_Occurrence]) -> list[_Occurrence]:
             continue
         prev = out[i]
         pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
-        out[i] = _Occurrence(o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present)
+        out[i] = _Occurrence(
+            o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present
+        )
     return out
 
 
@@ -189,7 +204,10 @@ def _last(params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool
         leaves, present = [l[::-1] for l in leaves], present[::-1]
     later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
     last = present & (later == 1)
-    leaves = [jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype) for l in leaves]
+    leaves = [
+        jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype)
+        for l in leaves
+    ]
     return _Occurrence(params, leaves, jnp.any(present, axis=0))
 
 
@@ -204,17 +222,23 @@ class _Slot:
     loops: int  # as its occurrences'
 
 
-def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], set[Site]]:
+def _united(
+    branches: tuple[Any, ...], group: int | None
+) -> tuple[list[Any], list[_Slot], set[Site]]:
     """Each branch rewritten to also return the slots of every branch; with a
     `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in branches[0].in_avals]
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in branches[0].in_avals
+    ]
     n_outs = len(branches[0].out_avals)
     traced: list[tuple[Any, dict[Any, _Slot]]] = []
     stuck: set[Site] = set()
     for b, br in enumerate(branches):
         found: list[_Occurrence] = []
 
-        def walk(*ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b) -> list[Any]:
+        def walk(
+            *ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b
+        ) -> list[Any]:
             if group is not None:
                 branch_p.bind(group=group, branch=b, stuck=())
             outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
@@ -234,12 +258,16 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
     for _, mine in traced:
         for key, slot in mine.items():
             known = slots.setdefault(key, slot)
-            if known.params["tree"] != slot.params["tree"] or [(a.shape, a.dtype) for a in known.avals[:-1]] + [
-                known.loops
-            ] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
+            if known.params["tree"] != slot.params["tree"] or [
+                (a.shape, a.dtype) for a in known.avals[:-1]
+            ] + [known.loops] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
                 p = slot.params
-                raise _errors.batched_branch_shapes_differ(p["tag"], path_str((*p["scope"], p["name"])))
-            flag = jax.ShapeDtypeStruct(np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool)
+                raise _errors.batched_branch_shapes_differ(
+                    p["tag"], path_str((*p["scope"], p["name"]))
+                )
+            flag = jax.ShapeDtypeStruct(
+                np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool
+            )
             slots[key] = dataclasses.replace(known, avals=(*known.avals[:-1], flag))
 
     def padded(closed: Any, mine: dict[Any, _Slot]) -> Any:
@@ -252,7 +280,9 @@ def _united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], li
                 have[key], rest = rest[:k], rest[k:]
             extra: list[Any] = []
             for key, slot in slots.items():
-                values = have.get(key) or [jnp.zeros(a.shape, a.dtype) for a in slot.avals]  # zeros, and False
+                values = have.get(key) or [
+                    jnp.zeros(a.shape, a.dtype) for a in slot.avals
+                ]  # zeros, and False
                 extra.extend(values[:-1])
                 extra.append(jnp.broadcast_to(values[-1], slot.avals[-1].shape))
             return [*outs, *extra]
@@ -277,7 +307,9 @@ def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
 # The batching rule.
 
 
-def _batch_cond(jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any) -> Any:
+def _batch_cond(
+    jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any
+) -> Any:
     if (
         dims[0] is None
         or "branches_platforms" in params
@@ -341,7 +373,9 @@ def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
         del groups[p["group"]]
         stuck = tuple(_unless_harvested(walk, site) for site in stuck)
     # What is left goes to an outer harvest, its names as it will see them.
-    stuck = tuple(dataclasses.replace(s, path=walk.policy.prefix + s.path) for s in stuck if s is not None)
+    stuck = tuple(
+        dataclasses.replace(s, path=walk.policy.prefix + s.path) for s in stuck if s is not None
+    )
     return list(branch_p.bind(**dict(p, stuck=stuck)))
 
 

@@ -17,7 +17,17 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _errors, _jax
-from .._interpreter import Policy, Walk, inside_rule, interpret, jvp_rule, register, retrace, rule_sites, sites_in
+from .._interpreter import (
+    Policy,
+    Walk,
+    inside_rule,
+    interpret,
+    jvp_rule,
+    register,
+    retrace,
+    rule_sites,
+    sites_in,
+)
 from .._paths import path_str
 
 
@@ -158,14 +168,20 @@ def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     call = _jax.call_body(eqn)
     in_body = walk.handled_sites([call.jaxpr])
     if in_body:
-        raise _errors.sown_in_jvp_rule_and_body(next(iter(rule_only.values())), map(path_str, in_body))
+        raise _errors.sown_in_jvp_rule_and_body(
+            next(iter(rule_only.values())), map(path_str, in_body)
+        )
     found = jvp_rule(eqn)
     assert found is not None  # it has sites
     rule, out_zeros = found
     nconsts = _jax.custom_num_consts(eqn)
     # Planted values enter as arguments, so the rule (run one level down) sees
     # their primals; a planted tangent is ignored, as in oryx.
-    planted = {p: walk.plants[p].value for p in rule_only if p in walk.plants and not callable(walk.plants[p].value)}
+    planted = {
+        p: walk.plants[p].value
+        for p in rule_only
+        if p in walk.plants and not callable(walk.plants[p].value)
+    }
     leaves, tree = jax.tree_util.tree_flatten(planted)
     k = len(leaves)
 
@@ -178,7 +194,9 @@ def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
         values = jax.tree_util.tree_unflatten(tree, primals[:k])
         primals, tangents = primals[k + nconsts :], tangents[k + nconsts :]
         plants = {
-            p: (dataclasses.replace(pl, value=values[p]) if p in values else pl).shift(walk.seen.get(p, 0))
+            p: (dataclasses.replace(pl, value=values[p]) if p in values else pl).shift(
+                walk.seen.get(p, 0)
+            )
             for p, pl in walk.plants.items()
         }
         reaping, running = walk.child(plants=plants), walk.child(plants=plants)

@@ -31,15 +31,22 @@ def _union(shapes, site):
     if mode.entries:
         longest = max(present, key=len)
         for s in present:
-            if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(longest[: len(s)]) or any(
+            if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(
+                longest[: len(s)]
+            ) or any(
                 a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)]))
+                for a, b in zip(
+                    jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)])
+                )
             ):
                 raise _errors.branch_shapes_differ(site)
         return longest
     single = all(site.one_occurrence(s) for s in present)
     if mode.rows and not single:  # else one unstacked value, as for the modes below
-        rows = max(1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0] for s in present)
+        rows = max(
+            1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0]
+            for s in present
+        )
         return site.zeros_shape((rows,))
     shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
     if len(shapes) > 1:
@@ -56,7 +63,9 @@ def _pad(value, union, site):
         if site.one_occurrence(value):
             value = jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, 0), value)
         return jax.tree_util.tree_map(
-            lambda v, u: jnp.concatenate([v, jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)]),
+            lambda v, u: jnp.concatenate(
+                [v, jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)]
+            ),
             value,
             union,
         )

@@ -41,13 +41,17 @@ def _scan(walk, eqn, invals):
         c, rec = carry
         idx, x = x
         body_plants = {
-            path: pl.per_iteration(idx, body.jaxpr, sites[path]) for path, pl in plants.items() if path in sites
+            path: pl.per_iteration(idx, body.jaxpr, sites[path])
+            for path, pl in plants.items()
+            if path in sites
         }
         child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
         outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
         holder["child"] = child
         rec = {path: child.records[path].values[0] for path in carried}
-        stacked = {path: r.chunk() for path, r in child.records.items() if r.site.mode.stacks_in_loops}
+        stacked = {
+            path: r.chunk() for path, r in child.records.items() if r.site.mode.stacks_in_loops
+        }
         return (outs[:ncarry], rec), (outs[ncarry:], stacked)
 
     rec0 = {path: value for path, (_, value) in carried.items()}
@@ -125,5 +129,7 @@ def _while_per_example(cond_fn, body_fn, init):
     leaves = strong(leaves)
     unflatten = functools.partial(jax.tree_util.tree_unflatten, tree)
     cond = jax.make_jaxpr(lambda *xs: cond_fn(unflatten(xs)))(*leaves)
-    body = jax.make_jaxpr(lambda *xs: strong(jax.tree_util.tree_leaves(body_fn(unflatten(xs)))))(*leaves)
+    body = jax.make_jaxpr(lambda *xs: strong(jax.tree_util.tree_leaves(body_fn(unflatten(xs)))))(
+        *leaves
+    )
     return unflatten(_jax.bind_while(cond, body, leaves))

@@ -46,7 +46,9 @@ def _shard_map(walk, eqn, invals):
         idx = lax.axis_index(axes)
         child = holder["child"] = walk.child(
             plants={
-                path: pl.per_iteration(idx, body, sites[path]) if pl.site.mode.stacks_in_loops else pl.peel(idx)
+                path: pl.per_iteration(idx, body, sites[path])
+                if pl.site.mode.stacks_in_loops
+                else pl.peel(idx)
                 for path, pl in plants.items()
                 if path in sites
             }
@@ -54,8 +56,15 @@ def _shard_map(walk, eqn, invals):
         outs = interpret(child, body, (), args)
         # One leading row per shard, so the out_spec lays the rows along `axes`.
         rows = jax.tree_util.tree_map(
-            lambda x: _jax.pcast_varying(jnp.expand_dims(x, 0), axes) if p.check_vma else jnp.expand_dims(x, 0),
-            {path: rec.rows() if rec.site.mode.rows else rec.result() for path, rec in child.records.items()},
+            lambda x: (
+                _jax.pcast_varying(jnp.expand_dims(x, 0), axes)
+                if p.check_vma
+                else jnp.expand_dims(x, 0)
+            ),
+            {
+                path: rec.rows() if rec.site.mode.rows else rec.result()
+                for path, rec in child.records.items()
+            },
         )
         return tuple(outs), rows
 
@@ -82,4 +91,3 @@ def _shard_map(walk, eqn, invals):
         seen[path] = n if mode.entries else shards * n if mode.rows else 1
     walk.absorb(records, seen)
     return list(outs)
-

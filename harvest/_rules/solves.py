@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from .. import _errors, _jax
 from .._interpreter import interpret, register, retrace
-from .calls import _original, _with_jvp
 from .._occurrences import RUNS
+from .calls import _original, _with_jvp
 
 RUNS[_jax.linear_solve_p] = lambda eqn: [_jax.LinearSolve.of(eqn).jaxprs.solve.jaxpr]
 

@@ -11,7 +11,8 @@ one are an error (the state cannot be threaded through them).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Concatenate, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate
 
 import jax
 
@@ -25,11 +26,18 @@ Handler = Callable[..., tuple[Any, Any]]
 
 
 def _holds(jaxpr: _jax.Jaxpr, handlers: dict[Any, Handler]) -> bool:
-    return any(e.primitive in handlers or any(_holds(j, handlers) for j in sub_jaxprs(e)) for e in jaxpr.eqns)
+    return any(
+        e.primitive in handlers or any(_holds(j, handlers) for j in sub_jaxprs(e))
+        for e in jaxpr.eqns
+    )
 
 
 def _eval(
-    jaxpr: _jax.Jaxpr, consts: Sequence[Any], state: Any, args: Sequence[Any], handlers: dict[Any, Handler]
+    jaxpr: _jax.Jaxpr,
+    consts: Sequence[Any],
+    state: Any,
+    args: Sequence[Any],
+    handlers: dict[Any, Handler],
 ) -> tuple[list[Any], Any]:
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
@@ -88,7 +96,9 @@ def make_effect_handler(
         def handled(state: Any, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Any]:
             closed, out_shape, arrays = trace_program(f, args, kwargs)
             outs, state = _eval(closed.jaxpr, closed.consts, state, arrays, handlers)
-            return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs), state
+            return jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(out_shape), outs
+            ), state
 
         return handled
 

@@ -44,15 +44,16 @@ equations it could not invert.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax
-from .._primitive import sow_p, tracing_for_harvest
 from .._calling import make_jaxpr
+from .._primitive import sow_p, tracing_for_harvest
 
 
 class NotInvertible(Exception):
@@ -88,7 +89,11 @@ _unary(_jax.lax_primitives.log_p, jnp.exp, lambda y: y)
 _unary(_jax.lax_primitives.expm1_p, jnp.log1p, lambda y: -jnp.log1p(y))
 _unary(_jax.lax_primitives.log1p_p, jnp.expm1, lambda y: y)
 _unary(_jax.lax_primitives.tanh_p, jnp.arctanh, lambda y: -jnp.log1p(-jnp.square(y)))
-_unary(_jax.lax_primitives.logistic_p, lambda y: jnp.log(y) - jnp.log1p(-y), lambda y: -jnp.log(y) - jnp.log1p(-y))
+_unary(
+    _jax.lax_primitives.logistic_p,
+    lambda y: jnp.log(y) - jnp.log1p(-y),
+    lambda y: -jnp.log(y) - jnp.log1p(-y),
+)
 _unary(_jax.lax_primitives.sqrt_p, jnp.square, lambda y: jnp.log(2.0 * y))
 _unary(_jax.lax_primitives.neg_p, jnp.negative, lambda y: jnp.zeros_like(y))
 _unary(_jax.lax_primitives.copy_p, lambda y: y, lambda y: jnp.zeros_like(y))
@@ -97,7 +102,10 @@ _unary(_jax.lax_primitives.copy_p, lambda y: y, lambda y: jnp.zeros_like(y))
 @_register(_jax.lax_primitives.convert_element_type_p)
 def _convert(eqn, invals, outvals):
     aval = eqn.invars[0].aval
-    if not (jnp.issubdtype(aval.dtype, jnp.floating) and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)):
+    if not (
+        jnp.issubdtype(aval.dtype, jnp.floating)
+        and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)
+    ):
         raise NotInvertible
     return {0: outvals[0].astype(aval.dtype)}, 0.0
 
@@ -201,7 +209,9 @@ def call_body(eqn):
 
 
 def _kept_whole(eqn):
-    return eqn.primitive is _jax.custom_jvp_call_p and _jax.body_function_name(eqn) in INVERTIBLE_CALLS
+    return (
+        eqn.primitive is _jax.custom_jvp_call_p and _jax.body_function_name(eqn) in INVERTIBLE_CALLS
+    )
 
 
 def _eval_inlined(jaxpr, consts, args):
@@ -317,7 +327,9 @@ def propagate(jaxpr: _jax.Jaxpr, known: Known, forward: Callable | None = None):
                     if isinstance(v, _jax.Var) and not known.has(v):
                         known.values[v] = val
                         # A sow passes each leaf through on its own.
-                        known.ildj[v] = known.ildj_of(eqn.outvars[i]) if eqn.primitive is sow_p else carried
+                        known.ildj[v] = (
+                            known.ildj_of(eqn.outvars[i]) if eqn.primitive is sow_p else carried
+                        )
                 done.add(id(eqn))
                 changed = True
 

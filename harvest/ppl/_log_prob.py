@@ -19,14 +19,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .._interpreter import sites_in
 from .. import _jax
+from .._interpreter import sites_in
 from .._jax import sub_jaxprs
-from .._primitive import sow_p
 from .._paths import path_str
+from .._primitive import sow_p
 from .._site import Site
 from .._transforms import call_and_reap
-from ._inverse import INVERSES, INVERTIBLE_CALLS, Known, bind_eqn, inline_calls, live_vars, propagate, trace_program
+from ._inverse import (
+    INVERSES,
+    INVERTIBLE_CALLS,
+    Known,
+    bind_eqn,
+    inline_calls,
+    live_vars,
+    propagate,
+    trace_program,
+)
 from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE
 
 # Equations under a `jax.named_scope` of this form belong to a plate over the
@@ -156,10 +165,15 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
                 continue
             lp = densities[eqn.primitive](eqn, known)
             if lp is None:
-                raise _cannot(f"the output depends on a draw of `{eqn.primitive}` it does not determine", known)
+                raise _cannot(
+                    f"the output depends on a draw of `{eqn.primitive}` it does not determine",
+                    known,
+                )
             ildj = sum(known.ildj_of(v) for v in eqn.outvars if known.has(v))
             total = total + _summed(lp + ildj, _plate_axes(eqn))
-        elif sub_jaxprs(eqn) and _holds_draws(eqn, densities) and any(v in live for v in eqn.outvars):
+        elif (
+            sub_jaxprs(eqn) and _holds_draws(eqn, densities) and any(v in live for v in eqn.outvars)
+        ):
             if not any(e is eqn for e, _ in nested):
                 raise _cannot(
                     f"the output depends on random variables drawn inside `{eqn.primitive}`, "

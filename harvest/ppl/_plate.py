@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Concatenate, overload
+from collections.abc import Callable
+from typing import Any, Concatenate, overload
 
 import jax
 
@@ -11,7 +12,9 @@ from .._typing import P, R
 
 
 @overload
-def plate(f: Callable[Concatenate[Any, P], R], *, name: str, size: int) -> Callable[Concatenate[Any, P], R]: ...
+def plate(
+    f: Callable[Concatenate[Any, P], R], *, name: str, size: int
+) -> Callable[Concatenate[Any, P], R]: ...
 @overload
 def plate(
     f: None = None, *, name: str, size: int

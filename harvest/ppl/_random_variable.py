@@ -13,7 +13,8 @@ occurrence in and out of loops.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Concatenate, Literal, overload
+from collections.abc import Callable
+from typing import Any, Concatenate, Literal, overload
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +79,15 @@ def _check_arguments(dist: object, name: object, mode: object) -> str:
 
 @overload
 def random_variable(
-    dist: Callable[Concatenate[Any, P], R], *, name: str, mode: Literal["strict", "append"] = "strict"
+    dist: Callable[Concatenate[Any, P], R],
+    *,
+    name: str,
+    mode: Literal["strict", "append"] = "strict",
 ) -> Callable[Concatenate[Any, P], R]: ...
 @overload
-def random_variable(dist: Any, *, name: str, mode: Literal["strict", "append"] = "strict") -> Callable[[Any], Any]: ...
+def random_variable(
+    dist: Any, *, name: str, mode: Literal["strict", "append"] = "strict"
+) -> Callable[[Any], Any]: ...
 def random_variable(
     dist: Any, *, name: str | None = None, mode: Literal["strict", "append"] = "strict"
 ) -> Callable[..., Any]:

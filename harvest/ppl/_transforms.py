@@ -17,7 +17,8 @@ placeholder key, as oryx does.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Concatenate, Iterable, overload
+from collections.abc import Callable, Iterable
+from typing import Any, Concatenate, overload
 
 import jax
 from jax.tree_util import Partial
@@ -27,7 +28,13 @@ from .._sow import sow
 from .._transforms import call_and_reap, harvest, plant, reap, run_walk
 from .._typing import P, Plants, R, Reaped
 from ._log_prob import log_density
-from ._random_variable import DETERMINISTIC, LOG_DENSITY, RANDOM_VARIABLE, densities_of, is_distribution
+from ._random_variable import (
+    DETERMINISTIC,
+    LOG_DENSITY,
+    RANDOM_VARIABLE,
+    densities_of,
+    is_distribution,
+)
 
 
 def _placeholder_key() -> jax.Array:
@@ -130,7 +137,9 @@ def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs:
     return sum(densities_of(densities))
 
 
-def joint_log_prob(f: Callable[Concatenate[Any, P], Any]) -> Callable[Concatenate[Plants, P], jax.Array]:
+def joint_log_prob(
+    f: Callable[Concatenate[Any, P], Any],
+) -> Callable[Concatenate[Plants, P], jax.Array]:
     """Returns `log_density({name: value}, *args) -> scalar` for the program `f`.
 
     It is the sum of every random variable's log density at the given values,
@@ -165,11 +174,15 @@ class _Among:
         return name in self.names
 
 
-def _plant_values(f: Callable[..., Any], chosen: _Among, values: Plants, *args: Any, **kwargs: Any) -> Any:
+def _plant_values(
+    f: Callable[..., Any], chosen: _Among, values: Plants, *args: Any, **kwargs: Any
+) -> Any:
     return plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)(values, *args, **kwargs)
 
 
-def _fixed(f: Callable[..., Any], names: frozenset[str], values: Plants, *args: Any, **kwargs: Any) -> Any:
+def _fixed(
+    f: Callable[..., Any], names: frozenset[str], values: Plants, *args: Any, **kwargs: Any
+) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
     chosen = _Among(names)
@@ -263,7 +276,9 @@ def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kw
         )
     split = len(args) - len(names)
     values = _nested(names, args[split:])
-    return _fixed(f, frozenset(_dotted_paths(_nested(names, names))), values, *args[:split], **kwargs)
+    return _fixed(
+        f, frozenset(_dotted_paths(_nested(names, names))), values, *args[:split], **kwargs
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -304,7 +319,9 @@ def log_prob(f: Any) -> Callable[..., jax.Array]:
         dist_log_prob: Callable[..., jax.Array] = f.log_prob
         return dist_log_prob
     if not callable(f):
-        raise TypeError(f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}.")
+        raise TypeError(
+            f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}."
+        )
     if isinstance(f, Partial) and f.func is _joint_sample:
         return joint_log_prob(*f.args)
     return Partial(_log_prob, f)
@@ -335,7 +352,9 @@ def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
 
 
 def _trace(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Reaped]:
-    out, draws = call_and_reap(Partial(_with_deterministic, f), tag=RANDOM_VARIABLE)(*args, **kwargs)
+    out, draws = call_and_reap(Partial(_with_deterministic, f), tag=RANDOM_VARIABLE)(
+        *args, **kwargs
+    )
     out, recorded = out
     return out, {**draws, **recorded}
 
@@ -344,7 +363,9 @@ def _with_deterministic(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tup
     return call_and_reap(f, tag=DETERMINISTIC)(*args, **kwargs)
 
 
-def trace_log_prob(f: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[R, Reaped, P], jax.Array]:
+def trace_log_prob(
+    f: Callable[Concatenate[Any, P], R],
+) -> Callable[Concatenate[R, Reaped, P], jax.Array]:
     """Returns `log_density(output, sites, *args)`: the density of `trace(f)`'s result.
 
     Example:
@@ -362,7 +383,9 @@ def trace_log_prob(f: Callable[Concatenate[Any, P], R]) -> Callable[Concatenate[
     return Partial(_trace_log_prob, f)
 
 
-def _trace_log_prob(f: Callable[..., Any], out: Any, sites: Reaped, *args: Any, **kwargs: Any) -> Any:
+def _trace_log_prob(
+    f: Callable[..., Any], out: Any, sites: Reaped, *args: Any, **kwargs: Any
+) -> Any:
     return log_density(trace(f), (out, sites), args, kwargs)
 
 
@@ -431,10 +454,14 @@ def graph_replace(
     outputs = [output_names] if single else list(output_names)
     if not all(isinstance(n, str) and n for n in outputs):
         raise TypeError(f"graph_replace takes output names as strings, got {output_names!r}.")
-    return Partial(_replaced, conditional(f, input_names), output_names if single else tuple(outputs))
+    return Partial(
+        _replaced, conditional(f, input_names), output_names if single else tuple(outputs)
+    )
 
 
-def _replaced(given: Callable[..., Any], output_names: str | tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+def _replaced(
+    given: Callable[..., Any], output_names: str | tuple[str, ...], *args: Any, **kwargs: Any
+) -> Any:
     single = isinstance(output_names, str)
     outputs = (output_names,) if isinstance(output_names, str) else output_names
     draws = reap(given, tag=RANDOM_VARIABLE)(*args, **kwargs)

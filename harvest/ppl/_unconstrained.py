@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,9 @@ from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE, densities_of, sow_de
 UNCONSTRAINED = "random_variable_unconstrained"
 
 # While tracing for `unconstrained`: the names drawn as they are (observed).
-_observed: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar("harvest_ppl_unconstrained", default=None)
+_observed: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "harvest_ppl_unconstrained", default=None
+)
 
 
 @contextlib.contextmanager
@@ -71,7 +74,9 @@ def _key() -> jax.Array:
 def _run(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Any:
     """`f` with the observed values planted and every other draw made from `u`."""
     with _unconstraining(frozenset(observed)):
-        out, missing = harvest(Partial(_observed_program, f, observed), tag=UNCONSTRAINED)(u, *args, **kwargs)
+        out, missing = harvest(Partial(_observed_program, f, observed), tag=UNCONSTRAINED)(
+            u, *args, **kwargs
+        )
     if missing:
         raise ValueError(
             f"unconstrained: no value for {', '.join(sorted(missing))}. Give every random "
@@ -84,12 +89,16 @@ def _observed_program(f: Callable[..., Any], observed: Reaped, *args: Any, **kwa
     return plant(f, tag=RANDOM_VARIABLE)(observed, _key(), *args, **kwargs)
 
 
-def _log_density(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Any:
+def _log_density(
+    f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
+) -> Any:
     densities = reap(Partial(_run, f, observed), tag=LOG_DENSITY)(u, *args, **kwargs)
     return sum(densities_of(densities))
 
 
-def _constrain(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Reaped:
+def _constrain(
+    f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
+) -> Reaped:
     return reap(Partial(_run, f, observed), tag=RANDOM_VARIABLE)(u, *args, **kwargs)
 
 
@@ -97,7 +106,9 @@ def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwarg
     return reap(Partial(_prior_draw, f, observed), tag=UNCONSTRAINED)(key, *args, **kwargs)
 
 
-def _prior_draw(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Any:
+def _prior_draw(
+    f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any
+) -> Any:
     with _unconstraining(frozenset(observed)):
         return plant(f, tag=RANDOM_VARIABLE)(observed, key, *args, **kwargs)
 
@@ -127,7 +138,9 @@ class Unconstrained:
     init: Callable[..., Reaped]
 
 
-def unconstrained(f: Callable[..., Any], observed: Mapping[str, Any] | None = None) -> Unconstrained:
+def unconstrained(
+    f: Callable[..., Any], observed: Mapping[str, Any] | None = None
+) -> Unconstrained:
     """Returns the `Unconstrained` density of the program `f`, with `observed` values fixed.
 
     Every TFP-distributed random variable not in `observed` becomes free and is
@@ -161,7 +174,9 @@ def unconstrained(f: Callable[..., Any], observed: Mapping[str, Any] | None = No
     """
     observed = dict(observed or {})
     if not all(isinstance(k, str) for k in observed):
-        raise TypeError(f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}.")
+        raise TypeError(
+            f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
+        )
     return Unconstrained(
         Partial(_log_density, f, observed),
         Partial(_constrain, f, observed),

@@ -13,9 +13,9 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import tensorflow_probability.substrates.jax as tfp
 
 import harvest.ppl  # noqa: F401  (only for its shim: TFP 0.25's JAX substrate needs it on JAX 0.10)
-import tensorflow_probability.substrates.jax as tfp
 
 tfd = tfp.distributions
 Y = jnp.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
@@ -42,14 +42,24 @@ def run():
         num_adaptation_steps=int(0.8 * WARMUP),
     )
     init = [jnp.zeros(CHAINS), jnp.zeros(CHAINS), jnp.zeros((CHAINS, 8))]
-    sample = jax.jit(lambda key: tfp.mcmc.sample_chain(
-        DRAWS, init, kernel=kernel, num_burnin_steps=WARMUP, trace_fn=None, seed=key))
+    sample = jax.jit(
+        lambda key: tfp.mcmc.sample_chain(
+            DRAWS, init, kernel=kernel, num_burnin_steps=WARMUP, trace_fn=None, seed=key
+        )
+    )
     mu = sample(jax.random.key(SEED))[0]
     ess = tfp.mcmc.effective_sample_size(mu, cross_chain_dims=1)
     mean = float(mu.mean())
-    return {"mu_mean": mean, "mu_sd": float(mu.std()), "mc_se": float(mu.std() / jnp.sqrt(ess)),
-            "seed": SEED, "chains": CHAINS, "warmup": WARMUP, "draws": DRAWS,
-            "sampler": "tfp.mcmc HMC (8 leapfrog steps, dual-averaging step size), hand-written density"}
+    return {
+        "mu_mean": mean,
+        "mu_sd": float(mu.std()),
+        "mc_se": float(mu.std() / jnp.sqrt(ess)),
+        "seed": SEED,
+        "chains": CHAINS,
+        "warmup": WARMUP,
+        "draws": DRAWS,
+        "sampler": "tfp.mcmc HMC (8 leapfrog steps, dual-averaging step size), hand-written density",
+    }
 
 
 if __name__ == "__main__":

@@ -63,7 +63,15 @@ def ensure_venv(version, python):
         steps = [
             [python, "-m", "venv", "--clear", str(venv)],
             [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--upgrade", "pip"],
-            [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "-r", str(HERE / f"jax-{version}.txt")],
+            [
+                str(venv / "bin" / "python"),
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "-r",
+                str(HERE / f"jax-{version}.txt"),
+            ],
         ]
         for cmd in steps:
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
@@ -78,7 +86,15 @@ def run_suite(version, venv, pytest_args):
     # harvest is imported from the source tree, in this process and in the
     # subprocesses the tests start.
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    cmd = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={report}",
+    ]
     start, cpu = time.monotonic(), _children_cpu()
     subprocess.run(cmd + pytest_args, cwd=ROOT, env=env)
     seconds, cpu = time.monotonic() - start, _children_cpu() - cpu
@@ -90,7 +106,14 @@ def run_suite(version, venv, pytest_args):
             counts[key] += int(suite.get(key, 0))
     failed = counts["failures"] + counts["errors"]
     passed = counts["tests"] - failed - counts["skipped"]
-    return dict(version=version, passed=passed, failed=failed, skipped=counts["skipped"], seconds=seconds, cpu=cpu)
+    return dict(
+        version=version,
+        passed=passed,
+        failed=failed,
+        skipped=counts["skipped"],
+        seconds=seconds,
+        cpu=cpu,
+    )
 
 
 def _children_cpu():
@@ -113,10 +136,18 @@ def write_docs(rows):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", help="comma-separated versions (default: every pin file)")
-    parser.add_argument("--docs", action="store_true", help="write the table into docs/jax_versions.md")
-    parser.add_argument("--python", default=os.environ.get("PYTHON", "python3"), help="the Python that builds the venvs")
+    parser.add_argument(
+        "--docs", action="store_true", help="write the table into docs/jax_versions.md"
+    )
+    parser.add_argument(
+        "--python",
+        default=os.environ.get("PYTHON", "python3"),
+        help="the Python that builds the venvs",
+    )
     args, pytest_args = parser.parse_known_args(argv)
     versions = releases()
     if args.only:
@@ -133,10 +164,15 @@ def main(argv=None):
     print()
     print(table(rows))
     # CPU time too: on a shared machine the wall time says more about the neighbours.
-    print("seconds per release (wall, cpu): " + ", ".join(f"{r['version']} {r['seconds']:.0f}, {r['cpu']:.0f}" for r in rows))
+    print(
+        "seconds per release (wall, cpu): "
+        + ", ".join(f"{r['version']} {r['seconds']:.0f}, {r['cpu']:.0f}" for r in rows)
+    )
     if args.docs:
         write_docs(rows)
-    print(f"matrix: {sum(r['passed'] for r in rows)} passed, {sum(r['failed'] for r in rows)} failed")
+    print(
+        f"matrix: {sum(r['passed'] for r in rows)} passed, {sum(r['failed'] for r in rows)} failed"
+    )
     return 1 if any(r["failed"] for r in rows) else 0
 
 

@@ -32,10 +32,16 @@ def test_shard_map_reaps_per_shard_values_stacked_in_mesh_order():
     out, reaps = call_and_reap(sharded(body))(X)
     np.testing.assert_allclose(out, sharded(body)(X), rtol=1e-6)
     # Shard (i, j) holds the block X[2i:2i+2, 4j:4j+4]; rows are in mesh order.
-    blocks = np.stack([np.sin(X[2 * i : 2 * i + 2, 4 * j : 4 * j + 4]) for i in range(4) for j in range(2)])
+    blocks = np.stack(
+        [np.sin(X[2 * i : 2 * i + 2, 4 * j : 4 * j + 4]) for i in range(4) for j in range(2)]
+    )
     np.testing.assert_allclose(reaps["h"], blocks, rtol=1e-6)
     totals = np.stack(
-        [np.sin(X[2 * i : 2 * i + 2]).reshape(2, 2, 4).sum((1,)).sum() for i in range(4) for _ in range(2)]
+        [
+            np.sin(X[2 * i : 2 * i + 2]).reshape(2, 2, 4).sum((1,)).sum()
+            for i in range(4)
+            for _ in range(2)
+        ]
     )
     (row_total,) = reaps["row_total"]
     np.testing.assert_allclose(row_total, totals, rtol=1e-5)
@@ -66,7 +72,11 @@ def test_grad_through_reaped_shard_map_matches_single_device():
 
 def test_sharded_jit_keeps_output_sharding():
     spec = NamedSharding(MESH, P("x", "y"))
-    f = jax.jit(lambda x: sow(x * 2.0, name="double", mode="strict") + 1.0, in_shardings=spec, out_shardings=spec)
+    f = jax.jit(
+        lambda x: sow(x * 2.0, name="double", mode="strict") + 1.0,
+        in_shardings=spec,
+        out_shardings=spec,
+    )
     xs = jax.device_put(X, spec)
     out, reaps = call_and_reap(f)(xs)
     np.testing.assert_allclose(out, X * 2 + 1)
@@ -96,5 +106,9 @@ def test_modes_inside_shard_map(mode):
 
     got = reap(f)(X)["s"]
     sums = np.array([X[2 * i : 2 * i + 2].sum() for i in range(4)])
-    expected = {"collect": (np.repeat(sums, 2),), "append": np.repeat(sums, 2), "clobber": np.repeat(sums, 2)}[mode]
+    expected = {
+        "collect": (np.repeat(sums, 2),),
+        "append": np.repeat(sums, 2),
+        "clobber": np.repeat(sums, 2),
+    }[mode]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)

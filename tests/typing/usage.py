@@ -6,7 +6,8 @@ Each `assert_type` fails the lint if a public signature stops saying it:
 
 from __future__ import annotations
 
-from typing import Any, Callable, assert_type
+from collections.abc import Callable
+from typing import Any, assert_type
 
 import jax
 import jax.numpy as jnp

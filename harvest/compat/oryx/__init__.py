@@ -19,7 +19,8 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Concatenate, Hashable, Iterable, Optional
+from collections.abc import Callable, Hashable, Iterable
+from typing import Any, Concatenate
 
 import jax
 
@@ -46,11 +47,15 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
     if mode == COND_CLOBBER.name:
         raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
     if mode not in ORYX_MODES:
-        raise ValueError(f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'.")
+        raise ValueError(
+            f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'."
+        )
     return bind_sow(value, name=name, tag=tag, mode=ORYX_MODES[mode].name)
 
 
-def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None) -> T:
+def sow_cond(
+    value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None
+) -> T:
     """Tags `value` only where `pred` is true; reaped as zeros if it never was.
 
     Example:
@@ -69,12 +74,25 @@ def sow_cond(value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond
 # oryx's wording for the errors its own tests match, in front of the core's
 # message (which says what to do instead): (the core's message, oryx's).
 _ORYX_WORDING = (
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' but is sown more than once"),
-     "Variable has already been reaped: {}"),
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode 'strict' but sits inside a scan"),
-     "Cannot use strict mode for '{}' inside `scan`."),
-    (re.compile(r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' (?:inside a while_loop|but sits inside a while_loop)"),
-     "Must use clobber or cond_clobber mode for '{}' inside of a `while_loop`."),
+    (
+        re.compile(
+            r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' but is sown more than once"
+        ),
+        "Variable has already been reaped: {}",
+    ),
+    (
+        re.compile(
+            r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode 'strict' but sits inside a scan"
+        ),
+        "Cannot use strict mode for '{}' inside `scan`.",
+    ),
+    (
+        re.compile(
+            r"The sow site tag=.*?, name='([^']*)' \(sown at .*?\) has mode '\w+' "
+            r"(?:inside a while_loop|but sits inside a while_loop)"
+        ),
+        "Must use clobber or cond_clobber mode for '{}' inside of a `while_loop`.",
+    ),
 )
 
 
@@ -86,7 +104,9 @@ def _in_oryx_words(error: ValueError) -> ValueError | None:
     return None
 
 
-def _policy(tag: Hashable, allowlist: Optional[Iterable[str]], blocklist: Iterable[str], exclusive: bool) -> Policy:
+def _policy(
+    tag: Hashable, allowlist: Iterable[str] | None, blocklist: Iterable[str], exclusive: bool
+) -> Policy:
     # As in oryx, a sow of `tag` that the allowlist/blocklist filters out is
     # removed: enclosing transformations of `tag` do not see it either.
     select = NameFilter.make(allowlist, tuple(blocklist))
@@ -97,7 +117,7 @@ def call_and_reap(
     f: Callable[P, R],
     *,
     tag: Hashable,
-    allowlist: Optional[Iterable[str]] = None,
+    allowlist: Iterable[str] | None = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[P, tuple[R, Reaped]]:
@@ -110,14 +130,16 @@ def call_and_reap(
         (Array(3., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
     policy = _policy(tag, allowlist, blocklist, exclusive)
-    return transform(f, "call_and_reap", policy, takes_plants=False, gives="both", reword=_in_oryx_words)
+    return transform(
+        f, "call_and_reap", policy, takes_plants=False, gives="both", reword=_in_oryx_words
+    )
 
 
 def reap(
     f: Callable[P, Any],
     *,
     tag: Hashable,
-    allowlist: Optional[Iterable[str]] = None,
+    allowlist: Iterable[str] | None = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[P, Reaped]:
@@ -136,7 +158,7 @@ def harvest(
     f: Callable[P, R],
     *,
     tag: Hashable,
-    allowlist: Optional[Iterable[str]] = None,
+    allowlist: Iterable[str] | None = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
@@ -158,7 +180,7 @@ def plant(
     f: Callable[P, R],
     *,
     tag: Hashable,
-    allowlist: Optional[Iterable[str]] = None,
+    allowlist: Iterable[str] | None = None,
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[Concatenate[Plants, P], R]:

@@ -28,7 +28,8 @@ Differences from oryx are listed in docs/guides/probabilistic_intervention.md.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, overload
+from collections.abc import Callable
+from typing import Any, overload
 
 import jax
 import jax.numpy as jnp
@@ -36,9 +37,9 @@ import jax.numpy as jnp
 from .... import ppl as _ppl
 from ...._sow import sow
 from ...._transforms import call_and_reap, nest
+from ...._typing import P, R, Reaped
 from ....ppl._log_prob import PLATE_SCOPE, log_density
 from ....ppl._random_variable import LOG_DENSITY, is_distribution, sow_density
-from ...._typing import P, R, Reaped
 from .. import log_prob as _lp
 
 Program = Callable[..., Any]
@@ -89,7 +90,9 @@ def log_prob(f: Any) -> LogProbFunction:
 
     @functools.wraps(f)
     def wrapped(sample: Any, *args: Any, **kwargs: Any) -> Any:
-        return log_density(f, sample, args, kwargs, densities=_lp.registered(), plain_samplers_ok=True)
+        return log_density(
+            f, sample, args, kwargs, densities=_lp.registered(), plain_samplers_ok=True
+        )
 
     return wrapped
 
