@@ -272,3 +272,225 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
     )
+
+
+def handled_inside(primitive: Any, handlers: Any) -> NotImplementedError:
+    handled = sorted({str(p) for p in handlers})
+    return NotImplementedError(
+        f"make_effect_handler: a handled primitive ({', '.join(handled)}) is bound inside "
+        f"`{primitive}`, and the handlers' state cannot be threaded through it. Move "
+        "the handled operations out of the loop or branch."
+    )
+
+
+def handler_state_changed_structure(primitive: Any, before: Any, after: Any) -> TypeError:
+    return TypeError(
+        f"make_effect_handler: inside `{primitive}` the handlers changed the state's structure "
+        f"from {before} to {after}; a loop or branch carries one structure. Keep the state's "
+        "pytree structure fixed (e.g. start from the full dict)."
+    )
+
+
+def jvp_rule_failed(function: str, error: Exception) -> RuntimeError:
+    first = (str(error).splitlines() or [""])[0][:200]
+    return RuntimeError(
+        f"The JVP rule of the custom_jvp function `{function or '?'}` failed while harvest "
+        f"traced it to find the sows it holds ({type(error).__name__}: {first}). Fix the rule "
+        "(it would fail the same way under jax.jvp), or define it with jax.custom_vjp."
+    )
+
+
+# -- activation patching, sites, effect handlers, NNX state --------------
+
+
+def bad_positions(positions: Any) -> TypeError:
+    return TypeError(
+        f"patch_positions needs integer positions (an index or a 1-D sequence), got "
+        f"{positions.dtype}{list(positions.shape)}."
+    )
+
+
+def bad_head_axis(axis: Any) -> TypeError:
+    return TypeError(f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}.")
+
+
+def bad_heads(heads: Any) -> TypeError:
+    return TypeError(
+        "ablate_head needs an integer head (or a 1-D sequence of them), got "
+        f"{heads.dtype}{list(heads.shape)}."
+    )
+
+
+def axis_not_an_int(what: str, axis: Any) -> TypeError:
+    return TypeError(f"{what}: axis must be an int, got {axis!r}.")
+
+
+def axis_out_of_range(what: str, axis: Any, shape: Any) -> ValueError:
+    return ValueError(
+        f"{what}: axis {axis} is out of range for a value of shape {shape}. "
+        "Pass the axis that indexes positions in the sown value."
+    )
+
+
+def leaves_differ_along_axis(what: str, sizes: list[int], axis: Any) -> ValueError:
+    return ValueError(f"{what}: the leaves have different sizes {sizes} along axis {axis}.")
+
+
+def no_value_for_site(what: str, name: str, tag: Any) -> KeyError:
+    return KeyError(
+        f"{what} has no value for {name!r}. Pass the dict "
+        f"`reap(f, tag={tag!r})(*clean_args)` returns."
+    )
+
+
+def sweep_needs_callable(caller: str, f: Any) -> TypeError:
+    return TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
+
+
+def corrupted_args_not_a_tuple(caller: str, corrupted_args: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: corrupted_args must be the tuple of f's positional arguments, e.g. "
+        f"(tokens,), got {type(corrupted_args).__name__}."
+    )
+
+
+def clean_not_a_dict(caller: str, clean: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
+        f"{type(clean).__name__}."
+    )
+
+
+def nothing_to_patch(caller: str, tag: Any, sown: list[str]) -> ValueError:
+    return ValueError(
+        f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
+        f"names sown with that tag: {sown or 'none'}."
+    )
+
+
+def no_site_has_axes(caller: str, where: str, n_axes: int, sizes: Any) -> ValueError:
+    return ValueError(f"{caller}: no site has {'an ' * (n_axes == 1)}{where}; sizes: {sizes}.")
+
+
+def sizes_differ_along_axes(caller: str, where: str, sizes: dict[str, str]) -> ValueError:
+    return ValueError(
+        f"{caller}: the sites have different sizes along {where}: {sizes}. Sweep sites of one "
+        "size together (pass names=...)."
+    )
+
+
+def sweep_site_fires_often(caller: str, name: str, mode: str, count: str, where: str) -> ValueError:
+    return ValueError(
+        f"{caller}: the site {name!r} (mode {mode}) fires {count} times per call "
+        f"(at {where}); a sweep patches each occurrence of a site sown with "
+        "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
+        "with mode='append', give each occurrence its own name (e.g. with nest or "
+        "f'layer{i}'), or leave it out with names=."
+    )
+
+
+def metric_not_scalar(shape: Any) -> TypeError:
+    return TypeError(
+        f"metric(out) must return a scalar, got shape {shape}. Reduce it, e.g. "
+        "with jnp.mean over the batch."
+    )
+
+
+def bad_sweep_axis(caller: str, axis: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: axis must be an int or a non-empty tuple of ints (e.g. axis=(2, 1) for every "
+        f"(head, position) pair), got {axis!r}."
+    )
+
+
+def same_axis_twice(what: str, axes: Any) -> ValueError:
+    return ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
+
+
+def bad_dataset(caller: str, clean: Any, corrupted_args: list[Any]) -> TypeError:
+    given = len(clean) if isinstance(clean, list) else type(clean).__name__ + " as"
+    return TypeError(
+        f"{caller}: for a dataset, pass corrupted_args as a non-empty list of argument tuples, "
+        "one per batch, and clean as the list of their clean reaps, [reap(f)(*clean_args) for "
+        f"clean_args in batches]; got {len(corrupted_args)} argument tuples and {given} clean."
+    )
+
+
+def batch_sizes_differ(caller: str, name: str, sizes: Any, axes: Any, first: Any) -> ValueError:
+    return ValueError(
+        f"{caller}: in this batch, {name!r} has sizes {sizes} along axis {axes}, not {first} as "
+        "in the first batch. Every batch must give the swept axes one size."
+    )
+
+
+def no_tqdm(caller: str) -> ImportError:
+    return ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.")
+
+
+def bad_batch_size(caller: str, batch_size: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
+    )
+
+
+def no_gap_to_normalize(baseline: float) -> ValueError:
+    return ValueError(
+        f"normalized: the clean metric equals the corrupted baseline ({baseline}), so there "
+        "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
+    )
+
+
+def plot_many_one_axis(shape: Any) -> ValueError:
+    return ValueError(
+        f"plot_many draws results of one swept axis; this one has values of shape {shape}. "
+        "Use result.plot(), which draws one panel per site."
+    )
+
+
+def plot_many_nothing() -> ValueError:
+    return ValueError("plot_many needs at least one PatchingResult.")
+
+
+def plot_many_differ(shapes: list[Any]) -> ValueError:
+    return ValueError(
+        "plot_many draws results with the same sites and positions; got shapes "
+        f"{shapes}. Plot them separately (each with the same vmax)."
+    )
+
+
+def plot_many_titles(titles: int, results: int) -> ValueError:
+    return ValueError(f"plot_many: {titles} titles for {results} results.")
+
+
+def sites_needs_callable(f: Any) -> TypeError:
+    return TypeError(f"sites(f, *args) needs a callable f, got {type(f).__name__}.")
+
+
+def sites_bad_tag(tag: Any) -> TypeError:
+    return TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
+
+
+def bad_handlers(handlers: Any) -> TypeError:
+    return TypeError(
+        "make_effect_handler takes a dict {primitive: handler(state, *inputs, **params) -> "
+        f"(outputs, state)}}; got {handlers!r}."
+    )
+
+
+def nnx_state_from_another_trace(error_type: type[Exception], names: str) -> Exception:
+    return error_type(
+        f"This harvested call changed the NNX state ({names}) of a model made outside the "
+        "jax.jit/jax.grad/... trace it runs in, and NNX forbids writing values of that trace into "
+        "it (calling the model directly there fails the same way). Pass the model through the "
+        "transformation instead: nnx.jit/nnx.grad, or nnx.split it, nnx.merge it inside and "
+        "return nnx.state(model)."
+    )
+
+
+def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
+    return ValueError(
+        f"Cannot plant {site}: it is sown in a jax.custom_batching.custom_vmap function that runs "
+        "under vmap, where JAX runs the function's batching rule instead of its body, so the "
+        "planted value would change nothing. Plant outside the vmap (plant(f) inside "
+        "jax.vmap), or sow in the batching rule too."
+    )
