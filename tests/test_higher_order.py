@@ -93,8 +93,20 @@ def scoped(x):
         return jnp.exp(sow(jnp.sin(x), name="h", mode="strict"))
 
 
-def _scopes(jaxpr, prim):
-    return [str(e.source_info.name_stack) for e in jaxpr.jaxpr.eqns if e.primitive is prim]
+def _scopes(closed, prim):
+    """The name stacks of every `prim` equation in `closed`, nested bodies included."""
+    found = []
+
+    def visit(jaxpr, outer):
+        for e in jaxpr.eqns:
+            stack = outer + str(e.source_info.name_stack)
+            if e.primitive is prim:
+                found.append(stack)
+            for sub in _jax.sub_jaxprs(e):
+                visit(sub, stack + "/")
+
+    visit(closed.jaxpr, "")
+    return found
 
 
 def test_named_scopes_survive_every_evaluator():
