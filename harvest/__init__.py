@@ -25,6 +25,7 @@ from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
 from ._stream import stream as stream
+from . import store as store
 from ._transforms import (
     call_and_reap as call_and_reap,
     harvest as harvest,
