@@ -141,11 +141,15 @@ def record(
 
     bar = _bar(progress, me, batches, manifest, begin)
     writer = _Writer(path, manifest, me, begin, max_pending, bar)
-    outputs = _outputs(run, place, items, first_out, begin, manifest, writer, path)
+    outputs = _outputs(run, place, items, first_out, begin, path)
     previous = None
     for index, out in outputs:  # computing `index` while `previous` is copied out and written
+        wrong = _wrong_shape(out, manifest)
         if previous is not None:
             writer.submit(*previous)
+        if wrong is not None:
+            writer.drain()
+            raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
         previous = index, out
     if previous is not None:
         writer.submit(*previous)
@@ -264,8 +268,6 @@ def _outputs(
     items: Iterator[Any],
     first_out: dict[str, jax.Array],
     begin: int,
-    manifest: Manifest,
-    writer: _Writer,
     path: pathlib.Path,
 ) -> Iterator[tuple[int, dict[str, jax.Array]]]:
     """(index, reaped sites) of every batch from `begin` on, each dispatched when asked for."""
@@ -277,20 +279,18 @@ def _outputs(
             raise _errors.store_fewer_batches(path, begin, 1 + skipped)
     for index, batch in enumerate(items, start=max(begin, 1)):
         out = run(place(batch))
-        for name, site in manifest.sites.items():
-            value = out[name]
-            rows = value.shape[0] * (1 if manifest.rows == "examples" else value.shape[1])
-            got = (rows, *_row_shape(value, manifest.rows), value.dtype.name)
-            if got != (manifest.rows_per_batch, *site.shape, site.dtype):
-                writer.drain()
-                raise _errors.store_batch_shape(
-                    index,
-                    name,
-                    (rows, *_row_shape(value, manifest.rows)),
-                    (manifest.rows_per_batch, *site.shape),
-                    writer.committer.committed,
-                )
         yield index, out
+
+
+def _wrong_shape(out: dict[str, jax.Array], manifest: Manifest) -> tuple[Any, ...] | None:
+    """(site, its rows' shape, the store's) for a batch whose shapes differ from the store's."""
+    for name, site in manifest.sites.items():
+        value = out[name]
+        rows = value.shape[0] * (1 if manifest.rows == "examples" else value.shape[1])
+        got = (rows, *_row_shape(value, manifest.rows))
+        if got != (manifest.rows_per_batch, *site.shape) or value.dtype.name != site.dtype:
+            return name, got, (manifest.rows_per_batch, *site.shape)
+    return None
 
 
 class _Writer:
@@ -380,7 +380,6 @@ def _bar(
         initial=begin * manifest.rows_per_batch,
         desc="record",
         unit="rows",
-        unit_scale=True,
         delay=1.0 if auto else 0.0,
     )
 
