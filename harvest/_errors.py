@@ -349,7 +349,9 @@ def store_bad_option(what: str, value: Any, expected: str) -> ValueError:
 
 
 def store_manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
-    shown = "; ".join(differences[:4]) + ("; ..." if len(differences) > 4 else "")
+    shown = "; ".join(differences[:4]) + (
+        f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+    )
     return ValueError(
         f"record: the store at {str(path)!r} was recorded from other sites or shapes: {shown}. "
         "Nothing was written. Record into another path, or pass overwrite=True to start afresh."

@@ -201,7 +201,9 @@ def test_manifest_mismatch_is_an_error_and_overwrite_starts_afresh(tmp_path):
     path = tmp_path / "s"
     store.record(model, data, path, tag="modules", names=NAMES, progress=False)
     before = chunk_files(path)
-    with pytest.raises(ValueError, match="site 'embed' recorded now, not stored"):
+    with pytest.raises(
+        ValueError, match="site 'blocks.0.down' recorded now, not stored; .* \\(and 1 more\\)"
+    ):
         store.record(model, data, path, tag="modules", progress=False)
     wider = [np.concatenate([b, b], axis=1) for b in data]  # 10 positions, not 5
     with pytest.raises(ValueError, match=r"rows \[5, 8\] float32 stored, \[10, 8\]"):

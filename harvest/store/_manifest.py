@@ -78,11 +78,11 @@ class Manifest:
             ]
             if mine != theirs
         ]
-        for name in self.sites.keys() - other.sites.keys():
+        for name in sorted(self.sites.keys() - other.sites.keys()):
             out.append(f"site {name!r} stored, not recorded now")
-        for name in other.sites.keys() - self.sites.keys():
+        for name in sorted(other.sites.keys() - self.sites.keys()):
             out.append(f"site {name!r} recorded now, not stored")
-        for name in self.sites.keys() & other.sites.keys():
+        for name in sorted(self.sites.keys() & other.sites.keys()):
             mine, theirs = self.sites[name], other.sites[name]
             if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
                 out.append(

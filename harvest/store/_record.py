@@ -282,7 +282,9 @@ def _outputs(
         yield index, out
 
 
-def _wrong_shape(out: dict[str, jax.Array], manifest: Manifest) -> tuple[Any, ...] | None:
+def _wrong_shape(
+    out: dict[str, jax.Array], manifest: Manifest
+) -> tuple[str, tuple[int, ...], tuple[int, ...]] | None:
     """(site, its rows' shape, the store's) for a batch whose shapes differ from the store's."""
     for name, site in manifest.sites.items():
         value = out[name]
