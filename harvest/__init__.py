@@ -6,6 +6,7 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
+from . import store as store
 from ._capture import capture as capture
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
@@ -25,7 +26,6 @@ from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
 from ._stream import stream as stream
-from . import store as store
 from ._transforms import (
     call_and_reap as call_and_reap,
     harvest as harvest,
