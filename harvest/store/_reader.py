@@ -222,7 +222,7 @@ def open_store(path: str | pathlib.Path) -> Store:
         ...                  [np.zeros((2, 3))], where, progress=False)
         >>> s = store.open(where)
         >>> s["y"], len(s["y"])
-        (StoreArray('y', shape=(2, 3), dtype=float64), 2)
+        (StoreArray('y', shape=(2, 3), dtype=float32), 2)
     """
     path = pathlib.Path(path)
     manifest = _manifest.read(path) if path.is_dir() else None
