@@ -2,11 +2,12 @@
 
 Each process keeps one small JSON file, `.progress/process-<i>.json`, with
 the number of leading batches whose writes have all completed (chunk files on
-disk). It is rewritten atomically after each batch, so a process killed at any
-point leaves a count it really wrote. A new run starts at the smallest count
-of all processes, and rewrites any later batch a process had begun: its rows
-come out the same, so nothing is missing, duplicated or torn. When a run ends,
-the count moves into the manifest and these files are removed.
+disk). It is rewritten atomically (at most five times a second, and when a
+run ends or stops at a bad batch), so a process killed at any point leaves a
+count it really wrote. A new run starts at the smallest count of all
+processes and rewrites any later batch a process had begun: its rows come out
+the same, so nothing is missing, duplicated or torn. When a run ends, the
+count moves into the manifest and these files are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import time
 
 from ._manifest import replace_text
 
@@ -42,23 +44,32 @@ def start(path: pathlib.Path, processes: int, finished: int) -> int:
 
 
 class Committer:
-    """Tracks which batches of this process have landed; records the leading run of them."""
+    """Tracks which batches of this process have landed; records the leading run of them.
 
-    def __init__(self, path: pathlib.Path, process: int, first: int):
+    The count on disk is rewritten at most every `every` seconds (and by
+    `flush`): a kill then costs a re-run of that much work, not a file
+    rewrite per batch.
+    """
+
+    def __init__(self, path: pathlib.Path, process: int, first: int, every: float = 0.2):
         self._file = _file(path, process)
         self._file.parent.mkdir(exist_ok=True)
-        self.committed = first
+        self.committed = self._saved = first
         self._landed: set[int] = set()
+        self._every, self._last = every, time.monotonic()
 
     def landed(self, batch: int) -> None:
         self._landed.add(batch)
-        moved = False
         while self.committed in self._landed:
             self._landed.remove(self.committed)
             self.committed += 1
-            moved = True
-        if moved:
+        if time.monotonic() - self._last >= self._every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.committed != self._saved:
             replace_text(self._file, json.dumps({"batches": self.committed}))
+            self._saved, self._last = self.committed, time.monotonic()
 
 
 def clear(path: pathlib.Path) -> None:

@@ -188,12 +188,14 @@ class Store(Mapping[str, StoreArray]):
             if k + 1 < len(windows):  # the next window is read while this one is served
                 reads.append(read(windows[k + 1]))
             futures = reads.pop(0)
-            data = [np.concatenate([f.result() for f in per_site]) for per_site in futures]
+            # Last window's leftover rows join this one (shuffled again: still once each).
+            data = [
+                np.concatenate(([] if carry is None else [carry[i]]) + [f.result() for f in site])
+                for i, site in enumerate(futures)
+            ]
             if rng is not None:
                 perm = rng.permutation(len(data[0]))
                 data = [d[perm] for d in data]
-            if carry is not None:
-                data = [np.concatenate([c, d]) for c, d in zip(carry, data)]
             full = len(data[0]) // batch_size * batch_size
             for i in range(0, full, batch_size):
                 yield {a.name: d[i : i + batch_size] for a, d in zip(arrays, data)}

@@ -357,6 +357,7 @@ class _Writer:
     def drain(self) -> None:
         while self.pending:
             self._land()
+        self.committer.flush()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
