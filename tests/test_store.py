@@ -175,7 +175,7 @@ def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path)
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     for line in child.stdout:
-        if line.startswith("batch 15"):  # mid-run: batches are being computed and written
+        if line.startswith("batch 25"):  # mid-run: batches are being computed and written
             child.send_signal(signal.SIGKILL)
             break
     child.wait(timeout=60)
