@@ -20,7 +20,26 @@ BUFFER_BYTES = 64 * 2**20
 
 
 class StoreArray:
-    """One site's rows, read from disk only when indexed (``array[i:j]``, ``np.asarray``)."""
+    """One site's rows, read from disk only when indexed (``array[i:j]``, ``np.asarray``).
+
+    ``shape``, ``dtype``, ``ndim`` and ``len`` come from the array's metadata,
+    without reading rows. Indexing takes what numpy basic indexing takes and
+    returns a numpy array.
+
+    Args:
+        name: the site's name.
+        array: the site's TensorStore array, its row axis cut to the rows written.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from harvest import sow, store
+        >>> f = lambda x: sow(x * 2.0, name="h", mode="strict")
+        >>> s = store.record(f, [np.ones((3, 2), np.float32)], tempfile.mkdtemp(), progress=False)
+        >>> h = s["h"]
+        >>> h.shape, len(h), h[1:]
+        ((3, 2), 3, array([[2., 2.],
+               [2., 2.]], dtype=float32))
+    """
 
     def __init__(self, name: str, array: Any):
         self.name = name
@@ -65,9 +84,25 @@ class StoreArray:
 class Store(Mapping[str, StoreArray]):
     """A recorded store: ``store[name]`` is a site's rows as a ``StoreArray``.
 
-    ``len(store)`` counts sites; ``store.rows`` the rows each holds. A store
-    whose recording was interrupted holds the batches written for good so far
+    Made by ``harvest.store.open`` and returned by ``record``. A mapping from
+    site names to arrays: ``len(store)`` counts sites, ``store.rows`` the rows
+    each holds, ``store.manifest`` what was recorded. A store whose recording
+    was interrupted holds the batches written for good so far
     (``store.complete`` is False until ``record`` finishes it).
+
+    Args:
+        path: the store's directory.
+        manifest: its manifest (``zarr.json``'s ``"harvest"`` attributes).
+        batches: how many batches to expose: those every writer completed.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from harvest import sow, store
+        >>> def f(x):
+        ...     return sow(x + 1.0, name="a", mode="strict") * sow(x, name="b", mode="strict")
+        >>> s = store.record(f, [np.zeros((2, 4), np.float32)] * 3, tempfile.mkdtemp(), progress=False)
+        >>> sorted(s), s.rows, s.complete, s.manifest.batches
+        (['a', 'b'], 6, True, 3)
     """
 
     def __init__(self, path: pathlib.Path, manifest: Manifest, batches: int):

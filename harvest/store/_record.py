@@ -142,18 +142,11 @@ def record(
     bar = _bar(progress, me, batches, manifest, begin)
     writer = _Writer(path, manifest, me, begin, max_pending, bar)
     outputs = _outputs(run, place, items, first_out, begin, path)
-    previous = None
-    for index, out in outputs:  # computing `index` while `previous` is copied out and written
-        wrong = _wrong_shape(out, manifest)
-        if previous is not None:
-            writer.submit(*previous)
-        if wrong is not None:
-            writer.drain()
-            raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
-        previous = index, out
-    if previous is not None:
-        writer.submit(*previous)
-    writer.drain()
+    try:
+        _write_all(outputs, writer, manifest)
+    except BaseException:  # Ctrl-C, a failing loader, a bad batch: keep what was written
+        writer.drain()
+        raise
     total = writer.committer.committed
     _processes.barrier("harvest.store.written")
     if me == 0:
@@ -280,6 +273,24 @@ def _outputs(
     for index, batch in enumerate(items, start=max(begin, 1)):
         out = run(place(batch))
         yield index, out
+
+
+def _write_all(
+    outputs: Iterator[tuple[int, dict[str, jax.Array]]], writer: _Writer, manifest: Manifest
+) -> None:
+    """Writes every batch, each while the next is being computed."""
+    previous = None
+    for index, out in outputs:  # dispatching `index`, then copying out `previous`
+        wrong = _wrong_shape(out, manifest)
+        if previous is not None:
+            writer.submit(*previous)
+        if wrong is not None:
+            writer.drain()
+            raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
+        previous = index, out
+    if previous is not None:
+        writer.submit(*previous)
+    writer.drain()
 
 
 def _wrong_shape(
