@@ -2,7 +2,8 @@
 
 TensorStore was chosen over zarr-python by measurement (docs/guides/activation_store.md):
 its writes are asynchronous futures, its file driver writes each chunk whole
-(a killed writer leaves no torn chunk), and it reads and writes faster. The
+(a temporary file, `fsync`, a rename: a killed writer leaves no torn chunk),
+and it reads and writes faster. The
 row axis is created with room for any number of batches (zarr stores no
 chunk that was never written) and trimmed to the rows written when a run ends.
 """
