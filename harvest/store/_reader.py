@@ -232,7 +232,7 @@ class Store(Mapping[str, StoreArray]):
             futures = reads.pop(0)
             # Last window's leftover rows join this one (shuffled again: still once each).
             data = [
-                np.concatenate(([] if carry is None else [carry[i]]) + [f.result() for f in site])
+                _joined(([] if carry is None else [carry[i]]) + [f.result() for f in site])
                 for i, site in enumerate(futures)
             ]
             if rng is not None:
@@ -244,6 +244,12 @@ class Store(Mapping[str, StoreArray]):
             carry = [d[full:] for d in data]
         if carry is not None and len(carry[0]) and not drop_remainder:
             yield {a.name: c for a, c in zip(arrays, carry)}
+
+
+def _joined(parts: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    """The parts end to end; one part (a window read in one piece) is not copied."""
+    parts = [p for p in parts if len(p)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def open_store(path: str | pathlib.Path) -> Store:
