@@ -310,3 +310,26 @@ def test_progress_bar_counts_rows(tmp_path, capsys):
     store.record(make_model(), dataset(n=3), tmp_path / "s", tag="modules", progress=True)
     err = capsys.readouterr().err
     assert "record" in err and "12/12" in err and "MiB/s" in err
+
+
+def test_bfloat16_sites_are_kept_and_writes_in_flight_stay_bounded(tmp_path, monkeypatch):
+    from harvest.store import _record
+
+    in_flight = []
+    submit = _record._Writer.submit
+
+    def spy(self, index, out):
+        submit(self, index, out)
+        in_flight.append(len(self.pending))
+
+    monkeypatch.setattr(_record._Writer, "submit", spy)
+
+    def f(x):
+        return sow((x * 3.0).astype(jnp.bfloat16), name="h", mode="strict")
+
+    data = [np.full((2, 3), i / 7, np.float32) for i in range(9)]
+    s = store.record(f, data, tmp_path / "s", max_pending=1, progress=False)
+    assert len(in_flight) == 9 and max(in_flight) <= 1
+    assert s["h"].dtype == jnp.bfloat16
+    expected = np.concatenate([np.asarray(reap(f)(b)["h"]) for b in data])
+    np.testing.assert_array_equal(np.asarray(s["h"]), expected)

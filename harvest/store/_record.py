@@ -138,6 +138,11 @@ def record(
     if me == 0:
         _lay_out(path, stored, manifest, chunks, codecs, overwrite)
     _processes.barrier("harvest.store.begin")
+    if me != 0:  # every process checks that it computes what process 0 laid out
+        laid_out = _manifest.read(path)
+        differences = ["no manifest"] if laid_out is None else laid_out.differences(manifest)
+        if differences:
+            raise _errors.store_manifest_mismatch(path, differences)
 
     bar = _bar(progress, me, batches, manifest, begin)
     writer = _Writer(path, manifest, me, begin, max_pending, bar)
