@@ -333,3 +333,17 @@ def test_bfloat16_sites_are_kept_and_writes_in_flight_stay_bounded(tmp_path, mon
     assert s["h"].dtype == jnp.bfloat16
     expected = np.concatenate([np.asarray(reap(f)(b)["h"]) for b in data])
     np.testing.assert_array_equal(np.asarray(s["h"]), expected)
+
+
+def test_a_run_killed_while_laying_out_the_store_resumes(tmp_path):
+    # The manifest is written first; a kill before an array exists leaves just that.
+    model, data = make_model(), dataset(n=3)
+    full = store.record(model, data, tmp_path / "full", tag="modules", names=NAMES, progress=False)
+    path = tmp_path / "s"
+    path.mkdir()
+    manifest = json.loads((tmp_path / "full" / "zarr.json").read_text())
+    manifest["attributes"]["harvest"]["batches"] = 0
+    (path / "zarr.json").write_text(json.dumps(manifest))
+    s = store.record(model, data, path, tag="modules", names=NAMES, progress=False)
+    for name in NAMES:
+        np.testing.assert_array_equal(np.asarray(s[name]), np.asarray(full[name]))

@@ -48,6 +48,10 @@ def create(
     tensorstore().open(spec).result()
 
 
+def exists(path: pathlib.Path, site: SiteSpec) -> bool:
+    return (path / site.key / "zarr.json").is_file()
+
+
 def open_array(path: pathlib.Path, site: SiteSpec, rows: int | None = None) -> Any:
     """The array of `site`, its row axis cut to `rows` (None: as stored)."""
     array = tensorstore().open({**_spec(path, site), "open": True}).result()

@@ -247,8 +247,11 @@ def _lay_out(
         for name, site in manifest.sites.items():
             _arrays.create(path, site, chunks[name], codecs)
     else:
-        for site in stored.sites.values():
-            _arrays.resize(path, site, _arrays.CAPACITY)
+        for name, site in stored.sites.items():
+            if _arrays.exists(path, site):
+                _arrays.resize(path, site, _arrays.CAPACITY)
+            else:  # killed between writing the manifest and creating this array
+                _arrays.create(path, site, chunks[name], codecs)
 
 
 def _finish(path: pathlib.Path, manifest: Manifest, batches: int) -> None:
