@@ -110,7 +110,8 @@ class Store(Mapping[str, StoreArray]):
         self.manifest = manifest
         self.batches_written = batches
         self.rows = batches * manifest.rows_per_batch
-        self.complete = not (path / _progress.FOLDER).exists()
+        # A finished run moved its count into the manifest and removed the progress files.
+        self.complete = manifest.batches > 0 and not (path / _progress.FOLDER).exists()
         self._arrays = {
             name: StoreArray(name, _arrays.open_array(path, site, self.rows))
             for name, site in manifest.sites.items()
