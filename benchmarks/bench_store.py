@@ -13,8 +13,9 @@ Four comparisons, each measured side by side in one run:
 * peak RSS: a fresh process records N batches from a generator, for two N;
   its peak resident memory above what it held before `record`, over the bytes
   of one batch's recorded activations, must not grow with N;
-* read rate vs disk: `store.batches` over every row (shuffled), against
-  reading the store's chunk files whole with plain `read` calls.
+* read rate vs disk: `store.batches` over every row (shuffled, one epoch per
+  seed), against reading the store's chunk files whole with plain `read`
+  calls; after one untimed epoch, interleaved, medians.
 
 Both sides of each write `fsync` every chunk file (TensorStore's default);
 both sides of each read come from the page cache (the store was just written).
@@ -27,6 +28,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -193,11 +195,21 @@ def run(cfg: Config = Config()):
     raw_write = _raw_write(work / "raw", chunks)
 
     rows_per_batch = 4096 if cfg.batch * cfg.positions >= 4096 else cfg.positions
-    start = time.perf_counter()
-    rows = sum(len(b[NAMES[0]]) for b in s.batches(rows_per_batch, seed=0))
-    read = time.perf_counter() - start
     files = [p for name in s for p in (work / "store" / name / "c").rglob("*") if p.is_file()]
-    raw_read, raw_bytes = _raw_read(files)
+
+    def epoch(seed):
+        return sum(len(b[NAMES[0]]) for b in s.batches(rows_per_batch, seed=seed))
+
+    rows = epoch(0)  # warm: TensorStore's thread pools, the page cache
+    _raw_read(files)
+    reads, raw_reads = [], []
+    for seed in range(1, 1 + cfg.repeats):  # interleaved, medians
+        start = time.perf_counter()
+        epoch(seed)
+        reads.append(time.perf_counter() - start)
+        raw_time, raw_bytes = _raw_read(files)
+        raw_reads.append(raw_time)
+    read, raw_read = statistics.median(reads), statistics.median(raw_reads)
 
     batch_bytes = written // cfg.batches
     rss = {n: _rss(cfg, n) for n in cfg.rss_batches}
