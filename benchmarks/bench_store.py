@@ -99,7 +99,8 @@ from harvest import store
 n, width, depth, batch, positions = map(int, sys.argv[1:6])
 model = make_model(width, depth)
 # Compile first (one batch into a scratch store), so the peak below is record's own.
-store.record(model, token_batches(1, batch, positions), tempfile.mkdtemp(), tag="modules",
+scratch = tempfile.TemporaryDirectory()  # removed when the process ends
+store.record(model, token_batches(1, batch, positions), scratch.name + "/warm", tag="modules",
              names=NAMES, rows="tokens", progress=False)
 def status(key):
     with open("/proc/self/status") as f:
@@ -107,7 +108,7 @@ def status(key):
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current resident size
 before = status("VmRSS")
-store.record(model, token_batches(n, batch, positions), tempfile.mkdtemp(), tag="modules",
+store.record(model, token_batches(n, batch, positions), scratch.name + "/run", tag="modules",
              names=NAMES, rows="tokens", progress=False)
 print(json.dumps({"before_kib": before, "peak_kib": status("VmHWM")}))
 """
@@ -156,7 +157,12 @@ def _rss(cfg, n):
 
 
 def run(cfg: Config = Config()):
-    """The section's measurements, as one dict."""
+    """The section's measurements, as one dict (the stores written are removed)."""
+    with tempfile.TemporaryDirectory(prefix="bench_store_") as work:
+        return _measure(cfg, pathlib.Path(work))
+
+
+def _measure(cfg, work):
     import jax
     from flax import nnx
 
@@ -165,7 +171,6 @@ def run(cfg: Config = Config()):
     ns = _namespace()
     model = ns["make_model"](cfg.width, cfg.depth)
     data = list(ns["token_batches"](cfg.batches, cfg.batch, cfg.positions))
-    work = pathlib.Path(tempfile.mkdtemp(prefix="bench_store_"))
     forward = nnx.jit(lambda m, tokens: m(tokens))
 
     def bare():
