@@ -6,7 +6,7 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
-from . import extend as extend
+from . import extend as extend, store as store
 from ._capture import capture as capture
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument

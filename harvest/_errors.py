@@ -494,3 +494,118 @@ def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
         "planted value would change nothing. Plant outside the vmap (plant(f) inside "
         "jax.vmap), or sow in the batching rule too."
     )
+
+
+# -- harvest.store ----------------------------------------------------------
+
+
+def store_needs_tensorstore() -> ImportError:
+    return ImportError(
+        "harvest.store writes and reads its arrays with TensorStore: "
+        "pip install 'jax-harvest[store]' (or pip install tensorstore)."
+    )
+
+
+def store_path_is_file(path: Any) -> ValueError:
+    return ValueError(
+        f"record(..., path={str(path)!r}): that path is a file. A store is a directory: "
+        "pass a new or empty directory, or an existing store's."
+    )
+
+
+def store_path_not_a_store(path: Any) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not empty and holds no harvest store (no zarr.json with a "
+        "'harvest' manifest). Pick another directory; nothing there was changed."
+    )
+
+
+def store_not_found(path: Any) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"harvest.store.open({str(path)!r}): no harvest store there (no zarr.json with a "
+        "'harvest' manifest). Record one with harvest.store.record(fn, batches, path)."
+    )
+
+
+def store_no_batches() -> ValueError:
+    return ValueError(
+        "record(fn, batches, path): `batches` yielded nothing. Pass an iterable of "
+        "batches (arrays or pytrees of arrays with a leading example axis)."
+    )
+
+
+def store_batch_without_arrays(batch_type: str) -> TypeError:
+    return TypeError(
+        f"record(fn, batches, path): a batch is a {batch_type} holding no array. Each "
+        "batch must be an array or a pytree of arrays whose leading axis is the example axis."
+    )
+
+
+def store_no_sites(tag: str, names: Any) -> ValueError:
+    return ValueError(
+        f"record: the function sows no site of tag {tag!r}"
+        + (f" that `names={names!r}` selects" if names is not None else "")
+        + ", so there is nothing to record. Check the tag (instrument sows under 'modules')."
+    )
+
+
+def store_site_not_array(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"record: site {name!r} reaps a {type(value).__name__}, not an array (a site sown "
+        "several times under mode 'collect' reaps a tuple). Sow it with mode 'strict' or "
+        "'append', or leave it out with `names=`."
+    )
+
+
+def store_site_not_rows(name: str, shape: Any, batch: int, rows: str) -> ValueError:
+    want = "[examples, ...]" if rows == "examples" else "[examples, positions, ...]"
+    return ValueError(
+        f"record: site {name!r} has shape {tuple(shape)}, but rows={rows!r} needs {want} "
+        f"with {batch} examples first, as in the batch. Leave the site out with `names=`"
+        + (", or use rows='examples'." if rows == "tokens" else ".")
+    )
+
+
+def store_bad_option(what: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"harvest.store: `{what}` must be {expected}, got {value!r}.")
+
+
+def store_manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
+    shown = "; ".join(differences[:4]) + (
+        f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+    )
+    return ValueError(
+        f"record: the store at {str(path)!r} was recorded from other sites or shapes: {shown}. "
+        "Nothing was written. Record into another path, or pass overwrite=True to start afresh."
+    )
+
+
+def store_batch_shape(index: int, name: str, got: Any, expected: Any, committed: int) -> ValueError:
+    return ValueError(
+        f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the store "
+        f"holds rows of shape {tuple(expected)}. Nothing of batch {index} was written (the store "
+        f"keeps its first {committed} batches). Give every batch one shape: drop or pad the "
+        "last, short batch."
+    )
+
+
+def store_fewer_batches(path: Any, stored: int, given: int) -> ValueError:
+    return ValueError(
+        f"record: the store at {str(path)!r} already holds {stored} batches, but `batches` "
+        f"yielded only {given}: it is not the dataset this store was recorded from. "
+        "Pass overwrite=True to record it afresh."
+    )
+
+
+def store_unknown_name(name: Any, names: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"the store has no site {name!r}; it holds: {', '.join(repr(n) for n in names)}."
+    )
+
+
+def store_tokens_split(name: str) -> ValueError:
+    return ValueError(
+        f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
+        "device's rows are not contiguous tokens. Shard the batch along examples only, or "
+        "use rows='examples'."
+    )
