@@ -161,7 +161,7 @@ def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
 
 def stuck_in_batched_branch(site: Any) -> NotImplementedError:
     return NotImplementedError(
-        f"The sow site {site} is inside a while_loop or a custom derivative (custom_jvp, custom_vjp) "
+        f"The sow site {site} is inside a while_loop or a custom rule (custom_jvp, custom_vjp, custom_vmap) "
         "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
         "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
         "example instead, jax.vmap(reap(f)), or move the sow out of that body."

@@ -26,9 +26,11 @@ class SiteInfo:
 
     `shape` and `dtype` mirror the sown value: a tuple and a dtype for an array,
     the same pytree of them for a pytree. `fires` is how many times one call
-    sows here (loop lengths multiplied in; per branch inside `cond`, counted as
-    if that branch is taken), or `None` inside a `while_loop`, whose trip count
-    is not known before running. `where` is the path of enclosing primitives,
+    sows here (loop lengths and a `shard_map`'s shards multiplied in, as reap
+    returns one row per iteration or shard; per branch inside `cond`, counted
+    as if that branch is taken), or `None` inside a `while_loop`, whose trip
+    count is not known before running; each primitive's count is declared once
+    beside its rule (see CONTRIBUTING.md). `where` is the path of enclosing primitives,
     outermost first, e.g. `"jit › scan[12] › cond[1]"`; `""` at top level.
 
     Example:
