@@ -121,7 +121,10 @@ def modes_differ(site: Any, other: Any) -> ValueError:
 def sown_twice(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
-        "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        + (
+            random_variable_modes(site)
+            or "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        )
     )
 
 
@@ -245,8 +248,12 @@ def no_rule(primitive: Any, site: Any) -> NotImplementedError:
 def strict_in_loop(site: Any, where: str) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
-        "sows it once per iteration. Use mode 'collect' or 'append' to keep every "
-        "iteration, 'clobber' for the last one, or sow_cond for a chosen one."
+        "sows it once per iteration. "
+        + (
+            random_variable_modes(site)
+            or "Use mode 'collect' or 'append' to keep every iteration, 'clobber' for the "
+            "last one, or sow_cond for a chosen one."
+        )
     )
 
 
@@ -272,3 +279,61 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
     )
+
+
+# -- harvest.ppl ----------------------------------------------------------------
+
+
+def ppl_numpyro_distribution(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}) got NumPyro's {type_name}; harvest.ppl draws from "
+        "TensorFlow Probability distributions (tensorflow_probability.substrates.jax), "
+        f"e.g. tfd.{type_name}(...), or from a sampling function key -> value."
+    )
+
+
+def ppl_unknown_names(fn_name: str, unknown: Iterable[str], known: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"{fn_name}: not random variables of the program: {', '.join(unknown)}. Its random "
+        f"variables are: {', '.join(sorted(known)) or 'none'}."
+    )
+
+
+def ppl_blocked_draw_scored(fn_name: str, names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"{fn_name}: the density depends on {', '.join(names)}, hidden by block. A blocked "
+        "draw is integrated out, which harvest can do only where no counted density depends "
+        "on it. Fix it with intervene or conditional, or do not block it."
+    )
+
+
+def ppl_no_unconstrained_value(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: no value for {', '.join(names)}. Give every free random variable "
+        "(init(key) gives a starting point)."
+    )
+
+
+def ppl_not_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: {', '.join(names)} are not free random variables of the program "
+        "(they are observed, fixed by intervene or conditional, or blocked). Leave them out of u."
+    )
+
+
+def ppl_discrete_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: the random variables {', '.join(names)} are discrete, or drawn by "
+        "plain sampling functions, so they cannot be moved to R^n. Give them in `observed`, "
+        "or fix them with intervene or conditional."
+    )
+
+
+def random_variable_modes(site: Any) -> str:
+    """What a duplicate-name error suggests: random_variable knows only 'strict' and 'append'."""
+    if site.tag == "random_variable":
+        return (
+            "Give each draw its own name, or (inside lax.scan) random_variable(..., "
+            "mode='append'), which stacks one draw per iteration."
+        )
+    return ""

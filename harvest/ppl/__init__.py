@@ -15,18 +15,21 @@ from ._tfp_shim import import_tfp as _import_tfp
 _import_tfp()  # fail here, with the versions that work, rather than at first use
 
 from .._transforms import nest as nest  # noqa: E402
+from ._block import block as block  # noqa: E402
 from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
 from ._random_variable import (  # noqa: E402
-    DETERMINISTIC as DETERMINISTIC,
-    LOG_DENSITY as LOG_DENSITY,
-    RANDOM_VARIABLE as RANDOM_VARIABLE,
     deterministic as deterministic,
     factor as factor,
     random_variable as random_variable,
 )
+from ._tags import (  # noqa: E402
+    DETERMINISTIC as DETERMINISTIC,
+    LOG_DENSITY as LOG_DENSITY,
+    RANDOM_VARIABLE as RANDOM_VARIABLE,
+    UNCONSTRAINED as UNCONSTRAINED,
+)
 from ._transforms import (  # noqa: E402
-    block as block,
     conditional as conditional,
     graph_replace as graph_replace,
     intervene as intervene,
@@ -37,7 +40,6 @@ from ._transforms import (  # noqa: E402
     trace_log_prob as trace_log_prob,
 )
 from ._unconstrained import (  # noqa: E402
-    UNCONSTRAINED as UNCONSTRAINED,
     Unconstrained as Unconstrained,
     unconstrained as unconstrained,
 )
