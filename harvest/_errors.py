@@ -337,3 +337,20 @@ def random_variable_modes(site: Any) -> str:
             "mode='append'), which stacks one draw per iteration."
         )
     return ""
+
+
+def ppl_needs_extra(module: str, what: str) -> ImportError:
+    return ImportError(
+        f"harvest.ppl.{what} needs {module}, which is not installed. Install the inference "
+        "extra: pip install 'jax-harvest[infer]' (BlackJAX and ArviZ, pinned to tested versions)."
+    )
+
+
+def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, kernels))}."
+    )
+
+
+def ppl_bad_count(what: str, value: Any) -> ValueError:
+    return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")

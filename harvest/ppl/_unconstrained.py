@@ -33,6 +33,7 @@ from .._typing import Reaped
 from ._block import check_blocked_unscored
 from ._names import at_paths, leaf_paths
 from ._tags import (
+    DETERMINISTIC,
     JACOBIAN,
     LOG_DENSITY,
     RANDOM_VARIABLE,
@@ -103,7 +104,10 @@ def _log_density(
 def _constrain(
     f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
 ) -> Reaped:
-    return _run(f, observed, False, u, *args, **kwargs)[1]
+    (_, free, _), recorded = call_and_reap(Partial(_run, f, observed, False), tag=DETERMINISTIC)(
+        u, *args, **kwargs
+    )
+    return {**free, **recorded}
 
 
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
@@ -147,8 +151,9 @@ class Unconstrained:
 
     `log_density(u, *args)`: the log density of `u`, including the Jacobian of
     each variable's map onto its support. `constrain(u, *args)`: the model's
-    values `{name: value}` for `u` (the free variables; observed ones are not
-    random). `init(key, *args)`: a `u` drawn from the prior, to start a chain.
+    values `{name: value}` for `u`: the free variables and every
+    `deterministic` site (observed and fixed ones are not random).
+    `init(key, *args)`: a `u` drawn from the prior, to start a chain.
 
     Example:
         >>> import jax
