@@ -354,3 +354,10 @@ def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
 
 def ppl_bad_count(what: str, value: Any) -> ValueError:
     return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
+
+
+def ppl_predictive_count(value: Any) -> ValueError:
+    return ValueError(
+        "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
+        f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
+    )

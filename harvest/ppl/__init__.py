@@ -19,6 +19,7 @@ from ._block import block as block  # noqa: E402
 from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
 from ._posterior import Posterior as Posterior, sample_posterior as sample_posterior  # noqa: E402
+from ._predictive import predictive as predictive  # noqa: E402
 from ._random_variable import (  # noqa: E402
     deterministic as deterministic,
     factor as factor,
