@@ -93,7 +93,8 @@ def predictive(
         if not isinstance(num_samples, int) or num_samples < 1:
             raise _errors.ppl_predictive_count(num_samples)
         keys = jax.random.split(key, num_samples)
-        return jax.jit(jax.vmap(lambda k: _sites(model, k, args)))(keys)
+        prior: Reaped = jax.jit(jax.vmap(lambda k: _sites(model, k, args)))(keys)
+        return prior
     lead = posterior.log_density.shape
     still_random = set(random_variables_of(model, (key, *args), {}))
     latents = set(leaf_paths(posterior.unconstrained)) & still_random
@@ -103,4 +104,5 @@ def predictive(
     def one(k: jax.Array, draw: Reaped) -> Reaped:
         return {**draw, **_sites(intervene(model, **draw), k, args)}
 
-    return jax.jit(jax.vmap(jax.vmap(one)))(keys, values)
+    predicted: Reaped = jax.jit(jax.vmap(jax.vmap(one)))(keys, values)
+    return predicted
