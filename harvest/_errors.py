@@ -361,3 +361,18 @@ def ppl_predictive_count(value: Any) -> ValueError:
         "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
         f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
     )
+
+
+def ppl_no_mechanism(name: str, type_name: str) -> ValueError:
+    return ValueError(
+        f"counterfactual: the random variable {name!r} has a {type_name} distribution, which "
+        "has no noise mechanism here (location-scale families, Bernoulli, Categorical, and "
+        "continuous distributions with a quantile function have one). Fix it with intervene, "
+        "or write it as loc + scale * noise with a standard noise draw."
+    )
+
+
+def ppl_counterfactual_do(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"counterfactual needs `do` to name the intervention, {{name: value}}, got {names!r}."
+    )

@@ -16,6 +16,10 @@ _import_tfp()  # fail here, with the versions that work, rather than at first us
 
 from .._transforms import nest as nest  # noqa: E402
 from ._block import block as block  # noqa: E402
+from ._counterfactual import (  # noqa: E402
+    Counterfactual as Counterfactual,
+    counterfactual as counterfactual,
+)
 from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
 from ._posterior import Posterior as Posterior, sample_posterior as sample_posterior  # noqa: E402

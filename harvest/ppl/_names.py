@@ -56,6 +56,20 @@ def at_paths(tree: Reaped, paths: set[str], prefix: tuple[str, ...] = ()) -> lis
     return out
 
 
+def restricted(tree: Reaped, names: set[str], prefix: tuple[str, ...] = ()) -> Reaped:
+    """The part of a nested dict whose leaves' dotted names are among `names`."""
+    out: Reaped = {}
+    for key, value in tree.items():
+        path = prefix + (key,)
+        if isinstance(value, dict):
+            inner = restricted(value, names, path)
+            if inner:
+                out[key] = inner
+        elif ".".join(path) in names:
+            out[key] = value
+    return out
+
+
 def nested(names: Any, values: Any) -> Reaped:
     """`{dotted name: value}` pairs as nested dicts, one level per scope."""
     out: Reaped = {}

@@ -20,22 +20,9 @@ import jax
 
 from .. import _errors
 from .._typing import Reaped
-from ._names import leaf_paths, random_variables_of
+from ._names import leaf_paths, random_variables_of, restricted
 from ._posterior import Posterior
 from ._transforms import intervene, trace
-
-
-def _restricted(tree: Reaped, names: set[str], prefix: tuple[str, ...] = ()) -> Reaped:
-    out: Reaped = {}
-    for key, value in tree.items():
-        path = prefix + (key,)
-        if isinstance(value, dict):
-            inner = _restricted(value, names, path)
-            if inner:
-                out[key] = inner
-        elif ".".join(path) in names:
-            out[key] = value
-    return out
 
 
 def _sites(model: Callable[..., Any], key: jax.Array, args: tuple[Any, ...]) -> Reaped:
@@ -98,7 +85,7 @@ def predictive(
     lead = posterior.log_density.shape
     still_random = set(random_variables_of(model, (key, *args), {}))
     latents = set(leaf_paths(posterior.unconstrained)) & still_random
-    values = _restricted(posterior.samples, latents)
+    values = restricted(posterior.samples, latents)
     keys = jax.random.split(key, lead[0] * lead[1]).reshape(lead)
 
     def one(k: jax.Array, draw: Reaped) -> Reaped:

@@ -16,17 +16,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Concatenate, Literal, overload
 
+import jax
 import jax.numpy as jnp
 
 from .. import _errors
 from .._modes import APPEND, STRICT
 from .._sow import sow
 from .._typing import P, R, SowMode, T
+from ._mechanisms import mechanism
 from ._tags import (
+    ABDUCED,
     DETERMINISTIC,
     JACOBIAN,
+    NOISE,
     RANDOM_VARIABLE,
     UNCONSTRAINED,
+    is_noise_explicit,
     is_unconstraining,
     sow_density,
 )
@@ -112,6 +117,8 @@ def random_variable(
     if is_distribution(dist):
 
         def sample_distribution(key: Any) -> Any:
+            if is_noise_explicit():
+                return _from_noise(dist, key, name, mode)
             sample = _through_unconstrained(dist, dist.sample(seed=key), name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             sow_density(jnp.sum(dist.log_prob(value)), value, name)
@@ -143,6 +150,18 @@ def _through_unconstrained(dist: Any, sample: Any, name: str, mode: SowMode) -> 
     log_det = bijector.forward_log_det_jacobian(u, event_ndims=len(dist.event_shape))
     sow(jnp.sum(log_det), tag=JACOBIAN, name=name, mode="collect")
     return bijector.forward(u)
+
+
+def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
+    """The draw made from its exogenous noise (for `counterfactual`, see `_mechanisms.py`)."""
+    k_noise, k_abduce = jax.random.split(key)
+    shape = jax.eval_shape(lambda k: dist.sample(seed=k), k_noise)
+    how = mechanism(dist, name)
+    noise = sow(how.noise(k_noise, shape.shape), tag=NOISE, name=name, mode=mode)
+    value = sow(how.forward(noise).astype(shape.dtype), tag=RANDOM_VARIABLE, name=name, mode=mode)
+    sow(how.abduce(value, k_abduce), tag=ABDUCED, name=name, mode=mode)
+    sow_density(jnp.sum(dist.log_prob(value)), value, name)
+    return value
 
 
 def _check_name(fn_name: str, name: object) -> None:

@@ -8,14 +8,17 @@ the pair `(log density, value)` under `LOG_DENSITY`. While the unconstraining
 switch is on, a draw with continuous support is made as
 `value = bijector.forward(u)`, with `u` sown under `UNCONSTRAINED` and
 `log |d forward / du|` sown under `JACOBIAN`; `unconstrained` decides which of
-those count (only the draws that stay free). `block` re-sows the values it
+those count (only the draws that stay free). While the noise-explicit switch
+is on (for `counterfactual`), a draw is made from its exogenous noise, sown
+under `NOISE`, and the noise that explains the value taken is sown under
+`ABDUCED` (see `_mechanisms.py`). `block` re-sows the values it
 hides under `BLOCKED`, so the scoring transformations can tell whether a
 density depends on a hidden draw. `deterministic` sows under `DETERMINISTIC`.
 
-The switch is a trace-state flag built like the core's own "a harvest is
+Each switch is a trace-state flag built like the core's own "a harvest is
 tracing" flag (`harvest._jax.trace_flag`): it is part of JAX's jit cache key,
 so a `jax.jit` helper inside the model that was traced with the switch off is
-traced afresh with it on, and the two traces never mix.
+traced afresh with it on, and the traces never mix.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ DETERMINISTIC = "deterministic"
 UNCONSTRAINED = "random_variable_unconstrained"
 JACOBIAN = "random_variable_jacobian"
 BLOCKED = "random_variable_blocked"
+NOISE = "random_variable_noise"
+ABDUCED = "random_variable_abduced_noise"
 
 _unconstraining = _jax.trace_flag(
     "harvest_ppl_unconstraining",
@@ -49,6 +54,22 @@ def unconstraining() -> Any:
 def is_unconstraining() -> bool:
     """Whether the unconstraining switch is on (inside `unconstraining()`)."""
     return bool(_unconstraining.value)
+
+
+_noise_explicit = _jax.trace_flag(
+    "harvest_ppl_noise_explicit",
+    "Set by harvest.ppl.counterfactual while it traces a program: draws are made from noise.",
+)
+
+
+def noise_explicit() -> Any:
+    """A context in which `random_variable` draws through its mechanism (`_mechanisms.py`)."""
+    return _noise_explicit(True)
+
+
+def is_noise_explicit() -> bool:
+    """Whether the noise-explicit switch is on (inside `noise_explicit()`)."""
+    return bool(_noise_explicit.value)
 
 
 def sow_density(log_density: Any, value: Any, name: str) -> None:

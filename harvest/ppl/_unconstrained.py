@@ -31,7 +31,7 @@ from .. import _errors
 from .._transforms import call_and_reap, harvest
 from .._typing import Reaped
 from ._block import check_blocked_unscored
-from ._names import at_paths, leaf_paths
+from ._names import at_paths, leaf_paths, restricted
 from ._tags import (
     DETERMINISTIC,
     JACOBIAN,
@@ -112,7 +112,7 @@ def _constrain(
 
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
     free, sites = _draws_and_sites(f, observed, key, *args, **kwargs)
-    return _restricted(sites, set(leaf_paths(free)))
+    return restricted(sites, set(leaf_paths(free)))
 
 
 def _draws_and_sites(
@@ -123,19 +123,6 @@ def _draws_and_sites(
         key, *args, **kwargs
     )
     return free, sites
-
-
-def _restricted(tree: Reaped, names: set[str], prefix: tuple[str, ...] = ()) -> Reaped:
-    out: Reaped = {}
-    for key, value in tree.items():
-        path = prefix + (key,)
-        if isinstance(value, dict):
-            inner = _restricted(value, names, path)
-            if inner:
-                out[key] = inner
-        elif ".".join(path) in names:
-            out[key] = value
-    return out
 
 
 def _prior_draw(
