@@ -376,3 +376,24 @@ def ppl_counterfactual_do(names: Iterable[str]) -> ValueError:
     return ValueError(
         f"counterfactual needs `do` to name the intervention, {{name: value}}, got {names!r}."
     )
+
+
+def ppl_enumeration_too_large(names: Iterable[str], size: int, limit: int) -> ValueError:
+    return ValueError(
+        f"enumerating {', '.join(names)} jointly takes {size} assignments (at most {limit}). "
+        "Enumerate fewer draws, or marginalise some by hand."
+    )
+
+
+def ppl_enumeration_mixed(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"cannot enumerate {', '.join(names)} together: one of them has a batch shape. "
+        "Enumerate one batched draw (a per-point assignment) or any number of scalar ones."
+    )
+
+
+def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
+        f"which needs a Bernoulli or Categorical distribution; got a {type_name}."
+    )

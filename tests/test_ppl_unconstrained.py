@@ -43,8 +43,9 @@ def test_density_is_the_model_s_through_each_default_bijector():
     expected = ppl.joint_log_prob(eight_schools)(values) + to_tau.forward_log_det_jacobian(u["tau"])
     np.testing.assert_allclose(posterior.log_density(u), expected, rtol=1e-5)
     back = posterior.constrain(u)
-    assert sorted(back) == ["mu", "tau", "theta_tilde"]
+    assert sorted(back) == ["mu", "tau", "theta", "theta_tilde"]  # deterministic sites too
     np.testing.assert_allclose(back["tau"], tau, rtol=1e-6)
+    np.testing.assert_allclose(back["theta"], u["mu"] + tau * u["theta_tilde"], rtol=1e-5)
     start = posterior.init(jax.random.key(0))
     assert jax.tree_util.tree_map(jnp.shape, start) == {"mu": (), "tau": (), "theta_tilde": (8,)}
     # The model's own transformations are not affected by the unconstrained traces.

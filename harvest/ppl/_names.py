@@ -70,6 +70,16 @@ def restricted(tree: Reaped, names: set[str], prefix: tuple[str, ...] = ()) -> R
     return out
 
 
+def merged(a: Reaped, b: Reaped) -> Reaped:
+    """Nested dicts `a` and `b` merged scope by scope (`b` wins on a clash)."""
+    out = dict(a)
+    for key, value in b.items():
+        inner = out.get(key)
+        both = isinstance(value, dict) and isinstance(inner, dict)
+        out[key] = merged(inner, value) if both else value  # type: ignore[arg-type]
+    return out
+
+
 def nested(names: Any, values: Any) -> Reaped:
     """`{dotted name: value}` pairs as nested dicts, one level per scope."""
     out: Reaped = {}

@@ -23,6 +23,7 @@ from .. import _errors
 from .._modes import APPEND, STRICT
 from .._sow import sow
 from .._typing import P, R, SowMode, T
+from ._enumerate import ENUMERABLE, sow_support
 from ._mechanisms import mechanism
 from ._tags import (
     ABDUCED,
@@ -78,13 +79,22 @@ def random_variable(
     *,
     name: str,
     mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002 (NumPyro's word for it)
 ) -> Callable[Concatenate[Any, P], R]: ...
 @overload
 def random_variable(
-    dist: Any, *, name: str, mode: Literal["strict", "append"] = "strict"
+    dist: Any,
+    *,
+    name: str,
+    mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002
 ) -> Callable[[Any], Any]: ...
 def random_variable(
-    dist: Any, *, name: str | None = None, mode: Literal["strict", "append"] = "strict"
+    dist: Any,
+    *,
+    name: str | None = None,
+    mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002
 ) -> Callable[..., Any]:
     """Returns a sampler `key -> value` that draws from `dist` as the random variable `name`.
 
@@ -97,6 +107,11 @@ def random_variable(
     `mode="strict"` (the default) allows one draw of `name` per program. Inside
     `lax.scan` use `mode="append"`: `joint_sample` stacks the draws on a
     leading axis, one row per iteration, and values are planted the same way.
+
+    `enumerate=True` (a `Bernoulli` or `Categorical` draw) marks the draw to be
+    summed out: `joint_log_prob` and `unconstrained` score the program without
+    a value for it, marginalising it over its support (see `_enumerate.py`),
+    so gradient-based samplers run on the continuous rest.
 
     Example:
         >>> import jax
@@ -114,6 +129,8 @@ def random_variable(
         dtype('bool')
     """
     name = _check_arguments(dist, name, mode)
+    if enumerate and type(dist).__name__ not in ENUMERABLE:
+        raise _errors.ppl_not_enumerable(name, type(dist).__name__)
     if is_distribution(dist):
 
         def sample_distribution(key: Any) -> Any:
@@ -121,7 +138,9 @@ def random_variable(
                 return _from_noise(dist, key, name, mode)
             sample = _through_unconstrained(dist, dist.sample(seed=key), name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
-            sow_density(jnp.sum(dist.log_prob(value)), value, name)
+            if enumerate:
+                sow_support(dist, name)
+            sow_density(dist.log_prob(value), value, name)
             return value
 
         return sample_distribution
@@ -160,7 +179,7 @@ def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
     noise = sow(how.noise(k_noise, shape.shape), tag=NOISE, name=name, mode=mode)
     value = sow(how.forward(noise).astype(shape.dtype), tag=RANDOM_VARIABLE, name=name, mode=mode)
     sow(how.abduce(value, k_abduce), tag=ABDUCED, name=name, mode=mode)
-    sow_density(jnp.sum(dist.log_prob(value)), value, name)
+    sow_density(dist.log_prob(value), value, name)
     return value
 
 

@@ -39,6 +39,8 @@ JACOBIAN = "random_variable_jacobian"
 BLOCKED = "random_variable_blocked"
 NOISE = "random_variable_noise"
 ABDUCED = "random_variable_abduced_noise"
+ENUMERATED = "random_variable_enumerated"
+TOTAL = "random_variable_total_log_density"
 
 _unconstraining = _jax.trace_flag(
     "harvest_ppl_unconstraining",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Concatenate, overload
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from .. import _errors
@@ -28,10 +29,11 @@ from .._sow import sow
 from .._transforms import call_and_reap, harvest, plant, reap
 from .._typing import P, Plants, R, Reaped
 from ._block import check_blocked_unscored
+from ._enumerate import marginal, supports
 from ._log_prob import log_density
-from ._names import Among, dotted_paths, leaf_paths, nested, random_variables_of
+from ._names import Among, dotted_paths, leaf_paths, merged, nested, random_variables_of
 from ._random_variable import is_distribution
-from ._tags import DETERMINISTIC, LOG_DENSITY, RANDOM_VARIABLE, densities_of
+from ._tags import DETERMINISTIC, ENUMERATED, LOG_DENSITY, RANDOM_VARIABLE, TOTAL, densities_of
 
 
 def _placeholder_key() -> jax.Array:
@@ -89,47 +91,55 @@ def _unscored(values: Reaped, densities: Reaped) -> list[str]:
 # intervening the same program again, with new values, reuses the compiled walk.
 
 
-def _densities(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    """Runs `f` with every random variable planted from `values`."""
-    # Traced once per signature (inside the reap of `_joint_log_prob`), so the check is too.
+def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
+    _check_values(values, "joint_log_prob(f)")
+    return reap(Partial(_total, f), tag=TOTAL)(values, *args, **kwargs)["total"]
+
+
+def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> None:
+    """Sows the log density of `f` at `values`. The core traces this once per
+    signature, so its checks and its search for enumerated draws cost nothing later."""
+    key = _placeholder_key()
     check_blocked_unscored(
-        f,
-        (_placeholder_key(), *args),
-        Partial(_score, f),
-        (values, *args),
-        kwargs,
-        "joint_log_prob",
+        f, (key, *args), Partial(_score, f), (values, *args), kwargs, "joint_log_prob"
     )
-    return _planted_all(f, values, *args, **kwargs)
+    (_, unplanted), markers = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=ENUMERATED)(
+        values, key, *args, **kwargs
+    )
+    missing = set(leaf_paths(unplanted))
+    enumerated = supports(markers, missing)
+    if missing - set(enumerated):
+        raise ValueError(
+            "joint_log_prob needs a value for every random variable; missing: "
+            f"{', '.join(sorted(missing - set(enumerated)))}. Give them too, fix them "
+            "first with intervene/conditional, or (Bernoulli, Categorical) draw them with "
+            "enumerate=True to sum them out."
+        )
+    if enumerated:
+        total = marginal(lambda a: _site_densities(f, merged(values, a), args, kwargs), enumerated)
+    else:
+        densities = _site_densities(f, values, args, kwargs)
+        unscored = _unscored(values, densities)
+        if unscored:
+            raise ValueError(
+                f"joint_log_prob: the random variables {', '.join(sorted(unscored))} were "
+                "drawn by plain sampling functions, which have no density. Draw them from "
+                "a TFP distribution, or fix them with intervene/conditional."
+            )
+        total = sum(densities_of(densities), jnp.zeros(()))
+    sow(total, tag=TOTAL, name="total", mode="strict")
+
+
+def _site_densities(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Reaped:
+    return reap(Partial(_planted, f), tag=LOG_DENSITY)(values, *args, **kwargs)
 
 
 def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    densities = reap(Partial(_planted_all, f), tag=LOG_DENSITY)(values, *args, **kwargs)
-    return sum(densities_of(densities))
+    return sum(densities_of(_site_densities(f, values, args, kwargs)))
 
 
-def _planted_all(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    out, unplanted = harvest(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
-    if unplanted:
-        raise ValueError(
-            "joint_log_prob needs a value for every random variable; missing: "
-            f"{', '.join(sorted(leaf_paths(unplanted)))}. Give them too, or fix them "
-            "first with intervene/conditional."
-        )
-    return out
-
-
-def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    _check_values(values, "joint_log_prob(f)")
-    densities = reap(Partial(_densities, f), tag=LOG_DENSITY)(values, *args, **kwargs)
-    unscored = _unscored(values, densities)
-    if unscored:
-        raise ValueError(
-            f"joint_log_prob: the random variables {', '.join(sorted(unscored))} were "
-            "drawn by plain sampling functions, which have no density. Draw them from "
-            "a TFP distribution, or fix them with intervene/conditional."
-        )
-    return sum(densities_of(densities))
+def _planted(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
+    return plant(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
 
 
 def joint_log_prob(

@@ -28,15 +28,19 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from .. import _errors
-from .._transforms import call_and_reap, harvest
+from .._sow import sow
+from .._transforms import call_and_reap, harvest, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
-from ._names import at_paths, leaf_paths, restricted
+from ._enumerate import marginal, supports
+from ._names import at_paths, leaf_paths, merged, restricted
 from ._tags import (
     DETERMINISTIC,
+    ENUMERATED,
     JACOBIAN,
     LOG_DENSITY,
     RANDOM_VARIABLE,
+    TOTAL,
     UNCONSTRAINED,
     densities_of,
     unconstraining,
@@ -48,25 +52,25 @@ def _key() -> jax.Array:
 
 
 def _free(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Any:
-    """`f` with `observed` planted: `(out, the draws still random)`, and their Jacobians."""
-    return call_and_reap(Partial(harvest(f, tag=RANDOM_VARIABLE), observed), tag=JACOBIAN)(
-        key, *args, **kwargs
-    )
+    """`f` with `observed` planted: `((out, the draws still random), their Jacobians)`,
+    and the markers of enumerated draws."""
+    planted = Partial(harvest(f, tag=RANDOM_VARIABLE), observed)
+    return call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)(key, *args, **kwargs)
 
 
 def _run(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
-) -> tuple[Any, Reaped, jax.Array]:
+) -> tuple[Any, Reaped, jax.Array, Reaped]:
     """`f` with the observed values planted and every free draw made from `u`:
-    `(out, the free draws, the log-Jacobian of the free draws)`. The core traces this once per
-    signature, so the checks below (with `check`, also the one for blocked
-    draws) cost nothing on later calls."""
+    `(out, the free draws, the log-Jacobian of the free draws, the markers of the
+    enumerated draws to sum out)`. The core traces this once per signature, so the checks below (with `check`,
+    also the one for blocked draws) cost nothing on later calls."""
     if check:
         score = Partial(_log_density, f, observed, False)
         check_blocked_unscored(f, (_key(), *args), score, (u, *args), kwargs, "unconstrained")
     try:
         with unconstraining():
-            ((out, free), jacobians), unplanted = harvest(
+            (((out, free), jacobians), markers), unplanted = harvest(
                 Partial(_free, f, observed), tag=UNCONSTRAINED
             )(u, _key(), *args, **kwargs)
     except KeyError as error:  # a name in `u` with no `u` site: say which kind it is
@@ -86,25 +90,47 @@ def _run(
     continuous = set(leaf_paths(unplanted))
     if missing & continuous:
         raise _errors.ppl_no_unconstrained_value(sorted(missing & continuous))
-    if missing:
-        raise _errors.ppl_discrete_free(sorted(missing))
+    enumerated = supports(markers, missing)
+    if missing - set(enumerated):
+        raise _errors.ppl_discrete_free(sorted(missing - set(enumerated)))
     log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
-    return out, free, jnp.asarray(log_det, jnp.float32)
+    kept = restricted(free, free_names - set(enumerated))
+    to_sum = restricted(markers, set(enumerated))
+    return out, kept, jnp.asarray(log_det, jnp.float32), to_sum
 
 
 def _log_density(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> Any:
-    (_, _, log_det), densities = call_and_reap(Partial(_run, f, observed, check), tag=LOG_DENSITY)(
-        u, *args, **kwargs
-    )
-    return sum(densities_of(densities)) + log_det
+    return reap(Partial(_total, f, observed, check), tag=TOTAL)(u, *args, **kwargs)["total"]
+
+
+def _total(
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
+) -> None:
+    """Sows the log density of `u`, with the enumerated draws summed out (traced once)."""
+    (_, _, log_det, to_sum), densities = call_and_reap(
+        Partial(_run, f, observed, check), tag=LOG_DENSITY
+    )(u, *args, **kwargs)
+    enumerated = supports(to_sum, set(leaf_paths(to_sum)))
+    if enumerated:
+
+        def densities_at(values: Reaped) -> Reaped:
+            (_, _, log_det, _), found = call_and_reap(
+                Partial(_run, f, merged(observed, values), False), tag=LOG_DENSITY
+            )(u, *args, **kwargs)
+            return {**found, TOTAL: log_det}
+
+        total = marginal(densities_at, enumerated)
+    else:
+        total = sum(densities_of(densities)) + log_det
+    sow(total, tag=TOTAL, name="total", mode="strict")
 
 
 def _constrain(
     f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
 ) -> Reaped:
-    (_, free, _), recorded = call_and_reap(Partial(_run, f, observed, False), tag=DETERMINISTIC)(
+    (_, free, _, _), recorded = call_and_reap(Partial(_run, f, observed, False), tag=DETERMINISTIC)(
         u, *args, **kwargs
     )
     return {**free, **recorded}
