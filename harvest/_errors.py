@@ -325,7 +325,8 @@ def ppl_discrete_free(names: Iterable[str]) -> ValueError:
     return ValueError(
         f"unconstrained: the random variables {', '.join(names)} are discrete, or drawn by "
         "plain sampling functions, so they cannot be moved to R^n. Give them in `observed`, "
-        "or fix them with intervene or conditional."
+        "fix them with intervene or conditional, or (Bernoulli, Categorical) draw them with "
+        "random_variable(..., enumerate=True) to sum them out."
     )
 
 

@@ -20,7 +20,7 @@ REQUIRED = [
 
 # Modules whose examples need an optional dependency that the JAX matrix venvs
 # do not install (the inference extra): their examples run where it is installed.
-NEEDS = {"harvest.ppl._posterior": "blackjax", "harvest.ppl._counterfactual": "blackjax"}
+NEEDS = {"harvest.ppl._posterior": "blackjax"}
 
 
 def _modules():

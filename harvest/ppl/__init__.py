@@ -5,9 +5,13 @@ A program is a function `f(key, *args)` whose draws are named with
 inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
 `graph_replace` transform it; `deterministic` records a computed value and
 `factor` adds a log weight; `unconstrained` gives the density over R^n that
-HMC/NUTS need; `make_effect_handler` builds custom interpreters; `plate`
-draws independent copies of a block and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
-substrate importable on current JAX (see `_tfp_shim.py`).
+HMC/NUTS need, `sample_posterior` samples it with BlackJAX (a `Posterior`),
+`predictive` draws prior and posterior predictives, `counterfactual` answers
+twin-world queries with shared noise, and `random_variable(...,
+enumerate=True)` sums a discrete draw out. `make_effect_handler` builds custom
+interpreters; `plate` draws independent copies of a block and `nest` scopes
+its names. Importing this module first makes TFP 0.25's JAX substrate
+importable on current JAX (see `_tfp_shim.py`).
 """
 
 from ._tfp_shim import import_tfp as _import_tfp

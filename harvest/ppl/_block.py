@@ -108,27 +108,17 @@ def _blocked(f: Callable[..., Any], names: Among, *args: Any, **kwargs: Any) -> 
     return run_walk(jax.tree_util.Partial(_hidden, f, names), policy, False, {}, args, kwargs)[0]
 
 
-def _blocked_in(jaxpr: Any) -> bool:
-    return any(site.tag == BLOCKED for site in sites_in(jaxpr))
-
-
 def check_blocked_unscored(
-    program: Callable[..., Any],
-    program_args: tuple[Any, ...],
     score: Callable[..., Any],
     score_args: tuple[Any, ...],
     kwargs: dict[str, Any],
     fn_name: str,
 ) -> None:
-    """Raises if `score(*score_args, **kwargs)` depends on a draw `block` hid in `program`.
+    """Raises if `score(*score_args, **kwargs)` depends on a draw that `block` hid.
 
-    `program(*program_args, **kwargs)` is traced first (cheap, and enough to
-    see that nothing is blocked, the usual case); only if it holds a blocked
-    draw is `score` traced and its dependence on each blocked value checked.
+    Call it only when the program holds a blocked draw (a reap of `BLOCKED`
+    found one): it traces `score` and checks its dependence on each blocked value.
     """
-    closed, _, _ = make_jaxpr(program, program_args, kwargs, return_shape=True)
-    if not _blocked_in(closed.jaxpr):
-        return
     scored, _, _ = make_jaxpr(score, score_args, kwargs, return_shape=True)
     jaxpr = inline_calls(scored).jaxpr
     live = live_vars(jaxpr)

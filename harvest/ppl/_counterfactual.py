@@ -45,6 +45,19 @@ class Counterfactual:
         counterfactual: ``{name: [n, ...]}``: every draw and ``deterministic``
             site in the world under the intervention, with the noise shared.
         noise: ``{name: [n, ...]}``: each draw's exogenous noise, as abduced.
+
+    Example:
+        >>> import jax
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def scm(key):
+        ...     kx, ky = jax.random.split(key)
+        ...     x = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="x")(kx)
+        ...     return ppl.random_variable(tfp.distributions.Normal(x, 1.0), name="y")(ky)
+        >>> worlds = ppl.counterfactual(scm, jax.random.key(0), observed={"x": 0.0, "y": 1.0},
+        ...                             do={"x": 2.0}, num_samples=1)
+        >>> worlds.factual["y"], worlds.noise["y"], worlds.counterfactual["y"]
+        (Array([1.], dtype=float32, weak_type=True), Array([1.], dtype=float32), Array([3.], dtype=float32))
     """
 
     factual: Reaped

@@ -48,6 +48,19 @@ class Posterior:
         diverging: ``[chains, draws]``: whether the transition diverged.
         acceptance_rate: ``[chains, draws]``: the transition's mean acceptance.
         step_size: ``[chains]``: each chain's step size after warmup.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import harvest.ppl as ppl
+        >>> draws = jax.random.normal(jax.random.key(0), (2, 500))  # two chains of N(0, 1)
+        >>> zeros = jnp.zeros((2, 500))
+        >>> posterior = ppl.Posterior({"z": draws}, zeros, {"z": draws}, zeros > 0, zeros,
+        ...                           jnp.ones(2))
+        >>> table = posterior.summary(quantiles=(0.5,))
+        >>> list(table.columns)
+        ['mean', 'sd', '50%', 'r_hat', 'ess_bulk', 'ess_tail', 'mcse_mean']
+        >>> bool(table.loc["z", "r_hat"] < 1.02)
+        True
     """
 
     samples: Reaped

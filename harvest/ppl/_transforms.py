@@ -33,7 +33,15 @@ from ._enumerate import marginal, supports
 from ._log_prob import log_density
 from ._names import Among, dotted_paths, leaf_paths, merged, nested, random_variables_of
 from ._random_variable import is_distribution
-from ._tags import DETERMINISTIC, ENUMERATED, LOG_DENSITY, RANDOM_VARIABLE, TOTAL, densities_of
+from ._tags import (
+    BLOCKED,
+    DETERMINISTIC,
+    ENUMERATED,
+    LOG_DENSITY,
+    RANDOM_VARIABLE,
+    TOTAL,
+    densities_of,
+)
 
 
 def _placeholder_key() -> jax.Array:
@@ -99,13 +107,13 @@ def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs:
 def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> None:
     """Sows the log density of `f` at `values`. The core traces this once per
     signature, so its checks and its search for enumerated draws cost nothing later."""
-    key = _placeholder_key()
-    check_blocked_unscored(
-        f, (key, *args), Partial(_score, f), (values, *args), kwargs, "joint_log_prob"
-    )
-    (_, unplanted), markers = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=ENUMERATED)(
-        values, key, *args, **kwargs
-    )
+    # One walk finds the densities, the draws without a value, the enumerated and the blocked.
+    scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
+    (((_, unplanted), densities), markers), blocked = call_and_reap(
+        call_and_reap(scored, tag=ENUMERATED), tag=BLOCKED
+    )(values, _placeholder_key(), *args, **kwargs)
+    if blocked:
+        check_blocked_unscored(Partial(_score, f), (values, *args), kwargs, "joint_log_prob")
     missing = set(leaf_paths(unplanted))
     enumerated = supports(markers, missing)
     if missing - set(enumerated):
@@ -118,7 +126,6 @@ def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> 
     if enumerated:
         total = marginal(lambda a: _site_densities(f, merged(values, a), args, kwargs), enumerated)
     else:
-        densities = _site_densities(f, values, args, kwargs)
         unscored = _unscored(values, densities)
         if unscored:
             raise ValueError(

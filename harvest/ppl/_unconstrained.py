@@ -35,6 +35,7 @@ from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
 from ._names import at_paths, leaf_paths, merged, restricted
 from ._tags import (
+    BLOCKED,
     DETERMINISTIC,
     ENUMERATED,
     JACOBIAN,
@@ -52,10 +53,11 @@ def _key() -> jax.Array:
 
 
 def _free(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Any:
-    """`f` with `observed` planted: `((out, the draws still random), their Jacobians)`,
-    and the markers of enumerated draws."""
+    """`f` with `observed` planted: `(((out, the draws still random), their Jacobians),
+    the markers of enumerated draws), the blocked draws`."""
     planted = Partial(harvest(f, tag=RANDOM_VARIABLE), observed)
-    return call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)(key, *args, **kwargs)
+    with_markers = call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)
+    return call_and_reap(with_markers, tag=BLOCKED)(key, *args, **kwargs)
 
 
 def _run(
@@ -65,12 +67,9 @@ def _run(
     `(out, the free draws, the log-Jacobian of the free draws, the markers of the
     enumerated draws to sum out)`. The core traces this once per signature, so the checks below (with `check`,
     also the one for blocked draws) cost nothing on later calls."""
-    if check:
-        score = Partial(_log_density, f, observed, False)
-        check_blocked_unscored(f, (_key(), *args), score, (u, *args), kwargs, "unconstrained")
     try:
         with unconstraining():
-            (((out, free), jacobians), markers), unplanted = harvest(
+            ((((out, free), jacobians), markers), blocked), unplanted = harvest(
                 Partial(_free, f, observed), tag=UNCONSTRAINED
             )(u, _key(), *args, **kwargs)
     except KeyError as error:  # a name in `u` with no `u` site: say which kind it is
@@ -82,6 +81,9 @@ def _run(
         if discrete:
             raise _errors.ppl_discrete_free(sorted(discrete)) from error
         raise _errors.ppl_not_free(sorted(unknown)) from error
+    if check and blocked:
+        score = Partial(_log_density, f, observed, False)
+        check_blocked_unscored(score, (u, *args), kwargs, "unconstrained")
     free_names = set(leaf_paths(free))
     given = set(leaf_paths(u))
     if given - free_names:
