@@ -52,11 +52,17 @@ def _key() -> jax.Array:
     return jax.random.PRNGKey(0)
 
 
-def _free(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Any:
+def _free(
+    f: Callable[..., Any], observed: Reaped, find_blocked: bool, key: Any, *args: Any, **kwargs: Any
+) -> Any:
     """`f` with `observed` planted: `(((out, the draws still random), their Jacobians),
-    the markers of enumerated draws), the blocked draws`."""
+    the markers of enumerated draws), the blocked draws`. Without `find_blocked` the
+    blocked draws stay in the program (`{}` in their place), for the check that looks
+    for them in the density's jaxpr."""
     planted = Partial(harvest(f, tag=RANDOM_VARIABLE), observed)
     with_markers = call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)
+    if not find_blocked:
+        return with_markers(key, *args, **kwargs), {}
     return call_and_reap(with_markers, tag=BLOCKED)(key, *args, **kwargs)
 
 
@@ -70,7 +76,7 @@ def _run(
     try:
         with unconstraining():
             ((((out, free), jacobians), markers), blocked), unplanted = harvest(
-                Partial(_free, f, observed), tag=UNCONSTRAINED
+                Partial(_free, f, observed, check), tag=UNCONSTRAINED
             )(u, _key(), *args, **kwargs)
     except KeyError as error:  # a name in `u` with no `u` site: say which kind it is
         free, sites = jax.eval_shape(
