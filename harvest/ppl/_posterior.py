@@ -120,7 +120,7 @@ class Posterior:
                 name, index = _row_site(row)
                 values = stacked[name].values
                 column.append(float(jnp.quantile(values[index] if index else values, q)))
-            table.insert(len(table.columns) - 4, f"{100 * q:g}%", column)
+            table[f"{100 * q:g}%"] = column
         return table[
             [
                 "mean",
