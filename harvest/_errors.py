@@ -398,3 +398,11 @@ def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
         f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
         f"which needs a Bernoulli or Categorical distribution; got a {type_name}."
     )
+
+
+def ppl_nothing_to_sample() -> ValueError:
+    return ValueError(
+        "sample_posterior: the program has no free continuous random variable left to sample "
+        "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
+        "or draw from it with predictive."
+    )

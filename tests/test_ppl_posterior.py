@@ -123,6 +123,9 @@ def test_bad_arguments_say_what_to_use():
         ppl.sample_posterior(scm, jax.random.key(0), kernel="mala")
     with pytest.raises(ValueError, match="`num_chains` to be a positive int"):
         ppl.sample_posterior(scm, jax.random.key(0), num_chains=0)
+    everything = {"z": 0.0, "s": 1.0, "t": jnp.float32(1.0), "y": Y}
+    with pytest.raises(ValueError, match="no free continuous random variable"):
+        ppl.sample_posterior(scm, jax.random.key(0), observed=everything)
 
 
 def test_posterior_under_do_matches_numpyro_s(under_do):

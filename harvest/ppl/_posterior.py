@@ -201,7 +201,8 @@ def sample_posterior(
         and ``to_arviz()`` use ArviZ.
 
     Raises:
-        ValueError: for an unknown ``kernel`` or a non-positive count.
+        ValueError: for an unknown ``kernel``, a non-positive count, or a program with
+            nothing left to sample.
         ImportError: if BlackJAX is not installed (``pip install 'jax-harvest[infer]'``).
 
     Example:
@@ -232,6 +233,8 @@ def sample_posterior(
         if not isinstance(n, int) or n < 1:
             raise _errors.ppl_bad_count(what, n)
     density = unconstrained(model, observed)
+    if not jax.eval_shape(density.init, key, *args):
+        raise _errors.ppl_nothing_to_sample()
 
     def log_density(u: Reaped) -> jax.Array:
         return density.log_density(u, *args)
