@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -32,6 +33,9 @@ PAGES = [
 EXTRAS = {"guides/activation_store.md": ("store", ["tensorstore", "optax"])}
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# A block whose first line is `# needs: <module>` runs only where that optional
+# dependency is installed (the inference extra is not in the JAX matrix venvs).
+NEEDS = re.compile(r"^# needs: ([\w.]+)\n")
 
 
 def python_blocks(page):
@@ -47,6 +51,9 @@ def test_python_blocks_run(page, capsys):
     assert blocks, f"{page} has no runnable python blocks"
     namespace = {"__name__": f"docs_{page}"}
     for i, block in enumerate(blocks):
+        needs = NEEDS.match(block)
+        if needs and importlib.util.find_spec(needs.group(1)) is None:
+            continue
         try:
             # dont_inherit: the block runs as a reader's script would, without this file's
             # `from __future__ import annotations` (which turns dataclass fields into strings).

@@ -15,7 +15,11 @@ Written against oryx 0.2.9's documented semantics:
   `joint_log_prob(f)` is `log_prob(joint_sample(f))` and
   `trace_log_prob(f)(out, latents, *args)` is `log_prob(trace(f))`.
 * `joint_sample`, `trace` (= `call_and_reap`), `block`, `intervene`,
-  `conditional(f, names)(key, *args, *values)`, `graph_replace`.
+  `conditional(f, names)(key, *args, *values)`.
+* `graph_replace` as oryx 0.2.9 behaves: the outputs leave the program, and
+  every other draw is reaped and sown again at the program's end, so it is
+  disconnected from what happens downstream (harvest.ppl's `graph_replace`
+  keeps them connected).
 * `plate(f, name=...)` uses a named axis that an outer `jax.vmap(...,
   axis_name=name)` provides: each index draws with `fold_in(key, index)`, and
   log densities are summed (`psum`) over the axis, so every index reports the
@@ -39,7 +43,8 @@ from ...._sow import sow
 from ...._transforms import call_and_reap, nest
 from ...._typing import P, R, Reaped
 from ....ppl._log_prob import PLATE_SCOPE, log_density
-from ....ppl._random_variable import LOG_DENSITY, is_distribution, sow_density
+from ....ppl._random_variable import is_distribution
+from ....ppl._tags import LOG_DENSITY, sow_density
 from .. import log_prob as _lp
 
 Program = Callable[..., Any]
@@ -50,7 +55,6 @@ joint_sample = _ppl.joint_sample
 intervene = _ppl.intervene
 conditional = _ppl.conditional
 block = _ppl.block
-graph_replace = _ppl.graph_replace
 
 __all__ = [
     "RANDOM_VARIABLE",
@@ -234,3 +238,52 @@ def random_variable(obj: Any, *, name: str | None = None, plate: str | None = No
 
 
 rv = random_variable
+
+
+def graph_replace(
+    f: Program, input_names: str | list[str], output_names: str | list[str]
+) -> Program:
+    """oryx's graph_replace: a program from ``input_names`` to ``output_names``.
+
+    As in oryx 0.2.9, the other draws are reaped and re-sown at the end of the
+    new program: still named, but no longer connected to what they fed.
+
+    Args:
+        f: the program ``f(key, *args)``.
+        input_names: the random variables that become inputs (after ``args``).
+        output_names: the random variables returned (one name: one value).
+
+    Returns:
+        The program ``g(key, *args, *inputs)``.
+
+    Example:
+        >>> import jax
+        >>> from harvest.compat.oryx import ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def chain(key):
+        ...     k1, k2 = jax.random.split(key)
+        ...     z = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(k1)
+        ...     return ppl.random_variable(tfp.distributions.Normal(z, 1.0), name="x")(k2)
+        >>> ppl.log_prob(ppl.graph_replace(chain, "z", "x"))(5.0, 5.0)
+        Array(-0.9189385, dtype=float32)
+    """
+    single = isinstance(output_names, str)
+    outputs = (output_names,) if isinstance(output_names, str) else tuple(output_names)
+    given = _ppl.conditional(f, input_names)
+
+    def replaced(*args: Any, **kwargs: Any) -> Any:
+        draws = _ppl.joint_sample(given)(*args, **kwargs)
+        missing = [n for n in outputs if n not in draws]
+        if missing:
+            raise KeyError(
+                f"graph_replace: {', '.join(missing)} are not random variables of the "
+                f"program (or are among its inputs). Its random variables are: "
+                f"{', '.join(sorted(draws)) or 'none'}."
+            )
+        for name, value in draws.items():
+            if name not in outputs:
+                sow(value, tag=RANDOM_VARIABLE, name=name, mode="strict")
+        values = [draws[n] for n in outputs]
+        return values[0] if single else values
+
+    return replaced
