@@ -272,3 +272,10 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
     )
+
+
+def needs_extra(what: str, module: str, extra: str) -> ImportError:
+    return ImportError(
+        f"{what} needs {module}, which is not installed. Install it with "
+        f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
+    )

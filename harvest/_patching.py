@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _errors
 from ._calling import call_merged, is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
@@ -857,9 +858,7 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     except ImportError:
         if auto:
             return items
-        raise ImportError(
-            f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm."
-        ) from None
+        raise _errors.needs_extra(f"{caller}(progress=True)", "tqdm", "patching") from None
     return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
 
 

@@ -12,9 +12,21 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from . import _errors
+
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
     from matplotlib.axes import Axes
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot``, imported lazily (plotting is optional), or an
+    ImportError naming the extra that installs it."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as cause:
+        raise _errors.needs_extra("harvest's plots", "matplotlib", "patching") from cause
+    return plt
 
 
 def heatmaps(
@@ -35,7 +47,7 @@ def heatmaps(
 ) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
     row; returns the list of axes (one per grid)."""
-    import matplotlib.pyplot as plt  # lazily: plotting is optional
+    plt = pyplot()
 
     rows, cols = grids[0].shape
     if ax is None:

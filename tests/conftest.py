@@ -4,7 +4,8 @@ The default profile draws the same examples on every run and keeps no example
 database, so a test's verdict depends only on the code, never on what an
 earlier run happened to find. `HYPOTHESIS_PROFILE=explore` draws fresh random
 examples (and remembers failures in .hypothesis/, which git ignores) for
-hunting bugs locally.
+hunting bugs locally. `HARVEST_MAX_EXAMPLES=N` (set by `make test-fast`) caps
+every property test at N examples, including those that set their own count.
 """
 
 import os
@@ -17,6 +18,19 @@ from hypothesis import settings
 settings.register_profile("deterministic", database=None, derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+def pytest_collection_modifyitems(config, items):
+    cap = os.environ.get("HARVEST_MAX_EXAMPLES")
+    if not cap:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        # A test's own @settings win over any profile, so the cap rewrites them: Hypothesis
+        # keeps them on the test function under this (long-stable) attribute.
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples > int(cap):
+            test._hypothesis_internal_use_settings = settings(own, max_examples=int(cap))
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):
