@@ -23,8 +23,16 @@ release = version = harvest.__version__
 extensions = [
     "myst_nb",  # Markdown (MyST) pages and .ipynb notebooks
     "sphinx.ext.autodoc",
-    "sphinx.ext.napoleon",  # the docstrings' "Example:" sections
+    "sphinx.ext.napoleon",  # Google-style Args:/Returns:/Raises:/Example: sections
 ]
+
+# `single backticks` in a docstring or page render as code, as they do on
+# GitHub, not as italic <cite> (reStructuredText's default role).
+default_role = "code"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False  # the return type joins the Returns: text
+napoleon_use_ivar = True  # a dataclass's Attributes: become :ivar: fields
 
 # `notebooks` links to the repository's notebooks/ folder. They are committed
 # without outputs, so the build executes them (top to bottom, in a fresh kernel)

@@ -99,10 +99,22 @@ def plot_attention(
 ) -> list[Axes]:
     """Draws an attention pattern, one panel per head (query × key), on one scale from 0.
 
-    `pattern` is `[heads, query, key]` -- e.g. a pattern site as `reap`
-    returns it: a `collect` 1-tuple or a leading batch axis of size 1 is
-    taken off. `tokens` labels both axes; `heads` picks which heads to draw.
-    Returns the list of axes.
+    Args:
+        pattern: the pattern, of shape ``[heads, query, key]``; a pattern site as
+            ``reap`` returns it is taken too (a ``collect`` 1-tuple, or a leading
+            batch axis of size 1, is taken off).
+        tokens: labels for the positions (both axes); None numbers them.
+        heads: which heads to draw, by index; None draws them all.
+        title: a title over the whole figure.
+        cmap: a matplotlib colour map name.
+
+    Returns:
+        The list of matplotlib axes, one per head drawn.
+
+    Raises:
+        ValueError: if ``pattern`` is not three-dimensional, or ``tokens`` does
+            not have one label per key position.
+        ImportError: if matplotlib is not installed (the ``patching`` extra).
 
     Example:
         >>> import matplotlib; matplotlib.use("Agg")
