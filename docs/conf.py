@@ -8,6 +8,7 @@ tests can execute block by block. Warnings are errors (`-W`) in `make docs`.
 
 import os
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -49,7 +50,7 @@ nb_execution_show_tb = True  # the failing cell's traceback in the build log
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_generated", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
 suppress_warnings = [
     "toc.empty_glob",  # before any notebook exists, the notebooks glob matches nothing
     "myst-nb.lexer",  # a notebook saved without kernel metadata renders unhighlighted, not as an error
@@ -62,3 +63,37 @@ autodoc_default_options = {"members": False}
 html_theme = "sphinx_book_theme"
 html_title = "harvest"
 html_theme_options = {"show_toc_level": 2}
+
+# Long code lines wrap instead of hiding behind a scrollbar (see _static/harvest.css).
+html_static_path = ["_static"]
+html_css_files = ["harvest.css"]
+
+# `# not-run` opens the blocks the test suite runs elsewhere (on eight virtual
+# devices, tests/multidevice); it is a marker for the tests, not for readers.
+NOT_RUN = re.compile(r"^(```python\n)# not-run\n", re.M)
+# Pages that show what a block of theirs draws: the page, the block that draws,
+# and the file (under _generated/, which git ignores) the page includes.
+DRAWN = {"guides/reading_intermediates.md": ("view(", "view_reading_intermediates.html")}
+
+
+def _hide_test_markers(app, docname, source):
+    source[0] = NOT_RUN.sub(r"\1", source[0])
+
+
+def _draw_views(app):
+    """Runs each page of DRAWN up to its drawing block and writes the HTML it draws."""
+    out = pathlib.Path(app.srcdir) / "_generated"
+    out.mkdir(exist_ok=True)
+    for page, (marker, target) in DRAWN.items():
+        namespace = {"__name__": f"docs_{page}"}
+        text = (pathlib.Path(app.srcdir) / page).read_text()
+        for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M):
+            exec(compile(block, page, "exec"), namespace)
+            if marker in block:
+                break
+        (out / target).write_text(namespace["graph"].html, encoding="utf-8")
+
+
+def setup(app):
+    app.connect("source-read", _hide_test_markers)
+    app.connect("builder-inited", _draw_views)

@@ -2,7 +2,9 @@
 
 Panels share one colour scale and one colourbar, and the figure uses
 matplotlib's constrained layout sized from the longest tick label, so long
-site names never run into a neighbouring panel or the colourbar.
+site names never run into a neighbouring panel or the colourbar. A figure is
+at most ``MAX_WIDTH`` inches wide (900 px at 100 dpi): panels that do not fit
+side by side go on more rows.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from . import _errors
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
     from matplotlib.axes import Axes
+
+
+# Figures are at most 9 inches wide: 900 pixels at matplotlib's default 100 dpi
+# (notebooks, savefig), the width of the docs' content column.
+MAX_WIDTH = 9.0
 
 
 def pyplot() -> Any:
@@ -51,10 +58,14 @@ def heatmaps(
 
     rows, cols = grids[0].shape
     if ax is None:
-        across = min(len(grids), columns)
-        down = -(-len(grids) // across)
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
-        width = label_width + across * (0.8 + 0.3 * cols) + 1.2
+        panel = 0.8 + 0.3 * cols
+        # As many panels a row as fit in MAX_WIDTH; a panel wider than that alone
+        # gets narrower cells instead.
+        fit = int((MAX_WIDTH - label_width - 1.2) // panel)
+        across = max(1, min(len(grids), columns, fit))
+        down = -(-len(grids) // across)
+        width = min(MAX_WIDTH, label_width + across * panel + 1.2)
         _, grid_of_axes = plt.subplots(
             down,
             across,
