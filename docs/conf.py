@@ -6,6 +6,8 @@ this one meets the same syntax, and the guides stay plain Markdown that the
 tests can execute block by block. Warnings are errors (`-W`) in `make docs`.
 """
 
+import contextlib
+import io
 import os
 import pathlib
 import re
@@ -88,7 +90,8 @@ def _draw_views(app):
         namespace = {"__name__": f"docs_{page}"}
         text = (pathlib.Path(app.srcdir) / page).read_text()
         for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M):
-            exec(compile(block, page, "exec"), namespace)
+            with contextlib.redirect_stdout(io.StringIO()):  # what the page prints, not the log
+                exec(compile(block, page, "exec"), namespace)
             if marker in block:
                 break
         (out / target).write_text(namespace["graph"].html, encoding="utf-8")
