@@ -191,5 +191,15 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
         },  # tests/test_notebooks_*.py execute them
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert (tmp_path / "html" / "index.html").exists()
-    assert (tmp_path / "html" / "api.html").exists()
+    html = tmp_path / "html"
+    assert (html / "index.html").exists()
+    assert (html / "api.html").exists()
+    # The test marker is the suite's, not the reader's: the build strips it.
+    assert "# not-run" in (DOCS / "guides" / "many_devices.md").read_text()
+    assert "not-run" not in (html / "guides" / "many_devices.html").read_text()
+    # The reading-intermediates page shows the graph its code draws, inline.
+    page = (html / "guides" / "reading_intermediates.html").read_text()
+    assert 'class="harvest-view"' in page and "scan[12]" in page
+    # Parameters are described, and single backticks render as code, not <cite>.
+    api = (html / "api.html").read_text()
+    assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
