@@ -190,13 +190,15 @@ class _Graph:
         sources: list[str],
     ) -> str:
         inner: list[str] = []
+        labels = [label for label, _, _ in bodies]
         for label, sub, _ in bodies:
             self.groups += 1
-            # A body's inputs are the outer operands, matched by position from the end
-            # (scan's consts/carry/xs, cond's operands, while's carry, jit's arguments).
+            role = _param_name(eqn, sub)
+            if labels.count(label) > 1 and role:  # while's cond_jaxpr and body_jaxpr
+                label = f"{label} {role.removesuffix('_jaxpr')}"
             mapped = {
                 a: producers[b]
-                for a, b in zip(reversed(sub.invars), reversed(eqn.invars))
+                for a, b in zip(reversed(sub.invars), reversed(_operands(eqn, role)))
                 if _is_var(b) and b in producers
             }
             inner.append(
@@ -206,6 +208,26 @@ class _Graph:
             )
         head = _card(node, "hv-op hv-call", html.escape(eqn.primitive.name), _avals(eqn), sources)
         return f'<div class="hv-groupwrap">{head}{"".join(inner)}</div>'
+
+
+def _param_name(eqn: Any, sub: Any) -> str | None:
+    """The name of the parameter of ``eqn`` that holds the body ``sub``."""
+    for key, value in eqn.params.items():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if item is sub or getattr(item, "jaxpr", None) is sub:
+                return str(key)
+    return None
+
+
+def _operands(eqn: Any, role: str | None) -> list[Any]:
+    """The outer operands a body reads, matched to its inputs by position from the end
+    (scan's consts/carry/xs, cond's operands after the index, jit's arguments); a
+    while's cond_fun reads its own consts and the carry, not the body's consts."""
+    operands = list(eqn.invars)
+    if role == "cond_jaxpr" and "cond_nconsts" in eqn.params:
+        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        return operands[:n_cond] + operands[n_cond + n_body :]
+    return operands
 
 
 def _is_var(v: Any) -> bool:

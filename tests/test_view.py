@@ -125,3 +125,20 @@ def test_chromium_renders_the_graph_and_draws_its_edges(tmp_path):
     # The script drew edges (at most one per dependency, fewer where both ends share a box).
     assert 0 < edges <= dependencies, (edges, dependencies)
     assert os.path.getsize(shot) > 5000  # a real picture, not a blank page
+
+
+def test_a_while_loop_is_two_boxes_whose_inputs_come_from_the_right_operands():
+    def f(x, bound):
+        body = lambda c: sow(c * 2.0, name="c", mode="clobber") + x
+        return jax.lax.while_loop(lambda c: c < bound, body, x)
+
+    v = view(f, jnp.float32(1.0), jnp.float32(10.0))  # arrays: traced, so they are inputs
+    assert v.sites == 1 and v.groups == 2
+    assert "while cond" in v.html and "while body" in v.html
+    parsed = Nodes(v.html)
+    inputs = [n for n, (_, cls, _) in parsed.nodes.items() if "hv-input" in cls]
+    assert len(inputs) == 2
+    # cond_fun compares the carry with `bound` (input 1); `x` (input 0) never reaches it.
+    cond_box = v.html.split("while cond")[1].split("while body")[0]
+    lt = re.search(r'data-node="(n\d+)" data-from="([^"]*)"><span class="hv-title">lt', cond_box)
+    assert lt and inputs[1] in lt.group(2).split()
