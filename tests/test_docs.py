@@ -203,3 +203,23 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     # Parameters are described, and single backticks render as code, not <cite>.
     api = (html / "api.html").read_text()
     assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
+
+
+# Code on these pages fits the content column unwrapped (the docs' CSS wraps longer
+# lines elsewhere rather than clipping them; `make docs-check` checks that in a browser).
+NARROW = [
+    "../README.md",
+    "index.md",
+    "quickstart.md",
+    "semantics.md",
+    "guides/gradients.md",
+    "guides/reading_intermediates.md",
+]
+
+
+@pytest.mark.parametrize("page", NARROW)
+def test_code_lines_fit_in_88_columns(page):
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^```(?:python|text|sh)\n(.*?)^```", text, re.S | re.M)
+    long = [line for block in blocks for line in block.splitlines() if len(line) > 88]
+    assert not long, long
