@@ -3,7 +3,7 @@
 Panels share one colour scale and one colourbar, and the figure uses
 matplotlib's constrained layout sized from the longest tick label, so long
 site names never run into a neighbouring panel or the colourbar. A figure is
-at most ``MAX_WIDTH`` inches wide (900 px at 100 dpi): panels that do not fit
+at most ``MAX_WIDTH`` inches wide (850 px at 100 dpi): panels that do not fit
 side by side go on more rows.
 """
 
@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 
-# Figures are at most 9 inches wide: 900 pixels at matplotlib's default 100 dpi
-# (notebooks, savefig), the width of the docs' content column.
-MAX_WIDTH = 9.0
+# Figures are at most 8.5 inches wide: 850 pixels at matplotlib's default 100 dpi
+# (notebooks, savefig), leaving room for a tight bounding box within the 900 px
+# the docs allow a figure.
+MAX_WIDTH = 8.5
 
 
 def pyplot() -> Any:

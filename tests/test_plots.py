@@ -128,7 +128,7 @@ def test_a_head_by_position_sweep_draws_one_panel_per_site_on_one_scale(sites):
     figure = axes[0].figure
     assert len(figure.axes) >= sites + 1  # panels (and unused cells), one colourbar
     # The figure fits the docs' column: at most 900 px at matplotlib's 100 dpi.
-    assert figure.get_size_inches()[0] <= 9.0
+    assert figure.get_size_inches()[0] <= 8.5
     assert_no_overlaps(axes[0].figure)
     with pytest.raises(ValueError, match="one panel per site"):
         PatchingResult.plot_many([r])
@@ -155,7 +155,7 @@ def test_many_wide_panels_wrap_into_rows_no_wider_than_the_column():
     r = PatchingResult(r.values, r.names, (np.arange(3), np.arange(16)), axis=(2, 1), baseline=0.0)
     axes = r.plot()
     figure = axes[0].figure
-    assert figure.get_size_inches()[0] <= 9.0
+    assert figure.get_size_inches()[0] <= 8.5
     rows = {round(ax.get_position().y0, 3) for ax in axes}
     assert len(rows) > 1  # wrapped onto several rows
     assert_no_overlaps(figure)
