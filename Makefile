@@ -31,9 +31,10 @@ test: $(STAMP) lint
 
 # For development: the suite without the notebooks, the docs build, the golden
 # comparison against oryx and the benchmarks (markers in pyproject.toml), with
-# at most 3 examples per property test (tests/conftest.py), on two workers.
+# at most 3 examples per property test and 3 cases per parametrized test
+# (tests/conftest.py), on two workers.
 test-fast: $(STAMP)
-	HARVEST_MAX_EXAMPLES=3 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
+	HARVEST_MAX_EXAMPLES=3 HARVEST_MAX_CASES=3 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
 		-m "not slow and not golden and not benchmark"
 
 # ruff (lint rules and the formatter's check) over the tree, then mypy over the
