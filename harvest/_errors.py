@@ -430,10 +430,6 @@ def batch_sizes_differ(caller: str, name: str, sizes: Any, axes: Any, first: Any
     )
 
 
-def no_tqdm(caller: str) -> ImportError:
-    return ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.")
-
-
 def bad_batch_size(caller: str, batch_size: Any) -> TypeError:
     return TypeError(
         f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
@@ -742,4 +738,11 @@ def ppl_nothing_to_sample() -> ValueError:
         "sample_posterior: the program has no free continuous random variable left to sample "
         "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
         "or draw from it with predictive."
+    )
+
+
+def needs_extra(what: str, module: str, extra: str) -> ImportError:
+    return ImportError(
+        f"{what} needs {module}, which is not installed. Install it with "
+        f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
     )

@@ -512,30 +512,47 @@ def instrument(
     inputs: bool = False,
     where: NameSelect = None,
 ) -> Callable[P, R]:
-    """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
+    """Returns ``target`` with its parts sown under ``tag``, for models nobody instrumented by hand.
 
-    The result is called exactly as `target` is and returns the same values
-    (bit for bit; outside a harvest every sow is the identity), but `reap`,
-    `plant`, `harvest`, `sites`, `stream` and the patching sweeps see sites:
+    The result is called exactly as ``target`` is and returns the same values
+    (bit for bit; outside a harvest every sow is the identity), but ``reap``,
+    ``plant``, ``harvest``, ``sites``, ``stream`` and the patching sweeps see sites:
 
     * a Flax NNX or Equinox module: the output of every submodule call, named
-      by its dotted path from the root (`"blocks.0.attn"`, `"head"`); list
+      by its dotted path from the root (``"blocks.0.attn"``, ``"head"``); list
       indices and dict keys are path elements;
     * a plain function: the output of every Flax Linen submodule it applies,
-      named by the Linen scope path joined with dots (`"blocks_0.attn"`);
-    * with `ops=True`, any callable: also every primitive's output, named
-      `"<scope>/<primitive>:<n>"` from the `jax.named_scope` stack (module
-      paths included) and a counter per scope and primitive; ops inside `scan`,
-      `cond`, `jit` and `checkpoint` are sites too;
-    * with `inputs=True`, module targets and Linen: also each submodule call's
-      array arguments, named `"<path>:in"` (one argument: the array itself;
+      named by the Linen scope path joined with dots (``"blocks_0.attn"``);
+    * with ``ops=True``, any callable: also every primitive's output, named
+      ``"<scope>/<primitive>:<n>"`` from the ``jax.named_scope`` stack (module
+      paths included) and a counter per scope and primitive; ops inside ``scan``,
+      ``cond``, ``jit`` and ``checkpoint`` are sites too;
+    * with ``inputs=True``, module targets and Linen: also each submodule call's
+      array arguments, named ``"<path>:in"`` (one argument: the array itself;
       several: a tuple of them; flags, None and PRNG keys are left out).
       Planting there replaces what the submodule receives.
 
     A site sown once holds the value itself; one sown k times (a shared module,
-    a layer inside `scan`) holds the k values stacked on a leading axis, and
-    takes plants of either shape. `where` (a name, glob pattern, predicate on
-    names, or a list of them) picks the sites before anything is traced.
+    a layer inside ``scan``) holds the k values stacked on a leading axis, and
+    takes plants of either shape.
+
+    Args:
+        target: the model: a Flax NNX module, an Equinox module, or any callable
+            (for Linen, the function that calls ``model.apply``).
+        tag: the tag the sites are sown under; pass the same ``tag`` to ``reap``,
+            ``plant`` and ``sites``.
+        ops: also sow every primitive's output (``"<scope>/<primitive>:<n>"``).
+        inputs: also sow each submodule call's array arguments (``"<path>:in"``).
+        where: which sites to sow, picked before anything is traced: a name, a
+            glob pattern, a predicate on names, or a list of them (None: all).
+
+    Returns:
+        A callable with ``target``'s signature and outputs (a pytree, so it can
+        be passed through ``jax.jit``) whose parts are sites of ``tag``.
+
+    Raises:
+        TypeError: if ``target`` is neither a module nor a callable, ``tag`` is
+            not a non-empty string, or ``ops``/``inputs`` is not a bool.
 
     Example:
         >>> import jax.numpy as jnp

@@ -287,7 +287,7 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     except ImportError:
         if auto:
             return items
-        raise _errors.no_tqdm(caller) from None
+        raise _errors.needs_extra(f"{caller}(progress=True)", "tqdm", "patching") from None
     return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
 
 

@@ -1,4 +1,4 @@
-"""Draws docs/_static/patching_heatmap.png, the figure in README.md.
+"""Draws docs/_static/patching_heatmap.png, the activation patching guide's figure.
 
     python docs/_static/patching_heatmap.py
 
@@ -36,7 +36,8 @@ def main() -> None:
     )
     figure = axes[0].figure
     figure.suptitle("Which (site, position) carries the clean answer")
-    figure.savefig(HERE / "patching_heatmap.png", dpi=120)
+    # 100 dpi: narrower than the 900-pixel content column of the docs.
+    figure.savefig(HERE / "patching_heatmap.png", dpi=100)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,18 @@ __all__ = [
 def log_prob(f: Any) -> LogProbFunction:
     """oryx's log_prob: the density of a distribution, or of a program's output by inversion.
 
+    Args:
+        f: a TFP distribution, or a program ``f(key, *args)`` whose output is
+            an invertible function of its draws (including draws of primitives
+            registered in ``harvest.compat.oryx.log_prob``).
+
+    Returns:
+        ``f.log_prob`` for a distribution; for a program, a function
+        ``(sample, *args) -> log density`` of the output ``sample``.
+
+    Raises:
+        NotImplementedError: if ``f`` is neither a distribution nor callable.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from harvest.compat.oryx import ppl
@@ -102,7 +114,14 @@ def log_prob(f: Any) -> LogProbFunction:
 
 
 def joint_log_prob(f: Program) -> LogProbFunction:
-    """oryx's joint_log_prob: `log_prob(joint_sample(f))`.
+    """oryx's joint_log_prob: ``log_prob(joint_sample(f))``.
+
+    Args:
+        f: a program ``f(key, *args)`` whose draws are named by ``random_variable``.
+
+    Returns:
+        A function ``(latents, *args) -> joint log density``, where ``latents``
+        is ``{name: value}`` for every draw.
 
     Example:
         >>> from harvest.compat.oryx import ppl
@@ -115,7 +134,13 @@ def joint_log_prob(f: Program) -> LogProbFunction:
 
 
 def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
-    """oryx's trace: `(key, *args) -> (output, {name: random variable})`.
+    """oryx's trace: ``(key, *args) -> (output, {name: random variable})``.
+
+    Args:
+        f: a program ``f(key, *args)`` with named draws.
+
+    Returns:
+        A function with ``f``'s arguments returning ``(output, latents)``.
 
     Example:
         >>> import jax
@@ -128,7 +153,14 @@ def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
 
 
 def trace_log_prob(f: Program) -> LogProbFunction:
-    """oryx's trace_log_prob: `(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)`.
+    """oryx's trace_log_prob: ``(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)``.
+
+    Args:
+        f: a program ``f(key, *args)`` with named draws.
+
+    Returns:
+        A function ``(output, latents, *args) -> log density`` of the output and
+        the draws together.
 
     Example:
         >>> from harvest.compat.oryx import ppl
@@ -158,7 +190,23 @@ def plate(f: Callable[P, R], name: str) -> Callable[P, R]: ...
 @overload
 def plate(f: None = None, *, name: str) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 def plate(f: Callable[..., Any] | None = None, name: str | None = None) -> Callable[..., Any]:
-    """oryx's plate: independent draws along the named axis `name`.
+    """oryx's plate: independent draws along the named axis ``name``.
+
+    Used as ``plate(f, name=...)`` or as the decorator ``@plate(name=...)``; run
+    the result under ``jax.vmap(..., axis_name=name)``.
+
+    Args:
+        f: the program ``f(key, *args)`` to draw independently per index of the
+            axis; omitted when ``plate`` is used as a decorator.
+        name: the named axis (as given to ``jax.vmap``'s ``axis_name``); each
+            index folds its position into the key, and ``log_prob`` sums the
+            densities over the axis.
+
+    Returns:
+        The plated program, or, without ``f``, a decorator that plates one.
+
+    Raises:
+        TypeError: if ``name`` is not a non-empty string.
 
     Example:
         >>> import jax
@@ -207,6 +255,20 @@ def _function_random_variable(f: Program, name: str | None, plate_name: str | No
 
 def random_variable(obj: Any, *, name: str | None = None, plate: str | None = None) -> Any:  # noqa: A002 (oryx's keyword)
     """oryx's random_variable: tags a value, or turns a distribution or function into a sampler.
+
+    Args:
+        obj: a TFP distribution (becomes a sampler ``key -> draw``), a function
+            (a program, whose output is tagged and whose inner names are scoped
+            under ``name``), or a value (tagged as it is).
+        name: the draw's name; None for an unnamed sampler (a value needs one).
+        plate: a named axis to draw independently along (see ``plate``).
+
+    Returns:
+        A sampler or program for a distribution or a function; the value itself
+        (or its planted replacement) for a value.
+
+    Raises:
+        ValueError: for a value given without ``name``, or with ``plate``.
 
     Example:
         >>> import jax
