@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,ppl,docs]"
+	$(PY) -m pip install --quiet -e ".[test,ppl,docs,models]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -33,7 +33,15 @@ import jax
 import jax.numpy as jnp
 
 from ._calling import is_array
+from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
+from ._module_paths import (
+    describe,
+    frozen_variables,
+    is_named_array,
+    kind as target_kind,
+    submodules,
+)
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
@@ -62,6 +70,7 @@ class _Call:
         default_factory=list
     )  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
+    kind: str = "function"  # the target's kind (`_module_paths.kind`)
 
     def sow(self, path, value):
         if not self.select((path,)):
@@ -73,9 +82,15 @@ class _Call:
                 f"of type {type(bad[1]).__name__}, which is not an array, so it cannot be a site. "
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
+        if is_named_array(value):
+            # A Penzai named array: the site is its data, axes in `named_shape` order.
+            value = value.order_as(*value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
         if not leaves:
             return value
+        if len(leaves) == 1 and (isinstance(value, (tuple, list)) or is_named_array(value)):
+            # A block's `(cache, x)` with no cache, or a named array: the site is the one array.
+            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0])])
         self.sown += 1
         out = sow_p.bind(
             *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree
@@ -201,7 +216,7 @@ def _rebuilt_path(call: _Call, module: Any) -> str | None:
     path = paths[0]
     call.held.append(module)
     call.paths[id(module)] = path
-    for sub, child in _eqx_modules(module):  # its submodules are rebuilt with it
+    for sub, child in submodules(module, call.kind):  # its submodules are rebuilt with it
         call.paths.setdefault(id(child), f"{path}.{sub}")
     return path
 
@@ -305,74 +320,6 @@ def _unmark(parts):
 # The parts of each kind of target.
 
 
-def _nnx():
-    try:
-        from flax import nnx
-    except ImportError:  # Flax is optional
-        return None
-    return nnx
-
-
-def _eqx():
-    try:
-        import equinox
-    except ImportError:  # Equinox is optional
-        return None
-    return equinox
-
-
-def _kind(target):
-    nnx, eqx = _nnx(), _eqx()
-    if nnx is not None and isinstance(target, nnx.Module):
-        return "nnx"
-    if eqx is not None and isinstance(target, eqx.Module):
-        return "equinox"
-    if callable(target):
-        return "function"
-    return None
-
-
-def _nnx_modules(model):
-    """(dotted path, submodule) for each submodule of an NNX model, root excluded."""
-    nnx = _nnx()
-    return [
-        (".".join(str(k) for k in path), node)
-        for path, node in nnx.iter_graph(model)
-        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
-    ]
-
-
-def _key_str(key):
-    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _eqx_modules(model):
-    """(dotted path, submodule) for each submodule of an Equinox model, root excluded."""
-    eqx = _eqx()
-    found, seen = [], set()
-
-    def visit(node, prefix):
-        children = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
-        )[0]
-        for key, child in children:
-            if isinstance(child, eqx.Module) and id(child) not in seen:
-                seen.add(id(child))
-                path = prefix + tuple(_key_str(k) for k in key)
-                found.append((".".join(path), child))
-                visit(child, path)
-
-    visit(model, ())
-    return found
-
-
-def _modules(target, kind):
-    return _nnx_modules(target) if kind == "nnx" else _eqx_modules(target)
-
-
 # ---------------------------------------------------------------------------
 # The public callable.
 
@@ -400,6 +347,11 @@ class Instrumented:
     def tree_flatten(self):
         if self._kind == "function":
             return (), (self.target, self._static())
+        if self._kind == "penzai":
+            # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
+            # static leaf its old value would stay in a compiled program. Frozen,
+            # the weights are arrays, traced like any argument.
+            return (frozen_variables(self.target),), (None, self._static())
         return (self.target,), (None, self._static())
 
     @classmethod
@@ -411,11 +363,11 @@ class Instrumented:
         return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops}, inputs={self._inputs})"
 
     def __call__(self, *args, **kwargs):
-        call = _Call(self._tag, self._select, self._ops, self._inputs, {})
+        call = _Call(self._tag, self._select, self._ops, self._inputs, {}, kind=self._kind)
         if self._kind == "function":
-            run = functools.partial(_with_linen, call, self.target)
+            run = functools.partial(run_linen, call, self.target)
         else:
-            parts = _modules(self.target, self._kind)
+            parts = submodules(self.target, self._kind)
             names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
             if (
                 self._where is not None
@@ -433,7 +385,7 @@ class Instrumented:
             marked = (
                 [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
             )
-            if self._kind == "equinox":
+            if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
                 call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
             run = functools.partial(
                 _with_modules, call, {type(m) for _, m in parts}, marked, self.target
@@ -448,16 +400,14 @@ class Instrumented:
 
     def _nothing_sown(self):
         if self._where is not None:
-            return (
-                f"instrument: where={self._where!r} selected nothing that {self.target!r} computes."
-            )
+            return f"instrument: where={self._where!r} selected nothing that {describe(self.target)} computes."
         if self._kind == "function":
             return (
-                f"instrument: {self.target!r} applies no Flax Linen module, so it has no module sites. "
+                f"instrument: {describe(self.target)} applies no Flax Linen module, so it has no module sites. "
                 "Pass ops=True to make every primitive's output a site, or instrument the model itself."
             )
         return (
-            f"instrument: {self.target!r} called none of its submodules, so it has no sites. "
+            f"instrument: {describe(self.target)} called none of its submodules, so it has no sites. "
             "Pass ops=True for op sites."
         )
 
@@ -483,25 +433,6 @@ def _with_modules(call, classes, marked, model, *args, **kwargs):
         _active.reset(token)
         _unmark(marked)
         _unwrap(classes)
-
-
-def _with_linen(call, f, *args, **kwargs):
-    try:
-        import flax.linen as nn
-    except ImportError:  # Flax is optional
-        return f(*args, **kwargs)
-
-    def interceptor(next_fun, a, k, context):
-        path = ".".join(context.module.path) if context.method_name == "__call__" else ""
-        if not path:
-            return next_fun(*a, **k)
-        a = call.sow_inputs(path, a)
-        with call.scope(path):
-            out = next_fun(*a, **k)
-        return call.sow(path, out)
-
-    with nn.intercept_methods(interceptor):
-        return f(*args, **kwargs)
 
 
 def instrument(
@@ -552,10 +483,10 @@ def instrument(
         >>> plant(model, tag="modules")({"layers.1": jnp.zeros(1)}, jnp.ones(2))
         Array([0.], dtype=float32)
     """
-    kind = _kind(target)
+    kind = target_kind(target)
     if kind is None:
         raise TypeError(
-            f"instrument needs a Flax NNX module, an Equinox module or a callable, got a "
+            f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
             f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
             "e.g. instrument(lambda x: model.apply(variables, x))."
         )
