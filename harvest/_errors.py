@@ -272,3 +272,32 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
     )
+
+
+# -- instrument(attention=True) ----------------------------------------------
+
+
+def custom_attention_fn(path: str, cls: str) -> TypeError:
+    return TypeError(
+        f"instrument(attention=True): the {cls} at {path!r} has a custom attention_fn, so harvest "
+        "cannot say where its pattern is. Use Flax's default attention_fn there, or leave the "
+        "hooks out (attention=False) and reap its submodules and ops (ops=True) instead."
+    )
+
+
+def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "
+        f"{dict(named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
+        "and a head axis ('heads', 'head_groups', 'query_heads_per_group'). Name its axes so, or pass "
+        "attention=False."
+    )
+
+
+def merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
+        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
+        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
+        "for every (head, position) pair."
+    )

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _attention
 from ._calling import is_array
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
@@ -71,6 +72,8 @@ class _Call:
     )  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
+    attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
+    attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
 
     def sow(self, path, value):
         if not self.select((path,)):
@@ -83,6 +86,8 @@ class _Call:
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
         if is_named_array(value):
+            if self.attention_paths:
+                value = _attention.penzai_hook(self, path, value)
             # A Penzai named array: the site is its data, axes in `named_shape` order.
             value = value.order_as(*value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
@@ -118,10 +123,21 @@ class _Call:
         self.inside.add(id(module))
         try:
             with self.scope(path):
-                out = method(module, *args, **kwargs)
+                out = self.run_attention(path, module, method, args, kwargs)
         finally:
             self.inside.discard(id(module))
         return self.sow(path, out)
+
+    def run_attention(self, path, module, method, args, kwargs):
+        """`method(module, *args, **kwargs)`; with attention=True, an attention module's hooks sown too."""
+        if self.attention:
+            if _attention.is_equinox_attention(module):
+                return _attention.equinox_forward(self, path, module, args, dict(kwargs))
+            flax_kind = _attention.flax_kind(module)
+            if flax_kind is not None:
+                with _attention.flax_hooks(self, path, module, flax_kind):
+                    return method(module, *args, **kwargs)
+        return method(module, *args, **kwargs)
 
     def scope(self, path):
         """With ops=True, a named scope that gives the ops inside the module's path."""
@@ -331,18 +347,27 @@ class Instrumented:
     take it as an argument or bound object trace the model's arrays.
     """
 
-    def __init__(self, target, kind, tag, ops, inputs, select, where):
+    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False):
         self.target = target
         self._kind = kind
         self._tag = tag
         self._ops = ops
         self._inputs = inputs
+        self._attention = attention
         self._select = select
         self._where = where
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
-        return (self._kind, self._tag, self._ops, self._inputs, self._select, self._where)
+        return (
+            self._kind,
+            self._tag,
+            self._ops,
+            self._inputs,
+            self._select,
+            self._where,
+            self._attention,
+        )
 
     def tree_flatten(self):
         if self._kind == "function":
@@ -360,10 +385,21 @@ class Instrumented:
         return cls(target, *aux[1])
 
     def __repr__(self):
-        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops}, inputs={self._inputs})"
+        return (
+            f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
+            f"inputs={self._inputs}, attention={self._attention})"
+        )
 
     def __call__(self, *args, **kwargs):
-        call = _Call(self._tag, self._select, self._ops, self._inputs, {}, kind=self._kind)
+        call = _Call(
+            self._tag,
+            self._select,
+            self._ops,
+            self._inputs,
+            {},
+            kind=self._kind,
+            attention=self._attention,
+        )
         if self._kind == "function":
             run = functools.partial(run_linen, call, self.target)
         else:
@@ -382,6 +418,8 @@ class Instrumented:
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
+            if self._attention and self._kind == "penzai":
+                call.attention_paths = _attention.penzai_attention_paths(parts)
             marked = (
                 [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
             )
@@ -442,6 +480,7 @@ def instrument(
     ops: bool = False,
     inputs: bool = False,
     where: NameSelect = None,
+    attention: bool = False,
 ) -> Callable[P, R]:
     """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
 
@@ -467,6 +506,27 @@ def instrument(
     a layer inside `scan`) holds the k values stacked on a leading axis, and
     takes plants of either shape. `where` (a name, glob pattern, predicate on
     names, or a list of them) picks the sites before anything is traced.
+
+    Args:
+        target: A Flax NNX module, an Equinox module, a Penzai layer (``pz.nn.Layer``),
+            or a callable (a function applying Flax Linen modules, or any function
+            with ``ops=True``).
+        tag: The tag of every site.
+        ops: Also make every primitive's output a site.
+        inputs: Also make each submodule call's array arguments the site ``"<path>:in"``.
+        where: The sites to keep, picked by name before anything is traced.
+        attention: Also give each attention module of a known kind (NNX
+            ``MultiHeadAttention``, Linen ``MultiHeadDotProductAttention``, Equinox
+            ``MultiheadAttention``, Penzai ``pz.nn.Attention``, Gemma's ``Attention``)
+            TransformerLens's sites ``"<path>.hook_q"``, ``.hook_k``, ``.hook_v``,
+            ``.hook_z`` (``[..., seq, heads, d_head]``) and ``.hook_pattern`` (the
+            post-softmax weights, ``[..., heads, q_pos, k_pos]``).
+
+    Returns:
+        A callable with ``target``'s signature and outputs, whose parts are sites.
+
+    Raises:
+        TypeError: if ``target`` is none of the kinds above, or an option has the wrong type.
 
     Example:
         >>> import jax.numpy as jnp
@@ -496,7 +556,9 @@ def instrument(
         raise TypeError(f"instrument needs `ops` to be True or False, got {ops!r}.")
     if not isinstance(inputs, bool):
         raise TypeError(f"instrument needs `inputs` to be True or False, got {inputs!r}.")
+    if not isinstance(attention, bool):
+        raise TypeError(f"instrument needs `attention` to be True or False, got {attention!r}.")
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, inputs, select, where)
+    return Instrumented(target, kind, tag, ops, inputs, select, where, attention)

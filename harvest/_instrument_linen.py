@@ -18,11 +18,14 @@ Two Linen features need more than that:
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from . import _attention
 
 _salt: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "harvest_linen_jit_salt", default=None
@@ -41,12 +44,19 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     _salt_linen_jit()
 
     def interceptor(next_fun, a, k, context):
-        path = linen_path(context.module) if context.method_name == "__call__" else ""
+        module = context.module
+        path = linen_path(module) if context.method_name == "__call__" else ""
         if not path:
             return next_fun(*a, **k)
+        parent = module.parent if call.attention else None
+        in_gemma = parent is not None and _attention.is_gemma_attention(parent)
+        if in_gemma:
+            a = _attention.gemma_input_hook(call, linen_path(parent), module.name, a)
         a = call.sow_inputs(path, a)
-        with call.scope(path):
+        with call.scope(path), _attention_fn_hooked(call, path, module):
             out = next_fun(*a, **k)
+        if in_gemma:
+            out = _attention.gemma_output_hook(call, linen_path(parent), module.name, out)
         return call.sow(path, out)
 
     token = _salt.set(next(_salts))
@@ -55,6 +65,13 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             return f(*args, **kwargs)
     finally:
         _salt.reset(token)
+
+
+def _attention_fn_hooked(call: Any, path: str, module: Any) -> Any:
+    """With attention=True, Linen's `MultiHeadDotProductAttention` sows its hooks while it runs."""
+    if call.attention and _attention.flax_kind(module) == "linen":
+        return _attention.flax_hooks(call, path, module, "linen")
+    return contextlib.nullcontext()
 
 
 def linen_path(module: Any) -> str:
