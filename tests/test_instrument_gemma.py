@@ -81,3 +81,26 @@ def test_plant_block_output_matches_a_hand_patched_forward(gemma):
         f, clean, (params, tokens[:, ::-1]), lambda o: o[0, -1, 0], tag="modules"
     )
     assert len(result.names) == len(clean)
+
+
+def test_attention_hooks(gemma):
+    model, params, tokens = gemma
+    f = instrument(lambda p, t: model.apply(p, t).logits, attention=True)
+    reaped = reap(f, tag="modules")(params, tokens)
+    attn = "layer_0.attn"
+    for hook in ("hook_q", "hook_k", "hook_v", "hook_z"):
+        assert reaped[f"{attn}.{hook}"].shape == (1, 5, 2, 4), hook
+    pattern = reaped[f"{attn}.hook_pattern"]
+    assert pattern.shape == (1, 2, 5, 5)
+    # Gemma's own [B, T, N, S] weights (its `attention_weights` identity), as [B, N, T, S].
+    np.testing.assert_array_equal(pattern, reaped[f"{attn}.attention_weights"].swapaxes(1, 2))
+    uniform = jnp.tril(jnp.ones((1, 2, 5, 5))) / jnp.arange(1, 6)[:, None]
+    planted = plant(f, tag="modules")({f"{attn}.hook_pattern": uniform}, params, tokens)
+    same = plant(f, tag="modules")(
+        {f"{attn}.attention_weights": uniform.swapaxes(1, 2)}, params, tokens
+    )
+    np.testing.assert_allclose(planted, same, rtol=1e-6)
+    # z = 0: the attention's output (the einsum of z, no bias) is 0.
+    no_z = plant(f, tag="modules")({f"{attn}.hook_z": jnp.zeros((1, 5, 2, 4))}, params, tokens)
+    no_out = plant(f, tag="modules")({attn: jnp.zeros((1, 5, 8))}, params, tokens)
+    np.testing.assert_allclose(no_z, no_out, rtol=1e-6, atol=1e-6)

@@ -233,3 +233,26 @@ def tiny_model(seed):
         tie_embedder_and_logits=False,
     )
     return llamalike.build_llamalike_transformer(config, init_base_rng=jax.random.key(seed))
+
+
+def test_attention_hooks_match_hand_edits(model):
+    """hook_q/k/v/z are [batch, seq, heads, projection], hook_pattern [batch, heads, seq, kv_seq];
+    planting one equals the model edited by hand to put that value after the sublayer."""
+    m = instrument(model, attention=True, where=ATTN + ".*")
+    reaped = reap(m, tag="modules")(CLEAN)
+    attn = _get(model, ATTN.split("."))
+    assert reaped[ATTN + ".hook_q"].shape == (1, 5, 2, 4)
+    assert reaped[ATTN + ".hook_pattern"].shape == (1, 2, 5, 5)
+    np.testing.assert_allclose(reaped[ATTN + ".hook_pattern"].sum(-1), 1.0, rtol=1e-5)
+    where = {
+        "hook_q": ("input_to_query", ("batch", "seq", "heads", "projection")),
+        "hook_v": ("input_to_value", ("batch", "seq", "heads", "projection")),
+        "hook_pattern": ("query_key_to_attn", ("batch", "heads", "seq", "kv_seq")),
+        "hook_z": ("attn_value_to_output.sublayers.0", ("batch", "seq", "heads", "projection")),
+    }
+    assert isinstance(attn, pz.nn.Attention)
+    for i, (hook, (sub, axes)) in enumerate(where.items()):
+        value = jax.random.uniform(jax.random.key(i), reaped[f"{ATTN}.{hook}"].shape)
+        planted = plant(m, tag="modules")({f"{ATTN}.{hook}": value}, CLEAN)
+        by_hand = edited(model, f"{ATTN}.{sub}", Const(pz.nx.wrap(value, *axes)))(CLEAN)
+        np.testing.assert_allclose(logits(planted), logits(by_hand), rtol=1e-5, atol=1e-5)
