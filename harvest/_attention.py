@@ -33,6 +33,15 @@ import jax.numpy as jnp
 HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
 
 
+def is_attention(module: Any) -> bool:
+    """Whether `instrument(attention=True)` hooks `module` (a submodule of a module target)."""
+    return (
+        flax_kind(module) is not None
+        or is_equinox_attention(module)
+        or bool(penzai_attention_paths([("", module)]))
+    )
+
+
 def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
     """`value`, sown as `name` in TransformerLens's layout (`to_view`) and brought back."""
     if not call.select((name,)):
@@ -344,3 +353,63 @@ def gemma_input_hook(call: Any, path: str, name: str, args: tuple) -> tuple:
     if name != "attn_vec_einsum" or len(args) < 2:
         return args
     return (args[0], _hook(call, f"{path}.hook_z", args[1]), *args[2:])
+
+
+# ---------------------------------------------------------------------------
+# Sweeps over heads: which axis is which, and axes that would sweep features.
+
+_HEAD_SHAPED = {"hook_q", "hook_k", "hook_v", "hook_z"}  # [..., seq, heads, d_head]
+_LABELS = {
+    "head_shaped": {-3: "position", -2: "head", -1: "d_head"},
+    "hook_pattern": {-3: "head", -2: "query position", -1: "key position"},
+}
+# Equinox's MultiheadAttention projects to, and from, every head's features merged.
+_MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
+_MERGED_IN = {".output_proj:in": "hook_z"}
+
+
+def _family(name: str) -> str | None:
+    leaf = name.rpartition(".")[2]
+    if leaf in _HEAD_SHAPED:
+        return "head_shaped"
+    return "hook_pattern" if leaf == "hook_pattern" else None
+
+
+def _ndim(value: Any) -> int:
+    return int(jnp.ndim(jax.tree_util.tree_leaves(value)[0]))
+
+
+def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None) -> None:
+    """Raises if a sweep's `axes` would index merged head features, or a hook's d_head axis.
+
+    `swept` holds (name, one occurrence's value) for each swept site.
+    """
+    if axes is None:
+        return
+    from . import _errors
+
+    for name, value in swept:
+        ndim = _ndim(value)
+        negative = {a - ndim if a >= 0 else a for a in axes}
+        hook = next((h for s, h in {**_MERGED, **_MERGED_IN}.items() if name.endswith(s)), None)
+        if hook is not None and -1 in negative:
+            base = name.removesuffix(":in").rpartition(".")[0]
+            raise _errors.merged_head_axis(name, axes, f"{base}.{hook}")
+        if _family(name) == "head_shaped" and -1 in negative:
+            raise _errors.d_head_axis(name, axes)
+
+
+def axis_labels(
+    swept: list[tuple[str, Any]], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """What each swept axis is ("head", "position", ...) when every swept site is one kind of
+    hook, else None."""
+    if axes is None or not swept:
+        return None
+    families = {_family(n) for n, _ in swept}
+    ndims = {_ndim(v) for _, v in swept}
+    if len(families) != 1 or None in families or len(ndims) != 1:
+        return None
+    table, ndim = _LABELS[families.pop() or ""], ndims.pop()
+    labels = [table.get(a - ndim if a >= 0 else a) for a in axes]
+    return None if None in labels else tuple(str(label) for label in labels)

@@ -301,3 +301,11 @@ def merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
         f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
         "for every (head, position) pair."
     )
+
+
+def d_head_axis(name: str, axes: Any) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
+        "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
+        "for every (head, position) pair, or axis=-2 for heads."
+    )

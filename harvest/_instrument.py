@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _attention
+from ._attention import HOOKS
 from ._calling import is_array
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
@@ -405,6 +406,8 @@ class Instrumented:
         else:
             parts = submodules(self.target, self._kind)
             names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._attention:
+                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
             if (
                 self._where is not None
                 and not self._ops

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _attention
 from ._calling import call_merged, is_array, make_jaxpr, split_nodes
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
@@ -353,6 +354,9 @@ class PatchingResult:
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
     skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
+    axis_labels: tuple[str, ...] | None = (
+        None  # what each swept axis is ("head", "position"), if known
+    )
 
     def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
@@ -431,8 +435,8 @@ class PatchingResult:
             titles=list(self.names),
             row_labels=rows,
             col_labels=cols,
-            xlabel=f"axis {self.axis[1]}",
-            ylabel=f"axis {self.axis[0]}",
+            xlabel=self.axis_labels[1] if self.axis_labels else f"axis {self.axis[1]}",
+            ylabel=self.axis_labels[0] if self.axis_labels else f"axis {self.axis[0]}",
             cmap=cmap,
             vmin=-(bound or 1.0),
             vmax=bound or 1.0,
@@ -960,6 +964,8 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
+    _attention.check_swept_axes(swept, axes)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise TypeError(
             f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
@@ -1007,7 +1013,13 @@ def patching_sweep(
     shape = (len(names_),) + (() if size is None else size)
     mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
     return PatchingResult(
-        mean.reshape(shape), names_, labels, axis, float(np.mean(baselines)), skipped=skipped
+        mean.reshape(shape),
+        names_,
+        labels,
+        axis,
+        float(np.mean(baselines)),
+        skipped=skipped,
+        axis_labels=_attention.axis_labels(swept, axes),
     )
 
 
@@ -1054,6 +1066,8 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
+    _attention.check_swept_axes(swept, axes)
     site_axes = [_site_axes(t.one, axes, caller) for t in targets]
     patched = frozenset(path_str(t.site.path) for t in targets)
 
@@ -1088,7 +1102,13 @@ def attribution_patching(
     names_, labels = _labels(targets, size, axis)
     values = np.mean([np.asarray(v) for v, _ in results], 0)
     return PatchingResult(
-        values, names_, labels, axis, float(np.mean([b for _, b in results])), skipped=skipped
+        values,
+        names_,
+        labels,
+        axis,
+        float(np.mean([b for _, b in results])),
+        skipped=skipped,
+        axis_labels=_attention.axis_labels(swept, axes),
     )
 
 

@@ -163,3 +163,65 @@ def test_attention_flag_is_checked_and_custom_attention_fns_say_what_to_do():
     with pytest.raises(TypeError, match="custom attention_fn") as info:
         reap(instrument(model, attention=True), tag="modules")(jnp.ones((1, T, D)))
     assert len(str(info.value)) < 600
+
+
+def equinox_holder():
+    mha = eqx.nn.MultiheadAttention(H, D, qk_size=DH, vo_size=DH, key=jax.random.key(0))
+    model = Holder(mha)
+
+    def reference(x, patch=None):
+        proj = lambda lin, a: (a @ lin.weight.T).reshape(T, H, DH)
+        out = lambda z: z.reshape(T, H * DH) @ mha.output_proj.weight.T
+        q, k, v = proj(mha.query_proj, x), proj(mha.key_proj, x), proj(mha.value_proj, x)
+        return by_hand(q, k, v, out, patch=patch)
+
+    return model, reference
+
+
+def test_head_by_position_sweep_on_hook_z_matches_hand_patches():
+    from harvest import patch_head, patching_sweep
+
+    model, reference = equinox_holder()
+    probed = instrument(model, attention=True, where="attn.hook_z")
+    clean_x, corrupt_x = new_value((T, D), 1), new_value((T, D), 2)
+    clean = reap(probed, tag="modules")(clean_x)
+    metric = lambda out: out[-1].sum()
+    result = patching_sweep(probed, clean, (corrupt_x,), metric, tag="modules", axis=(-2, -3))
+    assert result.values.shape == (1, H, T)
+    assert result.axis_labels == ("head", "position")
+    z_clean, z_corrupt = reference(clean_x)[1]["hook_z"], reference(corrupt_x)[1]["hook_z"]
+    base = metric(reference(corrupt_x)[0])
+    for h in range(H):
+        for t in range(T):
+            mixed = z_corrupt.at[t, h].set(z_clean[t, h])
+            by_hand = metric(reference(corrupt_x, {"hook_z": mixed})[0]) - base
+            np.testing.assert_allclose(result.values[0, h, t], by_hand, **TOL)
+    # patch_head on the hook: head 1 at every position, by hand.
+    planted = plant(probed, tag="modules")(
+        {"attn.hook_z": patch_head(clean["attn.hook_z"], 1, axis=-2)}, corrupt_x
+    )
+    mixed = z_corrupt.at[:, 1].set(z_clean[:, 1])
+    np.testing.assert_allclose(planted, reference(corrupt_x, {"hook_z": mixed})[0], **TOL)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    panel = result.plot()[0]
+    assert (panel.get_xlabel(), panel.get_ylabel()) == ("position", "head")
+
+
+def test_a_sweep_over_merged_head_features_names_the_hook_to_use():
+    from harvest import patching_sweep
+
+    model, _ = equinox_holder()
+    probed = instrument(model, inputs=True, attention=True)
+    x = new_value((T, D), 1)
+    clean = reap(probed, tag="modules")(x)
+    assert clean["attn.output_proj:in"].shape == (T, H * DH)  # heads merged
+    metric = lambda out: out.sum()
+    with pytest.raises(ValueError, match="'attn.hook_z'") as info:
+        patching_sweep(
+            probed, clean, (-x,), metric, tag="modules", names="attn.output_proj:in", axis=(1, 0)
+        )
+    assert len(str(info.value)) < 600
+    with pytest.raises(ValueError, match="d_head"):
+        patching_sweep(probed, clean, (-x,), metric, tag="modules", names="attn.hook_z", axis=-1)
