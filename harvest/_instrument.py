@@ -77,6 +77,8 @@ class _Call:
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
 
     def sow(self, path, value):
+        if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
+            value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
             return value
         bad = non_array(value)
@@ -87,8 +89,6 @@ class _Call:
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
         if is_named_array(value):
-            if self.attention_paths:
-                value = _attention.penzai_hook(self, path, value)
             # A Penzai named array: the site is its data, axes in `named_shape` order.
             value = value.order_as(*value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
