@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# DeepMind's gemma library, without its declared dependencies (see the `models`
+# extra in pyproject.toml for the ones it imports).
+GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
 
 .PHONY: demo test lint test-matrix install docs bench conformance dist clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test,ppl,docs,models]"
+	$(PY) -m pip install --quiet --no-deps $(GEMMA)
 	touch $(STAMP)
 
 install: $(STAMP)

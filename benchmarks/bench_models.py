@@ -77,10 +77,39 @@ def penzai_case(cfg: Config):
     return forwards, reap(probed, tag="modules"), (tokens,)
 
 
+def import_gemma():
+    """`gemma`'s model API (`gm`, its config and modules), importing with TensorFlow absent.
+
+    `kauldron.typing`, which gemma's modules import, reads `tensorflow.Tensor` at
+    import time to build its TensorFlow array aliases, and nothing else of it on
+    the way to a model. TensorFlow (1.9 GB) is not in harvest's extras, so while
+    gemma is imported a module holding a bare `Tensor` class stands in for it;
+    it is taken out of `sys.modules` after, so nothing else sees it. (This patches
+    no JAX private: gemma 3.3.0 imports and runs on JAX 0.10.2 as it is.)
+    """
+    import importlib.util
+    import sys
+    import types
+
+    stub = None
+    if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
+        stub = types.ModuleType("tensorflow")
+        stub.Tensor = type("Tensor", (), {})  # type: ignore[attr-defined]
+        sys.modules["tensorflow"] = stub
+    try:
+        from gemma import gm
+        from gemma.gm.nn import _config, _modules
+
+        gm.nn.Transformer  # noqa: B018  (gemma's API is imported lazily: load it now)
+    finally:
+        if stub is not None and sys.modules.get("tensorflow") is stub:
+            del sys.modules["tensorflow"]
+    return gm, _config, _modules
+
+
 def gemma_case(cfg: Config):
     """((forward, forward), capture, args) for a tiny Gemma 3 transformer (`gemma` library)."""
-    from gemma import gm
-    from gemma.gm.nn import _config, _modules
+    gm, _config, _modules = import_gemma()
 
     config = _config.TransformerConfig(
         num_embed=97,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,8 +85,16 @@ def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
     if original is not default:
         raise _errors_custom_attention_fn(path, type(module).__name__)
     hooked = _linen_attention(call, path) if kind == "linen" else _nnx_attention(call, path)
+    thread = threading.get_ident()
+
+    @functools.wraps(original)
+    def attention_fn(*args, **kwargs):
+        # An NNX module is shared: another thread calling it meanwhile gets Flax's own.
+        run = hooked if threading.get_ident() == thread else original
+        return run(*args, **kwargs)
+
     # A Flax module is frozen (Linen) or checks its attributes (NNX): set past both, and put back.
-    object.__setattr__(module, "attention_fn", functools.wraps(original)(hooked))
+    object.__setattr__(module, "attention_fn", attention_fn)
     try:
         yield
     finally:

@@ -1,9 +1,9 @@
 """instrument on DeepMind's `gemma` library (Linen): a tiny Gemma 3 config, random weights.
 
-`gemma` is not in the test extras (see docs/guides/unmodified_models.md: its
-`kauldron` dependency imports TensorFlow); these tests run where it is
-installed and skip with that reason elsewhere. The toy model of
-tests/test_instrument_linen.py reproduces each failure without it.
+`gemma` is installed by the Makefile with --no-deps (see the `models` extra);
+it imports with a stand-in for TensorFlow (`benchmarks.bench_models.import_gemma`
+says why). Where it is not installed (the JAX matrix), these tests skip; the
+toy model of tests/test_instrument_linen.py reproduces each failure without it.
 """
 
 import jax
@@ -11,14 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.bench_models import import_gemma
 from harvest import instrument, patching_sweep, plant, reap, sites
 
 try:
-    from gemma import gm
-    from gemma.gm.nn import _config, _modules
-
-    gm.nn.Transformer  # noqa: B018  (gemma's API is imported lazily: load it now)
-except Exception as error:  # noqa: BLE001  (any failure to import means: not installed here)
+    gm, _config, _modules = import_gemma()
+except ImportError as error:
     pytest.skip(f"the gemma library does not import here: {error}", allow_module_level=True)
 
 
