@@ -354,9 +354,8 @@ class PatchingResult:
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
     skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
-    axis_labels: tuple[str, ...] | None = (
-        None  # what each swept axis is ("head", "position"), if known
-    )
+    # What each swept axis is ("head", "position"), when the swept sites say (attention hooks).
+    axis_labels: tuple[str, ...] | None = None
 
     def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
