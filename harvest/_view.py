@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ._calling import make_jaxpr
-from ._inspect import _bodies
+from ._higher_order import bodies as _descriptor_bodies
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
@@ -156,7 +156,7 @@ class _Graph:
         for eqn in jaxpr.eqns:
             node = f"n{next(self.ids)}"
             sources = sorted({producers[v] for v in eqn.invars if _is_var(v) and v in producers})
-            bodies = _bodies(eqn)
+            bodies = [(b.label, b.jaxpr, b.runs) for b in _descriptor_bodies(eqn)]
             if eqn.primitive is sow_p:
                 cards.append(self._site(node, eqn, sources))
             elif bodies:
