@@ -124,7 +124,7 @@ def check_path(path: pathlib.Path) -> Manifest | None:
     if (
         manifest is None
         and path.is_dir()
-        and any(not p.name.startswith(".") for p in path.iterdir())
+        and any(p.name[:1] != "." for p in path.iterdir())
     ):
         raise _errors.store_path_not_a_store(path)
     return manifest
