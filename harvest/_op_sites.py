@@ -21,7 +21,7 @@ from jax import lax
 
 from . import _jax
 from ._calling import make_jaxpr, split_nodes, write_back
-from ._modes import AUTO, CLOBBER
+from ._modes import AUTO
 from ._primitive import sow_p
 
 INSTRUMENT_MODE = (
@@ -29,7 +29,6 @@ INSTRUMENT_MODE = (
 )  # once: the value itself; several times or in a loop: stacked (`instrument`)
 INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p})
 CUSTOM = frozenset({_jax.custom_jvp_call_p, _jax.custom_vjp_call_p})
-WHILE_MODE = CLOBBER.name  # a while loop's trip count is unknown: keep the last iteration
 
 
 def sow_ops(f, call, args, kwargs):
@@ -166,12 +165,10 @@ class _Walk:
         cond, body = p.cond, p.body
         ncc, nbc = p.cond_nconsts, p.body_nconsts
         cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
-        # Ops of cond_fun are not sown (a sow may not sit there); body ops keep the last iteration.
-        body_mode = None if mode is None else WHILE_MODE
+        # Ops of cond_fun are not sown (a sow may not sit there); body ops are
+        # sown as any op is: reap gives the last iteration, or `max_steps` of them.
         return lax.while_loop(
             lambda c: self.eval(cond.jaxpr, cond.consts, [*cconsts, *c], here, None)[0],
-            self.body(
-                lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, body_mode)
-            ),
+            self.body(lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, mode)),
             list(init),
         )

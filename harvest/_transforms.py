@@ -275,10 +275,14 @@ def _check_callable(f, fn_name):
         raise _errors.not_callable(f, fn_name)
 
 
-def _policy(tag, allowlist, blocklist):
+def _policy(tag, allowlist, blocklist, max_steps=None):
     if not isinstance(tag, str) or not tag:
         raise _errors.bad_tag(tag)
-    return Policy(tag, NameFilter.make(allowlist, blocklist))
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+    ):
+        raise _errors.bad_max_steps(max_steps)
+    return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
 
 
 def _check_plants_arg(plants, fn_name):
@@ -361,6 +365,7 @@ def reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, Reaped]:
     """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
 
@@ -374,6 +379,14 @@ def reap(
     Nested `nest` scopes come back as nested dicts. Names come in program
     order (by first occurrence), at every level; under an outer `jax.jit`,
     JAX returns any dict with its keys sorted.
+
+    Inside a `lax.while_loop`, whose trip count is known only when it runs,
+    `instrument`'s sites give the last iteration's value, as `clobber` does;
+    `max_steps=N` records the first `N` iterations instead: each name sown
+    in the loop's body with a stacking mode (`collect`, `append`,
+    `instrument`'s) comes back as `harvest.Steps(values, count)`, `values`
+    shaped as a `scan` of `N` iterations would reap it and `count` the
+    iterations that ran.
 
     Arguments are taken as `equinox.filter_jit` takes them, here and in every
     other transformation: JAX and NumPy arrays are traced; every other leaf
@@ -403,7 +416,7 @@ def reap(
         ['step0', 'step1', 'step2']
     """
     return transform(
-        f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps"
+        f, "reap", _policy(tag, allowlist, blocklist, max_steps), takes_plants=False, gives="reaps"
     )
 
 
@@ -413,6 +426,7 @@ def call_and_reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Like `reap`, but the function returns `(f's output, {name: value})`.
 
@@ -423,7 +437,11 @@ def call_and_reap(
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
     return transform(
-        f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both"
+        f,
+        "call_and_reap",
+        _policy(tag, allowlist, blocklist, max_steps),
+        takes_plants=False,
+        gives="both",
     )
 
 
@@ -471,10 +489,12 @@ def harvest(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns `g(plants, *args, **kwargs) -> (out, reaps)`: plant and reap in one walk.
 
-    `reaps` holds the names of `tag` that were not planted.
+    `reaps` holds the names of `tag` that were not planted; `max_steps` is
+    `reap`'s.
 
     Example:
         >>> from harvest import sow, harvest
@@ -487,7 +507,7 @@ def harvest(
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
     return transform(
-        f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both"
+        f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
     )
 
 

@@ -18,6 +18,7 @@ from jax import lax
 from .. import _errors, _jax
 from .._interpreter import interpret, register
 from .._occurrences import Record
+from .._steps import Steps
 
 
 def _zeros(shape):
@@ -28,6 +29,8 @@ def _union(shapes, site):
     """The record structure every branch returns for one name, as shapes."""
     mode = site.mode
     present = [s for s in shapes if s is not None]
+    if any(isinstance(s, Steps) for s in present):  # a while_loop's, recorded per step
+        raise _errors.steps_nested(site)
     if mode.entries:
         longest = max(present, key=len)
         for s in present:
