@@ -20,6 +20,7 @@ from ._patching import (
     patch_positions as patch_positions,
     patching_sweep as patching_sweep,
 )
+from ._path_patching import path_patching as path_patching
 from ._perturb import perturb as perturb
 from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p

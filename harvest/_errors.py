@@ -315,3 +315,34 @@ def steps_mixed(site: Any) -> ValueError:
         "occurrences their own names, e.g. call the loop body through "
         "harvest.nest(body, scope='decode'), or reap without max_steps."
     )
+
+
+# -- path patching ------------------------------------------------------------
+
+
+def path_patching_senders(senders: Any) -> TypeError:
+    return TypeError(
+        "path_patching needs `senders` as a non-empty dict {site name: planted value}, got "
+        f"{type(senders).__name__}. E.g. senders={{'blocks0.z': patch_head(clean_z, 1, axis=2)}}."
+    )
+
+
+def path_patching_args(args: Any) -> TypeError:
+    return TypeError(
+        f"path_patching needs `corrupted_args` as a tuple of f's arguments, got "
+        f"{type(args).__name__}. Write (x,) for a single argument."
+    )
+
+
+def path_patching_no_receivers() -> ValueError:
+    return ValueError(
+        "path_patching needs `receivers`: the names (or glob patterns) of the sites the "
+        "path runs through, e.g. receivers='blocks1.k'."
+    )
+
+
+def path_patching_sender_is_receiver(name: str) -> ValueError:
+    return ValueError(
+        f"path_patching: the sender {name!r} is also selected by `receivers`. A path runs "
+        "from a sender to other sites: select receivers downstream of it."
+    )
