@@ -140,8 +140,8 @@ def _while(walk, eqn, invals):
     def body_fn(carry):
         c, rec, kept, t = carry
         outs, new, now = run_body(c, rec, t)
-        if steps is not None:  # row `t` of each buffer; past the last row, dropped
-            now = jax.tree_util.tree_map(lambda b, v: b.at[t].set(v, mode="drop"), kept, now)
+        if steps is not None:
+            now = jax.tree_util.tree_map(functools.partial(_write_row, t), kept, now)
         return outs, new, now, t + 1
 
     rec0 = {path: value for path, (_, value) in carried.items()}
@@ -163,6 +163,15 @@ def _while(walk, eqn, invals):
             )
     walk.absorb(records, {})
     return c
+
+
+def _write_row(t, buffer, row):
+    """`buffer` with row `t` set to `row`; past the last row, unchanged. An update
+    in place of one row (a scatter that may drop would copy the buffer)."""
+    last = buffer.shape[0] - 1
+    at = jnp.minimum(t, last)
+    row = jnp.where(t <= last, row, lax.dynamic_index_in_dim(buffer, at, keepdims=False))
+    return lax.dynamic_update_index_in_dim(buffer, row, at, 0)
 
 
 def _last_per_example(record, batch):
