@@ -247,9 +247,15 @@ def stacked_in_while(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} inside a while_loop, whose trip "
         "count is not known until it runs, so its occurrences cannot be stacked into "
-        "a fixed-size array. Pass max_steps=N to reap (or call_and_reap, harvest) for the "
-        "first N iterations and the count, or use lax.scan (or fori_loop with static "
-        "bounds), mode 'clobber' for the last iteration, or sow_cond for a chosen one."
+        "a fixed-size array. "
+        + (
+            "Pass max_steps=N to reap (or call_and_reap, harvest) for the first N iterations "
+            "and the count, or use "
+            if site.mode.public  # harvest.compat.oryx's reap takes no max_steps
+            else "Use "
+        )
+        + "lax.scan (or fori_loop with static bounds), mode 'clobber' for the last "
+        "iteration, or sow_cond for a chosen one."
     )
 
 
