@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,ppl,docs]"
+	$(PY) -m pip install --quiet -e ".[test,ppl,docs,store]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -55,7 +55,7 @@ dist: $(STAMP)
 	! grep -i "deprecat" build/dist.log
 	$(PY) -m twine check --strict dist/*
 	$(PYTHON) -m venv $(DIST_VENV)
-	$(DIST_VENV)/bin/python -m pip install --quiet "$$(ls dist/*.whl)[ppl,test]"
+	$(DIST_VENV)/bin/python -m pip install --quiet "$$(ls dist/*.whl)[ppl,test,store]"
 	cd $(DIST_VENV) && $(DIST_VENV)/bin/python $(CURDIR)/tests/dist/check_installed.py $(CURDIR)
 
 clean:

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest import attribution_patching, plant, reap, sow
-from harvest._patching import patch_positions, patching_sweep
+from harvest import attribution_patching, patch_positions, patching_sweep, plant, reap, sow
 
 SIZES = {  # layers, positions, width, batch
     "tiny": (2, 3, 8, 2),

@@ -6,20 +6,23 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
+from . import extend as extend, store as store
 from ._capture import capture as capture
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
-from ._patching import (
-    PatchingResult as PatchingResult,
+from ._interventions import (
     ablate_head as ablate_head,
     ablate_mean as ablate_mean,
     ablate_zero as ablate_zero,
     add_vector as add_vector,
-    attribution_patching as attribution_patching,
     patch_head as patch_head,
     patch_positions as patch_positions,
+)
+from ._patching import (
+    attribution_patching as attribution_patching,
     patching_sweep as patching_sweep,
 )
+from ._patching_result import PatchingResult as PatchingResult
 from ._path_patching import path_patching as path_patching
 from ._perturb import perturb as perturb
 from ._plots import plot_attention as plot_attention

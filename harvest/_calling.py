@@ -28,7 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _jax
+from . import _errors, _jax
+from ._higher_order import describe
 from ._primitive import tracing_for_harvest
 
 
@@ -173,19 +174,12 @@ def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
     except TraceContextError as e:
         # A path starts with the node's place among the call's nodes: shown only if several.
         names = ", ".join(".".join(map(str, p[len(nodes) == 1 :])) for p in changes.paths[:4])
-        raise TraceContextError(
-            f"This harvested call changed the NNX state ({names}{', ...' if len(changes.paths) > 4 else ''}) "
-            "of a model made outside the jax.jit/jax.grad/... trace it runs in, and NNX forbids writing "
-            "values of that trace into it (calling the model directly there fails the same way). Pass the "
-            "model through the transformation instead: nnx.jit/nnx.grad, or nnx.split it, nnx.merge it "
-            "inside and return nnx.state(model)."
-        ) from e
+        more = ", ..." if len(changes.paths) > 4 else ""
+        raise _errors.nnx_state_from_another_trace(TraceContextError, names + more) from e
 
 
 # ---------------------------------------------------------------------------
 # Which variables a call really changed: decided on the jaxpr.
-
-_CALLS = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.remat_p, _jax.core_call_p})
 
 
 class _Origins:
@@ -224,26 +218,8 @@ class _Origins:
 
     def _forwarded(self, eqn: Any, i: int) -> int | None:
         """The input of `eqn` its output `i` copies, or None."""
-        p = eqn.params
-        if eqn.primitive in _CALLS:
-            return self._position(_jax.call_body(eqn).jaxpr, i)
-        if eqn.primitive is _jax.scan_p:
-            # Outputs: carries, then stacked ys; the body's inputs: consts, carries, xs.
-            # A carry returned as it came, or a slice of xs returned as y, is the input itself.
-            k = self._position(p["jaxpr"].jaxpr, i)
-            n, c = p["num_consts"], p["num_carry"]
-            return (
-                k if (i < c and k == n + i) or (i >= c and k is not None and k >= n + c) else None
-            )
-        if eqn.primitive is _jax.while_p:
-            n = p["body_nconsts"]
-            k = self._position(p["body_jaxpr"].jaxpr, i)
-            return None if k is None or k != n + i else p["cond_nconsts"] + k
-        if eqn.primitive is _jax.cond_p:
-            ks = {self._position(b.jaxpr, i) for b in _jax.cond_branches(eqn)}
-            k = ks.pop() if len(ks) == 1 else None
-            return None if k is None else 1 + k  # input 0 is the branch index
-        return None
+        forwards = describe(eqn).forwards
+        return None if forwards is None else forwards(eqn, i, self._position)
 
     def _position(self, body: Any, i: int) -> int | None:
         """Which input of `body` its output `i` copies, or None."""

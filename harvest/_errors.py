@@ -161,7 +161,7 @@ def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
 
 def stuck_in_batched_branch(site: Any) -> NotImplementedError:
     return NotImplementedError(
-        f"The sow site {site} is inside a while_loop or a custom derivative (custom_jvp, custom_vjp) "
+        f"The sow site {site} is inside a while_loop or a custom rule (custom_jvp, custom_vjp, custom_vmap) "
         "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
         "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
         "example instead, jax.vmap(reap(f)), or move the sow out of that body."
@@ -351,4 +351,341 @@ def path_patching_sender_is_receiver(name: str) -> ValueError:
     return ValueError(
         f"path_patching: the sender {name!r} is also selected by `receivers`. A path runs "
         "from a sender to other sites: select receivers downstream of it."
+    )
+
+
+def handled_inside(primitive: Any, handlers: Any) -> NotImplementedError:
+    handled = sorted({str(p) for p in handlers})
+    return NotImplementedError(
+        f"make_effect_handler: a handled primitive ({', '.join(handled)}) is bound inside "
+        f"`{primitive}`, and the handlers' state cannot be threaded through it. Move "
+        "the handled operations out of the loop or branch."
+    )
+
+
+def handler_state_changed_structure(primitive: Any, before: Any, after: Any) -> TypeError:
+    return TypeError(
+        f"make_effect_handler: inside `{primitive}` the handlers changed the state's structure "
+        f"from {before} to {after}; a loop or branch carries one structure. Keep the state's "
+        "pytree structure fixed (e.g. start from the full dict)."
+    )
+
+
+def jvp_rule_failed(function: str, error: Exception) -> RuntimeError:
+    first = (str(error).splitlines() or [""])[0][:200]
+    return RuntimeError(
+        f"The JVP rule of the custom_jvp function `{function or '?'}` failed while harvest "
+        f"traced it to find the sows it holds ({type(error).__name__}: {first}). Fix the rule "
+        "(it would fail the same way under jax.jvp), or define it with jax.custom_vjp."
+    )
+
+
+# -- activation patching, sites, effect handlers, NNX state --------------
+
+
+def bad_positions(positions: Any) -> TypeError:
+    return TypeError(
+        f"patch_positions needs integer positions (an index or a 1-D sequence), got "
+        f"{positions.dtype}{list(positions.shape)}."
+    )
+
+
+def bad_head_axis(axis: Any) -> TypeError:
+    return TypeError(f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}.")
+
+
+def bad_heads(heads: Any) -> TypeError:
+    return TypeError(
+        "ablate_head needs an integer head (or a 1-D sequence of them), got "
+        f"{heads.dtype}{list(heads.shape)}."
+    )
+
+
+def axis_not_an_int(what: str, axis: Any) -> TypeError:
+    return TypeError(f"{what}: axis must be an int, got {axis!r}.")
+
+
+def axis_out_of_range(what: str, axis: Any, shape: Any) -> ValueError:
+    return ValueError(
+        f"{what}: axis {axis} is out of range for a value of shape {shape}. "
+        "Pass the axis that indexes positions in the sown value."
+    )
+
+
+def leaves_differ_along_axis(what: str, sizes: list[int], axis: Any) -> ValueError:
+    return ValueError(f"{what}: the leaves have different sizes {sizes} along axis {axis}.")
+
+
+def no_value_for_site(what: str, name: str, tag: Any) -> KeyError:
+    return KeyError(
+        f"{what} has no value for {name!r}. Pass the dict "
+        f"`reap(f, tag={tag!r})(*clean_args)` returns."
+    )
+
+
+def sweep_needs_callable(caller: str, f: Any) -> TypeError:
+    return TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
+
+
+def corrupted_args_not_a_tuple(caller: str, corrupted_args: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: corrupted_args must be the tuple of f's positional arguments, e.g. "
+        f"(tokens,), got {type(corrupted_args).__name__}."
+    )
+
+
+def clean_not_a_dict(caller: str, clean: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
+        f"{type(clean).__name__}."
+    )
+
+
+def nothing_to_patch(caller: str, tag: Any, sown: list[str]) -> ValueError:
+    return ValueError(
+        f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
+        f"names sown with that tag: {sown or 'none'}."
+    )
+
+
+def no_site_has_axes(caller: str, where: str, n_axes: int, sizes: Any) -> ValueError:
+    return ValueError(f"{caller}: no site has {'an ' * (n_axes == 1)}{where}; sizes: {sizes}.")
+
+
+def sizes_differ_along_axes(caller: str, where: str, sizes: dict[str, str]) -> ValueError:
+    return ValueError(
+        f"{caller}: the sites have different sizes along {where}: {sizes}. Sweep sites of one "
+        "size together (pass names=...)."
+    )
+
+
+def sweep_site_fires_often(caller: str, name: str, mode: str, count: str, where: str) -> ValueError:
+    return ValueError(
+        f"{caller}: the site {name!r} (mode {mode}) fires {count} times per call "
+        f"(at {where}); a sweep patches each occurrence of a site sown with "
+        "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
+        "with mode='append', give each occurrence its own name (e.g. with nest or "
+        "f'layer{i}'), or leave it out with names=."
+    )
+
+
+def metric_not_scalar(shape: Any) -> TypeError:
+    return TypeError(
+        f"metric(out) must return a scalar, got shape {shape}. Reduce it, e.g. "
+        "with jnp.mean over the batch."
+    )
+
+
+def bad_sweep_axis(caller: str, axis: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: axis must be an int or a non-empty tuple of ints (e.g. axis=(2, 1) for every "
+        f"(head, position) pair), got {axis!r}."
+    )
+
+
+def same_axis_twice(what: str, axes: Any) -> ValueError:
+    return ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
+
+
+def bad_dataset(caller: str, clean: Any, corrupted_args: list[Any]) -> TypeError:
+    given = len(clean) if isinstance(clean, list) else type(clean).__name__ + " as"
+    return TypeError(
+        f"{caller}: for a dataset, pass corrupted_args as a non-empty list of argument tuples, "
+        "one per batch, and clean as the list of their clean reaps, [reap(f)(*clean_args) for "
+        f"clean_args in batches]; got {len(corrupted_args)} argument tuples and {given} clean."
+    )
+
+
+def batch_sizes_differ(caller: str, name: str, sizes: Any, axes: Any, first: Any) -> ValueError:
+    return ValueError(
+        f"{caller}: in this batch, {name!r} has sizes {sizes} along axis {axes}, not {first} as "
+        "in the first batch. Every batch must give the swept axes one size."
+    )
+
+
+def no_tqdm(caller: str) -> ImportError:
+    return ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.")
+
+
+def bad_batch_size(caller: str, batch_size: Any) -> TypeError:
+    return TypeError(
+        f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
+    )
+
+
+def no_gap_to_normalize(baseline: float) -> ValueError:
+    return ValueError(
+        f"normalized: the clean metric equals the corrupted baseline ({baseline}), so there "
+        "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
+    )
+
+
+def plot_many_one_axis(shape: Any) -> ValueError:
+    return ValueError(
+        f"plot_many draws results of one swept axis; this one has values of shape {shape}. "
+        "Use result.plot(), which draws one panel per site."
+    )
+
+
+def plot_many_nothing() -> ValueError:
+    return ValueError("plot_many needs at least one PatchingResult.")
+
+
+def plot_many_differ(shapes: list[Any]) -> ValueError:
+    return ValueError(
+        "plot_many draws results with the same sites and positions; got shapes "
+        f"{shapes}. Plot them separately (each with the same vmax)."
+    )
+
+
+def plot_many_titles(titles: int, results: int) -> ValueError:
+    return ValueError(f"plot_many: {titles} titles for {results} results.")
+
+
+def sites_needs_callable(f: Any) -> TypeError:
+    return TypeError(f"sites(f, *args) needs a callable f, got {type(f).__name__}.")
+
+
+def sites_bad_tag(tag: Any) -> TypeError:
+    return TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
+
+
+def bad_handlers(handlers: Any) -> TypeError:
+    return TypeError(
+        "make_effect_handler takes a dict {primitive: handler(state, *inputs, **params) -> "
+        f"(outputs, state)}}; got {handlers!r}."
+    )
+
+
+def nnx_state_from_another_trace(error_type: type[Exception], names: str) -> Exception:
+    return error_type(
+        f"This harvested call changed the NNX state ({names}) of a model made outside the "
+        "jax.jit/jax.grad/... trace it runs in, and NNX forbids writing values of that trace into "
+        "it (calling the model directly there fails the same way). Pass the model through the "
+        "transformation instead: nnx.jit/nnx.grad, or nnx.split it, nnx.merge it inside and "
+        "return nnx.state(model)."
+    )
+
+
+def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
+    return ValueError(
+        f"Cannot plant {site}: it is sown in a jax.custom_batching.custom_vmap function that runs "
+        "under vmap, where JAX runs the function's batching rule instead of its body, so the "
+        "planted value would change nothing. Plant outside the vmap (plant(f) inside "
+        "jax.vmap), or sow in the batching rule too."
+    )
+
+
+# -- harvest.store ----------------------------------------------------------
+
+
+def store_needs_tensorstore() -> ImportError:
+    return ImportError(
+        "harvest.store writes and reads its arrays with TensorStore: "
+        "pip install 'jax-harvest[store]' (or pip install tensorstore)."
+    )
+
+
+def store_path_is_file(path: Any) -> ValueError:
+    return ValueError(
+        f"record(..., path={str(path)!r}): that path is a file. A store is a directory: "
+        "pass a new or empty directory, or an existing store's."
+    )
+
+
+def store_path_not_a_store(path: Any) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not empty and holds no harvest store (no zarr.json with a "
+        "'harvest' manifest). Pick another directory; nothing there was changed."
+    )
+
+
+def store_not_found(path: Any) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"harvest.store.open({str(path)!r}): no harvest store there (no zarr.json with a "
+        "'harvest' manifest). Record one with harvest.store.record(fn, batches, path)."
+    )
+
+
+def store_no_batches() -> ValueError:
+    return ValueError(
+        "record(fn, batches, path): `batches` yielded nothing. Pass an iterable of "
+        "batches (arrays or pytrees of arrays with a leading example axis)."
+    )
+
+
+def store_batch_without_arrays(batch_type: str) -> TypeError:
+    return TypeError(
+        f"record(fn, batches, path): a batch is a {batch_type} holding no array. Each "
+        "batch must be an array or a pytree of arrays whose leading axis is the example axis."
+    )
+
+
+def store_no_sites(tag: str, names: Any) -> ValueError:
+    return ValueError(
+        f"record: the function sows no site of tag {tag!r}"
+        + (f" that `names={names!r}` selects" if names is not None else "")
+        + ", so there is nothing to record. Check the tag (instrument sows under 'modules')."
+    )
+
+
+def store_site_not_array(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"record: site {name!r} reaps a {type(value).__name__}, not an array (a site sown "
+        "several times under mode 'collect' reaps a tuple). Sow it with mode 'strict' or "
+        "'append', or leave it out with `names=`."
+    )
+
+
+def store_site_not_rows(name: str, shape: Any, batch: int, rows: str) -> ValueError:
+    want = "[examples, ...]" if rows == "examples" else "[examples, positions, ...]"
+    return ValueError(
+        f"record: site {name!r} has shape {tuple(shape)}, but rows={rows!r} needs {want} "
+        f"with {batch} examples first, as in the batch. Leave the site out with `names=`"
+        + (", or use rows='examples'." if rows == "tokens" else ".")
+    )
+
+
+def store_bad_option(what: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"harvest.store: `{what}` must be {expected}, got {value!r}.")
+
+
+def store_manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
+    shown = "; ".join(differences[:4]) + (
+        f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+    )
+    return ValueError(
+        f"record: the store at {str(path)!r} was recorded from other sites or shapes: {shown}. "
+        "Nothing was written. Record into another path, or pass overwrite=True to start afresh."
+    )
+
+
+def store_batch_shape(index: int, name: str, got: Any, expected: Any, committed: int) -> ValueError:
+    return ValueError(
+        f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the store "
+        f"holds rows of shape {tuple(expected)}. Nothing of batch {index} was written (the store "
+        f"keeps its first {committed} batches). Give every batch one shape: drop or pad the "
+        "last, short batch."
+    )
+
+
+def store_fewer_batches(path: Any, stored: int, given: int) -> ValueError:
+    return ValueError(
+        f"record: the store at {str(path)!r} already holds {stored} batches, but `batches` "
+        f"yielded only {given}: it is not the dataset this store was recorded from. "
+        "Pass overwrite=True to record it afresh."
+    )
+
+
+def store_unknown_name(name: Any, names: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"the store has no site {name!r}; it holds: {', '.join(repr(n) for n in names)}."
+    )
+
+
+def store_tokens_split(name: str) -> ValueError:
+    return ValueError(
+        f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
+        "device's rows are not contiguous tokens. Shard the batch along examples only, or "
+        "use rows='examples'."
     )

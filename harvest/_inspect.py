@@ -12,13 +12,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _jax
+from . import _errors
 from ._calling import make_jaxpr
+from ._higher_order import UNBOUNDED, bodies
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
-
-UNBOUNDED = None  # `SiteInfo.fires` inside a while loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,9 +26,11 @@ class SiteInfo:
 
     `shape` and `dtype` mirror the sown value: a tuple and a dtype for an array,
     the same pytree of them for a pytree. `fires` is how many times one call
-    sows here (loop lengths multiplied in; per branch inside `cond`, counted as
-    if that branch is taken), or `None` inside a `while_loop`, whose trip count
-    is not known before running. `where` is the path of enclosing primitives,
+    sows here (loop lengths and a `shard_map`'s shards multiplied in, as reap
+    returns one row per iteration or shard; per branch inside `cond`, counted
+    as if that branch is taken), or `None` inside a `while_loop`, whose trip
+    count is not known before running; each primitive's count is declared once
+    beside its rule (see CONTRIBUTING.md). `where` is the path of enclosing primitives,
     outermost first, e.g. `"jit › scan[12] › cond[1]"`; `""` at top level.
 
     Example:
@@ -212,11 +213,11 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
         intermediates  step  append  ()     float32  12     jit › scan[12]
     """
     if not callable(f):
-        raise TypeError(f"sites(f, *args) needs a callable f, got {type(f).__name__}.")
+        raise _errors.sites_needs_callable(f)
     if tag is not None and not isinstance(tag, str):
-        raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
+        raise _errors.sites_bad_tag(tag)
     found, blocks = Sites(), []
-    for eqn, where, fires, keys in _sow_tree(make_jaxpr(f, args, kwargs)[0].jaxpr, (), 1, ()):
+    for eqn, where, fires, _, keys in _sow_tree(make_jaxpr(f, args, kwargs)[0].jaxpr, (), 1, 1, ()):
         site = Site.of(eqn)
         if tag is None or site.tag == tag:
             found.append(_info(site, where, fires))
@@ -234,13 +235,24 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:
     """Yields (sow equation, enclosing labels, firings per call), in program order."""
-    for eqn, where, fires, _ in _sow_tree(jaxpr, (), 1, ()):
+    for eqn, where, fires, _ in sow_firings(jaxpr):
         yield eqn, where, fires
 
 
+def sow_firings(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None, int]]:
+    """As `sow_equations`, plus how many of its firings reap stacks as rows
+    whatever the mode: one per shard of each enclosing shard_map (1 elsewhere)."""
+    for eqn, where, fires, stacked, _ in _sow_tree(jaxpr, (), 1, 1, ()):
+        yield eqn, where, fires, stacked
+
+
 def _sow_tree(
-    jaxpr: Any, where: tuple[str, ...], fires: int | None, blocks: tuple[tuple[Any, str], ...]
-) -> Iterator[tuple[Any, tuple[str, ...], int | None, tuple[tuple[Any, str], ...]]]:
+    jaxpr: Any,
+    where: tuple[str, ...],
+    fires: int | None,
+    stacked: int,
+    blocks: tuple[tuple[Any, str], ...],
+) -> Iterator[tuple[Any, tuple[str, ...], int | None, int, tuple[tuple[Any, str], ...]]]:
     """As `sow_equations`, plus a key per enclosing body (two scans of one length
     have the same label, not the same key)."""
     for eqn in jaxpr.eqns:
@@ -248,29 +260,13 @@ def _sow_tree(
             if (
                 eqn.params.get("role") != "record_only"
             ):  # a copy, after a batched cond, of a sow in its branches
-                yield eqn, where, fires, blocks
+                yield eqn, where, fires, stacked, blocks
             continue
-        for label, sub, times in _bodies(eqn):
-            inner = None if fires is UNBOUNDED or times is UNBOUNDED else fires * times
-            yield from _sow_tree(sub, where + (label,), inner, blocks + ((id(eqn), label),))
-
-
-_LABELS = {
-    _jax.jit_p: "jit",
-    _jax.remat_p: "checkpoint",
-    _jax.custom_jvp_call_p: "custom_jvp",
-    _jax.custom_vjp_call_p: "custom_vjp",
-}
-
-
-def _bodies(eqn: Any) -> list[tuple[str, Any, int | None]]:
-    """(label, body jaxpr, runs of the body per run of `eqn`) for each body."""
-    prim = eqn.primitive
-    if prim is _jax.cond_p:
-        return [(f"cond[{i}]", b.jaxpr, 1) for i, b in enumerate(_jax.cond_branches(eqn))]
-    if prim is _jax.scan_p:
-        scan = _jax.Scan.of(eqn)
-        return [(f"scan[{scan.length}]", scan.body.jaxpr, scan.length)]
-    if prim is _jax.while_p:
-        return [("while", sub, UNBOUNDED) for sub in _jax.sub_jaxprs(eqn)]
-    return [(_LABELS.get(prim, prim.name), sub, 1) for sub in _jax.sub_jaxprs(eqn)]
+        for body in bodies(eqn):
+            runs = body.runs
+            if runs == 0:  # runs only where JAX differentiates: its sows do not fire in a call
+                continue
+            inner = None if fires is UNBOUNDED or runs is UNBOUNDED else fires * runs
+            rows = stacked * runs if body.per_run_stacked and runs is not UNBOUNDED else stacked
+            keys = blocks + ((id(eqn), body.label),)
+            yield from _sow_tree(body.jaxpr, where + (body.label,), inner, rows, keys)

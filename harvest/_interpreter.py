@@ -22,6 +22,8 @@ from typing import Any
 import jax
 
 from . import _errors, _jax
+from ._evaluator import evaluate
+from ._higher_order import DESCRIPTORS
 from ._occurrences import Record, select_where
 from ._paths import path_str
 from ._primitive import sow_p
@@ -86,9 +88,10 @@ def inside_rule() -> Iterator[None]:
 def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
     """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
     or None inside a rule or where the rule cannot be traced."""
-    if eqn.primitive is not _jax.custom_jvp_call_p or getattr(_in_rule, "depth", 0) > 0:
+    rule = DESCRIPTORS[eqn.primitive].jvp_rule if eqn.primitive in DESCRIPTORS else None
+    if rule is None or getattr(_in_rule, "depth", 0) > 0:
         return None
-    return _jax.custom_jvp_rule(eqn)
+    return rule(eqn)
 
 
 def rule_sites(eqn: Any) -> frozenset[Site]:
@@ -228,6 +231,8 @@ class Walk:
     # -- a sow fires -------------------------------------------------------
     def sow(self, site: Site, value, pred=None, role=None):
         path = site.path
+        if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
+            raise _errors.planted_where_a_batching_rule_ran(site)
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
             if path not in self.plants and self.reap:
                 self._record(site, value, pred)
@@ -307,22 +312,8 @@ class Walk:
 # The walk.
 
 
-def _read(env, v):
-    return v.val if isinstance(v, _jax.Literal) else env[v]
-
-
 def interpret(walk: Walk, jaxpr: _jax.Jaxpr, consts, args):
-    env: dict[Any, Any] = {}
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [_read(env, v) for v in eqn.invars]
-        with _jax.eqn_context(eqn):
-            outs = _eval_eqn(walk, eqn, invals)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [_read(env, v) for v in jaxpr.outvars]
+    return evaluate(jaxpr, consts, args, functools.partial(_eval_eqn, walk))
 
 
 def _eval_eqn(walk, eqn, invals):

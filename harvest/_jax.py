@@ -39,6 +39,8 @@ from jax.extend import core as _core, source_info_util
 from jax.extend.core import primitives as _primitives
 from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
+from . import _errors
+
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
 
@@ -75,8 +77,16 @@ def _find_shard_map_p():
 
 shard_map_p = _find_shard_map_p()
 
-# Primitives that call their body once with the same inputs and outputs.
-CALL_PRIMITIVES = frozenset({jit_p, closed_call_p, remat_p, custom_jvp_call_p, custom_vjp_call_p})
+
+def _find_custom_vmap_p():
+    from jax._src import custom_batching
+
+    return custom_batching.custom_vmap_p
+
+
+# `jax.custom_batching.custom_vmap`'s primitive: params `call` (the function, a
+# closed jaxpr), `rule` (the user's batching rule), `in_tree`, `out_tree`.
+custom_vmap_p = _find_custom_vmap_p()
 
 
 def sub_jaxprs(eqn) -> list:
@@ -201,7 +211,7 @@ def is_staging() -> bool:
 
 
 def call_body(eqn) -> ClosedJaxpr:
-    """The body of a call-like equation (see CALL_PRIMITIVES), as a closed jaxpr."""
+    """The body of a call-like equation (a `HigherOrder` with `call`), as a closed jaxpr."""
     p = eqn.params
     body = next(p[k] for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in p)
     return body if isinstance(body, ClosedJaxpr) else ClosedJaxpr(body, ())
@@ -245,11 +255,22 @@ def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
     n = len(eqn.invars) - custom_num_consts(eqn)
     try:
         jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * n))
-    except Exception:  # noqa: BLE001
-        # A rule that only traces where JAX differentiates (one closing over a
-        # tracer of the enclosing trace, say) holds nothing the walk can see.
+    except _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED:
+        # A rule that branches in Python on a primal's value, or leaks a tracer,
+        # traces only where JAX differentiates with values at hand: from here
+        # it holds nothing the walk can see.
         return None
+    except Exception as error:
+        raise _errors.jvp_rule_failed(body_function_name(eqn), error) from error
     return ClosedJaxpr(jaxpr, consts), list(out_zeros)
+
+
+_RULE_TRACES_ONLY_WHERE_DIFFERENTIATED = (
+    jax.errors.ConcretizationTypeError,  # and its TracerBoolConversionError
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.UnexpectedTracerError,
+)
 
 
 def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
@@ -457,8 +478,15 @@ def register_plain_batching(primitive, rule):
 def wrap_batching(primitive, wrapper):
     """Replaces `primitive`'s batching rule by `wrapper(jax_rule, axis_data, args, dims, **params)`,
     which may delegate to JAX's own rule, `jax_rule(axis_data, args, dims, **params)`."""
-    jax_rule = _batching.fancy_primitive_batchers[primitive]
-    _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
+    if primitive in _batching.fancy_primitive_batchers:
+        jax_rule = _batching.fancy_primitive_batchers[primitive]
+        _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
+        return
+    # A classic rule (args, dims, **params), where a release still keeps it apart.
+    plain = _batching.primitive_batchers[primitive]
+    _batching.primitive_batchers[primitive] = lambda args, dims, **p: wrapper(
+        lambda _, a, d, **q: plain(a, d, **q), None, args, dims, **p
+    )
 
 
 def bdim_at_front(x, dim, axis_data):

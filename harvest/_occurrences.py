@@ -17,18 +17,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _errors, _jax
+from . import _errors
+from ._higher_order import UNBOUNDED, Body, bodies, describe
 from ._primitive import sow_p
 from ._site import Site
 from ._steps import Steps
-
-# primitive -> (equation -> how many times one run of it runs its body): rows
-# repeat that often, while a collect entry is stacked into one.
-REPEATS: dict[Any, Callable[[Any], int]] = {_jax.scan_p: lambda eqn: _jax.Scan.of(eqn).length}
-
-# primitive -> (equation -> the jaxprs one run of it runs), for primitives that
-# hold jaxprs they run only when differentiated (custom_linear_solve).
-RUNS: dict[Any, Callable[[Any], list[Any]]] = {}
 
 # primitive -> (equation, count so far, state kept across one jaxpr's markers ->
 # the count after it), for markers that move the count (`_rules/batched_cond`).
@@ -52,14 +45,20 @@ def occurrences(jaxpr: Any, site: Site) -> int:
             )
         elif eqn.primitive in MARKERS:
             n = MARKERS[eqn.primitive](eqn, n, markers)
-        elif eqn.primitive is _jax.cond_p:
-            n += max(occurrences(b.jaxpr, site) for b in _jax.cond_branches(eqn))
         else:
-            runs = RUNS.get(eqn.primitive, _jax.sub_jaxprs)(eqn)
-            inner = sum(occurrences(j, site) for j in runs)
-            repeat = REPEATS.get(eqn.primitive)
-            n += inner * repeat(eqn) if repeat and site.mode.rows else inner
+            counts = [occurrences(b.jaxpr, site) * _repeats(b, site) for b in bodies(eqn)]
+            n += max(counts, default=0) if describe(eqn).alternatives else sum(counts)
     return n
+
+
+def _repeats(body: Body, site: Site) -> int:
+    """How often one run of an equation repeats `site`'s occurrences in `body`,
+    as reap counts them: rows once per run, other modes once per body."""
+    if body.runs == 0:  # runs only where JAX differentiates
+        return 0
+    if site.mode.rows and body.runs is not UNBOUNDED:
+        return body.runs
+    return 1
 
 
 def merge_rows(leaf: Any) -> Any:

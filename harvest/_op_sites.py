@@ -17,18 +17,17 @@ jit's function name), and a count per scope and primitive, in program order.
 from __future__ import annotations
 
 import jax
-from jax import lax
 
 from . import _jax
 from ._calling import make_jaxpr, split_nodes, write_back
+from ._evaluator import evaluate
+from ._higher_order import describe
 from ._modes import AUTO
 from ._primitive import sow_p
 
 INSTRUMENT_MODE = (
     AUTO.name
 )  # once: the value itself; several times or in a loop: stacked (`instrument`)
-INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p})
-CUSTOM = frozenset({_jax.custom_jvp_call_p, _jax.custom_vjp_call_p})
 
 
 def sow_ops(f, call, args, kwargs):
@@ -65,51 +64,36 @@ class _Walk:
         return f"{scope}/{op}:{n}" if scope else f"{op}:{n}"
 
     def eval(self, jaxpr, consts, args, scopes, mode):
-        env = dict(zip(jaxpr.constvars, consts))
-        env.update(zip(jaxpr.invars, args))
+        def step(eqn, invals):
+            outs = self.eqn(eqn, invals, scopes + _jax.name_scopes(eqn), mode)
+            return outs if eqn.primitive.multiple_results else outs[0]
 
-        def read(v):
-            return v.val if isinstance(v, _jax.Literal) else env[v]
-
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            here = scopes + _jax.name_scopes(eqn)
-            with _jax.eqn_context(eqn):
-                outs = self.eqn(eqn, invals, here, mode)
-            env.update(zip(eqn.outvars, outs))
-        return [read(v) for v in jaxpr.outvars]
+        return evaluate(jaxpr, consts, args, step)
 
     def eqn(self, eqn, invals, here, mode):
-        prim, p = eqn.primitive, eqn.params
+        prim = eqn.primitive
         if prim is sow_p:
-            return sow_p.bind(*invals, **p)
-        if prim in INLINED:
-            body = _jax.call_body(eqn)
+            return sow_p.bind(*invals, **eqn.params)
+        how = describe(eqn) if _jax.sub_jaxprs(eqn) else None
+        if how is not None and how.restage is not None:  # loops, branches, checkpoints
+
+            def staged(body):
+                # Ops of a loop's predicate are not sown (a sow may not sit there);
+                # a while body's are sown as any op is: reap gives the last
+                # iteration, or `max_steps` of them.
+                inner = None if body.predicate else mode
+                return self.body(lambda *a: self.eval(body.jaxpr, body.consts, a, here, inner))
+
+            outs = how.restage(eqn, invals, staged, ())
+        elif how is not None and how.inlinable:  # jit and plain calls: inlined under their name
+            (body,) = how.bodies(eqn)
             name = _jax.function_name(eqn)
             inner = here + ((name,) if name is not None else ())
             return self.eval(body.jaxpr, body.consts, invals, inner, mode)
-        if prim is _jax.remat_p:
-            remat = _jax.Remat.of(eqn)
-            fn = self.body(lambda *a: self.eval(remat.body, (), a, here, mode))
-            return jax.checkpoint(fn, prevent_cse=remat.prevent_cse, policy=remat.policy)(*invals)
-        if prim is _jax.scan_p:
-            outs = self.scan(_jax.Scan.of(eqn), invals, here, mode)
-        elif prim is _jax.while_p:
-            outs = self.while_loop(_jax.While.of(eqn), invals, here, mode)
-        elif prim is _jax.cond_p:
-            branches = [
-                self.body(lambda *ops, b=b: self.eval(b.jaxpr, b.consts, ops, here, mode))
-                for b in _jax.cond_branches(eqn)
-            ]
-            outs = lax.switch(invals[0], branches, *invals[1:])
-        else:
+        else:  # first-order ops, and calls with a rule of their own, count as one op
             outs = _jax.rebind(eqn, invals)
-        outs = (
-            list(outs)
-            if prim.multiple_results or prim in (_jax.scan_p, _jax.while_p, _jax.cond_p)
-            else [outs]
-        )
-        name = _jax.function_name(eqn) if prim in CUSTOM else None
+        outs = list(outs) if prim.multiple_results else [outs]
+        name = _jax.function_name(eqn) if how is not None and how.call else None
         op = name if name is not None else prim.name
         return self.sow(outs, here, op, mode, single=len(eqn.outvars) == 1)
 
@@ -146,29 +130,3 @@ class _Walk:
         for i, v in zip(keep, sown):
             outs[i] = v
         return outs
-
-    def scan(self, p, invals, here, mode):
-        body, nc, ncarry = p.body, p.num_consts, p.num_carry
-        consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-
-        @self.body
-        def step(carry, x):
-            outs = self.eval(body.jaxpr, body.consts, [*consts, *carry, *x], here, mode)
-            return outs[:ncarry], outs[ncarry:]
-
-        carry, ys = lax.scan(
-            step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
-        )
-        return [*carry, *ys]
-
-    def while_loop(self, p, invals, here, mode):
-        cond, body = p.cond, p.body
-        ncc, nbc = p.cond_nconsts, p.body_nconsts
-        cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
-        # Ops of cond_fun are not sown (a sow may not sit there); body ops are
-        # sown as any op is: reap gives the last iteration, or `max_steps` of them.
-        return lax.while_loop(
-            lambda c: self.eval(cond.jaxpr, cond.consts, [*cconsts, *c], here, None)[0],
-            self.body(lambda c: self.eval(body.jaxpr, body.consts, [*bconsts, *c], here, mode)),
-            list(init),
-        )

@@ -1,10 +1,9 @@
-"""Activation patching: interventions, a compiled patching sweep, attribution patching.
+"""The sweeps: `patching_sweep` (every patch, compiled and vmapped) and `attribution_patching`.
 
-Every intervention is a callable `old -> new`, planted at a sow site. They are
-pytrees (their arrays are leaves, the rest is static), so the plant's compile
-cache is keyed by their shapes, not their identity, and they can carry traced
-values under `jit` and `vmap`. That is what lets `patching_sweep` run every
-(site, position) patch as one vmapped computation over a one-hot selection.
+Both find the sites to patch from one trace of the corrupted run (`sites`'
+view of the program, so a site in a loop or inside a shard_map is swept once
+per occurrence as reap stacks it), patch through `plant`, and run as one
+compiled program per configuration (`_compile_cache`).
 """
 
 from __future__ import annotations
@@ -12,494 +11,36 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import inspect
 import sys
-import weakref
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, SupportsFloat
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._calling import call_merged, is_array, make_jaxpr, split_nodes
-from ._inspect import sow_equations
+from . import _errors
+from ._calling import make_jaxpr
+from ._compile_cache import compile_program
+from ._inspect import sow_firings
 from ._interpreter import NameFilter
+from ._interventions import (
+    AddRow,
+    AddVector,
+    PatchOccurrence,
+    PatchWhere,
+    axis_size,
+    normalize_axis,
+)
+from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
 from ._sow import DEFAULT_TAG
 from ._transforms import plant, reap
-from ._typing import NameSelect, Reaped, T, dataclass_transform
+from ._typing import NameSelect, Reaped
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
-    from matplotlib.axes import Axes
-
-# ---------------------------------------------------------------------------
-# Interventions: callables old -> new, usable as planted values.
-
-
-@dataclass_transform(frozen_default=True)
-def _pytree_dataclass(
-    data: tuple[str, ...], meta: tuple[str, ...] = ()
-) -> Callable[[type[T]], type[T]]:
-    def wrap(cls):
-        cls = dataclasses.dataclass(frozen=True)(cls)
-        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
-
-    return wrap
-
-
-@_pytree_dataclass(data=())
-class _Zero:
-    def __call__(self, old):
-        return jax.tree_util.tree_map(jnp.zeros_like, old)
-
-
-@_pytree_dataclass(data=("mean",))
-class _Mean:
-    mean: Any
-
-    def __call__(self, old):
-        def fill(m, o):
-            return jnp.broadcast_to(m, o.shape).astype(o.dtype)
-
-        return jax.tree_util.tree_map(fill, self.mean, old)
-
-
-@_pytree_dataclass(data=("vector", "scale"))
-class _AddVector:
-    vector: Any
-    scale: Any
-
-    def __call__(self, old):
-        def add(v, o):
-            return (o + self.scale * v).astype(o.dtype)
-
-        return jax.tree_util.tree_map(add, self.vector, old)
-
-
-@_pytree_dataclass(data=("clean", "mask"), meta=("axes",))
-class _PatchWhere:
-    """`clean` where `mask` holds, `old` elsewhere; `mask` runs along `axes` (one
-    mask axis per swept axis), or is a scalar when `axes` is None."""
-
-    clean: Any
-    mask: Any
-    axes: tuple[int, ...] | None
-
-    def __call__(self, old: Any) -> Any:
-        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)), c, o)
-
-        return jax.tree_util.tree_map(patch, self.clean, old)
-
-
-@_pytree_dataclass(data=("fill", "indices"), meta=("axis",))
-class _FillAt:
-    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere."""
-
-    fill: Any
-    indices: jax.Array
-    axis: int
-
-    def __call__(self, old: Any) -> Any:
-        def patch(n: jax.Array, o: jax.Array) -> jax.Array:
-            mask = jnp.isin(jnp.arange(jnp.shape(o)[self.axis]), self.indices)
-            return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
-
-        return jax.tree_util.tree_map(patch, self.fill(old), old)
-
-
-@_pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
-class _PatchOccurrence:
-    """`_PatchWhere` at occurrence `which` of a site that fires several times;
-    `clean` stacks every occurrence's clean value."""
-
-    clean: Any
-    mask: Any
-    which: Any
-    axes: tuple[int, ...] | None
-
-    def __call__(self, old: Any, index: jax.Array) -> Any:
-        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
-            return jnp.where(
-                _along(self.mask, self.axes, jnp.ndim(o)) & (index == self.which), c[index], o
-            )
-
-        return jax.tree_util.tree_map(patch, self.clean, old)
-
-
-@_pytree_dataclass(data=("deltas",))
-class _AddRow:
-    """Adds row `index` of `deltas` to occurrence `index` of a site."""
-
-    deltas: Any
-
-    def __call__(self, old, index):
-        return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
-
-
-def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:
-    """Reshapes a mask with one axis per entry of `axes` to broadcast along
-    those axes of an `ndim`-array (a scalar mask when `axes` is None)."""
-    if axes is None:
-        return mask
-    order = sorted(range(len(axes)), key=lambda i: axes[i])
-    shape = [1] * ndim
-    for i in order:
-        shape[axes[i]] = mask.shape[i]
-    return jnp.reshape(jnp.transpose(mask, order), shape)
-
-
-def ablate_zero() -> Callable[[Any], Any]:
-    """An intervention replacing the sown value by zeros.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import ablate_zero, plant, sow
-        >>> f = lambda x: sow(x + 1.0, name="h", mode="strict") * 2.0
-        >>> plant(f)({"h": ablate_zero()}, jnp.ones(2))
-        Array([0., 0.], dtype=float32)
-    """
-    return _Zero()
-
-
-def ablate_mean(mean: ArrayLike) -> Callable[[Any], Any]:
-    """An intervention replacing the sown value by `mean`, broadcast to its shape.
-
-    `mean` is typically the site's value averaged over a reference batch, e.g.
-    `reap(f)(xs)["h"].mean(0)`.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import ablate_mean, plant, sow
-        >>> f = lambda x: sow(x, name="h", mode="strict") * 2.0
-        >>> plant(f)({"h": ablate_mean(jnp.array([1.0, 3.0]))}, jnp.zeros((2, 2)))
-        Array([[2., 6.],
-               [2., 6.]], dtype=float32)
-    """
-    return _Mean(mean)
-
-
-def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any]:
-    """An intervention adding `scale * vector` to the sown value (activation steering).
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import add_vector, plant, sow
-        >>> f = lambda x: sow(x, name="h", mode="strict")
-        >>> plant(f)({"h": add_vector(jnp.array([1.0, 0.0]), scale=3.0)}, jnp.ones(2))
-        Array([4., 1.], dtype=float32)
-    """
-    return _AddVector(vector, jnp.asarray(scale))
-
-
-def patch_positions(
-    clean: ArrayLike, positions: ArrayLike | Sequence[int], axis: int
-) -> Callable[[Any], Any]:
-    """An intervention taking `clean` at `positions` along `axis`, the old value elsewhere.
-
-    `clean` has the site's shape (e.g. its value reaped from a clean run);
-    `positions` is an index or a sequence of indices along `axis`.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import patch_positions, plant, sow
-        >>> f = lambda x: sow(x, name="h", mode="strict")
-        >>> plant(f)({"h": patch_positions(jnp.ones((2, 4)), [1, 3], axis=1)}, jnp.zeros((2, 4)))
-        Array([[0., 1., 0., 1.],
-               [0., 1., 0., 1.]], dtype=float32)
-    """
-    size = _axis_size(clean, axis, "patch_positions(clean, positions, axis)")
-    axis = _normalize_axis(clean, axis)
-    positions = jnp.atleast_1d(jnp.asarray(positions))
-    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
-        raise TypeError(
-            f"patch_positions needs integer positions (an index or a 1-D sequence), got "
-            f"{positions.dtype}{list(positions.shape)}."
-        )
-    mask = jnp.isin(jnp.arange(size), positions)
-    return _PatchWhere(clean, mask, (axis,))
-
-
-def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
-    """An intervention patching one attention head, at every position: `clean`
-    at index `head` along the head axis `axis`, the old value elsewhere.
-
-    `clean` has the site's shape, e.g. a per-head output `z` `[positions,
-    heads, d_head]` reaped from a clean run. `head` is data, not part of the
-    compile cache key: planting another head reuses the compiled plant.
-    `patching_sweep(..., axis=head_axis)` patches every head in turn.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import patch_head, plant, sow
-        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
-        >>> plant(f)({"z": patch_head(jnp.ones((3, 2)), 1, axis=1)}, jnp.zeros((3, 2)))
-        Array([[0., 1.],
-               [0., 1.],
-               [0., 1.]], dtype=float32)
-    """
-    return patch_positions(clean, head, axis)
-
-
-def ablate_head(
-    head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLike | None = None
-) -> Callable[[Any], Any]:
-    """An intervention ablating one attention head, at every position: zeros
-    (or `mean`, broadcast) at index `head` along the head axis `axis`.
-
-    `head` may also be a sequence of heads. `mean` has the shape of one head's
-    slice, or broadcasts to it (e.g. the site's value averaged over a reference
-    batch, taken at that head). `head` is data, so ablating another head reuses
-    the compiled plant.
-
-    Example:
-        >>> import jax.numpy as jnp
-        >>> from harvest import ablate_head, plant, sow
-        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
-        >>> plant(f)({"z": ablate_head(0, axis=1)}, jnp.ones((3, 2)))
-        Array([[0., 1.],
-               [0., 1.],
-               [0., 1.]], dtype=float32)
-    """
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(
-            f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}."
-        )
-    heads = jnp.atleast_1d(jnp.asarray(head))
-    if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
-        raise TypeError(
-            f"ablate_head needs an integer head (or a 1-D sequence of them), got {heads.dtype}{list(heads.shape)}."
-        )
-    return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis))
-
-
-def _axis_size(value, axis, what):
-    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise TypeError(f"{what}: axis must be an int, got {axis!r}.")
-    sizes = set()
-    for leaf in jax.tree_util.tree_leaves(value):
-        ndim = jnp.ndim(leaf)
-        if not -ndim <= axis < ndim:
-            raise ValueError(
-                f"{what}: axis {axis} is out of range for a value of shape {jnp.shape(leaf)}. "
-                "Pass the axis that indexes positions in the sown value."
-            )
-        sizes.add(jnp.shape(leaf)[axis])
-    if len(sizes) != 1:
-        raise ValueError(
-            f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}."
-        )
-    return sizes.pop()
-
-
-def _normalize_axis(value, axis):
-    return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])
-
-
-def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
-    """A sweep's `axis` argument as a tuple of axes (None: whole sites)."""
-    if axis is None:
-        return None
-    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
-    if not axes or any(not isinstance(a, (int, np.integer)) or isinstance(a, bool) for a in axes):
-        raise TypeError(
-            f"{caller}: axis must be an int or a non-empty tuple of ints (e.g. axis=(2, 1) for every "
-            f"(head, position) pair), got {axis!r}."
-        )
-    return tuple(int(a) for a in axes)
-
-
-def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
-    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
-    if axes is None:
-        return None
-    normal = tuple(_normalize_axis(value, a) for a in axes)
-    if len(set(normal)) != len(normal):
-        raise ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
-    return normal
-
-
-# ---------------------------------------------------------------------------
-# Results.
-
-
-@dataclasses.dataclass(frozen=True)
-class PatchingResult:
-    """The effect of each patch on a metric: `values[i, j]` for site `names[i]` at `positions[j]`.
-
-    An effect is `metric(patched run) - baseline`, where `baseline` is the
-    metric of the unpatched corrupted run (estimated, for attribution
-    patching). Without a position axis, `values` has shape `[len(names)]` and
-    `positions` is `None`. A sweep over several axes (`axis=(2, 1)`, say) has
-    `values` of shape `[len(names), *sizes]` and `positions` holds one array of
-    indices per swept axis. `skipped` lists the sites a sweep without `names=`
-    left out (a different size along the swept axes), each with the reason.
-
-    Example:
-        >>> import numpy as np
-        >>> from harvest import PatchingResult
-        >>> r = PatchingResult(np.array([[0.0, 1.0]]), ("h",), np.arange(2), axis=1, baseline=0.5)
-        >>> r.values.shape, r.names
-        ((1, 2), ('h',))
-    """
-
-    values: np.ndarray
-    names: tuple[str, ...]
-    positions: Any  # np.ndarray, a tuple of them (several axes), or None
-    axis: Any  # int, tuple of ints, or None
-    baseline: float
-    measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
-    skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
-
-    def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
-        """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
-
-        1 means the patch restores the clean run's metric, 0 that it does
-        nothing. `clean_metric` is `metric(f(*clean_args))`.
-
-        Example:
-            >>> import numpy as np
-            >>> from harvest import PatchingResult
-            >>> r = PatchingResult(np.array([[1.0, 3.0]]), ("h",), np.arange(2), axis=1, baseline=1.0)
-            >>> r.normalized(clean_metric=5.0).values
-            array([[0.25, 0.75]])
-        """
-        gap = float(clean_metric) - self.baseline
-        if gap == 0.0:
-            raise ValueError(
-                f"normalized: the clean metric equals the corrupted baseline ({self.baseline}), so there "
-                "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
-            )
-        return dataclasses.replace(
-            self, values=self.values / gap, measure="fraction of clean-corrupt gap"
-        )
-
-    def _grid(self) -> np.ndarray:
-        if self.values.ndim > 2:
-            raise ValueError(
-                f"plot_many draws results of one swept axis; this one has values of shape {self.values.shape}. "
-                "Use result.plot(), which draws one panel per site."
-            )
-        return self.values if self.positions is not None else self.values[:, None]
-
-    def plot(
-        self,
-        ax: Axes | None = None,
-        title: str | None = None,
-        cmap: str = "RdBu_r",
-        vmax: float | None = None,
-        **imshow_kwargs: Any,
-    ) -> Any:
-        """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
-
-        A sweep over two axes is drawn as one panel per site (first swept axis
-        × second), all on one colour scale; then the list of axes is returned.
-        `vmax` fixes the colour scale (default: the largest magnitude); use
-        `PatchingResult.plot_many` to put several results on one scale.
-
-        Example:
-            >>> import matplotlib; matplotlib.use("Agg")
-            >>> import numpy as np
-            >>> from harvest import PatchingResult
-            >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
-            >>> r.plot(title="effect").get_title()
-            'effect'
-            >>> heads = PatchingResult(
-            ...     np.ones((2, 3, 4)), ("l0", "l1"), (np.arange(3), np.arange(4)), axis=(2, 1), baseline=0.0
-            ... )
-            >>> [ax.get_title() for ax in heads.plot()]
-            ['l0', 'l1']
-        """
-        if self.values.ndim == 3:
-            return self._plot_panels(ax, title, cmap, vmax, **imshow_kwargs)
-        return PatchingResult.plot_many(
-            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs
-        )[0]
-
-    def _plot_panels(
-        self, ax: Any, title: str | None, cmap: str, vmax: float | None, **imshow_kwargs: Any
-    ) -> Any:
-        from ._plots import heatmaps
-
-        rows, cols = self.positions
-        bound = float(np.max(np.abs(self.values))) if vmax is None else float(vmax)
-        axes = heatmaps(
-            list(self.values),
-            titles=list(self.names),
-            row_labels=rows,
-            col_labels=cols,
-            xlabel=f"axis {self.axis[1]}",
-            ylabel=f"axis {self.axis[0]}",
-            cmap=cmap,
-            vmin=-(bound or 1.0),
-            vmax=bound or 1.0,
-            cbar_label=self.measure,
-            ax=ax,
-            **imshow_kwargs,
-        )
-        if title is not None:
-            axes[0].figure.suptitle(title)
-        return axes
-
-    @staticmethod
-    def plot_many(
-        results: Sequence[PatchingResult],
-        titles: Sequence[str | None] | None = None,
-        *,
-        ax: Axes | Sequence[Axes] | None = None,
-        cmap: str = "RdBu_r",
-        vmax: float | None = None,
-        **imshow_kwargs: Any,
-    ) -> list[Axes]:
-        """Draws several results side by side on one colour scale with one colourbar; returns the axes.
-
-        The results must have the same rows (sites) and columns; the figure is
-        laid out so no label overlaps a neighbouring panel or the colourbar.
-
-        Example:
-            >>> import matplotlib; matplotlib.use("Agg")
-            >>> import numpy as np
-            >>> from harvest import PatchingResult
-            >>> a = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
-            >>> b = PatchingResult(3 * np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
-            >>> axes = PatchingResult.plot_many([a, b], titles=["exact", "estimate"])
-            >>> [ax.images[0].get_clim() for ax in axes]
-            [(-3.0, 3.0), (-3.0, 3.0)]
-        """
-        from ._plots import heatmaps
-
-        results = list(results)
-        if not results:
-            raise ValueError("plot_many needs at least one PatchingResult.")
-        grids = [r._grid() for r in results]
-        if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
-            raise ValueError(
-                "plot_many draws results with the same sites and positions; got shapes "
-                f"{[g.shape for g in grids]}. Plot them separately (each with the same vmax)."
-            )
-        titles = [None] * len(results) if titles is None else list(titles)
-        if len(titles) != len(results):
-            raise ValueError(f"plot_many: {len(titles)} titles for {len(results)} results.")
-        bound = float(max(np.max(np.abs(g)) for g in grids)) if vmax is None else float(vmax)
-        first = results[0]
-        return heatmaps(
-            grids,
-            titles=titles,
-            row_labels=first.names,
-            col_labels=first.positions,
-            xlabel=f"position (axis {first.axis})",
-            ylabel=None,
-            cmap=cmap,
-            vmin=-(bound or 1.0),
-            vmax=bound or 1.0,
-            cbar_label=first.measure,
-            ax=ax,
-            **imshow_kwargs,
-        )
-
 
 # ---------------------------------------------------------------------------
 # Which sites a sweep patches, and the clean value at each.
@@ -542,42 +83,30 @@ def _lookup(reaps, site, what):
     """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
     node = _lookup_dotted(reaps, path_str(site.path))
     if node is _MISSING:
-        raise KeyError(
-            f"{what} has no value for {path_str(site.path)!r}. Pass the dict "
-            f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
-        )
+        raise _errors.no_value_for_site(what, path_str(site.path), site.tag)
     return node
 
 
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     """The sites to patch, with their clean values, their sizes along `axes`, and the sites skipped."""
     if not callable(f):
-        raise TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
+        raise _errors.sweep_needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
-        raise TypeError(
-            f"{caller}: corrupted_args must be the tuple of f's positional arguments, e.g. "
-            f"(tokens,), got {type(corrupted_args).__name__}."
-        )
+        raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
     if not isinstance(clean, dict):
-        raise TypeError(
-            f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
-            f"{type(clean).__name__}."
-        )
+        raise _errors.clean_not_a_dict(caller, clean)
     by_name: dict[str, list] = {}
-    for eqn, where, fires in sow_equations(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
+    for eqn, where, fires, stacked in sow_firings(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
         site = Site.of(eqn)
         if site.tag == tag:
-            by_name.setdefault(path_str(site.path), []).append((site, where, fires))
+            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
     else:
         names = _select_names(names, list(by_name), tag, caller)
     if not names:
-        raise ValueError(
-            f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
-            f"names sown with that tag: {list(by_name) or 'none'}."
-        )
+        raise _errors.nothing_to_patch(caller, tag, list(by_name))
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
     if axes is None:
         return targets, None, ()
@@ -588,9 +117,7 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         # Sweep the sites of the most common size; say which were left out.
         counts = collections.Counter(n for n in sizes.values() if n is not None)
         if not counts:
-            raise ValueError(
-                f"{caller}: no site has {'an ' * (len(axes) == 1)}{where}; sizes: {sizes}."
-            )
+            raise _errors.no_site_has_axes(caller, where, len(axes), sizes)
         size = counts.most_common(1)[0][0]
         skipped = tuple(
             f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}"
@@ -603,12 +130,11 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     else:
         for t in targets:  # the full message for a bad axis or mismatched leaves
             for a in axes:
-                _axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
+                axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
             _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
         if len(set(sizes.values())) != 1:
-            raise ValueError(
-                f"{caller}: the sites have different sizes along {where}: "
-                f"{ {n: _size_str(z) for n, z in sizes.items()} }. Sweep sites of one size together (pass names=...)."
+            raise _errors.sizes_differ_along_axes(
+                caller, where, {n: _size_str(z) for n, z in sizes.items()}
             )
         size = next(iter(sizes.values()))
     return targets, size, skipped
@@ -661,141 +187,51 @@ def _lookup_dotted(tree, name):
 
 def _target(by_name, name, clean, tag, caller):
     occurrences = by_name[name]
-    (site, where, fires), *others = occurrences
+    (site, where, fires, stacked), *others = occurrences
     if not others and fires == 1:
         return _Target(site, _site_value(clean, site, "clean"))
+    if not others and fires == stacked and not site.mode.entries:
+        # Once per shard of a shard_map: reap stacks one row per shard whatever the mode.
+        return _Target(site, _site_value(clean, site, "clean", stacked), stacked)
     if site.mode.rows and all(o[2] is not None for o in occurrences):
         # Fires several times (in a scan, say): one row per occurrence, as reap stacks them.
         count = int(np.shape(jax.tree_util.tree_leaves(_lookup(clean, site, "clean"))[0])[0])
         return _Target(site, _site_value(clean, site, "clean", count), count)
     total = sum(o[2] or 0 for o in occurrences)
     count = "an unbounded number of" if fires is None else str(total)
-    raise ValueError(
-        f"{caller}: the site {name!r} (mode {site.mode.label}) fires {count} times per call "
-        f"(at {_where_str(occurrences)}); a sweep patches each occurrence of a site sown with "
-        "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
-        "with mode='append', give each occurrence its own name (e.g. with nest or "
-        "f'layer{i}'), or leave it out with names=."
+    raise _errors.sweep_site_fires_often(
+        caller, name, site.mode.label, count, _where_str(occurrences)
     )
 
 
 def _where_str(occurrences):
-    return ", ".join(" › ".join(w) or "top level" for _, w, _ in occurrences)
+    return ", ".join(" › ".join(w) or "top level" for _, w, _, _ in occurrences)
 
 
 def _scalar(m):
     if jnp.shape(m) != ():
-        raise TypeError(
-            f"metric(out) must return a scalar, got shape {jnp.shape(m)}. Reduce it, e.g. "
-            "with jnp.mean over the batch."
-        )
+        raise _errors.metric_not_scalar(jnp.shape(m))
     return m
 
 
-def _jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | None) -> Any:
-    """`jax.jit(fn)(tree)`, with `tree`'s arrays traced and its other leaves static.
-
-    NNX graph nodes in `tree` are split first, so their state is traced too,
-    and merged into fresh nodes inside the trace (changes to them are not
-    written back: a sweep is a measurement). Calls with equal `key` (which
-    says everything `fn` closes over that shapes the program) and equal static
-    leaves share one compiled program: only the first traces and compiles,
-    later ones with the same shapes just run it. `key=None` compiles for this
-    call only.
-    """
-    tree, graph, _ = split_nodes(tree)
-    leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
-    traced = [is_array(leaf) for leaf in leaves]
-    static = _Compiled(
-        (
-            key,
-            treedef,
-            tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a),
-        )
-    )
-    arrays = [leaf for leaf, a in zip(leaves, traced) if a]
-    rebuilt = functools.partial(_rebuilt, fn, treedef, leaves, traced)
-    try:
-        hash(static)
-        cached = key is not None
-    except TypeError:  # an unhashable static leaf
-        cached = False
-    if not cached:
-        return jax.jit(rebuilt)(arrays)
-    static.trace = rebuilt
-    try:
-        return _run_compiled(static, arrays)
-    finally:
-        static.trace = None  # the cache keeps the key, not this call's function and arrays
+def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
+    """A sweep's `axis` argument as a tuple of axes (None: whole sites)."""
+    if axis is None:
+        return None
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    if not axes or any(not isinstance(a, (int, np.integer)) or isinstance(a, bool) for a in axes):
+        raise _errors.bad_sweep_axis(caller, axis)
+    return tuple(int(a) for a in axes)
 
 
-def _rebuilt(
-    fn: Callable[[Any], Any], treedef: Any, leaves: list[Any], traced: list[bool], arrays: list[Any]
-) -> Any:
-    it = iter(arrays)
-    tree, graph = treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)])
-    if graph is not None:  # fresh NNX nodes holding the traced state
-        tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
-    return fn(tree)
-
-
-class _Compiled:
-    """`_run_compiled`'s static argument: compared by `key` alone; `trace` is the
-    current call's function, read only when JAX traces (a new key or new shapes)."""
-
-    def __init__(self, key: Any) -> None:
-        self.key = key
-        self.trace: Callable[[Any], Any] | None = None
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Compiled) and self.key == other.key
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
-    # One jit for every sweep: its cache (bounded, cleared by jax.clear_caches)
-    # holds one program per key and set of shapes.
-    assert static.trace is not None
-    return static.trace(arrays)
-
-
-@_pytree_dataclass(data=("self",), meta=("func",))
-class _BoundMethod:
-    """A bound method whose `self` is a pytree (an Equinox module, say), as a pytree: its arrays are data."""
-
-    func: Callable[..., Any]
-    self: Any
-
-    def __call__(self, *args: Any) -> Any:
-        return self.func(self.self, *args)
-
-
-def _compile(
-    program: Callable[[Any, Any], Any], f: Callable, operands: Any, spec: tuple[Any, ...]
-) -> Any:
-    """`program(f, operands)`, compiled once per `spec` and shapes (see `_jit_on_arrays`).
-
-    A plain function `f` is part of the key (held weakly, so the cache does not
-    keep it alive), as under `jax.jit`. A module -- an NNX graph node, a pytree
-    such as an Equinox module, or a bound method of either -- is data: its
-    arrays are traced, so weights changed in place (or a new module of the
-    same structure) reuse the program and are read at every call. Any other
-    callable compiles for this call only.
-    """
-    if inspect.isfunction(f):
-        return _jit_on_arrays(lambda ops: program(f, ops), operands, (weakref.ref(f), *spec))
-    if (
-        inspect.ismethod(f)
-        and not split_nodes(f)[2]
-        and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]
-    ):
-        f = _BoundMethod(f.__func__, f.__self__)
-    if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
-        return _jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec))
-    return _jit_on_arrays(lambda ops: program(f, ops), operands, None)
+def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
+    if axes is None:
+        return None
+    normal = tuple(normalize_axis(value, a) for a in axes)
+    if len(set(normal)) != len(normal):
+        raise _errors.same_axis_twice(what, axes)
+    return normal
 
 
 def _labels(
@@ -818,12 +254,7 @@ def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, An
     if not isinstance(corrupted_args, list):
         return [(clean, corrupted_args)]
     if not isinstance(clean, list) or len(clean) != len(corrupted_args) or not clean:
-        raise TypeError(
-            f"{caller}: for a dataset, pass corrupted_args as a non-empty list of argument tuples, one per "
-            "batch, and clean as the list of their clean reaps, [reap(f)(*clean_args) for clean_args in "
-            f"batches]; got {len(corrupted_args)} argument tuples and "
-            f"{len(clean) if isinstance(clean, list) else type(clean).__name__ + ' as'} clean."
-        )
+        raise _errors.bad_dataset(caller, clean, corrupted_args)
     return list(zip(clean, corrupted_args))
 
 
@@ -836,9 +267,8 @@ def _batch_cleans(
         value = _site_value(batch_clean, t.site, "clean", t.count)
         one = value if t.count is None else jax.tree_util.tree_map(lambda l: l[0], value)
         if axes is not None and _sizes_along(one, axes) != size:
-            raise ValueError(
-                f"{caller}: in this batch, {path_str(t.site.path)!r} has sizes {_sizes_along(one, axes)} along "
-                f"axis {axes}, not {size} as in the first batch. Every batch must give the swept axes one size."
+            raise _errors.batch_sizes_differ(
+                caller, path_str(t.site.path), _sizes_along(one, axes), axes, size
             )
         cleans.append(value)
     return cleans
@@ -857,9 +287,7 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     except ImportError:
         if auto:
             return items
-        raise ImportError(
-            f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm."
-        ) from None
+        raise _errors.no_tqdm(caller) from None
     return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
 
 
@@ -892,43 +320,70 @@ def patching_sweep(
 ) -> PatchingResult:
     """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
 
-    For every site in `names` (exact names, glob patterns such as
-    `"blocks.*.attn"`, predicates on names, or a list of them; each string must
-    match a site), or by default every site of `tag` with a value in `clean`,
-    and, if `axis` is given, every index along that axis of the sown value
-    (e.g. token position), the corrupted run `f(*corrupted_args)` gets the
-    clean value there and keeps its own everywhere else. `clean` is
-    `reap(f, tag=tag)(*clean_args)`. `metric` maps `f`'s output to a scalar;
-    each value of the result is `metric(patched out) - metric(corrupted out)`
-    (see `PatchingResult`).
+    For every chosen site, and every index along ``axis`` of its sown value if
+    ``axis`` is given (e.g. token position), the corrupted run
+    ``f(*corrupted_args)`` gets the clean value there and keeps its own
+    everywhere else. A site that fires ``k`` times per call (mode ``append`` in
+    a ``scan``, e.g. scan-over-layers; any mode once per shard of a
+    ``shard_map``, as ``sites`` counts it) gives ``k`` rows, ``name[0]`` ...
+    ``name[k-1]``, each patching that occurrence alone; ``axis`` counts the
+    axes of one occurrence's value. All patches run as one compiled, vmapped
+    computation over one-hot selections.
 
-    `axis` may be a tuple: `axis=(2, 1)` on a per-head output `[batch,
-    positions, heads, d_head]` patches every (head, position) pair, giving
-    values of shape `(sites, heads, positions)`. Without `names`, the sites
-    whose sizes along the swept axes differ from the most common ones
-    (attention patterns beside the residual stream, say) are left out and
-    listed in the result's `skipped`. A site that fires `k` times (mode
-    `append` in a `scan`, e.g. scan-over-layers) gives `k` rows, `name[0]` ...
-    `name[k-1]`, each patching that occurrence alone; `axis` counts the axes of
-    one occurrence's value.
+    The compiled program is kept and reused by later calls with the same
+    ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
+    argument shapes (and equal non-array arguments): a repeated sweep on new
+    data only runs. A plain function ``f`` is part of the key, as under
+    ``jax.jit`` (a fresh lambda compiles again, and arrays it closes over are
+    read when it first compiles); a module (NNX or Equinox) or a bound method
+    of one is data: weights changed in place are read at every call, without
+    compiling again. The cache holds ``f`` weakly and is cleared by
+    ``jax.clear_caches()``.
 
-    All patches run as one compiled, vmapped computation over one-hot
-    selections; `batch_size` bounds how many run at once (the rest follow in
-    chunks through the same compiled program). To average over a dataset, pass
-    `corrupted_args` as a list of argument tuples (one per batch) and `clean`
-    as the list of their clean reaps: the result is the mean over batches.
-    `progress=True` shows a tqdm bar over chunks and batches; by default
-    (`None`) a bar appears for a run of several chunks in a terminal or
-    notebook that is still going after a second.
+    Args:
+        f: The model: a function, an NNX or Equinox module, or a bound method
+            of one, whose sows of ``tag`` are the sites.
+        clean: ``reap(f, tag=tag)(*clean_args)``, the clean run's values. For a
+            dataset, the list of one such dict per batch.
+        corrupted_args: The tuple of ``f``'s positional arguments for the
+            corrupted run, e.g. ``(tokens,)``. For a dataset, a list of such
+            tuples, one per batch: the result is the mean over batches.
+        metric: Maps ``f``'s output to a scalar (reduce a batch, e.g. with
+            ``jnp.mean``).
+        tag: The tag whose sows are the sites.
+        names: Which sites to sweep: exact names, glob patterns such as
+            ``"blocks.*.attn"``, predicates on names, or a list of them (each
+            string must match a site). ``None``: every site of ``tag`` with a
+            value in ``clean``; then sites whose sizes along ``axis`` differ
+            from the most common ones (attention patterns beside the residual
+            stream, say) are left out and listed in the result's ``skipped``.
+        axis: The axis of each site's value to sweep index by index, a tuple
+            of axes (``axis=(2, 1)`` on a per-head output ``[batch, positions,
+            heads, d_head]`` patches every (head, position) pair, giving values
+            of shape ``(sites, heads, positions)``), or ``None`` to patch whole
+            sites.
+        batch_size: How many patches run at once (the rest follow in chunks
+            through the same compiled program); ``None``: all at once.
+        progress: ``True`` shows a tqdm bar over chunks and batches; ``None``
+            (the default) shows one for a run of several chunks in a terminal
+            or notebook that is still going after a second; ``False`` never.
 
-    The compiled program is kept and reused by later calls with the same `f`,
-    `metric`, `tag`, swept sites, `axis`, `batch_size` and argument shapes (and
-    equal non-array arguments): a repeated sweep on new data only runs. A plain
-    function `f` is part of the key, as under `jax.jit` (a fresh lambda
-    compiles again, and arrays it closes over are read when it first
-    compiles); a module (NNX or Equinox) or a bound method of one is data:
-    weights changed in place are read at every call, without compiling again.
-    The cache holds `f` weakly and is cleared by `jax.clear_caches()`.
+    Returns:
+        A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
+        metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
+        ``axis``, and whose ``baseline`` is the corrupted run's metric.
+
+    Raises:
+        TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
+            a list of them), ``clean`` is not a dict (or a matching list),
+            ``axis`` or ``batch_size`` is malformed, or ``metric`` does not
+            return a scalar.
+        ValueError: nothing to patch, a string in ``names`` matches no site,
+            the chosen sites differ in size along ``axis``, or a site fires
+            several times in a way a sweep cannot patch one by one (mode
+            ``collect`` in a loop, or any site in a ``while_loop``).
+        KeyError: ``clean`` lacks a value for a chosen site.
+        ImportError: ``progress=True`` without tqdm installed.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -961,9 +416,7 @@ def patching_sweep(
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-        raise TypeError(
-            f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
-        )
+        raise _errors.bad_batch_size(caller, batch_size)
     site_axes = [_site_axes(t.one, axes, caller) for t in targets]
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
@@ -980,9 +433,9 @@ def patching_sweep(
             plants: dict[Any, Callable[..., Any]] = {}
             for t, c, ax, first in zip(targets, cleans, site_axes, firsts):
                 if t.count is None:
-                    plants[t.site.path] = _PatchWhere(c, here & (row == first), ax)
+                    plants[t.site.path] = PatchWhere(c, here & (row == first), ax)
                 else:  # row `first + j` patches occurrence j
-                    plants[t.site.path] = _PatchOccurrence(c, here, row - first, ax)
+                    plants[t.site.path] = PatchOccurrence(c, here, row - first, ax)
             return _scalar(metric(planted(nested_dict(plants), *args)))
 
         # Through the calling convention, as the patched runs: NNX modules are split and merged.
@@ -1000,7 +453,7 @@ def patching_sweep(
         ks = np.minimum(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
-        values, baseline = _compile(program, f, (ks, cleans, batches[b][1]), spec)
+        values, baseline = compile_program(program, f, (ks, cleans, batches[b][1]), spec)
         effects[b].append(np.asarray(values)[: total - start])
         baselines += [np.asarray(baseline)] if start == 0 else []
     names_, labels = _labels(targets, size, axis)
@@ -1026,18 +479,40 @@ def attribution_patching(
     axis: int | tuple[int, ...] | None = None,
     progress: bool | None = None,
 ) -> PatchingResult:
-    """The first-order estimate of every patch `patching_sweep` would make, from one backward pass.
+    """The first-order estimate of every patch ``patching_sweep`` would make, from one backward pass.
 
-    The effect of patching site `s` (at position `p`) is estimated as
-    `sum((clean_s - corrupt_s) * d metric / d s)` over the patched entries,
-    with the gradient taken on the corrupted run. It is exact when `metric ∘ f`
-    is linear in the activation, and a first-order Taylor approximation
+    The effect of patching site ``s`` (at position ``p``) is estimated as
+    ``sum((clean_s - corrupt_s) * d metric / d s)`` over the patched entries,
+    with the gradient taken on the corrupted run. It is exact when ``metric ∘
+    f`` is linear in the activation, and a first-order Taylor approximation
     otherwise. The corrupted activations and the gradients come from one
     compiled function; the gradient is taken with respect to zero offsets
-    planted at every site (`old + delta`), which is exactly d metric / d
-    activation including every downstream path. Arguments (a tuple `axis`,
-    a dataset of batches, `progress` over batches) and the compile cache as in
-    `patching_sweep`.
+    planted at every site (``old + delta``), which is exactly ``d metric / d
+    activation`` including every downstream path. The compile cache is
+    ``patching_sweep``'s.
+
+    Args:
+        f: The model, as for ``patching_sweep``.
+        clean: ``reap(f, tag=tag)(*clean_args)``, or a list of them (one per batch).
+        corrupted_args: The corrupted run's positional arguments, or a list of
+            such tuples (one per batch: the result is the mean over batches).
+        metric: Maps ``f``'s output to a scalar.
+        tag: The tag whose sows are the sites.
+        names: Which sites, as for ``patching_sweep``.
+        axis: The axis (or tuple of axes) of each site's value to estimate
+            index by index, or ``None`` for whole sites.
+        progress: A tqdm bar over batches, as for ``patching_sweep``.
+
+    Returns:
+        A ``PatchingResult`` of the estimated effects, shaped as
+        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric.
+
+    Raises:
+        TypeError: malformed ``f``, ``clean``, ``corrupted_args`` or ``axis``,
+            or a ``metric`` that does not return a scalar.
+        ValueError: nothing to patch, or sites a sweep cannot patch one by one
+            (as for ``patching_sweep``).
+        KeyError: ``clean`` lacks a value for a chosen site.
 
     Example:
         >>> import jax.numpy as jnp
@@ -1065,7 +540,7 @@ def attribution_patching(
 
         def metric_of(offsets: list[Any]) -> jax.Array:
             plants = {
-                t.site.path: _AddVector(d, jnp.ones(())) if t.count is None else _AddRow(d)
+                t.site.path: AddVector(d, jnp.ones(())) if t.count is None else AddRow(d)
                 for t, d in zip(targets, offsets)
             }
             return _scalar(metric(planted(nested_dict(plants), *args)))
@@ -1082,7 +557,7 @@ def attribution_patching(
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
     results = [
-        _compile(program, f, (_batch_cleans(targets, c, axes, size, caller), args), spec)
+        compile_program(program, f, (_batch_cleans(targets, c, axes, size, caller), args), spec)
         for c, args in _steps(batches, progress, caller)
     ]
     names_, labels = _labels(targets, size, axis)

@@ -21,15 +21,15 @@ import dataclasses
 import functools
 import inspect
 import numbers
-import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, Concatenate
+from typing import Any, Concatenate, NamedTuple
 
 import jax
 
 from . import _errors, _jax
 from ._calling import is_array, make_jaxpr, split_nodes, write_back
+from ._compile_cache import jit_per_function
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
 from ._occurrences import Plant, occurrences
@@ -85,12 +85,36 @@ def _rewrap(fn, data):
     return functools.partial(_rewrap(fn, inner), *args, **keywords)
 
 
+class _Call(NamedTuple):
+    """What one call of a harvested function is given, in parts."""
+
+    bound: Any  # what the callable binds (see `_unwrap`)
+    plants: Any
+    args: tuple
+    kwargs: dict
+    graph: Any  # the NNX graph nodes' split state (see `_calling`)
+
+
+# The parts whose numbers are data, traced rather than static.
+_DATA_PARTS = frozenset({"plants", "graph"})
+
+
+def _traced_leaves(call: _Call) -> list[bool]:
+    """Per leaf of `call`, in flattening order: whether it is traced."""
+    return [
+        _is_traced(leaf, part in _DATA_PARTS)
+        for part in _Call._fields
+        for leaf in jax.tree_util.tree_leaves(getattr(call, part))
+    ]
+
+
 def _walk(fn, dynamic, static: _Static, staged=False):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf in static.static_leaves}
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
-    bound, plants, args, kwargs, graph = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    bound, plants, args, kwargs, graph = call_parts
 
     def call(bound, /, *args, **kwargs):
         return _rewrap(fn, bound)(*args, **kwargs)
@@ -153,31 +177,13 @@ def _walk_weak(fn_ref, dynamic, static):
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
-_jits: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary()
-_jits_lock = threading.Lock()
-
-
-def _jit_for(fn):
-    """The jitted walk for `fn`, made once and dropped when `fn` is collected."""
-    with _jits_lock:
-        jitted = _jits.get(fn)
-        if jitted is None:
-            # Holds `fn` only weakly, or the dict's value would keep its key alive.
-            jitted = _jits[fn] = jax.jit(
-                functools.partial(_walk_weak, weakref.ref(fn)), static_argnums=1
-            )
-        return jitted
-
-
 def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     fn, bound = _unwrap(f)
     (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-    leaves, treedef = jax.tree_util.tree_flatten((bound, plants, args, kwargs, graph))
-    sizes = [child.num_leaves for child in treedef.children()]
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    data = {*range(starts[1], starts[1] + sizes[1]), *range(starts[4], starts[4] + sizes[4])}
-    traced = [_is_traced(leaf, i in data) for i, leaf in enumerate(leaves)]
+    call_parts = _Call(bound, plants, args, kwargs, graph)
+    leaves, treedef = jax.tree_util.tree_flatten(call_parts)
+    traced = _traced_leaves(call_parts)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
         treedef,
@@ -193,7 +199,11 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     else:
         try:
             hash(static)
-            jitted = functools.partial(_walk, fn) if fn in _eager_only else _jit_for(fn)
+            jitted = (
+                functools.partial(_walk, fn)
+                if fn in _eager_only
+                else jit_per_function(fn, _walk_weak)
+            )
         except TypeError:
             # An unhashable non-array argument (a mutable config object, say), or
             # a function that cannot be weakly referenced: still correct, just

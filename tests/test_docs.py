@@ -26,7 +26,10 @@ PAGES = [
     "guides/many_devices.md",
     "guides/unmodified_models.md",
     "guides/probabilistic_intervention.md",
+    "guides/activation_store.md",
 ]
+# Pages that need an optional extra, skipped (with the reason) where it is not installed.
+EXTRAS = {"guides/activation_store.md": ("store", ["tensorstore", "optax"])}
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -37,6 +40,9 @@ def python_blocks(page):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_python_blocks_run(page, capsys):
+    extra, modules = EXTRAS.get(page, ("", []))
+    for module in modules:
+        pytest.importorskip(module, reason=f"{page} needs the {extra} extra")
     blocks = python_blocks(page)
     assert blocks, f"{page} has no runnable python blocks"
     namespace = {"__name__": f"docs_{page}"}

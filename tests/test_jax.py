@@ -132,3 +132,26 @@ def test_sites_labels_calls_by_primitive_not_name():
     where = {s.name: s.where for s in sites(f, 1.0)}
     assert where == {"c": "checkpoint", "j": "jit"}
     assert reap(f)(1.0) == {"c": (1.0,), "j": (1.0,)}
+
+
+def test_a_jvp_rule_that_traces_only_where_differentiated_is_passed_over():
+    @jax.custom_jvp
+    def f(x):
+        return sow(x * 2.0, name="h", mode="strict")
+
+    def rule(primals, tangents):  # Python branching on a primal: traces only with values
+        sign = 1.0 if primals[0] > 0 else -1.0
+        return f(primals[0]), sign * tangents[0]
+
+    f.defjvp(rule)
+    assert float(reap(f)(1.0)["h"]) == 2.0
+
+
+def test_a_jvp_rule_that_fails_otherwise_is_named():
+    @jax.custom_jvp
+    def broken(x):
+        return sow(x * 2.0, name="h", mode="strict")
+
+    broken.defjvp(lambda primals, tangents: (broken(primals[0]), tangents[0] @ jnp.ones(3)))
+    with pytest.raises(RuntimeError, match="JVP rule of the custom_jvp function `broken`"):
+        reap(broken)(1.0)

@@ -41,9 +41,10 @@ def test_transformed_function_composes_with_jit_and_grad():
     np.testing.assert_allclose(jax.grad(lambda x: handled(0.0, x)[0])(0.3), -np.sin(0.3), rtol=1e-6)
 
 
-def test_handled_primitive_in_a_loop_is_a_clear_error():
+def test_handled_primitive_in_a_while_predicate_is_a_clear_error():
+    # The predicate returns only a bool, so no state can leave it.
     def f(x):
-        return jax.lax.fori_loop(0, 3, lambda i, c: jnp.exp(c), x)
+        return jax.lax.while_loop(lambda c: jnp.exp(c) < 3.0, lambda c: c + 1.0, x)
 
     with pytest.raises(NotImplementedError, match="cannot be threaded through"):
         ppl.make_effect_handler({jax.lax.exp_p: lambda s, x, **p: (jnp.exp(x), s)})(f)(None, 0.0)

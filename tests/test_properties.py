@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from jax import lax
 
-from harvest import call_and_reap, plant, reap, sow
+from harvest import _jax, call_and_reap, plant, reap, sites, sow
 
 NAMES = ("a", "b", "c")
 OPS = (
@@ -401,3 +401,74 @@ def test_random_programs_with_a_batched_cond(program, x):
     _check_vmapped(program, x)
     _check_reap([("scan", [("vmap", program)])], x)
     _check_plant([("vmap", program)], x)
+
+
+# ---------------------------------------------------------------------------
+# sites(f) against reap(f): both read one description per primitive
+# (harvest/_higher_order.py), so how often sites says a sow fires is how many
+# rows reap returns. Every family of higher-order primitive (jit, closed_call,
+# remat, scan, cond, custom_jvp, custom_vjp, custom_linear_solve; shard_map in
+# tests/multidevice) wraps the sows, all in mode "append".
+
+FAMILIES = ["jit", "call", "remat", "scan", "cond", "custom_jvp", "custom_vjp", "solve"]
+
+
+def build_appending(nodes):
+    fns = [_appending_node(n) for n in nodes]
+
+    def run(x):
+        for fn in fns:
+            x = fn(x)
+        return x
+
+    return run
+
+
+def _appending_node(node):
+    if _is_leaf(node):
+        op, name = OPS[node[1]], node[2]
+        return lambda x: sow(op(x), name=name, mode="append")
+    kind, body = node[0], build_appending(node[1])
+    if kind == "call":
+        return lambda x: _jax.bind_with(
+            _jax.closed_call_p, {"call_jaxpr": jax.make_jaxpr(body)(x)}, [x]
+        )[0]
+    if kind == "custom_jvp":
+        fn = jax.custom_jvp(body)
+        fn.defjvp(lambda primals, tangents: (primals[0], tangents[0]))  # never run here
+        return fn
+    if kind == "custom_vjp":
+        fn = jax.custom_vjp(body)
+        fn.defvjp(lambda x: (body(x), None), lambda _, g: (g,))
+        return fn
+    if kind == "solve":  # `solve` runs once per call: its sows fire once
+        return lambda x: lax.custom_linear_solve(
+            lambda v: v, x, lambda _, b: body(b), symmetric=True
+        )
+    return _wrapped(kind, body)
+
+
+def _wrapped(kind, body):
+    if kind == "jit":
+        return jax.jit(body)
+    if kind == "remat":
+        return jax.checkpoint(body)
+    if kind == "scan":
+        return lambda x: lax.scan(lambda c, _: (body(c), None), x, None, length=LENGTH)[0]
+    if kind == "cond":  # the false branch sows nothing: reap's rows are the true branch's
+        return lambda x: lax.cond(_pred(x), body, _false_branch, x)
+    raise AssertionError(kind)
+
+
+@SETTINGS
+@given(program=programs(FAMILIES), x=xs)
+def test_random_programs_sites_fire_as_often_as_reap_returns_rows(program, x):
+    x = jnp.array(x, jnp.float32)
+    f = build_appending(program)
+    fires = {}
+    for info in sites(f, x):
+        fires[info.name] = fires.get(info.name, 0) + info.fires
+    reaped = reap(f)(x)
+    assert fires == {name: rows.shape[0] for name, rows in reaped.items()}
+    # plant takes exactly that many rows back, and gives f's output.
+    close(plant(f)(reaped, x), f(x))

@@ -27,16 +27,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from .. import _errors, _jax
+from .._evaluator import evaluate
+from .._higher_order import describe
 from .._interpreter import Walk, register, sites_in
-from .._modes import MODES
 from .._occurrences import MARKERS
 from .._paths import path_str
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
@@ -58,17 +59,12 @@ _jax.register_batching(
 
 _groups = itertools.count()
 
-# Calls whose body, when it sows, is rewritten in place, as if inlined (a jit's
-# boundary and a checkpoint's policy are dropped for that body alone).
-_INLINED = frozenset({_jax.jit_p, _jax.closed_call_p, _jax.core_call_p, _jax.remat_p})
-
-
 # ---------------------------------------------------------------------------
 # Rewriting a branch: sows take plants in place, their values leave as outputs.
 
 
 @dataclasses.dataclass
-class _Occurrence:
+class Occurrence:
     params: dict[str, Any]  # the sow's params, without a role
     leaves: list[Any]
     present: Any  # whether it was sown (for sow_cond: and its pred held)
@@ -80,135 +76,51 @@ class _Occurrence:
         return (p["tag"], p["scope"], p["name"], p["mode"])
 
 
-def _rewrite(
+def rewrite(
     jaxpr: _jax.Jaxpr,
-    consts: list[Any],
-    args: list[Any],
-    found: list[_Occurrence],
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    found: list[Occurrence],
     stuck: set[Site],
 ) -> list[Any]:
     """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
     the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [v.val if isinstance(v, _jax.Literal) else env[v] for v in eqn.invars]
+
+    def step(eqn: Any, invals: list[Any]) -> Any:
+        if eqn.primitive is sow_p and eqn.params.get("role") == "unplantable":
+            # A custom_vmap body's sow, shown where its batching rule ran (see
+            # `_rules/custom_vmap`): it cannot leave the branch as a slot.
+            stuck.add(Site.of(eqn))
+            return sow_p.bind(*invals, **eqn.params)
+        if eqn.primitive is sow_p:
+            return _rewrite_sow(eqn, invals, found)
         subs = _jax.sub_jaxprs(eqn)
-        with _jax.eqn_context(eqn):
-            if eqn.primitive is sow_p:
-                outs = _rewrite_sow(eqn, invals, found)
-            elif not any(sites_in(j) for j in subs):
-                outs = _jax.rebind(eqn, invals)
-            elif eqn.primitive is _jax.cond_p:
-                outs = _rewrite_cond(eqn, invals, found, stuck)
-            elif eqn.primitive is _jax.scan_p:
-                outs = _rewrite_scan(eqn, invals, found, stuck)
-            elif eqn.primitive in _INLINED:
-                body = _jax.call_body(eqn)
-                outs = _rewrite(body.jaxpr, list(body.consts), invals, found, stuck)
-            else:
-                stuck.update(site for j in subs for site in sites_in(j))
-                outs = _jax.rebind(eqn, invals)
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [v.val if isinstance(v, _jax.Literal) else env[v] for v in jaxpr.outvars]
+        if not any(sites_in(j) for j in subs):
+            return _jax.rebind(eqn, invals)
+        how = describe(eqn)
+        if how.batched_branch is not None:
+            return how.batched_branch(eqn, invals, found, stuck)
+        if how.inlinable:  # as if inlined: a jit's boundary, a checkpoint's policy dropped here
+            (body,) = how.bodies(eqn)
+            return rewrite(body.jaxpr, body.consts, invals, found, stuck)
+        stuck.update(site for j in subs for site in sites_in(j))
+        return _jax.rebind(eqn, invals)
+
+    return evaluate(jaxpr, consts, args, step)
 
 
-def _rewrite_sow(eqn: Any, invals: list[Any], found: list[_Occurrence]) -> list[Any]:
+def _rewrite_sow(eqn: Any, invals: list[Any], found: list[Occurrence]) -> list[Any]:
     params = dict(eqn.params)
     role = params.pop("role", None)
     n = len(eqn.outvars)
     if role == "plant_only":  # an inner batched cond's, already brought out by it
         return list(sow_p.bind(*invals, **eqn.params))
     if role == "record_only":  # records of a vmap inside this branch: they leave as slots
-        found.append(_Occurrence(params, invals[:n], invals[n]))
+        found.append(Occurrence(params, invals[:n], invals[n]))
         return invals[:n]
     outs = list(sow_p.bind(*invals, **params, role="plant_only"))
-    found.append(_Occurrence(params, outs, invals[n] if len(invals) > n else True))
+    found.append(Occurrence(params, outs, invals[n] if len(invals) > n else True))
     return outs
-
-
-def _rewrite_cond(
-    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
-) -> list[Any]:
-    """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
-    branches = _jax.cond_branches(eqn)
-    new, slots, inner_stuck = _united(branches, group=None)
-    stuck.update(inner_stuck)
-    outs = _jax.bind_with(_jax.cond_p, dict(eqn.params, branches=tuple(new)), invals)
-    found.extend(_unpack(slots, outs[len(branches[0].out_avals) :]))
-    return list(outs[: len(branches[0].out_avals)])
-
-
-def _rewrite_scan(
-    eqn: Any, invals: list[Any], found: list[_Occurrence], stuck: set[Site]
-) -> list[Any]:
-    """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
-    p = _jax.Scan.of(eqn)
-    nc, ncarry = p.num_consts, p.num_carry
-    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-    holder: dict[str, list[_Occurrence]] = {}
-
-    def step(carry: list[Any], x: list[Any]) -> Any:
-        inner: list[_Occurrence] = []
-        outs = _rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
-        holder["inner"] = inner = _merge_carried(inner)
-        return outs[:ncarry], (
-            outs[ncarry:],
-            [(o.leaves, jnp.asarray(o.present, bool)) for o in inner],
-        )
-
-    carry, (ys, stacked) = lax.scan(
-        step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
-    )
-    for o, (leaves, present) in zip(holder["inner"], stacked):
-        mode = MODES[o.params["mode"]]
-        if mode.rows:  # one row per iteration, in order
-            found.extend(
-                _Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length)
-            )
-        elif mode.carried:  # the last iteration that sowed it
-            found.append(_last(o.params, leaves, present, p.reverse))
-        else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
-            found.append(_Occurrence(o.params, leaves, jnp.any(present), o.loops + 1))
-    return [*carry, *ys]
-
-
-def _merge_carried(found: list[_Occurrence]) -> list[_Occurrence]:
-    """One occurrence per clobber-like name: the last one sown, and whether any was."""
-    out: list[_Occurrence] = []
-    where: dict[tuple[Any, ...], int] = {}
-    for o in found:
-        i = where.get(o.key) if MODES[o.params["mode"]].carried else None
-        if i is None:
-            where[o.key] = len(out)
-            out.append(o)
-            continue
-        prev = out[i]
-        pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
-        out[i] = _Occurrence(
-            o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present
-        )
-    return out
-
-
-def _lead(pred: Any, like: Any) -> Any:
-    """`pred` with trailing unit axes, to select along `like`'s leading axes."""
-    return jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(like) - jnp.ndim(pred)))
-
-
-def _last(params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool) -> _Occurrence:
-    """Of values stacked over iterations, the one of the last iteration run whose flag holds."""
-    if reverse:  # the last iteration run is the first
-        leaves, present = [l[::-1] for l in leaves], present[::-1]
-    later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
-    last = present & (later == 1)
-    leaves = [
-        jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype)
-        for l in leaves
-    ]
-    return _Occurrence(params, leaves, jnp.any(present, axis=0))
 
 
 # ---------------------------------------------------------------------------
@@ -222,7 +134,7 @@ class _Slot:
     loops: int  # as its occurrences'
 
 
-def _united(
+def united(
     branches: tuple[Any, ...], group: int | None
 ) -> tuple[list[Any], list[_Slot], set[Site]]:
     """Each branch rewritten to also return the slots of every branch; with a
@@ -234,14 +146,12 @@ def _united(
     traced: list[tuple[Any, dict[Any, _Slot]]] = []
     stuck: set[Site] = set()
     for b, br in enumerate(branches):
-        found: list[_Occurrence] = []
+        found: list[Occurrence] = []
 
-        def walk(
-            *ops: Any, br: Any = br, found: list[_Occurrence] = found, b: int = b
-        ) -> list[Any]:
+        def walk(*ops: Any, br: Any = br, found: list[Occurrence] = found, b: int = b) -> list[Any]:
             if group is not None:
                 branch_p.bind(group=group, branch=b, stuck=())
-            outs = _rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
+            outs = rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
             return [*outs, *(x for o in found for x in (*o.leaves, jnp.asarray(o.present, bool)))]
 
         closed = jax.make_jaxpr(walk)(*specs)
@@ -293,12 +203,12 @@ def _united(
     return new, list(slots.values()), stuck
 
 
-def _unpack(slots: list[_Slot], flat: list[Any]) -> list[_Occurrence]:
+def unpack(slots: list[_Slot], flat: list[Any]) -> list[Occurrence]:
     """The occurrences that slots hold, from their flattened values."""
     found = []
     for slot in slots:
         k = len(slot.avals)
-        found.append(_Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1], slot.loops))
+        found.append(Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1], slot.loops))
         flat = flat[k:]
     return found
 
@@ -318,12 +228,12 @@ def _batch_cond(
     ):
         return jax_rule(axis_data, args, dims, branches=branches, **params)
     group = next(_groups)
-    new, slots, stuck = _united(tuple(branches), group)
+    new, slots, stuck = united(tuple(branches), group)
     outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
     n = len(branches[0].out_avals)
     branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
     extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
-    for occ in _unpack(slots, extra):
+    for occ in unpack(slots, extra):
         k = len(occ.leaves)
         vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
         # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.

@@ -17,6 +17,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _errors, _jax
+from .._higher_order import HigherOrder, call_body, declare, forwards_through_call
 from .._interpreter import (
     Policy,
     Walk,
@@ -29,6 +30,27 @@ from .._interpreter import (
     sites_in,
 )
 from .._paths import path_str
+
+
+def _call_like(label: str, **extra: Any) -> HigherOrder:
+    return HigherOrder(call_body(label), call=True, forwards=forwards_through_call, **extra)
+
+
+def _restage_remat(eqn: Any, invals: list[Any], staged: Any, extra: Any) -> list[Any]:
+    remat = _jax.Remat.of(eqn)
+    (body,) = REMAT.bodies(eqn)
+    fn = jax.checkpoint(staged(body), prevent_cse=remat.prevent_cse, policy=remat.policy)
+    return list(fn(*invals, *extra))
+
+
+declare(_jax.jit_p)(_call_like("jit"))
+for _plain in (_jax.closed_call_p, _jax.core_call_p):
+    declare(_plain)(_call_like(_plain.name))
+REMAT = declare(_jax.remat_p)(_call_like("checkpoint", restage=_restage_remat))
+declare(_jax.custom_jvp_call_p)(
+    _call_like("custom_jvp", custom_rule="jvp", jvp_rule=_jax.custom_jvp_rule)
+)
+declare(_jax.custom_vjp_call_p)(_call_like("custom_vjp", custom_rule="vjp"))
 
 
 @register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
@@ -45,7 +67,7 @@ def _call(walk, eqn, invals):
 # inlined and differentiated by ordinary autodiff instead.
 
 
-def _original(eqn):
+def original_of(eqn):
     return lambda *xs: _jax.rebind(eqn, xs)
 
 
@@ -76,13 +98,15 @@ def _keeping_the_rule(wrap):
             return interpret(walk, call.jaxpr, call.consts, invals)
         r = retrace(walk, call.jaxpr, call.consts, invals)
         body = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())
-        wrapped = wrap(body, _original(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn))
+        wrapped = wrap(
+            body, original_of(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn)
+        )
         return r.finish(walk, wrapped(*r.args))
 
     return rule
 
 
-def _with_jvp(body, original, k, n, nconsts):
+def with_jvp(body, original, k, n, nconsts):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_jvp
     (whose own JVP handles its `nconsts` closure-converted constants)."""
 
@@ -99,7 +123,7 @@ def _with_jvp(body, original, k, n, nconsts):
     return wrapped
 
 
-def _with_vjp(body, original, k, n, nconsts):
+def with_vjp(body, original, k, n, nconsts):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp."""
 
     @jax.custom_vjp
@@ -132,8 +156,8 @@ def _with_vjp(body, original, k, n, nconsts):
     return wrapped
 
 
-_keeping_the_jvp_rule = _keeping_the_rule(_with_jvp)
-register(_jax.custom_vjp_call_p)(_keeping_the_rule(_with_vjp))
+_keeping_the_jvp_rule = _keeping_the_rule(with_jvp)
+register(_jax.custom_vjp_call_p)(_keeping_the_rule(with_vjp))
 
 
 # Sows in a custom_jvp's JVP rule. JAX runs the rule instead of the body where

@@ -11,14 +11,19 @@ index yourself (see the docs' semantics table).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
+from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register
 from .._occurrences import Record
+from .._site import Site
 from .._steps import Steps
+from .batched_cond import Occurrence, united, unpack
 
 
 def _zeros(shape):
@@ -124,3 +129,46 @@ def _cond(walk, eqn, invals):
             seen[p] = max(seen.get(p, 0), n)
     walk.absorb(records, seen)
     return outs
+
+
+# ---------------------------------------------------------------------------
+# What the rest of harvest knows about cond.
+
+
+def _branches(eqn):
+    return [Body(f"cond[{i}]", b.jaxpr, b.consts) for i, b in enumerate(_jax.cond_branches(eqn))]
+
+
+def _forwards(eqn, i, position):
+    """An output every branch copies from the same operand is that operand."""
+    ks = {position(b.jaxpr, i) for b in _jax.cond_branches(eqn)}
+    k = ks.pop() if len(ks) == 1 else None
+    return None if k is None else 1 + k  # input 0 is the branch index
+
+
+def _restage(eqn, invals, staged, extra):
+    # Each branch takes the operands then `extra`, and returns its outputs then `extra`'s.
+    return list(lax.switch(invals[0], [staged(b) for b in _branches(eqn)], *invals[1:], *extra))
+
+
+def _in_batched_branch(
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[Site]
+) -> list[Any]:
+    """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
+    branches = _jax.cond_branches(eqn)
+    new, slots, inner_stuck = united(branches, group=None)
+    stuck.update(inner_stuck)
+    outs = _jax.bind_with(_jax.cond_p, dict(eqn.params, branches=tuple(new)), invals)
+    found.extend(unpack(slots, outs[len(branches[0].out_avals) :]))
+    return list(outs[: len(branches[0].out_avals)])
+
+
+declare(_jax.cond_p)(
+    HigherOrder(
+        _branches,
+        alternatives=True,
+        forwards=_forwards,
+        restage=_restage,
+        batched_branch=_in_batched_branch,
+    )
+)

@@ -12,15 +12,20 @@ that many iterations plus the count of iterations run (`Steps`).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
+from .._higher_order import UNBOUNDED, Body, HigherOrder, declare, split_extra
 from .._interpreter import interpret, register
+from .._modes import MODES
 from .._occurrences import Record, stacked_record
+from .._site import Site
 from .._steps import Steps
+from .batched_cond import Occurrence, rewrite
 
 
 def _no_strict(sites, where):
@@ -194,3 +199,156 @@ def _while_per_example(cond_fn, body_fn, init):
         *leaves
     )
     return unflatten(_jax.bind_while(cond, body, leaves))
+
+
+# ---------------------------------------------------------------------------
+# What the rest of harvest knows about scan and while_loop.
+
+
+def _scan_body(eqn):
+    p = _jax.Scan.of(eqn)
+    return [Body(f"scan[{p.length}]", p.body.jaxpr, p.body.consts, runs=p.length)]
+
+
+def _scan_forwards(eqn, i, position):
+    """A carry returned as it came, or a slice of xs returned as y, is the input itself."""
+    # Outputs: carries, then stacked ys; the body's inputs: consts, carries, xs.
+    p = _jax.Scan.of(eqn)
+    k = position(p.body.jaxpr, i)
+    n, c = p.num_consts, p.num_carry
+    return k if k is not None and ((i < c and k == n + i) or (i >= c and k >= n + c)) else None
+
+
+def _restage_scan(eqn, invals, staged, extra):
+    p = _jax.Scan.of(eqn)
+    (body,) = _scan_body(eqn)
+    run = staged(body)
+    nc, ncarry = p.num_consts, p.num_carry
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+
+    def step(carry, x):
+        outs, more = split_extra(run(*consts, *carry[0], *x, *carry[1]), extra)
+        return (outs[:ncarry], more), outs[ncarry:]
+
+    (carry, more), ys = lax.scan(
+        step,
+        (list(init), list(extra)),
+        list(xs),
+        length=p.length,
+        reverse=p.reverse,
+        unroll=p.unroll,
+    )
+    return [*carry, *ys, *more]
+
+
+def _scan_in_batched_branch(
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[Site]
+) -> list[Any]:
+    """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
+    p = _jax.Scan.of(eqn)
+    nc, ncarry = p.num_consts, p.num_carry
+    consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+    holder: dict[str, list[Occurrence]] = {}
+
+    def step(carry: list[Any], x: list[Any]) -> Any:
+        inner: list[Occurrence] = []
+        outs = rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
+        holder["inner"] = inner = _merge_carried(inner)
+        return outs[:ncarry], (
+            outs[ncarry:],
+            [(o.leaves, jnp.asarray(o.present, bool)) for o in inner],
+        )
+
+    carry, (ys, stacked) = lax.scan(
+        step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
+    )
+    for o, (leaves, present) in zip(holder["inner"], stacked):
+        mode = MODES[o.params["mode"]]
+        if mode.rows:  # one row per iteration, in order
+            found.extend(
+                Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length)
+            )
+        elif mode.carried:  # the last iteration that sowed it
+            found.append(_last_sown(o.params, leaves, present, p.reverse))
+        else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
+            found.append(Occurrence(o.params, leaves, jnp.any(present), o.loops + 1))
+    return [*carry, *ys]
+
+
+def _merge_carried(found: list[Occurrence]) -> list[Occurrence]:
+    """One occurrence per clobber-like name: the last one sown, and whether any was."""
+    out: list[Occurrence] = []
+    where: dict[tuple[Any, ...], int] = {}
+    for o in found:
+        i = where.get(o.key) if MODES[o.params["mode"]].carried else None
+        if i is None:
+            where[o.key] = len(out)
+            out.append(o)
+            continue
+        prev = out[i]
+        pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
+        out[i] = Occurrence(
+            o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present
+        )
+    return out
+
+
+def _lead(pred: Any, like: Any) -> Any:
+    """`pred` with trailing unit axes, to select along `like`'s leading axes."""
+    return jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(like) - jnp.ndim(pred)))
+
+
+def _last_sown(
+    params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool
+) -> Occurrence:
+    """Of values stacked over iterations, the one of the last iteration run whose flag holds."""
+    if reverse:  # the last iteration run is the first
+        leaves, present = [l[::-1] for l in leaves], present[::-1]
+    later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
+    last = present & (later == 1)
+    leaves = [
+        jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype)
+        for l in leaves
+    ]
+    return Occurrence(params, leaves, jnp.any(present, axis=0))
+
+
+declare(_jax.scan_p)(
+    HigherOrder(
+        _scan_body,
+        forwards=_scan_forwards,
+        restage=_restage_scan,
+        batched_branch=_scan_in_batched_branch,
+    )
+)
+
+
+def _while_bodies(eqn):
+    p = _jax.While.of(eqn)
+    return [
+        Body("while", p.cond.jaxpr, p.cond.consts, runs=UNBOUNDED, predicate=True),
+        Body("while", p.body.jaxpr, p.body.consts, runs=UNBOUNDED),
+    ]
+
+
+def _while_forwards(eqn, i, position):
+    """A carry the body returns as it came is the loop's input."""
+    p = _jax.While.of(eqn)
+    k = position(p.body.jaxpr, i)
+    return None if k is None or k != p.body_nconsts + i else p.cond_nconsts + k
+
+
+def _restage_while(eqn, invals, staged, extra):
+    p = _jax.While.of(eqn)
+    cond, body = (staged(b) for b in _while_bodies(eqn))
+    ncc, nbc = p.cond_nconsts, p.body_nconsts
+    cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
+    carry, more = lax.while_loop(
+        lambda c: cond(*cconsts, *c[0], *c[1])[0],
+        lambda c: split_extra(body(*bconsts, *c[0], *c[1]), extra),
+        (list(init), list(extra)),
+    )
+    return [*carry, *more]
+
+
+declare(_jax.while_p)(HigherOrder(_while_bodies, forwards=_while_forwards, restage=_restage_while))

@@ -19,8 +19,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .. import _jax
+from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register
-from .._occurrences import REPEATS, Record, merge_rows
+from .._occurrences import Record, merge_rows
 
 
 def _lift(site, shards):
@@ -29,7 +30,12 @@ def _lift(site, shards):
     return dataclasses.replace(site, avals=avals)
 
 
-REPEATS[_jax.shard_map_p] = lambda eqn: _jax.ShardMap.of(eqn).shards
+def _per_shard(eqn):
+    p = _jax.ShardMap.of(eqn)
+    return [Body("shard_map", p.body, runs=p.shards, per_run_stacked=True)]
+
+
+declare(_jax.shard_map_p)(HigherOrder(_per_shard))
 
 
 @register(_jax.shard_map_p)

@@ -13,11 +13,23 @@ inlined and differentiated as written.
 from __future__ import annotations
 
 from .. import _errors, _jax
+from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register, retrace
-from .._occurrences import RUNS
-from .calls import _original, _with_jvp
+from .calls import original_of, with_jvp
 
-RUNS[_jax.linear_solve_p] = lambda eqn: [_jax.LinearSolve.of(eqn).jaxprs.solve.jaxpr]
+
+def _functions(eqn):
+    """`solve` runs once per call; the others only where JAX differentiates, or
+    inside `solve` (whose jaxpr then holds their sows again)."""
+    jaxprs = _jax.LinearSolve.of(eqn).jaxprs
+    return [
+        Body(f"custom_linear_solve.{role}", closed.jaxpr, closed.consts, runs=int(role == "solve"))
+        for role, closed in zip(jaxprs._fields, jaxprs)
+        if closed is not None
+    ]
+
+
+declare(_jax.linear_solve_p)(HigherOrder(_functions))
 
 
 @register(_jax.linear_solve_p)
@@ -43,5 +55,5 @@ def _linear_solve(walk, eqn, invals):
     def solved(*xs):  # k closed-over values, then the primitive's own inputs
         return body(*xs[:k], *pick(xs[k:]))
 
-    wrapped = _with_jvp(solved, _original(eqn), k, r.num_outs, 0)
+    wrapped = with_jvp(solved, original_of(eqn), k, r.num_outs, 0)
     return r.finish(walk, wrapped(*r.args[:k], *invals))

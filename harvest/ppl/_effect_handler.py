@@ -1,12 +1,18 @@
 """`make_effect_handler`: custom interpreters that thread a state through chosen primitives.
 
 The transformed function is traced to a jaxpr and evaluated equation by
-equation. An equation whose primitive has a handler runs the handler
+equation (harvest's one evaluator, so each equation keeps its source line and
+`jax.named_scope`). An equation whose primitive has a handler runs the handler
 instead, `handler(state, *inputs, **params) -> (outputs, new state)`; every
-other equation is bound as it was. Calls (`jit`, `closed_call`, `remat`,
-`custom_jvp`/`custom_vjp` functions) whose bodies hold a handled primitive are
-walked into, so handlers see through `jax.jit`; loops and branches holding
-one are an error (the state cannot be threaded through them).
+other equation is bound as it was. Bodies that hold a handled primitive are
+walked into, as each primitive's descriptor says: calls (`jit`,
+`closed_call`, `checkpoint`) in place; `custom_jvp`/`custom_vjp` functions
+keep the user's derivative rule for their outputs, as the core walk keeps it
+for the calls it reaps in; loops and branches (`scan`, `fori_loop`,
+`while_loop`, `cond`, `switch`) are staged again with the state's leaves, as
+arrays, carried through every iteration or branch (so a count there comes
+back as an array). A handled primitive in a `while_loop`'s predicate, or in a
+primitive harvest has no descriptor for, is an error.
 """
 
 from __future__ import annotations
@@ -15,11 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any, Concatenate
 
 import jax
+import jax.numpy as jnp
 
-from .. import _jax
+from .. import _errors, _jax
+from .._evaluator import bind, evaluate
+from .._higher_order import Body, HigherOrder, describe, split_extra
 from .._jax import sub_jaxprs
+from .._rules.calls import with_vjp
 from .._typing import P, R
-from ._inverse import CALLS, call_body, trace_program
+from ._inverse import trace_program
 
 # handler(state, *inputs, **params) -> (outputs, new state)
 Handler = Callable[..., tuple[Any, Any]]
@@ -39,31 +49,115 @@ def _eval(
     args: Sequence[Any],
     handlers: dict[Any, Handler],
 ) -> tuple[list[Any], Any]:
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
+    threaded = [state]  # the state, as the handlers leave it
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, _jax.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+    def step(eqn: Any, invals: list[Any]) -> Any:
         if eqn.primitive in handlers:
-            outs, state = handlers[eqn.primitive](state, *invals, **eqn.params)
-        elif eqn.primitive in CALLS and _holds(call_body(eqn)[0], handlers):
-            body, body_consts = call_body(eqn)
-            outs, state = _eval(body, body_consts, state, invals, handlers)
-        elif any(_holds(j, handlers) for j in sub_jaxprs(eqn)):
-            handled = sorted({str(p) for p in handlers})
-            raise NotImplementedError(
-                f"make_effect_handler: a handled primitive ({', '.join(handled)}) is bound inside "
-                f"`{eqn.primitive}`, and the handlers' state cannot be threaded through it. Move "
-                "the handled operations out of the loop or branch."
-            )
+            outs, threaded[0] = handlers[eqn.primitive](threaded[0], *invals, **eqn.params)
+            return outs
+        if not any(_holds(j, handlers) for j in sub_jaxprs(eqn)):
+            return bind(eqn, invals)
+        how = describe(eqn)
+        if how.inlinable:  # jit, checkpoint and plain calls: walked in place
+            (body,) = how.bodies(eqn)
+            outs, threaded[0] = _eval(body.jaxpr, body.consts, threaded[0], invals, handlers)
+        elif how.custom_rule in ("jvp", "vjp"):
+            outs, threaded[0] = _keeping_the_rule(eqn, how, invals, threaded[0], handlers)
+        elif how.restage is not None:
+            outs, threaded[0] = _carried_through(eqn, how, invals, threaded[0], handlers)
         else:
-            outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars], state
+            raise _errors.handled_inside(eqn.primitive, handlers)
+        return outs
+
+    outs = evaluate(jaxpr, consts, args, step)
+    return outs, threaded[0]
+
+
+def _carried_through(
+    eqn: Any, how: HigherOrder, invals: list[Any], state: Any, handlers: dict[Any, Handler]
+) -> tuple[list[Any], Any]:
+    """A loop or branch re-staged with the state's leaves, as arrays, carried through its bodies."""
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    avals = [jax.typeof(leaf) for leaf in leaves]
+
+    def staged(body: Body) -> Callable[..., list[Any]]:
+        def run(*args: Any) -> list[Any]:
+            own, carried = split_extra(args, leaves)
+            if body.predicate:  # it returns only its predicate: no state can leave it
+                if _holds(body.jaxpr, handlers):
+                    raise _errors.handled_inside(eqn.primitive, handlers)
+                return evaluate(body.jaxpr, body.consts, own, bind)
+            state = jax.tree_util.tree_unflatten(tree, carried)
+            outs, new = _eval(body.jaxpr, body.consts, state, own, handlers)
+            new_leaves, new_tree = jax.tree_util.tree_flatten(new)
+            if new_tree != tree:  # type: ignore[operator]  # the stubs give PyTreeDef no __ne__
+                raise _errors.handler_state_changed_structure(eqn.primitive, tree, new_tree)
+            # A carry keeps its type: the handlers' results are cast to the state's.
+            return [*outs, *(_jax.cast_like(jnp.asarray(v), a) for v, a in zip(new_leaves, avals))]
+
+        return run
+
+    assert how.restage is not None  # the caller checked
+    outs, final = split_extra(how.restage(eqn, invals, staged, leaves), leaves)
+    return outs, jax.tree_util.tree_unflatten(tree, final)
+
+
+def _keeping_the_rule(
+    eqn: Any, how: HigherOrder, invals: list[Any], state: Any, handlers: dict[Any, Handler]
+) -> tuple[list[Any], Any]:
+    """A custom_jvp/vjp call whose body holds a handled primitive: the body is
+    evaluated with the handlers, and its outputs keep the user's derivative rule
+    (as the core walk keeps it for the calls it reaps in); the state's array
+    leaves are differentiated by ordinary autodiff of the handled body."""
+    (body,) = how.bodies(eqn)
+    leaves, tree = jax.tree_util.tree_flatten(state)
+    arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+    k, n = len(arrays), len(eqn.outvars)
+    left: dict[str, Any] = {}  # the new state's tree and its leaves that are not arrays
+
+    def run(*xs: Any) -> list[Any]:
+        given = dict(zip(arrays, xs[:k]))
+        start = jax.tree_util.tree_unflatten(tree, [given.get(i, l) for i, l in enumerate(leaves)])
+        outs, new = _eval(body.jaxpr, body.consts, start, xs[k:], handlers)
+        new_leaves, left["tree"] = jax.tree_util.tree_flatten(new)
+        left["static"] = {i: v for i, v in enumerate(new_leaves) if not isinstance(v, jax.Array)}
+        return [*outs, *(v for v in new_leaves if isinstance(v, jax.Array))]
+
+    def original(*xs: Any) -> Any:
+        return _jax.rebind(eqn, xs)
+
+    wrap = _with_rule_jvp if how.custom_rule == "jvp" else with_vjp
+    results = wrap(run, original, k, n, _jax.custom_num_consts(eqn))(
+        *(leaves[i] for i in arrays), *invals
+    )
+    outs, dynamic = list(results[:n]), iter(results[n:])
+    static = left["static"]
+    new_leaves = [
+        static[i] if i in static else next(dynamic) for i in range(left["tree"].num_leaves)
+    ]
+    return outs, jax.tree_util.tree_unflatten(left["tree"], new_leaves)
+
+
+def _with_rule_jvp(
+    body: Callable[..., list[Any]], original: Callable[..., Any], k: int, n: int, nconsts: int
+) -> Callable[..., list[Any]]:
+    """`body` (k state leaves, then the call's inputs -> n outputs, then the new
+    state's array leaves) under a custom_jvp: the outputs are the handled body's,
+    their tangents the user's rule's, the state's tangents autodiff of the body."""
+
+    @jax.custom_jvp
+    def wrapped(*xs: Any) -> list[Any]:
+        return list(body(*xs))
+
+    @wrapped.defjvp
+    def wrapped_jvp(primals: Any, tangents: Any) -> tuple[list[Any], list[Any]]:
+        results = body(*primals)
+        _, out_dots = jax.jvp(original, primals[k:], tangents[k:])
+        _, state_dots = jax.jvp(lambda *xs: body(*xs)[n:], primals, tangents)
+        return results, [*out_dots, *state_dots]
+
+    return wrapped
 
 
 def make_effect_handler(
@@ -87,10 +181,7 @@ def make_effect_handler(
         (Array(2.7182817, dtype=float32, weak_type=True), 2)
     """
     if not isinstance(handlers, dict) or not all(callable(h) for h in handlers.values()):
-        raise TypeError(
-            "make_effect_handler takes a dict {primitive: handler(state, *inputs, **params) -> "
-            f"(outputs, state)}}; got {handlers!r}."
-        )
+        raise _errors.bad_handlers(handlers)
 
     def transform(f: Callable[P, R]) -> Callable[Concatenate[Any, P], tuple[R, Any]]:
         def handled(state: Any, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Any]:

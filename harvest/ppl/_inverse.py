@@ -53,6 +53,8 @@ import numpy as np
 
 from .. import _jax
 from .._calling import make_jaxpr
+from .._evaluator import bind, evaluate
+from .._higher_order import describe
 from .._primitive import sow_p, tracing_for_harvest
 
 
@@ -200,35 +202,31 @@ INVERTIBLE_CALLS = {"logaddexp": _logaddexp}
 # ---------------------------------------------------------------------------
 # Inlining: one flat jaxpr, so the walk sees every equation.
 
-CALLS = _jax.CALL_PRIMITIVES
-
 
 def call_body(eqn):
     body = _jax.call_body(eqn)
     return body.jaxpr, body.consts
 
 
+def is_call(eqn) -> bool:
+    """Whether `eqn` runs one body once on its inputs (jit, remat, custom_jvp/vjp, ...)."""
+    return bool(_jax.sub_jaxprs(eqn)) and describe(eqn).call
+
+
 def _kept_whole(eqn):
+    # jnp.logaddexp (and so jax.nn.softplus) is a custom_jvp function of that name.
     return (
-        eqn.primitive is _jax.custom_jvp_call_p and _jax.body_function_name(eqn) in INVERTIBLE_CALLS
+        is_call(eqn)
+        and describe(eqn).custom_rule is not None
+        and _jax.body_function_name(eqn) in INVERTIBLE_CALLS
     )
 
 
-def _eval_inlined(jaxpr, consts, args):
-    env = dict(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, _jax.Literal) else env[v]  # noqa: E731
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        with _jax.eqn_context(eqn):
-            if eqn.primitive in CALLS and not _kept_whole(eqn):
-                body, body_consts = call_body(eqn)
-                outs = _eval_inlined(body, body_consts, invals)
-            else:
-                outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
-                outs = outs if eqn.primitive.multiple_results else [outs]
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+def _inlining(eqn, invals):
+    if is_call(eqn) and not _kept_whole(eqn):
+        body, body_consts = call_body(eqn)
+        return evaluate(body, body_consts, invals, _inlining)
+    return bind(eqn, invals)
 
 
 def trace_program(f, args, kwargs):
@@ -244,7 +242,9 @@ def inline_calls(closed: _jax.ClosedJaxpr) -> _jax.ClosedJaxpr:
     avals = [v.aval for v in closed.jaxpr.invars]
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     with tracing_for_harvest():
-        return jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(*specs)
+        return jax.make_jaxpr(lambda *a: evaluate(closed.jaxpr, closed.consts, a, _inlining))(
+            *specs
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -270,8 +270,9 @@ class Known:
 
 
 def bind_eqn(eqn, invals):
+    """Binds `eqn` where it was staged; a list of its outputs."""
     with _jax.eqn_context(eqn):
-        outs = _jax.bind_with(eqn.primitive, eqn.params, invals)
+        outs = bind(eqn, invals)
     return outs if eqn.primitive.multiple_results else [outs]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from harvest import call_and_reap, plant, reap, sow
+from harvest import attribution_patching, call_and_reap, patching_sweep, plant, reap, sites, sow
 
 assert jax.device_count() == 8, "run through tests/test_many_devices.py"
 
@@ -112,3 +112,57 @@ def test_modes_inside_shard_map(mode):
         "clobber": np.repeat(sums, 2),
     }[mode]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
+
+
+# sites, the sweeps and reap read one description of shard_map (harvest/_rules/sharding.py):
+# a body that runs once per shard, each shard's value reaped as one row.
+
+
+def per_shard_sum(mode):
+    def inner(x):
+        return sow(jnp.tanh(x) * 3.0, name="h", mode=mode) ** 2
+
+    def f(x):
+        return jax.shard_map(inner, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    return f
+
+
+def shard_blocks(a):
+    """`a` [8, 8] as reap lays out shard_map's rows: shard (i, j) holds a[2i:2i+2, 4j:4j+4]."""
+    return np.stack([a[2 * i : 2 * i + 2, 4 * j : 4 * j + 4] for i in range(4) for j in range(2)])
+
+
+@pytest.mark.parametrize("mode", ["strict", "append", "collect"])
+def test_sites_fires_once_per_shard_as_reap_stacks(mode):
+    f = per_shard_sum(mode)
+    (info,) = sites(f, X)
+    assert info.fires == 8 and info.where == "shard_map"
+    # One row per shard, whatever the mode (a collect entry is stacked per shard).
+    assert jax.tree.leaves(reap(f)(X)["h"])[0].shape == (info.fires, *info.shape)
+
+
+def test_pmap_sites_fires_once_per_device():
+    f = jax.pmap(lambda x: sow(x**2, name="sq", mode="strict").sum())
+    xs = jnp.arange(24.0).reshape(8, 3)
+    assert [s.fires for s in sites(f, xs)] == [8]
+
+
+@pytest.mark.parametrize("mode", ["strict", "append"])
+def test_patching_sweep_inside_shard_map_matches_patching_by_hand(mode):
+    f = per_shard_sum(mode)
+    clean_x, corrupt_x = X, X[::-1] - 1.0
+    clean = reap(f)(clean_x)
+    result = patching_sweep(f, clean, (corrupt_x,), jnp.sum)
+    # By hand: the corrupted run with shard k's value taken from the clean run.
+    clean_h, corrupt_h = (
+        shard_blocks(np.tanh(clean_x) * 3.0),
+        shard_blocks(np.tanh(corrupt_x) * 3.0),
+    )
+    by_hand = [(clean_h[k] ** 2).sum() - (corrupt_h[k] ** 2).sum() for k in range(8)]
+    np.testing.assert_allclose(result.values, by_hand, rtol=1e-4)
+    np.testing.assert_allclose(
+        result.values.sum(), ((clean_h**2) - (corrupt_h**2)).sum(), rtol=1e-4
+    )
+    attributed = attribution_patching(f, clean, (corrupt_x,), jnp.sum)
+    assert attributed.values.shape == result.values.shape

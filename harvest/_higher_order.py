@@ -1,0 +1,148 @@
+"""What harvest knows about each higher-order primitive, declared once beside its rule.
+
+A `HigherOrder` descriptor says, for one primitive: which bodies an equation
+of it holds, with their labels and how many times each runs per run of the
+equation (per iteration, per shard, per solve, per branch taken); whether it
+is a plain call (its one body runs once on its inputs and gives its outputs);
+which outputs forward which inputs unchanged; and how to stage it again
+around bodies that another evaluator supplies. Each family in `_rules/`
+declares its primitives' descriptors with `declare`, next to its walk rule.
+
+Site listing (`_inspect`), occurrence counting (`_occurrences`), op sites,
+the calling convention (`_calling`), batched conds and the PPL evaluators
+read these descriptors; none of them names a primitive. So two tools cannot
+disagree about how often a body runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import _jax
+
+UNBOUNDED = None  # `Body.runs` of a while loop: its trip count is not known before running
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """One body of an equation, as the rest of harvest sees it.
+
+    `runs` is how many times one run of the equation runs this body (None: not
+    known before running; 0: only where JAX differentiates, or never by
+    itself). `per_run_stacked`: each run's sows, of every mode, are reaped
+    stacked along a new leading axis (one row per shard of a shard_map).
+    `predicate`: the body decides whether a loop goes on (no sow may be there).
+    """
+
+    label: str
+    jaxpr: _jax.Jaxpr
+    consts: Sequence[Any] = ()
+    runs: int | None = 1
+    per_run_stacked: bool = False
+    predicate: bool = False
+
+
+# Re-staging: `restage(eqn, invals, staged, extra)` binds the primitive again
+# (through its public `lax` function) around bodies that `staged(body)` gives as
+# Python callables, and returns the equation's outputs followed by `extra`'s
+# final values. `extra` are values an evaluator threads through every body
+# beside the primitive's own (a state, say): a staged body takes its own inputs
+# then `extra` and returns its own outputs then `extra`'s new values (a loop
+# carries them, a branch passes them on); a predicate body takes the same and
+# returns only its predicate.
+Restage = Callable[
+    [Any, list[Any], Callable[[Body], Callable[..., list[Any]]], Sequence[Any]], list[Any]
+]
+# forwards(eqn, i, position) -> the input of `eqn` its output `i` is a copy of,
+# or None; `position(jaxpr, k)` answers the same for output `k` of a body.
+Forwards = Callable[[Any, int, Callable[[_jax.Jaxpr, int], int | None]], int | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class HigherOrder:
+    """Everything harvest knows about one higher-order primitive (see the module docstring).
+
+    `alternatives`: exactly one body runs per call (a cond's branches), so an
+    occurrence count is its longest body's. `call`: the one body runs once,
+    on the equation's inputs, and gives its outputs. `custom_rule`: the custom
+    rule it holds, which inlining its body would drop: `"jvp"` (custom_jvp),
+    `"vjp"` (custom_vjp), `"vmap"` (custom_vmap's batching rule), or None.
+    `batched_branch`: how `_rules/batched_cond` brings its sows out of a
+    branch vmap runs side by side (None: they stay stuck there). `jvp_rule`:
+    the traced JVP rule whose sows run where JAX differentiates the call
+    (custom_jvp; see `_interpreter.jvp_rule`).
+    """
+
+    bodies: Callable[[Any], list[Body]]
+    alternatives: bool = False
+    call: bool = False
+    custom_rule: str | None = None
+    forwards: Forwards | None = None
+    restage: Restage | None = None
+    batched_branch: Callable[..., list[Any]] | None = None
+    jvp_rule: Callable[[Any], tuple[_jax.ClosedJaxpr, list[bool]] | None] | None = None
+
+    @property
+    def inlinable(self) -> bool:
+        """Whether evaluating its body in place computes the same as binding it."""
+        return self.call and self.custom_rule is None
+
+
+DESCRIPTORS: dict[_jax.Primitive, HigherOrder] = {}
+
+
+def declare(*primitives: _jax.Primitive) -> Callable[[HigherOrder], HigherOrder]:
+    """Registers one descriptor for `primitives` (used as `declare(p)(HigherOrder(...))`)."""
+
+    def register(descriptor: HigherOrder) -> HigherOrder:
+        for p in primitives:
+            DESCRIPTORS[p] = descriptor
+        return descriptor
+
+    return register
+
+
+def _unknown_bodies(eqn: Any) -> list[Body]:
+    return [Body(eqn.primitive.name, j) for j in _jax.sub_jaxprs(eqn)]
+
+
+# A primitive nobody declared: its jaxprs, each run once, nothing forwarded or re-staged.
+UNKNOWN = HigherOrder(_unknown_bodies)
+
+
+def describe(eqn: Any) -> HigherOrder:
+    """The descriptor of `eqn`'s primitive (`UNKNOWN` if none was declared)."""
+    return DESCRIPTORS.get(eqn.primitive, UNKNOWN)
+
+
+def bodies(eqn: Any) -> list[Body]:
+    """The bodies of `eqn` (none for a first-order equation)."""
+    return describe(eqn).bodies(eqn) if _jax.sub_jaxprs(eqn) else []
+
+
+# ---------------------------------------------------------------------------
+# Helpers for declarations.
+
+
+def split_extra(outs: Sequence[Any], extra: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(a staged body's own outputs, the new values of `extra`) from what it returned."""
+    k = len(outs) - len(extra)
+    return list(outs[:k]), list(outs[k:])
+
+
+def call_body(label: str) -> Callable[[Any], list[Body]]:
+    """`bodies` of a call-like primitive: its one body, labelled `label`."""
+
+    def one(eqn: Any) -> list[Body]:
+        body = _jax.call_body(eqn)
+        return [Body(label, body.jaxpr, body.consts)]
+
+    return one
+
+
+def forwards_through_call(eqn: Any, i: int, position: Callable[..., int | None]) -> int | None:
+    """A call's output `i` copies the input its body returns there."""
+    body = _jax.call_body(eqn).jaxpr
+    return position(body, i)

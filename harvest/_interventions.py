@@ -1,0 +1,329 @@
+"""Interventions: callables `old -> new`, planted at a sow site (ablate, patch, steer).
+
+Every intervention is a pytree (its arrays are leaves, the rest is static), so
+the plant's compile cache is keyed by its shapes, not its identity, and it can
+carry traced values under `jit` and `vmap`. That is what lets `patching_sweep`
+run every (site, position) patch as one vmapped computation over a one-hot
+selection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _errors
+from ._typing import T, dataclass_transform
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+# ---------------------------------------------------------------------------
+# Interventions: callables old -> new, usable as planted values.
+
+
+@dataclass_transform(frozen_default=True)
+def pytree_dataclass(
+    data: tuple[str, ...], meta: tuple[str, ...] = ()
+) -> Callable[[type[T]], type[T]]:
+    def wrap(cls: Any) -> Any:
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        return jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+
+    return wrap
+
+
+@pytree_dataclass(data=())
+class _Zero:
+    def __call__(self, old: Any) -> Any:
+        return jax.tree_util.tree_map(jnp.zeros_like, old)
+
+
+@pytree_dataclass(data=("mean",))
+class _Mean:
+    mean: Any
+
+    def __call__(self, old: Any) -> Any:
+        def fill(m: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.broadcast_to(m, o.shape).astype(o.dtype)
+
+        return jax.tree_util.tree_map(fill, self.mean, old)
+
+
+@pytree_dataclass(data=("vector", "scale"))
+class AddVector:
+    vector: Any
+    scale: Any
+
+    def __call__(self, old: Any) -> Any:
+        def add(v: jax.Array, o: jax.Array) -> Any:
+            return (o + self.scale * v).astype(o.dtype)
+
+        return jax.tree_util.tree_map(add, self.vector, old)
+
+
+@pytree_dataclass(data=("clean", "mask"), meta=("axes",))
+class PatchWhere:
+    """`clean` where `mask` holds, `old` elsewhere; `mask` runs along `axes` (one
+    mask axis per swept axis), or is a scalar when `axes` is None."""
+
+    clean: Any
+    mask: Any
+    axes: tuple[int, ...] | None
+
+    def __call__(self, old: Any) -> Any:
+        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)), c, o)
+
+        return jax.tree_util.tree_map(patch, self.clean, old)
+
+
+@pytree_dataclass(data=("fill", "indices"), meta=("axis",))
+class _FillAt:
+    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere."""
+
+    fill: Any
+    indices: jax.Array
+    axis: int
+
+    def __call__(self, old: Any) -> Any:
+        def patch(n: jax.Array, o: jax.Array) -> jax.Array:
+            mask = jnp.isin(jnp.arange(jnp.shape(o)[self.axis]), self.indices)
+            return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
+
+        return jax.tree_util.tree_map(patch, self.fill(old), old)
+
+
+@pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
+class PatchOccurrence:
+    """`PatchWhere` at occurrence `which` of a site that fires several times;
+    `clean` stacks every occurrence's clean value."""
+
+    clean: Any
+    mask: Any
+    which: Any
+    axes: tuple[int, ...] | None
+
+    def __call__(self, old: Any, index: jax.Array) -> Any:
+        def patch(c: jax.Array, o: jax.Array) -> jax.Array:
+            return jnp.where(
+                _along(self.mask, self.axes, jnp.ndim(o)) & (index == self.which), c[index], o
+            )
+
+        return jax.tree_util.tree_map(patch, self.clean, old)
+
+
+@pytree_dataclass(data=("deltas",))
+class AddRow:
+    """Adds row `index` of `deltas` to occurrence `index` of a site."""
+
+    deltas: Any
+
+    def __call__(self, old: Any, index: jax.Array) -> Any:
+        return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
+
+
+def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:
+    """Reshapes a mask with one axis per entry of `axes` to broadcast along
+    those axes of an `ndim`-array (a scalar mask when `axes` is None)."""
+    if axes is None:
+        return mask
+    order = sorted(range(len(axes)), key=lambda i: axes[i])
+    shape = [1] * ndim
+    for i in order:
+        shape[axes[i]] = mask.shape[i]
+    return jnp.reshape(jnp.transpose(mask, order), shape)
+
+
+def ablate_zero() -> Callable[[Any], Any]:
+    """An intervention replacing the sown value by zeros.
+
+    Returns:
+        A callable ``old -> zeros_like(old)`` (a pytree), to plant at a site:
+        ``plant(f)({"h": ablate_zero()}, x)``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import ablate_zero, plant, sow
+        >>> f = lambda x: sow(x + 1.0, name="h", mode="strict") * 2.0
+        >>> plant(f)({"h": ablate_zero()}, jnp.ones(2))
+        Array([0., 0.], dtype=float32)
+    """
+    return _Zero()
+
+
+def ablate_mean(mean: ArrayLike) -> Callable[[Any], Any]:
+    """An intervention replacing the sown value by ``mean``, broadcast to its shape.
+
+    Args:
+        mean: The replacement, broadcast to the sown value's shape (and cast to
+            its dtype); typically the site's value averaged over a reference
+            batch, e.g. ``reap(f)(xs)["h"].mean(0)``. It is data: another mean
+            of the same shape reuses the compiled plant.
+
+    Returns:
+        A callable ``old -> mean`` (a pytree), to plant at a site.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import ablate_mean, plant, sow
+        >>> f = lambda x: sow(x, name="h", mode="strict") * 2.0
+        >>> plant(f)({"h": ablate_mean(jnp.array([1.0, 3.0]))}, jnp.zeros((2, 2)))
+        Array([[2., 6.],
+               [2., 6.]], dtype=float32)
+    """
+    return _Mean(mean)
+
+
+def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any]:
+    """An intervention adding ``scale * vector`` to the sown value (activation steering).
+
+    Args:
+        vector: The direction to add, broadcast to the sown value's shape.
+        scale: How much of it to add (a number or a scalar array; data, so a
+            sweep over scales compiles once).
+
+    Returns:
+        A callable ``old -> old + scale * vector`` (a pytree; the result keeps
+        ``old``'s dtype), to plant at a site.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import add_vector, plant, sow
+        >>> f = lambda x: sow(x, name="h", mode="strict")
+        >>> plant(f)({"h": add_vector(jnp.array([1.0, 0.0]), scale=3.0)}, jnp.ones(2))
+        Array([4., 1.], dtype=float32)
+    """
+    return AddVector(vector, jnp.asarray(scale))
+
+
+def patch_positions(
+    clean: ArrayLike, positions: ArrayLike | Sequence[int], axis: int
+) -> Callable[[Any], Any]:
+    """An intervention taking ``clean`` at ``positions`` along ``axis``, the old value elsewhere.
+
+    Args:
+        clean: A value of the site's shape, e.g. its value reaped from a clean run.
+        positions: An index, or a 1-D sequence of indices, along ``axis``.
+        axis: The axis of the sown value that ``positions`` index (negative
+            counts from the end).
+
+    Returns:
+        A callable ``old -> new`` (a pytree), to plant at a site.
+
+    Raises:
+        TypeError: ``axis`` is not an int, or ``positions`` are not integers
+            (an index or a 1-D sequence).
+        ValueError: ``axis`` is out of range for ``clean``, or ``clean``'s
+            leaves differ in size along it.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import patch_positions, plant, sow
+        >>> f = lambda x: sow(x, name="h", mode="strict")
+        >>> plant(f)({"h": patch_positions(jnp.ones((2, 4)), [1, 3], axis=1)}, jnp.zeros((2, 4)))
+        Array([[0., 1., 0., 1.],
+               [0., 1., 0., 1.]], dtype=float32)
+    """
+    size = axis_size(clean, axis, "patch_positions(clean, positions, axis)")
+    axis = normalize_axis(clean, axis)
+    positions = jnp.atleast_1d(jnp.asarray(positions))
+    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
+        raise _errors.bad_positions(positions)
+    mask = jnp.isin(jnp.arange(size), positions)
+    return PatchWhere(clean, mask, (axis,))
+
+
+def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
+    """An intervention patching one attention head, at every position: ``clean``
+    at index ``head`` along the head axis ``axis``, the old value elsewhere.
+
+    ``patching_sweep(..., axis=head_axis)`` patches every head in turn.
+
+    Args:
+        clean: A value of the site's shape, e.g. a per-head output ``z``
+            ``[positions, heads, d_head]`` reaped from a clean run.
+        head: The head's index along ``axis`` (or a 1-D sequence of heads). It
+            is data, not part of the compile cache key: planting another head
+            reuses the compiled plant.
+        axis: The head axis of the sown value.
+
+    Returns:
+        A callable ``old -> new`` (a pytree), to plant at a site.
+
+    Raises:
+        TypeError: ``axis`` is not an int, or ``head`` is not an integer (or a
+            1-D sequence of them).
+        ValueError: ``axis`` is out of range for ``clean``.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import patch_head, plant, sow
+        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
+        >>> plant(f)({"z": patch_head(jnp.ones((3, 2)), 1, axis=1)}, jnp.zeros((3, 2)))
+        Array([[0., 1.],
+               [0., 1.],
+               [0., 1.]], dtype=float32)
+    """
+    return patch_positions(clean, head, axis)
+
+
+def ablate_head(
+    head: int | ArrayLike | Sequence[int], axis: int, mean: ArrayLike | None = None
+) -> Callable[[Any], Any]:
+    """An intervention ablating one attention head, at every position: zeros
+    (or ``mean``, broadcast) at index ``head`` along the head axis ``axis``.
+
+    Args:
+        head: The head's index along ``axis``, or a sequence of heads. It is
+            data, so ablating another head reuses the compiled plant.
+        axis: The head axis of the sown value.
+        mean: What to put there instead of zeros: the shape of one head's
+            slice, or broadcastable to it (e.g. the site's value averaged over a
+            reference batch, taken at that head). ``None``: zeros.
+
+    Returns:
+        A callable ``old -> new`` (a pytree), to plant at a site.
+
+    Raises:
+        TypeError: ``axis`` is not an int, or ``head`` is not an integer (or a
+            1-D sequence of them).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import ablate_head, plant, sow
+        >>> f = lambda z: sow(z, name="z", mode="strict")  # z: [positions, heads]
+        >>> plant(f)({"z": ablate_head(0, axis=1)}, jnp.ones((3, 2)))
+        Array([[0., 1.],
+               [0., 1.],
+               [0., 1.]], dtype=float32)
+    """
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise _errors.bad_head_axis(axis)
+    heads = jnp.atleast_1d(jnp.asarray(head))
+    if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
+        raise _errors.bad_heads(heads)
+    return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis))
+
+
+def axis_size(value: Any, axis: Any, what: str) -> int:
+    if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
+        raise _errors.axis_not_an_int(what, axis)
+    sizes = set()
+    for leaf in jax.tree_util.tree_leaves(value):
+        ndim = jnp.ndim(leaf)
+        if not -ndim <= axis < ndim:
+            raise _errors.axis_out_of_range(what, axis, jnp.shape(leaf))
+        sizes.add(jnp.shape(leaf)[axis])
+    if len(sizes) != 1:
+        raise _errors.leaves_differ_along_axis(what, sorted(sizes), axis)
+    return sizes.pop()
+
+
+def normalize_axis(value: Any, axis: int) -> int:
+    return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])

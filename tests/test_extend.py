@@ -1,0 +1,111 @@
+"""harvest.extend: rules for primitives harvest did not know, and custom_vmap through it,
+checked against the same functions without harvest."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.custom_batching import custom_vmap
+from jax.extend.core import Primitive, jaxpr_as_fun
+
+from harvest import call_and_reap, extend, patching_sweep, plant, reap, sites, sow
+
+X = jnp.array([0.3, -1.2, 2.0])
+
+
+def _with_rule(rule_sows: bool):
+    """A custom_vmap function whose batching rule is not its body: +100 marks the rule's outputs."""
+
+    @custom_vmap
+    def f(x):
+        return sow(jnp.sin(x), name="h", mode="strict") * 2.0
+
+    @f.def_vmap
+    def rule(axis_size, in_batched, x):
+        h = sow(jnp.sin(x), name="h", mode="strict") if rule_sows else jnp.sin(x)
+        return h * 2.0 + 100.0, True
+
+    return f
+
+
+def test_custom_vmap_sows_are_reaped_and_planted():
+    f = _with_rule(rule_sows=False)
+    out, reaped = call_and_reap(f)(0.5)
+    np.testing.assert_allclose(out, f(0.5))
+    np.testing.assert_allclose(reaped["h"], np.sin(0.5), rtol=1e-6)
+    np.testing.assert_allclose(plant(f)({"h": 5.0}, 0.5), 10.0)
+    assert [(s.name, s.fires, s.where) for s in sites(f, 0.5)] == [("h", 1, "custom_vmap")]
+
+
+@pytest.mark.parametrize("rule_sows", [False, True])
+def test_custom_vmap_under_vmap_keeps_the_rule_and_reaps_per_example(rule_sows):
+    f = _with_rule(rule_sows)
+    # The reference: the function without harvest, and reap inside the vmap.
+    np.testing.assert_allclose(call_and_reap(jax.vmap(f))(X)[0], jax.vmap(f)(X))
+    np.testing.assert_allclose(call_and_reap(jax.vmap(f))(X)[0], 2 * np.sin(X) + 100.0, rtol=1e-6)
+    per_example = jax.vmap(reap(f))(X)
+    np.testing.assert_allclose(per_example["h"], np.sin(X), rtol=1e-6)
+    np.testing.assert_allclose(reap(jax.vmap(f))(X)["h"], per_example["h"], rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(call_and_reap(f))(X)[0], jax.vmap(f)(X))
+    np.testing.assert_allclose(jax.vmap(lambda x: plant(f)({"h": 1.0}, x))(X), np.full(3, 2.0))
+
+
+def test_planting_where_the_batching_rule_ran_instead_is_an_error():
+    f = _with_rule(rule_sows=False)
+    with pytest.raises(ValueError, match="batching rule instead of its body"):
+        plant(jax.vmap(f))({"h": jnp.ones(3)}, X)
+    # A rule that sows the name itself is planted there.
+    g = _with_rule(rule_sows=True)
+    np.testing.assert_allclose(plant(jax.vmap(g))({"h": jnp.ones(3)}, X), np.full(3, 102.0))
+
+
+def test_a_sweep_inside_custom_vmap_matches_patching_by_hand():
+    f = _with_rule(rule_sows=False)
+    clean = reap(f)(0.5)
+    result = patching_sweep(f, clean, (jnp.float32(-1.0),), lambda y: y)
+    np.testing.assert_allclose(result.values, [2 * np.sin(0.5) - 2 * np.sin(-1.0)], rtol=1e-5)
+
+
+def _twice_p() -> Primitive:
+    twice_p = Primitive("twice_test")
+    twice_p.multiple_results = True
+    twice_p.def_impl(lambda x, *, body: jaxpr_as_fun(body)(*jaxpr_as_fun(body)(x)))
+    twice_p.def_abstract_eval(lambda x, *, body: [x])
+    return twice_p
+
+
+def test_register_teaches_reap_plant_and_sites_a_new_primitive():
+    twice_p = _twice_p()
+
+    def twice(fn, x):
+        return twice_p.bind(x, body=jax.make_jaxpr(fn)(x))[0]
+
+    f = lambda x: twice(lambda y: sow(y * 3.0, name="h", mode="append"), x)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="twice_test"):
+        reap(f)(1.0)
+
+    def walk_twice(walk, eqn, invals):
+        body = eqn.params["body"]
+        once = extend.walk_in_place(walk, body.jaxpr, body.consts, invals)
+        return extend.walk_in_place(walk, body.jaxpr, body.consts, once)
+
+    bodies = lambda eqn: [extend.Body("twice", eqn.params["body"].jaxpr, runs=2)]  # noqa: E731
+    extend.register(twice_p, extend.HigherOrder(bodies), walk_twice)
+    np.testing.assert_allclose(reap(f)(1.0)["h"], [3.0, 9.0])
+    np.testing.assert_allclose(plant(f)({"h": jnp.array([2.0, 5.0])}, 1.0), 5.0)
+    assert [(s.fires, s.where) for s in sites(f, 1.0)] == [(2, "twice")]
+    with pytest.raises(TypeError, match="HigherOrder"):
+        extend.register(twice_p, bodies, walk_twice)
+
+
+def test_custom_vmap_under_vmap_in_a_batched_branch_is_a_clear_error():
+    # Its sows, shown where the batching rule ran, cannot leave a branch vmap
+    # runs per example: reaping or planting them says so instead of a wrong number.
+    f = _with_rule(rule_sows=False)
+    g = jax.vmap(lambda x: jax.lax.cond(x > 0, f, jnp.cos, x))
+    with pytest.raises(NotImplementedError, match="name='h'.*custom_vmap"):
+        reap(g)(X)
+    with pytest.raises(ValueError, match="batching rule instead of its body"):
+        plant(g)({"h": jnp.ones(3)}, X)
