@@ -17,12 +17,25 @@ import os
 import pathlib
 import time
 
-from . import _timing, bench_core, bench_oryx, bench_samplers, bench_store, bench_unharvested
+from . import (
+    _timing,
+    bench_core,
+    bench_models,
+    bench_oryx,
+    bench_samplers,
+    bench_store,
+    bench_unharvested,
+)
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 # Sections that can run alone (`--only`): module with run(cfg), render(rows), Config, QUICK.
-SECTIONS = {"samplers": bench_samplers, "unharvested": bench_unharvested, "store": bench_store}
+SECTIONS = {
+    "samplers": bench_samplers,
+    "unharvested": bench_unharvested,
+    "store": bench_store,
+    "models": bench_models,
+}
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
 TARGETS = {"steady": (1.02, None), "compile": (1.10, 48), "eager": (1.2, None)}

@@ -38,3 +38,4 @@ from ._transforms import (
     reap as reap,
 )
 from ._version import __version__ as __version__
+from ._view import View as View, view as view

@@ -121,7 +121,10 @@ def modes_differ(site: Any, other: Any) -> ValueError:
 def sown_twice(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
-        "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        + (
+            random_variable_modes(site)
+            or "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        )
     )
 
 
@@ -238,8 +241,12 @@ def strict_in_loop(site: Any, where: str) -> ValueError:
     every = " (with reap's max_steps=N)" if where == "while_loop" else ""
     return ValueError(
         f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
-        f"sows it once per iteration. Use mode 'collect' or 'append' to keep every "
-        f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
+        "sows it once per iteration. "
+        + (
+            random_variable_modes(site)
+            or "Use mode 'collect' or 'append' to keep every "
+            f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
+        )
     )
 
 
@@ -503,10 +510,6 @@ def batch_sizes_differ(caller: str, name: str, sizes: Any, axes: Any, first: Any
     )
 
 
-def no_tqdm(caller: str) -> ImportError:
-    return ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.")
-
-
 def bad_batch_size(caller: str, batch_size: Any) -> TypeError:
     return TypeError(
         f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
@@ -688,4 +691,175 @@ def store_tokens_split(name: str) -> ValueError:
         f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
         "device's rows are not contiguous tokens. Shard the batch along examples only, or "
         "use rows='examples'."
+    )
+
+
+# -- harvest.ppl ----------------------------------------------------------------
+
+
+def ppl_numpyro_distribution(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}) got NumPyro's {type_name}; harvest.ppl draws from "
+        "TensorFlow Probability distributions (tensorflow_probability.substrates.jax), "
+        f"e.g. tfd.{type_name}(...), or from a sampling function key -> value."
+    )
+
+
+def ppl_unknown_names(fn_name: str, unknown: Iterable[str], known: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"{fn_name}: not random variables of the program: {', '.join(unknown)}. Its random "
+        f"variables are: {', '.join(sorted(known)) or 'none'}."
+    )
+
+
+def ppl_blocked_draw_scored(fn_name: str, names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"{fn_name}: the density depends on {', '.join(names)}, hidden by block. A blocked "
+        "draw is integrated out, which harvest can do only where no counted density depends "
+        "on it. Fix it with intervene or conditional, or do not block it."
+    )
+
+
+def ppl_no_unconstrained_value(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: no value for {', '.join(names)}. Give every free random variable "
+        "(init(key) gives a starting point)."
+    )
+
+
+def ppl_not_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: {', '.join(names)} are not free random variables of the program "
+        "(they are observed, fixed by intervene or conditional, or blocked). Leave them out of u."
+    )
+
+
+def ppl_discrete_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: the random variables {', '.join(names)} are discrete, or drawn by "
+        "plain sampling functions, so they cannot be moved to R^n. Give them in `observed`, "
+        "fix them with intervene or conditional, or (Bernoulli, Categorical) draw them with "
+        "random_variable(..., enumerate=True) to sum them out."
+    )
+
+
+def random_variable_modes(site: Any) -> str:
+    """What a duplicate-name error suggests: random_variable knows only 'strict' and 'append'."""
+    if site.tag == "random_variable":
+        return (
+            "Give each draw its own name, or (inside lax.scan) random_variable(..., "
+            "mode='append'), which stacks one draw per iteration."
+        )
+    return ""
+
+
+def ppl_needs_extra(module: str, what: str) -> ImportError:
+    return ImportError(
+        f"harvest.ppl.{what} needs {module}, which is not installed. Install the inference "
+        "extra: pip install 'jax-harvest[infer]' (BlackJAX and ArviZ, pinned to tested versions)."
+    )
+
+
+def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, kernels))}."
+    )
+
+
+def ppl_bad_count(what: str, value: Any) -> ValueError:
+    return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
+
+
+def ppl_predictive_count(value: Any) -> ValueError:
+    return ValueError(
+        "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
+        f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
+    )
+
+
+def ppl_no_mechanism(name: str, type_name: str) -> ValueError:
+    return ValueError(
+        f"counterfactual: the random variable {name!r} has a {type_name} distribution, which "
+        "has no noise mechanism here (location-scale families, Bernoulli, Categorical, and "
+        "continuous distributions with a quantile function have one). Fix it with intervene, "
+        "or write it as loc + scale * noise with a standard noise draw."
+    )
+
+
+def ppl_counterfactual_do(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"counterfactual needs `do` to name the intervention, {{name: value}}, got {names!r}."
+    )
+
+
+def ppl_enumeration_too_large(names: Iterable[str], size: int, limit: int) -> ValueError:
+    return ValueError(
+        f"enumerating {', '.join(names)} jointly takes {size} assignments (at most {limit}). "
+        "Enumerate fewer draws, or marginalise some by hand."
+    )
+
+
+def ppl_enumeration_mixed(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"cannot enumerate {', '.join(names)} together: one of them has a batch shape. "
+        "Enumerate one batched draw (a per-point assignment) or any number of scalar ones."
+    )
+
+
+def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
+        f"which needs a Bernoulli or Categorical distribution; got a {type_name}."
+    )
+
+
+def ppl_nothing_to_sample() -> ValueError:
+    return ValueError(
+        "sample_posterior: the program has no free continuous random variable left to sample "
+        "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
+        "or draw from it with predictive."
+    )
+
+
+def needs_extra(what: str, module: str, extra: str) -> ImportError:
+    return ImportError(
+        f"{what} needs {module}, which is not installed. Install it with "
+        f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
+    )
+
+
+# -- instrument(attention=True) ----------------------------------------------
+
+
+def custom_attention_fn(path: str, cls: str) -> TypeError:
+    return TypeError(
+        f"instrument(attention=True): the {cls} at {path!r} has a custom attention_fn, so harvest "
+        "cannot say where its pattern is. Use Flax's default attention_fn there, or leave the "
+        "hooks out (attention=False) and reap its submodules and ops (ops=True) instead."
+    )
+
+
+def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "
+        f"{dict(named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
+        "and a head axis ('heads', 'head_groups', 'query_heads_per_group'). Name its axes so, or pass "
+        "attention=False."
+    )
+
+
+def merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
+        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
+        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
+        "for every (head, position) pair."
+    )
+
+
+def d_head_axis(name: str, axes: Any) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
+        "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
+        "for every (head, position) pair, or axis=-2 for heads."
     )

@@ -61,14 +61,29 @@ def stream(
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
 ) -> Callable[P, R]:
-    """Returns `f`, calling `callback(name, value)` on the host as each sow of `tag` fires.
+    """Returns ``f``, calling ``callback(name, value)`` on the host as each sow of ``tag`` fires.
 
     Calls arrive in program order, one per occurrence (once per iteration inside
-    `scan` and `while_loop`), also under `jit` and `grad`; under `vmap`, once
-    per batch element. `allowlist`/`blocklist` select names as in `reap`. Outputs
-    are unchanged, and a harvest of `tag` outside `stream` still sees every sow.
-    `sow_cond` sites are not streamed (a plant does not see their predicate);
-    they pass through untouched.
+    ``scan`` and ``while_loop``), also under ``jit`` and ``grad``; under ``vmap``,
+    once per batch element. Outputs are unchanged, and a harvest of ``tag``
+    outside ``stream`` still sees every sow. ``sow_cond`` sites are not streamed
+    (a plant does not see their predicate); they pass through untouched.
+
+    Args:
+        f: the function to run, as for ``reap``.
+        callback: called as ``callback(name, value)`` on the host, with the dotted
+            name and the value as a NumPy array (or pytree of them); its return
+            value is ignored.
+        tag: which sows to stream; sows of other tags pass through untouched.
+        allowlist: if given, stream only these names (exact names, glob patterns
+            or predicates on names), as for ``reap``.
+        blocklist: names never to stream, in the same forms as ``allowlist``.
+
+    Returns:
+        A function with ``f``'s signature and outputs that streams as it runs.
+
+    Raises:
+        TypeError: if ``f`` or ``callback`` is not callable.
 
     With more than one device (``jax.device_count() > 1``), calls are not
     ordered: JAX runs ordered host callbacks on one device only. Each still

@@ -699,7 +699,7 @@ def test_other_threads_see_the_plain_model(transformer):
 
 
 def test_bad_targets_and_outputs():
-    with pytest.raises(TypeError, match="NNX module, an Equinox module or a callable, got a int"):
+    with pytest.raises(TypeError, match="Equinox module, a Penzai layer or a callable, got a int"):
         instrument(3)
 
     class Labels(nnx.Module):

@@ -393,9 +393,7 @@ def _bar(
     except ImportError:
         if auto:
             return None
-        raise ImportError(
-            "record(progress=True) draws its bar with tqdm: pip install tqdm."
-        ) from None
+        raise _errors.needs_extra("record(progress=True)", "tqdm", "store") from None
     total = len(batches) * manifest.rows_per_batch if isinstance(batches, Sized) else None
     return tqdm(
         total=total,
