@@ -23,10 +23,12 @@ from ._patching import (
     patching_sweep as patching_sweep,
 )
 from ._patching_result import PatchingResult as PatchingResult
+from ._path_patching import path_patching as path_patching
 from ._perturb import perturb as perturb
 from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
+from ._steps import Steps as Steps
 from ._stream import stream as stream
 from ._transforms import (
     call_and_reap as call_and_reap,

@@ -226,14 +226,6 @@ def indexed_plant_of_collect_in_loop(site: Any) -> ValueError:
     )
 
 
-def indexed_plant_in_while(site: Any) -> ValueError:
-    return ValueError(
-        f"The planted callable for the sow site {site} takes an occurrence index, "
-        "but the site is inside a while_loop, whose iterations are not counted. Use "
-        "lax.scan (or fori_loop with static bounds), or a callable of the old value alone."
-    )
-
-
 # -- where a sow sits ---------------------------------------------------------
 
 
@@ -246,13 +238,14 @@ def no_rule(primitive: Any, site: Any) -> NotImplementedError:
 
 
 def strict_in_loop(site: Any, where: str) -> ValueError:
+    every = " (with reap's max_steps=N)" if where == "while_loop" else ""
     return ValueError(
         f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
         "sows it once per iteration. "
         + (
             random_variable_modes(site)
-            or "Use mode 'collect' or 'append' to keep every iteration, 'clobber' for the "
-            "last one, or sow_cond for a chosen one."
+            or "Use mode 'collect' or 'append' to keep every "
+            f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
         )
     )
 
@@ -261,9 +254,15 @@ def stacked_in_while(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} inside a while_loop, whose trip "
         "count is not known until it runs, so its occurrences cannot be stacked into "
-        "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
-        "'clobber' for the last iteration, sow_cond for a chosen one, or "
-        "harvest.stream to see every iteration on the host."
+        "a fixed-size array. "
+        + (
+            "Pass max_steps=N to reap (or call_and_reap, harvest) for the first N iterations "
+            "and the count, or use "
+            if site.mode.public  # harvest.compat.oryx's reap takes no max_steps
+            else "Use "
+        )
+        + "lax.scan (or fori_loop with static bounds), mode 'clobber' for the last "
+        "iteration, or sow_cond for a chosen one."
     )
 
 
@@ -278,6 +277,87 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         f"The sow site {site} sits in custom_linear_solve's `{role}`, which `solve` "
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
+    )
+
+
+# -- while loops: per-step records and plants ---------------------------------
+
+
+def bad_max_steps(value: Any) -> ValueError:
+    return ValueError(
+        f"max_steps must be a positive int (how many while_loop iterations to record), "
+        f"got {value!r}. Leave it None to reap each while_loop's last iteration."
+    )
+
+
+def per_occurrence_plant_in_while(site: Any) -> ValueError:
+    return ValueError(
+        f"The plant for the sow site {site} holds one value per occurrence, but the site is "
+        "inside a while_loop, whose trip count is not known until it runs. Plant a single "
+        "value or a callable old -> new (used at every iteration), or a callable "
+        "fn(old, i) that picks by the iteration's index, e.g. lambda old, i: rows[i]."
+    )
+
+
+def stacked_in_batched_while(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} has mode {site.mode.label} inside a while_loop whose predicate "
+        "vmap batches, so each example runs its own number of iterations. Reap per example "
+        "instead: jax.vmap(reap(f))"
+        + (
+            ", or sow with mode 'clobber' for each example's last iteration."
+            if site.mode.public
+            else "."
+        )
+    )
+
+
+def steps_nested(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} is recorded per step (max_steps) in a while_loop that sits "
+        "inside another loop or a cond, which cannot stack a per-step record. Reap "
+        "without max_steps (each while_loop's last iteration), or reap inside the outer "
+        "loop's body."
+    )
+
+
+def steps_mixed(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} is recorded per step (max_steps) in a while_loop and also "
+        "sown outside it, so its occurrences do not make one record. Give the loop's "
+        "occurrences their own names, e.g. call the loop body through "
+        "harvest.nest(body, scope='decode'), or reap without max_steps."
+    )
+
+
+# -- path patching ------------------------------------------------------------
+
+
+def path_patching_senders(senders: Any) -> TypeError:
+    return TypeError(
+        "path_patching needs `senders` as a non-empty dict {site name: planted value}, got "
+        f"{type(senders).__name__}. E.g. senders={{'blocks0.z': patch_head(clean_z, 1, axis=2)}}."
+    )
+
+
+def path_patching_args(args: Any) -> TypeError:
+    return TypeError(
+        f"path_patching needs `corrupted_args` as a tuple of f's arguments, got "
+        f"{type(args).__name__}. Write (x,) for a single argument."
+    )
+
+
+def path_patching_no_receivers() -> ValueError:
+    return ValueError(
+        "path_patching needs `receivers`: the names (or glob patterns) of the sites the "
+        "path runs through, e.g. receivers='blocks1.k'."
+    )
+
+
+def path_patching_sender_is_receiver(name: str) -> ValueError:
+    return ValueError(
+        f"path_patching: the sender {name!r} is also selected by `receivers`. A path runs "
+        "from a sender to other sites: select receivers downstream of it."
     )
 
 

@@ -285,10 +285,14 @@ def _check_callable(f, fn_name):
         raise _errors.not_callable(f, fn_name)
 
 
-def _policy(tag, allowlist, blocklist):
+def _policy(tag, allowlist, blocklist, max_steps=None):
     if not isinstance(tag, str) or not tag:
         raise _errors.bad_tag(tag)
-    return Policy(tag, NameFilter.make(allowlist, blocklist))
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+    ):
+        raise _errors.bad_max_steps(max_steps)
+    return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
 
 
 def _check_plants_arg(plants, fn_name):
@@ -371,6 +375,7 @@ def reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, Reaped]:
     """Returns a function with ``f``'s signature that returns ``{name: value}`` of ``f``'s sows.
 
@@ -380,6 +385,14 @@ def reap(
     Nested ``nest`` scopes come back as nested dicts. Names come in program
     order (by first occurrence), at every level; under an outer ``jax.jit``,
     JAX returns any dict with its keys sorted.
+
+    Inside a ``lax.while_loop``, whose trip count is known only when it runs,
+    ``instrument``'s sites give the last iteration's value, as ``clobber`` does;
+    ``max_steps=N`` records the first ``N`` iterations instead: each name sown
+    in the loop's body with a stacking mode (``collect``, ``append``,
+    ``instrument``'s) comes back as ``harvest.Steps(values, count)``, ``values``
+    shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
+    iterations that ran.
 
     Arguments are taken as ``equinox.filter_jit`` takes them, here and in every
     other transformation: JAX and NumPy arrays are traced; every other leaf
@@ -400,6 +413,9 @@ def reap(
             of ``tag`` is an error listing the names there are (a predicate may
             match nothing).
         blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: if given (a positive int), record the first ``max_steps``
+            iterations of each ``while_loop`` as ``harvest.Steps``; ``None`` keeps
+            each while_loop's last iteration of ``instrument``'s sites.
 
     Returns:
         A function taking ``f``'s arguments and returning the dict of reaped
@@ -408,7 +424,8 @@ def reap(
     Raises:
         ValueError: when the returned function is called: a name in
             ``allowlist`` that no site has, a ``strict`` site sown twice, or a sow
-            where its mode cannot be honoured (e.g. ``append`` in a ``while_loop``).
+            where its mode cannot be honoured (e.g. ``append`` in a ``while_loop``
+            without ``max_steps``); at once, a ``max_steps`` that is not a positive int.
         TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
 
     Example:
@@ -429,7 +446,7 @@ def reap(
         ['step0', 'step1', 'step2']
     """
     return transform(
-        f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps"
+        f, "reap", _policy(tag, allowlist, blocklist, max_steps), takes_plants=False, gives="reaps"
     )
 
 
@@ -439,6 +456,7 @@ def call_and_reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Like ``reap``, but the function returns ``(f's output, {name: value})``.
 
@@ -448,6 +466,8 @@ def call_and_reap(
         allowlist: if given, read only these names (exact names, glob patterns or
             predicates on names), as for ``reap``.
         blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
 
     Returns:
         A function taking ``f``'s arguments and returning ``(output, reaped)``.
@@ -463,7 +483,11 @@ def call_and_reap(
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
     return transform(
-        f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both"
+        f,
+        "call_and_reap",
+        _policy(tag, allowlist, blocklist, max_steps),
+        takes_plants=False,
+        gives="both",
     )
 
 
@@ -528,6 +552,7 @@ def harvest(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns ``g(plants, *args, **kwargs) -> (out, reaps)``: plant and reap in one walk.
 
@@ -537,6 +562,8 @@ def harvest(
         allowlist: if given, only these names are planted or read (exact names,
             glob patterns or predicates on names).
         blocklist: names never planted or read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
 
     Returns:
         A function taking ``plants`` first (as for ``plant``), then ``f``'s
@@ -560,7 +587,7 @@ def harvest(
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
     return transform(
-        f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both"
+        f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
     )
 
 

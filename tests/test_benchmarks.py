@@ -19,6 +19,7 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Interpreter cost",
         "## Activation patching",
         "## Probing an unmodified model",
+        "## Steering inside a sampler",
     ):
         assert heading in text
     assert "JAX" in text and "cores" in text

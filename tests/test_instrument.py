@@ -894,7 +894,9 @@ def test_ops_inside_jit_checkpoint_and_while():
     for _ in range(2):
         c = c * 0.5 + y
     np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
-    assert sites(g, X0, n, tag="modules")[5].mode == "clobber"
+    assert (
+        sites(g, X0, n, tag="modules")[5].mode == "auto"
+    )  # a while body: reaped last, or per step (max_steps)
     np.testing.assert_allclose(
         jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL
     )
