@@ -30,8 +30,9 @@ install: $(STAMP)
 demo: $(CORE_STAMP)
 	$(PY) -m harvest demo
 
+# Two workers: the suite is CPU-bound and the tests share no files (CI has 2 cores).
 test: $(STAMP) lint
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2
 
 # For development: the suite without the notebooks, the docs build, the golden
 # comparison against oryx and the benchmarks (markers in pyproject.toml), with

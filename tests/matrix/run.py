@@ -93,6 +93,9 @@ def run_suite(version, venv, pytest_args):
         "-q",
         "-p",
         "no:cacheprovider",
+        # two workers, as `make test`: the suite is CPU-bound and CI has 2 cores
+        "-n",
+        "2",
         f"--junitxml={report}",
     ]
     start, cpu = time.monotonic(), _children_cpu()
