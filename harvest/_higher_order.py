@@ -29,11 +29,15 @@ UNBOUNDED = None  # `Body.runs` of a while loop: its trip count is not known bef
 class Body:
     """One body of an equation, as the rest of harvest sees it.
 
-    `runs` is how many times one run of the equation runs this body (None: not
-    known before running; 0: only where JAX differentiates, or never by
-    itself). `per_run_stacked`: each run's sows, of every mode, are reaped
-    stacked along a new leading axis (one row per shard of a shard_map).
-    `predicate`: the body decides whether a loop goes on (no sow may be there).
+    Attributes:
+        label: the body's name in site listings (``"body"``, ``"branch 1"``, ...).
+        jaxpr: the body's (open) jaxpr.
+        consts: the values of its constvars.
+        runs: how many times one run of the equation runs this body (None: not
+            known before running; 0: only where JAX differentiates, or never by itself).
+        per_run_stacked: each run's sows, of every mode, are reaped stacked along a
+            new leading axis (one row per shard of a shard_map).
+        predicate: the body decides whether a loop goes on (no sow may be there).
     """
 
     label: str
@@ -64,15 +68,22 @@ Forwards = Callable[[Any, int, Callable[[_jax.Jaxpr, int], int | None]], int | N
 class HigherOrder:
     """Everything harvest knows about one higher-order primitive (see the module docstring).
 
-    `alternatives`: exactly one body runs per call (a cond's branches), so an
-    occurrence count is its longest body's. `call`: the one body runs once,
-    on the equation's inputs, and gives its outputs. `custom_rule`: the custom
-    rule it holds, which inlining its body would drop: `"jvp"` (custom_jvp),
-    `"vjp"` (custom_vjp), `"vmap"` (custom_vmap's batching rule), or None.
-    `batched_branch`: how `_rules/batched_cond` brings its sows out of a
-    branch vmap runs side by side (None: they stay stuck there). `jvp_rule`:
-    the traced JVP rule whose sows run where JAX differentiates the call
-    (custom_jvp; see `_interpreter.jvp_rule`).
+    Attributes:
+        bodies: ``bodies(eqn) -> [Body]``, the bodies an equation of it holds.
+        alternatives: exactly one body runs per call (a cond's branches), so an
+            occurrence count is its longest body's.
+        call: the one body runs once, on the equation's inputs, and gives its outputs.
+        custom_rule: the custom rule it holds, which inlining its body would drop:
+            ``"jvp"`` (custom_jvp), ``"vjp"`` (custom_vjp), ``"vmap"`` (custom_vmap's
+            batching rule), or None.
+        forwards: ``forwards(eqn, i, position)``, the input its output ``i`` copies
+            unchanged, or None (None: no output is known to forward an input).
+        restage: ``restage(eqn, invals, staged, extra)``, binding it again around
+            bodies another evaluator supplies (None: it cannot be re-staged).
+        batched_branch: how ``_rules/batched_cond`` brings its sows out of a branch
+            vmap runs side by side (None: they stay stuck there).
+        jvp_rule: the traced JVP rule whose sows run where JAX differentiates the
+            call (custom_jvp; see ``_interpreter.jvp_rule``), or None.
     """
 
     bodies: Callable[[Any], list[Body]]
@@ -94,7 +105,15 @@ DESCRIPTORS: dict[_jax.Primitive, HigherOrder] = {}
 
 
 def declare(*primitives: _jax.Primitive) -> Callable[[HigherOrder], HigherOrder]:
-    """Registers one descriptor for `primitives` (used as `declare(p)(HigherOrder(...))`)."""
+    """Registers one descriptor for `primitives` (used as `declare(p)(HigherOrder(...))`).
+
+    Args:
+        *primitives: the JAX primitives the descriptor describes.
+
+    Returns:
+        A function that registers a ``HigherOrder`` for every one of ``primitives``
+        and returns it unchanged.
+    """
 
     def register(descriptor: HigherOrder) -> HigherOrder:
         for p in primitives:

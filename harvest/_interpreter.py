@@ -203,6 +203,11 @@ class Walk:
 
     A rule for a higher-order primitive makes a `child()` walk for the body it
     re-traces, then folds the child's records back with `absorb`.
+
+    Args:
+        policy: which sows the walk handles, and how it re-emits the others.
+        plants: the values to plant, ``{path: Plant}``, as seen from this walk.
+        reap: whether the walk records the sows it handles and does not plant.
     """
 
     def __init__(self, policy: Policy, plants: dict, reap: bool = True):
@@ -217,6 +222,13 @@ class Walk:
 
         `carried` maps clobber-like names to (site, value) to start from;
         `plants` overrides the plants the body sees.
+
+        Args:
+            carried: ``{path: (site, value)}`` of clobber-like names to start from (None: none).
+            plants: the plants the body sees (None: this walk's, shifted past what it has seen).
+
+        Returns:
+            The child ``Walk``, with the same policy and ``reap``.
         """
         if plants is None:
             plants = self.shifted_plants()
@@ -226,10 +238,31 @@ class Walk:
         return kid
 
     def shifted_plants(self):
+        """This walk's plants, each shifted past the occurrences this walk has seen.
+
+        Returns:
+            ``{path: Plant}`` for a body that runs after what this walk has seen.
+        """
         return {p: pl.shift(self.seen.get(p, 0)) for p, pl in self.plants.items()}
 
     # -- a sow fires -------------------------------------------------------
     def sow(self, site: Site, value, pred=None, role=None):
+        """One sow fires: plants its value if there is a plant, else records it.
+
+        Args:
+            site: the sow's site (its tag, name, mode and value's structure).
+            value: the sown value (a pytree).
+            pred: a boolean array: where it is False the sow did not happen (None: it did).
+            role: the sow's role from its params: ``"unplantable"``, ``"record_only"``,
+                ``"plant_only"`` or None (an ordinary sow).
+
+        Returns:
+            The value the program goes on with: the planted one, or ``value``.
+
+        Raises:
+            ValueError: if a single-occurrence (``"strict"``) name is sown twice, or
+                a plant targets a sow where a batching rule ran.
+        """
         path = site.path
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
             raise _errors.planted_where_a_batching_rule_ran(site)
@@ -256,6 +289,15 @@ class Walk:
 
     # -- folding a child's records back -----------------------------------
     def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]):
+        """Folds a child's records and occurrence counts into this walk.
+
+        Args:
+            records: the child's records, ``{path: Record}``.
+            seen: the child's occurrence counts, ``{path: count}``, added to this walk's.
+
+        Returns:
+            None; the records are merged as each name's mode says.
+        """
         for path, rec in records.items():
             mine = self.records.get(path)
             if mine is None:
@@ -274,7 +316,17 @@ class Walk:
     def carried(self, sites, where, batch=()):
         """(site, current value) of the reaped clobber-like names among `sites`,
         shaped as the site sows it, since `where` carries one fixed type. `batch`:
-        the leading axes a loop with a per-example predicate adds to every leaf."""
+        the leading axes a loop with a per-example predicate adds to every leaf.
+
+        Args:
+            sites: ``{path: Site}`` of the sites the body holds.
+            where: the primitive that carries the values (``"scan"``, ``"cond"``, ...),
+                named in the error if a value cannot take the site's shapes.
+            batch: the leading axes added to every leaf (by a per-example predicate).
+
+        Returns:
+            ``{path: (site, value)}``, to pass to ``child(carried=...)``.
+        """
         out = {}
         for site in sites.values():
             if self.reap and site.mode.carried and site.path not in self.plants:
@@ -284,7 +336,14 @@ class Walk:
         return out
 
     def handled_sites(self, jaxprs):
-        """The sites of this walk's tag inside `jaxprs`, first one per name."""
+        """The sites of this walk's tag inside `jaxprs`, first one per name.
+
+        Args:
+            jaxprs: the jaxprs to search (recursively, with their JVP rules).
+
+        Returns:
+            ``{path: Site}`` of the sites this walk's policy handles.
+        """
         out = {}
         for j in jaxprs:
             for site in sites_in(j):
@@ -293,18 +352,43 @@ class Walk:
         return out
 
     def plants_inside(self, jaxprs):
+        """Whether this walk plants any site inside `jaxprs`.
+
+        Args:
+            jaxprs: the jaxprs to search (recursively).
+
+        Returns:
+            True if a handled site there has a plant.
+        """
         return any(path in self.plants for path in self.handled_sites(jaxprs))
 
     def export(self):
-        """The records as a pytree of arrays, to carry out of a traced body."""
+        """The records as a pytree of arrays, to carry out of a traced body.
+
+        Returns:
+            ``{path: list of recorded values}``.
+        """
         return {path: rec.values for path, rec in self.records.items()}
 
     def absorb_export(self, child, exported):
-        """Folds a child's records, as returned by a traced body, into this walk."""
+        """Folds a child's records, as returned by a traced body, into this walk.
+
+        Args:
+            child: the child ``Walk`` that ran inside the body.
+            exported: its ``export()``, as the traced body returned it.
+
+        Returns:
+            None.
+        """
         records = {p: Record(child.records[p].site, list(v)) for p, v in exported.items()}
         self.absorb(records, child.seen)
 
     def results(self):
+        """What the walk reaped.
+
+        Returns:
+            ``{path: value}``, each record's final value (stacked, collected or last).
+        """
         return {path: rec.result() for path, rec in self.records.items()}
 
 
@@ -313,6 +397,17 @@ class Walk:
 
 
 def interpret(walk: Walk, jaxpr: _jax.Jaxpr, consts, args):
+    """Evaluates `jaxpr` equation by equation, its sows going through `walk`.
+
+    Args:
+        walk: the ``Walk`` that plants and records the sows.
+        jaxpr: the (open) jaxpr to evaluate.
+        consts: the values of its constvars.
+        args: the values of its invars.
+
+    Returns:
+        The list of the jaxpr's outputs.
+    """
     return evaluate(jaxpr, consts, args, functools.partial(_eval_eqn, walk))
 
 
@@ -355,7 +450,16 @@ def sow_rule(walk, eqn, invals):
 @dataclasses.dataclass
 class Retraced:
     """A body re-traced by the walk: `jaxpr` maps `args` to the body's outputs
-    followed by the leaves of the child's records."""
+    followed by the leaves of the child's records.
+
+    Args:
+        jaxpr: the re-traced body; its closed-over values are its leading invars.
+        args: the values to bind it with (the closed-over values, then the inputs).
+        num_consts: how many of ``args`` are closed-over values.
+        num_outs: how many of its outputs are the body's own (the rest are records).
+        child: the child ``Walk`` that ran inside the body.
+        records_tree: the tree structure of the child's exported records.
+    """
 
     jaxpr: _jax.Jaxpr  # closed-over values are leading invars
     args: list
@@ -365,7 +469,15 @@ class Retraced:
     records_tree: Any
 
     def finish(self, walk, outs):
-        """Splits a bind's outputs, folding the records into `walk`."""
+        """Splits a bind's outputs, folding the records into `walk`.
+
+        Args:
+            walk: the walk the body's records are folded into.
+            outs: the outputs of binding ``jaxpr`` (the body's, then the records' leaves).
+
+        Returns:
+            The body's own outputs.
+        """
         outs, rec_leaves = outs[: self.num_outs], outs[self.num_outs :]
         walk.absorb_export(self.child, jax.tree_util.tree_unflatten(self.records_tree, rec_leaves))
         return outs

@@ -77,14 +77,6 @@ SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Keyword Args|Attributes)
 ENTRY = re.compile(r"^\s*(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
 RETURNS = re.compile(r"^\s*(Returns|Yields):\s*$", re.M)
 
-# Modules whose docstrings another engineer is writing this session (each says who). The
-# test is expected to fail there until they land; `strict` makes it fail loudly the day it
-# passes, so whoever merges sees it and deletes the line.
-PENDING = {
-    "harvest._patching": "issue 22 (activation patching) writes these docstrings",
-    "harvest.ppl.": "issue 25 (harvest.ppl) writes these docstrings",
-}
-
 
 def _public_modules():
     names = set(PUBLIC_ROOTS)
@@ -211,12 +203,7 @@ def problems(obj):
 
 
 def _reference_cases():
-    cases = []
-    for module, objs in sorted(public_objects().items()):
-        pending = [why for prefix, why in PENDING.items() if module.startswith(prefix)]
-        marks = [pytest.mark.xfail(strict=True, reason=pending[0])] if pending else []
-        cases.append(pytest.param(module, objs, marks=marks, id=module))
-    return cases
+    return [pytest.param(m, objs, id=m) for m, objs in sorted(public_objects().items())]
 
 
 @pytest.mark.parametrize(("module", "objs"), _reference_cases())

@@ -171,6 +171,16 @@ def make_effect_handler(
     Python value or pytree; it stays a Python value unless a handler makes it
     an array.
 
+    Args:
+        handlers: a dict from JAX primitives (``jax.lax.exp_p``, say) to
+            ``handler(state, *inputs, **params) -> (outputs, new state)``.
+
+    Returns:
+        A transformation taking ``f`` to ``g(state, *args) -> (f's output, final state)``.
+
+    Raises:
+        TypeError: if ``handlers`` is not a dict of callables.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> import harvest.ppl as ppl

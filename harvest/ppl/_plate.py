@@ -31,6 +31,18 @@ def plate(f: Callable[..., Any] | None = None, *, name: str, size: int) -> Calla
     independent). Use it as `plate(f, name=..., size=...)` or as a decorator
     `@plate(name=..., size=...)`; wrap it in `nest` to scope the names.
 
+    Args:
+        f: the program ``f(key, *args)`` to copy; None to use ``plate`` as a decorator.
+        name: the plate's axis name, for collectives inside ``f``.
+        size: how many independent copies to draw (a positive int).
+
+    Returns:
+        The plated program ``(key, *args) -> stacked outputs``, or (without ``f``) a
+        decorator making one.
+
+    Raises:
+        TypeError: if ``name`` is not a non-empty string or ``size`` is not a positive int.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl

@@ -113,6 +113,21 @@ def random_variable(
     a value for it, marginalising it over its support (see `_enumerate.py`),
     so gradient-based samplers run on the continuous rest.
 
+    Args:
+        dist: a TFP distribution, or a sampling function ``key -> value``.
+        name: the random variable's name (required), by which the transformations find it.
+        mode: ``"strict"`` (one draw per program) or ``"append"`` (one per ``scan`` step).
+        enumerate: whether to sum the (``Bernoulli`` or ``Categorical``) draw out when scoring.
+
+    Returns:
+        The sampler ``key -> value`` (with ``*args`` passed on to a sampling function).
+
+    Raises:
+        TypeError: if ``name`` is missing or not a string, ``dist`` is neither a
+            distribution nor callable (or is a NumPyro distribution), or ``enumerate``
+            is asked of a distribution that is not ``Bernoulli`` or ``Categorical``.
+        ValueError: if ``mode`` is not ``"strict"`` or ``"append"``.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -194,6 +209,13 @@ def deterministic(value: T, *, name: str) -> T:
     The site is not random: `trace` returns it beside the random variables,
     `joint_sample` and `joint_log_prob` leave it out.
 
+    Args:
+        value: the value to record (any array or pytree).
+        name: the site's name (a non-empty string).
+
+    Returns:
+        ``value`` itself (or the value planted at ``name``).
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -216,6 +238,10 @@ def factor(log_weight: Any, *, name: str) -> None:
     elements) to the densities of the random variables; sampling is unchanged.
     Use it for likelihood terms that are not a distribution, or for soft
     constraints.
+
+    Args:
+        log_weight: the term to add to the log density (summed over its elements).
+        name: the site's name (a non-empty string).
 
     Example:
         >>> import harvest.ppl as ppl

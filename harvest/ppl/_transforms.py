@@ -62,6 +62,12 @@ def joint_sample(f: Callable[P, Any]) -> Callable[P, Reaped]:
     Names put under a scope by `nest` come back as nested dicts; draws of mode
     `"append"` come back stacked on a leading axis.
 
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+
+    Returns:
+        The program ``(key, *args) -> {name: value}``.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -158,6 +164,12 @@ def joint_log_prob(
     so every random variable of `f` needs a value. The function is
     differentiable in the values and works under `jit` and `vmap`.
 
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+
+    Returns:
+        The function ``log_density(values, *args) -> scalar``.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -206,6 +218,13 @@ def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
     `joint_log_prob` neither asks for it nor counts its density. Other random
     variables are unaffected. Give a scoped (`nest`) variable as a nested dict.
 
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+        values: the random variables to fix, by name (keyword arguments), and their values.
+
+    Returns:
+        The program ``f`` with those variables fixed, called as ``f`` is.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -231,6 +250,16 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
     `names`, in order, come after `f`'s own arguments (as in oryx). A single
     name may be given as a string. Scoped names are dotted (`"scope.x"`). As
     with `intervene`, the given variables are no longer random.
+
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+        names: the random variables to take as inputs (a name, or a list of names).
+
+    Returns:
+        The program ``g(key, *args, *values)`` (``f`` itself when ``names`` is empty).
+
+    Raises:
+        TypeError: if a name is not a non-empty string.
 
     Example:
         >>> import jax
@@ -288,6 +317,15 @@ def log_prob(f: Any) -> Callable[..., jax.Array]:
     use `joint_log_prob`, or `log_prob(joint_sample(f))`, which is exactly
     `joint_log_prob(f)`. Eager by default (as oryx); wrap it in `jax.jit`.
 
+    Args:
+        f: a TFP distribution, or a probabilistic program ``f(key, *args)``.
+
+    Returns:
+        The function ``log_density(value, *args) -> scalar``.
+
+    Raises:
+        TypeError: if ``f`` is neither a distribution nor callable.
+
     Example:
         >>> import jax, jax.numpy as jnp
         >>> import harvest.ppl as ppl
@@ -322,6 +360,12 @@ def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
     The dict holds the random variables (as `joint_sample` returns them) and the
     `deterministic` sites.
 
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+
+    Returns:
+        The program ``(key, *args) -> (output, {name: value})``.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -352,6 +396,12 @@ def trace_log_prob(
     f: Callable[Concatenate[Any, P], R],
 ) -> Callable[Concatenate[R, Reaped, P], jax.Array]:
     """Returns `log_density(output, sites, *args)`: the density of `trace(f)`'s result.
+
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+
+    Returns:
+        The function ``log_density(output, sites, *args) -> scalar``.
 
     Example:
         >>> import jax

@@ -176,6 +176,12 @@ class Unconstrained:
     `deterministic` site (observed and fixed ones are not random).
     `init(key, *args)`: a `u` drawn from the prior, to start a chain.
 
+    Attributes:
+        log_density: ``log_density(u, *args) -> scalar``, the Jacobian included.
+        constrain: ``constrain(u, *args) -> {name: value}``, the free draws and
+            ``deterministic`` sites.
+        init: ``init(key, *args) -> u``, drawn from the prior.
+
     Example:
         >>> import jax
         >>> import harvest.ppl as ppl
@@ -205,6 +211,16 @@ def unconstrained(
     HMC or NUTS (or any gradient-based sampler) and map the chain back with
     `jax.vmap(constrain)`. Scoped (`nest`) variables are matched in `observed`
     by their own name.
+
+    Args:
+        f: the probabilistic program ``f(key, *args)``.
+        observed: values of random variables to fix and score, ``{name: value}`` (None: none).
+
+    Returns:
+        The ``Unconstrained`` density over the free variables.
+
+    Raises:
+        TypeError: if a key of ``observed`` is not a string.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -74,7 +74,15 @@ class StoreArray:
         return out if dtype is None else out.astype(dtype)
 
     def read_rows(self, start: int, stop: int) -> Any:
-        """A future of rows ``start:stop`` (``.result()`` gives the numpy array)."""
+        """A future of rows ``start:stop`` (``.result()`` gives the numpy array).
+
+        Args:
+            start: the first row to read.
+            stop: the row to stop before.
+
+        Returns:
+            A TensorStore future; its ``.result()`` is the rows as a numpy array.
+        """
         return self._array[start:stop].read()
 
     def __repr__(self) -> str:
