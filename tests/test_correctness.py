@@ -299,3 +299,22 @@ def test_a_python_number_takes_the_sites_dtype():
     assert int(plant(_as_uint32)({"h": np.uint32(3)}, jnp.ones(()))) == 3
     flag = plant(lambda x: sow(x > 0, name="h", mode="clobber"))({"h": False}, jnp.ones(()))
     assert flag.dtype == jnp.bool_ and not bool(flag)
+
+
+# -- item 10: custom_vmap under vmap never reaps {} ------------------------------
+
+
+def test_custom_vmap_sow_under_vmap_is_reaped():
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def g(x):
+        return sow(jnp.sin(x), name="h", mode="clobber")
+
+    @g.def_vmap
+    def _rule(axis_size, in_batched, x):
+        return jnp.sin(x), in_batched[0]
+
+    xs = jnp.array([0.1, 0.2, 0.3])
+    for reaped in (reap(jax.vmap(g))(xs), jax.vmap(reap(g))(xs)):
+        np.testing.assert_allclose(reaped["h"], np.sin(np.asarray(xs)), rtol=1e-6)
