@@ -308,7 +308,8 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         jax.errors.TracerIntegerConversionError,
         jax.errors.TracerArrayConversionError,
     ) as e:
-        e.add_note(_errors.traced_like_jit())
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(_errors.traced_like_jit())
         raise
     closed, out_shape = _drop_copies(closed, out_shape, priors)
     if return_shape:

@@ -264,7 +264,7 @@ def test_eager_only_python_names_the_function_and_says_harvest_traces(fn):
     with pytest.raises(Exception) as info:
         reap(fn)(jnp.ones(2))
     assert fn.__name__ in str(info.value) and "flat_f" not in str(info.value)
-    assert "as jax.jit does" in "".join(getattr(info.value, "__notes__", []))
+    assert "as jax.jit does" in "".join(info.value.__notes__)
 
 
 # -- item 9: the error gaps ------------------------------------------------------
