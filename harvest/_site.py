@@ -84,8 +84,8 @@ class Site:
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
             if not (array or isinstance(leaf, numbers.Number)):
                 raise _errors.plant_not_an_array(self, what, leaf)
-            if not array:
-                # A Python number kept static (a bool, an int beyond int32): the site's dtype.
+            if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
+                # A Python bool, or an int beyond int32 (no weak type holds them): the site's dtype.
                 leaf = jnp.asarray(leaf, aval.dtype)
             if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
                 # A Python number takes the site's dtype, as JAX casts one in
