@@ -4,22 +4,42 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The demo needs harvest and JAX alone: `make demo` installs only those.
+CORE_STAMP := $(VENV)/.installed-core
+# DeepMind's gemma library, without its declared dependencies (see the `models`
+# extra in pyproject.toml for the ones it imports).
+GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
 
-.PHONY: demo test lint test-matrix install docs bench conformance dist clean
+.PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,ppl,docs]"
+	$(PY) -m pip install --quiet -e ".[test,ppl,infer,docs,store,models]"
+	$(PY) -m pip install --quiet --no-deps $(GEMMA)
 	touch $(STAMP)
+
+$(CORE_STAMP): pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $(CORE_STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(PY) -m harvest
+demo: $(CORE_STAMP)
+	$(PY) -m harvest demo
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# For development: the suite without the notebooks, the docs build, the golden
+# comparison against oryx and the benchmarks (markers in pyproject.toml), with
+# at most 3 examples per property test and 3 cases per parametrized test
+# (tests/conftest.py), on two workers.
+test-fast: $(STAMP)
+	HARVEST_MAX_EXAMPLES=3 HARVEST_MAX_CASES=3 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
+		-m "not slow and not golden and not benchmark"
 
 # ruff (lint rules and the formatter's check) over the tree, then mypy over the
 # package and tests/typing/usage.py (settings in pyproject.toml: strict on the
@@ -37,6 +57,13 @@ test-matrix:
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
+# Builds the docs, screenshots pages in headless Chromium and checks that no
+# code is clipped, no figure is wider than the column and no test marker shows
+# (docs/_static/docs_check.py). Needs Chromium (Debian: apt-get install chromium);
+# not part of `make test`.
+docs-check: docs
+	$(PY) docs/_static/docs_check.py docs/_build/html
+
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
@@ -46,17 +73,19 @@ conformance: $(STAMP)
 # Build the sdist and wheel, check their metadata, then install the wheel into a
 # fresh venv outside the checkout and run the smoke check and every docstring
 # example against the installed copy (catches files missing from the wheel).
-DIST_VENV := $(or $(TMPDIR),/tmp)/harvest-dist-venv
+# The venv lives in a new temporary directory (mktemp -d), removed afterwards,
+# so two runs on one machine never share or delete each other's files.
 dist: $(STAMP)
-	rm -rf dist $(DIST_VENV)
+	rm -rf dist
 	mkdir -p build
 	$(PY) -m pip install --quiet "build>=1.2" "twine>=6"
 	$(PY) -m build --outdir dist . > build/dist.log 2>&1 || (cat build/dist.log; exit 1)
 	! grep -i "deprecat" build/dist.log
 	$(PY) -m twine check --strict dist/*
-	$(PYTHON) -m venv $(DIST_VENV)
-	$(DIST_VENV)/bin/python -m pip install --quiet "$$(ls dist/*.whl)[ppl,test]"
-	cd $(DIST_VENV) && $(DIST_VENV)/bin/python $(CURDIR)/tests/dist/check_installed.py $(CURDIR)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		$(PYTHON) -m venv "$$tmp/venv" && \
+		"$$tmp/venv/bin/python" -m pip install --quiet "$$(ls dist/*.whl)[ppl,test,store,infer]" && \
+		cd "$$tmp" && "$$tmp/venv/bin/python" $(CURDIR)/tests/dist/check_installed.py $(CURDIR)
 
 clean:
 	rm -rf $(VENV) .venv-jax-* docs/_build build dist *.egg-info

@@ -12,16 +12,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.util
 import os
 import pathlib
 import time
 
-from . import _timing, bench_core, bench_oryx, bench_unharvested
+from . import (
+    _timing,
+    bench_core,
+    bench_models,
+    bench_oryx,
+    bench_samplers,
+    bench_store,
+    bench_unharvested,
+)
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 # Sections that can run alone (`--only`): module with run(cfg), render(rows), Config, QUICK.
-SECTIONS = {"unharvested": bench_unharvested}
+SECTIONS = {
+    "samplers": bench_samplers,
+    "unharvested": bench_unharvested,
+    "store": bench_store,
+    "models": bench_models,
+}
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
 TARGETS = {"steady": (1.02, None), "compile": (1.10, 48), "eager": (1.2, None)}
@@ -44,6 +58,10 @@ def _instrument(size):
 
     size = "tiny" if size == "tiny" else "small"
     return bench_instrument.section(bench_instrument.run(size), size)
+
+
+def _has(module):
+    return importlib.util.find_spec(module) is not None
 
 
 def _load():
@@ -209,6 +227,18 @@ def render(results):
             "",
             *bench_unharvested.render(results["unharvested"]),
             "",
+            *bench_samplers.render(results["samplers"]),
+            "",
+            *(
+                bench_store.render(results["store"])
+                if results["store"] is not None
+                else [
+                    "## Activations at dataset scale",
+                    "",
+                    "TensorStore (the store extra) is not installed: not measured.",
+                ]
+            ),
+            "",
             "## Reading the numbers",
             "",
             *ANALYSIS,
@@ -257,6 +287,8 @@ def run(quick=False, large=False):
     results["patching"], results["patching_size"] = _patching(size), size
     results["instrument"] = _instrument(size)
     results["unharvested"] = _run_section(bench_unharvested, quick)
+    results["samplers"] = _run_section(bench_samplers, quick)
+    results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

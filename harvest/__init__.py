@@ -6,7 +6,7 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
-from . import extend as extend
+from . import extend as extend, store as store
 from ._capture import capture as capture
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
@@ -23,10 +23,12 @@ from ._patching import (
     patching_sweep as patching_sweep,
 )
 from ._patching_result import PatchingResult as PatchingResult
+from ._path_patching import path_patching as path_patching
 from ._perturb import perturb as perturb
 from ._plots import plot_attention as plot_attention
 from ._primitive import sow_p as sow_p
 from ._sow import sow as sow, sow_cond as sow_cond
+from ._steps import Steps as Steps
 from ._stream import stream as stream
 from ._transforms import (
     call_and_reap as call_and_reap,
@@ -36,3 +38,4 @@ from ._transforms import (
     reap as reap,
 )
 from ._version import __version__ as __version__
+from ._view import View as View, view as view

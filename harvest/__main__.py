@@ -4,14 +4,20 @@ The model is a three-layer residual MLP with fixed random weights, built here
 so the demonstration needs no downloads. It prints what `reap` found at every
 sown site, then how the output moves when `plant` swaps one layer's output for
 the same layer's output on another input (activation patching).
+
+The command line is argparse's: ``--help``/``-h`` and ``--version`` exit 0,
+an unknown flag or command exits 2, and ``demo`` (the default) runs the demo.
 """
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
-from harvest import nest, plant, reap, sow
+from harvest import __version__, nest, plant, reap, sow
 
 
 def make_model(key, width=16, depth=3):
@@ -39,7 +45,7 @@ def _flatten(tree, prefix=""):
             yield f"{prefix}{key}", value
 
 
-def main():
+def demo():
     model = make_model(jax.random.key(0))
     clean = jax.random.normal(jax.random.key(1), (16,))
     corrupted = -clean
@@ -62,6 +68,30 @@ def main():
         site = {f"layer{i}": {"mlp_out": reaped[f"layer{i}"]["mlp_out"]}}
         patched = float(plant(model)(site, corrupted))
         print(f"  layer{i}.mlp_out{'':<6} {patched:>+8.3f} {patched - base:>+8.3f}")
+
+
+def parser():
+    cli = argparse.ArgumentParser(
+        prog="python -m harvest",
+        description="harvest: tag any value inside any JAX function, then reap it out or "
+        "plant a replacement in. With no command, runs the demo.",
+    )
+    cli.add_argument("--version", action="version", version=f"harvest {__version__}")
+    cli.add_argument(
+        "command",
+        nargs="?",
+        default="demo",
+        choices=["demo"],
+        help="demo (the default): read a small residual MLP's intermediates with reap, "
+        "then patch one layer at a time with plant",
+    )
+    return cli
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if args.command == "demo":
+        demo()
 
 
 if __name__ == "__main__":

@@ -16,12 +16,27 @@ def capture(
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
 ) -> Callable[P, tuple[R, Reaped]]:
-    """Returns a function that runs `f` and also returns what it sowed.
+    """Returns a function that runs ``f`` and also returns what it sowed.
 
-    `capture(f)(*args)` gives `(out, collected)`, where `collected` maps each
+    ``capture(f)(*args)`` gives ``(out, collected)``, where ``collected`` maps each
     name to a tuple of its sown values in call order (for the default
-    `"collect"` mode), nested by `nest` scopes. It is `call_and_reap` with the
-    default tag, as proposed for Flax's functional `sow`.
+    ``"collect"`` mode), nested by ``nest`` scopes. It is ``call_and_reap`` with the
+    default tag, as proposed for Flax's functional ``sow``.
+
+    Args:
+        f: the function to run, as for ``reap``; a differentiated function
+            (``jax.grad(loss)``) gives the cotangents its ``perturb`` sites sow.
+        tag: which sows to collect; sows of other tags pass through untouched.
+        allowlist: if given, collect only these names (exact names, glob patterns
+            or predicates on names).
+        blocklist: names never to collect, in the same forms as ``allowlist``.
+
+    Returns:
+        A function taking ``f``'s arguments and returning ``(output, collected)``.
+
+    Raises:
+        ValueError: when the returned function is called, as for ``reap``.
+        TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
 
     Example:
         >>> import jax.numpy as jnp

@@ -121,7 +121,10 @@ def modes_differ(site: Any, other: Any) -> ValueError:
 def sown_twice(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
-        "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        + (
+            random_variable_modes(site)
+            or "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        )
     )
 
 
@@ -161,7 +164,7 @@ def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
 
 def stuck_in_batched_branch(site: Any) -> NotImplementedError:
     return NotImplementedError(
-        f"The sow site {site} is inside a while_loop or a custom derivative (custom_jvp, custom_vjp) "
+        f"The sow site {site} is inside a while_loop or a custom rule (custom_jvp, custom_vjp, custom_vmap) "
         "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
         "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
         "example instead, jax.vmap(reap(f)), or move the sow out of that body."
@@ -223,14 +226,6 @@ def indexed_plant_of_collect_in_loop(site: Any) -> ValueError:
     )
 
 
-def indexed_plant_in_while(site: Any) -> ValueError:
-    return ValueError(
-        f"The planted callable for the sow site {site} takes an occurrence index, "
-        "but the site is inside a while_loop, whose iterations are not counted. Use "
-        "lax.scan (or fori_loop with static bounds), or a callable of the old value alone."
-    )
-
-
 # -- where a sow sits ---------------------------------------------------------
 
 
@@ -243,10 +238,15 @@ def no_rule(primitive: Any, site: Any) -> NotImplementedError:
 
 
 def strict_in_loop(site: Any, where: str) -> ValueError:
+    every = " (with reap's max_steps=N)" if where == "while_loop" else ""
     return ValueError(
         f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
-        "sows it once per iteration. Use mode 'collect' or 'append' to keep every "
-        "iteration, 'clobber' for the last one, or sow_cond for a chosen one."
+        "sows it once per iteration. "
+        + (
+            random_variable_modes(site)
+            or "Use mode 'collect' or 'append' to keep every "
+            f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
+        )
     )
 
 
@@ -254,9 +254,15 @@ def stacked_in_while(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} inside a while_loop, whose trip "
         "count is not known until it runs, so its occurrences cannot be stacked into "
-        "a fixed-size array. Use lax.scan (or fori_loop with static bounds), mode "
-        "'clobber' for the last iteration, sow_cond for a chosen one, or "
-        "harvest.stream to see every iteration on the host."
+        "a fixed-size array. "
+        + (
+            "Pass max_steps=N to reap (or call_and_reap, harvest) for the first N iterations "
+            "and the count, or use "
+            if site.mode.public  # harvest.compat.oryx's reap takes no max_steps
+            else "Use "
+        )
+        + "lax.scan (or fori_loop with static bounds), mode 'clobber' for the last "
+        "iteration, or sow_cond for a chosen one."
     )
 
 
@@ -271,6 +277,87 @@ def sow_outside_solve(site: Any, role: str) -> ValueError:
         f"The sow site {site} sits in custom_linear_solve's `{role}`, which `solve` "
         "never calls: it runs only inside derivatives, where nothing can be reaped "
         "or planted. Sow in `solve`, or call `matvec` from `solve`."
+    )
+
+
+# -- while loops: per-step records and plants ---------------------------------
+
+
+def bad_max_steps(value: Any) -> ValueError:
+    return ValueError(
+        f"max_steps must be a positive int (how many while_loop iterations to record), "
+        f"got {value!r}. Leave it None to reap each while_loop's last iteration."
+    )
+
+
+def per_occurrence_plant_in_while(site: Any) -> ValueError:
+    return ValueError(
+        f"The plant for the sow site {site} holds one value per occurrence, but the site is "
+        "inside a while_loop, whose trip count is not known until it runs. Plant a single "
+        "value or a callable old -> new (used at every iteration), or a callable "
+        "fn(old, i) that picks by the iteration's index, e.g. lambda old, i: rows[i]."
+    )
+
+
+def stacked_in_batched_while(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} has mode {site.mode.label} inside a while_loop whose predicate "
+        "vmap batches, so each example runs its own number of iterations. Reap per example "
+        "instead: jax.vmap(reap(f))"
+        + (
+            ", or sow with mode 'clobber' for each example's last iteration."
+            if site.mode.public
+            else "."
+        )
+    )
+
+
+def steps_nested(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} is recorded per step (max_steps) in a while_loop that sits "
+        "inside another loop or a cond, which cannot stack a per-step record. Reap "
+        "without max_steps (each while_loop's last iteration), or reap inside the outer "
+        "loop's body."
+    )
+
+
+def steps_mixed(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} is recorded per step (max_steps) in a while_loop and also "
+        "sown outside it, so its occurrences do not make one record. Give the loop's "
+        "occurrences their own names, e.g. call the loop body through "
+        "harvest.nest(body, scope='decode'), or reap without max_steps."
+    )
+
+
+# -- path patching ------------------------------------------------------------
+
+
+def path_patching_senders(senders: Any) -> TypeError:
+    return TypeError(
+        "path_patching needs `senders` as a non-empty dict {site name: planted value}, got "
+        f"{type(senders).__name__}. E.g. senders={{'blocks0.z': patch_head(clean_z, 1, axis=2)}}."
+    )
+
+
+def path_patching_args(args: Any) -> TypeError:
+    return TypeError(
+        f"path_patching needs `corrupted_args` as a tuple of f's arguments, got "
+        f"{type(args).__name__}. Write (x,) for a single argument."
+    )
+
+
+def path_patching_no_receivers() -> ValueError:
+    return ValueError(
+        "path_patching needs `receivers`: the names (or glob patterns) of the sites the "
+        "path runs through, e.g. receivers='blocks1.k'."
+    )
+
+
+def path_patching_sender_is_receiver(name: str) -> ValueError:
+    return ValueError(
+        f"path_patching: the sender {name!r} is also selected by `receivers`. A path runs "
+        "from a sender to other sites: select receivers downstream of it."
     )
 
 
@@ -423,10 +510,6 @@ def batch_sizes_differ(caller: str, name: str, sizes: Any, axes: Any, first: Any
     )
 
 
-def no_tqdm(caller: str) -> ImportError:
-    return ImportError(f"{caller}(progress=True) draws its bar with tqdm: pip install tqdm.")
-
-
 def bad_batch_size(caller: str, batch_size: Any) -> TypeError:
     return TypeError(
         f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
@@ -547,4 +630,290 @@ def plant_callable_arity(site: Any, fn: Any) -> TypeError:
         f"The planted callable {getattr(fn, '__name__', fn)!r} for the sow site {site} "
         "requires more than two positional arguments. A planted callable takes the old value, "
         "or the old value and the occurrence index: old -> new or (old, i) -> new."
+    )
+
+
+# -- harvest.store ----------------------------------------------------------
+
+
+def store_needs_tensorstore() -> ImportError:
+    return ImportError(
+        "harvest.store writes and reads its arrays with TensorStore: "
+        "pip install 'jax-harvest[store]' (or pip install tensorstore)."
+    )
+
+
+def store_path_is_file(path: Any) -> ValueError:
+    return ValueError(
+        f"record(..., path={str(path)!r}): that path is a file. A store is a directory: "
+        "pass a new or empty directory, or an existing store's."
+    )
+
+
+def store_path_not_a_store(path: Any) -> ValueError:
+    return ValueError(
+        f"{str(path)!r} is not empty and holds no harvest store (no zarr.json with a "
+        "'harvest' manifest). Pick another directory; nothing there was changed."
+    )
+
+
+def store_not_found(path: Any) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"harvest.store.open({str(path)!r}): no harvest store there (no zarr.json with a "
+        "'harvest' manifest). Record one with harvest.store.record(fn, batches, path)."
+    )
+
+
+def store_no_batches() -> ValueError:
+    return ValueError(
+        "record(fn, batches, path): `batches` yielded nothing. Pass an iterable of "
+        "batches (arrays or pytrees of arrays with a leading example axis)."
+    )
+
+
+def store_batch_without_arrays(batch_type: str) -> TypeError:
+    return TypeError(
+        f"record(fn, batches, path): a batch is a {batch_type} holding no array. Each "
+        "batch must be an array or a pytree of arrays whose leading axis is the example axis."
+    )
+
+
+def store_no_sites(tag: str, names: Any) -> ValueError:
+    return ValueError(
+        f"record: the function sows no site of tag {tag!r}"
+        + (f" that `names={names!r}` selects" if names is not None else "")
+        + ", so there is nothing to record. Check the tag (instrument sows under 'modules')."
+    )
+
+
+def store_site_not_array(name: str, value: Any) -> TypeError:
+    return TypeError(
+        f"record: site {name!r} reaps a {type(value).__name__}, not an array (a site sown "
+        "several times under mode 'collect' reaps a tuple). Sow it with mode 'strict' or "
+        "'append', or leave it out with `names=`."
+    )
+
+
+def store_site_not_rows(name: str, shape: Any, batch: int, rows: str) -> ValueError:
+    want = "[examples, ...]" if rows == "examples" else "[examples, positions, ...]"
+    return ValueError(
+        f"record: site {name!r} has shape {tuple(shape)}, but rows={rows!r} needs {want} "
+        f"with {batch} examples first, as in the batch. Leave the site out with `names=`"
+        + (", or use rows='examples'." if rows == "tokens" else ".")
+    )
+
+
+def store_bad_option(what: str, value: Any, expected: str) -> ValueError:
+    return ValueError(f"harvest.store: `{what}` must be {expected}, got {value!r}.")
+
+
+def store_manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
+    shown = "; ".join(differences[:4]) + (
+        f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+    )
+    return ValueError(
+        f"record: the store at {str(path)!r} was recorded from other sites or shapes: {shown}. "
+        "Nothing was written. Record into another path, or pass overwrite=True to start afresh."
+    )
+
+
+def store_batch_shape(index: int, name: str, got: Any, expected: Any, committed: int) -> ValueError:
+    return ValueError(
+        f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the store "
+        f"holds rows of shape {tuple(expected)}. Nothing of batch {index} was written (the store "
+        f"keeps its first {committed} batches). Give every batch one shape: drop or pad the "
+        "last, short batch."
+    )
+
+
+def store_fewer_batches(path: Any, stored: int, given: int) -> ValueError:
+    return ValueError(
+        f"record: the store at {str(path)!r} already holds {stored} batches, but `batches` "
+        f"yielded only {given}: it is not the dataset this store was recorded from. "
+        "Pass overwrite=True to record it afresh."
+    )
+
+
+def store_unknown_name(name: Any, names: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"the store has no site {name!r}; it holds: {', '.join(repr(n) for n in names)}."
+    )
+
+
+def store_tokens_split(name: str) -> ValueError:
+    return ValueError(
+        f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
+        "device's rows are not contiguous tokens. Shard the batch along examples only, or "
+        "use rows='examples'."
+    )
+
+
+# -- harvest.ppl ----------------------------------------------------------------
+
+
+def ppl_numpyro_distribution(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}) got NumPyro's {type_name}; harvest.ppl draws from "
+        "TensorFlow Probability distributions (tensorflow_probability.substrates.jax), "
+        f"e.g. tfd.{type_name}(...), or from a sampling function key -> value."
+    )
+
+
+def ppl_unknown_names(fn_name: str, unknown: Iterable[str], known: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"{fn_name}: not random variables of the program: {', '.join(unknown)}. Its random "
+        f"variables are: {', '.join(sorted(known)) or 'none'}."
+    )
+
+
+def ppl_blocked_draw_scored(fn_name: str, names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"{fn_name}: the density depends on {', '.join(names)}, hidden by block. A blocked "
+        "draw is integrated out, which harvest can do only where no counted density depends "
+        "on it. Fix it with intervene or conditional, or do not block it."
+    )
+
+
+def ppl_no_unconstrained_value(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: no value for {', '.join(names)}. Give every free random variable "
+        "(init(key) gives a starting point)."
+    )
+
+
+def ppl_not_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: {', '.join(names)} are not free random variables of the program "
+        "(they are observed, fixed by intervene or conditional, or blocked). Leave them out of u."
+    )
+
+
+def ppl_discrete_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: the random variables {', '.join(names)} are discrete, or drawn by "
+        "plain sampling functions, so they cannot be moved to R^n. Give them in `observed`, "
+        "fix them with intervene or conditional, or (Bernoulli, Categorical) draw them with "
+        "random_variable(..., enumerate=True) to sum them out."
+    )
+
+
+def random_variable_modes(site: Any) -> str:
+    """What a duplicate-name error suggests: random_variable knows only 'strict' and 'append'."""
+    if site.tag == "random_variable":
+        return (
+            "Give each draw its own name, or (inside lax.scan) random_variable(..., "
+            "mode='append'), which stacks one draw per iteration."
+        )
+    return ""
+
+
+def ppl_needs_extra(module: str, what: str) -> ImportError:
+    return ImportError(
+        f"harvest.ppl.{what} needs {module}, which is not installed. Install the inference "
+        "extra: pip install 'jax-harvest[infer]' (BlackJAX and ArviZ, pinned to tested versions)."
+    )
+
+
+def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, kernels))}."
+    )
+
+
+def ppl_bad_count(what: str, value: Any) -> ValueError:
+    return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
+
+
+def ppl_predictive_count(value: Any) -> ValueError:
+    return ValueError(
+        "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
+        f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
+    )
+
+
+def ppl_no_mechanism(name: str, type_name: str) -> ValueError:
+    return ValueError(
+        f"counterfactual: the random variable {name!r} has a {type_name} distribution, which "
+        "has no noise mechanism here (location-scale families, Bernoulli, Categorical, and "
+        "continuous distributions with a quantile function have one). Fix it with intervene, "
+        "or write it as loc + scale * noise with a standard noise draw."
+    )
+
+
+def ppl_counterfactual_do(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"counterfactual needs `do` to name the intervention, {{name: value}}, got {names!r}."
+    )
+
+
+def ppl_enumeration_too_large(names: Iterable[str], size: int, limit: int) -> ValueError:
+    return ValueError(
+        f"enumerating {', '.join(names)} jointly takes {size} assignments (at most {limit}). "
+        "Enumerate fewer draws, or marginalise some by hand."
+    )
+
+
+def ppl_enumeration_mixed(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"cannot enumerate {', '.join(names)} together: one of them has a batch shape. "
+        "Enumerate one batched draw (a per-point assignment) or any number of scalar ones."
+    )
+
+
+def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
+        f"which needs a Bernoulli or Categorical distribution; got a {type_name}."
+    )
+
+
+def ppl_nothing_to_sample() -> ValueError:
+    return ValueError(
+        "sample_posterior: the program has no free continuous random variable left to sample "
+        "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
+        "or draw from it with predictive."
+    )
+
+
+def needs_extra(what: str, module: str, extra: str) -> ImportError:
+    return ImportError(
+        f"{what} needs {module}, which is not installed. Install it with "
+        f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
+    )
+
+
+# -- instrument(attention=True) ----------------------------------------------
+
+
+def custom_attention_fn(path: str, cls: str) -> TypeError:
+    return TypeError(
+        f"instrument(attention=True): the {cls} at {path!r} has a custom attention_fn, so harvest "
+        "cannot say where its pattern is. Use Flax's default attention_fn there, or leave the "
+        "hooks out (attention=False) and reap its submodules and ops (ops=True) instead."
+    )
+
+
+def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "
+        f"{dict(named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
+        "and a head axis ('heads', 'head_groups', 'query_heads_per_group'). Name its axes so, or pass "
+        "attention=False."
+    )
+
+
+def merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
+        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
+        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
+        "for every (head, position) pair."
+    )
+
+
+def d_head_axis(name: str, axes: Any) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
+        "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
+        "for every (head, position) pair, or axis=-2 for heads."
     )

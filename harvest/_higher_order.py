@@ -70,8 +70,8 @@ class HigherOrder:
     `alternatives`: exactly one body runs per call (a cond's branches), so an
     occurrence count is its longest body's. `call`: the one body runs once,
     on the equation's inputs, and gives its outputs. `custom_rule`: the custom
-    derivative rule it holds, which inlining its body would drop: `"jvp"`
-    (custom_jvp), `"vjp"` (custom_vjp), or None.
+    rule it holds, which inlining its body would drop: `"jvp"` (custom_jvp),
+    `"vjp"` (custom_vjp), `"vmap"` (custom_vmap's batching rule), or None.
     `batched_branch`: how `_rules/batched_cond` brings its sows out of a
     branch vmap runs side by side (None: they stay stuck there). `jvp_rule`:
     the traced JVP rule whose sows run where JAX differentiates the call

@@ -22,14 +22,24 @@ from ._site import Site
 
 @dataclasses.dataclass(frozen=True)
 class SiteInfo:
-    """One sow site as `sites` describes it.
+    """One sow site as ``sites`` describes it.
 
-    `shape` and `dtype` mirror the sown value: a tuple and a dtype for an array,
-    the same pytree of them for a pytree. `fires` is how many times one call
-    sows here (loop lengths multiplied in; per branch inside `cond`, counted as
-    if that branch is taken), or `None` inside a `while_loop`, whose trip count
-    is not known before running. `where` is the path of enclosing primitives,
-    outermost first, e.g. `"jit › scan[12] › cond[1]"`; `""` at top level.
+    Attributes:
+        tag: the site's tag.
+        name: its name, dotted through ``nest`` scopes (``"layer0.mlp_out"``).
+        mode: its mode (``"collect"``, ``"strict"``, ``"append"``, ``"clobber"``,
+            or ``"cond_clobber"`` for ``sow_cond``).
+        shape: the sown value's shape: a tuple for an array, the same pytree of
+            tuples for a pytree.
+        dtype: the sown value's dtype, or the same pytree of dtypes.
+        fires: how many times one call sows here (loop lengths and a
+            ``shard_map``'s shards multiplied in, as reap returns one row per
+            iteration or shard; per branch inside ``cond``, counted as if that
+            branch is taken), or ``None`` inside a ``while_loop``, whose trip
+            count is not known before running. Each primitive's count is
+            declared once beside its rule (see CONTRIBUTING.md).
+        where: the path of enclosing primitives, outermost first, e.g.
+            ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
 
     Example:
         >>> import jax.numpy as jnp
@@ -63,7 +73,11 @@ class Sites(list[SiteInfo]):
     _blocks: list[Any]  # set by `sites`: each site's nest-scope keys, for the HTML view
 
     def names(self) -> list[str]:
-        """The distinct names, in program order."""
+        """The distinct names, in program order.
+
+        Returns:
+            A list of names, each once (a site sown in several places is one name).
+        """
         return list(dict.fromkeys(s.name for s in self))
 
     def _cells(self, info: SiteInfo) -> tuple[str, ...]:
@@ -88,12 +102,19 @@ class Sites(list[SiteInfo]):
         return _html_view(self)
 
     def to_html(self, path: str | os.PathLike[str] | None = None) -> str:
-        """The program's structure as one self-contained HTML page; written to `path` if given.
+        """The program's structure as one self-contained HTML page; written to ``path`` if given.
 
-        Every site sits in its nesting (`jit › scan[12] › cond[1]`), each body a
+        Every site sits in its nesting (``jit › scan[12] › cond[1]``), each body a
         collapsible block, with its shape, dtype, mode, tag and fires per call.
-        In a notebook, a `Sites` value shows the same view. With
-        `instrument(f, ops=True)`, every op is a site, so every op is shown.
+        In a notebook, a ``Sites`` value shows the same view. With
+        ``instrument(f, ops=True)``, every op is a site, so every op is shown. For
+        the dataflow graph of the whole program, see ``harvest.view``.
+
+        Args:
+            path: a file to write the page to (UTF-8), or None to only return it.
+
+        Returns:
+            The page, as a string.
 
         Example:
             >>> import jax, jax.numpy as jnp
@@ -191,13 +212,27 @@ def _html_view(found: Sites) -> str:
 
 
 def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: Any) -> Sites:
-    """Lists every sow site of `f(*args, **kwargs)`, without running `f`.
+    """Lists every sow site of ``f(*args, **kwargs)``, without running ``f``.
 
-    `f` is traced with `jax.make_jaxpr`: array arguments (or
-    `jax.ShapeDtypeStruct`s standing for them) are traced, and every other
-    argument reaches `f` as itself, as in `reap`. Each sow equation gives one `SiteInfo`, in program
-    order, recursing into `jit`, `scan`, `cond`, `while_loop`, `checkpoint`
-    and custom derivatives. `tag=None` lists every tag.
+    ``f`` is traced with ``jax.make_jaxpr``: array arguments (or
+    ``jax.ShapeDtypeStruct`` values standing for them) are traced, and every other
+    argument reaches ``f`` as itself, as in ``reap``. Each sow equation gives one
+    ``SiteInfo``, in program order, recursing into ``jit``, ``scan``, ``cond``,
+    ``while_loop``, ``checkpoint`` and custom derivatives.
+
+    Args:
+        f: the function to trace, as for ``reap``.
+        *args: its positional arguments: arrays, ``jax.ShapeDtypeStruct`` values, or
+            Python values (static, as in ``reap``).
+        tag: list only the sites of this tag; None lists every tag.
+        **kwargs: its keyword arguments, as ``args``.
+
+    Returns:
+        A ``Sites`` list of ``SiteInfo``, which prints as a table and shows as a
+        collapsible tree in a notebook.
+
+    Raises:
+        TypeError: if ``f`` is not callable or ``tag`` is neither a string nor None.
 
     Example:
         >>> import jax, jax.numpy as jnp

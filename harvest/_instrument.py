@@ -32,8 +32,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _attention
+from ._attention import HOOKS
 from ._calling import is_array
+from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
+from ._module_paths import (
+    describe,
+    frozen_variables,
+    is_named_array,
+    kind as target_kind,
+    submodules,
+)
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
@@ -62,8 +72,13 @@ class _Call:
         default_factory=list
     )  # rebuilt modules in `paths`, kept so their ids stay theirs
     sown: int = 0
+    kind: str = "function"  # the target's kind (`_module_paths.kind`)
+    attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
+    attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
 
     def sow(self, path, value):
+        if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
+            value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
             return value
         bad = non_array(value)
@@ -73,9 +88,15 @@ class _Call:
                 f"of type {type(bad[1]).__name__}, which is not an array, so it cannot be a site. "
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
+        if is_named_array(value):
+            # A Penzai named array: the site is its data, axes in `named_shape` order.
+            value = value.order_as(*value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
         if not leaves:
             return value
+        if len(leaves) == 1 and (isinstance(value, (tuple, list)) or is_named_array(value)):
+            # A block's `(cache, x)` with no cache, or a named array: the site is the one array.
+            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0])])
         self.sown += 1
         out = sow_p.bind(
             *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree
@@ -103,10 +124,21 @@ class _Call:
         self.inside.add(id(module))
         try:
             with self.scope(path):
-                out = method(module, *args, **kwargs)
+                out = self.run_attention(path, module, method, args, kwargs)
         finally:
             self.inside.discard(id(module))
         return self.sow(path, out)
+
+    def run_attention(self, path, module, method, args, kwargs):
+        """`method(module, *args, **kwargs)`; with attention=True, an attention module's hooks sown too."""
+        if self.attention:
+            if _attention.is_equinox_attention(module):
+                return _attention.equinox_forward(self, path, module, args, dict(kwargs))
+            flax_kind = _attention.flax_kind(module)
+            if flax_kind is not None:
+                with _attention.flax_hooks(self, path, module, flax_kind):
+                    return method(module, *args, **kwargs)
+        return method(module, *args, **kwargs)
 
     def scope(self, path):
         """With ops=True, a named scope that gives the ops inside the module's path."""
@@ -201,7 +233,7 @@ def _rebuilt_path(call: _Call, module: Any) -> str | None:
     path = paths[0]
     call.held.append(module)
     call.paths[id(module)] = path
-    for sub, child in _eqx_modules(module):  # its submodules are rebuilt with it
+    for sub, child in submodules(module, call.kind):  # its submodules are rebuilt with it
         call.paths.setdefault(id(child), f"{path}.{sub}")
     return path
 
@@ -305,74 +337,6 @@ def _unmark(parts):
 # The parts of each kind of target.
 
 
-def _nnx():
-    try:
-        from flax import nnx
-    except ImportError:  # Flax is optional
-        return None
-    return nnx
-
-
-def _eqx():
-    try:
-        import equinox
-    except ImportError:  # Equinox is optional
-        return None
-    return equinox
-
-
-def _kind(target):
-    nnx, eqx = _nnx(), _eqx()
-    if nnx is not None and isinstance(target, nnx.Module):
-        return "nnx"
-    if eqx is not None and isinstance(target, eqx.Module):
-        return "equinox"
-    if callable(target):
-        return "function"
-    return None
-
-
-def _nnx_modules(model):
-    """(dotted path, submodule) for each submodule of an NNX model, root excluded."""
-    nnx = _nnx()
-    return [
-        (".".join(str(k) for k in path), node)
-        for path, node in nnx.iter_graph(model)
-        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
-    ]
-
-
-def _key_str(key):
-    for attr in ("name", "key", "idx"):  # GetAttrKey, DictKey, SequenceKey
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _eqx_modules(model):
-    """(dotted path, submodule) for each submodule of an Equinox model, root excluded."""
-    eqx = _eqx()
-    found, seen = [], set()
-
-    def visit(node, prefix):
-        children = jax.tree_util.tree_flatten_with_path(
-            node, is_leaf=lambda x: x is not node and isinstance(x, eqx.Module)
-        )[0]
-        for key, child in children:
-            if isinstance(child, eqx.Module) and id(child) not in seen:
-                seen.add(id(child))
-                path = prefix + tuple(_key_str(k) for k in key)
-                found.append((".".join(path), child))
-                visit(child, path)
-
-    visit(model, ())
-    return found
-
-
-def _modules(target, kind):
-    return _nnx_modules(target) if kind == "nnx" else _eqx_modules(target)
-
-
 # ---------------------------------------------------------------------------
 # The public callable.
 
@@ -384,22 +348,36 @@ class Instrumented:
     take it as an argument or bound object trace the model's arrays.
     """
 
-    def __init__(self, target, kind, tag, ops, inputs, select, where):
+    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False):
         self.target = target
         self._kind = kind
         self._tag = tag
         self._ops = ops
         self._inputs = inputs
+        self._attention = attention
         self._select = select
         self._where = where
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
-        return (self._kind, self._tag, self._ops, self._inputs, self._select, self._where)
+        return (
+            self._kind,
+            self._tag,
+            self._ops,
+            self._inputs,
+            self._select,
+            self._where,
+            self._attention,
+        )
 
     def tree_flatten(self):
         if self._kind == "function":
             return (), (self.target, self._static())
+        if self._kind == "penzai":
+            # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
+            # static leaf its old value would stay in a compiled program. Frozen,
+            # the weights are arrays, traced like any argument.
+            return (frozen_variables(self.target),), (None, self._static())
         return (self.target,), (None, self._static())
 
     @classmethod
@@ -408,15 +386,28 @@ class Instrumented:
         return cls(target, *aux[1])
 
     def __repr__(self):
-        return f"instrument({self.target!r}, tag={self._tag!r}, ops={self._ops}, inputs={self._inputs})"
+        return (
+            f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
+            f"inputs={self._inputs}, attention={self._attention})"
+        )
 
     def __call__(self, *args, **kwargs):
-        call = _Call(self._tag, self._select, self._ops, self._inputs, {})
+        call = _Call(
+            self._tag,
+            self._select,
+            self._ops,
+            self._inputs,
+            {},
+            kind=self._kind,
+            attention=self._attention,
+        )
         if self._kind == "function":
-            run = functools.partial(_with_linen, call, self.target)
+            run = functools.partial(run_linen, call, self.target)
         else:
-            parts = _modules(self.target, self._kind)
+            parts = submodules(self.target, self._kind)
             names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._attention:
+                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
             if (
                 self._where is not None
                 and not self._ops
@@ -430,10 +421,12 @@ class Instrumented:
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
+            if self._attention and self._kind == "penzai":
+                call.attention_paths = _attention.penzai_attention_paths(parts)
             marked = (
                 [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
             )
-            if self._kind == "equinox":
+            if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
                 call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
             run = functools.partial(
                 _with_modules, call, {type(m) for _, m in parts}, marked, self.target
@@ -448,16 +441,14 @@ class Instrumented:
 
     def _nothing_sown(self):
         if self._where is not None:
-            return (
-                f"instrument: where={self._where!r} selected nothing that {self.target!r} computes."
-            )
+            return f"instrument: where={self._where!r} selected nothing that {describe(self.target)} computes."
         if self._kind == "function":
             return (
-                f"instrument: {self.target!r} applies no Flax Linen module, so it has no module sites. "
+                f"instrument: {describe(self.target)} applies no Flax Linen module, so it has no module sites. "
                 "Pass ops=True to make every primitive's output a site, or instrument the model itself."
             )
         return (
-            f"instrument: {self.target!r} called none of its submodules, so it has no sites. "
+            f"instrument: {describe(self.target)} called none of its submodules, so it has no sites. "
             "Pass ops=True for op sites."
         )
 
@@ -485,25 +476,6 @@ def _with_modules(call, classes, marked, model, *args, **kwargs):
         _unwrap(classes)
 
 
-def _with_linen(call, f, *args, **kwargs):
-    try:
-        import flax.linen as nn
-    except ImportError:  # Flax is optional
-        return f(*args, **kwargs)
-
-    def interceptor(next_fun, a, k, context):
-        path = ".".join(context.module.path) if context.method_name == "__call__" else ""
-        if not path:
-            return next_fun(*a, **k)
-        a = call.sow_inputs(path, a)
-        with call.scope(path):
-            out = next_fun(*a, **k)
-        return call.sow(path, out)
-
-    with nn.intercept_methods(interceptor):
-        return f(*args, **kwargs)
-
-
 def instrument(
     target: Callable[P, R],
     *,
@@ -511,31 +483,59 @@ def instrument(
     ops: bool = False,
     inputs: bool = False,
     where: NameSelect = None,
+    attention: bool = False,
 ) -> Callable[P, R]:
-    """Returns `target` with its parts sown under `tag`, for models nobody instrumented by hand.
+    """Returns ``target`` with its parts sown under ``tag``, for models nobody instrumented by hand.
 
-    The result is called exactly as `target` is and returns the same values
-    (bit for bit; outside a harvest every sow is the identity), but `reap`,
-    `plant`, `harvest`, `sites`, `stream` and the patching sweeps see sites:
+    The result is called exactly as ``target`` is and returns the same values
+    (bit for bit; outside a harvest every sow is the identity), but ``reap``,
+    ``plant``, ``harvest``, ``sites``, ``stream`` and the patching sweeps see sites:
 
-    * a Flax NNX or Equinox module: the output of every submodule call, named
-      by its dotted path from the root (`"blocks.0.attn"`, `"head"`); list
-      indices and dict keys are path elements;
+    * a Flax NNX or Equinox module, or a Penzai layer: the output of every
+      submodule (layer) call, named by its dotted path from the root
+      (``"blocks.0.attn"``, ``"head"``); list indices and dict keys are path
+      elements;
     * a plain function: the output of every Flax Linen submodule it applies,
-      named by the Linen scope path joined with dots (`"blocks_0.attn"`);
-    * with `ops=True`, any callable: also every primitive's output, named
-      `"<scope>/<primitive>:<n>"` from the `jax.named_scope` stack (module
-      paths included) and a counter per scope and primitive; ops inside `scan`,
-      `cond`, `jit` and `checkpoint` are sites too;
-    * with `inputs=True`, module targets and Linen: also each submodule call's
-      array arguments, named `"<path>:in"` (one argument: the array itself;
+      named by the Linen scope path joined with dots (``"blocks_0.attn"``);
+    * with ``ops=True``, any callable: also every primitive's output, named
+      ``"<scope>/<primitive>:<n>"`` from the ``jax.named_scope`` stack (module
+      paths included) and a counter per scope and primitive; ops inside ``scan``,
+      ``cond``, ``jit`` and ``checkpoint`` are sites too;
+    * with ``inputs=True``, module targets and Linen: also each submodule call's
+      array arguments, named ``"<path>:in"`` (one argument: the array itself;
       several: a tuple of them; flags, None and PRNG keys are left out).
       Planting there replaces what the submodule receives.
+    * with ``attention=True``: TransformerLens's hook sites on each attention
+      module of a known kind (below).
 
     A site sown once holds the value itself; one sown k times (a shared module,
-    a layer inside `scan`) holds the k values stacked on a leading axis, and
-    takes plants of either shape. `where` (a name, glob pattern, predicate on
-    names, or a list of them) picks the sites before anything is traced.
+    a layer inside ``scan``) holds the k values stacked on a leading axis, and
+    takes plants of either shape.
+
+    Args:
+        target: the model: a Flax NNX module, an Equinox module, a Penzai layer
+            (``pz.nn.Layer``), or any callable (for Linen, the function that calls
+            ``model.apply``; any function with ``ops=True``).
+        tag: the tag the sites are sown under; pass the same ``tag`` to ``reap``,
+            ``plant`` and ``sites``.
+        ops: also sow every primitive's output (``"<scope>/<primitive>:<n>"``).
+        inputs: also sow each submodule call's array arguments (``"<path>:in"``).
+        where: which sites to sow, picked before anything is traced: a name, a
+            glob pattern, a predicate on names, or a list of them (None: all).
+        attention: also give each attention module of a known kind (NNX
+            ``MultiHeadAttention``, Linen ``MultiHeadDotProductAttention``, Equinox
+            ``MultiheadAttention``, Penzai ``pz.nn.Attention``, Gemma's ``Attention``)
+            TransformerLens's sites ``"<path>.hook_q"``, ``.hook_k``, ``.hook_v``,
+            ``.hook_z`` (``[..., seq, heads, d_head]``) and ``.hook_pattern`` (the
+            post-softmax weights, ``[..., heads, q_pos, k_pos]``).
+
+    Returns:
+        A callable with ``target``'s signature and outputs (a pytree, so it can
+        be passed through ``jax.jit``) whose parts are sites of ``tag``.
+
+    Raises:
+        TypeError: if ``target`` is none of the kinds above, ``tag`` is not a
+            non-empty string, or ``ops``/``inputs``/``attention`` is not a bool.
 
     Example:
         >>> import jax.numpy as jnp
@@ -552,10 +552,10 @@ def instrument(
         >>> plant(model, tag="modules")({"layers.1": jnp.zeros(1)}, jnp.ones(2))
         Array([0.], dtype=float32)
     """
-    kind = _kind(target)
+    kind = target_kind(target)
     if kind is None:
         raise TypeError(
-            f"instrument needs a Flax NNX module, an Equinox module or a callable, got a "
+            f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
             f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
             "e.g. instrument(lambda x: model.apply(variables, x))."
         )
@@ -565,7 +565,9 @@ def instrument(
         raise TypeError(f"instrument needs `ops` to be True or False, got {ops!r}.")
     if not isinstance(inputs, bool):
         raise TypeError(f"instrument needs `inputs` to be True or False, got {inputs!r}.")
+    if not isinstance(attention, bool):
+        raise TypeError(f"instrument needs `attention` to be True or False, got {attention!r}.")
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, inputs, select, where)
+    return Instrumented(target, kind, tag, ops, inputs, select, where, attention)

@@ -168,6 +168,7 @@ class Policy:
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
     strict_names: bool = True  # planting, or allowlisting by string, a name no site has is an error (oryx ignores it)
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
+    max_steps: int | None = None  # record this many iterations of each while_loop (`Steps`)
 
     def handles(self, site):
         return site.tag == self.tag and self.select(site.path)

@@ -21,6 +21,7 @@ from . import _errors
 from ._higher_order import UNBOUNDED, Body, bodies, describe
 from ._primitive import sow_p
 from ._site import Site
+from ._steps import Steps
 
 # primitive -> (equation, count so far, state kept across one jaxpr's markers ->
 # the count after it), for markers that move the count (`_rules/batched_cond`).
@@ -82,6 +83,10 @@ class Record:
     values: list[Any]
 
     def result(self) -> Any:
+        if any(isinstance(v, Steps) for v in self.values):  # a while_loop's per-step record
+            if len(self.values) > 1:
+                raise _errors.steps_mixed(self.site)
+            return self.values[0]
         mode = self.site.mode
         if mode.entries:
             return tuple(self.values)
@@ -129,6 +134,8 @@ class Record:
     def chunk(self) -> Any:
         """One loop body's occurrences, as a loop stacks them: a list of entries
         (collect), the rows (append, auto), or the one value (other modes)."""
+        if any(isinstance(v, Steps) for v in self.values):
+            raise _errors.steps_nested(self.site)
         if self.site.mode.entries:
             return list(self.values)
         if self.site.mode.rows:
@@ -191,6 +198,8 @@ class Plant:
     def check_count(self, n: int) -> None:
         """A plant given per occurrence needs one entry (collect) or row (append)
         for each of the `n` occurrences that reap would return."""
+        if isinstance(self.value, Steps):  # reaped from a while_loop, whose trips vary per call
+            raise _errors.per_occurrence_plant_in_while(self.site)
         if not self.per_occurrence():
             return
         if self.site.mode.entries:

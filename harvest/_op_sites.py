@@ -21,14 +21,13 @@ import jax
 from . import _jax
 from ._calling import make_jaxpr, split_nodes, write_back
 from ._evaluator import evaluate
-from ._higher_order import UNBOUNDED, describe
-from ._modes import AUTO, CLOBBER
+from ._higher_order import describe
+from ._modes import AUTO
 from ._primitive import sow_p
 
 INSTRUMENT_MODE = (
     AUTO.name
 )  # once: the value itself; several times or in a loop: stacked (`instrument`)
-WHILE_MODE = CLOBBER.name  # a while loop's trip count is unknown: keep the last iteration
 
 
 def sow_ops(f, call, args, kwargs):
@@ -80,12 +79,9 @@ class _Walk:
 
             def staged(body):
                 # Ops of a loop's predicate are not sown (a sow may not sit there);
-                # a while body's keep the last iteration, its trip count unknown.
-                inner = mode
-                if body.predicate:
-                    inner = None
-                elif body.runs is UNBOUNDED and mode is not None:
-                    inner = WHILE_MODE
+                # a while body's are sown as any op is: reap gives the last
+                # iteration, or `max_steps` of them.
+                inner = None if body.predicate else mode
                 return self.body(lambda *a: self.eval(body.jaxpr, body.consts, a, here, inner))
 
             outs = how.restage(eqn, invals, staged, ())

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors
+from . import _attention, _errors
 from ._calling import make_jaxpr
 from ._compile_cache import compile_program
 from ._inspect import sow_firings
@@ -287,7 +287,7 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     except ImportError:
         if auto:
             return items
-        raise _errors.no_tqdm(caller) from None
+        raise _errors.needs_extra(f"{caller}(progress=True)", "tqdm", "patching") from None
     return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
 
 
@@ -415,6 +415,8 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
+    _attention.check_swept_axes(swept, axes)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
     site_axes = [_site_axes(t.one, axes, caller) for t in targets]
@@ -460,7 +462,13 @@ def patching_sweep(
     shape = (len(names_),) + (() if size is None else size)
     mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
     return PatchingResult(
-        mean.reshape(shape), names_, labels, axis, float(np.mean(baselines)), skipped=skipped
+        mean.reshape(shape),
+        names_,
+        labels,
+        axis,
+        float(np.mean(baselines)),
+        skipped=skipped,
+        axis_labels=_attention.axis_labels(swept, axes),
     )
 
 
@@ -529,6 +537,8 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
+    _attention.check_swept_axes(swept, axes)
     site_axes = [_site_axes(t.one, axes, caller) for t in targets]
     patched = frozenset(path_str(t.site.path) for t in targets)
 
@@ -563,7 +573,13 @@ def attribution_patching(
     names_, labels = _labels(targets, size, axis)
     values = np.mean([np.asarray(v) for v, _ in results], 0)
     return PatchingResult(
-        values, names_, labels, axis, float(np.mean([b for _, b in results])), skipped=skipped
+        values,
+        names_,
+        labels,
+        axis,
+        float(np.mean([b for _, b in results])),
+        skipped=skipped,
+        axis_labels=_attention.axis_labels(swept, axes),
     )
 
 

@@ -37,6 +37,8 @@ class PatchingResult:
         measure: What ``values`` measure (a plot's colourbar label).
         skipped: The sites a sweep without ``names=`` left out (a different
             size along the swept axes), each with the reason.
+        axis_labels: What each swept axis is (``("head", "position")``), when the
+            swept sites say so (attention hooks); plots label their axes with it.
 
     Example:
         >>> import numpy as np
@@ -53,6 +55,8 @@ class PatchingResult:
     baseline: float
     measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
     skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
+    # What each swept axis is ("head", "position"), when the swept sites say (attention hooks).
+    axis_labels: tuple[str, ...] | None = None
 
     def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
@@ -142,8 +146,8 @@ class PatchingResult:
             titles=list(self.names),
             row_labels=rows,
             col_labels=cols,
-            xlabel=f"axis {self.axis[1]}",
-            ylabel=f"axis {self.axis[0]}",
+            xlabel=self.axis_labels[1] if self.axis_labels else f"axis {self.axis[1]}",
+            ylabel=self.axis_labels[0] if self.axis_labels else f"axis {self.axis[0]}",
             cmap=cmap,
             vmin=-(bound or 1.0),
             vmax=bound or 1.0,

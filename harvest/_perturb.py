@@ -30,12 +30,23 @@ _perturb.defvjp(_perturb_fwd, _perturb_bwd)
 
 
 def perturb(value: T, *, name: str, tag: str = DEFAULT_TAG) -> T:
-    """Identity on `value`; under differentiation, sows the cotangent reaching it.
+    """Identity on ``value``; under differentiation, sows the cotangent reaching it.
 
-    Reap a differentiated function (`reap(jax.grad(loss))`) to read the gradient
+    Reap a differentiated function (``reap(jax.grad(loss))``) to read the gradient
     with respect to this intermediate value. The gradient itself is unchanged.
-    Inside `scan`, one cotangent per iteration is sown, stacked and aligned with
+    Inside ``scan``, one cotangent per iteration is sown, stacked and aligned with
     the forward iterations.
+
+    Args:
+        value: the intermediate whose cotangent to record: an array or a pytree.
+        name: the name under which the cotangent is sown (in ``collect`` mode).
+        tag: the namespace of that sow.
+
+    Returns:
+        ``value``, unchanged (forward and backward).
+
+    Raises:
+        TypeError: if ``name`` or ``tag`` is not a non-empty string.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -2,7 +2,9 @@
 
 Panels share one colour scale and one colourbar, and the figure uses
 matplotlib's constrained layout sized from the longest tick label, so long
-site names never run into a neighbouring panel or the colourbar.
+site names never run into a neighbouring panel or the colourbar. A figure is
+at most ``MAX_WIDTH`` inches wide (850 px at 100 dpi): panels that do not fit
+side by side go on more rows.
 """
 
 from __future__ import annotations
@@ -12,9 +14,27 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from . import _errors
+
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
     from matplotlib.axes import Axes
+
+
+# Figures are at most 8.5 inches wide: 850 pixels at matplotlib's default 100 dpi
+# (notebooks, savefig), leaving room for a tight bounding box within the 900 px
+# the docs allow a figure.
+MAX_WIDTH = 8.5
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot``, imported lazily (plotting is optional), or an
+    ImportError naming the extra that installs it."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as cause:
+        raise _errors.needs_extra("harvest's plots", "matplotlib", "patching") from cause
+    return plt
 
 
 def heatmaps(
@@ -35,14 +55,18 @@ def heatmaps(
 ) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
     row; returns the list of axes (one per grid)."""
-    import matplotlib.pyplot as plt  # lazily: plotting is optional
+    plt = pyplot()
 
     rows, cols = grids[0].shape
     if ax is None:
-        across = min(len(grids), columns)
-        down = -(-len(grids) // across)
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
-        width = label_width + across * (0.8 + 0.3 * cols) + 1.2
+        panel = 0.8 + 0.3 * cols
+        # As many panels a row as fit in MAX_WIDTH; a panel wider than that alone
+        # gets narrower cells instead.
+        fit = int((MAX_WIDTH - label_width - 1.2) // panel)
+        across = max(1, min(len(grids), columns, fit))
+        down = -(-len(grids) // across)
+        width = min(MAX_WIDTH, label_width + across * panel + 1.2)
         _, grid_of_axes = plt.subplots(
             down,
             across,
@@ -87,10 +111,22 @@ def plot_attention(
 ) -> list[Axes]:
     """Draws an attention pattern, one panel per head (query × key), on one scale from 0.
 
-    `pattern` is `[heads, query, key]` -- e.g. a pattern site as `reap`
-    returns it: a `collect` 1-tuple or a leading batch axis of size 1 is
-    taken off. `tokens` labels both axes; `heads` picks which heads to draw.
-    Returns the list of axes.
+    Args:
+        pattern: the pattern, of shape ``[heads, query, key]``; a pattern site as
+            ``reap`` returns it is taken too (a ``collect`` 1-tuple, or a leading
+            batch axis of size 1, is taken off).
+        tokens: labels for the positions (both axes); None numbers them.
+        heads: which heads to draw, by index; None draws them all.
+        title: a title over the whole figure.
+        cmap: a matplotlib colour map name.
+
+    Returns:
+        The list of matplotlib axes, one per head drawn.
+
+    Raises:
+        ValueError: if ``pattern`` is not three-dimensional, or ``tokens`` does
+            not have one label per key position.
+        ImportError: if matplotlib is not installed (the ``patching`` extra).
 
     Example:
         >>> import matplotlib; matplotlib.use("Agg")

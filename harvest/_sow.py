@@ -49,13 +49,29 @@ def bind_sow(value: T, *extra: Any, name: str, tag: Hashable, mode: str) -> T:
 
 
 def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect") -> T:
-    """Tag `value` as `name` under `tag`, and return it unchanged.
+    """Tags ``value`` as ``name`` under ``tag`` and returns it unchanged.
 
-    Outside a harvest, `sow` is the identity (it lowers to nothing under `jit`).
-    Inside `reap`, `plant` or `harvest` of the same `tag`, the value is read out or
-    replaced. `mode` decides how several occurrences of one name accumulate:
-    `"collect"` (a tuple of every occurrence), `"strict"` (at most one),
-    `"append"` (stacked on a new leading axis) or `"clobber"` (the last wins).
+    Outside a harvest, ``sow`` is the identity (it lowers to nothing under ``jit``).
+    Inside ``reap``, ``plant`` or ``harvest`` of the same ``tag``, the value is read
+    out or replaced.
+
+    Args:
+        value: the value to tag: an array or any pytree of arrays.
+        name: the site's name, the key under which ``reap`` returns the value and
+            ``plant`` looks up a replacement (inside ``nest``, relative to its scope).
+        tag: the namespace; only a harvest of the same tag sees this site.
+        mode: how several occurrences of ``name`` accumulate: ``"collect"`` (a
+            tuple of every occurrence), ``"strict"`` (at most one), ``"append"``
+            (stacked on a new leading axis) or ``"clobber"`` (the last wins).
+
+    Returns:
+        ``value`` itself, or its planted replacement inside a ``plant`` of ``tag``.
+
+    Raises:
+        ValueError: if ``mode`` is not one of the four (a ``strict`` name sown
+            twice raises when harvested).
+        TypeError: if ``name`` or ``tag`` is not a non-empty string, or ``value``
+            holds a leaf that is not an array.
 
     Example:
         >>> import jax.numpy as jnp
@@ -75,11 +91,25 @@ def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect
 
 
 def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
-    """Sow `value` only where the scalar boolean `pred` is true.
+    """Sows ``value`` only where the scalar boolean ``pred`` is true.
 
-    The reaped value is the last occurrence whose `pred` held (zeros if none did),
-    which is how to keep one chosen iteration of a loop. A planted value replaces
-    `value` where `pred` holds and leaves it alone elsewhere.
+    The reaped value is the last occurrence whose ``pred`` held (zeros if none
+    did), which is how to keep one chosen iteration of a loop. A planted value
+    replaces ``value`` where ``pred`` holds and leaves it alone elsewhere.
+
+    Args:
+        value: the value to tag: an array or any pytree of arrays.
+        pred: a scalar boolean (a traced ``jnp.bool_`` is fine) saying whether this
+            occurrence counts.
+        name: the site's name, as for ``sow``.
+        tag: the namespace; only a harvest of the same tag sees this site.
+
+    Returns:
+        ``value``, or its planted replacement where ``pred`` holds.
+
+    Raises:
+        TypeError: if ``pred`` is not a scalar boolean, ``name`` or ``tag`` is
+            not a non-empty string, or ``value`` holds a leaf that is not an array.
 
     Example:
         >>> import jax, jax.numpy as jnp

@@ -1,9 +1,14 @@
 """`stream`: hand each sown value to a host callback as it fires.
 
 Built as a plant: every streamed site is planted with a tap, a callable that
-sends the value to the host with an ordered `jax.debug.callback`, re-emits the
-sow (so a harvest outside `stream` still sees it) and returns the value
-unchanged. The walk does the rest, inside `jit`, `scan`, `cond` and `while`.
+sends the value to the host with `jax.debug.callback`, re-emits the sow (so a
+harvest outside `stream` still sees it) and returns the value unchanged. The
+walk does the rest, inside `jit`, `scan`, `cond` and `while`.
+
+The callback is ordered only when JAX sees one device: JAX refuses ordered
+effects in programs over several devices (sharded `jit`, `shard_map`,
+several processes), so there the taps are unordered and every call still
+arrives.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ class _Tap:
 
     def __call__(self, old: Any) -> Any:
         # JAX drops the callback's result; its stub asks for None, ours allows any.
-        jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=True)  # type: ignore[arg-type]
+        # Ordered effects are refused over several devices: there, calls come unordered.
+        ordered = jax.device_count() == 1
+        jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=ordered)  # type: ignore[arg-type]
         leaves = jax.tree_util.tree_leaves(old)
         out = sow_p.bind(*leaves, **dict(self.sow_params))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), out)
@@ -54,14 +61,37 @@ def stream(
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
 ) -> Callable[P, R]:
-    """Returns `f`, calling `callback(name, value)` on the host as each sow of `tag` fires.
+    """Returns ``f``, calling ``callback(name, value)`` on the host as each sow of ``tag`` fires.
 
     Calls arrive in program order, one per occurrence (once per iteration inside
-    `scan` and `while_loop`), also under `jit` and `grad`; under `vmap`, once
-    per batch element. `allowlist`/`blocklist` select names as in `reap`. Outputs
-    are unchanged, and a harvest of `tag` outside `stream` still sees every sow.
-    `sow_cond` sites are not streamed (a plant does not see their predicate);
-    they pass through untouched.
+    ``scan`` and ``while_loop``), also under ``jit`` and ``grad``; under ``vmap``,
+    once per batch element. Outputs are unchanged, and a harvest of ``tag``
+    outside ``stream`` still sees every sow. ``sow_cond`` sites are not streamed
+    (a plant does not see their predicate); they pass through untouched.
+
+    Args:
+        f: the function to run, as for ``reap``.
+        callback: called as ``callback(name, value)`` on the host, with the dotted
+            name and the value as a NumPy array (or pytree of them); its return
+            value is ignored.
+        tag: which sows to stream; sows of other tags pass through untouched.
+        allowlist: if given, stream only these names (exact names, glob patterns
+            or predicates on names), as for ``reap``.
+        blocklist: names never to stream, in the same forms as ``allowlist``.
+
+    Returns:
+        A function with ``f``'s signature and outputs that streams as it runs.
+
+    Raises:
+        TypeError: if ``f`` or ``callback`` is not callable.
+
+    With more than one device (``jax.device_count() > 1``), calls are not
+    ordered: JAX runs ordered host callbacks on one device only. Each still
+    arrives: under a sharded `jit`, once per occurrence with the whole value
+    (gathered to one device); inside `shard_map`, once per shard with that
+    shard's value. To save sites over a dataset, on any number of devices or
+    processes, use `harvest.store.record` instead: it writes each device's
+    shard where it is, without a host callback or a gather.
 
     Example:
         >>> import jax, jax.numpy as jnp

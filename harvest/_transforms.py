@@ -363,10 +363,14 @@ def _check_callable(f, fn_name):
         raise _errors.not_callable(f, fn_name)
 
 
-def _policy(tag, allowlist, blocklist):
+def _policy(tag, allowlist, blocklist, max_steps=None):
     if not isinstance(tag, str) or not tag:
         raise _errors.bad_tag(tag)
-    return Policy(tag, NameFilter.make(allowlist, blocklist))
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+    ):
+        raise _errors.bad_max_steps(max_steps)
+    return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
 
 
 def _check_plants_arg(plants, fn_name):
@@ -449,29 +453,58 @@ def reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, Reaped]:
-    """Returns a function with `f`'s signature that returns `{name: value}` of `f`'s sows.
+    """Returns a function with ``f``'s signature that returns ``{name: value}`` of ``f``'s sows.
 
-    Only sows of `tag` are read; sows of other tags pass through untouched.
-    `allowlist`/`blocklist` take exact names, glob patterns (`"blocks.*"`) or
-    predicates on names; a string in `allowlist` that matches no site of `tag`
-    is an error listing the names there are (a predicate may match nothing).
-    How occurrences accumulate is decided by each site's mode (see `sow`):
-    under the default `"collect"`, each value is a tuple of occurrences, so
-    sow with `mode="strict"` to reap a site sown once as a plain array.
-    Nested `nest` scopes come back as nested dicts. Names come in program
-    order (by first occurrence), at every level; under an outer `jax.jit`,
+    How occurrences accumulate is decided by each site's mode (see ``sow``):
+    under the default ``"collect"``, each value is a tuple of occurrences, so
+    sow with ``mode="strict"`` to reap a site sown once as a plain array.
+    Nested ``nest`` scopes come back as nested dicts. Names come in program
+    order (by first occurrence), at every level; under an outer ``jax.jit``,
     JAX returns any dict with its keys sorted.
 
-    Arguments are taken as `equinox.filter_jit` takes them, here and in every
+    Inside a ``lax.while_loop``, whose trip count is known only when it runs,
+    ``instrument``'s sites give the last iteration's value, as ``clobber`` does;
+    ``max_steps=N`` records the first ``N`` iterations instead: each name sown
+    in the loop's body with a stacking mode (``collect``, ``append``,
+    ``instrument``'s) comes back as ``harvest.Steps(values, count)``, ``values``
+    shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
+    iterations that ran.
+
+    Arguments are taken as ``equinox.filter_jit`` takes them, here and in every
     other transformation: JAX and NumPy arrays are traced; every other leaf
     (Python numbers, bools, None, strings, callables, enums, configs) reaches
-    `f` as itself and is part of the compile-cache key, so a new value
+    ``f`` as itself and is part of the compile-cache key, so a new value
     re-traces (a loop over many distinct Python floats compiles once per float;
-    pass such a number as an array to trace it). Flax NNX modules, as `f`,
-    its `self` or arguments, are split and merged as `nnx.jit` does, so the
+    pass such a number as an array to trace it). Flax NNX modules, as ``f``,
+    its ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
     call leaves their state (batch statistics, RNG counters, intermediates)
     as a direct call would.
+
+    Args:
+        f: the function to run: any JAX-traceable callable (a function, a bound
+            method, an NNX or Equinox module, an ``instrument``-ed model).
+        tag: which sows to read; sows of other tags pass through untouched.
+        allowlist: if given, read only these names: exact names, glob patterns
+            (``"blocks.*"``) or predicates on names. A string that matches no site
+            of ``tag`` is an error listing the names there are (a predicate may
+            match nothing).
+        blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: if given (a positive int), record the first ``max_steps``
+            iterations of each ``while_loop`` as ``harvest.Steps``; ``None`` keeps
+            each while_loop's last iteration of ``instrument``'s sites.
+
+    Returns:
+        A function taking ``f``'s arguments and returning the dict of reaped
+        values (``f``'s own output is discarded; see ``call_and_reap``).
+
+    Raises:
+        ValueError: when the returned function is called: a name in
+            ``allowlist`` that no site has, a ``strict`` site sown twice, or a sow
+            where its mode cannot be honoured (e.g. ``append`` in a ``while_loop``
+            without ``max_steps``); at once, a ``max_steps`` that is not a positive int.
+        TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -491,7 +524,7 @@ def reap(
         ['step0', 'step1', 'step2']
     """
     return transform(
-        f, "reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="reaps"
+        f, "reap", _policy(tag, allowlist, blocklist, max_steps), takes_plants=False, gives="reaps"
     )
 
 
@@ -501,8 +534,25 @@ def call_and_reap(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[P, tuple[R, Reaped]]:
-    """Like `reap`, but the function returns `(f's output, {name: value})`.
+    """Like ``reap``, but the function returns ``(f's output, {name: value})``.
+
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows to read; sows of other tags pass through untouched.
+        allowlist: if given, read only these names (exact names, glob patterns or
+            predicates on names), as for ``reap``.
+        blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
+
+    Returns:
+        A function taking ``f``'s arguments and returning ``(output, reaped)``.
+
+    Raises:
+        ValueError: when the returned function is called, as for ``reap``.
+        TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
 
     Example:
         >>> from harvest import sow, call_and_reap
@@ -511,7 +561,11 @@ def call_and_reap(
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
     return transform(
-        f, "call_and_reap", _policy(tag, allowlist, blocklist), takes_plants=False, gives="both"
+        f,
+        "call_and_reap",
+        _policy(tag, allowlist, blocklist, max_steps),
+        takes_plants=False,
+        gives="both",
     )
 
 
@@ -522,17 +576,34 @@ def plant(
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
 ) -> Callable[Concatenate[Plants, P], R]:
-    """Returns `g(plants, *args, **kwargs)`: `f` with the planted sows replaced.
+    """Returns ``g(plants, *args, **kwargs)``: ``f`` with the planted sows replaced.
 
-    `plants` maps names to replacement values, shaped as `reap` returns them
-    (a tuple per `collect` name, a stacked array per `append` name), or to a
-    single value used at every occurrence, or to a callable `old -> new` (an
+    ``plants`` maps names to replacement values, shaped as ``reap`` returns them
+    (a tuple per ``collect`` name, a stacked array per ``append`` name), or to a
+    single value used at every occurrence, or to a callable ``old -> new`` (an
     intervention: ablate, add a vector, patch a slice). A callable that
-    requires a second positional argument is called as `fn(old, index)`, with
-    the occurrence's row in what `reap` returns for the name (traced inside a
-    `scan`). Names under `nest` scopes are given as nested dicts or as dotted
-    paths (`{"block.h": v}` is `{"block": {"h": v}}`). Planting a name no site
-    of `tag` has is an error that lists the names there are.
+    requires a second positional argument is called as ``fn(old, index)``, with
+    the occurrence's row in what ``reap`` returns for the name (traced inside a
+    ``scan``). Names under ``nest`` scopes are given as nested dicts or as dotted
+    paths (``{"block.h": v}`` is ``{"block": {"h": v}}``).
+
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows may be replaced; sows of other tags pass through untouched.
+        allowlist: if given, only these names may be planted (exact names, glob
+            patterns or predicates on names).
+        blocklist: names never to plant, in the same forms as ``allowlist``.
+
+    Returns:
+        A function taking ``plants`` first, then ``f``'s arguments, and returning
+        ``f``'s output with the plants in place.
+
+    Raises:
+        ValueError: when the returned function is called: planting a name no
+            site of ``tag`` has (the message lists the names there are), or a
+            replacement whose shape does not match the site.
+        TypeError: if ``f`` is not callable, ``tag`` is not a non-empty string,
+            or ``plants`` is not a dict.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -559,10 +630,29 @@ def harvest(
     tag: str = DEFAULT_TAG,
     allowlist: NameSelect = None,
     blocklist: NameSelect = None,
+    max_steps: int | None = None,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
-    """Returns `g(plants, *args, **kwargs) -> (out, reaps)`: plant and reap in one walk.
+    """Returns ``g(plants, *args, **kwargs) -> (out, reaps)``: plant and reap in one walk.
 
-    `reaps` holds the names of `tag` that were not planted.
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows to plant and read; sows of other tags pass through.
+        allowlist: if given, only these names are planted or read (exact names,
+            glob patterns or predicates on names).
+        blocklist: names never planted or read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
+
+    Returns:
+        A function taking ``plants`` first (as for ``plant``), then ``f``'s
+        arguments, and returning ``(output, reaps)``, where ``reaps`` holds the
+        names of ``tag`` that were not planted.
+
+    Raises:
+        ValueError: when the returned function is called, as for ``reap`` and
+            ``plant``.
+        TypeError: if ``f`` is not callable, ``tag`` is not a non-empty string,
+            or ``plants`` is not a dict.
 
     Example:
         >>> from harvest import sow, harvest
@@ -575,15 +665,26 @@ def harvest(
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
     return transform(
-        f, "harvest", _policy(tag, allowlist, blocklist), takes_plants=True, gives="both"
+        f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
     )
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
-    """Puts every name sown inside `f` (of any tag) under `scope`.
+    """Puts every name sown inside ``f`` (of any tag) under ``scope``.
 
-    Reaped values come back as `{scope: {name: value}}`, and plants are given
-    the same way. Nesting `nest` nests the dicts.
+    Reaped values come back as ``{scope: {name: value}}``, and plants are given
+    the same way. Nesting ``nest`` nests the dicts.
+
+    Args:
+        f: the function whose sows to scope.
+        scope: the key the names go under (a non-empty string).
+
+    Returns:
+        A function with ``f``'s signature and output, whose sites are named
+        ``scope.name``.
+
+    Raises:
+        TypeError: if ``f`` is not callable, or ``scope`` is not a non-empty string.
 
     Example:
         >>> from harvest import sow, reap, nest

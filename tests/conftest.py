@@ -5,6 +5,11 @@ database, so a test's verdict depends only on the code, never on what an
 earlier run happened to find. `HYPOTHESIS_PROFILE=explore` draws fresh random
 examples (and remembers failures in .hypothesis/, which git ignores) for
 hunting bugs locally.
+
+`make test-fast` sets two caps: `HARVEST_MAX_EXAMPLES=N` runs every property
+test with at most N examples (including those that set their own count), and
+`HARVEST_MAX_CASES=N` keeps at most N cases of each parametrized test (the
+first, the last and evenly spaced ones between), so every test still runs.
 """
 
 import os
@@ -17,6 +22,37 @@ from hypothesis import settings
 settings.register_profile("deterministic", database=None, derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+def pytest_collection_modifyitems(config, items):
+    cases = os.environ.get("HARVEST_MAX_CASES")
+    if cases:
+        kept = _fewer_cases(items, int(cases))
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+    cap = os.environ.get("HARVEST_MAX_EXAMPLES")
+    if not cap:
+        return
+    for item in items:
+        test = getattr(item, "obj", None)
+        # A test's own @settings win over any profile, so the cap rewrites them: Hypothesis
+        # keeps them on the test function under this (long-stable) attribute.
+        own = getattr(test, "_hypothesis_internal_use_settings", None)
+        if own is not None and own.max_examples > int(cap):
+            test._hypothesis_internal_use_settings = settings(own, max_examples=int(cap))
+
+
+def _fewer_cases(items, most):
+    """At most `most` cases of each parametrized test function, spread over its cases."""
+    by_function = {}
+    for item in items:
+        function = (item.path, getattr(item, "originalname", item.name))
+        by_function.setdefault(function, []).append(item)
+    keep = set()
+    for cases in by_function.values():
+        step = max(1, len(cases) - 1) / max(1, most - 1)
+        keep.update(id(cases[round(i * step)]) for i in range(min(most, len(cases))))
+    return [item for item in items if id(item) in keep]
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):

@@ -6,6 +6,8 @@ import pytest
 
 from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx
 
+pytestmark = pytest.mark.benchmark  # deselected by `make test-fast`
+
 
 def test_quick_run_writes_the_page(tmp_path):
     page = tmp_path / "benchmarks.md"
@@ -17,6 +19,7 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Interpreter cost",
         "## Activation patching",
         "## Probing an unmodified model",
+        "## Steering inside a sampler",
     ):
         assert heading in text
     assert "JAX" in text and "cores" in text

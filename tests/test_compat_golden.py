@@ -10,6 +10,10 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.golden  # deselected by `make test-fast`
+
 ROOT = pathlib.Path(__file__).parent.parent
 
 

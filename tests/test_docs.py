@@ -1,21 +1,40 @@
-"""The documentation: every Python block in the pages runs, and the site builds with -W."""
+"""The documentation: every Python block in the pages runs and prints what the page shows,
+and the site builds with -W.
+
+A block's printed output is checked two ways: a ```text block right after a
+```python block is what the whole block prints, and a `# -> ...` comment ends a
+statement with what that statement prints (or, for a bare expression, its repr).
+Numbers are compared with a tolerance (rtol 1e-3), `...` matches anything, and
+runs of whitespace are one space. The pages show what JAX 0.10.2 prints (jaxprs
+print differently on other releases), so the comparison runs on that release.
+"""
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import importlib.util
+import io
+import math
 import os
 import pathlib
 import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# The JAX release whose printing the pages show.
+PAGES_JAX = "0.10.2"
 
 # Pages whose ```python blocks are executed, top to bottom, in one namespace per
 # page. A block whose first line is `# not-run` (multi-device snippets, run by
 # tests/multidevice instead) is skipped.
 PAGES = [
+    "../README.md",
     "index.md",
     "quickstart.md",
     "how_it_works.md",
@@ -26,27 +45,113 @@ PAGES = [
     "guides/many_devices.md",
     "guides/unmodified_models.md",
     "guides/probabilistic_intervention.md",
+    "guides/activation_store.md",
 ]
+# Pages that need an optional extra, skipped (with the reason) where it is not installed.
+EXTRAS = {"guides/activation_store.md": ("store", ["tensorstore", "optax"])}
 
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# A block whose first line is `# needs: <module>` runs only where that optional
+# dependency is installed (the inference extra is not in the JAX matrix venvs).
+NEEDS = re.compile(r"^# needs: ([\w.]+)\n")
+# A python block, then (after blank lines only) the text block showing its output.
+BLOCK_AND_OUTPUT = re.compile(r"^```python\n(.*?)^```\n(?:\n*```text\n(.*?)^```)?", re.S | re.M)
+ARROW = re.compile(r"#\s*->\s?(.*)$")
+NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
 
 def python_blocks(page):
-    return [b for b in BLOCK.findall((DOCS / page).read_text()) if not b.startswith("# not-run")]
+    """[(code, expected output or None)] for the page's runnable blocks."""
+    found = BLOCK_AND_OUTPUT.findall((DOCS / page).read_text())
+    return [(code, shown or None) for code, shown in found if not code.startswith("# not-run")]
+
+
+def same_output(printed, shown):
+    """Whether `printed` matches `shown`: numbers within rtol 1e-3 (atol 1e-6), `...`
+    anything, whitespace runs equal."""
+    pattern, numbers = [], []
+    for piece in re.split(r"(\.\.\.)", " ".join(shown.split())):
+        if piece == "...":
+            pattern.append(".*?")
+            continue
+        at = 0
+        for match in NUMBER.finditer(piece):
+            pattern.append(re.escape(piece[at : match.start()]))
+            pattern.append(f"({NUMBER.pattern})")
+            numbers.append(float(match.group()))
+            at = match.end()
+        pattern.append(re.escape(piece[at:]))
+    match = re.fullmatch("".join(pattern), " ".join(printed.split()), re.S)
+    if match is None:
+        return False
+    return all(
+        math.isclose(float(got), want, rel_tol=1e-3, abs_tol=1e-6)
+        for got, want in zip(match.groups(), numbers)
+    )
+
+
+def run_block(code, namespace, label):
+    """Runs `code` statement by statement; returns its stdout and the `# ->` checks that
+    failed, as (line, shown, printed)."""
+    lines = code.splitlines()
+    tree = ast.parse(code)
+    out, failures = io.StringIO(), []
+    for statement in tree.body:
+        arrow = ARROW.search(lines[statement.end_lineno - 1])
+        piece = io.StringIO()
+        # dont_inherit: the block runs as a reader's script would, without this file's
+        # `from __future__ import annotations` (which turns dataclass fields into strings).
+        is_expr = isinstance(statement, ast.Expr) and not (
+            isinstance(statement.value, ast.Call)
+            and getattr(statement.value.func, "id", None) == "print"
+        )
+        with contextlib.redirect_stdout(piece):
+            if is_expr:
+                expr = ast.Expression(statement.value)
+                value = eval(compile(expr, label, "eval", dont_inherit=True), namespace)
+                if value is not None and arrow:
+                    print(repr(value))
+            else:
+                module = ast.Module([statement], type_ignores=[])
+                exec(compile(module, label, "exec", dont_inherit=True), namespace)
+        out.write(piece.getvalue())
+        if arrow and not same_output(piece.getvalue(), arrow.group(1)):
+            failures.append((statement.end_lineno, arrow.group(1), piece.getvalue()))
+    return out.getvalue(), failures
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_python_blocks_run(page, capsys):
+def test_python_blocks_run_and_print_what_the_page_shows(page, capsys):
+    extra, modules = EXTRAS.get(page, ("", []))
+    for module in modules:
+        pytest.importorskip(module, reason=f"{page} needs the {extra} extra")
     blocks = python_blocks(page)
     assert blocks, f"{page} has no runnable python blocks"
     namespace = {"__name__": f"docs_{page}"}
-    for i, block in enumerate(blocks):
+    stale = []
+    for i, (code, shown) in enumerate(blocks):
+        needs = NEEDS.match(code)
+        if needs and importlib.util.find_spec(needs.group(1)) is None:
+            continue
         try:
-            # dont_inherit: the block runs as a reader's script would, without this file's
-            # `from __future__ import annotations` (which turns dataclass fields into strings).
-            exec(compile(block, f"{page}[block {i}]", "exec", dont_inherit=True), namespace)
+            printed, failures = run_block(code, namespace, f"{page}[block {i}]")
         except Exception as err:  # name the block, which pytest's traceback hides
-            raise AssertionError(f"{page}, python block {i} failed:\n{block}") from err
+            raise AssertionError(f"{page}, python block {i} failed:\n{code}") from err
+        for line, want, got in failures:
+            stale.append(f"block {i}, line {line}: the page shows {want!r}, it prints {got!r}")
+        if shown is not None and not same_output(printed, shown):
+            stale.append(f"block {i}: the page shows\n{shown}\nit prints\n{printed}")
+    if stale and jax.__version__ != PAGES_JAX:
+        pytest.skip(f"the pages show JAX {PAGES_JAX}'s printing; this is {jax.__version__}")
+    assert not stale, f"{page} shows stale output:\n" + "\n".join(stale)
+
+
+def test_output_comparison_tolerates_float_noise_and_nothing_else():
+    assert same_output("[0.7615942 0.7615942]", "[0.76159 0.76159]")
+    assert same_output("{'h': Array(1.5, dtype=float32)}", "{'h': ...}")
+    assert not same_output("[0.5 0.7]", "[0.5 0.8]")
+    assert not same_output("(3, 2)", "(3, 4)")
+    assert not same_output("a b", "a")
 
 
 @pytest.mark.multidevice
@@ -99,5 +204,35 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
         },  # tests/test_notebooks_*.py execute them
     )
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert (tmp_path / "html" / "index.html").exists()
-    assert (tmp_path / "html" / "api.html").exists()
+    html = tmp_path / "html"
+    assert (html / "index.html").exists()
+    assert (html / "api.html").exists()
+    # The test marker is the suite's, not the reader's: the build strips it.
+    assert "# not-run" in (DOCS / "guides" / "many_devices.md").read_text()
+    assert "not-run" not in (html / "guides" / "many_devices.html").read_text()
+    # The reading-intermediates page shows the graph its code draws, inline.
+    page = (html / "guides" / "reading_intermediates.html").read_text()
+    assert 'class="harvest-view"' in page and "scan[12]" in page
+    # Parameters are described, and single backticks render as code, not <cite>.
+    api = (html / "api.html").read_text()
+    assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
+
+
+# Code on these pages fits the content column unwrapped (the docs' CSS wraps longer
+# lines elsewhere rather than clipping them; `make docs-check` checks that in a browser).
+NARROW = [
+    "../README.md",
+    "index.md",
+    "quickstart.md",
+    "semantics.md",
+    "guides/gradients.md",
+    "guides/reading_intermediates.md",
+]
+
+
+@pytest.mark.parametrize("page", NARROW)
+def test_code_lines_fit_in_88_columns(page):
+    text = (DOCS / page).read_text()
+    blocks = re.findall(r"^```(?:python|text|sh)\n(.*?)^```", text, re.S | re.M)
+    long = [line for block in blocks for line in block.splitlines() if len(line) > 88]
+    assert not long, long

@@ -98,3 +98,14 @@ def test_register_teaches_reap_plant_and_sites_a_new_primitive():
     assert [(s.fires, s.where) for s in sites(f, 1.0)] == [(2, "twice")]
     with pytest.raises(TypeError, match="HigherOrder"):
         extend.register(twice_p, bodies, walk_twice)
+
+
+def test_custom_vmap_under_vmap_in_a_batched_branch_is_a_clear_error():
+    # Its sows, shown where the batching rule ran, cannot leave a branch vmap
+    # runs per example: reaping or planting them says so instead of a wrong number.
+    f = _with_rule(rule_sows=False)
+    g = jax.vmap(lambda x: jax.lax.cond(x > 0, f, jnp.cos, x))
+    with pytest.raises(NotImplementedError, match="name='h'.*custom_vmap"):
+        reap(g)(X)
+    with pytest.raises(ValueError, match="batching rule instead of its body"):
+        plant(g)({"h": jnp.ones(3)}, X)

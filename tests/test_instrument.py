@@ -699,7 +699,7 @@ def test_other_threads_see_the_plain_model(transformer):
 
 
 def test_bad_targets_and_outputs():
-    with pytest.raises(TypeError, match="NNX module, an Equinox module or a callable, got a int"):
+    with pytest.raises(TypeError, match="Equinox module, a Penzai layer or a callable, got a int"):
         instrument(3)
 
     class Labels(nnx.Module):
@@ -894,7 +894,9 @@ def test_ops_inside_jit_checkpoint_and_while():
     for _ in range(2):
         c = c * 0.5 + y
     np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
-    assert sites(g, X0, n, tag="modules")[5].mode == "clobber"
+    assert (
+        sites(g, X0, n, tag="modules")[5].mode == "auto"
+    )  # a while body: reaped last, or per step (max_steps)
     np.testing.assert_allclose(
         jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL
     )

@@ -9,10 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 HERE = pathlib.Path(__file__).parent
 
 
-def test_many_device_checks_pass_in_their_own_process():
+def run_checks(name):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     result = subprocess.run(
         [
@@ -22,7 +24,7 @@ def test_many_device_checks_pass_in_their_own_process():
             "-q",
             "-p",
             "no:cacheprovider",
-            str(HERE / "multidevice" / "sharding_checks.py"),
+            str(HERE / "multidevice" / name),
         ],
         env=env,
         capture_output=True,
@@ -31,3 +33,13 @@ def test_many_device_checks_pass_in_their_own_process():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+    return result.stdout
+
+
+def test_many_device_checks_pass_in_their_own_process():
+    run_checks("sharding_checks.py")
+
+
+def test_store_and_stream_checks_pass_in_their_own_process():
+    pytest.importorskip("tensorstore", reason="harvest.store needs the store extra (tensorstore)")
+    assert "skipped" not in run_checks("store_checks.py")

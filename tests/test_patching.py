@@ -459,6 +459,7 @@ def test_docstring_examples_run(module):
     assert result.attempted > 0 and result.failed == 0
 
 
+@pytest.mark.benchmark  # deselected by `make test-fast`
 def test_benchmark_runs_at_tiny_size():
     import sys
     from pathlib import Path

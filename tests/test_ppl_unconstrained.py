@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tensorflow_probability.substrates.jax as tfp  # after harvest.ppl: needs its shim
 
 import harvest.ppl as ppl
+from harvest.ppl._tfp_shim import import_tfp
+
+tfp = import_tfp()  # a statement, so the import sorter keeps it after harvest's shim
 
 tfd = tfp.distributions
 pytestmark = [
@@ -41,8 +43,9 @@ def test_density_is_the_model_s_through_each_default_bijector():
     expected = ppl.joint_log_prob(eight_schools)(values) + to_tau.forward_log_det_jacobian(u["tau"])
     np.testing.assert_allclose(posterior.log_density(u), expected, rtol=1e-5)
     back = posterior.constrain(u)
-    assert sorted(back) == ["mu", "tau", "theta_tilde"]
+    assert sorted(back) == ["mu", "tau", "theta", "theta_tilde"]  # deterministic sites too
     np.testing.assert_allclose(back["tau"], tau, rtol=1e-6)
+    np.testing.assert_allclose(back["theta"], u["mu"] + tau * u["theta_tilde"], rtol=1e-5)
     start = posterior.init(jax.random.key(0))
     assert jax.tree_util.tree_map(jnp.shape, start) == {"mu": (), "tau": (), "theta_tilde": (8,)}
     # The model's own transformations are not affected by the unconstrained traces.
@@ -89,9 +92,53 @@ def test_discrete_variables_must_be_observed():
     def coin(key):
         return ppl.random_variable(tfd.Bernoulli(probs=0.3), name="flip")(key)
 
-    with pytest.raises(ValueError, match="no continuous support"):
+    with pytest.raises(ValueError, match="flip are discrete"):
         ppl.unconstrained(coin).log_density({"flip": jnp.array(0.0)})
     observed = ppl.unconstrained(coin, observed={"flip": jnp.array(1, jnp.int32)})
     np.testing.assert_allclose(
         observed.log_density({}), tfd.Bernoulli(probs=0.3).log_prob(1), rtol=1e-6
+    )
+
+
+@jax.jit
+def _draw_scale(key):
+    return ppl.random_variable(tfd.HalfNormal(1.0), name="scale")(key)
+
+
+def _scale_model(key):
+    k1, k2 = jax.random.split(key)
+    return ppl.random_variable(tfd.Normal(0.0, _draw_scale(k1)), name="y")(k2)
+
+
+def test_a_jitted_helper_traced_by_unconstrained_does_not_leak_into_joint_log_prob():
+    # The switch is part of jit's cache key: the helper is traced once with it, once without.
+    u = {"scale": jnp.log(jnp.expm1(0.8))}
+    to_scale = tfd.HalfNormal(1.0).experimental_default_event_space_bijector()
+    prior = tfd.HalfNormal(1.0).log_prob(0.8) + tfd.Normal(0.0, 0.8).log_prob(0.3)
+    first = ppl.unconstrained(_scale_model, observed={"y": 0.3}).log_density(u)
+    np.testing.assert_allclose(
+        first, prior + to_scale.forward_log_det_jacobian(u["scale"]), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        ppl.joint_log_prob(_scale_model)({"scale": 0.8, "y": 0.3}), prior, rtol=1e-6
+    )
+
+
+def test_joint_log_prob_first_then_unconstrained_through_a_jitted_helper():
+    # A helper of its own, so this test sees the other order whatever ran before.
+    draw = jax.jit(lambda k: ppl.random_variable(tfd.HalfNormal(1.0), name="scale")(k))
+
+    def model(key):
+        k1, k2 = jax.random.split(key)
+        return ppl.random_variable(tfd.Normal(0.0, draw(k1)), name="y")(k2)
+
+    values = {"scale": 0.8, "y": 0.3}
+    prior = tfd.HalfNormal(1.0).log_prob(0.8) + tfd.Normal(0.0, 0.8).log_prob(0.3)
+    np.testing.assert_allclose(ppl.joint_log_prob(model)(values), prior, rtol=1e-6)
+    u = {"scale": jnp.log(jnp.expm1(0.8))}
+    to_scale = tfd.HalfNormal(1.0).experimental_default_event_space_bijector()
+    np.testing.assert_allclose(
+        ppl.unconstrained(model, observed={"y": 0.3}).log_density(u),
+        prior + to_scale.forward_log_det_jacobian(u["scale"]),
+        rtol=1e-5,
     )

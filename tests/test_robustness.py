@@ -77,6 +77,7 @@ def _resident_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow  # a long loop of compilations; deselected by `make test-fast`
 def test_a_loop_of_fresh_closures_does_not_grow_memory():
     for _ in range(20):  # warm up JAX's own one-off allocations
         reap(fresh())(X)

@@ -87,6 +87,11 @@ def rewrite(
     the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
 
     def step(eqn: Any, invals: list[Any]) -> Any:
+        if eqn.primitive is sow_p and eqn.params.get("role") == "unplantable":
+            # A custom_vmap body's sow, shown where its batching rule ran (see
+            # `_rules/custom_vmap`): it cannot leave the branch as a slot.
+            stuck.add(Site.of(eqn))
+            return sow_p.bind(*invals, **eqn.params)
         if eqn.primitive is sow_p:
             return _rewrite_sow(eqn, invals, found)
         subs = _jax.sub_jaxprs(eqn)

@@ -22,6 +22,7 @@ from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register
 from .._occurrences import Record
 from .._site import Site
+from .._steps import Steps
 from .batched_cond import Occurrence, united, unpack
 
 
@@ -33,6 +34,8 @@ def _union(shapes, site):
     """The record structure every branch returns for one name, as shapes."""
     mode = site.mode
     present = [s for s in shapes if s is not None]
+    if any(isinstance(s, Steps) for s in present):  # a while_loop's, recorded per step
+        raise _errors.steps_nested(site)
     if mode.entries:
         longest = max(present, key=len)
         for s in present:

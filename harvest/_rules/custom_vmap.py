@@ -65,7 +65,9 @@ def _custom_vmap(walk: extend.Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     return r.finish(walk, list(wrapped(*r.args)))
 
 
-extend.register(_jax.custom_vmap_p, extend.HigherOrder(_function, call=True), _custom_vmap)
+extend.register(
+    _jax.custom_vmap_p, extend.HigherOrder(_function, call=True, custom_rule="vmap"), _custom_vmap
+)
 
 
 # Under vmap, JAX runs the user's rule in place of the body: a harvest tracing

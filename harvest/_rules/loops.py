@@ -3,7 +3,10 @@
 In a scan, `collect` and `append` occurrences become extra per-iteration
 outputs, stacked on a leading axis index-aligned with the forward iterations;
 `clobber` and `sow_cond` values ride in the carry, so the last one to fire
-wins. A while loop has no fixed length, so only the carried modes work there.
+wins. A while loop has no fixed length, so everything it records rides in its
+carry: the carried modes as in a scan, `instrument`'s sites as the last
+iteration's record, and, under `max_steps`, every stacking mode as a buffer of
+that many iterations plus the count of iterations run (`Steps`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .._interpreter import interpret, register
 from .._modes import MODES
 from .._occurrences import Record, stacked_record
 from .._site import Site
+from .._steps import Steps
 from .batched_cond import Occurrence, rewrite
 
 
@@ -88,14 +92,8 @@ def _while(walk, eqn, invals):
     cond, body = p.cond, p.body
     sites = walk.handled_sites([body.jaxpr])
     _no_strict(sites, "while_loop")
-    for site in sites.values():
-        if site.mode.stacks_in_loops:
-            raise _errors.stacked_in_while(site)
     for site in walk.handled_sites([cond.jaxpr]).values():
         raise _errors.sow_in_while_cond(site)
-    for path in sites:
-        if path in walk.plants and walk.plants[path].takes_index():
-            raise _errors.indexed_plant_in_while(sites[path])
     ncc, nbc = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     # vmap of a loop whose predicate differs per example: JAX stages a while
@@ -105,25 +103,88 @@ def _while(walk, eqn, invals):
     # staged, so an outer harvest of what this walk re-emits sees the same.
     batch = cond.out_avals[0].shape
     carried = walk.carried(sites, "while_loop", batch)
+    steps = walk.policy.max_steps
+    # Stacking modes ride in the carry too: the last iteration's record
+    # (instrument's sites, by default) or a buffer of `steps` iterations.
+    stacked = {
+        path: site
+        for path, site in sites.items()
+        if walk.reap and site.mode.stacks_in_loops and path not in walk.plants
+    }
+    for site in stacked.values():
+        if steps is None and not site.mode.unstacked_once:
+            raise _errors.stacked_in_while(site)
+        if batch and steps is not None:
+            raise _errors.stacked_in_batched_while(site)
+    plants = {path: pl for path, pl in walk.shifted_plants().items() if path in sites}
+    for path, pl in plants.items():
+        if pl.per_occurrence():
+            raise _errors.per_occurrence_plant_in_while(sites[path])
+
+    def run_body(c, rec, t):
+        # Iteration `t` sees a callable plant's index counted as a scan's rows are.
+        body_plants = {
+            path: pl.per_iteration(t, body.jaxpr, sites[path]) for path, pl in plants.items()
+        }
+        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
+        outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
+        new = {path: child.records[path].values[0] for path in carried}
+        if batch:  # per example, whether or not vmap batched the value
+            new = {path: carried[path][0].fit(v, "while_loop", batch) for path, v in new.items()}
+        got = {path: child.records[path] for path in stacked if path in child.records}
+        if steps is not None:
+            return outs, new, {path: r.chunk() for path, r in got.items()}
+        if batch:  # each example's last iteration: one value per iteration, as clobber keeps
+            return outs, new, {path: [_last_per_example(r, batch)] for path, r in got.items()}
+        return outs, new, {path: r.values for path, r in got.items()}
 
     def cond_fn(carry):
         (out,) = interpret(walk.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
         return out
 
     def body_fn(carry):
-        c, rec = carry
-        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()})
-        outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
-        new = {path: child.records[path].values[0] for path in carried}
-        if batch:  # per example, whether or not vmap batched the value
-            new = {path: carried[path][0].fit(v, "while_loop", batch) for path, v in new.items()}
-        return outs, new
+        c, rec, kept, t = carry
+        outs, new, now = run_body(c, rec, t)
+        if steps is not None:
+            now = jax.tree_util.tree_map(functools.partial(_write_row, t), kept, now)
+        return outs, new, now, t + 1
 
     rec0 = {path: value for path, (_, value) in carried.items()}
+    t0 = jnp.zeros(batch, jnp.int32)
+    kept0 = {}
+    if stacked:  # one abstract walk of the body gives the shapes its records take
+        shapes = jax.eval_shape(lambda: run_body(list(init), rec0, t0)[2])
+        lead = () if steps is None else (steps,)
+        kept0 = jax.tree_util.tree_map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
     loop = _while_per_example if batch else lax.while_loop
-    c, rec = loop(cond_fn, body_fn, (list(init), rec0))
-    walk.absorb({path: Record(carried[path][0], [v]) for path, v in rec.items()}, {})
+    c, rec, kept, count = loop(cond_fn, body_fn, (list(init), rec0, kept0, t0))
+    records = {path: Record(carried[path][0], [v]) for path, v in rec.items()}
+    for path, v in kept.items():
+        if steps is None:
+            records[path] = Record(sites[path], list(v))
+        else:
+            records[path] = Record(
+                sites[path], [Steps(stacked_record(sites[path], v).result(), count)]
+            )
+    walk.absorb(records, {})
     return c
+
+
+def _write_row(t, buffer, row):
+    """`buffer` with row `t` set to `row`; past the last row, unchanged. An update
+    in place of one row (a scatter that may drop would copy the buffer)."""
+    last = buffer.shape[0] - 1
+    at = jnp.minimum(t, last)
+    row = jnp.where(t <= last, row, lax.dynamic_index_in_dim(buffer, at, keepdims=False))
+    return lax.dynamic_update_index_in_dim(buffer, row, at, 0)
+
+
+def _last_per_example(record, batch):
+    """An iteration's one occurrence of `record`'s name, with `batch` axes in front."""
+    site = record.site
+    if len(record.values) != 1 or not site.one_occurrence(record.values[0]):
+        raise _errors.stacked_in_batched_while(site)
+    return site.fit(record.values[0], "while_loop", batch)
 
 
 def _while_per_example(cond_fn, body_fn, init):

@@ -5,9 +5,13 @@ A program is a function `f(key, *args)` whose draws are named with
 inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
 `graph_replace` transform it; `deterministic` records a computed value and
 `factor` adds a log weight; `unconstrained` gives the density over R^n that
-HMC/NUTS need; `make_effect_handler` builds custom interpreters; `plate`
-draws independent copies of a block and `nest` scopes its names. Importing this module first makes TFP 0.25's JAX
-substrate importable on current JAX (see `_tfp_shim.py`).
+HMC/NUTS need, `sample_posterior` samples it with BlackJAX (a `Posterior`),
+`predictive` draws prior and posterior predictives, `counterfactual` answers
+twin-world queries with shared noise, and `random_variable(...,
+enumerate=True)` sums a discrete draw out. `make_effect_handler` builds custom
+interpreters; `plate` draws independent copies of a block and `nest` scopes
+its names. Importing this module first makes TFP 0.25's JAX substrate
+importable on current JAX (see `_tfp_shim.py`).
 """
 
 from ._tfp_shim import import_tfp as _import_tfp
@@ -15,18 +19,27 @@ from ._tfp_shim import import_tfp as _import_tfp
 _import_tfp()  # fail here, with the versions that work, rather than at first use
 
 from .._transforms import nest as nest  # noqa: E402
+from ._block import block as block  # noqa: E402
+from ._counterfactual import (  # noqa: E402
+    Counterfactual as Counterfactual,
+    counterfactual as counterfactual,
+)
 from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
+from ._posterior import Posterior as Posterior, sample_posterior as sample_posterior  # noqa: E402
+from ._predictive import predictive as predictive  # noqa: E402
 from ._random_variable import (  # noqa: E402
-    DETERMINISTIC as DETERMINISTIC,
-    LOG_DENSITY as LOG_DENSITY,
-    RANDOM_VARIABLE as RANDOM_VARIABLE,
     deterministic as deterministic,
     factor as factor,
     random_variable as random_variable,
 )
+from ._tags import (  # noqa: E402
+    DETERMINISTIC as DETERMINISTIC,
+    LOG_DENSITY as LOG_DENSITY,
+    RANDOM_VARIABLE as RANDOM_VARIABLE,
+    UNCONSTRAINED as UNCONSTRAINED,
+)
 from ._transforms import (  # noqa: E402
-    block as block,
     conditional as conditional,
     graph_replace as graph_replace,
     intervene as intervene,
@@ -37,7 +50,6 @@ from ._transforms import (  # noqa: E402
     trace_log_prob as trace_log_prob,
 )
 from ._unconstrained import (  # noqa: E402
-    UNCONSTRAINED as UNCONSTRAINED,
     Unconstrained as Unconstrained,
     unconstrained as unconstrained,
 )

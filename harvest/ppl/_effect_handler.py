@@ -61,7 +61,7 @@ def _eval(
         if how.inlinable:  # jit, checkpoint and plain calls: walked in place
             (body,) = how.bodies(eqn)
             outs, threaded[0] = _eval(body.jaxpr, body.consts, threaded[0], invals, handlers)
-        elif how.custom_rule is not None:
+        elif how.custom_rule in ("jvp", "vjp"):
             outs, threaded[0] = _keeping_the_rule(eqn, how, invals, threaded[0], handlers)
         elif how.restage is not None:
             outs, threaded[0] = _carried_through(eqn, how, invals, threaded[0], handlers)

@@ -36,7 +36,7 @@ from ._inverse import (
     propagate,
     trace_program,
 )
-from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE
+from ._tags import LOG_DENSITY, RANDOM_VARIABLE
 
 # Equations under a `jax.named_scope` of this form belong to a plate over the
 # named axis `name` (harvest.compat.oryx's plate): their densities are summed

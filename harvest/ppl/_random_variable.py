@@ -19,33 +19,27 @@ from typing import Any, Concatenate, Literal, overload
 import jax
 import jax.numpy as jnp
 
+from .. import _errors
 from .._modes import APPEND, STRICT
 from .._sow import sow
-from .._typing import P, R, T
-
-RANDOM_VARIABLE = "random_variable"
-LOG_DENSITY = "random_variable_log_density"
-DETERMINISTIC = "deterministic"
+from .._typing import P, R, SowMode, T
+from ._enumerate import ENUMERABLE, sow_support
+from ._mechanisms import mechanism
+from ._tags import (
+    ABDUCED,
+    DETERMINISTIC,
+    JACOBIAN,
+    NOISE,
+    RANDOM_VARIABLE,
+    UNCONSTRAINED,
+    is_noise_explicit,
+    is_unconstraining,
+    sow_density,
+)
 
 # "strict": one draw per name (the default, as in oryx). "append": one draw per
 # loop iteration, stacked on a leading axis, for random variables in a scan.
 RV_MODES = (STRICT.name, APPEND.name)
-
-
-def sow_density(log_density: Any, value: Any, name: str) -> None:
-    """Files a log density (and the value it scores) for joint_log_prob and log_prob."""
-    sow((log_density, value), tag=LOG_DENSITY, name=name, mode="collect")
-
-
-def densities_of(reaped: dict[str, Any]) -> list[jax.Array]:
-    """The log densities in what a reap of `LOG_DENSITY` returned, flattened."""
-    out: list[jax.Array] = []
-    for value in reaped.values():
-        if isinstance(value, dict):
-            out += densities_of(value)
-        else:
-            out += [jnp.sum(density) for density, _ in value]
-    return out
 
 
 def is_distribution(obj: object) -> bool:
@@ -68,6 +62,8 @@ def _check_arguments(dist: object, name: object, mode: object) -> str:
             "for one draw, or 'append' for a draw inside lax.scan (draws stack on a "
             "leading axis)."
         )
+    if is_distribution(dist) and type(dist).__module__.startswith("numpyro."):
+        raise _errors.ppl_numpyro_distribution(name, type(dist).__name__)
     if not (is_distribution(dist) or callable(dist)):
         raise TypeError(
             f"random_variable(name={name!r}) takes a TFP distribution (from "
@@ -83,13 +79,22 @@ def random_variable(
     *,
     name: str,
     mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002 (NumPyro's word for it)
 ) -> Callable[Concatenate[Any, P], R]: ...
 @overload
 def random_variable(
-    dist: Any, *, name: str, mode: Literal["strict", "append"] = "strict"
+    dist: Any,
+    *,
+    name: str,
+    mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002
 ) -> Callable[[Any], Any]: ...
 def random_variable(
-    dist: Any, *, name: str | None = None, mode: Literal["strict", "append"] = "strict"
+    dist: Any,
+    *,
+    name: str | None = None,
+    mode: Literal["strict", "append"] = "strict",
+    enumerate: bool = False,  # noqa: A002
 ) -> Callable[..., Any]:
     """Returns a sampler `key -> value` that draws from `dist` as the random variable `name`.
 
@@ -102,6 +107,11 @@ def random_variable(
     `mode="strict"` (the default) allows one draw of `name` per program. Inside
     `lax.scan` use `mode="append"`: `joint_sample` stacks the draws on a
     leading axis, one row per iteration, and values are planted the same way.
+
+    `enumerate=True` (a `Bernoulli` or `Categorical` draw) marks the draw to be
+    summed out: `joint_log_prob` and `unconstrained` score the program without
+    a value for it, marginalising it over its support (see `_enumerate.py`),
+    so gradient-based samplers run on the continuous rest.
 
     Example:
         >>> import jax
@@ -119,12 +129,18 @@ def random_variable(
         dtype('bool')
     """
     name = _check_arguments(dist, name, mode)
+    if enumerate and type(dist).__name__ not in ENUMERABLE:
+        raise _errors.ppl_not_enumerable(name, type(dist).__name__)
     if is_distribution(dist):
 
         def sample_distribution(key: Any) -> Any:
-            sample = draw_unconstrained(dist, dist.sample(seed=key), name, mode)
+            if is_noise_explicit():
+                return _from_noise(dist, key, name, mode)
+            sample = _through_unconstrained(dist, dist.sample(seed=key), name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
-            sow_density(jnp.sum(dist.log_prob(value)), value, name)
+            if enumerate:
+                sow_support(dist, name)
+            sow_density(dist.log_prob(value), value, name)
             return value
 
         return sample_distribution
@@ -133,6 +149,38 @@ def random_variable(
         return sow(dist(key, *args, **kwargs), tag=RANDOM_VARIABLE, name=name, mode=mode)
 
     return sample_function
+
+
+def _through_unconstrained(dist: Any, sample: Any, name: str, mode: SowMode) -> Any:
+    """The draw, made through `u` (sown under `UNCONSTRAINED`) while unconstraining.
+
+    Every continuous draw goes through `u` and files its log-Jacobian: whether
+    the draw stays free (or is fixed by `observed`, `intervene`,
+    `conditional`) is known only to `unconstrained`, which plants `u` for the
+    free draws and counts their Jacobians alone. A discrete draw has no
+    bijector and is drawn as it is.
+    """
+    if not is_unconstraining():
+        return sample
+    bijector = dist.experimental_default_event_space_bijector()
+    if bijector is None:
+        return sample
+    u = sow(bijector.inverse(sample), tag=UNCONSTRAINED, name=name, mode=mode)
+    log_det = bijector.forward_log_det_jacobian(u, event_ndims=len(dist.event_shape))
+    sow(jnp.sum(log_det), tag=JACOBIAN, name=name, mode="collect")
+    return bijector.forward(u)
+
+
+def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
+    """The draw made from its exogenous noise (for `counterfactual`, see `_mechanisms.py`)."""
+    k_noise, k_abduce = jax.random.split(key)
+    shape = jax.eval_shape(lambda k: dist.sample(seed=k), k_noise)
+    how = mechanism(dist, name)
+    noise = sow(how.noise(k_noise, shape.shape), tag=NOISE, name=name, mode=mode)
+    value = sow(how.forward(noise).astype(shape.dtype), tag=RANDOM_VARIABLE, name=name, mode=mode)
+    sow(how.abduce(value, k_abduce), tag=ABDUCED, name=name, mode=mode)
+    sow_density(dist.log_prob(value), value, name)
+    return value
 
 
 def _check_name(fn_name: str, name: object) -> None:
@@ -181,6 +229,3 @@ def factor(log_weight: Any, *, name: str) -> None:
     """
     _check_name("factor", name)
     sow_density(log_weight, (), name)
-
-
-from ._unconstrained import draw_unconstrained  # noqa: E402  (it imports this module's tags)

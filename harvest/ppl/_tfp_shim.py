@@ -42,7 +42,7 @@ def tfp_error_message(cause, imported_before=False):
     return (
         f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({SUBSTRATE}): "
         f"{type(cause).__name__}: {cause}.{order} harvest.ppl is tested with {TESTED}; "
-        "install them with `pip install 'harvest[ppl]'`, or use plain sampling functions "
+        "install them with `pip install 'jax-harvest[ppl]'`, or use plain sampling functions "
         "(key -> value) instead of TFP distributions."
     )
 

@@ -21,44 +21,31 @@ from collections.abc import Callable, Iterable
 from typing import Any, Concatenate, overload
 
 import jax
+import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .._interpreter import NameFilter, Policy
+from .. import _errors
 from .._sow import sow
-from .._transforms import call_and_reap, harvest, plant, reap, run_walk
+from .._transforms import call_and_reap, harvest, plant, reap
 from .._typing import P, Plants, R, Reaped
+from ._block import check_blocked_unscored
+from ._enumerate import marginal, supports
 from ._log_prob import log_density
-from ._random_variable import (
+from ._names import Among, dotted_paths, leaf_paths, merged, nested, random_variables_of
+from ._random_variable import is_distribution
+from ._tags import (
+    BLOCKED,
     DETERMINISTIC,
+    ENUMERATED,
     LOG_DENSITY,
     RANDOM_VARIABLE,
+    TOTAL,
     densities_of,
-    is_distribution,
 )
 
 
 def _placeholder_key() -> jax.Array:
     return jax.random.PRNGKey(0)
-
-
-def _dotted_paths(tree: Reaped, prefix: tuple[str, ...] = ()) -> set[str]:
-    """Every key path of a nested dict, as dotted names ("scope.x")."""
-    paths = set()
-    for key, value in tree.items():
-        path = prefix + (key,)
-        paths.add(".".join(path))
-        if isinstance(value, dict):
-            paths |= _dotted_paths(value, path)
-    return paths
-
-
-def _leaf_paths(tree: Reaped, prefix: tuple[str, ...] = ()) -> list[str]:
-    """The dotted names of a nested dict's non-dict entries."""
-    out: list[str] = []
-    for key, value in tree.items():
-        path = prefix + (key,)
-        out += _leaf_paths(value, path) if isinstance(value, dict) else [".".join(path)]
-    return out
 
 
 def _check_values(values: object, fn_name: str) -> None:
@@ -112,29 +99,54 @@ def _unscored(values: Reaped, densities: Reaped) -> list[str]:
 # intervening the same program again, with new values, reuses the compiled walk.
 
 
-def _densities(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    """Runs `f` with every random variable planted from `values`."""
-    out, unplanted = harvest(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
-    if unplanted:
-        raise ValueError(
-            "joint_log_prob needs a value for every random variable; missing: "
-            f"{', '.join(sorted(_leaf_paths(unplanted)))}. Give them too, or fix them "
-            "first with intervene/conditional."
-        )
-    return out
-
-
 def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     _check_values(values, "joint_log_prob(f)")
-    densities = reap(Partial(_densities, f), tag=LOG_DENSITY)(values, *args, **kwargs)
-    unscored = _unscored(values, densities)
-    if unscored:
+    return reap(Partial(_total, f), tag=TOTAL)(values, *args, **kwargs)["total"]
+
+
+def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> None:
+    """Sows the log density of `f` at `values`. The core traces this once per
+    signature, so its checks and its search for enumerated draws cost nothing later."""
+    # One walk finds the densities, the draws without a value, the enumerated and the blocked.
+    scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
+    (((_, unplanted), densities), markers), blocked = call_and_reap(
+        call_and_reap(scored, tag=ENUMERATED), tag=BLOCKED
+    )(values, _placeholder_key(), *args, **kwargs)
+    if blocked:
+        check_blocked_unscored(Partial(_score, f), (values, *args), kwargs, "joint_log_prob")
+    missing = set(leaf_paths(unplanted))
+    enumerated = supports(markers, missing)
+    if missing - set(enumerated):
         raise ValueError(
-            f"joint_log_prob: the random variables {', '.join(sorted(unscored))} were "
-            "drawn by plain sampling functions, which have no density. Draw them from "
-            "a TFP distribution, or fix them with intervene/conditional."
+            "joint_log_prob needs a value for every random variable; missing: "
+            f"{', '.join(sorted(missing - set(enumerated)))}. Give them too, fix them "
+            "first with intervene/conditional, or (Bernoulli, Categorical) draw them with "
+            "enumerate=True to sum them out."
         )
-    return sum(densities_of(densities))
+    if enumerated:
+        total = marginal(lambda a: _site_densities(f, merged(values, a), args, kwargs), enumerated)
+    else:
+        unscored = _unscored(values, densities)
+        if unscored:
+            raise ValueError(
+                f"joint_log_prob: the random variables {', '.join(sorted(unscored))} were "
+                "drawn by plain sampling functions, which have no density. Draw them from "
+                "a TFP distribution, or fix them with intervene/conditional."
+            )
+        total = sum(densities_of(densities), jnp.zeros(()))
+    sow(total, tag=TOTAL, name="total", mode="strict")
+
+
+def _site_densities(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Reaped:
+    return reap(Partial(_planted, f), tag=LOG_DENSITY)(values, *args, **kwargs)
+
+
+def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
+    return sum(densities_of(_site_densities(f, values, args, kwargs)))
+
+
+def _planted(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
+    return plant(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
 
 
 def joint_log_prob(
@@ -163,19 +175,8 @@ def joint_log_prob(
     return Partial(_joint_log_prob, f)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Among:
-    """An allowlist predicate that compares by value, so equal name sets share
-    one entry of the core's cache."""
-
-    names: frozenset[str]
-
-    def __call__(self, name: str) -> bool:
-        return name in self.names
-
-
 def _plant_values(
-    f: Callable[..., Any], chosen: _Among, values: Plants, *args: Any, **kwargs: Any
+    f: Callable[..., Any], chosen: Among, values: Plants, *args: Any, **kwargs: Any
 ) -> Any:
     return plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)(values, *args, **kwargs)
 
@@ -185,19 +186,16 @@ def _fixed(
 ) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
-    chosen = _Among(names)
+    chosen = Among(names)
     try:
         planted = Partial(_plant_values, f, chosen)
         return call_and_reap(planted, tag=LOG_DENSITY, allowlist=chosen)(values, *args, **kwargs)[0]
     except KeyError as error:
-        known = jax.eval_shape(joint_sample(f), *args, **kwargs)
-        unknown = sorted(set(_leaf_paths(values)) - set(_leaf_paths(known)))
+        known = random_variables_of(f, args, kwargs)
+        unknown = sorted(set(leaf_paths(values)) - set(known))
         if not unknown:
             raise
-        raise KeyError(
-            f"Not random variables of the program: {', '.join(unknown)}. Its random "
-            f"variables are: {', '.join(sorted(_leaf_paths(known))) or 'none'}."
-        ) from error
+        raise _errors.ppl_unknown_names("intervene/conditional", unknown, known) from error
 
 
 def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
@@ -223,18 +221,7 @@ def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
         >>> ppl.joint_log_prob(fixed)({"x": 3.0})
         Array(-0.9189385, dtype=float32)
     """
-    return Partial(_fixed, f, frozenset(_dotted_paths(values)), values)
-
-
-def _nested(names: Iterable[str], values: Iterable[Any]) -> Reaped:
-    out: Reaped = {}
-    for name, value in zip(names, values):
-        *scopes, leaf = name.split(".")
-        d = out
-        for scope in scopes:
-            d = d.setdefault(scope, {})
-        d[leaf] = value
-    return out
+    return Partial(_fixed, f, frozenset(dotted_paths(values)), values)
 
 
 def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[..., R]:
@@ -275,10 +262,8 @@ def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kw
             f"value per name; got {len(args)} positional arguments in all."
         )
     split = len(args) - len(names)
-    values = _nested(names, args[split:])
-    return _fixed(
-        f, frozenset(_dotted_paths(_nested(names, names))), values, *args[:split], **kwargs
-    )
+    values = nested(names, args[split:])
+    return _fixed(f, frozenset(dotted_paths(nested(names, names))), values, *args[:split], **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -389,50 +374,34 @@ def _trace_log_prob(
     return log_density(trace(f), (out, sites), args, kwargs)
 
 
-def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
-    """Returns `f` with the random variables `names` hidden from every transformation.
-
-    The blocked variables are still drawn, but `joint_sample`, `joint_log_prob`,
-    `intervene`, `trace`... of the result no longer see them, as if `f` drew
-    them with plain `jax.random` calls.
-
-    Example:
-        >>> import jax
-        >>> import harvest.ppl as ppl
-        >>> import tensorflow_probability.substrates.jax as tfp
-        >>> tfd = tfp.distributions
-        >>> def model(key):
-        ...     k1, k2 = jax.random.split(key)
-        ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
-        ...     return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
-        >>> list(ppl.joint_sample(ppl.block(model, ["x"]))(jax.random.key(0)))
-        ['z']
-    """
-    names = [names] if isinstance(names, str) else list(names)
-    if not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"block takes random variable names as strings, got {names!r}.")
-    return Partial(_blocked, f, _Among(frozenset(names)))
-
-
-def _drop(f: Callable[..., Any], tag: str, names: _Among, *args: Any, **kwargs: Any) -> Any:
-    policy = Policy(tag, NameFilter.make(blocklist=(names,)), drop_filtered=True)
-    return run_walk(f, policy, False, {}, args, kwargs)[0]
-
-
-def _blocked(f: Callable[..., Any], names: _Among, *args: Any, **kwargs: Any) -> Any:
-    without_draws = Partial(_drop, f, RANDOM_VARIABLE, names)
-    return _drop(without_draws, LOG_DENSITY, names, *args, **kwargs)
-
-
 def graph_replace(
     f: Callable[..., Any], input_names: str | Iterable[str], output_names: str | Iterable[str]
 ) -> Callable[..., Any]:
-    """Re-expresses `f` as a program from the random variables `input_names` to `output_names`.
+    """Re-expresses ``f`` as a program from the random variables ``input_names`` to ``output_names``.
 
-    The new program is called as `g(key, *args, *inputs)` (as `conditional`)
-    and returns the values of `output_names` (a list, or one value for a
-    single name given as a string). The other random variables stay random
-    variables of the new program.
+    The new program is called as ``g(key, *args, *inputs)`` (as ``conditional``)
+    and returns the values of ``output_names`` (a list, or one value for a
+    single name given as a string). Every draw that is not an input stays a
+    random variable where it was: the outputs and the others alike, so
+    ``intervene``, ``conditional`` and ``joint_log_prob`` of the new program
+    treat them as in ``f`` (intervening on a draw changes the draws downstream
+    of it). ``harvest.compat.oryx``'s ``graph_replace`` keeps oryx 0.2.9's
+    behaviour instead (outputs leave the program, the other draws are re-sown
+    at its end, disconnected).
+
+    Args:
+        f: the program ``f(key, *args)``.
+        input_names: the random variables that become inputs, in order (a
+            name, or a list of names).
+        output_names: the random variables to return (a name, or a list).
+
+    Returns:
+        The program ``g(key, *args, *inputs)``.
+
+    Raises:
+        TypeError: if a name is not a non-empty string.
+        KeyError: (when ``g`` is called) if an output is not a random variable
+            of ``f`` or is among the inputs.
 
     Example:
         >>> import jax
@@ -444,11 +413,14 @@ def graph_replace(
         ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
         ...     x = ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
         ...     return ppl.random_variable(tfd.Normal(x, 1.0), name="y")(k3)
-        >>> z_to_x = ppl.graph_replace(chain, "z", "x")
-        >>> list(ppl.joint_sample(z_to_x)(jax.random.key(0), 5.0))
-        ['y']
-        >>> ppl.log_prob(z_to_x)(5.0, 5.0)
-        Array(-0.9189385, dtype=float32)
+        >>> z_to_y = ppl.graph_replace(chain, "z", "y")
+        >>> sorted(ppl.joint_sample(z_to_y)(jax.random.key(0), 5.0))
+        ['x', 'y']
+        >>> ppl.joint_log_prob(z_to_y)({"x": 5.0, "y": 5.0}, 5.0)
+        Array(-1.837877, dtype=float32)
+        >>> y = ppl.intervene(z_to_y, x=100.0)(jax.random.key(0), 5.0)
+        >>> bool(90.0 < y < 110.0)  # y is drawn downstream of the intervened x
+        True
     """
     single = isinstance(output_names, str)
     outputs = [output_names] if single else list(output_names)
@@ -459,20 +431,48 @@ def graph_replace(
     )
 
 
+# The tag under which graph_replace's program files the values it returns.
+_REPLACED = "random_variable_graph_replace_output"
+
+
+@dataclasses.dataclass(frozen=True)
+class _KeepAndReturn:
+    """The plant at an output draw: the draw stays a random variable where it was
+    (re-sown under `RANDOM_VARIABLE`), and its value, planted or not, is filed to return."""
+
+    name: str
+
+    def __call__(self, value: Any) -> Any:
+        kept = sow(value, tag=RANDOM_VARIABLE, name=self.name, mode="strict")
+        return sow(kept, tag=_REPLACED, name=self.name, mode="strict")
+
+
+def _kept(given: Callable[..., Any], outputs: Among, *args: Any, **kwargs: Any) -> Any:
+    plants = {name: _KeepAndReturn(name) for name in sorted(outputs.names)}
+    return plant(given, tag=RANDOM_VARIABLE, allowlist=outputs)(plants, *args, **kwargs)
+
+
 def _replaced(
     given: Callable[..., Any], output_names: str | tuple[str, ...], *args: Any, **kwargs: Any
 ) -> Any:
-    single = isinstance(output_names, str)
     outputs = (output_names,) if isinstance(output_names, str) else output_names
-    draws = reap(given, tag=RANDOM_VARIABLE)(*args, **kwargs)
-    missing = [n for n in outputs if n not in draws]
-    if missing:
-        raise KeyError(
-            f"graph_replace: {', '.join(missing)} are not random variables of the program "
-            f"(or are among its inputs). Its random variables are: {', '.join(sorted(draws)) or 'none'}."
+    try:
+        values = reap(Partial(_kept, given, Among(frozenset(outputs))), tag=_REPLACED)(
+            *args, **kwargs
         )
-    for name, value in draws.items():
-        if name not in outputs:
-            sow(value, tag=RANDOM_VARIABLE, name=name, mode="strict")
-    values = [draws[n] for n in outputs]
-    return values[0] if single else values
+    except KeyError as error:
+        known = random_variables_of(given, args, kwargs)
+        unknown = sorted(set(outputs) - set(known))
+        if not unknown:
+            raise
+        raise _errors.ppl_unknown_names(
+            "graph_replace (outputs that are inputs are not random variables)", unknown, known
+        ) from error
+    returned = [_at(values, n) for n in outputs]
+    return returned[0] if isinstance(output_names, str) else returned
+
+
+def _at(tree: Reaped, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree[part]
+    return tree

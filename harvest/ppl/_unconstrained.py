@@ -3,114 +3,167 @@
 Gradient-based samplers move in all of R^n, but a scale is positive and a
 probability lies in (0, 1). Each TFP distribution names the bijection from
 R^n onto its support (`experimental_default_event_space_bijector`). While
-`unconstrained` traces the program, `random_variable` draws each free
-variable as `value = bijector.forward(u)`, with `u` sown under
-`UNCONSTRAINED`, and adds `log |d forward / du|` to the variable's log
-density. The density of `u` is then the model's density, and `constrain`
-maps a `u` back to the model's values.
+`unconstrained` traces the program (the switch of `_tags.py`, part of JAX's
+jit cache key), `random_variable` draws each continuous variable as
+`value = bijector.forward(u)`, with `u` sown under `UNCONSTRAINED` and
+`log |d forward / du|` under `JACOBIAN`.
 
-The switch is read while the program is traced. The traced walks are keyed
-by their own functions, so they never mix with ordinary traces of the model;
-a `jax.jit`-decorated function inside the model that itself draws random
-variables would be cached by JAX across both, so draw outside such functions.
+Which draws are free is decided here, after every transformation of the
+program has had its say: the draws still visible as random variables once
+`observed` is planted are free; `u` is planted for them and only their
+Jacobians count. A draw fixed by `intervene` or `conditional` is a constant
+(its `u` site is left unplanted and its value replaced downstream); a draw
+hidden by `block` is integrated out (see `_block.py`). A free draw without a
+`u` site (discrete, or from a plain sampler) is an error.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
+from .. import _errors
 from .._sow import sow
-from .._transforms import harvest, plant, reap
-from .._typing import Reaped, SowMode
-from ._random_variable import LOG_DENSITY, RANDOM_VARIABLE, densities_of, sow_density
-
-UNCONSTRAINED = "random_variable_unconstrained"
-
-# While tracing for `unconstrained`: the names drawn as they are (observed).
-_observed: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "harvest_ppl_unconstrained", default=None
+from .._transforms import call_and_reap, harvest, reap
+from .._typing import Reaped
+from ._block import check_blocked_unscored
+from ._enumerate import marginal, supports
+from ._names import at_paths, leaf_paths, merged, restricted
+from ._tags import (
+    BLOCKED,
+    DETERMINISTIC,
+    ENUMERATED,
+    JACOBIAN,
+    LOG_DENSITY,
+    RANDOM_VARIABLE,
+    TOTAL,
+    UNCONSTRAINED,
+    densities_of,
+    unconstraining,
 )
-
-
-@contextlib.contextmanager
-def _unconstraining(observed: frozenset[str]) -> Iterator[None]:
-    token = _observed.set(observed)
-    try:
-        yield
-    finally:
-        _observed.reset(token)
-
-
-def draw_unconstrained(dist: Any, sample: Any, name: str, mode: SowMode) -> Any:
-    """The draw as `random_variable` makes it: unchanged, or through `u` while unconstraining."""
-    observed = _observed.get()
-    if observed is None or name in observed:
-        return sample
-    bijector = dist.experimental_default_event_space_bijector()
-    if bijector is None:
-        raise ValueError(
-            f"unconstrained: the random variable {name!r} has a {type(dist).__name__} "
-            "distribution, which has no continuous support to unconstrain (it is discrete). "
-            "Give it in `observed`, or fix it with intervene."
-        )
-    u = sow(bijector.inverse(sample), tag=UNCONSTRAINED, name=name, mode=mode)
-    event_ndims = len(dist.event_shape)
-    sow_density(jnp.sum(bijector.forward_log_det_jacobian(u, event_ndims=event_ndims)), (), name)
-    return bijector.forward(u)
 
 
 def _key() -> jax.Array:
     return jax.random.PRNGKey(0)
 
 
-def _run(f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any) -> Any:
-    """`f` with the observed values planted and every other draw made from `u`."""
-    with _unconstraining(frozenset(observed)):
-        out, missing = harvest(Partial(_observed_program, f, observed), tag=UNCONSTRAINED)(
-            u, *args, **kwargs
-        )
-    if missing:
-        raise ValueError(
-            f"unconstrained: no value for {', '.join(sorted(missing))}. Give every random "
-            "variable that is not observed (init(key) gives a starting point)."
-        )
-    return out
+def _free(
+    f: Callable[..., Any], observed: Reaped, find_blocked: bool, key: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """`f` with `observed` planted: `(((out, the draws still random), their Jacobians),
+    the markers of enumerated draws), the blocked draws`. Without `find_blocked` the
+    blocked draws stay in the program (`{}` in their place), for the check that looks
+    for them in the density's jaxpr."""
+    planted = Partial(harvest(f, tag=RANDOM_VARIABLE), observed)
+    with_markers = call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)
+    if not find_blocked:
+        return with_markers(key, *args, **kwargs), {}
+    return call_and_reap(with_markers, tag=BLOCKED)(key, *args, **kwargs)
 
 
-def _observed_program(f: Callable[..., Any], observed: Reaped, *args: Any, **kwargs: Any) -> Any:
-    return plant(f, tag=RANDOM_VARIABLE)(observed, _key(), *args, **kwargs)
+def _run(
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
+) -> tuple[Any, Reaped, jax.Array, Reaped]:
+    """`f` with the observed values planted and every free draw made from `u`:
+    `(out, the free draws, the log-Jacobian of the free draws, the markers of the
+    enumerated draws to sum out)`. The core traces this once per signature, so the checks below (with `check`,
+    also the one for blocked draws) cost nothing on later calls."""
+    try:
+        with unconstraining():
+            ((((out, free), jacobians), markers), blocked), unplanted = harvest(
+                Partial(_free, f, observed, check), tag=UNCONSTRAINED
+            )(u, _key(), *args, **kwargs)
+    except KeyError as error:  # a name in `u` with no `u` site: say which kind it is
+        free, sites = jax.eval_shape(
+            Partial(_draws_and_sites, f, observed), _key(), *args, **kwargs
+        )
+        unknown = set(leaf_paths(u)) - set(leaf_paths(sites))
+        discrete = unknown & set(leaf_paths(free))
+        if discrete:
+            raise _errors.ppl_discrete_free(sorted(discrete)) from error
+        raise _errors.ppl_not_free(sorted(unknown)) from error
+    if check and blocked:
+        score = Partial(_log_density, f, observed, False)
+        check_blocked_unscored(score, (u, *args), kwargs, "unconstrained")
+    free_names = set(leaf_paths(free))
+    given = set(leaf_paths(u))
+    if given - free_names:
+        raise _errors.ppl_not_free(sorted(given - free_names))
+    missing = free_names - given
+    continuous = set(leaf_paths(unplanted))
+    if missing & continuous:
+        raise _errors.ppl_no_unconstrained_value(sorted(missing & continuous))
+    enumerated = supports(markers, missing)
+    if missing - set(enumerated):
+        raise _errors.ppl_discrete_free(sorted(missing - set(enumerated)))
+    log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
+    kept = restricted(free, free_names - set(enumerated))
+    to_sum = restricted(markers, set(enumerated))
+    return out, kept, jnp.asarray(log_det, jnp.float32), to_sum
 
 
 def _log_density(
-    f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> Any:
-    densities = reap(Partial(_run, f, observed), tag=LOG_DENSITY)(u, *args, **kwargs)
-    return sum(densities_of(densities))
+    return reap(Partial(_total, f, observed, check), tag=TOTAL)(u, *args, **kwargs)["total"]
+
+
+def _total(
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
+) -> None:
+    """Sows the log density of `u`, with the enumerated draws summed out (traced once)."""
+    (_, _, log_det, to_sum), densities = call_and_reap(
+        Partial(_run, f, observed, check), tag=LOG_DENSITY
+    )(u, *args, **kwargs)
+    enumerated = supports(to_sum, set(leaf_paths(to_sum)))
+    if enumerated:
+
+        def densities_at(values: Reaped) -> Reaped:
+            (_, _, log_det, _), found = call_and_reap(
+                Partial(_run, f, merged(observed, values), False), tag=LOG_DENSITY
+            )(u, *args, **kwargs)
+            return {**found, TOTAL: log_det}
+
+        total = marginal(densities_at, enumerated)
+    else:
+        total = sum(densities_of(densities)) + log_det
+    sow(total, tag=TOTAL, name="total", mode="strict")
 
 
 def _constrain(
     f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
 ) -> Reaped:
-    return reap(Partial(_run, f, observed), tag=RANDOM_VARIABLE)(u, *args, **kwargs)
+    (_, free, _, _), recorded = call_and_reap(Partial(_run, f, observed, False), tag=DETERMINISTIC)(
+        u, *args, **kwargs
+    )
+    return {**free, **recorded}
 
 
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
-    return reap(Partial(_prior_draw, f, observed), tag=UNCONSTRAINED)(key, *args, **kwargs)
+    free, sites = _draws_and_sites(f, observed, key, *args, **kwargs)
+    return restricted(sites, set(leaf_paths(free)))
+
+
+def _draws_and_sites(
+    f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any
+) -> tuple[Reaped, Reaped]:
+    """The free draws of `f` and its `u` sites (free or not), from a prior draw."""
+    (_, free), sites = call_and_reap(Partial(_prior_draw, f, observed), tag=UNCONSTRAINED)(
+        key, *args, **kwargs
+    )
+    return free, sites
 
 
 def _prior_draw(
     f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    with _unconstraining(frozenset(observed)):
-        return plant(f, tag=RANDOM_VARIABLE)(observed, key, *args, **kwargs)
+    with unconstraining():
+        return harvest(f, tag=RANDOM_VARIABLE)(observed, key, *args, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +172,9 @@ class Unconstrained:
 
     `log_density(u, *args)`: the log density of `u`, including the Jacobian of
     each variable's map onto its support. `constrain(u, *args)`: the model's
-    values `{name: value}` for `u` (the free variables; observed ones are not
-    random). `init(key, *args)`: a `u` drawn from the prior, to start a chain.
+    values `{name: value}` for `u`: the free variables and every
+    `deterministic` site (observed and fixed ones are not random).
+    `init(key, *args)`: a `u` drawn from the prior, to start a chain.
 
     Example:
         >>> import jax
@@ -178,7 +232,7 @@ def unconstrained(
             f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
         )
     return Unconstrained(
-        Partial(_log_density, f, observed),
+        Partial(_log_density, f, observed, True),
         Partial(_constrain, f, observed),
         Partial(_init, f, observed),
     )

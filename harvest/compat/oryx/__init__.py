@@ -36,7 +36,23 @@ __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest
 
 
 def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = None) -> T:
-    """Tags `value` with `name` under `tag` (oryx's signature; `key` is accepted and unused).
+    """Tags ``value`` with ``name`` under ``tag`` (oryx's signature).
+
+    Args:
+        value: the value to tag: an array or a pytree of arrays.
+        tag: the namespace (any hashable, as in oryx).
+        name: the site's name.
+        mode: oryx's mode: ``"strict"`` (sown at most once), ``"clobber"`` (the
+            last occurrence wins) or ``"append"`` (stacked, in a loop).
+        key: accepted for oryx's signature and unused (a jaxpr keeps sows in
+            program order without it).
+
+    Returns:
+        ``value``, or its planted replacement.
+
+    Raises:
+        ValueError: for a mode oryx does not have, or ``"cond_clobber"`` (use
+            ``sow_cond``).
 
     Example:
         >>> from harvest.compat import oryx as harvest
@@ -56,7 +72,21 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
 def sow_cond(
     value: T, pred: Any, *, tag: Hashable, name: str, mode: str = "cond_clobber", key: Any = None
 ) -> T:
-    """Tags `value` only where `pred` is true; reaped as zeros if it never was.
+    """Tags ``value`` only where ``pred`` is true; reaped as zeros if it never was.
+
+    Args:
+        value: the value to tag: an array or a pytree of arrays.
+        pred: a scalar boolean saying whether this occurrence counts.
+        tag: the namespace (any hashable, as in oryx).
+        name: the site's name.
+        mode: must be ``"cond_clobber"`` (oryx's only mode for ``sow_cond``).
+        key: accepted for oryx's signature and unused.
+
+    Returns:
+        ``value``, or its planted replacement where ``pred`` holds.
+
+    Raises:
+        ValueError: if ``mode`` is not ``"cond_clobber"``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -121,7 +151,19 @@ def call_and_reap(
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[P, tuple[R, Reaped]]:
-    """Returns a function giving `(f's output, {name: sown value})`.
+    """Returns a function giving ``(f's output, {name: sown value})``.
+
+    Args:
+        f: the function to run.
+        tag: the tag whose sows are harvested (any hashable, as in oryx).
+        allowlist: if given, only these names are harvested (exact names).
+        blocklist: names never harvested. As in oryx, a sow of ``tag`` that
+            ``allowlist``/``blocklist`` filter out is removed, so enclosing
+            transformations of ``tag`` do not see it either.
+        exclusive: drop sows of other tags instead of passing them through.
+
+    Returns:
+        A function taking ``f``'s arguments and returning ``(output, reaped)``.
 
     Example:
         >>> from harvest.compat import oryx as harvest
@@ -143,7 +185,19 @@ def reap(
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[P, Reaped]:
-    """Returns a function giving `{name: sown value}` for the sows of `tag` in `f`.
+    """Returns a function giving ``{name: sown value}`` for the sows of ``tag`` in ``f``.
+
+    Args:
+        f: the function to run.
+        tag: the tag whose sows are harvested (any hashable, as in oryx).
+        allowlist: if given, only these names are harvested (exact names).
+        blocklist: names never harvested. As in oryx, a sow of ``tag`` that
+            ``allowlist``/``blocklist`` filter out is removed, so enclosing
+            transformations of ``tag`` do not see it either.
+        exclusive: drop sows of other tags instead of passing them through.
+
+    Returns:
+        A function taking ``f``'s arguments and returning the reaped dict.
 
     Example:
         >>> from harvest.compat import oryx as harvest
@@ -162,7 +216,20 @@ def harvest(
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
-    """Returns `g(plants, *args) -> (out, reaps)`: plant some sows, reap the others.
+    """Returns ``g(plants, *args) -> (out, reaps)``: plant some sows, reap the others.
+
+    Args:
+        f: the function to run.
+        tag: the tag whose sows are harvested (any hashable, as in oryx).
+        allowlist: if given, only these names are harvested (exact names).
+        blocklist: names never harvested. As in oryx, a sow of ``tag`` that
+            ``allowlist``/``blocklist`` filter out is removed, so enclosing
+            transformations of ``tag`` do not see it either.
+        exclusive: drop sows of other tags instead of passing them through.
+
+    Returns:
+        A function taking ``plants`` (``{name: value}``) first, then ``f``'s
+        arguments, and returning ``(output, reaps)`` for the names not planted.
 
     Example:
         >>> from harvest.compat import oryx as harvest
@@ -184,7 +251,20 @@ def plant(
     blocklist: Iterable[str] = frozenset(),
     exclusive: bool = False,
 ) -> Callable[Concatenate[Plants, P], R]:
-    """Returns `g(plants, *args)`: `f` with the named sows of `tag` replaced.
+    """Returns ``g(plants, *args)``: ``f`` with the named sows of ``tag`` replaced.
+
+    Args:
+        f: the function to run.
+        tag: the tag whose sows are harvested (any hashable, as in oryx).
+        allowlist: if given, only these names are harvested (exact names).
+        blocklist: names never harvested. As in oryx, a sow of ``tag`` that
+            ``allowlist``/``blocklist`` filter out is removed, so enclosing
+            transformations of ``tag`` do not see it either.
+        exclusive: drop sows of other tags instead of passing them through.
+
+    Returns:
+        A function taking ``plants`` (``{name: value}``) first, then ``f``'s
+        arguments, and returning ``f``'s output with the plants in place.
 
     Example:
         >>> from harvest.compat import oryx as harvest

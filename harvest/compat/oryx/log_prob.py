@@ -84,7 +84,11 @@ def _density(eqn: Any, known: Any) -> Any:
 
 
 def registered() -> dict[Any, Callable[[Any, Any], Any]]:
-    """The registry as the inverse walk takes it: {primitive: density(eqn, known)}.
+    """The registry as the inverse walk takes it: ``{primitive: density(eqn, known)}``.
+
+    Returns:
+        A dict from each primitive in ``log_prob_registry`` to a function that
+        scores one of its equations with the rule in ``log_prob_rules``.
 
     Example:
         >>> from harvest.compat.oryx import log_prob as lp

@@ -31,7 +31,11 @@ __all__ = ["FlatPrimitive", "tie_all", "tie_in"]
 
 
 class FlatPrimitive(_jax.Primitive):
-    """A primitive whose every rule is derived from its implementation."""
+    """A primitive whose every rule is derived from its implementation.
+
+    Args:
+        name: the primitive's name, as jaxprs print it.
+    """
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -59,7 +63,13 @@ class FlatPrimitive(_jax.Primitive):
 
 
 def tie_all(*args: T) -> tuple[T, ...]:
-    """Returns `args` unchanged (oryx ties them together in the trace; harvest needs no tie).
+    """Returns ``args`` unchanged (oryx ties them together in the trace; harvest needs no tie).
+
+    Args:
+        *args: the values to tie.
+
+    Returns:
+        ``args``, as a tuple.
 
     Example:
         >>> from harvest.compat.oryx import primitive
@@ -70,7 +80,14 @@ def tie_all(*args: T) -> tuple[T, ...]:
 
 
 def tie_in(x: Any, y: T) -> T:
-    """Returns `y` (oryx's stand-in for the removed `jax.tie_in`).
+    """Returns ``y`` (oryx's stand-in for the removed ``jax.tie_in``).
+
+    Args:
+        x: the value ``y`` would have been tied to (unused).
+        y: the value to return.
+
+    Returns:
+        ``y``.
 
     Example:
         >>> from harvest.compat.oryx import primitive

@@ -15,7 +15,11 @@ Written against oryx 0.2.9's documented semantics:
   `joint_log_prob(f)` is `log_prob(joint_sample(f))` and
   `trace_log_prob(f)(out, latents, *args)` is `log_prob(trace(f))`.
 * `joint_sample`, `trace` (= `call_and_reap`), `block`, `intervene`,
-  `conditional(f, names)(key, *args, *values)`, `graph_replace`.
+  `conditional(f, names)(key, *args, *values)`.
+* `graph_replace` as oryx 0.2.9 behaves: the outputs leave the program, and
+  every other draw is reaped and sown again at the program's end, so it is
+  disconnected from what happens downstream (harvest.ppl's `graph_replace`
+  keeps them connected).
 * `plate(f, name=...)` uses a named axis that an outer `jax.vmap(...,
   axis_name=name)` provides: each index draws with `fold_in(key, index)`, and
   log densities are summed (`psum`) over the axis, so every index reports the
@@ -39,7 +43,8 @@ from ...._sow import sow
 from ...._transforms import call_and_reap, nest
 from ...._typing import P, R, Reaped
 from ....ppl._log_prob import PLATE_SCOPE, log_density
-from ....ppl._random_variable import LOG_DENSITY, is_distribution, sow_density
+from ....ppl._random_variable import is_distribution
+from ....ppl._tags import LOG_DENSITY, sow_density
 from .. import log_prob as _lp
 
 Program = Callable[..., Any]
@@ -50,7 +55,6 @@ joint_sample = _ppl.joint_sample
 intervene = _ppl.intervene
 conditional = _ppl.conditional
 block = _ppl.block
-graph_replace = _ppl.graph_replace
 
 __all__ = [
     "RANDOM_VARIABLE",
@@ -72,6 +76,18 @@ __all__ = [
 
 def log_prob(f: Any) -> LogProbFunction:
     """oryx's log_prob: the density of a distribution, or of a program's output by inversion.
+
+    Args:
+        f: a TFP distribution, or a program ``f(key, *args)`` whose output is
+            an invertible function of its draws (including draws of primitives
+            registered in ``harvest.compat.oryx.log_prob``).
+
+    Returns:
+        ``f.log_prob`` for a distribution; for a program, a function
+        ``(sample, *args) -> log density`` of the output ``sample``.
+
+    Raises:
+        NotImplementedError: if ``f`` is neither a distribution nor callable.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -98,7 +114,14 @@ def log_prob(f: Any) -> LogProbFunction:
 
 
 def joint_log_prob(f: Program) -> LogProbFunction:
-    """oryx's joint_log_prob: `log_prob(joint_sample(f))`.
+    """oryx's joint_log_prob: ``log_prob(joint_sample(f))``.
+
+    Args:
+        f: a program ``f(key, *args)`` whose draws are named by ``random_variable``.
+
+    Returns:
+        A function ``(latents, *args) -> joint log density``, where ``latents``
+        is ``{name: value}`` for every draw.
 
     Example:
         >>> from harvest.compat.oryx import ppl
@@ -111,7 +134,13 @@ def joint_log_prob(f: Program) -> LogProbFunction:
 
 
 def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
-    """oryx's trace: `(key, *args) -> (output, {name: random variable})`.
+    """oryx's trace: ``(key, *args) -> (output, {name: random variable})``.
+
+    Args:
+        f: a program ``f(key, *args)`` with named draws.
+
+    Returns:
+        A function with ``f``'s arguments returning ``(output, latents)``.
 
     Example:
         >>> import jax
@@ -124,7 +153,14 @@ def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
 
 
 def trace_log_prob(f: Program) -> LogProbFunction:
-    """oryx's trace_log_prob: `(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)`.
+    """oryx's trace_log_prob: ``(output, latents, *args) -> log_prob(trace(f))((output, latents), *args)``.
+
+    Args:
+        f: a program ``f(key, *args)`` with named draws.
+
+    Returns:
+        A function ``(output, latents, *args) -> log density`` of the output and
+        the draws together.
 
     Example:
         >>> from harvest.compat.oryx import ppl
@@ -154,7 +190,23 @@ def plate(f: Callable[P, R], name: str) -> Callable[P, R]: ...
 @overload
 def plate(f: None = None, *, name: str) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 def plate(f: Callable[..., Any] | None = None, name: str | None = None) -> Callable[..., Any]:
-    """oryx's plate: independent draws along the named axis `name`.
+    """oryx's plate: independent draws along the named axis ``name``.
+
+    Used as ``plate(f, name=...)`` or as the decorator ``@plate(name=...)``; run
+    the result under ``jax.vmap(..., axis_name=name)``.
+
+    Args:
+        f: the program ``f(key, *args)`` to draw independently per index of the
+            axis; omitted when ``plate`` is used as a decorator.
+        name: the named axis (as given to ``jax.vmap``'s ``axis_name``); each
+            index folds its position into the key, and ``log_prob`` sums the
+            densities over the axis.
+
+    Returns:
+        The plated program, or, without ``f``, a decorator that plates one.
+
+    Raises:
+        TypeError: if ``name`` is not a non-empty string.
 
     Example:
         >>> import jax
@@ -204,6 +256,20 @@ def _function_random_variable(f: Program, name: str | None, plate_name: str | No
 def random_variable(obj: Any, *, name: str | None = None, plate: str | None = None) -> Any:  # noqa: A002 (oryx's keyword)
     """oryx's random_variable: tags a value, or turns a distribution or function into a sampler.
 
+    Args:
+        obj: a TFP distribution (becomes a sampler ``key -> draw``), a function
+            (a program, whose output is tagged and whose inner names are scoped
+            under ``name``), or a value (tagged as it is).
+        name: the draw's name; None for an unnamed sampler (a value needs one).
+        plate: a named axis to draw independently along (see ``plate``).
+
+    Returns:
+        A sampler or program for a distribution or a function; the value itself
+        (or its planted replacement) for a value.
+
+    Raises:
+        ValueError: for a value given without ``name``, or with ``plate``.
+
     Example:
         >>> import jax
         >>> from harvest.compat.oryx import ppl
@@ -234,3 +300,52 @@ def random_variable(obj: Any, *, name: str | None = None, plate: str | None = No
 
 
 rv = random_variable
+
+
+def graph_replace(
+    f: Program, input_names: str | list[str], output_names: str | list[str]
+) -> Program:
+    """oryx's graph_replace: a program from ``input_names`` to ``output_names``.
+
+    As in oryx 0.2.9, the other draws are reaped and re-sown at the end of the
+    new program: still named, but no longer connected to what they fed.
+
+    Args:
+        f: the program ``f(key, *args)``.
+        input_names: the random variables that become inputs (after ``args``).
+        output_names: the random variables returned (one name: one value).
+
+    Returns:
+        The program ``g(key, *args, *inputs)``.
+
+    Example:
+        >>> import jax
+        >>> from harvest.compat.oryx import ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> def chain(key):
+        ...     k1, k2 = jax.random.split(key)
+        ...     z = ppl.random_variable(tfp.distributions.Normal(0.0, 1.0), name="z")(k1)
+        ...     return ppl.random_variable(tfp.distributions.Normal(z, 1.0), name="x")(k2)
+        >>> ppl.log_prob(ppl.graph_replace(chain, "z", "x"))(5.0, 5.0)
+        Array(-0.9189385, dtype=float32)
+    """
+    single = isinstance(output_names, str)
+    outputs = (output_names,) if isinstance(output_names, str) else tuple(output_names)
+    given = _ppl.conditional(f, input_names)
+
+    def replaced(*args: Any, **kwargs: Any) -> Any:
+        draws = _ppl.joint_sample(given)(*args, **kwargs)
+        missing = [n for n in outputs if n not in draws]
+        if missing:
+            raise KeyError(
+                f"graph_replace: {', '.join(missing)} are not random variables of the "
+                f"program (or are among its inputs). Its random variables are: "
+                f"{', '.join(sorted(draws)) or 'none'}."
+            )
+        for name, value in draws.items():
+            if name not in outputs:
+                sow(value, tag=RANDOM_VARIABLE, name=name, mode="strict")
+        values = [draws[n] for n in outputs]
+        return values[0] if single else values
+
+    return replaced

@@ -1,0 +1,214 @@
+"""Third-party models: reaping a Penzai and a Gemma transformer against their jitted forward.
+
+    python -m benchmarks --only models [--quick]
+
+For each model (random weights, built from the library's own config), the
+capture is `reap` of `instrument(model, attention=True)` restricted (`where`)
+to every block output and every attention hook; the reference is the model's
+forward under `jax.jit`. Three ratios of medians, ours over the reference,
+each pair timed interleaved in one run:
+
+* steady: the eager capture called again and again (cached), vs the jitted forward
+  with the weights as arguments (Penzai: `pz.freeze_variables(model)`, as the capture
+  traces them);
+* steady, inside `jax.jit`: the capture jitted, vs the jitted forward taking the weights
+  as the capture does (Penzai: closed over, as constants);
+* first call: both after `jax.clear_caches()` (trace and compile).
+
+The Gemma row is left out, with the reason, where the `gemma` library does not
+import (it is not in harvest's test extras).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harvest import instrument, reap
+
+from . import _timing
+
+HEADING = "## Third-party models: Penzai and Gemma"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    width: int = 64
+    heads: int = 4
+    blocks: int = 4
+    positions: int = 32
+    calls: int = 20  # back-to-back calls per timing
+    repeats: int = 9  # timings per side
+    first_repeats: int = 3
+
+
+QUICK = Config(width=8, heads=2, blocks=1, positions=4, calls=2, repeats=2, first_repeats=1)
+
+
+def penzai_case(cfg: Config):
+    """((forward, forward on closed-over weights), capture, args) for a llama-like Penzai transformer."""
+    from penzai import pz
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=cfg.heads,
+        query_head_multiplier=1,
+        embedding_dim=cfg.width,
+        projection_dim=cfg.width // cfg.heads,
+        mlp_hidden_dim=4 * cfg.width,
+        num_decoder_blocks=cfg.blocks,
+        vocab_size=97,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+    )
+    model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    tokens = pz.nx.wrap(jnp.arange(cfg.positions)[None] % 97, "batch", "seq")
+    blocks = [f"body.sublayers.{i + 1}" for i in range(cfg.blocks)]
+    probed = instrument(model, attention=True, where=[*blocks, "*.hook_*"])
+    frozen = pz.freeze_variables(
+        model
+    )  # the weights as arguments, as the eager capture traces them
+    with_args = jax.jit(lambda m, t: m(t).data_array)
+    closed = jax.jit(lambda t: model(t).data_array)  # as the jitted capture sees them: constants
+    forwards = (lambda: with_args(frozen, tokens)), (lambda: closed(tokens))
+    return forwards, reap(probed, tag="modules"), (tokens,)
+
+
+def import_gemma():
+    """`gemma`'s model API (`gm`, its config and modules), importing with TensorFlow absent.
+
+    `kauldron.typing`, which gemma's modules import, reads `tensorflow.Tensor` at
+    import time to build its TensorFlow array aliases, and nothing else of it on
+    the way to a model. TensorFlow (1.9 GB) is not in harvest's extras, so while
+    gemma is imported a module holding a bare `Tensor` class stands in for it;
+    it is taken out of `sys.modules` after, so nothing else sees it. (This patches
+    no JAX private: gemma 3.3.0 imports and runs on JAX 0.10.2 as it is.)
+    """
+    import importlib.util
+    import sys
+    import types
+
+    stub = None
+    if "tensorflow" not in sys.modules and importlib.util.find_spec("tensorflow") is None:
+        stub = types.ModuleType("tensorflow")
+        stub.Tensor = type("Tensor", (), {})  # type: ignore[attr-defined]
+        sys.modules["tensorflow"] = stub
+    try:
+        from gemma import gm
+        from gemma.gm.nn import _config, _modules
+
+        gm.nn.Transformer  # noqa: B018  (gemma's API is imported lazily: load it now)
+    finally:
+        if stub is not None and sys.modules.get("tensorflow") is stub:
+            del sys.modules["tensorflow"]
+    return gm, _config, _modules
+
+
+def gemma_case(cfg: Config):
+    """((forward, forward), capture, args) for a tiny Gemma 3 transformer (`gemma` library)."""
+    gm, _config, _modules = import_gemma()
+
+    config = _config.TransformerConfig(
+        num_embed=97,
+        embed_dim=cfg.width,
+        hidden_dim=4 * cfg.width,
+        num_heads=cfg.heads,
+        head_dim=cfg.width // cfg.heads,
+        num_kv_heads=cfg.heads,
+        final_logit_softcap=None,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        attention_types=(_modules.AttentionType.GLOBAL,) * cfg.blocks,
+    )
+    model = gm.nn.Transformer(config=config, dtype=jnp.float32)
+    tokens = jnp.arange(cfg.positions)[None] % 97
+    params = model.init(jax.random.key(0), tokens)
+    apply = lambda p, t: model.apply(p, t).logits
+    blocks = [f"layer_{i}" for i in range(cfg.blocks)]
+    probed = instrument(apply, attention=True, where=[*blocks, "*.hook_*"])
+    forward = jax.jit(apply)
+    forwards = (lambda: forward(params, tokens),) * 2  # the jitted capture takes params too
+    return forwards, reap(probed, tag="modules"), (params, tokens)
+
+
+CASES = {"penzai": penzai_case, "gemma": gemma_case}
+
+
+def measure(name: str, build, cfg: Config) -> dict:
+    (forward, forward_closed), capture, args = build(cfg)
+    reaped = capture(*args)  # compiles (each side compiles before it is timed)
+    _timing.block((forward(), forward_closed()))
+    hooks = sum(1 for n in reaped if ".hook_" in n)
+    assert hooks == 5 * cfg.blocks, sorted(reaped)
+    jitted = jax.jit(capture)
+    np.testing.assert_allclose(
+        np.asarray(jax.tree.leaves(jitted(*args))[0]),
+        np.asarray(jax.tree.leaves(reaped)[0]),
+        1e-5,
+        1e-5,
+    )
+    steady = _timing.ratio(lambda: capture(*args), forward, cfg.repeats, cfg.calls)[0]
+    inside = _timing.ratio(lambda: jitted(*args), forward_closed, cfg.repeats, cfg.calls)[0]
+    rebuilt = build(cfg)  # fresh functions for the first call
+    first = _timing.ratio(
+        lambda: rebuilt[1](*rebuilt[2]), rebuilt[0][0], cfg.first_repeats, setup=jax.clear_caches
+    )[0]
+    return {
+        "model": name,
+        "sites": len(reaped),
+        "hooks": hooks,
+        "steady": steady,
+        "steady_jit": inside,
+        "first": first,
+        "skipped": None,
+    }
+
+
+def run(cfg: Config = Config()) -> list[dict]:
+    """Times every model that imports here; a model that does not is a row with the reason."""
+    rows = []
+    for name, build in CASES.items():
+        try:
+            rows.append(measure(name, build, cfg))
+        except ImportError as error:
+            rows.append({"model": name, "skipped": f"does not import here ({error})"})
+    for r in rows:
+        print(
+            f"models, {r['model']}: "
+            + (
+                r["skipped"]
+                or f"steady {r['steady']:.3g}, in jit {r['steady_jit']:.3g}, first {r['first']:.3g}"
+            )
+        )
+    return rows
+
+
+def render(rows: list[dict]) -> list[str]:
+    lines = [
+        HEADING,
+        "",
+        "`benchmarks/bench_models.py`: `reap` of `instrument(model, attention=True)` restricted to every",
+        "block output and every attention hook (`hook_q/k/v/z/pattern`), against the model's forward",
+        "under `jax.jit`. Ratios of medians, ours over the jitted forward, timed interleaved.",
+        "",
+        "| model | sites (hooks) | steady | steady, inside `jax.jit` | first call |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["skipped"]:
+            lines.append(f"| {r['model']} | — | {r['skipped']} | | |")
+        else:
+            lines.append(
+                f"| {r['model']} | {r['sites']} ({r['hooks']}) | {r['steady']:.3f} | "
+                f"{r['steady_jit']:.3f} | {r['first']:.3f} |"
+            )
+    lines += [
+        "",
+        "The eager capture of a Penzai model freezes its variables on every call (so a changed",
+        "parameter is seen), a Python walk over the layer tree the jitted forward does not make;",
+        "inside `jax.jit` that walk happens once, at trace time.",
+    ]
+    return lines

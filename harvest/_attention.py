@@ -1,0 +1,424 @@
+"""TransformerLens's hook names on attention modules of known kinds (`instrument(..., attention=True)`).
+
+Each attention module at `path` gets five sites, whatever library it comes from:
+
+* `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
+  `[..., seq, heads, d_head]`, as the attention product receives them
+  (before any rotary embedding, for the libraries that apply it inside the
+  module: Gemma's and Penzai's llama-like layers);
+* `path.hook_pattern`: the attention weights after softmax (before dropout),
+  `[..., heads, q_pos, k_pos]`;
+* `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
+  before the output projection.
+
+A hook is sown in that layout and converted back to the library's own layout
+after (a transpose or reshape: no arithmetic), so a plant there changes
+exactly what the module computes with. Flax's attentions (NNX, Linen) get
+their `attention_fn` replaced for the length of the call by one that computes
+the same product in the open; Equinox's `MultiheadAttention` is run by the
+forward below, written from its definition; Penzai's `pz.nn.Attention` and
+Gemma's `Attention` are read at their sublayers' outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+
+
+def is_attention(module: Any) -> bool:
+    """Whether `instrument(attention=True)` hooks `module` (a submodule of a module target)."""
+    return (
+        flax_kind(module) is not None
+        or is_equinox_attention(module)
+        or bool(penzai_attention_paths([("", module)]))
+    )
+
+
+def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
+    """`value`, sown as `name` in TransformerLens's layout (`to_view`) and brought back."""
+    if not call.select((name,)):
+        return value
+    view = value if to_view is None else to_view(value)
+    sown = call.sow(name, view)
+    return sown if from_view is None else from_view(sown)
+
+
+# ---------------------------------------------------------------------------
+# Flax: NNX `MultiHeadAttention`, Linen `MultiHeadDotProductAttention`.
+
+
+def flax_kind(module: Any) -> str | None:
+    """ "nnx" or "linen" for Flax's attention modules, else None."""
+    try:
+        from flax import linen, nnx
+    except ImportError:  # Flax is optional
+        return None
+    if isinstance(module, nnx.MultiHeadAttention):
+        return "nnx"
+    if isinstance(module, linen.MultiHeadDotProductAttention):
+        return "linen"
+    return None
+
+
+@contextlib.contextmanager
+def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
+    """For the length of the block, `module.attention_fn` sows the five hooks."""
+    from flax import linen
+    from flax.nnx.nn import attention as nnx_attention
+
+    default = (
+        linen.dot_product_attention if kind == "linen" else nnx_attention.dot_product_attention
+    )
+    original = module.attention_fn
+    if getattr(original, "__wrapped__", None) is default:  # already hooked (a nested call)
+        yield
+        return
+    if original is not default:
+        raise _errors_custom_attention_fn(path, type(module).__name__)
+    hooked = _linen_attention(call, path) if kind == "linen" else _nnx_attention(call, path)
+    thread = threading.get_ident()
+
+    @functools.wraps(original)
+    def attention_fn(*args, **kwargs):
+        # An NNX module is shared: another thread calling it meanwhile gets Flax's own.
+        run = hooked if threading.get_ident() == thread else original
+        return run(*args, **kwargs)
+
+    # A Flax module is frozen (Linen) or checks its attributes (NNX): set past both, and put back.
+    object.__setattr__(module, "attention_fn", attention_fn)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "attention_fn", original)
+
+
+def _qkv(call: Any, path: str, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+    return (
+        _hook(call, f"{path}.hook_q", query),
+        _hook(call, f"{path}.hook_k", key),
+        _hook(call, f"{path}.hook_v", value),
+    )
+
+
+def _dropout(weights, rng, rate, broadcast, ndim, dtype):
+    """Flax's attention dropout, as `dot_product_attention_weights` applies it."""
+    keep_prob = 1.0 - rate
+    shape = tuple([1] * (ndim - 2)) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
+    return weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+
+
+def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
+    from flax import linen
+    from flax.linen.dtypes import promote_dtype
+
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        force_fp32_for_softmax=False,
+        einsum_dot_general=None,
+        qk_attn_weights_einsum=None,
+        attn_weights_value_einsum=None,
+    ):
+        query, key, value = promote_dtype(query, key, value, dtype=dtype)
+        query, key, value = _qkv(call, path, query, key, value)
+        weights = linen.dot_product_attention_weights(
+            query,
+            key,
+            bias,
+            mask,
+            broadcast_dropout,
+            dropout_rng,
+            0.0,  # dropout comes after the pattern hook
+            True,
+            query.dtype,
+            precision,
+            module,
+            force_fp32_for_softmax,
+            einsum_dot_general=einsum_dot_general,
+            einsum=qk_attn_weights_einsum,
+        )
+        weights = _hook(call, f"{path}.hook_pattern", weights)
+        if not deterministic and dropout_rate > 0.0:
+            weights = _dropout(
+                weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
+            )
+        einsum = attn_weights_value_einsum or functools.partial(
+            jnp.einsum, precision=precision, _dot_general=einsum_dot_general or jax.lax.dot_general
+        )
+        return _hook(call, f"{path}.hook_z", einsum("...hqk,...khd->...qhd", weights, value))
+
+    return attention_fn
+
+
+def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
+    from flax.nnx.nn import attention as nnx_attention, dtypes
+
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        promote_dtype=dtypes.promote_dtype,
+        is_causal=False,
+    ):
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        query, key, value = _qkv(call, path, query, key, value)
+        # Flax's unfused path (its fused one never forms the pattern).
+        weights = nnx_attention.dot_product_attention_weights(
+            query,
+            key,
+            bias,
+            mask,
+            broadcast_dropout,
+            dropout_rng,
+            0.0,
+            True,
+            query.dtype,
+            precision,
+            module,
+            promote_dtype,
+            is_causal,
+        )
+        weights = _hook(call, f"{path}.hook_pattern", weights)
+        if not deterministic and dropout_rate > 0.0:
+            weights = _dropout(
+                weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
+            )
+        if (
+            weights.shape[-3] != value.shape[-2]
+        ):  # grouped-query attention: each value head serves a group
+            value = jnp.repeat(value, weights.shape[-3] // value.shape[-2], axis=-2)
+        z = jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+        return _hook(call, f"{path}.hook_z", z)
+
+    return attention_fn
+
+
+def _errors_custom_attention_fn(path: str, cls: str) -> TypeError:
+    from . import _errors
+
+    return _errors.custom_attention_fn(path, cls)
+
+
+# ---------------------------------------------------------------------------
+# Equinox `MultiheadAttention`: its forward, with the hooks.
+
+
+def is_equinox_attention(module: Any) -> bool:
+    try:
+        import equinox
+    except ImportError:  # Equinox is optional
+        return False
+    return isinstance(module, equinox.nn.MultiheadAttention)
+
+
+def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict) -> Any:
+    """`module(*args, **kwargs)` computed as Equinox 0.13's `MultiheadAttention.__call__` does,
+    with the hooks sown on the way (per-head work vmapped over heads, as there)."""
+    from equinox.nn._attention import dot_product_attention_weights
+
+    query, key_, value, mask = (*args, None)[:4] if len(args) < 4 else args[:4]
+    mask = kwargs.pop("mask", mask)
+    key = kwargs.pop("key", None)
+    inference = kwargs.pop("inference", None)
+    if kwargs.pop("deterministic", None) is not None:
+        inference = True if inference is None else inference
+    process_heads = kwargs.pop("process_heads", None)
+    if kwargs:
+        raise TypeError(f"MultiheadAttention got unexpected arguments {sorted(kwargs)}.")
+    seq = query.shape[0]
+    q = _hook(call, f"{path}.hook_q", module._project(module.query_proj, query))
+    k = _hook(call, f"{path}.hook_k", module._project(module.key_proj, key_))
+    v = _hook(call, f"{path}.hook_v", module._project(module.value_proj, value))
+    if process_heads is not None:
+        shapes = (q.shape, k.shape, v.shape)
+        q, k, v = process_heads(q, k, v)
+        if (q.shape, k.shape, v.shape) != shapes:
+            raise ValueError("process_heads must not change the shape of the heads.")
+    mask_axis = 0 if mask is not None and mask.ndim == 3 else None
+    weights = jax.vmap(dot_product_attention_weights, in_axes=(1, 1, mask_axis))(q, k, mask)
+    weights = _hook(call, f"{path}.hook_pattern", weights)  # [heads, q_pos, k_pos]
+    if module.dropout is not None:
+        keys = None if key is None else jax.random.split(key, q.shape[1])
+        drop = lambda w, k_: module.dropout(w, key=k_, inference=inference)
+        weights = jax.vmap(drop, in_axes=(0, None if keys is None else 0))(weights, keys)
+    per_head = lambda w, v_: jnp.einsum("sS,Sd->sd", w, v_)
+    z = jax.vmap(per_head, in_axes=(0, 1), out_axes=1)(weights, v)
+    z = _hook(call, f"{path}.hook_z", z)
+    return jax.vmap(module.output_proj)(z.reshape(seq, -1))
+
+
+# ---------------------------------------------------------------------------
+# Penzai `pz.nn.Attention`: hooks at its sublayers' outputs (named axes).
+
+_SEQ, _KV_SEQ, _PROJECTION = "seq", "kv_seq", "projection"
+_HEAD_AXES = ("heads", "head_groups", "query_heads_per_group")  # Penzai's own names
+
+
+def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
+    try:
+        from penzai.nn.attention import Attention
+    except ImportError:  # Penzai is optional
+        return frozenset()
+    return frozenset(p for p, m in parts if type(m) is Attention)
+
+
+def penzai_hook(call: Any, path: str, value: Any) -> Any:
+    """`value` (the output of the sublayer at `path`), hooked if `path` is one of an attention's parts."""
+    parent, _, leaf = path.rpartition(".")
+    which = {
+        "input_to_query": "hook_q",
+        "input_to_key": "hook_k",
+        "input_to_value": "hook_v",
+        "query_key_to_attn": "hook_pattern",
+    }.get(leaf)
+    if which is None and path.endswith(".attn_value_to_output.sublayers.0"):
+        parent, which = path[: -len(".attn_value_to_output.sublayers.0")], "hook_z"
+    if which is None or parent not in call.attention_paths:
+        return value
+    from penzai import pz
+
+    names = list(value.named_shape)
+    heads = [n for n in _HEAD_AXES if n in names]
+    inner = [_SEQ, _KV_SEQ] if which == "hook_pattern" else [_SEQ, _PROJECTION]
+    if not heads or any(n not in names for n in inner):
+        from . import _errors
+
+        raise _errors.penzai_attention_axes(parent, which, value.named_shape)
+    batch = [n for n in names if n not in heads and n not in inner]
+    order = (
+        [*batch, *heads, *inner] if which == "hook_pattern" else [*batch, _SEQ, *heads, _PROJECTION]
+    )
+    at = len(batch) + (0 if which == "hook_pattern" else 1)
+    head_sizes = [value.named_shape[n] for n in heads]
+
+    def to_view(named):
+        data = named.order_as(*order).unwrap(*order)
+        return data.reshape(data.shape[:at] + (-1,) + data.shape[at + len(heads) :])
+
+    def from_view(data):
+        split = data.reshape(data.shape[:at] + tuple(head_sizes) + data.shape[at + 1 :])
+        return pz.nx.wrap(split, *order)
+
+    return _hook(call, f"{parent}.{which}", value, to_view, from_view)
+
+
+# ---------------------------------------------------------------------------
+# Gemma's `Attention` (Linen): hooks at its submodules' inputs and outputs.
+
+
+def is_gemma_attention(module: Any) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Attention" and cls.__module__.startswith("gemma.")
+
+
+def gemma_output_hook(call: Any, path: str, name: str, out: Any) -> Any:
+    """The output of the submodule `name` of the Gemma attention at `path`, hooked."""
+    if name == "qkv_einsum":  # [3, B, T, N, H]
+        q, k, v = (_hook(call, f"{path}.hook_{n}", out[i]) for i, n in enumerate("qkv"))
+        return jnp.stack([q, k, v])
+    if name == "q_einsum":
+        return _hook(call, f"{path}.hook_q", out)
+    if name == "kv_einsum":  # [2, B, S, K, H]
+        k, v = _hook(call, f"{path}.hook_k", out[0]), _hook(call, f"{path}.hook_v", out[1])
+        return jnp.stack([k, v])
+    if name == "attention_weights":  # [B, T, N, S]: the pattern wants [B, N, T, S]
+        swap = lambda a: jnp.swapaxes(a, -3, -2)
+        return _hook(call, f"{path}.hook_pattern", out, swap, swap)
+    return out
+
+
+def gemma_input_hook(call: Any, path: str, name: str, args: tuple) -> tuple:
+    """The arguments of the submodule `name` of the Gemma attention at `path`, hooked:
+    `attn_vec_einsum(eqn, z)` receives z, [B, T, N, H]."""
+    if name != "attn_vec_einsum" or len(args) < 2:
+        return args
+    return (args[0], _hook(call, f"{path}.hook_z", args[1]), *args[2:])
+
+
+# ---------------------------------------------------------------------------
+# Sweeps over heads: which axis is which, and axes that would sweep features.
+
+_HEAD_SHAPED = {"hook_q", "hook_k", "hook_v", "hook_z"}  # [..., seq, heads, d_head]
+_LABELS = {
+    "head_shaped": {-3: "position", -2: "head", -1: "d_head"},
+    "hook_pattern": {-3: "head", -2: "query position", -1: "key position"},
+}
+# Equinox's MultiheadAttention projects to, and from, every head's features merged.
+_MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
+_MERGED_IN = {".output_proj:in": "hook_z"}
+
+
+def _family(name: str) -> str | None:
+    leaf = name.rpartition(".")[2]
+    if leaf in _HEAD_SHAPED:
+        return "head_shaped"
+    return "hook_pattern" if leaf == "hook_pattern" else None
+
+
+def _ndim(value: Any) -> int:
+    return int(jnp.ndim(jax.tree_util.tree_leaves(value)[0]))
+
+
+def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None) -> None:
+    """Raises if a sweep's `axes` would index merged head features, or a hook's d_head axis.
+
+    `swept` holds (name, one occurrence's value) for each swept site.
+    """
+    if axes is None:
+        return
+    from . import _errors
+
+    for name, value in swept:
+        ndim = _ndim(value)
+        negative = {a - ndim if a >= 0 else a for a in axes}
+        hook = next((h for s, h in {**_MERGED, **_MERGED_IN}.items() if name.endswith(s)), None)
+        if hook is not None and -1 in negative:
+            base = name.removesuffix(":in").rpartition(".")[0]
+            raise _errors.merged_head_axis(name, axes, f"{base}.{hook}")
+        if _family(name) == "head_shaped" and -1 in negative:
+            raise _errors.d_head_axis(name, axes)
+
+
+def axis_labels(
+    swept: list[tuple[str, Any]], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """What each swept axis is ("head", "position", ...) when every swept site is one kind of
+    hook, else None."""
+    if axes is None or not swept:
+        return None
+    families = {_family(n) for n, _ in swept}
+    ndims = {_ndim(v) for _, v in swept}
+    if len(families) != 1 or None in families or len(ndims) != 1:
+        return None
+    table, ndim = _LABELS[families.pop() or ""], ndims.pop()
+    labels = [table.get(a - ndim if a >= 0 else a) for a in axes]
+    return None if None in labels else tuple(str(label) for label in labels)

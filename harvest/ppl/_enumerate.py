@@ -1,0 +1,102 @@
+"""Discrete latents summed out by enumeration, so the scores are of the continuous rest.
+
+A draw made with `random_variable(..., enumerate=True)` (a `Bernoulli` or a
+`Categorical`, whose number of categories is static) also sows, under
+`ENUMERATED`, a marker shaped `batch shape + (number of categories,)`. When a
+score (`joint_log_prob`, `unconstrained`) finds such a draw without a value,
+it computes the program's densities once per value of the support, all at
+once under `vmap`, and sums the draw out with a log-sum-exp:
+
+* scalar enumerated draws (any number of them) are enumerated jointly, over
+  the product of their supports;
+* one enumerated draw with a batch shape `B` (a per-point assignment, as in a
+  mixture) is enumerated element by element: the elements are independent
+  draws, each density of shape `B` is taken as the factor of the matching
+  element (the mixture's likelihood), and a density of any other shape must
+  not depend on the draw. If it does, the result is NaN (the sum would not
+  factor by element).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _errors
+from .._sow import sow
+from .._typing import Reaped
+from ._names import leaf_paths, nested
+from ._tags import ENUMERATED
+
+ENUMERABLE = ("Bernoulli", "Categorical")
+# The joint support of scalar enumerated draws is enumerated at once; beyond this many
+# assignments, a model should marginalise by hand.
+MAX_ASSIGNMENTS = 4096
+
+
+def sow_support(dist: Any, name: str) -> None:
+    """Files the marker of an enumerated draw: shape `batch shape + (support size,)`."""
+    size = 2 if type(dist).__name__ == "Bernoulli" else dist.probs_parameter().shape[-1]
+    marker = jnp.zeros((*dist.batch_shape, size), dist.dtype)  # carries the draw's dtype
+    sow(marker, tag=ENUMERATED, name=name, mode="strict")
+
+
+Support = tuple[int, tuple[int, ...], Any]  # (size, batch shape, dtype)
+
+
+def supports(markers: Reaped, names: set[str]) -> dict[str, Support]:
+    """`{name: (support size, batch shape, dtype)}` for the enumerated draws among `names`."""
+    flat = dict(zip(leaf_paths(markers), jax.tree_util.tree_leaves(markers)))
+    return {
+        n: (flat[n].shape[-1], tuple(flat[n].shape[:-1]), flat[n].dtype)
+        for n in sorted(names & set(flat))
+    }
+
+
+def _leaves(densities: Reaped) -> list[jax.Array]:
+    out: list[jax.Array] = []
+    for value in densities.values():
+        if isinstance(value, dict):
+            out += _leaves(value)
+        elif isinstance(value, tuple):
+            out += [jnp.asarray(density) for density, _ in value]
+        else:
+            out.append(jnp.asarray(value))
+    return out
+
+
+def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]) -> jax.Array:
+    """The log of the sum, over every value of the `enumerated` draws, of the exp of
+    the densities `densities(values of the enumerated draws)` (a reap of them)."""
+    names = list(enumerated)
+    batched = [n for n in names if enumerated[n][1]]
+    if not batched:
+        grid = list(itertools.product(*(range(enumerated[n][0]) for n in names)))
+        if len(grid) > MAX_ASSIGNMENTS:
+            raise _errors.ppl_enumeration_too_large(names, len(grid), MAX_ASSIGNMENTS)
+        assignments = jnp.asarray(grid, jnp.int32)
+
+        def total(assignment: jax.Array) -> jax.Array:
+            dtypes = [enumerated[n][2] for n in names]
+            values = nested(names, [a.astype(t) for a, t in zip(assignment, dtypes)])
+            return sum((jnp.sum(d) for d in _leaves(densities(values))), jnp.zeros(()))
+
+        return jax.nn.logsumexp(jax.vmap(total)(assignments))
+    if len(names) > 1:
+        raise _errors.ppl_enumeration_mixed(names)
+    name = names[0]
+    size, batch, dtype = enumerated[name]
+
+    def per_value(k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
+        aligned = sum((d for d in found if d.shape == batch), jnp.zeros(batch))
+        rest = sum((jnp.sum(d) for d in found if d.shape != batch), jnp.zeros(()))
+        return aligned, rest
+
+    aligned, rest = jax.vmap(per_value)(jnp.arange(size))
+    factored = jnp.all(rest == rest[0])
+    return jnp.where(factored, jnp.sum(jax.nn.logsumexp(aligned, axis=0)) + rest[0], jnp.nan)

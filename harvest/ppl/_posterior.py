@@ -1,0 +1,282 @@
+"""`sample_posterior`: NUTS or HMC from BlackJAX on a program's unconstrained density.
+
+harvest owns the program side (which draws are free under `observed`,
+`intervene`, `conditional`, `block`; the map onto each support; the
+deterministic sites); BlackJAX owns the sampler and its warmup (Stan's window
+adaptation of the step size and a diagonal mass matrix), ArviZ the
+diagnostics. Chains run side by side under `vmap`, each with its own warmup,
+and warmup, sampling and the map back to the model's values are one compiled
+program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _errors
+from .._typing import Reaped
+from ._unconstrained import unconstrained
+
+KERNELS = ("nuts", "hmc")
+
+
+def _require(module: str, what: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise _errors.ppl_needs_extra(module, what) from error
+
+
+@dataclasses.dataclass(frozen=True)
+class Posterior:
+    """Draws from a program's posterior, as ``sample_posterior`` returns them.
+
+    Attributes:
+        samples: ``{name: array [chains, draws, ...]}``: every free random
+            variable in the model's own (constrained) space and every
+            ``deterministic`` site. Scoped names are nested dicts.
+        log_density: ``[chains, draws]``: the unconstrained log density of
+            each draw (the model's log joint plus the log-Jacobian).
+        unconstrained: ``{name: array [chains, draws, ...]}``: the draws as the
+            sampler saw them.
+        diverging: ``[chains, draws]``: whether the transition diverged.
+        acceptance_rate: ``[chains, draws]``: the transition's mean acceptance.
+        step_size: ``[chains]``: each chain's step size after warmup.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import harvest.ppl as ppl
+        >>> draws = jax.random.normal(jax.random.key(0), (2, 500))  # two chains of N(0, 1)
+        >>> zeros = jnp.zeros((2, 500))
+        >>> posterior = ppl.Posterior({"z": draws}, zeros, {"z": draws}, zeros > 0, zeros,
+        ...                           jnp.ones(2))
+        >>> table = posterior.summary(quantiles=(0.5,))
+        >>> list(table.columns)
+        ['mean', 'sd', '50%', 'r_hat', 'ess_bulk', 'ess_tail', 'mcse_mean']
+        >>> bool(table.loc["z", "r_hat"] < 1.02)
+        True
+    """
+
+    samples: Reaped
+    log_density: jax.Array
+    unconstrained: Reaped
+    diverging: jax.Array
+    acceptance_rate: jax.Array
+    step_size: jax.Array
+
+    def to_arviz(self) -> Any:
+        """The draws as an ``arviz.InferenceData`` (``posterior`` and ``sample_stats`` groups).
+
+        Returns:
+            ``arviz.InferenceData`` with every site of ``samples`` (scoped
+            names dotted) and the sample statistics ``lp``, ``diverging``,
+            ``acceptance_rate``.
+
+        Raises:
+            ImportError: if ArviZ is not installed (``pip install 'jax-harvest[infer]'``).
+        """
+        az = _require("arviz", "Posterior.to_arviz")
+        posterior = {name: _numpy(v) for name, v in _flat(self.samples).items()}
+        stats = {
+            "lp": _numpy(self.log_density),
+            "diverging": _numpy(self.diverging),
+            "acceptance_rate": _numpy(self.acceptance_rate),
+        }
+        return az.from_dict(posterior=posterior, sample_stats=stats)
+
+    def summary(self, quantiles: Sequence[float] = (0.05, 0.5, 0.95)) -> Any:
+        """A table of each site's posterior: mean, sd, quantiles, R-hat, bulk and tail ESS.
+
+        R-hat is ArviZ's rank-normalised split R-hat and the effective sample
+        sizes are its bulk and tail ESS (Vehtari et al. 2021). Each element of
+        an array-valued site is a row, named as ArviZ names it
+        (``theta[0]``).
+
+        Args:
+            quantiles: the posterior quantiles to report, each in [0, 1].
+
+        Returns:
+            A ``pandas.DataFrame``, one row per scalar element of each site,
+            with columns ``mean``, ``sd``, one per quantile (``5%``...),
+            ``r_hat``, ``ess_bulk``, ``ess_tail`` and ``mcse_mean``.
+
+        Raises:
+            ImportError: if ArviZ is not installed.
+        """
+        az = _require("arviz", "Posterior.summary")
+        data = self.to_arviz()
+        table = az.summary(data, kind="all", hdi_prob=0.9)
+        table = table[["mean", "sd", "mcse_mean", "ess_bulk", "ess_tail", "r_hat"]]
+        stacked = data.posterior.stack(sample=("chain", "draw"))
+        for q in quantiles:
+            column = []
+            for row in table.index:
+                name, index = _row_site(row)
+                values = stacked[name].values
+                column.append(float(jnp.quantile(values[index] if index else values, q)))
+            table[f"{100 * q:g}%"] = column
+        return table[
+            [
+                "mean",
+                "sd",
+                *[f"{100 * q:g}%" for q in quantiles],
+                "r_hat",
+                "ess_bulk",
+                "ess_tail",
+                "mcse_mean",
+            ]
+        ]
+
+
+def _row_site(row: str) -> tuple[str, tuple[int, ...]]:
+    """ArviZ's row label `theta[0, 1]` as (`theta`, (0, 1))."""
+    if "[" not in row:
+        return row, ()
+    name, rest = row.split("[", 1)
+    return name, tuple(int(i) for i in rest.rstrip("]").split(","))
+
+
+def _numpy(x: Any) -> Any:
+    import numpy as np
+
+    return np.asarray(x)
+
+
+def _flat(tree: Reaped, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def sample_posterior(
+    model: Callable[..., Any],
+    key: jax.Array,
+    *args: Any,
+    observed: Mapping[str, Any] | None = None,
+    num_samples: int = 1000,
+    num_warmup: int = 1000,
+    num_chains: int = 4,
+    kernel: str = "nuts",
+    num_integration_steps: int = 16,
+    target_acceptance_rate: float = 0.8,
+    progress: bool = False,
+) -> Posterior:
+    """Samples the posterior of the program ``model`` given ``observed``, with BlackJAX.
+
+    The sampler runs on ``unconstrained(model, observed).log_density``, so
+    every transformation composes: ``sample_posterior(intervene(model, t=1.0),
+    ...)`` samples the posterior under ``do(t=1)``. Each chain starts from a
+    prior draw, adapts its step size and diagonal mass matrix by BlackJAX's
+    window adaptation for ``num_warmup`` steps, then draws ``num_samples``.
+
+    Args:
+        model: the program ``model(key, *args)``.
+        key: the PRNG key for the starts, the warmup and the draws.
+        *args: the program's own arguments, passed on to every evaluation.
+        observed: ``{name: value}``: the observed random variables.
+        num_samples: draws kept per chain.
+        num_warmup: adaptation steps per chain (discarded).
+        num_chains: independent chains, run side by side under ``vmap``.
+        kernel: ``"nuts"`` (``blackjax.nuts``) or ``"hmc"`` (``blackjax.hmc``,
+            with ``num_integration_steps`` leapfrog steps per transition).
+        num_integration_steps: HMC's trajectory length in steps (ignored by NUTS).
+        target_acceptance_rate: the acceptance rate the warmup tunes the step size for.
+        progress: print when warmup and sampling start and how far sampling got
+            (ten reports per run, from inside the compiled program).
+
+    Returns:
+        A ``Posterior``: ``samples`` (constrained, deterministic sites
+        included), ``log_density`` and per-draw statistics; ``summary()``
+        and ``to_arviz()`` use ArviZ.
+
+    Raises:
+        ValueError: for an unknown ``kernel``, a non-positive count, or a program with
+            nothing left to sample.
+        ImportError: if BlackJAX is not installed (``pip install 'jax-harvest[infer]'``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def model(key):
+        ...     k1, k2 = jax.random.split(key)
+        ...     mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k1)
+        ...     return ppl.random_variable(tfd.Sample(tfd.Normal(mu, 1.0), 3), name="y")(k2)
+        >>> posterior = ppl.sample_posterior(
+        ...     model, jax.random.key(0), observed={"y": jnp.array([1.0, 2.0, 3.0])},
+        ...     num_samples=200, num_warmup=200, num_chains=2)
+        >>> posterior.samples["mu"].shape
+        (2, 200)
+        >>> bool(abs(posterior.samples["mu"].mean() - 1.5) < 0.2)  # exact: N(1.5, 1/4)
+        True
+    """
+    blackjax = _require("blackjax", "sample_posterior")
+    if kernel not in KERNELS:
+        raise _errors.ppl_unknown_kernel(kernel, KERNELS)
+    for what, n in (
+        ("num_samples", num_samples),
+        ("num_warmup", num_warmup),
+        ("num_chains", num_chains),
+    ):
+        if not isinstance(n, int) or n < 1:
+            raise _errors.ppl_bad_count(what, n)
+    density = unconstrained(model, observed)
+    if not jax.eval_shape(density.init, key, *args):
+        raise _errors.ppl_nothing_to_sample()
+
+    def log_density(u: Reaped) -> jax.Array:
+        return density.log_density(u, *args)
+
+    algorithm = blackjax.nuts if kernel == "nuts" else blackjax.hmc
+    extra = {} if kernel == "nuts" else {"num_integration_steps": num_integration_steps}
+
+    def one_chain(chain_key: jax.Array) -> Any:
+        k_init, k_warm, k_draw = jax.random.split(chain_key, 3)
+        start = density.init(k_init, *args)
+        _report(progress, "warmup", 0, num_warmup)
+        warmup = blackjax.window_adaptation(
+            algorithm, log_density, target_acceptance_rate=target_acceptance_rate, **extra
+        )
+        (state, parameters), _ = warmup.run(k_warm, start, num_steps=num_warmup)
+        step = algorithm(log_density, **parameters).step
+
+        def transition(carry: Any, xs: Any) -> Any:
+            i, k = xs
+            new, info = step(k, carry)
+            _report(progress, "sampling", i + 1, num_samples)
+            return new, (new.position, new.logdensity, info.is_divergent, info.acceptance_rate)
+
+        xs = (jnp.arange(num_samples), jax.random.split(k_draw, num_samples))
+        _, (u, lp, diverging, accept) = jax.lax.scan(transition, state, xs)
+        values = jax.vmap(lambda v: density.constrain(v, *args))(u)
+        return values, u, lp, diverging, accept, parameters["step_size"]
+
+    run = jax.jit(jax.vmap(one_chain))
+    values, u, lp, diverging, accept, step_size = run(jax.random.split(key, num_chains))
+    return Posterior(values, lp, u, diverging, accept, step_size)
+
+
+def _report(progress: bool, phase: str, i: Any, total: int) -> None:
+    """From inside the compiled run: print `phase i/total` about ten times per phase."""
+    if not progress:
+        return
+    every = max(total // 10, 1)
+
+    def show(i: Any) -> None:
+        step = int(jnp.ravel(jnp.asarray(i))[0])
+        if step % every == 0 or step == total:
+            print(f"harvest.ppl.sample_posterior: {phase} {step}/{total}", flush=True)
+
+    jax.debug.callback(show, i)

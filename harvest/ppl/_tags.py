@@ -1,0 +1,90 @@
+"""The tags a probabilistic program sows under, and the switch `unconstrained` flips.
+
+This module is the bottom of `harvest.ppl`: every other module imports from it
+and it imports none of them.
+
+A draw made by `random_variable` sows its value under `RANDOM_VARIABLE` and
+the pair `(log density, value)` under `LOG_DENSITY`. While the unconstraining
+switch is on, a draw with continuous support is made as
+`value = bijector.forward(u)`, with `u` sown under `UNCONSTRAINED` and
+`log |d forward / du|` sown under `JACOBIAN`; `unconstrained` decides which of
+those count (only the draws that stay free). While the noise-explicit switch
+is on (for `counterfactual`), a draw is made from its exogenous noise, sown
+under `NOISE`, and the noise that explains the value taken is sown under
+`ABDUCED` (see `_mechanisms.py`). `block` re-sows the values it
+hides under `BLOCKED`, so the scoring transformations can tell whether a
+density depends on a hidden draw. `deterministic` sows under `DETERMINISTIC`.
+
+Each switch is a trace-state flag built like the core's own "a harvest is
+tracing" flag (`harvest._jax.trace_flag`): it is part of JAX's jit cache key,
+so a `jax.jit` helper inside the model that was traced with the switch off is
+traced afresh with it on, and the traces never mix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .. import _jax
+from .._sow import sow
+
+RANDOM_VARIABLE = "random_variable"
+LOG_DENSITY = "random_variable_log_density"
+DETERMINISTIC = "deterministic"
+UNCONSTRAINED = "random_variable_unconstrained"
+JACOBIAN = "random_variable_jacobian"
+BLOCKED = "random_variable_blocked"
+NOISE = "random_variable_noise"
+ABDUCED = "random_variable_abduced_noise"
+ENUMERATED = "random_variable_enumerated"
+TOTAL = "random_variable_total_log_density"
+
+_unconstraining = _jax.trace_flag(
+    "harvest_ppl_unconstraining",
+    "Set by harvest.ppl.unconstrained while it traces a program: draws go through R^n.",
+)
+
+
+def unconstraining() -> Any:
+    """A context in which `random_variable` draws continuous variables through `u`."""
+    return _unconstraining(True)
+
+
+def is_unconstraining() -> bool:
+    """Whether the unconstraining switch is on (inside `unconstraining()`)."""
+    return bool(_unconstraining.value)
+
+
+_noise_explicit = _jax.trace_flag(
+    "harvest_ppl_noise_explicit",
+    "Set by harvest.ppl.counterfactual while it traces a program: draws are made from noise.",
+)
+
+
+def noise_explicit() -> Any:
+    """A context in which `random_variable` draws through its mechanism (`_mechanisms.py`)."""
+    return _noise_explicit(True)
+
+
+def is_noise_explicit() -> bool:
+    """Whether the noise-explicit switch is on (inside `noise_explicit()`)."""
+    return bool(_noise_explicit.value)
+
+
+def sow_density(log_density: Any, value: Any, name: str) -> None:
+    """Files a log density (and the value it scores) for joint_log_prob and log_prob."""
+    sow((log_density, value), tag=LOG_DENSITY, name=name, mode="collect")
+
+
+def densities_of(reaped: dict[str, Any]) -> list[jax.Array]:
+    """The log densities in what a reap of `LOG_DENSITY` returned, flattened."""
+    out: list[jax.Array] = []
+    for value in reaped.values():
+        if isinstance(value, dict):
+            out += densities_of(value)
+        else:
+            out += [jnp.sum(density) for density, _ in value]
+    return out

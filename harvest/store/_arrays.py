@@ -1,0 +1,66 @@
+"""The storage engine: one zarr v3 array per site, through TensorStore.
+
+TensorStore was chosen over zarr-python by measurement (docs/guides/activation_store.md):
+its writes are asynchronous futures, its file driver writes each chunk whole
+(a temporary file, `fsync`, a rename: a killed writer leaves no torn chunk),
+and it reads and writes faster. The
+row axis is created with room for any number of batches (zarr stores no
+chunk that was never written) and trimmed to the rows written when a run ends.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from .. import _errors
+from ._manifest import SiteSpec
+
+# Rows the row axis can hold while a run is writing: far beyond any dataset,
+# and free, since zarr keeps only the chunks written.
+CAPACITY = 2**48
+
+
+def tensorstore() -> Any:
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise _errors.store_needs_tensorstore() from None
+    return ts
+
+
+def _spec(path: pathlib.Path, site: SiteSpec) -> dict[str, Any]:
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / site.key)}}
+
+
+def create(
+    path: pathlib.Path, site: SiteSpec, chunk: tuple[int, ...], codecs: list[dict[str, Any]] | None
+) -> None:
+    """Creates the array of `site` (replacing any there), chunked `chunk`."""
+    metadata: dict[str, Any] = {
+        "shape": [CAPACITY, *site.shape],
+        "data_type": site.dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+    }
+    if codecs is not None:
+        metadata["codecs"] = codecs
+    spec = {**_spec(path, site), "metadata": metadata, "create": True, "delete_existing": True}
+    tensorstore().open(spec).result()
+
+
+def exists(path: pathlib.Path, site: SiteSpec) -> bool:
+    return (path / site.key / "zarr.json").is_file()
+
+
+def open_array(path: pathlib.Path, site: SiteSpec, rows: int | None = None) -> Any:
+    """The array of `site`, its row axis cut to `rows` (None: as stored)."""
+    array = tensorstore().open({**_spec(path, site), "open": True}).result()
+    return array if rows is None else array[:rows]
+
+
+def resize(path: pathlib.Path, site: SiteSpec, rows: int) -> None:
+    """Sets the row axis to `rows`; only the metadata changes (no chunk is touched)."""
+    array = tensorstore().open({**_spec(path, site), "open": True}).result()
+    array.resize(
+        exclusive_max=[rows, *([None] * len(site.shape))], resize_metadata_only=True
+    ).result()

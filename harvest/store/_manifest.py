@@ -1,0 +1,126 @@
+"""The manifest: what a store holds, as JSON in the root group's `zarr.json`.
+
+The store's root directory is a zarr v3 group whose attributes carry, under
+`"harvest"`, everything needed to check a later `record` against it and to
+read it back: the tag, the row layout, each site's per-row shape and dtype and
+where its array lives, the number of batches written, and the harvest and JAX
+versions that wrote it. Plain JSON: opening a store runs nobody's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import urllib.parse
+from typing import Any
+
+from .. import _errors
+
+FORMAT = 1  # bumped when the layout changes incompatibly
+MANIFEST = "zarr.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteSpec:
+    """One recorded site: its per-row shape and dtype, and its array's directory."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    key: str
+
+    @staticmethod
+    def key_for(name: str) -> str:
+        # Site names are dotted paths; anything a file name cannot hold is escaped.
+        return urllib.parse.quote(name, safe="._-")
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """What a store holds. `batches` counts the batches a finished run wrote."""
+
+    tag: str
+    rows: str  # "examples" or "tokens"
+    rows_per_batch: int
+    sites: dict[str, SiteSpec]
+    function: str
+    versions: dict[str, str]
+    processes: int = 1  # how many processes wrote it (resume reads their progress)
+    batches: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["format"] = FORMAT
+        out["sites"] = {
+            name: {"shape": list(s.shape), "dtype": s.dtype, "key": s.key}
+            for name, s in self.sites.items()
+        }
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        sites = {
+            name: SiteSpec(tuple(s["shape"]), s["dtype"], s["key"])
+            for name, s in data["sites"].items()
+        }
+        fields = {f.name for f in dataclasses.fields(cls)} - {"sites"}
+        return cls(sites=sites, **{k: data[k] for k in fields})
+
+    def differences(self, other: Manifest) -> list[str]:
+        """How `other` (a new run's) disagrees with this (the stored) manifest."""
+        out = [
+            f"{what} {mine!r} stored, {theirs!r} now"
+            for what, mine, theirs in [
+                ("tag", self.tag, other.tag),
+                ("rows", self.rows, other.rows),
+                ("rows per batch", self.rows_per_batch, other.rows_per_batch),
+            ]
+            if mine != theirs
+        ]
+        for name in sorted(self.sites.keys() - other.sites.keys()):
+            out.append(f"site {name!r} stored, not recorded now")
+        for name in sorted(other.sites.keys() - self.sites.keys()):
+            out.append(f"site {name!r} recorded now, not stored")
+        for name in sorted(self.sites.keys() & other.sites.keys()):
+            mine, theirs = self.sites[name], other.sites[name]
+            if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
+                out.append(
+                    f"site {name!r} has rows {list(mine.shape)} {mine.dtype} stored, "
+                    f"{list(theirs.shape)} {theirs.dtype} now"
+                )
+        return out
+
+
+def read(path: pathlib.Path) -> Manifest | None:
+    """The manifest of the store at `path`, or None if there is none."""
+    try:
+        group = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return None
+    data = group.get("attributes", {}).get("harvest")
+    return None if data is None else Manifest.from_json(data)
+
+
+def write(path: pathlib.Path, manifest: Manifest) -> None:
+    """Writes the manifest atomically: a reader sees the old one or the new one."""
+    group = {"zarr_format": 3, "node_type": "group", "attributes": {"harvest": manifest.to_json()}}
+    replace_text(path / MANIFEST, json.dumps(group, indent=1))
+
+
+def replace_text(target: pathlib.Path, text: str) -> None:
+    """Writes `text` to `target` through a temporary file and a rename (atomic on POSIX)."""
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def check_path(path: pathlib.Path) -> Manifest | None:
+    """The manifest at `path` if it holds a store; None if it is new or empty; else an error."""
+    if path.is_file():
+        raise _errors.store_path_is_file(path)
+    manifest = read(path)
+    # Hidden files are a killed run's temporary manifest: the directory is still new.
+    if manifest is None and path.is_dir() and any(p.name[:1] != "." for p in path.iterdir()):
+        raise _errors.store_path_not_a_store(path)
+    return manifest

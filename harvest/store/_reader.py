@@ -1,0 +1,283 @@
+"""Reading a store back: lazy arrays by site name, and shuffled minibatches."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import _errors
+from .._interpreter import NameFilter
+from .._typing import NameSelect
+from . import _arrays, _manifest, _progress
+from ._manifest import Manifest
+
+# How much of the store `batches` holds in memory at once, by default: the
+# shuffle mixes rows within this much data (whole chunks, in random order).
+BUFFER_BYTES = 64 * 2**20
+
+
+class StoreArray:
+    """One site's rows, read from disk only when indexed (``array[i:j]``, ``np.asarray``).
+
+    ``shape``, ``dtype``, ``ndim`` and ``len`` come from the array's metadata,
+    without reading rows. Indexing takes what numpy basic indexing takes and
+    returns a numpy array.
+
+    Args:
+        name: the site's name.
+        array: the site's TensorStore array, its row axis cut to the rows written.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from harvest import sow, store
+        >>> f = lambda x: sow(x * 2.0, name="h", mode="strict")
+        >>> s = store.record(f, [np.ones((3, 2), np.float32)], tempfile.mkdtemp(), progress=False)
+        >>> h = s["h"]
+        >>> h.shape, len(h), h[1:]
+        ((3, 2), 3, array([[2., 2.],
+               [2., 2.]], dtype=float32))
+    """
+
+    def __init__(self, name: str, array: Any):
+        self.name = name
+        self._array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(n) for n in self._array.shape)
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        dtype: np.dtype[Any] = np.dtype(self._array.dtype.numpy_dtype)
+        return dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per stored chunk (the unit a read fetches)."""
+        return int(self._array.chunk_layout.read_chunk.shape[0])
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> np.ndarray[Any, Any]:
+        return np.asarray(self._array[index].read().result())
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        out = self[...]
+        return out if dtype is None else out.astype(dtype)
+
+    def read_rows(self, start: int, stop: int) -> Any:
+        """A future of rows ``start:stop`` (``.result()`` gives the numpy array)."""
+        return self._array[start:stop].read()
+
+    def __repr__(self) -> str:
+        return f"StoreArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+class Store(Mapping[str, StoreArray]):
+    """A recorded store: ``store[name]`` is a site's rows as a ``StoreArray``.
+
+    Made by ``harvest.store.open`` and returned by ``record``. A mapping from
+    site names to arrays: ``len(store)`` counts sites, ``store.rows`` the rows
+    each holds, ``store.manifest`` what was recorded. A store whose recording
+    was interrupted holds the batches written for good so far
+    (``store.complete`` is False until ``record`` finishes it).
+
+    Args:
+        path: the store's directory.
+        manifest: its manifest (``zarr.json``'s ``"harvest"`` attributes).
+        batches: how many batches to expose: those every writer completed.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from harvest import sow, store
+        >>> def f(x):
+        ...     return sow(x + 1.0, name="a", mode="strict") * sow(x, name="b", mode="strict")
+        >>> s = store.record(f, [np.zeros((2, 4), np.float32)] * 3, tempfile.mkdtemp(), progress=False)
+        >>> sorted(s), s.rows, s.complete, s.manifest.batches
+        (['a', 'b'], 6, True, 3)
+    """
+
+    def __init__(self, path: pathlib.Path, manifest: Manifest, batches: int):
+        self.path = path
+        self.manifest = manifest
+        self.batches_written = batches
+        self.rows = batches * manifest.rows_per_batch
+        # A finished run moved its count into the manifest and removed the progress files.
+        self.complete = manifest.batches > 0 and not (path / _progress.FOLDER).exists()
+        self._arrays = {
+            name: StoreArray(name, _arrays.open_array(path, site, self.rows))
+            for name, site in manifest.sites.items()
+        }
+
+    def __getitem__(self, name: str) -> StoreArray:
+        try:
+            return self._arrays[name]
+        except KeyError:
+            raise _errors.store_unknown_name(name, self._arrays) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}, rows={self.rows}, sites={list(self._arrays)})"
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        names: NameSelect = None,
+        shuffle: bool = True,
+        epochs: int = 1,
+        drop_remainder: bool = False,
+        buffer_bytes: int = BUFFER_BYTES,
+    ) -> Iterator[dict[str, np.ndarray[Any, Any]]]:
+        """Minibatches ``{name: rows}`` over the store, every row once per epoch.
+
+        Shuffling permutes the chunks, reads about ``buffer_bytes`` of them at
+        a time (the next read overlapping the current batches) and permutes
+        the rows among them; the same ``seed`` gives the same batches. Every
+        site's rows come in the same order, so row ``i`` of each belongs to
+        the same example or token.
+
+        Args:
+            batch_size: rows per batch.
+            seed: the shuffle's seed; epoch ``e`` uses ``(seed, e)``.
+            names: the sites to read: a name, a glob pattern, a predicate, or a
+                list of them (None: every site).
+            shuffle: False reads rows in order.
+            epochs: how many passes over the store.
+            drop_remainder: leave out each epoch's last, smaller batch.
+            buffer_bytes: how much to read and shuffle at once.
+
+        Returns:
+            An iterator of dicts from site name to a ``[batch_size, ...]`` numpy array.
+
+        Raises:
+            KeyError: a name in ``names`` is not a site of the store.
+            ValueError: ``batch_size`` or ``epochs`` is not a positive int.
+
+        Example:
+            >>> import tempfile, numpy as np
+            >>> from harvest import sow, store
+            >>> f = lambda x: sow(x * 1.0, name="x", mode="strict")
+            >>> s = store.record(f, [np.arange(8.0).reshape(4, 2) + 8 * i for i in range(3)],
+            ...                  tempfile.mkdtemp(), progress=False)
+            >>> seen = np.concatenate([b["x"][:, 0] for b in s.batches(5, seed=0)])
+            >>> sorted(seen.tolist()) == list(range(0, 24, 2))
+            True
+        """
+        for what, n in (("batch_size", batch_size), ("epochs", epochs)):
+            if not isinstance(n, int) or n < 1:
+                raise _errors.store_bad_option(what, n, "a positive int")
+        arrays = [self[name] for name in self._select(names)]
+        block = max(a.chunk_rows for a in arrays)
+        row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
+        window = max(1, buffer_bytes // max(row_bytes * block, 1))
+        blocks = -(-self.rows // block)
+        for epoch in range(epochs):
+            rng = np.random.default_rng([seed, epoch])
+            order = rng.permutation(blocks) if shuffle else np.arange(blocks)
+            windows = [order[i : i + window] for i in range(0, blocks, window)]
+            yield from self._epoch(
+                arrays, windows, block, rng if shuffle else None, batch_size, drop_remainder
+            )
+
+    def _select(self, names: NameSelect) -> list[str]:
+        if names is None:
+            return list(self._arrays)
+        select = NameFilter.make(names, None)
+        for entry in select.allow or ():  # a string matching no site is a typo, not a choice
+            if isinstance(entry, str) and not any(
+                NameFilter.make(entry, None)((name,)) for name in self._arrays
+            ):
+                raise _errors.store_unknown_name(entry, self._arrays)
+        return [name for name in self._arrays if select((name,))]
+
+    def _epoch(
+        self,
+        arrays: list[StoreArray],
+        windows: list[np.ndarray[Any, Any]],
+        block: int,
+        rng: np.random.Generator | None,
+        batch_size: int,
+        drop_remainder: bool,
+    ) -> Iterator[dict[str, np.ndarray[Any, Any]]]:
+        def read(window: np.ndarray[Any, Any]) -> list[list[Any]]:
+            # The rows are shuffled within the window anyway, so its chunks are read in
+            # order, neighbours as one read.
+            spans: list[list[int]] = []
+            for b in sorted(int(b) for b in window):
+                if spans and spans[-1][1] == b * block:
+                    spans[-1][1] = min((b + 1) * block, self.rows)
+                else:
+                    spans.append([b * block, min((b + 1) * block, self.rows)])
+            return [[a.read_rows(start, stop) for start, stop in spans] for a in arrays]
+
+        carry: list[np.ndarray[Any, Any]] | None = None
+        reads = [read(windows[0])] if windows else []
+        for k in range(len(windows)):
+            if k + 1 < len(windows):  # the next window is read while this one is served
+                reads.append(read(windows[k + 1]))
+            futures = reads.pop(0)
+            # Last window's leftover rows join this one (shuffled again: still once each).
+            data = [
+                _joined(([] if carry is None else [carry[i]]) + [f.result() for f in site])
+                for i, site in enumerate(futures)
+            ]
+            if rng is not None:
+                perm = rng.permutation(len(data[0]))
+                data = [d[perm] for d in data]
+            full = len(data[0]) // batch_size * batch_size
+            for i in range(0, full, batch_size):
+                yield {a.name: d[i : i + batch_size] for a, d in zip(arrays, data)}
+            carry = [d[full:] for d in data]
+        if carry is not None and len(carry[0]) and not drop_remainder:
+            yield {a.name: c for a, c in zip(arrays, carry)}
+
+
+def _joined(parts: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    """The parts end to end; one part (a window read in one piece) is not copied."""
+    parts = [p for p in parts if len(p)]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def open_store(path: str | pathlib.Path) -> Store:
+    """Opens the store at ``path`` for reading; nothing is read until indexed.
+
+    Args:
+        path: a directory written by ``harvest.store.record``.
+
+    Returns:
+        The ``Store``: sites by name, each a lazily read ``StoreArray``.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no harvest store.
+
+    Example:
+        >>> import tempfile, numpy as np
+        >>> from harvest import sow, store
+        >>> where = tempfile.mkdtemp()
+        >>> _ = store.record(lambda x: sow(x + 1.0, name="y", mode="strict"),
+        ...                  [np.zeros((2, 3))], where, progress=False)
+        >>> s = store.open(where)
+        >>> s["y"], len(s["y"])
+        (StoreArray('y', shape=(2, 3), dtype=float32), 2)
+    """
+    path = pathlib.Path(path)
+    manifest = _manifest.read(path) if path.is_dir() else None
+    if manifest is None:
+        raise _errors.store_not_found(path)
+    batches = _progress.start(path, manifest.processes, manifest.batches)
+    return Store(path, manifest, batches)

@@ -1,0 +1,204 @@
+"""The trained model the activation-patching guide studies, and `path_patching` on it.
+
+The shipped weights (docs/_static/induction.npz) must reproduce every number
+the guide prints; the training script that wrote them must be deterministic;
+and `path_patching` must equal the same path patched by hand: the model's
+forward written out in NumPy from its weights, run twice with the sender,
+the frozen sites and then the receivers substituted by hand.
+"""
+
+import contextlib
+import importlib.util
+import io
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import patch_head, patch_positions, path_patching, reap, sow
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GUIDE = ROOT / "docs" / "guides" / "activation_patching.md"
+SCRIPT = ROOT / "docs" / "_static" / "train_induction.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("train_induction", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ti = _script()
+
+
+def test_the_shipped_weights_print_what_the_guide_shows():
+    text = GUIDE.read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    shown = re.findall(r"^```text\n(.*?)^```", text, re.S | re.M)
+    assert len(shown) >= 8  # every section's numbers
+    namespace = {"__name__": "activation_patching_guide"}
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        for i, block in enumerate(blocks):
+            exec(compile(block, f"activation_patching.md[block {i}]", "exec"), namespace)
+    lines = [line.strip() for line in printed.getvalue().splitlines()]
+    at = 0
+    for block in shown:  # each shown output, line by line, in the order the page shows
+        for line in block.strip().splitlines():
+            assert line.strip() in lines[at:], (line, lines)
+            at = lines.index(line.strip(), at) + 1
+
+
+def test_the_shipped_weights_solve_the_task_and_are_small():
+    assert SCRIPT.with_name("induction.npz").stat().st_size < 5 * 2**20
+    params = ti.load()
+    assert ti.accuracy(params, n=200) > 0.9
+
+
+def test_training_is_deterministic():
+    a, loss_a = ti.train(steps=2)
+    b, loss_b = ti.train(steps=2)
+    assert loss_a == loss_b
+    for key, value in ti.to_arrays(a).items():
+        np.testing.assert_array_equal(value, ti.to_arrays(b)[key])
+    assert sorted(ti.to_arrays(a)) == sorted(np.load(SCRIPT.with_name("induction.npz")).files)
+
+
+# ---------------------------------------------------------------------------
+# Path patching against two passes written by hand.
+
+
+def softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def hand_forward(params, tokens, swap=None, record=None):
+    """The model's forward in NumPy; `swap(name, value)` replaces a value by
+    name ("embed", "z0", "k1", ...), and `record` collects every one."""
+    swap = swap or (lambda name, value: value)
+    record = {} if record is None else record
+    p = jax.tree_util.tree_map(np.asarray, params)
+
+    def site(name, value):
+        record[name] = value = swap(name, value)
+        return value
+
+    x = site("embed", p["embed"][np.asarray(tokens)] + p["pos"])
+    causal = np.tril(np.ones((ti.SEQ, ti.SEQ), bool))
+    for i, w in enumerate(p["layers"]):
+        q, k, v = (site(f"{n}{i}", np.einsum("btd,hde->bthe", x, w[n])) for n in "qkv")
+        scores = np.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(ti.HEAD_WIDTH)
+        pattern = softmax(np.where(causal, scores, -1e9))
+        z = site(f"z{i}", np.einsum("bhqk,bkhe->bqhe", pattern, v))
+        x = x + np.einsum("bqhe,hed->bqd", z, w["o"])
+    return x @ p["unembed"]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    pos = jnp.arange(ti.SEQ)
+    repeat = jnp.where((pos >= 10) & (pos < 18), pos - 8, pos)
+    clean = jax.random.randint(jax.random.key(0), (4, ti.SEQ), 0, ti.VOCAB)[:, repeat]
+    return ti.load(), clean, clean.at[:, 6].add(1) % ti.VOCAB
+
+
+def two_passes_by_hand(params, corrupted, sender, receiver, frozen=()):
+    unpatched = {}
+    hand_forward(params, corrupted, record=unpatched)
+    first = {}
+
+    def pass_one(name, value):
+        if name in sender:
+            return sender[name](value)
+        return unpatched[name] if name in frozen else value
+
+    hand_forward(params, corrupted, pass_one, first)
+    return hand_forward(params, corrupted, lambda n, v: first[n] if n == receiver else v)
+
+
+def test_path_patching_equals_two_passes_by_hand(prompts):
+    params, clean_tokens, corrupt_tokens = prompts
+    run = lambda tokens: ti.transformer(params, tokens)
+    clean = reap(run)(clean_tokens)
+    clean_by_hand = {}
+    hand_forward(params, clean_tokens, record=clean_by_hand)
+    np.testing.assert_allclose(clean["blocks0"]["z"], clean_by_hand["z0"], rtol=1e-4, atol=1e-5)
+
+    # The previous-token head's clean output, along the path to layer 1's keys.
+    head = lambda z: np.where(np.arange(ti.HEADS)[:, None] == 1, clean_by_hand["z0"], z)
+    got = path_patching(
+        run,
+        {"blocks0.z": patch_head(clean["blocks0"]["z"], 1, axis=2)},
+        "blocks1.k",
+        (corrupt_tokens,),
+    )
+    want = two_passes_by_hand(params, corrupt_tokens, {"z0": head}, "k1")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # It is not the head's whole effect: through the values alone it is another number.
+    through_v = path_patching(
+        run,
+        {"blocks0.z": patch_head(clean["blocks0"]["z"], 1, axis=2)},
+        "blocks1.v",
+        (corrupt_tokens,),
+    )
+    np.testing.assert_allclose(
+        through_v,
+        two_passes_by_hand(params, corrupt_tokens, {"z0": head}, "v1"),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+    assert np.abs(np.asarray(got) - np.asarray(through_v)).max() > 1.0
+
+    # The embedding at position 6, to layer 1's keys, with layer 0's heads frozen.
+    token = lambda e: np.where(np.arange(ti.SEQ)[:, None] == 6, clean_by_hand["embed"], e)
+    got = path_patching(
+        run,
+        {"embed": patch_positions(clean["embed"], [6], axis=1)},
+        "blocks1.k",
+        (corrupt_tokens,),
+        freeze=["blocks0.z", "blocks1.z"],  # blocks1.z is downstream: freezing it changes nothing
+    )
+    want = two_passes_by_hand(params, corrupt_tokens, {"embed": token}, "k1", frozen={"z0"})
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    unfrozen = two_passes_by_hand(params, corrupt_tokens, {"embed": token}, "k1")
+    assert np.abs(want - unfrozen).max() > 1.0  # freezing cut a path that matters
+
+
+def test_path_patching_compiles_once_and_runs_under_jit():
+    traces = {"n": 0}
+
+    def f(x):
+        traces["n"] += 1
+        a = sow(x * 2.0, name="a", mode="strict")
+        b = sow(a + 1.0, name="b", mode="strict")
+        return sow(a * b, name="c", mode="strict") + b
+
+    # Pass 1: a=5, b frozen at 2x+1, c = 5 * b; pass 2 plants c into the unpatched run.
+    for x in (1.0, 2.0, 3.0):
+        out = path_patching(f, {"a": 5.0}, "c", (jnp.float32(x),), freeze="b")
+        assert float(out) == 5.0 * (2 * x + 1) + (2 * x + 1)
+    assert traces["n"] == 3  # three walks (freeze, pass 1, pass 2), each traced once
+    before = traces["n"]
+    path_patching(f, {"a": 5.0}, "c", (jnp.float32(4.0),), freeze="b")
+    assert traces["n"] == before
+    jitted = jax.jit(lambda x, s: path_patching(f, {"a": s}, "c", (x,), freeze="b"))
+    assert float(jitted(jnp.float32(1.0), jnp.float32(5.0))) == 18.0
+
+
+def test_path_patching_errors():
+    f = lambda x: sow(sow(x, name="a", mode="strict") + 1.0, name="b", mode="strict")
+    with pytest.raises(TypeError, match="non-empty dict"):
+        path_patching(f, ["a"], "b", (1.0,))
+    with pytest.raises(TypeError, match=r"tuple.*\(x,\)"):
+        path_patching(f, {"a": 1.0}, "b", 1.0)
+    with pytest.raises(ValueError, match="needs `receivers`"):
+        path_patching(f, {"a": 1.0}, None, (1.0,))
+    with pytest.raises(ValueError, match="also selected by `receivers`"):
+        path_patching(f, {"a": 1.0}, "*", (1.0,))
+    with pytest.raises(ValueError, match="'nope'"):
+        path_patching(f, {"a": 1.0}, "nope", (1.0,))

@@ -1,0 +1,228 @@
+"""instrument(model, attention=True): TransformerLens's hook_q/k/v/z/pattern on known attention modules.
+
+Each kind's attention is written out by hand from its parameters (`by_hand`),
+with the hooked value replaced by hand; planting the same value at the hook
+must give the same output.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import instrument, plant, reap, sites
+
+nnx = pytest.importorskip("flax.nnx")
+linen = pytest.importorskip("flax.linen")
+eqx = pytest.importorskip("equinox")
+
+T, D, H, DH = 4, 8, 2, 4
+HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def by_hand(q, k, v, project_out, mask=None, patch=None):
+    """Attention from projected q, k, v ([..., seq, heads, d_head]); `patch` replaces hooks."""
+    patch = patch or {}
+    q, k, v = (patch.get(f"hook_{n}", a) for n, a in zip("qkv", (q, k, v)))
+    logits = jnp.einsum("...qhd,...khd->...hqk", q / np.sqrt(q.shape[-1]), k)
+    if mask is not None:
+        logits = jnp.where(mask, logits, -jnp.inf)
+    pattern = patch.get("hook_pattern", jax.nn.softmax(logits, axis=-1))
+    z = patch.get("hook_z", jnp.einsum("...hqk,...khd->...qhd", pattern, v))
+    return project_out(z), {
+        "hook_q": q,
+        "hook_k": k,
+        "hook_v": v,
+        "hook_pattern": pattern,
+        "hook_z": z,
+    }
+
+
+def new_value(shape, seed):
+    return jax.random.uniform(jax.random.key(seed), shape, minval=-1.0, maxval=1.0)
+
+
+def check_every_hook(run, plant_run, path, reference, lead=(), planted=HOOKS):
+    """Reaped hooks match the hand-written forward; planting each of `planted` matches it patched by hand."""
+    reaped = run()
+    out, hand = reference()
+    for hook in HOOKS:
+        got = reaped[f"{path}.{hook}"]
+        np.testing.assert_allclose(got, hand[hook], err_msg=hook, **TOL)
+    assert reaped[f"{path}.hook_q"].shape == (*lead, T, H, DH)
+    assert reaped[f"{path}.hook_pattern"].shape == (*lead, H, T, T)
+    for i, hook in enumerate(planted):
+        value = new_value(hand[hook].shape, i)
+        if hook == "hook_pattern":
+            value = jax.nn.softmax(value * 3.0, axis=-1)
+        planted = plant_run({f"{path}.{hook}": value})
+        np.testing.assert_allclose(planted, reference({hook: value})[0], err_msg=hook, **TOL)
+
+
+# ---------------------------------------------------------------------------
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.mha = nnx.MultiHeadAttention(H, D, qkv_features=H * DH, decode=False, rngs=rngs)
+
+    def __call__(self, x):
+        return self.mha(x)
+
+
+def flax_projections(p, x):
+    proj = lambda name: jnp.einsum("...d,dhk->...hk", x, p[name]["kernel"]) + p[name]["bias"]
+    out = lambda z: jnp.einsum("...qhd,hdD->...qD", z, p["out"]["kernel"]) + p["out"]["bias"]
+    return proj("query"), proj("key"), proj("value"), out
+
+
+def test_nnx_multi_head_attention():
+    model = NNXModel(nnx.Rngs(0))
+    x = new_value((2, T, D), 9)
+    p = jax.tree.map(lambda v: v[...], nnx.to_pure_dict(nnx.state(model, nnx.Param)))["mha"]
+    probed = instrument(model, attention=True)
+    np.testing.assert_allclose(
+        probed(x), model(x), **TOL
+    )  # Flax's unfused path: last bits may differ
+    reference = lambda patch=None: by_hand(*flax_projections(p, x), patch=patch)
+    check_every_hook(
+        lambda: reap(probed, tag="modules")(x),
+        lambda plants: plant(probed, tag="modules")(plants, x),
+        "mha",
+        reference,
+        lead=(2,),
+        planted=("hook_q", "hook_pattern", "hook_z"),  # k and v go the way q goes (Linen: all five)
+    )
+    # The model is as it was after the call.
+    assert model.mha.attention_fn is nnx.dot_product_attention
+    names = [s.name for s in sites(probed, x, tag="modules")]
+    assert {"mha.query", "mha.out", "mha"} <= set(names) and "mha.hook_z" in names
+
+
+class LinenModel(linen.Module):
+    @linen.compact
+    def __call__(self, x, mask=None):
+        return linen.MultiHeadDotProductAttention(H, qkv_features=H * DH, name="attn")(x, mask=mask)
+
+
+def test_linen_multi_head_dot_product_attention_with_a_mask():
+    model = LinenModel()
+    x = new_value((2, T, D), 9)
+    mask = linen.make_causal_mask(jnp.ones((2, T)))
+    variables = model.init(jax.random.key(0), x)
+    f = instrument(model.apply, attention=True)
+    np.testing.assert_array_equal(f(variables, x, mask), model.apply(variables, x, mask))
+    p = variables["params"]["attn"]
+    reference = lambda patch=None: by_hand(*flax_projections(p, x), mask=mask, patch=patch)
+    check_every_hook(
+        lambda: reap(f, tag="modules")(variables, x, mask),
+        lambda plants: plant(f, tag="modules")(plants, variables, x, mask),
+        "attn",
+        reference,
+        lead=(2,),
+    )
+
+
+def test_equinox_multihead_attention():
+    mha = eqx.nn.MultiheadAttention(H, D, qk_size=DH, vo_size=DH, key=jax.random.key(0))
+    x = new_value((T, D), 9)
+
+    def reference(patch=None):
+        proj = lambda lin, a: (a @ lin.weight.T).reshape(T, H, DH)  # no biases by default
+        out = lambda z: z.reshape(T, H * DH) @ mha.output_proj.weight.T
+        q, k, v = proj(mha.query_proj, x), proj(mha.key_proj, x), proj(mha.value_proj, x)
+        return by_hand(q, k, v, out, patch=patch)
+
+    # A root attention has no path of its own: wrap it so it sits at "attn".
+    model = Holder(mha)
+    probed = instrument(model, attention=True)
+    np.testing.assert_array_equal(probed(x), model(x))  # the same ops, in the same order
+    check_every_hook(
+        lambda: reap(probed, tag="modules")(x),
+        lambda plants: plant(probed, tag="modules")(plants, x),
+        "attn",
+        reference,
+    )
+    # Under jit: the same.
+    jitted = jax.jit(lambda a: reap(probed, tag="modules")(a)["attn.hook_pattern"])
+    np.testing.assert_allclose(jitted(x), reference()[1]["hook_pattern"], **TOL)
+
+
+class Holder(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        return self.attn(x, x, x)
+
+
+def test_attention_flag_is_checked_and_custom_attention_fns_say_what_to_do():
+    with pytest.raises(TypeError, match="attention"):
+        instrument(NNXModel(nnx.Rngs(0)), attention="yes")
+    model = NNXModel(nnx.Rngs(0))
+    model.mha.attention_fn = lambda *a, **k: nnx.dot_product_attention(*a, **k)
+    with pytest.raises(TypeError, match="custom attention_fn") as info:
+        reap(instrument(model, attention=True), tag="modules")(jnp.ones((1, T, D)))
+    assert len(str(info.value)) < 600
+
+
+def equinox_holder():
+    mha = eqx.nn.MultiheadAttention(H, D, qk_size=DH, vo_size=DH, key=jax.random.key(0))
+    model = Holder(mha)
+
+    def reference(x, patch=None):
+        proj = lambda lin, a: (a @ lin.weight.T).reshape(T, H, DH)
+        out = lambda z: z.reshape(T, H * DH) @ mha.output_proj.weight.T
+        q, k, v = proj(mha.query_proj, x), proj(mha.key_proj, x), proj(mha.value_proj, x)
+        return by_hand(q, k, v, out, patch=patch)
+
+    return model, reference
+
+
+def test_head_by_position_sweep_on_hook_z_matches_hand_patches():
+    from harvest import patch_head, patching_sweep
+
+    model, reference = equinox_holder()
+    probed = instrument(model, attention=True, where="attn.hook_z")
+    clean_x, corrupt_x = new_value((T, D), 1), new_value((T, D), 2)
+    clean = reap(probed, tag="modules")(clean_x)
+    metric = lambda out: out[-1].sum()
+    result = patching_sweep(probed, clean, (corrupt_x,), metric, tag="modules", axis=(-2, -3))
+    assert result.values.shape == (1, H, T)
+    assert result.axis_labels == ("head", "position")
+    z_clean, z_corrupt = reference(clean_x)[1]["hook_z"], reference(corrupt_x)[1]["hook_z"]
+    base = metric(reference(corrupt_x)[0])
+    for h in range(H):
+        for t in range(T):
+            mixed = z_corrupt.at[t, h].set(z_clean[t, h])
+            by_hand = metric(reference(corrupt_x, {"hook_z": mixed})[0]) - base
+            np.testing.assert_allclose(result.values[0, h, t], by_hand, **TOL)
+    # patch_head on the hook: head 1 at every position, by hand.
+    planted = plant(probed, tag="modules")(
+        {"attn.hook_z": patch_head(clean["attn.hook_z"], 1, axis=-2)}, corrupt_x
+    )
+    mixed = z_corrupt.at[:, 1].set(z_clean[:, 1])
+    np.testing.assert_allclose(planted, reference(corrupt_x, {"hook_z": mixed})[0], **TOL)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    panel = result.plot()[0]
+    assert (panel.get_xlabel(), panel.get_ylabel()) == ("position", "head")
+
+
+def test_a_sweep_over_merged_head_features_names_the_hook_to_use():
+    from harvest import patching_sweep
+
+    model, _ = equinox_holder()
+    probed = instrument(model, inputs=True, attention=True)
+    x = new_value((T, D), 1)
+    clean = reap(probed, tag="modules")(x)
+    assert clean["attn.output_proj:in"].shape == (T, H * DH)  # heads merged
+    metric = lambda out: out.sum()
+    with pytest.raises(ValueError, match="'attn.hook_z'") as info:
+        patching_sweep(
+            probed, clean, (-x,), metric, tag="modules", names="attn.output_proj:in", axis=(1, 0)
+        )
+    assert len(str(info.value)) < 600
+    with pytest.raises(ValueError, match="d_head"):
+        patching_sweep(probed, clean, (-x,), metric, tag="modules", names="attn.hook_z", axis=-1)

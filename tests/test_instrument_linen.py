@@ -1,0 +1,137 @@
+"""instrument on Linen models that use nn.jit, nn.share_scope and tuple outputs (as `gemma` does).
+
+The toy model below reproduces what broke on the `gemma` library: its
+`__call__` is wrapped in `nn.jit` (later traces reused the first one, so
+reaps after `sites` or a failed call found no sites), its feed-forward applies
+two submodules through `nn.share_scope` (one path, two shapes), and its blocks
+return `(cache, x)`. References are the forward pass written out by hand
+from the parameters.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import instrument, patching_sweep, plant, reap, sites
+
+nn = pytest.importorskip("flax.linen")
+
+D, H = 3, 4
+
+
+class Proj(nn.Module):
+    features: int
+    weight_name: str
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param(self.weight_name, nn.initializers.normal(1.0), (x.shape[-1], self.features))
+        return x @ w
+
+
+class FeedForward(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        gating = Proj(H, "gating")
+        nn.share_scope(self, gating)
+        linear = Proj(D, "linear")
+        nn.share_scope(self, linear)
+        return linear(jnp.tanh(gating(x)))
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, cache, x):
+        return cache, x + FeedForward(name="mlp")(x)
+
+
+class Model(nn.Module):
+    @functools.partial(nn.jit, static_argnames=("self",))
+    @nn.compact
+    def __call__(self, x):
+        _, x = Block(name="layer_0")(None, x)
+        _, x = Block(name="layer_1")(None, x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (2, D))
+    return model, model.init(jax.random.key(0), x), x
+
+
+def by_hand(variables, x, patch=None):
+    """The forward pass from the parameters; `patch` replaces named values."""
+    patch, seen = patch or {}, {}
+
+    def site(name, value):
+        value = patch.get(name, value)
+        seen[name] = value
+        return value
+
+    for layer in ("layer_0", "layer_1"):
+        p = variables["params"][layer]["mlp"]
+        gate = site(f"{layer}.mlp.Proj_0", x @ p["gating"])
+        out = site(f"{layer}.mlp.Proj_1", jnp.tanh(gate) @ p["linear"])
+        x = site(layer, x + site(f"{layer}.mlp", out))
+    return x, seen
+
+
+def test_share_scope_children_are_sites_of_their_own(setup):
+    model, variables, x = setup
+    reaped = reap(instrument(model.apply), tag="modules")(variables, x)
+    out, seen = by_hand(variables, x)
+    assert set(reaped) == set(seen)
+    for name in seen:  # `(None, x)` block outputs are reaped as their array
+        np.testing.assert_allclose(reaped[name], seen[name], rtol=1e-6, atol=1e-6)
+
+
+def test_every_trace_sees_the_sites(setup):
+    """After sites(), after a failed call, after a plain call, and with a new shape."""
+    model, variables, x = setup
+    f = instrument(model.apply)
+    model.apply(variables, x)  # a plain call first: nn.jit caches a trace without sows
+    assert [s.name for s in sites(f, variables, x, tag="modules")][:2] == [
+        "layer_0.mlp.Proj_0",
+        "layer_0.mlp.Proj_1",
+    ]
+    with pytest.raises(ValueError, match="matches no sow site"):
+        reap(f, tag="modules", allowlist="nope")(variables, x)
+    assert len(reap(f, tag="modules")(variables, x)) == 8
+    wide = jnp.ones((5, D))
+    np.testing.assert_allclose(
+        reap(f, tag="modules")(variables, wide)["layer_1"], by_hand(variables, wide)[0], rtol=1e-6
+    )
+    # The plain model is as it was: no sows reach its own traces.
+    assert not sites(model.apply, variables, x)
+
+
+def test_plant_tuple_outputs_and_shared_scope_children(setup):
+    model, variables, x = setup
+    f = instrument(model.apply)
+    new = jnp.full((2, H), 0.5)
+    planted = plant(f, tag="modules")({"layer_0.mlp.Proj_0": new}, variables, x)
+    np.testing.assert_allclose(
+        planted, by_hand(variables, x, {"layer_0.mlp.Proj_0": new})[0], rtol=1e-6
+    )
+    # A `(cache, x)` block output is planted by its array.
+    zeros = jnp.zeros((2, D))
+    planted = plant(f, tag="modules")({"layer_0": zeros}, variables, x)
+    np.testing.assert_allclose(planted, by_hand(variables, x, {"layer_0": zeros})[0], rtol=1e-6)
+    # Under an outer jit, and in a sweep (which traces again).
+    jitted = jax.jit(lambda v, a: plant(f, tag="modules")({"layer_0": lambda o: 2 * o}, v, a))
+    np.testing.assert_allclose(
+        jitted(variables, x),
+        by_hand(variables, x, {"layer_0": 2 * by_hand(variables, x)[1]["layer_0"]})[0],
+        rtol=1e-6,
+    )
+    clean = reap(f, tag="modules")(variables, x)
+    result = patching_sweep(f, clean, (variables, -x), lambda out: out.sum(), tag="modules")
+    assert len(result.names) == 8
+    i = result.names.index("layer_1")
+    expected = by_hand(variables, x)[0].sum() - by_hand(variables, -x)[0].sum()
+    np.testing.assert_allclose(result.values[i], expected, rtol=1e-5)
