@@ -192,16 +192,17 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     )
 
 
-# Tags that harvest's own layers reap whether or not a model sows them (harvest.ppl
-# asks every model for its deterministic sites, say): reaping them finds {} quietly.
-_LAYER_TAGS = frozenset(
-    {
-        "random_variable",
-        "random_variable_log_density",
-        "random_variable_unconstrained",
-        "deterministic",
-    }
-)
+# Tags that harvest's own layers reap whether or not a program sows them
+# (harvest.ppl asks every model for its deterministic sites, say): reaping
+# them finds {} quietly. Each layer declares its own with `layer_tag`.
+_LAYER_TAGS: set[str] = set()
+
+
+def layer_tag(tag: str) -> str:
+    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    program sowing other tags but not this one reaps ``{}`` rather than an error."""
+    _LAYER_TAGS.add(tag)
+    return tag
 
 
 _walking = threading.local()
