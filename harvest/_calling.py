@@ -297,10 +297,127 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         priors[:] = [[at.get(id(leaf)) for leaf in jax.tree_util.tree_leaves(b)] for b in before]
         return out, changes
 
+    # JAX's errors name the traced function: make it the user's, not `flat_f`.
+    flat_f.__wrapped__ = inspect.unwrap(f)
     arrays = [leaves[i] for i in positions]
-    with tracing_for_harvest():
-        closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    try:
+        with tracing_for_harvest():
+            closed, out_shape = jax.make_jaxpr(flat_f, return_shape=True)(*arrays)
+    except (  # `if x.sum() > 0`, `int(x)`, `np.asarray(x)`
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.TracerArrayConversionError,
+    ) as e:
+        if hasattr(e, "add_note"):  # Python 3.11+
+            e.add_note(_errors.traced_like_jit())
+        raise
     closed, out_shape = _drop_copies(closed, out_shape, priors)
     if return_shape:
         return closed, arrays, out_shape
     return closed, arrays
+
+
+# ---------------------------------------------------------------------------
+# The compile-cache key of what is not traced, and what a function closes over.
+
+
+def static_key(leaf: Any, depth: int = 2) -> Any:
+    """What a static leaf is keyed by in the compile caches, so that an equal
+    key means the same trace: a float by its bits too (``-0.0 == 0.0``, but
+    ``copysign`` tells them apart), and an identity-hashed object with
+    attributes (a mutable config) by their values as well, so mutating one
+    re-traces. An object with an attribute that cannot be hashed (an array,
+    a list) is keyed by identity alone, as ``jax.jit`` keys it."""
+    if isinstance(leaf, (float, complex)):
+        return (type(leaf), leaf, repr(leaf))  # repr tells -0.0 and 0.0 apart
+    if (
+        depth > 0
+        and type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
+        and hasattr(leaf, "__dict__")
+        and not isinstance(leaf, (type, types.FunctionType, types.MethodType, types.ModuleType))
+    ):
+        attrs = tuple((k, static_key(v, depth - 1)) for k, v in sorted(vars(leaf).items()))
+        try:
+            hash(attrs)
+        except TypeError:
+            return leaf
+        return (leaf, attrs)
+    return leaf
+
+
+class Held:
+    """A closed-over value kept whole (not flattened): a static leaf, equal to
+    another holding the same object with the same ``static_key``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        key = static_key(value)
+        try:
+            hash(key)
+        except TypeError:
+            key = None  # unhashable: identity alone
+        self.key = key
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Held) and self.value is other.value and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash((id(self.value), self.key))
+
+
+_EMPTY = Held(None)  # a cell not yet filled (a name assigned after the def)
+
+
+def closure_of(fn: Any) -> tuple[Any, ...]:
+    """What ``fn`` closes over, one entry per cell: arrays, and containers
+    (tuple, list, dict) of arrays and Python numbers, as themselves, so their
+    arrays are traced and their numbers keyed; anything else ``Held`` (a list
+    that ``fn`` appends to stays the caller's list)."""
+    cells = getattr(fn, "__closure__", None) or ()
+    values = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            values.append(_EMPTY)
+            continue
+        leaves = jax.tree_util.tree_leaves(value) if type(value) in (tuple, list, dict) else ()
+        plain = is_array(value) or (
+            any(is_array(leaf) for leaf in leaves)
+            and all(is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves)
+        )
+        values.append(value if plain else Held(value))
+    return tuple(values)
+
+
+def with_closure(fn: Any, values: tuple[Any, ...]) -> Any:
+    """``fn`` closing over ``values`` (as ``closure_of`` gave them, their arrays
+    perhaps now tracers) instead of its own cells; ``fn`` itself if it closes
+    over no array, so that its ``nonlocal`` writes still reach its cells."""
+    if not any(is_array(leaf) for leaf in jax.tree_util.tree_leaves(values)):
+        return fn
+    cells = tuple(
+        types.CellType() if v is _EMPTY else types.CellType(v.value if isinstance(v, Held) else v)
+        for v in values
+    )
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
+def globals_read(fn: Any) -> tuple[tuple[str, Held], ...]:
+    """The module-level numbers, strings and arrays ``fn``'s own code reads,
+    each ``Held`` (an array by identity), for the compile-cache key: rebinding
+    one re-traces, as calling ``fn`` would see the new value."""
+    code = getattr(fn, "__code__", None)
+    space = getattr(fn, "__globals__", None)
+    if code is None or space is None:
+        return ()
+    return tuple(
+        (name, Held(space[name]))
+        for name in code.co_names
+        if name in space
+        and (is_array(space[name]) or isinstance(space[name], (numbers.Number, str)))
+    )

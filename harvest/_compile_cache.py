@@ -25,7 +25,7 @@ from typing import Any
 
 import jax
 
-from ._calling import call_merged, is_array, split_nodes
+from ._calling import call_merged, is_array, split_nodes, static_key
 from ._interventions import pytree_dataclass
 
 _jits: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
@@ -63,7 +63,9 @@ def jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | No
         (
             key,
             treedef,
-            tuple((i, type(l), l) for i, (l, a) in enumerate(zip(leaves, traced)) if not a),
+            tuple(
+                (i, type(l), static_key(l)) for i, (l, a) in enumerate(zip(leaves, traced)) if not a
+            ),
         )
     )
     arrays = [leaf for leaf, a in zip(leaves, traced) if a]

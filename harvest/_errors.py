@@ -579,6 +579,60 @@ def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
     )
 
 
+def tag_matches_no_site(tag: Any, tags: list[Any]) -> ValueError:
+    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+    return ValueError(
+        f"reap(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
+        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); "
+        "reaping a tag the function never sows is refused rather than returning {}."
+    )
+
+
+def dotted_nest_scope(scope: str) -> ValueError:
+    outer, _, inner = scope.rpartition(".")
+    return ValueError(
+        f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
+        "sites and this one could mean another site. For scopes inside scopes nest twice: "
+        f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
+    )
+
+
+def paths_collide(first: tuple[str, ...], second: tuple[str, ...]) -> ValueError:
+    def spelled(path: tuple[str, ...]) -> str:
+        scopes = f" under nest scopes {list(path[:-1])}" if len(path) > 1 else ""
+        return f"name {path[-1]!r}{scopes}"
+
+    return ValueError(
+        f"The sites {spelled(first)} and {spelled(second)} are both spelled "
+        f"{'.'.join(second)!r} (a dot inside a sown name reads as a nest scope), so a plant "
+        "could reach the wrong one. Rename one of the sows, without dots (use '_')."
+    )
+
+
+def traced_like_jit() -> str:
+    return (
+        "harvest traces the function, as jax.jit does: its arrays are tracers, so Python "
+        "control flow on their values (if x.sum() > 0, int(x)) fails as it would under jit. "
+        "Use jnp.where / lax.cond, or pass such values as Python numbers (they are static)."
+    )
+
+
+def plant_not_an_array(site: Any, what: str, leaf: Any) -> TypeError:
+    return TypeError(
+        f"{what} for the sow site {site} is a {type(leaf).__name__} ({leaf!r:.40}), not an "
+        "array or number. Plant an array of the sown shape and dtype, a Python number, or a "
+        "callable old -> new returning one."
+    )
+
+
+def plant_callable_arity(site: Any, fn: Any) -> TypeError:
+    return TypeError(
+        f"The planted callable {getattr(fn, '__name__', fn)!r} for the sow site {site} "
+        "requires more than two positional arguments. A planted callable takes the old value, "
+        "or the old value and the occurrence index: old -> new or (old, i) -> new."
+    )
+
+
 # -- harvest.store ----------------------------------------------------------
 
 

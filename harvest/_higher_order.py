@@ -38,6 +38,8 @@ class Body:
         per_run_stacked: each run's sows, of every mode, are reaped stacked along a
             new leading axis (one row per shard of a shard_map).
         predicate: the body decides whether a loop goes on (no sow may be there).
+        stacked_loop: a loop whose iterations reap stacked (a scan): with ``runs`` 0
+            it is a loop of length 0, whose sows still reap one empty stack.
     """
 
     label: str
@@ -46,6 +48,7 @@ class Body:
     runs: int | None = 1
     per_run_stacked: bool = False
     predicate: bool = False
+    stacked_loop: bool = False
 
 
 # Re-staging: `restage(eqn, invals, staged, extra)` binds the primitive again

@@ -16,7 +16,7 @@ import fnmatch
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -121,6 +121,8 @@ class NameFilter:
                 return None
             if isinstance(items, str) or callable(items):
                 items = (items,)
+            if not isinstance(items, Iterable):
+                raise _errors.bad_filter_entry(what, items)
             items = tuple(items)
             for it in items:
                 if not (isinstance(it, str) or callable(it)):

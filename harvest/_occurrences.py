@@ -54,8 +54,8 @@ def occurrences(jaxpr: Any, site: Site) -> int:
 def _repeats(body: Body, site: Site) -> int:
     """How often one run of an equation repeats `site`'s occurrences in `body`,
     as reap counts them: rows once per run, other modes once per body."""
-    if body.runs == 0:  # runs only where JAX differentiates
-        return 0
+    if body.runs == 0:  # a scan of length 0, or runs only where JAX differentiates
+        return int(body.stacked_loop and site.mode.entries)
     if site.mode.rows and body.runs is not UNBOUNDED:
         return body.runs
     return 1
@@ -232,6 +232,8 @@ class Plant:
         """The replacement for occurrence `i` (fired by `site`) given its old value."""
         v = self.value
         if callable(v):
+            if _required_positional(v) > 2:
+                raise _errors.plant_callable_arity(site, v)
             new = v(old, self.start + i) if self.takes_index() else v(old)
             what = "the value returned by the planted callable"
         elif self.per_occurrence():
@@ -281,22 +283,36 @@ class Plant:
             def entry(e: Any) -> Any:
                 leaves = jax.tree_util.tree_leaves(e)
                 stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
-                return jax.tree_util.tree_map(lambda l: l[idx], e) if all(stacked) else e
+                if not all(stacked):
+                    return e
+                # A stack of 0 rows: a loop of length 0, whose body never runs.
+                return jax.tree_util.tree_map(
+                    lambda l: l[idx] if l.shape[0] else jnp.zeros(l.shape[1:], l.dtype), e
+                )
 
             return Plant(site, tuple(entry(e) for e in self.value[:n]) + self.value[n:])
-        return Plant(
-            site,
-            jax.tree_util.tree_map(lambda l: lax.dynamic_slice_in_dim(l, idx * n, n), self.value),
-        )
+
+        def rows(l: Any) -> Any:
+            # Fewer rows than one iteration takes: a loop of length 0, whose body
+            # is traced but never runs, so any rows of the right shape do.
+            if l.shape[0] < n:
+                return jnp.zeros((n, *l.shape[1:]), l.dtype)
+            return lax.dynamic_slice_in_dim(l, idx * n, n)
+
+        return Plant(site, jax.tree_util.tree_map(rows, self.value))
 
 
 def _takes_index(fn: Callable[..., Any]) -> bool:
     """Whether a planted callable requires a second positional argument (the
     occurrence index). Parameters with defaults do not count, so the idiom
     `lambda old, c=c: ...` stays a callable of the old value alone."""
+    return _required_positional(fn) >= 2
+
+
+def _required_positional(fn: Callable[..., Any]) -> int:
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: old -> new
-        return False
+        return 1
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return sum(p.kind in positional and p.default is p.empty for p in params) >= 2
+    return sum(p.kind in positional and p.default is p.empty for p in params)

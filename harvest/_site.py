@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 import jax
@@ -80,6 +81,12 @@ class Site:
             raise _errors.plant_structure(self, what, tree)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
+            array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+            if not (array or isinstance(leaf, numbers.Number)):
+                raise _errors.plant_not_an_array(self, what, leaf)
+            if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
+                # A Python bool, or an int beyond int32 (no weak type holds them): the site's dtype.
+                leaf = jnp.asarray(leaf, aval.dtype)
             if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
                 # A Python number takes the site's dtype, as JAX casts one in
                 # `x.at[i].set(15.0)` (oryx passes it through: 15.5 into an int site stays 15.5).

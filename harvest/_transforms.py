@@ -17,10 +17,12 @@ data are split into a static graph and traced state (see `_calling`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
 import numbers
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, Concatenate, NamedTuple
@@ -28,7 +30,16 @@ from typing import Any, Concatenate, NamedTuple
 import jax
 
 from . import _errors, _jax
-from ._calling import is_array, make_jaxpr, split_nodes, write_back
+from ._calling import (
+    closure_of,
+    globals_read,
+    is_array,
+    make_jaxpr,
+    split_nodes,
+    static_key,
+    with_closure,
+    write_back,
+)
 from ._compile_cache import jit_per_function
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
@@ -44,7 +55,15 @@ def _is_traced(leaf, data):
     """Arrays are traced (see `_calling`); so are numbers given as planted values
     or held in NNX state, which are data, not configuration: sweeping them does
     not recompile."""
-    return is_array(leaf) or (data and isinstance(leaf, numbers.Number))
+    return is_array(leaf) or (data and isinstance(leaf, numbers.Number) and _traceable(leaf))
+
+
+def _traceable(number):
+    """Whether a Python number traced keeps its value for any site: not a bool
+    (it would trace as bool, not the site's dtype) nor an int beyond int32."""
+    if isinstance(number, bool):
+        return False
+    return not isinstance(number, int) or -(2**31) <= number < 2**31
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +71,8 @@ class _Static:
     """Everything about a call that is not an array: the jit cache key."""
 
     treedef: Any
-    static_leaves: (
-        tuple  # (index, type, leaf) for each leaf not traced; the type keeps 1, 1.0 and True apart
-    )
+    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
+    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0 and a mutated config
     policy: Policy
     reap: bool
     differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
@@ -93,6 +111,8 @@ class _Call(NamedTuple):
     args: tuple
     kwargs: dict
     graph: Any  # the NNX graph nodes' split state (see `_calling`)
+    cells: tuple  # what the function closes over (see `_calling.closure_of`)
+    globals: tuple  # the module-level values it reads, keyed (see `_calling.globals_read`)
 
 
 # The parts whose numbers are data, traced rather than static.
@@ -110,18 +130,24 @@ def _traced_leaves(call: _Call) -> list[bool]:
 
 def _walk(fn, dynamic, static: _Static, staged=False):
     leaves, dyn = [], iter(dynamic)
-    static_at = {i: leaf for i, _, leaf in static.static_leaves}
+    static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
     call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    bound, plants, args, kwargs, graph = call_parts
+    bound, plants, args, kwargs, graph, cells, _ = call_parts
+    fn = with_closure(fn, cells)
 
     def call(bound, /, *args, **kwargs):
         return _rewrap(fn, bound)(*args, **kwargs)
 
+    call.__wrapped__ = fn  # type: ignore[attr-defined]  # errors name the user's function
+
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    closed, arrays, out_shape = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
+    with _tags_walked_inside() as inner_tags:
+        closed, arrays, out_shape = make_jaxpr(
+            call, (bound, *args), kwargs, graph, return_shape=True
+        )
     if staged and not _lowerable(closed.jaxpr):
         raise _Unlowerable
     if staged and static.differentiating and holds_rule_sows(closed.jaxpr, static.policy):
@@ -144,6 +170,11 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     handled = dict(
         sorted(handled.items(), key=lambda item: first[item[0]])
     )  # program order, for messages
+    _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
+    if static.reap and policy.strict_names and not handled and not filtered:
+        tags = {site.tag for site in sites_in(closed.jaxpr)}
+        if tags and policy.tag not in tags | _LAYER_TAGS | inner_tags:
+            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
@@ -159,6 +190,49 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}),
         changes,
     )
+
+
+# Tags that harvest's own layers reap whether or not a program sows them
+# (harvest.ppl asks every model for its deterministic sites, say): reaping
+# them finds {} quietly. Each layer declares its own with `layer_tag`.
+_LAYER_TAGS: set[str] = set()
+
+
+def layer_tag(tag: str) -> str:
+    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    program sowing other tags but not this one reaps ``{}`` rather than an error."""
+    _LAYER_TAGS.add(tag)
+    return tag
+
+
+_walking = threading.local()
+
+
+@contextlib.contextmanager
+def _tags_walked_inside():
+    """Collects the tags of the harvest walks run while tracing a function: a
+    tag an inner ``plant`` or ``reap`` consumed has no sites left, not a typo."""
+    stack = _walking.__dict__.setdefault("stack", [])
+    stack.append(set())
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def _note_walked(tag):
+    for tags in getattr(_walking, "stack", ()):
+        tags.add(tag)
+
+
+def _check_paths_distinct(paths):
+    """Every dotted path names one site: no two sites spell the same (a name
+    ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
+    spelled = {}
+    for path in paths:
+        other = spelled.setdefault(path_str(path), path)
+        if other != path:
+            raise _errors.paths_collide(other, path)
 
 
 class _InOrder(dict):
@@ -179,15 +253,20 @@ def _walk_weak(fn_ref, dynamic, static):
 
 def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+    _note_walked(policy.tag)
     fn, bound = _unwrap(f)
     (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-    call_parts = _Call(bound, plants, args, kwargs, graph)
+    call_parts = _Call(bound, plants, args, kwargs, graph, closure_of(fn), globals_read(fn))
     leaves, treedef = jax.tree_util.tree_flatten(call_parts)
     traced = _traced_leaves(call_parts)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
         treedef,
-        tuple((i, type(leaf), leaf) for i, (leaf, t) in enumerate(zip(leaves, traced)) if not t),
+        tuple(
+            (i, type(leaf), leaf, static_key(leaf))
+            for i, (leaf, t) in enumerate(zip(leaves, traced))
+            if not t
+        ),
         policy,
         reap,
         _jax.differentiating(),
@@ -623,4 +702,6 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:
         raise _errors.bad_nest_scope(scope)
+    if "." in scope:
+        raise _errors.dotted_nest_scope(scope)
     return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")

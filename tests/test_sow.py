@@ -347,8 +347,11 @@ def test_tags_are_namespaces():
     a, b = X + 1.0, (X + 1.0) * 2.0
     close(reap(f, tag="a")(X), {"v": a})
     close(reap(f, tag="b")(X), {"v": b})
-    close(reap(f, tag="c")(X), {})
-    close(reap(f)(X), {})
+    # a tag the function never sows, beside tags it does: a typo, refused (issue 23)
+    with pytest.raises(ValueError, match="tags 'a', 'b'"):
+        reap(f, tag="c")(X)
+    with pytest.raises(ValueError, match="no sow of tag 'intermediates'"):
+        reap(f)(X)
     va = jnp.full(3, 10.0)
     vb = jnp.full(3, -5.0)
     # reap(plant(f, "a"), "b"): b sees the planted a

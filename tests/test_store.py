@@ -238,7 +238,9 @@ def test_bad_input_is_a_clear_error_that_writes_nothing(tmp_path):
     assert os.listdir(stranger) == ["notes.txt"]
     with pytest.raises(ValueError, match="'blocks.7' matches no sow site"):
         store.record(model, data, tmp_path / "a", tag="modules", names=["blocks.7"], progress=False)
-    with pytest.raises(ValueError, match="sows no site of tag 'nope'"):
+    with pytest.raises(
+        ValueError, match="no sow of tag 'nope', but it has sows of the tags 'modules'"
+    ):
         store.record(model, data, tmp_path / "a", tag="nope", progress=False)
     with pytest.raises(ValueError, match="`batches` yielded nothing"):
         store.record(model, [], tmp_path / "a", tag="modules", progress=False)

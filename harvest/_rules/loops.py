@@ -207,7 +207,9 @@ def _while_per_example(cond_fn, body_fn, init):
 
 def _scan_body(eqn):
     p = _jax.Scan.of(eqn)
-    return [Body(f"scan[{p.length}]", p.body.jaxpr, p.body.consts, runs=p.length)]
+    return [
+        Body(f"scan[{p.length}]", p.body.jaxpr, p.body.consts, runs=p.length, stacked_loop=True)
+    ]
 
 
 def _scan_forwards(eqn, i, position):

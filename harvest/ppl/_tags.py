@@ -30,17 +30,18 @@ import jax.numpy as jnp
 
 from .. import _jax
 from .._sow import sow
+from .._transforms import layer_tag
 
-RANDOM_VARIABLE = "random_variable"
-LOG_DENSITY = "random_variable_log_density"
-DETERMINISTIC = "deterministic"
-UNCONSTRAINED = "random_variable_unconstrained"
-JACOBIAN = "random_variable_jacobian"
-BLOCKED = "random_variable_blocked"
-NOISE = "random_variable_noise"
-ABDUCED = "random_variable_abduced_noise"
-ENUMERATED = "random_variable_enumerated"
-TOTAL = "random_variable_total_log_density"
+RANDOM_VARIABLE = layer_tag("random_variable")
+LOG_DENSITY = layer_tag("random_variable_log_density")
+DETERMINISTIC = layer_tag("deterministic")
+UNCONSTRAINED = layer_tag("random_variable_unconstrained")
+JACOBIAN = layer_tag("random_variable_jacobian")
+BLOCKED = layer_tag("random_variable_blocked")
+NOISE = layer_tag("random_variable_noise")
+ABDUCED = layer_tag("random_variable_abduced_noise")
+ENUMERATED = layer_tag("random_variable_enumerated")
+TOTAL = layer_tag("random_variable_total_log_density")
 
 _unconstraining = _jax.trace_flag(
     "harvest_ppl_unconstraining",

@@ -26,7 +26,7 @@ from jax.tree_util import Partial
 
 from .. import _errors
 from .._sow import sow
-from .._transforms import call_and_reap, harvest, plant, reap
+from .._transforms import call_and_reap, harvest, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
@@ -482,7 +482,7 @@ def graph_replace(
 
 
 # The tag under which graph_replace's program files the values it returns.
-_REPLACED = "random_variable_graph_replace_output"
+_REPLACED = layer_tag("random_variable_graph_replace_output")
 
 
 @dataclasses.dataclass(frozen=True)

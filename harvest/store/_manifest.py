@@ -121,10 +121,6 @@ def check_path(path: pathlib.Path) -> Manifest | None:
         raise _errors.store_path_is_file(path)
     manifest = read(path)
     # Hidden files are a killed run's temporary manifest: the directory is still new.
-    if (
-        manifest is None
-        and path.is_dir()
-        and any(p.name[:1] != "." for p in path.iterdir())
-    ):
+    if manifest is None and path.is_dir() and any(p.name[:1] != "." for p in path.iterdir()):
         raise _errors.store_path_not_a_store(path)
     return manifest

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 
 from .. import _errors
 from .._paths import path_str
-from .._transforms import call_and_reap, reap
+from .._transforms import call_and_reap, layer_tag, reap
 from .._typing import NameSelect
 
 # The tag of the outer harvest transformation that compiles the program; no
 # site uses it. Going through harvest (not `jax.jit`) gives `fn` harvest's
 # calling convention: an NNX module's state is traced, not baked in.
-_COMPILE_TAG = "harvest.store.program"
+_COMPILE_TAG = layer_tag("harvest.store.program")
 
 
 def _flat(reaps: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -1,0 +1,320 @@
+"""Adversarial cases (issue 23), each against the function without harvest
+or the computation threaded by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harvest
+from harvest import plant, reap, sow
+
+# -- item 2: the hidden compile cache never returns a stale result ------------
+
+
+def test_negative_zero_argument_is_not_the_zero_program():
+    def f(x, s):
+        return sow(x * jnp.copysign(1.0, s), name="h", mode="clobber")
+
+    for s in (0.0, -0.0, 0.0):
+        assert float(reap(f)(1.0, s)["h"]) == float(np.copysign(1.0, s))
+        assert float(plant(f)({}, 1.0, s)) == float(np.copysign(1.0, s))
+
+
+def _closing_over(value):
+    def f(x):
+        return sow(x * value, name="h", mode="clobber")
+
+    return f
+
+
+def test_closed_over_python_number_is_keyed():
+    scale = 2.0
+
+    def f(x):
+        return sow(x * scale, name="h", mode="clobber")
+
+    assert float(reap(f)(1.0)["h"]) == f(1.0) == 2.0
+    scale = 3.0
+    assert float(reap(f)(1.0)["h"]) == f(1.0) == 3.0
+
+
+def test_closed_over_array_is_traced_data():
+    w = jnp.array([2.0, 3.0])
+
+    def f(x):
+        return sow(x * w, name="h", mode="clobber").sum()
+
+    np.testing.assert_allclose(reap(f)(1.0)["h"], np.asarray(w))
+    w = jnp.array([5.0, 7.0])
+    np.testing.assert_allclose(reap(f)(1.0)["h"], [5.0, 7.0])
+    np.testing.assert_allclose(plant(f)({"h": jnp.ones(2)}, 1.0), 2.0)
+
+
+def test_closed_over_container_of_arrays_is_traced():
+    params = {"w": jnp.ones(3), "n": 2}
+
+    def f(x):
+        return sow(x * params["w"] * params["n"], name="h", mode="clobber").sum()
+
+    np.testing.assert_allclose(reap(f)(1.0)["h"], 2 * np.ones(3))
+    params = {"w": 3 * jnp.ones(3), "n": 5}
+    np.testing.assert_allclose(reap(f)(1.0)["h"], 15 * np.ones(3))
+
+
+SCALE = 2.0
+WEIGHT = jnp.array(2.0)
+
+
+def _reads_globals(x):
+    return sow(x * SCALE * WEIGHT, name="h", mode="clobber")
+
+
+def test_module_level_values_read_by_f_are_keyed():
+    global SCALE, WEIGHT
+    try:
+        assert float(reap(_reads_globals)(1.0)["h"]) == float(_reads_globals(1.0)) == 4.0
+        SCALE, WEIGHT = 3.0, jnp.array(5.0)
+        assert float(reap(_reads_globals)(1.0)["h"]) == float(_reads_globals(1.0)) == 15.0
+    finally:
+        SCALE, WEIGHT = 2.0, jnp.array(2.0)
+
+
+class _Config:
+    def __init__(self, a):
+        self.a = a
+
+
+def test_mutated_identity_hashed_config_retraces():
+    def f(x, cfg):
+        return sow(x * cfg.a, name="h", mode="clobber")
+
+    cfg = _Config(2.0)
+    assert float(reap(f)(1.0, cfg)["h"]) == f(1.0, cfg) == 2.0
+    cfg.a = 4.0
+    assert float(reap(f)(1.0, cfg)["h"]) == f(1.0, cfg) == 4.0
+    cfg.a = -0.0
+    assert np.signbit(reap(f)(1.0, cfg)["h"])
+
+
+def test_mutated_closed_over_config_retraces():
+    cfg = _Config(2.0)
+    f = _closing_over_config(cfg)
+    assert float(reap(f)(1.0)["h"]) == 2.0
+    cfg.a = 6.0
+    assert float(reap(f)(1.0)["h"]) == f(1.0) == 6.0
+
+
+def _closing_over_config(cfg):
+    def f(x):
+        return sow(x * cfg.a, name="h", mode="clobber")
+
+    return f
+
+
+def test_nonlocal_writes_still_reach_the_cell():
+    calls = 0
+
+    def f(x):
+        nonlocal calls
+        calls += 1
+        return sow(x * 2.0, name="h", mode="clobber")
+
+    reap(f)(1.0)
+    assert calls == 1
+
+
+def test_closure_through_jit_and_grad():
+    w = jnp.array(3.0)
+
+    def f(x):
+        return sow(x * w, name="h", mode="clobber") ** 2
+
+    g = jax.grad(lambda x: reap(f)(x)["h"] ** 2)(2.0)
+    np.testing.assert_allclose(g, 2 * 6.0 * 3.0)
+    np.testing.assert_allclose(jax.jit(reap(f))(2.0)["h"], 6.0)
+    w = jnp.array(4.0)
+    np.testing.assert_allclose(reap(f)(2.0)["h"], 8.0)
+
+
+# -- item 8: a tag that matches no site ----------------------------------------
+
+
+def _two_tags(x):
+    a = sow(x, name="a", mode="clobber", tag="params")
+    return sow(a * 2.0, name="b", mode="clobber", tag="other")
+
+
+def test_a_tag_matching_no_site_lists_the_tags_the_function_has():
+    with pytest.raises(ValueError, match=r"no sow of tag 'intermediates'.*'other', 'params'"):
+        reap(_two_tags)(1.0)
+    with pytest.raises(ValueError, match="no sow of tag 'parms'"):
+        reap(_two_tags, tag="parms")(1.0)
+    assert float(reap(_two_tags, tag="params")(1.0)["a"]) == 1.0
+
+
+def test_a_function_without_any_sow_still_reaps_nothing():
+    assert reap(lambda x: x * 2.0)(1.0) == {}
+
+
+def test_a_tag_an_inner_harvest_consumed_is_not_a_typo():
+    def planted_inside(x):
+        return plant(_two_tags, tag="params")({"a": 3.0}, x)
+
+    assert reap(planted_inside, tag="params")(1.0) == {}
+    assert float(reap(planted_inside, tag="other")(1.0)["b"]) == 6.0
+
+
+def test_instrumented_model_reaped_without_the_modules_tag():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(2, 2, 2, 1, key=jax.random.key(0))
+    probed = harvest.instrument(model)
+    with pytest.raises(ValueError, match="'modules'"):
+        reap(probed)(jnp.ones(2))
+    with pytest.raises(ValueError, match="no sow of tag 'module'"):
+        reap(probed, tag="module")(jnp.ones(2))
+
+
+def test_compat_oryx_keeps_its_empty_reap():
+    from harvest.compat import oryx
+
+    def f(x):
+        return oryx.sow(x * 2.0, tag="other", name="b", mode="clobber")
+
+    assert oryx.reap(f, tag="intermediates")(1.0) == {}
+
+
+# -- item 5: every dotted path names one site ----------------------------------
+
+
+def _sows_b_h(x):
+    return sow(x * 2.0, name="b.h", mode="clobber")
+
+
+def _sows_h(x):
+    return sow(x * 3.0, name="h", mode="clobber")
+
+
+def test_two_sites_spelled_alike_are_refused():
+    def f(x):
+        return harvest.nest(harvest.nest(_sows_h, scope="b"), scope="a")(x) + harvest.nest(
+            _sows_b_h, scope="a"
+        )(x)
+
+    assert f(1.0) == 5.0
+    for call in (lambda: reap(f)(1.0), lambda: plant(f)({"a": {"b": {"h": 0.0}}}, 1.0)):
+        with pytest.raises(ValueError, match=r"both spelled 'a\.b\.h'.*Rename"):
+            call()
+
+
+def test_a_dotted_nest_scope_is_refused_with_the_way_to_nest():
+    with pytest.raises(ValueError, match=r"nest\(nest\(f, scope='b'\), scope='a'\)"):
+        harvest.nest(_sows_h, scope="a.b")
+
+
+def test_a_flat_dotted_name_beside_its_prefix_plants_the_site_it_spells():
+    def f(x):
+        return sow(x * 2.0, name="a.b", mode="clobber") + 10.0 * sow(x, name="a", mode="clobber")
+
+    # hand-threaded: a.b planted to 0., a stays x
+    assert float(plant(f)({"a.b": 0.0}, 1.0)) == 10.0
+    assert float(plant(f)({"a": 3.0}, 1.0)) == 2.0 + 30.0
+
+
+# -- item 6: a scan of length 0 round-trips -------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["append", "collect", "clobber"])
+def test_length_zero_scan_round_trip(mode):
+    def f(c0, xs):
+        def body(c, x):
+            return c + sow(x * 2.0, name="h", mode=mode), c
+
+        return jax.lax.scan(body, c0, xs)
+
+    xs = jnp.zeros((0, 3))
+    c0 = jnp.ones(3)
+    reaped = reap(f)(c0, xs)
+    planted = plant(f)(reaped, c0, xs)
+    for got, want in zip(jax.tree_util.tree_leaves(planted), jax.tree_util.tree_leaves(f(c0, xs))):
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == want.shape
+    if mode == "append":
+        assert reaped["h"].shape == (0, 3)
+    if mode == "collect":
+        assert [e.shape for e in reaped["h"]] == [(0, 3)]
+
+
+# -- item 7: eager-only Python names the user's function -----------------------
+
+
+def _branches_on_a_value(x):
+    if x.sum() > 0:
+        return sow(x, name="h", mode="clobber")
+    return x
+
+
+def _casts_to_int(x):
+    return sow(x, name="h", mode="clobber") * int(jnp.argmax(x))
+
+
+@pytest.mark.parametrize("fn", [_branches_on_a_value, _casts_to_int])
+def test_eager_only_python_names_the_function_and_says_harvest_traces(fn):
+    assert fn(jnp.ones(2)) is not None  # works eagerly
+    with pytest.raises(Exception) as info:
+        reap(fn)(jnp.ones(2))
+    assert fn.__name__ in str(info.value) and "flat_f" not in str(info.value)
+    assert "as jax.jit does" in "".join(info.value.__notes__)
+
+
+# -- item 9: the error gaps ------------------------------------------------------
+
+
+def _doubles(x):
+    return sow(x * 2.0, name="h", mode="clobber")
+
+
+def _as_uint32(x):
+    return sow(x.astype(jnp.uint32), name="h", mode="clobber")
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: reap(_doubles, allowlist=3)(1.0), "allowlist takes names"),
+        (lambda: plant(_doubles)({"h": "zero"}, 1.0), r"name='h'.*is a str"),
+        (lambda: plant(_doubles)({"h": lambda old: "zero"}, 1.0), r"callable.*name='h'.*is a str"),
+        (lambda: plant(_doubles)({"h": lambda a, b, c: a}, 1.0), r"name='h'.*\(old, i\) -> new"),
+    ],
+)
+def test_bad_plants_and_filters_say_what_to_do(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_a_python_number_takes_the_sites_dtype():
+    big = plant(_as_uint32)({"h": 2**31}, jnp.ones(()))
+    assert big.dtype == jnp.uint32 and int(big) == 2**31 == int(np.uint32(2**31))
+    assert float(plant(_doubles)({"h": True}, 1.0)) == 1.0
+    assert int(plant(_as_uint32)({"h": np.uint32(3)}, jnp.ones(()))) == 3
+    flag = plant(lambda x: sow(x > 0, name="h", mode="clobber"))({"h": False}, jnp.ones(()))
+    assert flag.dtype == jnp.bool_ and not bool(flag)
+
+
+# -- item 10: custom_vmap under vmap never reaps {} ------------------------------
+
+
+def test_custom_vmap_sow_under_vmap_is_reaped():
+    from jax.custom_batching import custom_vmap
+
+    @custom_vmap
+    def g(x):
+        return sow(jnp.sin(x), name="h", mode="clobber")
+
+    @g.def_vmap
+    def _rule(axis_size, in_batched, x):
+        return jnp.sin(x), in_batched[0]
+
+    xs = jnp.array([0.1, 0.2, 0.3])
+    for reaped in (reap(jax.vmap(g))(xs), jax.vmap(reap(g))(xs)):
+        np.testing.assert_allclose(reaped["h"], np.sin(np.asarray(xs)), rtol=1e-6)
