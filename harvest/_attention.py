@@ -31,6 +31,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from . import _errors
+
 HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
 
 
@@ -83,7 +85,7 @@ def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
         yield
         return
     if original is not default:
-        raise _errors_custom_attention_fn(path, type(module).__name__)
+        raise _errors.custom_attention_fn(path, type(module).__name__)
     hooked = _linen_attention(call, path) if kind == "linen" else _nnx_attention(call, path)
     thread = threading.get_ident()
 
@@ -115,6 +117,19 @@ def _dropout(weights, rng, rate, broadcast, ndim, dtype):
     shape = tuple([1] * (ndim - 2)) + weights.shape[-2:] if broadcast else weights.shape
     keep = jax.random.bernoulli(rng, keep_prob, shape)
     return weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+
+
+def _hooked_pattern(
+    call, path, weights, deterministic, dropout_rate, dropout_rng, broadcast_dropout, query, key
+):
+    """The post-softmax weights through the pattern hook, then Flax's dropout (after the hook,
+    so the hook sees the pattern itself)."""
+    weights = _hook(call, f"{path}.hook_pattern", weights)
+    if not deterministic and dropout_rate > 0.0:
+        weights = _dropout(
+            weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
+        )
+    return weights
 
 
 def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
@@ -157,11 +172,17 @@ def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
             einsum_dot_general=einsum_dot_general,
             einsum=qk_attn_weights_einsum,
         )
-        weights = _hook(call, f"{path}.hook_pattern", weights)
-        if not deterministic and dropout_rate > 0.0:
-            weights = _dropout(
-                weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
-            )
+        weights = _hooked_pattern(
+            call,
+            path,
+            weights,
+            deterministic,
+            dropout_rate,
+            dropout_rng,
+            broadcast_dropout,
+            query,
+            key,
+        )
         einsum = attn_weights_value_einsum or functools.partial(
             jnp.einsum, precision=precision, _dot_general=einsum_dot_general or jax.lax.dot_general
         )
@@ -207,11 +228,17 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
             promote_dtype,
             is_causal,
         )
-        weights = _hook(call, f"{path}.hook_pattern", weights)
-        if not deterministic and dropout_rate > 0.0:
-            weights = _dropout(
-                weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
-            )
+        weights = _hooked_pattern(
+            call,
+            path,
+            weights,
+            deterministic,
+            dropout_rate,
+            dropout_rng,
+            broadcast_dropout,
+            query,
+            key,
+        )
         if (
             weights.shape[-3] != value.shape[-2]
         ):  # grouped-query attention: each value head serves a group
@@ -220,12 +247,6 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
         return _hook(call, f"{path}.hook_z", z)
 
     return attention_fn
-
-
-def _errors_custom_attention_fn(path: str, cls: str) -> TypeError:
-    from . import _errors
-
-    return _errors.custom_attention_fn(path, cls)
 
 
 # ---------------------------------------------------------------------------
@@ -310,8 +331,6 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
     heads = [n for n in _HEAD_AXES if n in names]
     inner = [_SEQ, _KV_SEQ] if which == "hook_pattern" else [_SEQ, _PROJECTION]
     if not heads or any(n not in names for n in inner):
-        from . import _errors
-
         raise _errors.penzai_attention_axes(parent, which, value.named_shape)
     batch = [n for n in names if n not in heads and n not in inner]
     order = (
@@ -395,8 +414,6 @@ def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None)
     """
     if axes is None:
         return
-    from . import _errors
-
     for name, value in swept:
         ndim = _ndim(value)
         negative = {a - ndim if a >= 0 else a for a in axes}
