@@ -430,8 +430,8 @@ def no_value_for_site(what: str, name: str, tag: Any) -> KeyError:
     )
 
 
-def sweep_needs_callable(caller: str, f: Any) -> TypeError:
-    return TypeError(f"{caller} needs a callable f, got {type(f).__name__}.")
+def needs_callable(call: str, value: Any, argument: str = "f") -> TypeError:
+    return TypeError(f"{call} needs a callable {argument}, got {type(value).__name__}.")
 
 
 def corrupted_args_not_a_tuple(caller: str, corrupted_args: Any) -> TypeError:
@@ -543,10 +543,6 @@ def plot_many_differ(shapes: list[Any]) -> ValueError:
 
 def plot_many_titles(titles: int, results: int) -> ValueError:
     return ValueError(f"plot_many: {titles} titles for {results} results.")
-
-
-def sites_needs_callable(f: Any) -> TypeError:
-    return TypeError(f"sites(f, *args) needs a callable f, got {type(f).__name__}.")
 
 
 def sites_bad_tag(tag: Any) -> TypeError:
@@ -916,4 +912,18 @@ def d_head_axis(name: str, axes: Any) -> ValueError:
         f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
         "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
         "for every (head, position) pair, or axis=-2 for heads."
+    )
+
+
+def plot_attention_shape(shape: Any) -> ValueError:
+    return ValueError(
+        f"plot_attention needs a pattern of shape [heads, query, key], got shape {shape}. "
+        "Index the example to draw, e.g. plot_attention(reaped['pattern'][0][i])."
+    )
+
+
+def plot_attention_tokens(n_tokens: int, n_keys: int) -> ValueError:
+    return ValueError(
+        f"plot_attention: {n_tokens} tokens for {n_keys} key positions; pass one token per key "
+        "position, or tokens=None."
     )

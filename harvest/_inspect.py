@@ -246,7 +246,7 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
         intermediates  step  append  ()     float32  12     jit › scan[12]
     """
     if not callable(f):
-        raise _errors.sites_needs_callable(f)
+        raise _errors.needs_callable("sites(f, *args)", f)
     if tag is not None and not isinstance(tag, str):
         raise _errors.sites_bad_tag(tag)
     found, blocks = Sites(), []

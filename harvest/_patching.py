@@ -90,7 +90,7 @@ def _lookup(reaps, site, what):
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     """The sites to patch, with their clean values, their sizes along `axes`, and the sites skipped."""
     if not callable(f):
-        raise _errors.sweep_needs_callable(caller, f)
+        raise _errors.needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
         raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
     if not isinstance(clean, dict):

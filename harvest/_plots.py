@@ -143,15 +143,10 @@ def plot_attention(
     if array.ndim == 4 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 3:
-        raise ValueError(
-            f"plot_attention needs a pattern of shape [heads, query, key], got shape {array.shape}. "
-            "Index the example to draw, e.g. plot_attention(reaped['pattern'][0][i])."
-        )
+        raise _errors.plot_attention_shape(array.shape)
     heads = range(array.shape[0]) if heads is None else list(heads)
     if tokens is not None and len(tokens) != array.shape[2]:
-        raise ValueError(
-            f"plot_attention: {len(tokens)} tokens for {array.shape[2]} key positions."
-        )
+        raise _errors.plot_attention_tokens(len(tokens), array.shape[2])
     labels = range(array.shape[1]) if tokens is None else tokens
     grids = [array[h] for h in heads]
     axes = heatmaps(

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from . import _errors
 from ._calling import make_jaxpr
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
@@ -109,12 +110,9 @@ def stream(
         [('c', 2.0), ('c', 4.0), ('c', 8.0), ('c', 16.0)]
     """
     if not callable(f):
-        raise TypeError(f"stream(f, callback) needs a callable f, got {type(f).__name__}.")
+        raise _errors.needs_callable("stream(f, callback)", f)
     if not callable(callback):
-        raise TypeError(
-            f"stream(f, callback) needs a callable callback(name, value), got "
-            f"{type(callback).__name__}."
-        )
+        raise _errors.needs_callable("stream(f, callback)", callback, "callback(name, value)")
     select = NameFilter.make(allowlist, blocklist)
 
     @functools.wraps(f)
