@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import harvest
-from harvest import _compile_cache, patching_sweep, plant, reap, sow
+from harvest import _compile_cache, patching_sweep, plant, reap, sites, sow
 
 X = jnp.arange(3.0)
 
@@ -263,3 +263,31 @@ def test_bad_cache_settings():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive int"):
             harvest.set_compile_cache(max_programs=bad)
+
+
+# -- a full reap's size, from shapes alone ----------------------------------------
+
+
+def test_sites_bytes_are_the_reaped_bytes():
+    def f(xs, w):
+        def body(c, x):
+            return c + sow(x * c @ w, name="step", mode="append"), None
+
+        h = sow(jnp.tanh(xs), name="h", mode="strict")
+        return jax.lax.scan(body, jnp.ones(4), h)[0]
+
+    xs, w = jnp.ones((5, 4)), jnp.eye(4, dtype=jnp.float32)
+    found = sites(f, xs, w)
+    reaped = reap(f)(xs, w)
+    assert [s.nbytes for s in found] == [reaped["h"].nbytes, reaped["step"].nbytes]
+    assert found.nbytes() == sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(reaped))
+    assert "bytes" in str(found).splitlines()[0]
+
+
+def test_sites_bytes_inside_a_while_loop_are_unknown():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c < 3.0, lambda c: sow(c + 1.0, name="c"), x)
+
+    found = sites(f, 0.0)
+    assert found[0].nbytes is None and found.nbytes() is None
+    assert "unbounded" in str(found)
