@@ -148,16 +148,20 @@ class _Programs:
         with _jits_lock:
             jitted = self.jits.get(static)
             if jitted is None:
-                jitted = self.jits[static] = jax.jit(functools.partial(self.walk, static=static))
+                # `static` is passed at each call, not bound here: a retrace (new
+                # shapes) must see this call's values, whose functions are alive.
+                # A fresh partial per key: JAX's caches hold it weakly, so a
+                # dropped key's programs go with it.
+                jitted = self.jits[static] = jax.jit(functools.partial(self.walk), static_argnums=1)
                 while len(self.jits) > _settings["max_programs"]:
                     self.jits.popitem(last=False)
             else:
                 self.jits.move_to_end(static)
-        return jitted(dynamic)
+        return jitted(dynamic, static)
 
 
 def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:
-    """``walk_weak(weakref.ref(fn), dynamic, static=static)`` compiled per ``static``,
+    """``walk_weak(weakref.ref(fn), dynamic, static)`` compiled per ``static``,
     as ``programs(dynamic, static)``: made once per ``fn`` and dropped when ``fn`` is collected."""
     with _jits_lock:
         programs = _jits.get(fn)

@@ -6,6 +6,7 @@ Every result is checked against the function computed by hand."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 
 import jax
@@ -40,6 +41,18 @@ def test_a_fresh_lambda_over_a_new_array_does_not_retrace():
         d = jnp.full(3, float(i))
         np.testing.assert_allclose(g({"h": lambda o: o + d}, X), X * 2.0 + i + 1.0)
     assert len(traces) == 1
+
+
+def test_new_shapes_after_the_first_lambda_is_collected():
+    f, traces = counted()
+    g = plant(f)
+    for n in (3, 4, 3):  # one key, two shapes: the second traces with its own lambda
+        d = jnp.ones(n)
+        np.testing.assert_allclose(
+            g({"h": lambda o: o + d}, jnp.arange(n * 1.0)), jnp.arange(n) * 2.0 + 2.0
+        )
+        gc.collect()
+    assert len(traces) == 2
 
 
 def _adds(d):
