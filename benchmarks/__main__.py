@@ -20,6 +20,7 @@ import time
 from . import (
     _timing,
     bench_core,
+    bench_memory,
     bench_models,
     bench_oryx,
     bench_samplers,
@@ -35,6 +36,7 @@ SECTIONS = {
     "unharvested": bench_unharvested,
     "store": bench_store,
     "models": bench_models,
+    "memory": bench_memory,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -229,6 +231,8 @@ def render(results):
             "",
             *bench_samplers.render(results["samplers"]),
             "",
+            *bench_memory.render(results["memory"]),
+            "",
             *(
                 bench_store.render(results["store"])
                 if results["store"] is not None
@@ -288,6 +292,7 @@ def run(quick=False, large=False):
     results["instrument"] = _instrument(size)
     results["unharvested"] = _run_section(bench_unharvested, quick)
     results["samplers"] = _run_section(bench_samplers, quick)
+    results["memory"] = _run_section(bench_memory, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3

@@ -8,6 +8,8 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 _restore_tfp_alias()
 from . import extend as extend, store as store
 from ._capture import capture as capture
+from ._compile_cache import set_compile_cache as set_compile_cache
+from ._errors import RecompileWarning as RecompileWarning
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
 from ._interventions import (

@@ -1,51 +1,178 @@
-"""Every compiled program harvest keeps, in JAX's own jit caches.
+"""Every compiled program harvest keeps: bounded, and telling when it keeps compiling.
 
-Two keys, one mechanism (a `jax.jit` whose static argument is everything that
-shapes the program, its arrays traced):
+Two keys, one mechanism (a `jax.jit` per key, its arrays traced, everything
+else that shapes the program in the key):
 
-* `jit_per_function`: the walk of each harvested function (`_transforms`),
-  one `jax.jit` per plain Python function, held weakly by it, so its programs
+* `jit_per_function`: the walks of each harvested function (`_transforms`),
+  held in a dict weakly keyed by the plain Python function, so its programs
   go when the function goes, as `jax.jit(f)`'s do;
-* `jit_on_arrays` / `compile_program`: the sweeps' programs, one `jax.jit` for
-  them all, keyed by what shapes a program (the function, metric, sites,
-  axes) and not by the arrays it reads, so a repeated sweep on new data only
-  runs.
+* `jit_on_arrays` / `compile_program`: the sweeps' programs, keyed by what
+  shapes a program (the function's code, metric, sites, axes) and not by the
+  arrays it reads, so a repeated sweep on new data only runs.
 
-`jax.clear_caches()` clears both.
+Each holds at most `max_programs` keys (least recently used dropped, with
+their compiled programs), and warns once per function when it has traced
+the same function more than `warn_after` times, or cannot key a call at all.
+`jax.clear_caches()` clears the compiled programs.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from . import _errors
 from ._calling import call_merged, is_array, split_nodes, static_key
-from ._interventions import pytree_dataclass
+from ._interventions import TracedCode, pytree_dataclass
 
-_jits: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
+_settings = {"max_programs": 64, "warn_after": 32}
+
+
+def set_compile_cache(
+    max_programs: int | None = None, warn_after: int | None = None
+) -> dict[str, int]:
+    """Bounds harvest's compile caches and sets when they warn; returns the previous settings.
+
+    Every harvested function (``reap(f)``, ``plant(f)``, ...) keeps one compiled
+    walk per compile-cache key (its non-array arguments, what it closes over,
+    the plants' shapes), and the sweeps (``patching_sweep``, ...) one program
+    per function code, metric, sites and axes. Each cache holds at most
+    ``max_programs`` keys (per harvested function for the first, in all for the
+    sweeps), dropping the least recently used with its compiled programs; each
+    shape of a key's arrays is one more program, bounded by JAX's own caches.
+    A ``harvest.RecompileWarning`` naming the function (file:line) is shown
+    once when the same function's code has been traced more than
+    ``warn_after`` times (a new Python number or a fresh closure per call), or
+    when a call cannot be keyed at all (an unhashable argument).
+
+    Args:
+        max_programs: How many keys each cache keeps (a positive int; default
+            64). ``None`` leaves it as it is.
+        warn_after: How many traces of one function's code to allow before
+            warning (a positive int; default 32). ``None`` leaves it as it is.
+
+    Returns:
+        The settings before the call, as ``{"max_programs": ..., "warn_after": ...}``
+        (pass them back as keywords to restore them).
+
+    Raises:
+        ValueError: ``max_programs`` or ``warn_after`` is not a positive int.
+
+    Example:
+        >>> import harvest
+        >>> before = harvest.set_compile_cache(max_programs=8, warn_after=100)
+        >>> before
+        {'max_programs': 64, 'warn_after': 32}
+        >>> _ = harvest.set_compile_cache(**before)
+    """
+    given = {"max_programs": max_programs, "warn_after": warn_after}
+    for name, value in given.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise _errors.bad_cache_setting(name, value)
+    before = dict(_settings)
+    _settings.update({k: v for k, v in given.items() if v is not None})
+    return before
+
+
+# -- how often each function's code was traced, for the one-time warning --------
+
+_traced: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_warned: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _where(fn: Any) -> str:
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if code is None:
+        return name
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def note_trace(fn: Any) -> None:
+    """Counts one trace of ``fn``'s code (fresh closures of it count together);
+    warns once past ``warn_after``."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    n = _traced[code] = _traced.get(code, 0) + 1
+    if n > _settings["warn_after"] and code not in _warned:
+        _warned.add(code)
+        warnings.warn(_errors.recompiles(_where(fn), n), stacklevel=4)
+
+
+def note_unhashable(fn: Any, leaves: Any) -> None:
+    """Warns once per ``fn``'s code that its calls cannot be keyed (``leaves``: the static ones)."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code in _warned:
+        return
+    culprit = next((leaf for leaf in leaves if not _hashable(leaf)), None)
+    if culprit is None:  # hashable after all (a function that cannot be weakly referenced)
+        return
+    _warned.add(code)
+    warnings.warn(_errors.unhashable_argument(_where(fn), culprit), stacklevel=4)
+
+
+def _hashable(leaf: Any) -> bool:
+    try:
+        hash(leaf)
+    except TypeError:
+        return False
+    return True
+
+
+# -- the walks of each harvested function -------------------------------------
+
+_jits: weakref.WeakKeyDictionary[Callable[..., Any], _Programs] = weakref.WeakKeyDictionary()
 _jits_lock = threading.Lock()
 
 
-def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> Any:
-    """``jax.jit(partial(walk_weak, weakref.ref(fn)), static_argnums=1)``, made once per
-    ``fn`` and dropped when ``fn`` is collected (``walk_weak`` takes the weak reference)."""
+class _Programs:
+    """One harvested function's compiled walks: a ``jax.jit`` per static key, the
+    least recently used dropped past ``max_programs``. Holds the function weakly."""
+
+    def __init__(self, fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> None:
+        self.walk = functools.partial(walk_weak, weakref.ref(fn))
+        self.jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def __call__(self, dynamic: Any, static: Any) -> Any:
+        with _jits_lock:
+            jitted = self.jits.get(static)
+            if jitted is None:
+                # `static` is passed at each call, not bound here: a retrace (new
+                # shapes) must see this call's values, whose functions are alive.
+                # A fresh partial per key: JAX's caches hold it weakly, so a
+                # dropped key's programs go with it.
+                jitted = self.jits[static] = jax.jit(functools.partial(self.walk), static_argnums=1)
+                while len(self.jits) > _settings["max_programs"]:
+                    self.jits.popitem(last=False)
+            else:
+                self.jits.move_to_end(static)
+        return jitted(dynamic, static)
+
+
+def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:
+    """``walk_weak(weakref.ref(fn), dynamic, static)`` compiled per ``static``,
+    as ``programs(dynamic, static)``: made once per ``fn`` and dropped when ``fn`` is collected."""
     with _jits_lock:
-        jitted = _jits.get(fn)
-        if jitted is None:
-            # Holds `fn` only weakly, or the dict's value would keep its key alive.
-            jitted = _jits[fn] = jax.jit(
-                functools.partial(walk_weak, weakref.ref(fn)), static_argnums=1
-            )
-        return jitted
+        programs = _jits.get(fn)
+        if programs is None:
+            programs = _jits[fn] = _Programs(fn, walk_weak)
+        return programs
 
 
-def jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | None) -> Any:
+def jit_on_arrays(
+    fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | None, owner: Any = None
+) -> Any:
     """`jax.jit(fn)(tree)`, with `tree`'s arrays traced and its other leaves static.
 
     NNX graph nodes in `tree` are split first, so their state is traced too,
@@ -54,11 +181,12 @@ def jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | No
     says everything `fn` closes over that shapes the program) and equal static
     leaves share one compiled program: only the first traces and compiles,
     later ones with the same shapes just run it. `key=None` compiles for this
-    call only.
+    call only. `owner` is the function the warnings name.
     """
     tree, graph, _ = split_nodes(tree)
     leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
     traced = [is_array(leaf) for leaf in leaves]
+    statics = [l for l, a in zip(leaves, traced) if not a]
     static = _Compiled(
         (
             key,
@@ -74,14 +202,24 @@ def jit_on_arrays(fn: Callable[[Any], Any], tree: Any, key: tuple[Any, ...] | No
         hash(static)
         cached = key is not None
     except TypeError:  # an unhashable static leaf
+        note_unhashable(owner, statics)
         cached = False
     if not cached:
         return jax.jit(rebuilt)(arrays)
-    static.trace = rebuilt
+    with _jits_lock:
+        entry = _sweeps.get(static)
+        if entry is None:
+            entry = _sweeps[static] = static
+            static.jitted = jax.jit(functools.partial(_run_compiled, static))
+            while len(_sweeps) > _settings["max_programs"]:
+                _sweeps.popitem(last=False)
+        else:
+            _sweeps.move_to_end(static)
+    entry.trace, entry.owner = rebuilt, owner
     try:
-        return _run_compiled(static, arrays)
+        return entry.jitted(arrays)
     finally:
-        static.trace = None  # the cache keeps the key, not this call's function and arrays
+        entry.trace = entry.owner = None  # the cache keeps the key, not this call's data
 
 
 def _rebuilt(
@@ -95,12 +233,15 @@ def _rebuilt(
 
 
 class _Compiled:
-    """`_run_compiled`'s static argument: compared by `key` alone; `trace` is the
-    current call's function, read only when JAX traces (a new key or new shapes)."""
+    """A sweep program's key, compared by `key` alone. `jitted` runs it; `trace`
+    is the current call's function and `owner` the user's, read only when JAX
+    traces (a new key or new shapes)."""
 
     def __init__(self, key: Any) -> None:
         self.key = key
+        self.jitted: Any = None
         self.trace: Callable[[Any], Any] | None = None
+        self.owner: Any = None
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -109,11 +250,13 @@ class _Compiled:
         return isinstance(other, _Compiled) and self.key == other.key
 
 
-@functools.partial(jax.jit, static_argnums=0)
+# The sweeps' programs, least recently used first.
+_sweeps: collections.OrderedDict[_Compiled, _Compiled] = collections.OrderedDict()
+
+
 def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
-    # One jit for every sweep: its cache (bounded, cleared by jax.clear_caches)
-    # holds one program per key and set of shapes.
     assert static.trace is not None
+    note_trace(static.owner)
     return static.trace(arrays)
 
 
@@ -133,15 +276,23 @@ def compile_program(
 ) -> Any:
     """`program(f, operands)`, compiled once per `spec` and shapes (see `jit_on_arrays`).
 
-    A plain function `f` is part of the key (held weakly, so the cache does not
-    keep it alive), as under `jax.jit`. A module -- an NNX graph node, a pytree
+    A plain function `f` is data too, as a `TracedCode`: keyed by its code and
+    the static values it reads, the arrays it closes over (or reads from its
+    module) traced, so a sweep after such an array changes reads the new one,
+    and a fresh closure of the same code reuses the program. A module -- an NNX graph node, a pytree
     such as an Equinox module, or a bound method of either -- is data: its
     arrays are traced, so weights changed in place (or a new module of the
     same structure) reuse the program and are read at every call. Any other
     callable compiles for this call only.
     """
+    owner = getattr(f, "__func__", type(f).__call__)  # what the warnings name
     if inspect.isfunction(f):
-        return jit_on_arrays(lambda ops: program(f, ops), operands, (weakref.ref(f), *spec))
+        return jit_on_arrays(
+            lambda tree: program(tree[0].function(), tree[1]),
+            (TracedCode.of(f), operands),
+            ("code", *spec),
+            f,
+        )
     if (
         inspect.ismethod(f)
         and not split_nodes(f)[2]
@@ -149,5 +300,5 @@ def compile_program(
     ):
         f = _BoundMethod(f.__func__, f.__self__)
     if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
-        return jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec))
+        return jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec), owner)
     return jit_on_arrays(lambda ops: program(f, ops), operands, None)

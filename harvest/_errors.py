@@ -927,3 +927,29 @@ def plot_attention_tokens(n_tokens: int, n_keys: int) -> ValueError:
         f"plot_attention: {n_tokens} tokens for {n_keys} key positions; pass one token per key "
         "position, or tokens=None."
     )
+
+
+class RecompileWarning(UserWarning):
+    """harvest keeps tracing and compiling the same function: each call pays for it."""
+
+
+def recompiles(where: str, n: int) -> RecompileWarning:
+    return RecompileWarning(
+        f"harvest has traced and compiled {where} {n} times. Something that is part of the "
+        "compile-cache key changes between calls: a new Python number or other non-array argument "
+        "(pass it as an array to trace it), a new shape, or a fresh function each call (harvest it "
+        "once, outside the loop). Shown once per function."
+    )
+
+
+def unhashable_argument(where: str, leaf: Any) -> RecompileWarning:
+    return RecompileWarning(
+        f"harvest traces and compiles {where} at every call: a non-array argument or closed-over "
+        f"value of type {type(leaf).__name__} cannot be hashed, so no compiled program can be kept "
+        "for it. Make it hashable (a tuple instead of a list, a frozen dataclass) or pass its "
+        "numbers as arrays. Shown once per function."
+    )
+
+
+def bad_cache_setting(name: str, value: Any) -> ValueError:
+    return ValueError(f"set_compile_cache({name}={value!r}): expected a positive int, or None.")

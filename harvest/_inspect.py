@@ -40,13 +40,15 @@ class SiteInfo:
             declared once beside its rule (see CONTRIBUTING.md).
         where: the path of enclosing primitives, outermost first, e.g.
             ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
+        nbytes: the bytes ``reap`` returns for this site per call (its value's
+            size times ``fires``), or ``None`` inside a ``while_loop``.
 
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sites, sow
         >>> info = sites(lambda x: sow(x, name="h"), jnp.zeros(3))[0]
-        >>> info.name, info.shape, info.fires
-        ('h', (3,), 1)
+        >>> info.name, info.shape, info.fires, info.nbytes
+        ('h', (3,), 1, 12)
     """
 
     tag: str
@@ -56,6 +58,7 @@ class SiteInfo:
     dtype: Any
     fires: int | None
     where: str
+    nbytes: int | None = None
 
 
 class Sites(list[SiteInfo]):
@@ -64,12 +67,15 @@ class Sites(list[SiteInfo]):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sites, sow
-        >>> print(sites(lambda x: sow(x, name="h", mode="strict"), jnp.zeros(2)))
-        tag            name  mode    shape  dtype    fires  where
-        intermediates  h     strict  (2,)   float32  1
+        >>> found = sites(lambda x: sow(x, name="h", mode="strict"), jnp.zeros(2))
+        >>> print(found)
+        tag            name  mode    shape  dtype    fires  bytes  where
+        intermediates  h     strict  (2,)   float32  1      8
+        >>> found.nbytes()
+        8
     """
 
-    COLUMNS = ("tag", "name", "mode", "shape", "dtype", "fires", "where")
+    COLUMNS = ("tag", "name", "mode", "shape", "dtype", "fires", "bytes", "where")
     _blocks: list[Any]  # set by `sites`: each site's nest-scope keys, for the HTML view
 
     def names(self) -> list[str]:
@@ -80,10 +86,34 @@ class Sites(list[SiteInfo]):
         """
         return list(dict.fromkeys(s.name for s in self))
 
+    def nbytes(self) -> int | None:
+        """The bytes a full ``reap`` of these sites returns per call: the size of
+        the reaped dict, which the compiled program allocates beside ``f``'s own
+        (``reap`` with ``allowlist``/``blocklist`` keeps only the sites chosen).
+
+        Returns:
+            The sum of every site's ``nbytes``, or ``None`` if a site is inside a
+            ``while_loop`` (its count is known only when it runs; with
+            ``reap(..., max_steps=N)`` it is at most ``N`` times one iteration's).
+        """
+        sizes = [s.nbytes for s in self]
+        known = [n for n in sizes if n is not None]
+        return sum(known) if len(known) == len(sizes) else None
+
     def _cells(self, info: SiteInfo) -> tuple[str, ...]:
         fires = "unbounded" if info.fires is UNBOUNDED else str(info.fires)
         dtype = jax.tree_util.tree_map(lambda d: d.name, info.dtype)
-        return (info.tag, info.name, info.mode, str(info.shape), str(dtype), fires, info.where)
+        nbytes = "unbounded" if info.nbytes is None else str(info.nbytes)
+        return (
+            info.tag,
+            info.name,
+            info.mode,
+            str(info.shape),
+            str(dtype),
+            fires,
+            nbytes,
+            info.where,
+        )
 
     def __str__(self) -> str:
         if not self:
@@ -175,7 +205,7 @@ def _html_items(items: list[Any], cells: Callable[[SiteInfo], tuple[str, ...]]) 
     out = ["<ul>"]
     for it in items:
         if isinstance(it, SiteInfo):
-            tag, name, mode, _, _, fires, where = map(html.escape, cells(it))
+            tag, name, mode, _, _, fires, _, where = map(html.escape, cells(it))
             out.append(
                 f'<li title="{name} ({where or "top level"})"><span class="name">{name}</span> '
                 f'<span class="shape">{html.escape(_aval_str(it))}</span> <span class="mode">{mode}</span> '
@@ -242,8 +272,8 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
         ...         return c + sow(x * c, name="step", mode="append"), None
         ...     return jax.lax.scan(body, 1.0, xs)[0]
         >>> print(sites(jax.jit(f), jax.ShapeDtypeStruct((12,), jnp.float32)))
-        tag            name  mode    shape  dtype    fires  where
-        intermediates  step  append  ()     float32  12     jit › scan[12]
+        tag            name  mode    shape  dtype    fires  bytes  where
+        intermediates  step  append  ()     float32  12     48     jit › scan[12]
     """
     if not callable(f):
         raise _errors.needs_callable("sites(f, *args)", f)
@@ -263,7 +293,11 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
     mode = site.mode.shown
-    return SiteInfo(site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where))
+    size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in site.avals)
+    nbytes = None if fires is UNBOUNDED else size * fires
+    return SiteInfo(
+        site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes
+    )
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

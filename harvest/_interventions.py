@@ -10,6 +10,11 @@ selection.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
+import sys
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
+from ._calling import Held, is_array, static_key
 from ._typing import T, dataclass_transform
 
 if TYPE_CHECKING:
@@ -327,3 +333,206 @@ def axis_size(value: Any, axis: Any, what: str) -> int:
 
 def normalize_axis(value: Any, axis: int) -> int:
     return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])
+
+
+# ---------------------------------------------------------------------------
+# A plain function as data: its code static, the arrays it closes over traced.
+
+
+_DEPTH = 2  # how deep closed-over functions are themselves taken apart
+
+
+class TracedCode:
+    """A plain Python function as a pytree: equal when its code, the values it
+    reads (closed-over cells, defaults, module globals) and their shapes agree.
+
+    Closed-over arrays (and NNX graph nodes) are its leaves, so a fresh lambda
+    of the same code over a new array is the same program with new data;
+    closed-over numbers, strings and other hashable values are static, keyed
+    by value (a float by its bits too, see ``static_key``); anything else
+    (an unhashable object) by identity. Closed-over plain functions are taken
+    apart the same way, two levels deep. Globals the code reads are keyed by
+    value, or by identity when unhashable, so rebinding one re-traces.
+    Calling it calls the function rebuilt around its current leaves.
+    """
+
+    def __init__(self, fn: Any, shape: _CodeShape, leaves: Sequence[Any]) -> None:
+        self._fn = fn
+        self._shape = shape
+        self._leaves = tuple(leaves)
+
+    @classmethod
+    def of(cls, fn: Any, depth: int = _DEPTH) -> TracedCode:
+        """``fn`` (a plain function) as a ``TracedCode``."""
+        cells = []
+        for cell in fn.__closure__ or ():
+            try:
+                cells.append(_as_part(cell.cell_contents, depth))
+            except ValueError:  # a cell not yet filled (a name assigned after the def)
+                cells.append(Held(_EMPTY_CELL))
+        space = fn.__globals__
+        names = _names_read(fn.__code__)
+        parts = (
+            tuple(cells),
+            tuple(_as_part(v, depth) for v in fn.__defaults__ or ()),
+            {k: _as_part(v, depth) for k, v in (fn.__kwdefaults__ or {}).items()},
+            # Module-level values: arrays traced too (a loop at a notebook's top
+            # level), functions and modules by identity.
+            {name: _as_part(space[name], 0) for name in names if name in space},
+        )
+        leaves, treedef = jax.tree_util.tree_flatten(parts, is_leaf=_is_node)
+        dynamic = [is_array(leaf) or _is_node(leaf) for leaf in leaves]
+        statics = tuple((i, leaf) for i, (leaf, d) in enumerate(zip(leaves, dynamic)) if not d)
+        # Unless something is traced, the function itself is called, so that its
+        # `nonlocal` writes still reach its cells.
+        absent = tuple(name for name in names if name not in space)  # builtins
+        shape = _CodeShape(fn, not any(dynamic), treedef, statics, absent)
+        return cls(fn, shape, [leaf for leaf, d in zip(leaves, dynamic) if d])
+
+    def function(self) -> Any:
+        """The function, closing over this pytree's leaves (perhaps tracers)."""
+        if self._fn is None:
+            self._fn = self._shape.rebuild(self._leaves)
+        return self._fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function()(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.function())
+
+    def __repr__(self) -> str:
+        return repr(self.function())
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], _CodeShape]:
+        return self._leaves, self._shape
+
+    @classmethod
+    def tree_unflatten(cls, shape: _CodeShape, leaves: Any) -> TracedCode:
+        return cls(None, shape, leaves)
+
+
+jax.tree_util.register_pytree_node_class(TracedCode)
+
+
+def _as_part(value: Any, depth: int) -> Any:
+    """A value ``fn`` reads, as a pytree whose arrays are traced and whose other
+    leaves are keyed by value; ``Held`` (by identity) when it cannot be keyed."""
+    if is_array(value) or _is_node(value):
+        return value
+    if inspect.isfunction(value) and depth > 0:
+        return TracedCode.of(value, depth - 1)
+    leaves, _ = jax.tree_util.tree_flatten(value, is_leaf=_is_node)
+    if leaves == [value]:
+        return value if _keyable(value) else Held(value)
+    # A container: taken apart if its every leaf can be traced or keyed (a list
+    # the function appends to stays the caller's list, held by identity).
+    if leaves and all(is_array(l) or _is_node(l) or _keyable(l) for l in leaves):
+        return jax.tree_util.tree_map(lambda l: _as_part(l, depth), value, is_leaf=_is_node)
+    return Held(value)
+
+
+def _keyable(value: Any) -> bool:
+    try:
+        hash(static_key(value))
+    except TypeError:
+        return False
+    return True
+
+
+def _is_node(value: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and nnx.graph.is_graph_node(value)
+
+
+class _EmptyCell:
+    """Marks a closure cell with no value yet."""
+
+
+_EMPTY_CELL = _EmptyCell()
+
+
+class _CodeShape:
+    """``TracedCode``'s static part: compared by the code and the keys of every
+    static value; it holds the values themselves only to rebuild the function,
+    and the function weakly (a compile cache keyed by this must not keep it
+    alive: only a call, which holds the function, traces)."""
+
+    def __init__(
+        self,
+        fn: Any,
+        keep: bool,
+        treedef: Any,
+        statics: tuple[tuple[int, Any], ...],
+        absent: tuple[str, ...],
+    ) -> None:
+        self.template = weakref.ref(fn)
+        self.keep = keep
+        self.treedef = treedef
+        self.statics = statics
+        self.key = (
+            fn.__code__,
+            treedef,
+            tuple((i, type(v), static_key(v)) for i, v in statics),
+            absent,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CodeShape) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def rebuild(self, dynamic: Sequence[Any]) -> Any:
+        fn = self.template()
+        assert fn is not None, "traced after the function was collected"
+        if self.keep:
+            return fn
+        it, at = iter(dynamic), dict(self.statics)
+        leaves = [at[i] if i in at else next(it) for i in range(self.treedef.num_leaves)]
+        cells, defaults, kwdefaults, read = self.treedef.unflatten(leaves)
+        space = fn.__globals__
+        changed = {name: _value(v) for name, v in read.items()}
+        changed = {name: v for name, v in changed.items() if v is not space.get(name)}
+        if changed:  # a copy of the module's namespace, holding the traced values
+            space = {**space, **changed}
+        rebuilt = types.FunctionType(
+            fn.__code__,
+            space,
+            fn.__name__,
+            tuple(_value(v) for v in defaults) or None,
+            tuple(
+                types.CellType() if _value(v) is _EMPTY_CELL else types.CellType(_value(v))
+                for v in cells
+            ),
+        )
+        rebuilt.__kwdefaults__ = {k: _value(v) for k, v in kwdefaults.items()} or None
+        rebuilt.__qualname__ = fn.__qualname__
+        rebuilt.__dict__.update(fn.__dict__)
+        return rebuilt
+
+
+def _value(part: Any) -> Any:
+    """What ``_as_part`` made of a value, back as the value."""
+    if isinstance(part, Held):
+        return part.value
+    if isinstance(part, TracedCode):
+        return part.function()
+    return part
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_read(code: types.CodeType) -> tuple[str, ...]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(_names_read(const))
+    return tuple(sorted(names))
+
+
+def code_as_data(plants: Any) -> Any:
+    """``plants`` with each plain function in it a ``TracedCode``."""
+    return jax.tree_util.tree_map(
+        lambda v: TracedCode.of(v) if inspect.isfunction(v) else v, plants
+    )

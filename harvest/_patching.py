@@ -333,11 +333,13 @@ def patching_sweep(
     The compiled program is kept and reused by later calls with the same
     ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
     argument shapes (and equal non-array arguments): a repeated sweep on new
-    data only runs. A plain function ``f`` is part of the key, as under
-    ``jax.jit`` (a fresh lambda compiles again, and arrays it closes over are
-    read when it first compiles); a module (NNX or Equinox) or a bound method
-    of one is data: weights changed in place are read at every call, without
-    compiling again. The cache holds ``f`` weakly and is cleared by
+    data only runs. A plain function ``f`` is keyed by its code and the values
+    it reads, the arrays it closes over (or reads from its module) traced, so a
+    sweep after such an array changes reads the new one, and a fresh closure of
+    the same code does not compile again; a module (NNX or Equinox) or a bound
+    method of one is data: weights changed in place are read at every call,
+    without compiling again. The cache holds ``f`` weakly, keeps at most
+    ``set_compile_cache``'s ``max_programs`` programs, and is cleared by
     ``jax.clear_caches()``.
 
     Args:

@@ -40,9 +40,10 @@ from ._calling import (
     with_closure,
     write_back,
 )
-from ._compile_cache import jit_per_function
+from ._compile_cache import jit_per_function, note_trace, note_unhashable
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
+from ._interventions import code_as_data
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
 from ._rules.calls import holds_rule_sows
@@ -248,6 +249,7 @@ jax.tree_util.register_pytree_node(
 
 
 def _walk_weak(fn_ref, dynamic, static):
+    note_trace(fn_ref())
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
@@ -256,7 +258,9 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
     (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-    call_parts = _Call(bound, plants, args, kwargs, graph, closure_of(fn), globals_read(fn))
+    call_parts = _Call(
+        bound, code_as_data(plants), args, kwargs, graph, closure_of(fn), globals_read(fn)
+    )
     leaves, treedef = jax.tree_util.tree_flatten(call_parts)
     traced = _traced_leaves(call_parts)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
@@ -287,6 +291,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             # An unhashable non-array argument (a mutable config object, say), or
             # a function that cannot be weakly referenced: still correct, just
             # traced at every call, with nothing cached that could go stale.
+            note_unhashable(fn, [leaf for _, _, leaf, _ in static.static_leaves])
             jitted = functools.partial(_walk, fn)
         try:
             out, flat, changes = jitted(dynamic, static)

@@ -20,6 +20,7 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Activation patching",
         "## Probing an unmodified model",
         "## Steering inside a sampler",
+        "## Memory of a full reap",
     ):
         assert heading in text
     assert "JAX" in text and "cores" in text
@@ -28,6 +29,12 @@ def test_quick_run_writes_the_page(tmp_path):
     for r in rows:
         assert all(r[m] > 0 for m in bench_core.MEASURES)
     assert len(results["core"]["trace"]) == len(bench_core.QUICK.trace_sizes)
+    memory = results["memory"]["memory"]
+    assert memory["reaped"] == 2 * 4 * 8 * 4  # two layers of a [4, 8] float32 output
+    variants = [r["variant"] for r in memory["rows"]]
+    assert variants[:4] == ["bare", "reap", "reap_one_site", "hand"]
+    assert variants[4:] in ([], ["nnx_bare", "nnx_instrumented"])  # the NNX pair needs flax
+    assert results["memory"]["plants"]["ratio"] > 0
     if bench_oryx.venv_python() is not None:  # the oryx side ran too
         assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [
             ("unrolled", 2),

@@ -1,0 +1,306 @@
+"""Issue 24 items 3 and 4: callable plants are traced code, the compile cache is
+bounded and says when it keeps recompiling, and a full reap costs what it reaps.
+
+Every result is checked against the function computed by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import harvest
+from harvest import _compile_cache, patching_sweep, plant, reap, sites, sow
+
+X = jnp.arange(3.0)
+
+
+def counted():
+    """A function sowing ``h = 2x`` and returning ``h + 1``, and its list of traces."""
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return sow(x * 2.0, name="h", mode="strict") + 1.0
+
+    return f, traces
+
+
+# -- a fresh lambda of the same code is the same program ----------------------
+
+
+def test_a_fresh_lambda_over_a_new_array_does_not_retrace():
+    f, traces = counted()
+    g = plant(f)
+    for i in range(4):
+        d = jnp.full(3, float(i))
+        np.testing.assert_allclose(g({"h": lambda o: o + d}, X), X * 2.0 + i + 1.0)
+    assert len(traces) == 1
+
+
+def test_new_shapes_after_the_first_lambda_is_collected():
+    f, traces = counted()
+    g = plant(f)
+    for n in (3, 4, 3):  # one key, two shapes: the second traces with its own lambda
+        d = jnp.ones(n)
+        np.testing.assert_allclose(
+            g({"h": lambda o: o + d}, jnp.arange(n * 1.0)), jnp.arange(n) * 2.0 + 2.0
+        )
+        gc.collect()
+    assert len(traces) == 2
+
+
+def _adds(d):
+    return lambda o: o + d
+
+
+def _scales(s):
+    return lambda o: o * s
+
+
+def _signs(s):
+    return lambda o: o * jnp.copysign(1.0, s)
+
+
+def test_closed_over_numbers_are_static_by_value():
+    f, traces = counted()
+    g = plant(f)
+    for s in (2.0, 3.0, 2.0):
+        np.testing.assert_allclose(g({"h": _scales(s)}, X), X * 2.0 * s + 1.0)
+    assert len(traces) == 2  # the second 2.0 reuses the first's program
+    for s in (0.0, -0.0, 0.0):  # equal numbers, different programs
+        np.testing.assert_allclose(g({"h": _signs(s)}, X), X * 2.0 * np.copysign(1.0, s) + 1.0)
+
+
+def test_defaults_are_read_like_closed_over_values():
+    f, traces = counted()
+    g = plant(f)
+    for s in (2.0, 5.0):
+        np.testing.assert_allclose(g({"h": lambda o, s=s: o * s}, X), X * 2.0 * s + 1.0)
+    n = len(traces)
+    for i in range(3):
+        d = jnp.full(3, float(i))
+        np.testing.assert_allclose(g({"h": lambda o, d=d: o + d}, X), X * 2.0 + i + 1.0)
+    assert len(traces) == n + 1
+
+
+SHIFT = 1.0
+DELTA = jnp.ones(3)
+
+
+def test_module_level_values_the_plant_reads():
+    global SHIFT, DELTA
+    f, traces = counted()
+    g = plant(f)
+    try:
+        for SHIFT in (1.0, 4.0):
+            np.testing.assert_allclose(g({"h": lambda o: o + SHIFT}, X), X * 2.0 + SHIFT + 1.0)
+        n = len(traces)
+        for i in range(3):
+            DELTA = jnp.full(3, float(i))
+            np.testing.assert_allclose(g({"h": lambda o: o + DELTA}, X), X * 2.0 + i + 1.0)
+        assert len(traces) == n + 1  # a global array is traced, not keyed by identity
+    finally:
+        SHIFT, DELTA = 1.0, jnp.ones(3)
+
+
+def test_nested_functions_are_keyed_by_what_they_close_over():
+    f, _ = counted()
+    g = plant(f)
+
+    def outer(inner):
+        return lambda o: inner(o) - 1.0
+
+    for s in (2.0, 3.0):
+        np.testing.assert_allclose(g({"h": outer(_scales(s))}, X), X * 2.0 * s)
+    for fn in (jnp.sin, jnp.cos):
+        np.testing.assert_allclose(g({"h": outer(fn)}, X), fn(X * 2.0))
+    d = jnp.array([1.0, 2.0, 3.0])
+    np.testing.assert_allclose(g({"h": outer(_adds(d))}, X), X * 2.0 + d + 1.0 - 1.0)
+
+
+def test_lambdas_of_different_code_never_share():
+    f, _ = counted()
+    g = plant(f)
+    d = jnp.ones(3)
+    np.testing.assert_allclose(g({"h": lambda o: o + d}, X), X * 2.0 + 2.0)
+    np.testing.assert_allclose(g({"h": lambda o: o - d}, X), X * 2.0)
+
+
+def test_a_lambda_taking_the_occurrence_index():
+    def f(xs):
+        step = lambda c, x: (c + sow(x, name="x", mode="append"), None)  # noqa: E731
+        return jax.lax.scan(step, 0.0, xs)[0]
+
+    for k in (1, 2):
+        zero = jnp.asarray(0.0)
+        assert float(plant(f)({"x": lambda old, i: jnp.where(i == k, zero, old)}, jnp.ones(4))) == 3
+
+
+def test_a_plant_writing_a_nonlocal_still_reaches_it():
+    f, _ = counted()
+    calls = 0
+
+    def counting(o):
+        nonlocal calls
+        calls += 1
+        return o
+
+    plant(f)({"h": counting}, X)
+    assert calls == 1
+
+
+def test_traced_code_plants_under_jit_vmap_and_grad():
+    f, traces = counted()
+
+    def planted(d, x):
+        return plant(f)({"h": lambda o: o * d}, x).sum()
+
+    x = X + 1.0
+    np.testing.assert_allclose(jax.jit(planted)(3.0, x), (x * 6.0 + 1.0).sum())
+    np.testing.assert_allclose(jax.grad(planted)(3.0, x), (x * 2.0).sum())
+    ds = jnp.array([1.0, 2.0])
+    np.testing.assert_allclose(
+        jax.vmap(planted, (0, None))(ds, x), [(x * 2 * d + 1).sum() for d in ds]
+    )
+
+
+# -- sweeps read the arrays a plain f closes over -------------------------------
+
+
+def test_a_sweep_reads_the_new_value_of_an_array_f_closes_over():
+    traces = []
+    w = jnp.array([1.0, 2.0, 3.0])
+
+    def f(x):
+        traces.append(1)
+        return (sow(x * w, name="h", mode="strict") ** 2).sum()
+
+    x, corrupt = jnp.array([1.0, 1.0, 1.0]), jnp.zeros(3)
+    for scale in (1.0, 2.0):
+        w = jnp.array([1.0, 2.0, 3.0]) * scale
+        r = patching_sweep(f, reap(f)(x), (corrupt,), lambda y: y, axis=0)
+        np.testing.assert_allclose(r.values, [np.asarray(w) ** 2])
+    n = len(traces)
+    w = jnp.array([5.0, 6.0, 7.0])
+    r = patching_sweep(f, reap(f)(x), (corrupt,), lambda y: y, axis=0)
+    np.testing.assert_allclose(r.values, [np.asarray(w) ** 2])
+    assert len(traces) == n + 1  # the reap traces; the sweep's program is reused
+
+
+# -- the compile cache: bounded, and saying when it keeps compiling ------------
+
+
+@pytest.fixture
+def cache_settings():
+    before = harvest.set_compile_cache()
+    yield
+    harvest.set_compile_cache(**before)
+
+
+def test_the_warning_fires_once_after_n_recompiles(cache_settings):
+    harvest.set_compile_cache(warn_after=3)
+
+    def f(x, s):
+        return sow(x * s, name="h", mode="strict")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in (1.0, 2.0, 3.0):
+            np.testing.assert_allclose(reap(f)(X, s)["h"], X * s)
+        assert caught == []
+        for s in (4.0, 5.0, 6.0):
+            np.testing.assert_allclose(reap(f)(X, s)["h"], X * s)
+    assert [w.category for w in caught] == [harvest.RecompileWarning]
+    message = str(caught[0].message)
+    assert "test_plant_cache.py:" in message and "4 times" in message and len(message) < 600
+
+
+def test_steady_use_never_warns(cache_settings):
+    harvest.set_compile_cache(warn_after=2)
+    traces = []
+
+    def f(x):
+        traces.append(1)
+        return sow(x * 2.0, name="h", mode="strict") + 1.0
+
+    g = plant(f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(10):
+            d = jnp.full(3, float(i))
+            np.testing.assert_allclose(g({"h": lambda o: o + d}, X), X * 2.0 + i + 1.0)
+            np.testing.assert_allclose(reap(f)(X + i)["h"], (X + i) * 2.0)
+    assert len(traces) == 2  # one plant, one reap
+
+
+@dataclasses.dataclass
+class _Config:  # a dataclass with eq and no frozen: unhashable
+    a: float
+
+
+def test_an_unhashable_argument_warns_once_and_stays_correct():
+    def f(x, cfg):
+        return sow(x * cfg.a, name="h", mode="strict")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for a in (2.0, 3.0, 4.0):
+            np.testing.assert_allclose(reap(f)(X, _Config(a))["h"], X * a)
+    assert [w.category for w in caught] == [harvest.RecompileWarning]
+    message = str(caught[0].message)
+    assert "_Config" in message and "test_plant_cache.py:" in message and len(message) < 600
+
+
+def test_the_cache_keeps_at_most_max_programs(cache_settings):
+    harvest.set_compile_cache(max_programs=2, warn_after=100)
+    f, traces = counted()
+
+    def g(x, s):
+        return f(x) * s
+
+    for s in (1.0, 2.0, 3.0, 1.0):  # 1.0 was dropped when 3.0 came in
+        np.testing.assert_allclose(reap(g)(X, s)["h"], X * 2.0)
+    assert len(traces) == 4
+    reap(g)(X, 3.0)  # still kept
+    assert len(traces) == 4
+    assert len(_compile_cache._jits[g].jits) == 2
+
+
+def test_bad_cache_settings():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            harvest.set_compile_cache(max_programs=bad)
+
+
+# -- a full reap's size, from shapes alone ----------------------------------------
+
+
+def test_sites_bytes_are_the_reaped_bytes():
+    def f(xs, w):
+        def body(c, x):
+            return c + sow(x * c @ w, name="step", mode="append"), None
+
+        h = sow(jnp.tanh(xs), name="h", mode="strict")
+        return jax.lax.scan(body, jnp.ones(4), h)[0]
+
+    xs, w = jnp.ones((5, 4)), jnp.eye(4, dtype=jnp.float32)
+    found = sites(f, xs, w)
+    reaped = reap(f)(xs, w)
+    assert [s.nbytes for s in found] == [reaped["h"].nbytes, reaped["step"].nbytes]
+    assert found.nbytes() == sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(reaped))
+    assert "bytes" in str(found).splitlines()[0]
+
+
+def test_sites_bytes_inside_a_while_loop_are_unknown():
+    def f(x):
+        return jax.lax.while_loop(lambda c: c < 3.0, lambda c: sow(c + 1.0, name="c"), x)
+
+    found = sites(f, 0.0)
+    assert found[0].nbytes is None and found.nbytes() is None
+    assert "unbounded" in str(found)
