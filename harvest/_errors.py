@@ -917,3 +917,15 @@ def d_head_axis(name: str, axes: Any) -> ValueError:
         "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
         "for every (head, position) pair, or axis=-2 for heads."
     )
+
+
+def ppl_enumeration_unfactored(
+    name: str, batch: tuple[int, ...], varying: list[tuple[str, tuple[int, ...]]]
+) -> ValueError:
+    which = ", ".join(f"{n!r} (shape {shape})" for n, shape in varying)
+    return ValueError(
+        f"cannot enumerate {name!r} element by element: its value changes the density of "
+        f"{which}, which is not shaped like the draw's batch {batch}, so the sum over "
+        f"{name!r} does not factor by element. Give that distribution the batch shape {batch} "
+        "(e.g. tfd.Normal(loc, scale) rather than tfd.Independent(...)), or marginalise by hand."
+    )

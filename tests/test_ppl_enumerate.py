@@ -68,6 +68,32 @@ def test_a_per_point_assignment_is_summed_out_element_by_element():
     np.testing.assert_allclose(ppl.joint_log_prob(mixture)({**values, "z": z}), expected, rtol=1e-5)
 
 
+def test_a_density_of_another_shape_fed_by_the_batched_draw_is_an_error():
+    # y's density is one number for the whole batch (Independent), so the sum over z
+    # does not factor by element: the right answer needs 2**N terms. It was NaN.
+    def joint_y(key, n=N):
+        kw, km, kz, ky = jax.random.split(key, 4)
+        w = ppl.random_variable(tfd.Beta(1.0, 1.0), name="w")(kw)
+        mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(km)
+        z = ppl.random_variable(
+            tfd.Bernoulli(probs=jnp.full(n, w), dtype=jnp.float32), name="z", enumerate=True
+        )(kz)
+        likelihood = tfd.Independent(tfd.Normal(z * mu - (1.0 - z), 1.0), 1)
+        return ppl.random_variable(likelihood, name="y")(ky)
+
+    values = {"w": 0.3, "mu": 2.0, "y": Y}
+    message = r"'y' \(shape \(\)\), which is not shaped like the draw's batch \(40,\)"
+    with pytest.raises(ValueError, match=message):
+        ppl.joint_log_prob(joint_y)(values)
+    u = {"w": jnp.array(0.0), "mu": jnp.array(2.0)}
+    with pytest.raises(ValueError, match=message):
+        ppl.unconstrained(joint_y, observed={"y": Y}).log_density(u)
+    # With z given, the same model scores as before.
+    z = (Y > 0.5).astype(jnp.float32)
+    expected = ppl.joint_log_prob(mixture)({**values, "z": z})
+    np.testing.assert_allclose(ppl.joint_log_prob(joint_y)({**values, "z": z}), expected, rtol=1e-5)
+
+
 def test_scalar_draws_are_enumerated_jointly():
     def model(key):
         ka, kb, ky = jax.random.split(key, 3)
