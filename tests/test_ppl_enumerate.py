@@ -1,5 +1,6 @@
-"""Discrete latents summed out by enumeration: against hand marginalisation, enumeration
-by itertools, and NumPyro's enumerated mixture posterior (funsor) in the same process."""
+"""Discrete latents summed out by enumeration: against hand marginalisation and enumeration
+by itertools. NumPyro's enumerated mixture posterior (funsor, in the same process) is
+checked with the other trial models, in tests/test_ppl_models.py."""
 
 import itertools
 
@@ -125,41 +126,3 @@ def test_unconstrained_sums_it_out_and_keeps_it_out_of_the_parameters():
 def test_enumerate_needs_a_finite_support():
     with pytest.raises(TypeError, match="Bernoulli or Categorical"):
         ppl.random_variable(tfd.Poisson(3.0), name="n", enumerate=True)
-
-
-def test_nuts_on_the_rest_matches_numpyro_s_enumerated_mixture():
-    pytest.importorskip("blackjax")
-    az = pytest.importorskip("arviz")
-    numpyro = pytest.importorskip("numpyro")
-    pytest.importorskip("funsor")
-    dist = pytest.importorskip("numpyro.distributions")
-
-    def numpyro_mixture(y):
-        w = numpyro.sample("w", dist.Beta(1.0, 1.0))
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        with numpyro.plate("data", y.shape[0]):
-            z = numpyro.sample("z", dist.Bernoulli(w), infer={"enumerate": "parallel"})
-            numpyro.sample("y", dist.Normal(jnp.where(z == 1, mu, -1.0), 1.0), obs=y)
-
-    ours = ppl.sample_posterior(
-        mixture, jax.random.key(0), observed={"y": Y}, num_samples=400, num_warmup=300, num_chains=2
-    )
-    mcmc = numpyro.infer.MCMC(
-        numpyro.infer.NUTS(numpyro_mixture),
-        num_warmup=300,
-        num_samples=400,
-        num_chains=2,
-        chain_method="vectorized",
-        progress_bar=False,
-    )
-    mcmc.run(jax.random.key(1), Y)
-    theirs = mcmc.get_samples(group_by_chain=True)
-
-    def mcse(x):
-        x = np.asarray(x)
-        return float(x.std() / np.sqrt(az.ess(x, method="mean")))
-
-    assert "z" not in ours.samples
-    for name in ("w", "mu"):
-        a, b = ours.samples[name], theirs[name]
-        assert abs(float(a.mean()) - float(b.mean())) < 4 * np.hypot(mcse(a), mcse(b)), name
