@@ -22,6 +22,7 @@ from . import (
     bench_core,
     bench_models,
     bench_oryx,
+    bench_ppl,
     bench_samplers,
     bench_store,
     bench_unharvested,
@@ -35,6 +36,7 @@ SECTIONS = {
     "unharvested": bench_unharvested,
     "store": bench_store,
     "models": bench_models,
+    "ppl": bench_ppl,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -239,6 +241,8 @@ def render(results):
                 ]
             ),
             "",
+            *bench_ppl.render(results["ppl"]),
+            "",
             "## Reading the numbers",
             "",
             *ANALYSIS,
@@ -289,6 +293,7 @@ def run(quick=False, large=False):
     results["unharvested"] = _run_section(bench_unharvested, quick)
     results["samplers"] = _run_section(bench_samplers, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
+    results["ppl"] = _run_section(bench_ppl, quick)
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx
+from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx, bench_ppl
 
 pytestmark = pytest.mark.benchmark  # deselected by `make test-fast`
 
@@ -28,6 +28,12 @@ def test_quick_run_writes_the_page(tmp_path):
     for r in rows:
         assert all(r[m] > 0 for m in bench_core.MEASURES)
     assert len(results["core"]["trace"]) == len(bench_core.QUICK.trace_sizes)
+    assert "## harvest.ppl against NumPyro" in text
+    if results["ppl"]:  # NumPyro is installed: four ratios for the quick run's model
+        assert [(r["model"], r["measure"]) for r in results["ppl"]] == [
+            ("eight schools", m) for m in bench_ppl.MEASURES
+        ]
+        assert all(r["ratio"] > 0 for r in results["ppl"])
     if bench_oryx.venv_python() is not None:  # the oryx side ran too
         assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [
             ("unrolled", 2),
