@@ -2,6 +2,7 @@
 by itertools. NumPyro's enumerated mixture posterior (funsor, in the same process) is
 checked with the other trial models, in tests/test_ppl_models.py."""
 
+import functools
 import itertools
 
 import jax
@@ -35,14 +36,17 @@ Y = _data()
 N = len(Y)
 
 
-def mixture(key, n=N):
+def mixture(key, n=N, one_density=False):
+    """`one_density`: the likelihood scores the whole batch as one number (Independent)."""
     kw, km, kz, ky = jax.random.split(key, 4)
     w = ppl.random_variable(tfd.Beta(1.0, 1.0), name="w")(kw)
     mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(km)
     z = ppl.random_variable(
         tfd.Bernoulli(probs=jnp.full(n, w), dtype=jnp.float32), name="z", enumerate=True
     )(kz)
-    return ppl.random_variable(tfd.Normal(z * mu - (1.0 - z), 1.0), name="y")(ky)
+    likelihood = tfd.Normal(z * mu - (1.0 - z), 1.0)
+    likelihood = tfd.Independent(likelihood, 1) if one_density else likelihood
+    return ppl.random_variable(likelihood, name="y")(ky)
 
 
 def by_hand(w, mu, y):
@@ -70,17 +74,9 @@ def test_a_per_point_assignment_is_summed_out_element_by_element():
 
 
 def test_a_density_of_another_shape_fed_by_the_batched_draw_is_an_error():
-    # y's density is one number for the whole batch (Independent), so the sum over z
-    # does not factor by element: the right answer needs 2**N terms. It was NaN.
-    def joint_y(key, n=N):
-        kw, km, kz, ky = jax.random.split(key, 4)
-        w = ppl.random_variable(tfd.Beta(1.0, 1.0), name="w")(kw)
-        mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(km)
-        z = ppl.random_variable(
-            tfd.Bernoulli(probs=jnp.full(n, w), dtype=jnp.float32), name="z", enumerate=True
-        )(kz)
-        likelihood = tfd.Independent(tfd.Normal(z * mu - (1.0 - z), 1.0), 1)
-        return ppl.random_variable(likelihood, name="y")(ky)
+    # y's density is one number for the whole batch, so the sum over z does not factor
+    # by element: the right answer needs 2**N terms. It was NaN.
+    joint_y = functools.partial(mixture, one_density=True)
 
     values = {"w": 0.3, "mu": 2.0, "y": Y}
     message = r"'y' \(shape \(\)\), which is not shaped like the draw's batch \(40,\)"
