@@ -46,7 +46,7 @@ def test_nuts_posterior_means_match_numpyro_s(name):
     pytest.importorskip("blackjax")
     trial = ppl_models.trial(name)
     # Short runs (the suite pays for every step); the tolerance grows with the MCSE.
-    runs = dict(num_warmup=150, num_samples=150, num_chains=2)
+    runs = dict(num_warmup=100, num_samples=100, num_chains=2)
     ours = ppl.sample_posterior(trial.harvest, jax.random.key(0), observed=trial.observed, **runs)
     mcmc = numpyro.infer.MCMC(
         numpyro.infer.NUTS(trial.numpyro), chain_method="vectorized", progress_bar=False, **runs
@@ -57,7 +57,7 @@ def test_nuts_posterior_means_match_numpyro_s(name):
         a, b = np.asarray(ours.samples[site]), np.asarray(theirs[site])
         assert a.shape == b.shape, site
         # Element by element (a vector site, such as beta, per coordinate).
-        a, b = a.reshape(2, 150, -1), b.reshape(2, 150, -1)
+        a, b = a.reshape(2, 100, -1), b.reshape(2, 100, -1)
         for i in range(a.shape[-1]):
             tolerance = 4 * np.hypot(_mcse(a[..., i]), _mcse(b[..., i]))
             gap = abs(a[..., i].mean() - b[..., i].mean())
