@@ -23,6 +23,7 @@ from . import (
     bench_memory,
     bench_models,
     bench_oryx,
+    bench_ppl,
     bench_samplers,
     bench_store,
     bench_unharvested,
@@ -37,6 +38,7 @@ SECTIONS = {
     "store": bench_store,
     "models": bench_models,
     "memory": bench_memory,
+    "ppl": bench_ppl,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -243,6 +245,8 @@ def render(results):
                 ]
             ),
             "",
+            *bench_ppl.render(results["ppl"]),
+            "",
             "## Reading the numbers",
             "",
             *ANALYSIS,
@@ -294,6 +298,7 @@ def run(quick=False, large=False):
     results["samplers"] = _run_section(bench_samplers, quick)
     results["memory"] = _run_section(bench_memory, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
+    results["ppl"] = _run_section(bench_ppl, quick)
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

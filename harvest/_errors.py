@@ -953,3 +953,15 @@ def unhashable_argument(where: str, leaf: Any) -> RecompileWarning:
 
 def bad_cache_setting(name: str, value: Any) -> ValueError:
     return ValueError(f"set_compile_cache({name}={value!r}): expected a positive int, or None.")
+
+
+def ppl_enumeration_unfactored(
+    name: str, batch: tuple[int, ...], varying: list[tuple[str, tuple[int, ...]]]
+) -> ValueError:
+    which = ", ".join(f"{n!r} (shape {shape})" for n, shape in varying)
+    return ValueError(
+        f"cannot enumerate {name!r} element by element: its value changes the density of "
+        f"{which}, which is not shaped like the draw's batch {batch}, so the sum over "
+        f"{name!r} does not factor by element. Give that distribution the batch shape {batch} "
+        "(e.g. tfd.Normal(loc, scale) rather than tfd.Independent(...)), or marginalise by hand."
+    )

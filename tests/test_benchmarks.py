@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx
+from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx, bench_ppl
 
 pytestmark = pytest.mark.benchmark  # deselected by `make test-fast`
 
@@ -35,6 +35,13 @@ def test_quick_run_writes_the_page(tmp_path):
     assert variants[:4] == ["bare", "reap", "reap_one_site", "hand"]
     assert variants[4:] in ([], ["nnx_bare", "nnx_instrumented"])  # the NNX pair needs flax
     assert results["memory"]["plants"]["ratio"] > 0
+
+    assert "## harvest.ppl against NumPyro" in text
+    if results["ppl"]:  # NumPyro is installed: four ratios for the quick run's model
+        assert [(r["model"], r["measure"]) for r in results["ppl"]] == [
+            ("eight schools", m) for m in bench_ppl.MEASURES
+        ]
+        assert all(r["ratio"] > 0 for r in results["ppl"])
     if bench_oryx.venv_python() is not None:  # the oryx side ran too
         assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [
             ("unrolled", 2),

@@ -1,6 +1,8 @@
-"""Discrete latents summed out by enumeration: against hand marginalisation, enumeration
-by itertools, and NumPyro's enumerated mixture posterior (funsor) in the same process."""
+"""Discrete latents summed out by enumeration: against hand marginalisation and enumeration
+by itertools. NumPyro's enumerated mixture posterior (funsor, in the same process) is
+checked with the other trial models, in tests/test_ppl_models.py."""
 
+import functools
 import itertools
 
 import jax
@@ -34,14 +36,17 @@ Y = _data()
 N = len(Y)
 
 
-def mixture(key, n=N):
+def mixture(key, n=N, one_density=False):
+    """`one_density`: the likelihood scores the whole batch as one number (Independent)."""
     kw, km, kz, ky = jax.random.split(key, 4)
     w = ppl.random_variable(tfd.Beta(1.0, 1.0), name="w")(kw)
     mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(km)
     z = ppl.random_variable(
         tfd.Bernoulli(probs=jnp.full(n, w), dtype=jnp.float32), name="z", enumerate=True
     )(kz)
-    return ppl.random_variable(tfd.Normal(z * mu - (1.0 - z), 1.0), name="y")(ky)
+    likelihood = tfd.Normal(z * mu - (1.0 - z), 1.0)
+    likelihood = tfd.Independent(likelihood, 1) if one_density else likelihood
+    return ppl.random_variable(likelihood, name="y")(ky)
 
 
 def by_hand(w, mu, y):
@@ -66,6 +71,24 @@ def test_a_per_point_assignment_is_summed_out_element_by_element():
         + tfd.Normal(z * 2.0 - (1.0 - z), 1.0).log_prob(Y).sum()
     )
     np.testing.assert_allclose(ppl.joint_log_prob(mixture)({**values, "z": z}), expected, rtol=1e-5)
+
+
+def test_a_density_of_another_shape_fed_by_the_batched_draw_is_an_error():
+    # y's density is one number for the whole batch, so the sum over z does not factor
+    # by element: the right answer needs 2**N terms. It was NaN.
+    joint_y = functools.partial(mixture, one_density=True)
+
+    values = {"w": 0.3, "mu": 2.0, "y": Y}
+    message = r"'y' \(shape \(\)\), which is not shaped like the draw's batch \(40,\)"
+    with pytest.raises(ValueError, match=message):
+        ppl.joint_log_prob(joint_y)(values)
+    u = {"w": jnp.array(0.0), "mu": jnp.array(2.0)}
+    with pytest.raises(ValueError, match=message):
+        ppl.unconstrained(joint_y, observed={"y": Y}).log_density(u)
+    # With z given, the same model scores as before.
+    z = (Y > 0.5).astype(jnp.float32)
+    expected = ppl.joint_log_prob(mixture)({**values, "z": z})
+    np.testing.assert_allclose(ppl.joint_log_prob(joint_y)({**values, "z": z}), expected, rtol=1e-5)
 
 
 def test_scalar_draws_are_enumerated_jointly():
@@ -99,41 +122,3 @@ def test_unconstrained_sums_it_out_and_keeps_it_out_of_the_parameters():
 def test_enumerate_needs_a_finite_support():
     with pytest.raises(TypeError, match="Bernoulli or Categorical"):
         ppl.random_variable(tfd.Poisson(3.0), name="n", enumerate=True)
-
-
-def test_nuts_on_the_rest_matches_numpyro_s_enumerated_mixture():
-    pytest.importorskip("blackjax")
-    az = pytest.importorskip("arviz")
-    numpyro = pytest.importorskip("numpyro")
-    pytest.importorskip("funsor")
-    dist = pytest.importorskip("numpyro.distributions")
-
-    def numpyro_mixture(y):
-        w = numpyro.sample("w", dist.Beta(1.0, 1.0))
-        mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-        with numpyro.plate("data", y.shape[0]):
-            z = numpyro.sample("z", dist.Bernoulli(w), infer={"enumerate": "parallel"})
-            numpyro.sample("y", dist.Normal(jnp.where(z == 1, mu, -1.0), 1.0), obs=y)
-
-    ours = ppl.sample_posterior(
-        mixture, jax.random.key(0), observed={"y": Y}, num_samples=400, num_warmup=300, num_chains=2
-    )
-    mcmc = numpyro.infer.MCMC(
-        numpyro.infer.NUTS(numpyro_mixture),
-        num_warmup=300,
-        num_samples=400,
-        num_chains=2,
-        chain_method="vectorized",
-        progress_bar=False,
-    )
-    mcmc.run(jax.random.key(1), Y)
-    theirs = mcmc.get_samples(group_by_chain=True)
-
-    def mcse(x):
-        x = np.asarray(x)
-        return float(x.std() / np.sqrt(az.ess(x, method="mean")))
-
-    assert "z" not in ours.samples
-    for name in ("w", "mu"):
-        a, b = ours.samples[name], theirs[name]
-        assert abs(float(a.mean()) - float(b.mean())) < 4 * np.hypot(mcse(a), mcse(b)), name

@@ -13,8 +13,11 @@ once under `vmap`, and sums the draw out with a log-sum-exp:
   mixture) is enumerated element by element: the elements are independent
   draws, each density of shape `B` is taken as the factor of the matching
   element (the mixture's likelihood), and a density of any other shape must
-  not depend on the draw. If it does, the result is NaN (the sum would not
-  factor by element).
+  not depend on the draw: the sum would not factor by element, so that is an
+  error naming the density (found while tracing, by `vmap` over the support:
+  such a density comes out batched). A density of shape `B` is taken to
+  depend on element `i` of the draw alone; that is the model's promise, as
+  for NumPyro's enumeration inside a plate.
 """
 
 from __future__ import annotations
@@ -57,15 +60,17 @@ def supports(markers: Reaped, names: set[str]) -> dict[str, Support]:
     }
 
 
-def _leaves(densities: Reaped) -> list[jax.Array]:
-    out: list[jax.Array] = []
-    for value in densities.values():
+def _leaves(densities: Reaped, prefix: str = "") -> list[tuple[str, jax.Array]]:
+    """`(dotted name, log density)` of every density in a reap of `LOG_DENSITY`."""
+    out: list[tuple[str, jax.Array]] = []
+    for key, value in densities.items():
+        name = prefix + key
         if isinstance(value, dict):
-            out += _leaves(value)
+            out += _leaves(value, name + ".")
         elif isinstance(value, tuple):
-            out += [jnp.asarray(density) for density, _ in value]
+            out += [(name, jnp.asarray(density)) for density, _ in value]
         else:
-            out.append(jnp.asarray(value))
+            out.append((name, jnp.asarray(value)))
     return out
 
 
@@ -83,7 +88,7 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
         def total(assignment: jax.Array) -> jax.Array:
             dtypes = [enumerated[n][2] for n in names]
             values = nested(names, [a.astype(t) for a, t in zip(assignment, dtypes)])
-            return sum((jnp.sum(d) for d in _leaves(densities(values))), jnp.zeros(()))
+            return sum((jnp.sum(d) for _, d in _leaves(densities(values))), jnp.zeros(()))
 
         return jax.nn.logsumexp(jax.vmap(total)(assignments))
     if len(names) > 1:
@@ -91,12 +96,43 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
     name = names[0]
     size, batch, dtype = enumerated[name]
 
-    def per_value(k: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def per_value(k: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
-        aligned = sum((d for d in found if d.shape == batch), jnp.zeros(batch))
-        rest = sum((jnp.sum(d) for d in found if d.shape != batch), jnp.zeros(()))
-        return aligned, rest
+        aligned = sum((d for _, d in found if d.shape == batch), jnp.zeros(batch))
+        return aligned, [jnp.sum(d) for _, d in found if d.shape != batch]
 
-    aligned, rest = jax.vmap(per_value)(jnp.arange(size))
-    factored = jnp.all(rest == rest[0])
-    return jnp.where(factored, jnp.sum(jax.nn.logsumexp(aligned, axis=0)) + rest[0], jnp.nan)
+    values = jnp.arange(size)
+    try:
+        # `None`: the other densities must not vary with the draw's value.
+        aligned, rest = jax.vmap(per_value, out_axes=(0, None))(values)
+    except ValueError:
+        varying = _varying(densities, name, batch, dtype, values)
+        if not varying:
+            raise  # an error of the model's own
+        raise _errors.ppl_enumeration_unfactored(name, batch, varying) from None
+    return jnp.sum(jax.nn.logsumexp(aligned, axis=0)) + sum(rest, jnp.zeros(()))
+
+
+def _varying(
+    densities: Callable[[Reaped], Reaped],
+    name: str,
+    batch: tuple[int, ...],
+    dtype: Any,
+    values: Any,
+) -> list[tuple[str, tuple[int, ...]]]:
+    """`(name, shape)` of the densities not shaped `batch` that vary with the draw `name`."""
+    sites: list[tuple[str, tuple[int, ...]]] = []
+
+    def others(k: jax.Array) -> list[jax.Array]:
+        found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
+        sites[:] = [(n, tuple(d.shape)) for n, d in found if d.shape != batch]
+        return [d for _, d in found if d.shape != batch]
+
+    jax.eval_shape(others, values[0])
+    varying = []
+    for i, site in enumerate(list(sites)):
+        try:
+            jax.vmap(lambda k, i=i: others(k)[i], out_axes=None)(values)
+        except ValueError:
+            varying.append(site)
+    return varying
