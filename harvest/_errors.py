@@ -917,3 +917,12 @@ def d_head_axis(name: str, axes: Any) -> ValueError:
         "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
         "for every (head, position) pair, or axis=-2 for heads."
     )
+
+
+def index_after_while_in(site: Any, where: str) -> ValueError:
+    return ValueError(
+        f"The plant for the sow site {site} is a callable fn(old, i), and the site is inside a "
+        f"while_loop within a {where}, so how many occurrences come before a later one is known "
+        "only per run of that while_loop, which harvest cannot count there. Plant a callable "
+        "old -> new (no index), or move the while_loop out of the " + where + "."
+    )
