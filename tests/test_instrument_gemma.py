@@ -84,6 +84,7 @@ def test_plant_block_output_matches_a_hand_patched_forward(gemma):
 def test_attention_hooks(gemma):
     model, params, tokens = gemma
     f = instrument(lambda p, t: model.apply(p, t).logits, attention=True)
+    np.testing.assert_array_equal(f(params, tokens), logits(model, params, tokens))
     reaped = reap(f, tag="modules")(params, tokens)
     attn = "layer_0.attn"
     for hook in ("hook_q", "hook_k", "hook_v", "hook_z"):

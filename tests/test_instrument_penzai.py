@@ -227,6 +227,7 @@ def test_attention_hooks_match_hand_edits(model):
     """hook_q/k/v/z are [batch, seq, heads, projection], hook_pattern [batch, heads, seq, kv_seq];
     planting one equals the model edited by hand to put that value after the sublayer."""
     m = instrument(model, attention=True, where=ATTN + ".*")
+    np.testing.assert_array_equal(logits(m(CLEAN)), logits(model(CLEAN)))
     reaped = reap(m, tag="modules")(CLEAN)
     attn = _get(model, ATTN.split("."))
     assert reaped[ATTN + ".hook_q"].shape == (1, 5, 2, 4)
