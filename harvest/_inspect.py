@@ -40,6 +40,10 @@ class SiteInfo:
             declared once beside its rule (see CONTRIBUTING.md).
         where: the path of enclosing primitives, outermost first, e.g.
             ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
+        axes: the name of each axis of the value (a tuple per array, ``None``
+            for an unnamed axis), for a Penzai ``NamedArray`` that
+            ``instrument`` sows as its data; ``None`` for any other site. The
+            table writes such a shape with its names, ``(batch=1, seq=3, embedding=8)``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -56,6 +60,7 @@ class SiteInfo:
     dtype: Any
     fires: int | None
     where: str
+    axes: Any = None
 
 
 class Sites(list[SiteInfo]):
@@ -83,7 +88,10 @@ class Sites(list[SiteInfo]):
     def _cells(self, info: SiteInfo) -> tuple[str, ...]:
         fires = "unbounded" if info.fires is UNBOUNDED else str(info.fires)
         dtype = jax.tree_util.tree_map(lambda d: d.name, info.dtype)
-        return (info.tag, info.name, info.mode, str(info.shape), str(dtype), fires, info.where)
+        shape = str(info.shape)
+        if isinstance(info.axes, tuple) and isinstance(info.shape, tuple):  # one named array
+            shape = _named_shape(info.shape, info.axes)
+        return (info.tag, info.name, info.mode, shape, str(dtype), fires, info.where)
 
     def __str__(self) -> str:
         if not self:
@@ -263,7 +271,15 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
     mode = site.mode.shown
-    return SiteInfo(site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where))
+    axes = None if site.axes is None else jax.tree_util.tree_unflatten(site.tree, list(site.axes))
+    return SiteInfo(
+        site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), axes
+    )
+
+
+def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:
+    """`(1, 3, 8)` with names `("batch", "seq", None)` as ``(batch=1, seq=3, 8)``."""
+    return "(" + ", ".join(f"{n}={k}" if n else str(k) for k, n in zip(shape, names)) + ")"
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

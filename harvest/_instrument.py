@@ -76,7 +76,7 @@ class _Call:
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
 
-    def sow(self, path, value):
+    def sow(self, path, value, axes=None):
         if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
             value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
@@ -89,17 +89,20 @@ class _Call:
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
         if is_named_array(value):
-            # A Penzai named array: the site is its data, axes in `named_shape` order.
+            # A Penzai named array: the site is its data, axes in `named_shape` order
+            # (after any positional ones), their names kept for `sites`.
             value = value.order_as(*value.named_shape)
+            axes = (None,) * len(value.positional_shape) + tuple(value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
         if not leaves:
             return value
         if len(leaves) == 1 and (isinstance(value, (tuple, list)) or is_named_array(value)):
             # A block's `(cache, x)` with no cache, or a named array: the site is the one array.
-            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0])])
+            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0], axes)])
         self.sown += 1
+        named = {} if axes is None else {"axes": (axes,)}
         out = sow_p.bind(
-            *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree
+            *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree, **named
         )
         return jax.tree_util.tree_unflatten(tree, out)
 

@@ -245,3 +245,15 @@ def test_attention_hooks_match_hand_edits(model):
         planted = plant(m, tag="modules")({f"{ATTN}.{hook}": value}, CLEAN)
         by_hand = edited(model, f"{ATTN}.{sub}", Const(pz.nx.wrap(value, *axes)))(CLEAN)
         np.testing.assert_allclose(logits(planted), logits(by_hand), rtol=1e-5, atol=1e-5)
+
+
+def test_sites_show_the_named_axes(model):
+    """A NamedArray site is sown as its data, axes in `named_shape` order; `sites` names them."""
+    listed = sites(instrument(model), CLEAN, tag="modules")
+    found = {s.name: s for s in listed}
+    assert found[BLOCK].axes == ("batch", "seq", "embedding") and found[BLOCK].shape == (1, 5, 8)
+    assert found[ATTN + ".input_to_query"].axes == ("batch", "seq", "heads", "projection")
+    assert "(batch=1, seq=5, embedding=8)" in str(listed)
+    # A site that is no named array has no names.
+    plain = sites(instrument(model, attention=True), CLEAN, tag="modules")
+    assert {s.name: s for s in plain}[ATTN + ".hook_q"].axes is None
