@@ -42,6 +42,7 @@ from ._module_paths import (
     frozen_variables,
     is_named_array,
     kind as target_kind,
+    penzai_variables,
     submodules,
 )
 from ._op_sites import INSTRUMENT_MODE, sow_ops
@@ -360,6 +361,7 @@ class Instrumented:
         self._attention = attention
         self._select = select
         self._where = where
+        self._frozen = None  # Penzai: (the variables, their values, the model frozen from them)
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
@@ -380,8 +382,24 @@ class Instrumented:
             # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
             # static leaf its old value would stay in a compiled program. Frozen,
             # the weights are arrays, traced like any argument.
-            return (frozen_variables(self.target),), (None, self._static())
+            return (self._frozen_target(),), (None, self._static())
         return (self.target,), (None, self._static())
+
+    def _frozen_target(self):
+        """The Penzai model with its variables frozen, rebuilt only when one of them
+        holds a new value (an eager call flattens the model several times)."""
+        if self._frozen is None:
+            variables = penzai_variables(self.target)
+        else:
+            variables, values, frozen = self._frozen
+            if all(v.value is old for v, old in zip(variables, values)):
+                return frozen
+        values = [v.value for v in variables]
+        frozen = frozen_variables(self.target)
+        # Only values of JAX arrays can stand for themselves (a NumPy array changes in place).
+        if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(values)):
+            self._frozen = (variables, values, frozen)
+        return frozen
 
     @classmethod
     def tree_unflatten(cls, aux, children):

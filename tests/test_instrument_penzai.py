@@ -163,6 +163,10 @@ def test_changed_parameters_are_seen(model):
         after = reap(m, tag="modules")(CLEAN)["body"]
         np.testing.assert_allclose(logits(after), logits(model(CLEAN)), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(logits(after), 2.0 * logits(before), rtol=1e-5, atol=1e-6)
+        # The frozen model is kept while no variable changes, and rebuilt when one does.
+        assert m.tree_flatten()[0][0] is m.tree_flatten()[0][0]
+        head.value = old
+        np.testing.assert_array_equal(logits(reap(m, tag="modules")(CLEAN)["body"]), logits(before))
     finally:
         head.value = old
 
