@@ -29,6 +29,7 @@ from flax import nnx
 from harvest import add_vector, instrument, plant, reap
 
 from . import _timing
+from .decoder import Decoder
 
 TARGET = 1.1
 
@@ -45,43 +46,6 @@ class Config:
 
 
 QUICK = Config(width=8, blocks=1, vocab=11, length=6, repeats=2, calls=2, first_repeats=1)
-
-
-class Attention(nnx.Module):
-    def __init__(self, width, rngs):
-        self.q, self.k, self.v, self.o = (nnx.Linear(width, width, rngs=rngs) for _ in range(4))
-
-    def __call__(self, x, pos, cache):
-        keys, values = cache[0].at[pos].set(self.k(x)), cache[1].at[pos].set(self.v(x))
-        length, width = keys.shape
-        scores = jnp.where(jnp.arange(length) <= pos, keys @ self.q(x) / np.sqrt(width), -jnp.inf)
-        return self.o(jax.nn.softmax(scores) @ values), (keys, values)
-
-
-class Block(nnx.Module):
-    def __init__(self, width, rngs):
-        self.attn = Attention(width, rngs)
-        self.mlp = nnx.Linear(width, width, rngs=rngs)
-
-    def __call__(self, x, pos, cache):
-        a, cache = self.attn(x, pos, cache)
-        x = x + a
-        return x + jnp.tanh(self.mlp(x)), cache
-
-
-class Decoder(nnx.Module):
-    def __init__(self, cfg, rngs):
-        self.embed = nnx.Embed(cfg.vocab, cfg.width, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg.width, rngs) for _ in range(cfg.blocks)])
-        self.head = nnx.Linear(cfg.width, cfg.vocab, rngs=rngs)
-
-    def __call__(self, token, pos, caches):
-        x = self.embed(token)
-        new = []
-        for block, cache in zip(self.blocks, caches):
-            x, cache = block(x, pos, cache)
-            new.append(cache)
-        return self.head(x), new
 
 
 def decode(model, tokens, cfg):
@@ -106,7 +70,7 @@ def decode(model, tokens, cfg):
 
 def run(cfg: Config = Config()):
     """Times each pair; returns rows of (measure, ours, reference, ratio)."""
-    model = Decoder(cfg, nnx.Rngs(0))
+    model = Decoder(cfg.vocab, cfg.width, cfg.blocks, nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     tokens = jnp.zeros(cfg.length, jnp.int32).at[0].set(1)
     vector = jnp.ones(cfg.width) * 0.5

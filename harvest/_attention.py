@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _errors
 
@@ -212,7 +213,9 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
     ):
         query, key, value = promote_dtype((query, key, value), dtype=dtype)
         query, key, value = _qkv(call, path, query, key, value)
-        # Flax's unfused path (its fused one never forms the pattern).
+        if dropout_rate == 0.0 and module is None:  # where Flax calls the fused attention
+            return _fused_attention(call, path, query, key, value, bias, mask, is_causal)
+        # Flax's unfused path.
         weights = nnx_attention.dot_product_attention_weights(
             query,
             key,
@@ -239,14 +242,80 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
             query,
             key,
         )
-        if (
-            weights.shape[-3] != value.shape[-2]
-        ):  # grouped-query attention: each value head serves a group
-            value = jnp.repeat(value, weights.shape[-3] // value.shape[-2], axis=-2)
-        z = jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
-        return _hook(call, f"{path}.hook_z", z)
+        q_heads, v_heads = weights.shape[-3], value.shape[-2]
+        if q_heads == v_heads:
+            z = jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+            return _hook(call, f"{path}.hook_z", z)
+        # Grouped-query attention, contracted per group of query heads as Flax does.
+        grouped = weights.reshape(*weights.shape[:-3], v_heads, -1, *weights.shape[-2:])
+        z = jnp.einsum(
+            "...hgqk,...kh1d->...qhgd", grouped, value[..., None, :], precision=precision
+        )
+        merged = lambda a: a.reshape(*a.shape[:-3], q_heads, a.shape[-1])
+        return merged(_hook(call, f"{path}.hook_z", z, merged, lambda a: a.reshape(z.shape)))
 
     return attention_fn
+
+
+def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
+    """What NNX's ``dot_product_attention`` computes through ``jax.nn.dot_product_attention``
+    (its XLA implementation) when no weights are asked for: the same ops in the same order,
+    so the outputs are bit-identical, with the pattern and z hooked between them."""
+    shape = query.shape
+    if query.ndim > 4:  # Flax folds every batch axis into one, as the fused kernel wants
+        fold = lambda a: None if a is None else a.reshape((-1, *a.shape[-3:]))
+        query, key, value, bias, mask = map(fold, (query, key, value, bias, mask))
+    four = lambda a: None if a is None else jnp.expand_dims(a, tuple(range(4 - a.ndim)))
+    query, key, value, bias = map(four, (query, key, value, bias))
+    mask = None if mask is None else four(mask.astype(bool))
+    b, t, n, h = query.shape
+    k_heads, g = key.shape[-2], query.shape[-2] // key.shape[-2]
+
+    def grouped(a):  # [B, N or 1, T, S] -> [B, K, G, T, S], as JAX groups query heads
+        if a is None:
+            return None
+        if a.shape[1] == 1:
+            return jnp.broadcast_to(a[:, :, None], (a.shape[0], 1, g, *a.shape[2:]))
+        return a.reshape(a.shape[0], k_heads, g, *a.shape[2:])
+
+    def weights(q, bias, mask):  # one query head of each group: [B, T, K, H] -> [B, K, T, S]
+        logits = jnp.einsum(
+            "BTNH,BSNH->BNTS",
+            q,
+            key,
+            precision=_SOFTMAX_INPUT_PRECISION.get(q.dtype),
+            preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+        )
+        logits *= jnp.array(1.0 / np.sqrt(h), dtype=logits.dtype)
+        if bias is not None:
+            logits = (logits + bias).astype(logits.dtype)
+        keep = None if mask is None else jnp.ones_like(logits, dtype=bool) & mask
+        if is_causal:
+            causal = jnp.tril(jnp.ones(logits.shape[-2:], dtype=bool))[None, None]
+            keep = causal & (True if keep is None else keep)
+        if keep is not None:
+            big = min(jnp.finfo(logits.dtype).max, jnp.finfo(jnp.float32).max)
+            logits = jnp.where(keep, logits, jnp.asarray(-0.7 * big, dtype=logits.dtype))
+        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(key.dtype)
+
+    q = query.reshape(b, t, k_heads, g, h)
+    probs = jax.vmap(weights, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
+    # The hooks see the caller's batch axes: [B, K, G, T, S] -> [..., N, T, S].
+    lead = shape[:-3]
+    pattern_view = lambda p: p.reshape(*lead, n, *p.shape[-2:])
+    pattern = _hook(
+        call, f"{path}.hook_pattern", probs, pattern_view, lambda p: p.reshape(probs.shape)
+    )
+    z = jax.vmap(lambda p: jnp.einsum("BNTS,BSNH->BTNH", p, value), in_axes=2, out_axes=3)(pattern)
+    z = _hook(call, f"{path}.hook_z", z, lambda z: z.reshape(shape))
+    return z.reshape(shape)
+
+
+# The einsum precision JAX's attention gives half-precision queries (float32 accumulation).
+_SOFTMAX_INPUT_PRECISION = {
+    jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+    jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
+}
 
 
 # ---------------------------------------------------------------------------

@@ -965,3 +965,12 @@ def ppl_enumeration_unfactored(
         f"{name!r} does not factor by element. Give that distribution the batch shape {batch} "
         "(e.g. tfd.Normal(loc, scale) rather than tfd.Independent(...)), or marginalise by hand."
     )
+
+
+def index_after_while_in(site: Any, where: str) -> ValueError:
+    return ValueError(
+        f"The plant for the sow site {site} is a callable fn(old, i), and the site is inside a "
+        f"while_loop within a {where}, so how many occurrences come before a later one is known "
+        "only per run of that while_loop, which harvest cannot count there. Plant a callable "
+        "old -> new (no index), or move the while_loop out of the " + where + "."
+    )

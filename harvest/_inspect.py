@@ -42,6 +42,10 @@ class SiteInfo:
             ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
         nbytes: the bytes ``reap`` returns for this site per call (its value's
             size times ``fires``), or ``None`` inside a ``while_loop``.
+        axes: the name of each axis of the value (a tuple per array, ``None``
+            for an unnamed axis), for a Penzai ``NamedArray`` that
+            ``instrument`` sows as its data; ``None`` for any other site. The
+            table writes such a shape with its names, ``(batch=1, seq=3, embedding=8)``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -59,6 +63,7 @@ class SiteInfo:
     fires: int | None
     where: str
     nbytes: int | None = None
+    axes: Any = None
 
 
 class Sites(list[SiteInfo]):
@@ -104,16 +109,10 @@ class Sites(list[SiteInfo]):
         fires = "unbounded" if info.fires is UNBOUNDED else str(info.fires)
         dtype = jax.tree_util.tree_map(lambda d: d.name, info.dtype)
         nbytes = "unbounded" if info.nbytes is None else str(info.nbytes)
-        return (
-            info.tag,
-            info.name,
-            info.mode,
-            str(info.shape),
-            str(dtype),
-            fires,
-            nbytes,
-            info.where,
-        )
+        shape = str(info.shape)
+        if isinstance(info.axes, tuple) and isinstance(info.shape, tuple):  # one named array
+            shape = _named_shape(info.shape, info.axes)
+        return (info.tag, info.name, info.mode, shape, str(dtype), fires, nbytes, info.where)
 
     def __str__(self) -> str:
         if not self:
@@ -295,9 +294,15 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     mode = site.mode.shown
     size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in site.avals)
     nbytes = None if fires is UNBOUNDED else size * fires
+    axes = None if site.axes is None else jax.tree_util.tree_unflatten(site.tree, list(site.axes))
     return SiteInfo(
-        site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes
+        site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes, axes
     )
+
+
+def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:
+    """`(1, 3, 8)` with names `("batch", "seq", None)` as ``(batch=1, seq=3, 8)``."""
+    return "(" + ", ".join(f"{n}={k}" if n else str(k) for k, n in zip(shape, names)) + ")"
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

@@ -42,6 +42,7 @@ from ._module_paths import (
     frozen_variables,
     is_named_array,
     kind as target_kind,
+    penzai_variables,
     submodules,
 )
 from ._op_sites import INSTRUMENT_MODE, sow_ops
@@ -76,7 +77,7 @@ class _Call:
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
 
-    def sow(self, path, value):
+    def sow(self, path, value, axes=None):
         if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
             value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
@@ -89,17 +90,20 @@ class _Call:
                 f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
             )
         if is_named_array(value):
-            # A Penzai named array: the site is its data, axes in `named_shape` order.
+            # A Penzai named array: the site is its data, axes in `named_shape` order
+            # (after any positional ones), their names kept for `sites`.
             value = value.order_as(*value.named_shape)
+            axes = (None,) * len(value.positional_shape) + tuple(value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
         if not leaves:
             return value
         if len(leaves) == 1 and (isinstance(value, (tuple, list)) or is_named_array(value)):
             # A block's `(cache, x)` with no cache, or a named array: the site is the one array.
-            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0])])
+            return jax.tree_util.tree_unflatten(tree, [self.sow(path, leaves[0], axes)])
         self.sown += 1
+        named = {} if axes is None else {"axes": (axes,)}
         out = sow_p.bind(
-            *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree
+            *leaves, tag=self.tag, name=path, scope=(), mode=INSTRUMENT_MODE, tree=tree, **named
         )
         return jax.tree_util.tree_unflatten(tree, out)
 
@@ -357,6 +361,7 @@ class Instrumented:
         self._attention = attention
         self._select = select
         self._where = where
+        self._frozen = None  # Penzai: (the variables, their values, the model frozen from them)
         functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
     def _static(self):
@@ -377,8 +382,24 @@ class Instrumented:
             # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
             # static leaf its old value would stay in a compiled program. Frozen,
             # the weights are arrays, traced like any argument.
-            return (frozen_variables(self.target),), (None, self._static())
+            return (self._frozen_target(),), (None, self._static())
         return (self.target,), (None, self._static())
+
+    def _frozen_target(self):
+        """The Penzai model with its variables frozen, rebuilt only when one of them
+        holds a new value (an eager call flattens the model several times)."""
+        if self._frozen is None:
+            variables = penzai_variables(self.target)
+        else:
+            variables, values, frozen = self._frozen
+            if all(v.value is old for v, old in zip(variables, values)):
+                return frozen
+        values = [v.value for v in variables]
+        frozen = frozen_variables(self.target)
+        # Only values of JAX arrays can stand for themselves (a NumPy array changes in place).
+        if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(values)):
+            self._frozen = (variables, values, frozen)
+        return frozen
 
     @classmethod
     def tree_unflatten(cls, aux, children):

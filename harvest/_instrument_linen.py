@@ -14,6 +14,11 @@ Two Linen features need more than that:
   call, the fingerprint of every `nn.jit` call is salted with a number unique
   to that call, so each instrumented trace traces `nn.jit` bodies afresh (one
   more entry in `nn.jit`'s cache per trace, as a new input shape makes).
+  A `jax.jit` inside `f` (gemma's sampling loop jits its step) caches its
+  trace the same way; the call runs under a `jax.make_user_context` value
+  unique to it, which is part of every `jax.jit`'s cache key, so those bodies
+  are traced afresh too (where the context does not exist, a reused trace
+  keeps the sows of the call that made it).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _attention
+from . import _attention, _jax
 
 _salt: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "harvest_linen_jit_salt", default=None
@@ -59,9 +64,10 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             out = _attention.gemma_output_hook(call, linen_path(parent), module.name, out)
         return call.sow(path, out)
 
-    token = _salt.set(next(_salts))
+    salt = next(_salts)
+    token = _salt.set(salt)
     try:
-        with nn.intercept_methods(interceptor):
+        with nn.intercept_methods(interceptor), _jax.jit_cache_salted(("harvest.instrument", salt)):
             return f(*args, **kwargs)
     finally:
         _salt.reset(token)

@@ -372,18 +372,21 @@ class Walk:
         """
         return {path: rec.values for path, rec in self.records.items()}
 
-    def absorb_export(self, child, exported):
+    def absorb_export(self, child, exported, counts):
         """Folds a child's records, as returned by a traced body, into this walk.
 
         Args:
             child: the child ``Walk`` that ran inside the body.
             exported: its ``export()``, as the traced body returned it.
+            counts: the occurrence counts that are arrays of the body's trace (made
+                by a ``while_loop``), as the body returned them; they replace the
+                child's.
 
         Returns:
             None.
         """
         records = {p: Record(child.records[p].site, list(v)) for p, v in exported.items()}
-        self.absorb(records, child.seen)
+        self.absorb(records, {**child.seen, **counts})
 
     def results(self):
         """What the walk reaped.
@@ -460,7 +463,8 @@ class Retraced:
         num_consts: how many of ``args`` are closed-over values.
         num_outs: how many of its outputs are the body's own (the rest are records).
         child: the child ``Walk`` that ran inside the body.
-        records_tree: the tree structure of the child's exported records.
+        records_tree: the tree structure of the child's exported records, paired with
+            the occurrence counts a ``while_loop`` in the body made (arrays).
     """
 
     jaxpr: _jax.Jaxpr  # closed-over values are leading invars
@@ -481,7 +485,8 @@ class Retraced:
             The body's own outputs.
         """
         outs, rec_leaves = outs[: self.num_outs], outs[self.num_outs :]
-        walk.absorb_export(self.child, jax.tree_util.tree_unflatten(self.records_tree, rec_leaves))
+        exported, counts = jax.tree_util.tree_unflatten(self.records_tree, rec_leaves)
+        walk.absorb_export(self.child, exported, counts)
         return outs
 
 
@@ -492,7 +497,9 @@ def retrace(walk, jaxpr, consts, invals):
     def body(*args):
         child = holder["child"] = walk.child()
         outs = interpret(child, jaxpr, consts, args)
-        leaves, holder["tree"] = jax.tree_util.tree_flatten(child.export())
+        # Counts a while_loop made are arrays of this trace: they leave it as outputs.
+        counts = {p: n for p, n in child.seen.items() if not isinstance(n, int)}
+        leaves, holder["tree"] = jax.tree_util.tree_flatten((child.export(), counts))
         return [*outs, *leaves]
 
     closed = jax.make_jaxpr(body)(*invals)

@@ -542,3 +542,16 @@ def restore_tfp_alias() -> None:
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
         xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
+
+
+# ---------------------------------------------------------------------------
+# A context in every `jax.jit`'s cache key (`jax.make_user_context`, where it exists).
+
+# Made once, at import: JAX says adding user contexts is not thread-safe.
+_jit_key_salt = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+
+
+def jit_cache_salted(salt: Any) -> Any:
+    """A context under which every `jax.jit` inside is traced afresh for `salt` (a hashable):
+    its Python body runs again rather than reusing a trace made outside the context."""
+    return contextlib.nullcontext() if _jit_key_salt is None else _jit_key_salt(salt)

@@ -48,6 +48,15 @@ def is_named_array(value: Any) -> bool:
     return isinstance(value, NamedArrayBase)
 
 
+def penzai_variables(model: Any) -> list[Any]:
+    """The variables (`pz.Parameter`, `pz.StateVariable`) of a Penzai model, in tree order."""
+    from penzai.core.variables import AbstractVariable
+
+    is_variable = lambda x: issubclass(type(x), AbstractVariable)
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_variable)
+    return [x for x in leaves if is_variable(x)]
+
+
 def frozen_variables(model: Any) -> Any:
     """A Penzai model with each variable (`pz.Parameter`, `pz.StateVariable`) replaced by its frozen value."""
     from penzai.core.variables import AbstractVariable

@@ -51,6 +51,30 @@ def occurrences(jaxpr: Any, site: Site) -> int:
     return n
 
 
+def varies(jaxpr: Any, site: Site) -> bool:
+    """Whether how many times `site` fires in one run of `jaxpr` is known only
+    when it runs: a while_loop there sows it."""
+    for eqn in jaxpr.eqns:
+        for b in bodies(eqn):
+            if (b.runs is UNBOUNDED and occurrences(b.jaxpr, site)) or varies(b.jaxpr, site):
+                return True
+    return False
+
+
+def static_counts(seen: dict[Any, Any], sites: dict[Any, Site], where: str) -> dict[Any, Any]:
+    """`seen` of a body traced apart, whose counts must be Python ints to leave it:
+    a count a while_loop made (an array) can only be carried, not returned."""
+    for path, n in seen.items():
+        if not isinstance(n, int):
+            raise _errors.index_after_while_in(sites[path], where)
+    return seen
+
+
+def most_count(a: Any, b: Any) -> Any:
+    """The larger of two occurrence counts, either maybe an array (see `varies`)."""
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
+
+
 def _repeats(body: Body, site: Site) -> int:
     """How often one run of an equation repeats `site`'s occurrences in `body`,
     as reap counts them: rows once per run, other modes once per body."""
@@ -217,8 +241,9 @@ class Plant:
         return Plant(self.site, self.value, start) if self.takes_index() else self
 
     def shift(self, n: int) -> Plant:
-        """The same plant seen from `n` occurrences later."""
-        if not n:
+        """The same plant seen from `n` occurrences later (an int, or an
+        array counted as a while_loop ran)."""
+        if isinstance(n, int) and not n:
             return self
         if self.takes_index():
             return self.starting_at(self.start + n)

@@ -36,6 +36,8 @@ from ._modes import MODES
 # stands; "record_only", sown after the branches' outputs are selected per
 # example, records and carries a trailing operand saying whether the taken
 # branch sowed the value (for `sow_cond`, also whether `pred` held).
+# `axes` (absent: none) names, per leaf, each axis (a str, or None for an
+# unnamed one): Penzai's named axes, which `sites` shows.
 
 
 class SowEffect(_jax.Effect):
@@ -79,11 +81,11 @@ def _has_pred(mode, role=None):
     return MODES[mode].has_pred or role == "record_only"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None):
+def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
-def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=None):
+def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
@@ -92,7 +94,7 @@ def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=No
     )
 
 
-def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None):
+def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
@@ -115,7 +117,9 @@ def _sow_jet(primals, series, **params):
     return out, series[: len(out)]
 
 
-def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(), role=None):
+def _sow_batch(
+    axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None
+):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
     # never changes what vmap (or jacfwd, hessian) sees.
@@ -126,9 +130,13 @@ def _sow_batch(axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(
     args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     n = tree.num_leaves
     vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
-    role_param = {} if role is None else {"role": role}
+    extra = {} if role is None else {"role": role}
+    if axes is not None:  # the batch axis in front has no name
+        extra["axes"] = tuple(
+            names if d is None else (None, *names) for names, d in zip(axes, dims)
+        )
     out = sow_p.bind(
-        *args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **role_param
+        *args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **extra
     )
     return out, [None if d is None else 0 for d in dims[:n]]
 

@@ -30,6 +30,7 @@ class Site:
     source: Any = dataclasses.field(
         default=None, compare=False, repr=False
     )  # the sow equation's source_info
+    axes: Any = dataclasses.field(default=None, compare=False, repr=False)  # per leaf, axis names
 
     @classmethod
     def of(cls, eqn: Any) -> Site:
@@ -39,7 +40,16 @@ class Site:
         path = p["scope"] + (p["name"],)
         avals = tuple(v.aval for v in eqn.invars[:n])
         vmapped = p.get("vmapped") or (0,) * n
-        return cls(p["tag"], path, MODES[p["mode"]], p["tree"], avals, vmapped, eqn.source_info)
+        return cls(
+            p["tag"],
+            path,
+            MODES[p["mode"]],
+            p["tree"],
+            avals,
+            vmapped,
+            eqn.source_info,
+            p.get("axes"),
+        )
 
     def where(self) -> str:
         """The file:line of the user's `sow` call that made this site."""

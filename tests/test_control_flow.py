@@ -608,3 +608,82 @@ def test_an_indexed_plant_in_a_reversed_scan_and_bad_places():
     # In a while_loop the index counts iterations: h=0+0 -> c=1, h=1+1 -> c=3.
     assert float(plant(looped)({"h": lambda old, i: old + i}, 0.0)) == 3.0
     assert float(plant(looped)({"h": lambda old: old + 1.0}, 0.0)) == 4.0
+
+
+# An index plant counts a while_loop's occurrences for the sows after it, as
+# many as the loop ran (known only when it runs).
+
+
+def _doubling(x):
+    """Sows "a" once before, once per iteration of a while_loop, once after."""
+    x = sow(x, name="a", mode="append")
+    x = lax.while_loop(lambda c: c < 10.0, lambda c: sow(c * 2.0, name="a", mode="append"), x)
+    return sow(x + 1.0, name="a", mode="append")
+
+
+def _doubling_by_hand(x, shift, start=0):
+    """`_doubling` with occurrence `i` of "a" replaced by `shift(old, i)`, threaded
+    by hand, counting from `start`; and the number of occurrences."""
+    i = start
+    x = shift(x, i)
+    i += 1
+    while x < 10.0:
+        x = shift(x * 2.0, i)
+        i += 1
+    return shift(x + 1.0, i), i + 1 - start
+
+
+SHIFT = lambda old, i: old + 0.25 * i
+
+
+@pytest.mark.parametrize("x", [20.0, 1.0, 0.5, 0.125])
+def test_an_index_plant_after_a_while_loop_counts_its_iterations(x):
+    want = _doubling_by_hand(x, SHIFT)[0]
+    planted = plant(_doubling)
+    assert float(planted({"a": SHIFT}, x)) == want
+    assert float(jax.jit(lambda x: planted({"a": SHIFT}, x))(x)) == want
+
+
+def test_an_index_plant_counts_a_while_loop_inside_jit_scan_and_while():
+    in_jit = lambda x: jax.jit(_doubling)(x) * 1.0
+    assert float(plant(in_jit)({"a": SHIFT}, 0.5)) == _doubling_by_hand(0.5, SHIFT)[0]
+
+    def scanned(xs):  # iteration t starts after every row the earlier ones gave
+        return lax.scan(lambda c, x: (c, _doubling(x)), 0.0, xs)[1]
+
+    xs = [20.0, 1.0, 0.5, 0.125]
+    want, before = [], 0
+    for x in xs:
+        y, n = _doubling_by_hand(x, SHIFT, before)
+        want.append(y)
+        before += n
+    np.testing.assert_array_equal(plant(scanned)({"a": SHIFT}, jnp.array(xs)), want)
+
+    def nested(x):  # a while_loop in a while_loop's body
+        def body(c):
+            inner = lambda d: sow(d + 1.0, name="a", mode="append")
+            return lax.while_loop(lambda d: d < c + 3.0, inner, c) * 2.0
+
+        return sow(lax.while_loop(lambda c: c < 20.0, body, x), name="a", mode="append")
+
+    def nested_by_hand(x):
+        i = 0
+        while x < 20.0:
+            d = x
+            while d < x + 3.0:
+                d = d + 1.0 + 0.25 * i
+                i += 1
+            x = d * 2.0
+        return x + 0.25 * i
+
+    for x in (1.0, 25.0):
+        assert float(plant(nested)({"a": SHIFT}, x)) == nested_by_hand(x)
+
+
+def test_an_index_plant_of_a_while_loop_inside_a_cond_is_an_error():
+    def branchy(x):
+        return lax.cond(x > 0, _doubling, lambda x: x, x) + sow(x, name="a", mode="append")
+
+    with pytest.raises(ValueError, match="while_loop within a cond.*callable old -> new"):
+        plant(branchy)({"a": SHIFT}, 1.0)
+    assert float(plant(branchy)({"a": lambda old: old + 1.0}, 1.0)) == 15.0

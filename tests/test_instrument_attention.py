@@ -82,9 +82,9 @@ def test_nnx_multi_head_attention():
     x = new_value((2, T, D), 9)
     p = jax.tree.map(lambda v: v[...], nnx.to_pure_dict(nnx.state(model, nnx.Param)))["mha"]
     probed = instrument(model, attention=True)
-    np.testing.assert_allclose(
-        probed(x), model(x), **TOL
-    )  # Flax's unfused path: last bits may differ
+    # Flax's fused path, op for op (jax.nn.dot_product_attention's XLA implementation).
+    np.testing.assert_array_equal(probed(x), model(x))
+    np.testing.assert_array_equal(jax.jit(probed)(x), jax.jit(model)(x))
     reference = lambda patch=None: by_hand(*flax_projections(p, x), patch=patch)
     check_every_hook(
         lambda: reap(probed, tag="modules")(x),
@@ -98,6 +98,39 @@ def test_nnx_multi_head_attention():
     assert model.mha.attention_fn is nnx.dot_product_attention
     names = [s.name for s in sites(probed, x, tag="modules")]
     assert {"mha.query", "mha.out", "mha"} <= set(names) and "mha.hook_z" in names
+
+
+class GroupedModel(nnx.Module):
+    """Grouped-query attention (2 key/value heads for 4 query heads), optionally with dropout."""
+
+    def __init__(self, rngs, dropout_rate=0.0):
+        self.mha = nnx.MultiHeadAttention(
+            4, D, qkv_features=4 * DH, num_kv_heads=2, dropout_rate=dropout_rate, rngs=rngs
+        )
+
+    def __call__(self, x, mask=None):
+        return self.mha(x, mask=mask, deterministic=True, decode=False)
+
+
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.5])  # Flax's fused path, its unfused one
+def test_nnx_grouped_query_attention_is_bit_identical_and_planted_as_by_hand(dropout_rate):
+    model = GroupedModel(nnx.Rngs(1), dropout_rate)
+    x = new_value((3, 2, T, D), 4)  # two batch axes, which the fused kernel folds into one
+    mask = nnx.make_causal_mask(jnp.ones((3, 2, T)))
+    probed = instrument(model, attention=True)
+    np.testing.assert_array_equal(probed(x, mask), model(x, mask))
+    reaped = reap(probed, tag="modules")(x, mask)
+    p = jax.tree.map(lambda v: v[...], nnx.to_pure_dict(nnx.state(model, nnx.Param)))["mha"]
+    q, k, v, out = flax_projections(p, x)
+    repeat = lambda a: jnp.repeat(a, 2, axis=-2)  # each key/value head serves two query heads
+    _, hand = by_hand(q, repeat(k), repeat(v), out, mask=mask)
+    assert reaped["mha.hook_k"].shape == (3, 2, T, 2, DH)
+    for hook in ("hook_q", "hook_pattern", "hook_z"):
+        np.testing.assert_allclose(reaped[f"mha.{hook}"], hand[hook], err_msg=hook, **TOL)
+    pattern = jax.nn.softmax(new_value(hand["hook_pattern"].shape, 5) * 3.0, axis=-1)
+    planted = plant(probed, tag="modules")({"mha.hook_pattern": pattern}, x, mask)
+    patched = by_hand(q, repeat(k), repeat(v), out, mask=mask, patch={"hook_pattern": pattern})
+    np.testing.assert_allclose(planted, patched[0], **TOL)
 
 
 class LinenModel(linen.Module):

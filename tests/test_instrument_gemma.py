@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from benchmarks.bench_models import import_gemma
-from harvest import instrument, patching_sweep, plant, reap, sites
+from harvest import add_vector, instrument, patching_sweep, plant, reap, sites
 
 try:
     gm, _config, _modules = import_gemma()
@@ -84,6 +84,7 @@ def test_plant_block_output_matches_a_hand_patched_forward(gemma):
 def test_attention_hooks(gemma):
     model, params, tokens = gemma
     f = instrument(lambda p, t: model.apply(p, t).logits, attention=True)
+    np.testing.assert_array_equal(f(params, tokens), logits(model, params, tokens))
     reaped = reap(f, tag="modules")(params, tokens)
     attn = "layer_0.attn"
     for hook in ("hook_q", "hook_k", "hook_v", "hook_z"):
@@ -102,3 +103,84 @@ def test_attention_hooks(gemma):
     no_z = plant(f, tag="modules")({f"{attn}.hook_z": jnp.zeros((1, 5, 2, 4))}, params, tokens)
     no_out = plant(f, tag="modules")({attn: jnp.zeros((1, 5, 8))}, params, tokens)
     np.testing.assert_allclose(no_z, no_out, rtol=1e-6, atol=1e-6)
+
+
+def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
+    """gemma's `SamplerLoop` (a jitted while_loop over its jitted decode step) steered by
+    `add_vector` at one block's MLP output, against the decode written out by hand.
+
+    `gm.text.Sampler.sample` itself tokenizes text on the host (a SentencePiece
+    model file), so the traced part it calls is what is instrumented: the prefill
+    (`_prefill.prefill`) and the loop (`SamplerLoop.sample`) on token ids.
+    """
+    from gemma.gm.text import _prefill, _sampler_loop, _sampling, _tokenizer
+    from gemma.gm.utils import _types
+
+    model, variables, tokens = gemma
+    params, new_tokens, end = variables["params"], 6, 12
+    state = _prefill.prefill(
+        model=model,
+        params=params,
+        input=_types.Input(text=tokens, images=None, config=model.config.input_config),
+        last_state=None,
+        cache_length=16,
+        max_out_length=new_tokens,
+        rng=jax.random.key(1),
+        sharding=None,
+    )
+    loop = _sampler_loop.SamplerLoop(
+        model=model,
+        end_tokens=(end,),
+        forbidden_tokens=None,
+        sampling=_sampling.Greedy(),
+        cache_length=16,
+        special_tokens=_tokenizer.Gemma3Tokenizer.special_tokens,
+    )
+
+    def sample(params, state):
+        out = loop.sample(params=params, init_state=state, max_new_tokens=jnp.int32(new_tokens))
+        return out.predicted_tokens[0]
+
+    @jax.jit
+    def step_by_hand(params, vector, token, position, cache, mask):
+        """One decode step of the transformer, its last block written out with
+        `vector` added to the MLP's output (Gemma's `Block.__call__`)."""
+        inner = model.bind({"params": params})
+        x = inner.embedder.encode(token[:, None])
+        positions = position[:, None]
+        new_cache = {}
+        for i, block in enumerate(inner.blocks):
+            name = f"layer_{i}"
+            if i < len(inner.blocks) - 1:
+                new_cache[name], x = block(x, positions, cache[name], mask)
+                continue
+            new_cache[name], attn = block.attn(
+                block.pre_attention_norm(x), positions, cache[name], mask
+            )
+            attn = block.post_attention_norm(attn) + x
+            x = block.post_ffw_norm(block.mlp(block.pre_ffw_norm(attn)) + vector) + attn
+        logits = inner.embedder.decode(inner.final_norm(x))[:, 0]
+        return jnp.argmax(logits, axis=-1), new_cache
+
+    def decode_by_hand(vector):
+        token, position, cache, out = state.last_token, state.last_token_pos, state.cache, []
+        full = state.full_attention_mask
+        for step in range(new_tokens):
+            mask = full * (jnp.arange(full.shape[-1]) < state.init_cache_length + step + 1)
+            token, cache = step_by_hand(params, vector, token, position, cache, mask[:, None, :])
+            out.append(int(token[0]))
+            position = position + 1
+        return out
+
+    probed = instrument(sample)
+    # The loop's jax.jit functions now hold a trace made by `sites`; plant traces afresh.
+    assert "layer_1.mlp" in [s.name for s in sites(probed, params, state, tag="modules")]
+    steer = plant(probed, tag="modules")
+    vector = jnp.linspace(-3.0, 3.0, 8)
+    outs = []
+    for v in (jnp.zeros(8), vector, -vector):  # zeros: gemma's own tokens, and the hand decode's
+        want = decode_by_hand(v)
+        assert end not in want  # the loop ran every step, as the hand decode does
+        np.testing.assert_array_equal(steer({"layer_1.mlp": add_vector(v)}, params, state), want)
+        outs.append(want)
+    assert outs[1] != outs[2]  # the vector changes the tokens

@@ -163,6 +163,10 @@ def test_changed_parameters_are_seen(model):
         after = reap(m, tag="modules")(CLEAN)["body"]
         np.testing.assert_allclose(logits(after), logits(model(CLEAN)), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(logits(after), 2.0 * logits(before), rtol=1e-5, atol=1e-6)
+        # The frozen model is kept while no variable changes, and rebuilt when one does.
+        assert m.tree_flatten()[0][0] is m.tree_flatten()[0][0]
+        head.value = old
+        np.testing.assert_array_equal(logits(reap(m, tag="modules")(CLEAN)["body"]), logits(before))
     finally:
         head.value = old
 
@@ -227,6 +231,7 @@ def test_attention_hooks_match_hand_edits(model):
     """hook_q/k/v/z are [batch, seq, heads, projection], hook_pattern [batch, heads, seq, kv_seq];
     planting one equals the model edited by hand to put that value after the sublayer."""
     m = instrument(model, attention=True, where=ATTN + ".*")
+    np.testing.assert_array_equal(logits(m(CLEAN)), logits(model(CLEAN)))
     reaped = reap(m, tag="modules")(CLEAN)
     attn = _get(model, ATTN.split("."))
     assert reaped[ATTN + ".hook_q"].shape == (1, 5, 2, 4)
@@ -244,3 +249,15 @@ def test_attention_hooks_match_hand_edits(model):
         planted = plant(m, tag="modules")({f"{ATTN}.{hook}": value}, CLEAN)
         by_hand = edited(model, f"{ATTN}.{sub}", Const(pz.nx.wrap(value, *axes)))(CLEAN)
         np.testing.assert_allclose(logits(planted), logits(by_hand), rtol=1e-5, atol=1e-5)
+
+
+def test_sites_show_the_named_axes(model):
+    """A NamedArray site is sown as its data, axes in `named_shape` order; `sites` names them."""
+    listed = sites(instrument(model), CLEAN, tag="modules")
+    found = {s.name: s for s in listed}
+    assert found[BLOCK].axes == ("batch", "seq", "embedding") and found[BLOCK].shape == (1, 5, 8)
+    assert found[ATTN + ".input_to_query"].axes == ("batch", "seq", "heads", "projection")
+    assert "(batch=1, seq=5, embedding=8)" in str(listed)
+    # A site that is no named array has no names.
+    plain = sites(instrument(model, attention=True), CLEAN, tag="modules")
+    assert {s.name: s for s in plain}[ATTN + ".hook_q"].axes is None

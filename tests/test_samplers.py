@@ -16,6 +16,7 @@ from conftest import close
 from harvest import Steps, add_vector, call_and_reap, instrument, nest, plant, reap, sites, sow
 
 nnx = pytest.importorskip("flax.nnx")
+from benchmarks import decoder  # noqa: E402  (needs Flax)
 
 V, D, L, P = 13, 8, 12, 3  # vocabulary, width, buffer length, prompt length
 END = 0  # decoding stops once it emits this token
@@ -23,47 +24,12 @@ TOL = dict(rtol=2e-5, atol=2e-5)
 traces = {"n": 0}
 
 
-class Attention(nnx.Module):
-    def __init__(self, d, rngs):
-        self.q = nnx.Linear(d, d, rngs=rngs)
-        self.k = nnx.Linear(d, d, rngs=rngs)
-        self.v = nnx.Linear(d, d, rngs=rngs)
-        self.o = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x, pos, cache):
-        keys = cache[0].at[pos].set(self.k(x))
-        values = cache[1].at[pos].set(self.v(x))
-        scores = jnp.where(jnp.arange(L) <= pos, keys @ self.q(x) / np.sqrt(D), -jnp.inf)
-        return self.o(jax.nn.softmax(scores) @ values), (keys, values)
-
-
-class Block(nnx.Module):
-    def __init__(self, d, rngs):
-        self.attn = Attention(d, rngs)
-        self.mlp = nnx.Linear(d, d, rngs=rngs)
-
-    def __call__(self, x, pos, cache):
-        a, cache = self.attn(x, pos, cache)
-        x = x + a
-        return x + jnp.tanh(self.mlp(x)), cache
-
-
-class Decoder(nnx.Module):
-    """One decode step: the token at `pos` in, next-token logits and the caches out."""
-
-    def __init__(self, rngs):
-        self.embed = nnx.Embed(V, D, rngs=rngs)
-        self.blocks = nnx.List([Block(D, rngs) for _ in range(2)])
-        self.head = nnx.Linear(D, V, rngs=rngs)
+class Decoder(decoder.Decoder):
+    """The shared decoder, counting how often JAX traces its step."""
 
     def __call__(self, token, pos, caches):
         traces["n"] += 1  # runs only while JAX traces the step
-        x = self.embed(token)
-        new = []
-        for block, cache in zip(self.blocks, caches):
-            x, cache = block(x, pos, cache)
-            new.append(cache)
-        return self.head(x), new
+        return super().__call__(token, pos, caches)
 
 
 def prompt_buffer(prompt):
@@ -119,7 +85,7 @@ def hand_decode(model, prompt, steer=lambda layer, step, h: h):
 
 @pytest.fixture(scope="module")
 def model():
-    return Decoder(nnx.Rngs(3))
+    return Decoder(V, D, 2, nnx.Rngs(3))
 
 
 PROMPT = [5, 2, 7]

@@ -38,7 +38,7 @@ from .. import _errors, _jax
 from .._evaluator import evaluate
 from .._higher_order import describe
 from .._interpreter import Walk, register, sites_in
-from .._occurrences import MARKERS
+from .._occurrences import MARKERS, most_count
 from .._paths import path_str
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
 from .._site import Site
@@ -275,7 +275,7 @@ def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
         groups[p["group"]] = (dict(walk.seen), {})
     start, most = groups[p["group"]]
     for path, n in walk.seen.items():
-        most[path] = max(most.get(path, 0), n)
+        most[path] = most_count(most.get(path, 0), n)
     walk.seen.clear()
     walk.seen.update(most if p["branch"] == LAST else start)
     stuck = p["stuck"]

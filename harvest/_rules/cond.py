@@ -20,7 +20,7 @@ from jax import lax
 from .. import _errors, _jax
 from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register
-from .._occurrences import Record
+from .._occurrences import Record, static_counts
 from .._site import Site
 from .._steps import Steps
 from .batched_cond import Occurrence, united, unpack
@@ -125,7 +125,7 @@ def _cond(walk, eqn, invals):
     }
     seen = {}
     for _, _, child in traced:
-        for p, n in child.seen.items():
+        for p, n in static_counts(child.seen, sites, "cond").items():
             seen[p] = max(seen.get(p, 0), n)
     walk.absorb(records, seen)
     return outs

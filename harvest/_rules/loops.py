@@ -22,7 +22,7 @@ from .. import _errors, _jax
 from .._higher_order import UNBOUNDED, Body, HigherOrder, declare, split_extra
 from .._interpreter import interpret, register
 from .._modes import MODES
-from .._occurrences import Record, stacked_record
+from .._occurrences import Record, stacked_record, varies
 from .._site import Site
 from .._steps import Steps
 from .batched_cond import Occurrence, rewrite
@@ -44,13 +44,18 @@ def _scan(walk, eqn, invals):
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     carried = walk.carried(sites, "scan")
     plants = walk.shifted_plants()
+    # A while_loop in the body makes an iteration's count of a name known only
+    # as it runs: an index plant of it counts the rows before each iteration in the carry.
+    counted = [path for path in _counted(plants, sites) if varies(body.jaxpr, sites[path])]
+    if counted and p.reverse:
+        raise _errors.index_after_while_in(sites[counted[0]], "reverse scan")
     holder = {}
 
     def step(carry, x):
-        c, rec = carry
+        c, rec, n = carry
         idx, x = x
         body_plants = {
-            path: pl.per_iteration(idx, body.jaxpr, sites[path])
+            path: pl.shift(n[path]) if path in n else pl.per_iteration(idx, body.jaxpr, sites[path])
             for path, pl in plants.items()
             if path in sites
         }
@@ -58,15 +63,17 @@ def _scan(walk, eqn, invals):
         outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
         holder["child"] = child
         rec = {path: child.records[path].values[0] for path in carried}
+        n = {path: k + child.seen.get(path, 0) for path, k in n.items()}
         stacked = {
             path: r.chunk() for path, r in child.records.items() if r.site.mode.stacks_in_loops
         }
-        return (outs[:ncarry], rec), (outs[ncarry:], stacked)
+        return (outs[:ncarry], rec, n), (outs[ncarry:], stacked)
 
     rec0 = {path: value for path, (_, value) in carried.items()}
-    (c, rec), (ys, stacked) = lax.scan(
+    n0 = {path: jnp.int32(0) for path in counted}
+    (c, rec, n), (ys, stacked) = lax.scan(
         step,
-        (init, rec0),
+        (init, rec0, n0),
         (jnp.arange(length), xs),
         length=length,
         reverse=p.reverse,
@@ -79,10 +86,11 @@ def _scan(walk, eqn, invals):
     # Stacked entries (and oryx's once-per-loop stacks) keep their count; every
     # other mode's occurrences repeat once per iteration.
     seen = {
-        path: n if sites[path].mode.entries or sites[path].mode.stacks_per_loop else length * n
-        for path, n in child.seen.items()
+        path: k if sites[path].mode.entries or sites[path].mode.stacks_per_loop else length * k
+        for path, k in child.seen.items()
+        if path not in n
     }
-    walk.absorb(records, seen)
+    walk.absorb(records, {**seen, **n})
     return [*c, *ys]
 
 
@@ -120,44 +128,49 @@ def _while(walk, eqn, invals):
     for path, pl in plants.items():
         if pl.per_occurrence():
             raise _errors.per_occurrence_plant_in_while(sites[path])
+    counted = _counted(plants, sites)
 
-    def run_body(c, rec, t):
-        # Iteration `t` sees a callable plant's index counted as a scan's rows are.
+    def run_body(c, rec, t, n):
+        # Iteration `t` sees a callable plant's index counted as a scan's rows
+        # are: past the occurrences of the iterations before it (`n`, carried).
         body_plants = {
-            path: pl.per_iteration(t, body.jaxpr, sites[path]) for path, pl in plants.items()
+            path: pl.shift(n[path]) if path in n else pl.per_iteration(t, body.jaxpr, sites[path])
+            for path, pl in plants.items()
         }
         child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
         outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
+        n = {path: k + child.seen.get(path, 0) for path, k in n.items()}
         new = {path: child.records[path].values[0] for path in carried}
         if batch:  # per example, whether or not vmap batched the value
             new = {path: carried[path][0].fit(v, "while_loop", batch) for path, v in new.items()}
         got = {path: child.records[path] for path in stacked if path in child.records}
         if steps is not None:
-            return outs, new, {path: r.chunk() for path, r in got.items()}
+            return outs, new, {path: r.chunk() for path, r in got.items()}, n
         if batch:  # each example's last iteration: one value per iteration, as clobber keeps
-            return outs, new, {path: [_last_per_example(r, batch)] for path, r in got.items()}
-        return outs, new, {path: r.values for path, r in got.items()}
+            return outs, new, {path: [_last_per_example(r, batch)] for path, r in got.items()}, n
+        return outs, new, {path: r.values for path, r in got.items()}, n
 
     def cond_fn(carry):
         (out,) = interpret(walk.child(plants={}), cond.jaxpr, cond.consts, [*cconsts, *carry[0]])
         return out
 
     def body_fn(carry):
-        c, rec, kept, t = carry
-        outs, new, now = run_body(c, rec, t)
+        c, rec, kept, t, n = carry
+        outs, new, now, n = run_body(c, rec, t, n)
         if steps is not None:
             now = jax.tree_util.tree_map(functools.partial(_write_row, t), kept, now)
-        return outs, new, now, t + 1
+        return outs, new, now, t + 1, n
 
     rec0 = {path: value for path, (_, value) in carried.items()}
     t0 = jnp.zeros(batch, jnp.int32)
+    n0 = {path: t0 for path in counted}
     kept0 = {}
     if stacked:  # one abstract walk of the body gives the shapes its records take
-        shapes = jax.eval_shape(lambda: run_body(list(init), rec0, t0)[2])
+        shapes = jax.eval_shape(lambda: run_body(list(init), rec0, t0, n0)[2])
         lead = () if steps is None else (steps,)
         kept0 = jax.tree_util.tree_map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
     loop = _while_per_example if batch else lax.while_loop
-    c, rec, kept, count = loop(cond_fn, body_fn, (list(init), rec0, kept0, t0))
+    c, rec, kept, count, n = loop(cond_fn, body_fn, (list(init), rec0, kept0, t0, n0))
     records = {path: Record(carried[path][0], [v]) for path, v in rec.items()}
     for path, v in kept.items():
         if steps is None:
@@ -166,8 +179,19 @@ def _while(walk, eqn, invals):
             records[path] = Record(
                 sites[path], [Steps(stacked_record(sites[path], v).result(), count)]
             )
-    walk.absorb(records, {})
+    # A later sow of a name planted by index counts the occurrences the loop gave.
+    walk.absorb(records, n)
     return c
+
+
+def _counted(plants, sites):
+    """The paths whose plants take the occurrence index and count rows one by one
+    (not collect's entries nor oryx's once-per-loop stacks, which loops index alone)."""
+    return [
+        path
+        for path, pl in plants.items()
+        if pl.takes_index() and not (sites[path].mode.entries or sites[path].mode.stacks_per_loop)
+    ]
 
 
 def _write_row(t, buffer, row):

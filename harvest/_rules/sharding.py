@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from .. import _jax
 from .._higher_order import Body, HigherOrder, declare
 from .._interpreter import interpret, register
-from .._occurrences import Record, merge_rows
+from .._occurrences import Record, merge_rows, static_counts
 
 
 def _lift(site, shards):
@@ -92,7 +92,7 @@ def _shard_map(walk, eqn, invals):
             records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
         else:
             records[path] = Record(_lift(site, shards), [value])
-    for path, n in child.seen.items():
+    for path, n in static_counts(child.seen, sites, "shard_map").items():
         mode = sites[path].mode
         seen[path] = n if mode.entries else shards * n if mode.rows else 1
     walk.absorb(records, seen)
