@@ -20,9 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
-from ._calling import make_jaxpr
 from ._compile_cache import compile_program
-from ._inspect import sow_firings
 from ._interpreter import NameFilter
 from ._interventions import (
     AddRow,
@@ -35,6 +33,7 @@ from ._interventions import (
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
+from ._site_discovery import sow_sites
 from ._sow import DEFAULT_TAG
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
@@ -96,8 +95,7 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     if not isinstance(clean, dict):
         raise _errors.clean_not_a_dict(caller, clean)
     by_name: dict[str, list] = {}
-    for eqn, where, fires, stacked in sow_firings(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
-        site = Site.of(eqn)
+    for site, where, fires, stacked in sow_sites(f, corrupted_args):
         if site.tag == tag:
             by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
     chosen = names
