@@ -22,6 +22,7 @@ from . import (
     bench_core,
     bench_models,
     bench_oryx,
+    bench_retrace,
     bench_samplers,
     bench_store,
     bench_unharvested,
@@ -35,6 +36,7 @@ SECTIONS = {
     "unharvested": bench_unharvested,
     "store": bench_store,
     "models": bench_models,
+    "retrace": bench_retrace,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -225,6 +227,8 @@ def render(results):
             "",
             *results["instrument"],
             "",
+            *bench_retrace.render(results["retrace"]),
+            "",
             *bench_unharvested.render(results["unharvested"]),
             "",
             *bench_samplers.render(results["samplers"]),
@@ -286,6 +290,7 @@ def run(quick=False, large=False):
     results = {"machine": _timing.machine(), "config": cfg, "core": bench_core.run(cfg)}
     results["patching"], results["patching_size"] = _patching(size), size
     results["instrument"] = _instrument(size)
+    results["retrace"] = _run_section(bench_retrace, quick)
     results["unharvested"] = _run_section(bench_unharvested, quick)
     results["samplers"] = _run_section(bench_samplers, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None

@@ -157,7 +157,20 @@ def _sizes_along(value: Any, axes: tuple[int, ...]) -> tuple[int, ...] | None:
 def _select_names(names, sown, tag, caller):
     """The names `names=` selects (exact names, globs, predicates, or a list of
     them), in the order of its entries, each entry's matches in program order."""
-    entries = names if isinstance(names, (list, tuple)) else [names]
+    entries = tuple(names) if isinstance(names, (list, tuple)) else (names,)
+    try:
+        return list(_selected(entries, tuple(sown), tag, caller))
+    except TypeError:  # an unhashable entry: matched afresh
+        return _matched(entries, sown, tag, caller)
+
+
+@functools.lru_cache(maxsize=64)
+def _selected(entries, sown, tag, caller):
+    # A repeated sweep selects the same names among the same sites: matched once.
+    return tuple(_matched(entries, sown, tag, caller))
+
+
+def _matched(entries, sown, tag, caller):
     picked = {}
     for entry in entries:
         select = NameFilter.make(entry)

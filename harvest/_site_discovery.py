@@ -69,13 +69,17 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
     (bound, args), graph, _ = split_nodes((bound, args))
-    leaves, tree = jax.tree_util.tree_flatten((bound, args, closure_of(fn), globals_read(fn)))
-    state = () if graph is None else graph.leaves
+    # The graph goes into the tree structure, which hashes without hashing the
+    # graph definition (a deep walk, ~ms on a transformer) and compares the same
+    # definition, as the split cache hands it back, by identity first.
+    leaves, tree = jax.tree_util.tree_flatten(
+        (bound, args, closure_of(fn), globals_read(fn), graph)
+    )
+    state = 0 if graph is None else len(graph.leaves)
     key = (
         tree,
-        tuple(map(_abstract, leaves)),
-        None if graph is None else (graph.graphdef, graph.statedef),
-        tuple(_abstract(leaf, data=True) for leaf in state),
+        tuple(map(_abstract, leaves[: len(leaves) - state])),
+        tuple(_abstract(leaf, data=True) for leaf in leaves[len(leaves) - state :]),
     )
     try:
         hash(key)

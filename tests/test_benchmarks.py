@@ -19,6 +19,7 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Interpreter cost",
         "## Activation patching",
         "## Probing an unmodified model",
+        "## Nothing traced twice",
         "## Steering inside a sampler",
     ):
         assert heading in text
