@@ -2,6 +2,9 @@
 eager call of an unchanged NNX module does not split its graph again; results
 stay right after weights change in place, shapes change or the structure does."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +227,17 @@ def test_a_list_of_layers_changed_in_place_is_seen():
     close(reaped["l2"], model.layers[2](model.layers[1](model.layers[0](x))))
     model.layers[0] = nnx.Linear(3, 3, rngs=nnx.Rngs(9))
     close(reap(model)(x)["l0"], model.layers[0](x))
+
+
+def test_the_caches_do_not_keep_a_module_alive():
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    reap(model)(x_clean)
+    gone = weakref.ref(model)
+    kept = len(_calling._split_cache.splits)
+    del model
+    gc.collect()
+    assert gone() is None
+    assert len(_calling._split_cache.splits) < kept
