@@ -17,7 +17,9 @@ reference):
   capture under `jax.jit` on the split state (the compiled work alone, every
   site's output included), at the tiny width and at a realistic one (d=256);
 * first call at the realistic width: the eager capture after
-  `jax.clear_caches()` vs the functional forward's first call likewise.
+  `jax.clear_caches()` vs the functional forward's first call likewise;
+* the Linen twin at the realistic width: `reap(instrument(model.apply))`
+  eager and on its first call, vs `jax.jit(model.apply)`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import linen, nnx
 
 from harvest import attribution_patching, instrument, patching_sweep, plant, reap
 
@@ -155,6 +157,7 @@ def eager(width, cfg, first=False):
     jitted = jax.jit(
         lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x)
     )
+    np.testing.assert_allclose(jitted(state, x)["head"], capture(x)["head"], rtol=1e-4, atol=1e-4)
     r, ours, theirs = _timing.ratio(
         lambda: capture(x), lambda: jitted(state, x), cfg.repeats, cfg.calls
     )
@@ -188,6 +191,68 @@ def eager(width, cfg, first=False):
     return rows
 
 
+class LinenBlock(linen.Module):
+    width: int
+
+    @linen.compact
+    def __call__(self, x):
+        x = x + linen.MultiHeadDotProductAttention(4, name="attn")(linen.LayerNorm(name="ln1")(x))
+        h = linen.Dense(4 * self.width, name="up")(linen.LayerNorm(name="ln2")(x))
+        return x + linen.Dense(self.width, name="down")(jax.nn.gelu(h))
+
+
+class LinenTransformer(linen.Module):
+    """The NNX transformer's Linen twin."""
+
+    width: int
+    blocks: int
+
+    @linen.compact
+    def __call__(self, x):
+        for i in range(self.blocks):
+            x = LinenBlock(self.width, name=f"blocks_{i}")(x)
+        return linen.Dense(10, name="head")(x)
+
+
+def linen_eager(width, cfg):
+    """The Linen twin: the eager capture vs `jax.jit(model.apply)`, steady and first call."""
+    model = LinenTransformer(width, cfg.blocks)
+    x = jax.random.normal(jax.random.key(1), (cfg.positions, width))
+    variables = model.init(jax.random.key(0), x)
+    capture = reap(instrument(model.apply), tag="modules")
+    forward = jax.jit(model.apply)
+    np.testing.assert_allclose(
+        capture(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
+    )
+    r, ours, theirs = _timing.ratio(
+        lambda: capture(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
+    )
+    first, first_ours, first_theirs = _timing.ratio(
+        lambda: reap(instrument(model.apply), tag="modules")(variables, x),
+        lambda: jax.jit(model.apply)(variables, x),
+        cfg.first_repeats,
+        setup=jax.clear_caches,
+    )
+    return [
+        dict(
+            measure=f"Linen: eager `reap(instrument(model.apply))(variables, x)`, d={width}",
+            reference="`jax.jit(model.apply)`",
+            ratio=r,
+            ours=ours,
+            theirs=theirs,
+            target=None,
+        ),
+        dict(
+            measure=f"Linen: first call of the capture, d={width}",
+            reference="`jax.jit(model.apply)`'s first call",
+            ratio=first,
+            ours=first_ours,
+            theirs=first_theirs,
+            target=None,
+        ),
+    ]
+
+
 def run(cfg: Config = Config()) -> list[dict]:
     """Every row of this section (see the module's docstring).
 
@@ -198,6 +263,7 @@ def run(cfg: Config = Config()) -> list[dict]:
         *sweeps(cfg),
         *eager(cfg.tiny_width, cfg),
         *eager(cfg.wide_width, cfg, first=True),
+        *linen_eager(cfg.wide_width, cfg),
     ]
 
 
