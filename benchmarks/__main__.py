@@ -20,6 +20,7 @@ import time
 from . import (
     _timing,
     bench_core,
+    bench_devices,
     bench_models,
     bench_oryx,
     bench_retrace,
@@ -37,6 +38,7 @@ SECTIONS = {
     "store": bench_store,
     "models": bench_models,
     "retrace": bench_retrace,
+    "devices": bench_devices,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -229,6 +231,8 @@ def render(results):
             "",
             *bench_retrace.render(results["retrace"]),
             "",
+            *bench_devices.render(results["devices"]),
+            "",
             *bench_unharvested.render(results["unharvested"]),
             "",
             *bench_samplers.render(results["samplers"]),
@@ -291,6 +295,7 @@ def run(quick=False, large=False):
     results["patching"], results["patching_size"] = _patching(size), size
     results["instrument"] = _instrument(size)
     results["retrace"] = _run_section(bench_retrace, quick)
+    results["devices"] = _run_section(bench_devices, quick)
     results["unharvested"] = _run_section(bench_unharvested, quick)
     results["samplers"] = _run_section(bench_samplers, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None

@@ -20,6 +20,7 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Activation patching",
         "## Probing an unmodified model",
         "## Nothing traced twice",
+        "## Many devices",
         "## Steering inside a sampler",
     ):
         assert heading in text
