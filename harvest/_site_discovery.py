@@ -21,7 +21,16 @@ from typing import Any
 
 import jax
 
-from ._calling import closure_of, globals_read, is_array, make_jaxpr, split_nodes, static_key
+from ._calling import (
+    Held,
+    _nnx,
+    closure_of,
+    globals_read,
+    is_array,
+    make_jaxpr,
+    split_nodes,
+    static_key,
+)
 from ._inspect import sow_firings
 from ._site import Site
 from ._transforms import _unwrap
@@ -68,7 +77,10 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
-    (bound, args), graph, _ = split_nodes((bound, args))
+    # An NNX module the function closes over is keyed by its graph and state too, so a
+    # layer replaced deep inside it is a new key (a `Held` object is keyed only two levels deep).
+    cells = tuple(_unheld_node(c) for c in closure_of(fn))
+    (bound, args, cells), graph, _ = split_nodes((bound, args, cells))
     # The graph goes into the tree structure, which hashes without hashing the
     # graph definition (a deep walk, ~ms on a transformer) and compares the same
     # definition, as the split cache hands it back, by identity first.
@@ -96,3 +108,11 @@ def _abstract(leaf: Any, data: bool = False) -> Any:
     if data:
         return ("number", type(leaf))
     return (type(leaf), static_key(leaf))
+
+
+def _unheld_node(cell: Any) -> Any:
+    """A closed-over NNX graph node as itself (to be split), any other cell as `closure_of` gave it."""
+    nnx = _nnx()
+    if isinstance(cell, Held) and nnx is not None and nnx.graph.is_graph_node(cell.value):
+        return cell.value
+    return cell

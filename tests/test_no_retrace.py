@@ -241,3 +241,24 @@ def test_the_caches_do_not_keep_a_module_alive():
     gc.collect()
     assert gone() is None
     assert len(_calling._split_cache.splits) < kept
+
+
+def test_a_layer_replaced_inside_a_closed_over_module_finds_the_sites_again(traces):
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = nnx.Dict(net=Net())
+
+    holder = Outer()
+
+    def model(x):  # the module reached only through the closure
+        return holder.inner["net"](x)
+
+    x_clean, x_corrupt = data()
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    assert traces[0] == 1
+    net = holder.inner["net"] = Net(width=6, seed=4)  # two levels down: sites of another shape
+    clean = hand_forward(net.w1[...], net.w2[...], x_clean)[1]
+    r = patching_sweep(model, clean, (x_corrupt,), metric)
+    assert traces[0] == 2
+    close(r.values, hand_sweep(net.w1[...], net.w2[...], x_clean, x_corrupt))
