@@ -52,7 +52,7 @@ class Config:
 
 
 QUICK = Config(
-    blocks=1, tiny_width=8, wide_width=16, positions=2, repeats=1, calls=1, first_repeats=1
+    blocks=1, tiny_width=8, wide_width=8, positions=2, repeats=1, calls=1, first_repeats=1
 )
 
 
@@ -261,7 +261,7 @@ def run(cfg: Config = Config()) -> list[dict]:
     """
     return [
         *sweeps(cfg),
-        *eager(cfg.tiny_width, cfg),
+        *(eager(cfg.tiny_width, cfg) if cfg.tiny_width != cfg.wide_width else []),
         *eager(cfg.wide_width, cfg, first=True),
         *linen_eager(cfg.wide_width, cfg),
     ]

@@ -132,8 +132,8 @@ class _Split:
     from the variables at each call, so weights changed in place are seen.
     """
 
-    def __init__(self, nnx: Any, nodes: tuple[Any, ...]) -> None:
-        self.graphdef, state = nnx.split(nodes)
+    def __init__(self, nnx: Any, nodes: tuple[Any, ...], graphdef: Any, state: Any) -> None:
+        self.graphdef = graphdef
         leaves, self.statedef = jax.tree_util.tree_flatten(state)
         self.leaves = tuple(leaves)  # this call's; dropped once the split is kept
         found = dict(nnx.graph.iter_graph(nodes))
@@ -224,8 +224,13 @@ class _SplitCache:
             graph = split.current()
             if graph is not None:
                 return graph
-        split = _Split(nnx, nodes)
         self.walks += 1
+        graphdef, state = nnx.split(nodes)
+        leaves, statedef = jax.tree_util.tree_flatten(state)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            # Nodes made inside a trace (merged there): new at every trace, never kept.
+            return Graph(graphdef, statedef, tuple(leaves))
+        split = _Split(nnx, nodes, graphdef, state)
         graph = Graph(split.graphdef, split.statedef, split.leaves)
         split.leaves = ()  # the cache keeps the variables, not this call's values
         if split.reusable:
