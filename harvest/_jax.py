@@ -542,3 +542,13 @@ def restore_tfp_alias() -> None:
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
         xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
+
+
+def clear_with_jax(cache: Any, what: str) -> None:
+    """Has ``jax.clear_caches()`` call ``cache.cache_clear()`` too, where this JAX
+    lets a library register a cache (`jax._src.util.register_cache`, held weakly)."""
+    from jax._src import util as _util
+
+    register = getattr(_util, "register_cache", None)
+    if register is not None:
+        register(cache, what)

@@ -10,6 +10,7 @@ place find the same entry), and by every other leaf's value (its
 `static_key`), the NNX graph definition among them, and what the function
 closes over and the module-level values it reads. A new shape, a flag, a
 replaced layer or a rebound closure is a new key, and traces again.
+`jax.clear_caches()` clears the sites too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import jax
 
+from . import _jax
 from ._calling import (
     Held,
     _nnx,
@@ -43,6 +45,24 @@ _found: weakref.WeakKeyDictionary[Callable[..., Any], dict[Any, tuple[Firing, ..
     weakref.WeakKeyDictionary()
 )
 _lock = threading.Lock()
+
+
+class _Clearer:
+    """Lets ``jax.clear_caches()`` forget the sites found, as it forgets traces."""
+
+    def cache_clear(self) -> None:
+        with _lock:
+            _found.clear()
+
+    def cache_info(self) -> str:
+        return f"{len(_found)} functions"
+
+    def cache_keys(self) -> list[Any]:
+        return list(_found.keys())
+
+
+_clearer = _Clearer()  # JAX holds it weakly
+_jax.clear_with_jax(_clearer, "harvest: the sow sites of the sweeps' models")
 
 
 def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...]:

@@ -262,3 +262,13 @@ def test_a_layer_replaced_inside_a_closed_over_module_finds_the_sites_again(trac
     r = patching_sweep(model, clean, (x_corrupt,), metric)
     assert traces[0] == 2
     close(r.values, hand_sweep(net.w1[...], net.w2[...], x_clean, x_corrupt))
+
+
+def test_jax_clear_caches_forgets_the_sites(traces):
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    jax.clear_caches()
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    assert traces[0] == 2
