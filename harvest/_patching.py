@@ -349,7 +349,10 @@ def patching_sweep(
     read when it first compiles); a module (NNX or Equinox) or a bound method
     of one is data: weights changed in place are read at every call, without
     compiling again. The cache holds ``f`` weakly and is cleared by
-    ``jax.clear_caches()``.
+    ``jax.clear_caches()``. The sites to patch are found once per key as
+    well (``f``, argument shapes and dtypes, an NNX module's graph
+    definition, non-array values, what ``f`` closes over), so a repeated
+    sweep does not trace ``f`` again.
 
     Args:
         f: The model: a function, an NNX or Equinox module, or a bound method
