@@ -20,10 +20,12 @@ import time
 from . import (
     _timing,
     bench_core,
+    bench_devices,
     bench_memory,
     bench_models,
     bench_oryx,
     bench_ppl,
+    bench_retrace,
     bench_samplers,
     bench_store,
     bench_unharvested,
@@ -39,6 +41,8 @@ SECTIONS = {
     "models": bench_models,
     "memory": bench_memory,
     "ppl": bench_ppl,
+    "retrace": bench_retrace,
+    "devices": bench_devices,
 }
 
 # What each ratio (ours / theirs) should stay under, and at which depths.
@@ -229,6 +233,10 @@ def render(results):
             "",
             *results["instrument"],
             "",
+            *bench_retrace.render(results["retrace"]),
+            "",
+            *bench_devices.render(results["devices"]),
+            "",
             *bench_unharvested.render(results["unharvested"]),
             "",
             *bench_samplers.render(results["samplers"]),
@@ -294,6 +302,8 @@ def run(quick=False, large=False):
     results = {"machine": _timing.machine(), "config": cfg, "core": bench_core.run(cfg)}
     results["patching"], results["patching_size"] = _patching(size), size
     results["instrument"] = _instrument(size)
+    results["retrace"] = _run_section(bench_retrace, quick)
+    results["devices"] = _run_section(bench_devices, quick)
     results["unharvested"] = _run_section(bench_unharvested, quick)
     results["samplers"] = _run_section(bench_samplers, quick)
     results["memory"] = _run_section(bench_memory, quick)

@@ -21,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
+import operator
 import sys
+import threading
 import types
+import weakref
 from typing import Any
 
 import jax
@@ -63,17 +66,23 @@ class _Node:
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Graph:
-    """The graph nodes of a call, split: a static graph definition and their state."""
+    """The graph nodes of a call, split: a static graph definition, and their
+    state as its flat leaves and their structure (rebuilt only when merged)."""
 
     graphdef: Any
-    state: Any
+    statedef: Any
+    leaves: tuple[Any, ...]
+
+    @property
+    def state(self) -> Any:
+        return self.statedef.unflatten(self.leaves)
 
     def tree_flatten(self):
-        return (self.state,), self.graphdef
+        return self.leaves, (self.graphdef, self.statedef)
 
     @classmethod
-    def tree_unflatten(cls, graphdef, children):
-        return cls(graphdef, children[0])
+    def tree_unflatten(cls, aux, children):
+        return cls(*aux, tuple(children))
 
 
 def split_nodes(tree):
@@ -110,8 +119,141 @@ def split_nodes(tree):
         else:
             held.append(_Node(index[id(node)], None if node is leaf else leaf.__func__))
     nodes = tuple(nodes.values())
-    graphdef, state = nnx.split(nodes)
-    return jax.tree_util.tree_unflatten(treedef, held), Graph(graphdef, state), nodes
+    return jax.tree_util.tree_unflatten(treedef, held), _split_cache.graph(nnx, nodes), nodes
+
+
+class _Split:
+    """One split of some graph nodes, and what tells whether it still holds.
+
+    Each node's attributes are kept by identity (a layer replaced, an attribute
+    added, a flag flipped changes one; a list or dict among them by its items
+    too), and the values themselves are held so that no identity is reused
+    while the split is kept; the top nodes are held weakly. The state is read
+    from the variables at each call, so weights changed in place are seen.
+    """
+
+    def __init__(self, nnx: Any, nodes: tuple[Any, ...], graphdef: Any, state: Any) -> None:
+        self.graphdef = graphdef
+        leaves, self.statedef = jax.tree_util.tree_flatten(state)
+        self.leaves = tuple(leaves)  # this call's; dropped once the split is kept
+        found = dict(nnx.graph.iter_graph(nodes))
+        self.variables = [found.get(path) for path, _ in nnx.to_flat_state(state)]
+        self.types = list(map(type, leaves))
+        # Reusable if each variable is one leaf of the state, in its order, read
+        # directly: a concrete array, no hook on reading (`get_value` copies it
+        # through a tree map, some 30 µs a variable).
+        self.reusable = len(self.variables) == len(leaves) and all(
+            isinstance(v, nnx.Variable)
+            and getattr(v, "_raw_value", None) is leaf
+            and isinstance(leaf, jax.Array)
+            and not isinstance(leaf, jax.core.Tracer)
+            and "on_get_value" not in getattr(v, "_var_metadata", ("on_get_value",))
+            for v, leaf in zip(self.variables, leaves)
+        )
+        tops = {id(n) for n in nodes}
+        self.inner = [
+            v
+            for path, v in found.items()
+            if path
+            and nnx.graph.is_graph_node(v)
+            and not isinstance(v, nnx.Variable)
+            and id(v) not in tops
+        ]
+        try:
+            self.tops = [weakref.ref(n) for n in nodes]
+        except TypeError:  # a node that cannot be weakly referenced: not kept
+            self.tops, self.reusable = [], False
+        if not all(hasattr(o, "__dict__") for o in (*nodes, *self.inner)):
+            self.inner, self.reusable = [], False  # attributes in slots: not watched, not kept
+        # The attribute dicts themselves (an object keeps its own), so a check is
+        # two passes at C speed; holding the values keeps their identities unused.
+        self.attrs = [vars(o) for o in (*nodes, *self.inner) if hasattr(o, "__dict__")]
+        self.names = list(map(tuple, self.attrs))
+        self.ids = [tuple(map(id, a.values())) for a in self.attrs]
+        self.held = [tuple(a.values()) for a in self.attrs]
+        self.items = [
+            (a, name, _item_ids(value), tuple(value.values() if isinstance(value, dict) else value))
+            for a in self.attrs
+            for name, value in a.items()
+            if isinstance(value, (list, dict))
+        ]
+
+    def still_holds(self, nodes: tuple[Any, ...]) -> bool:
+        return (
+            len(nodes) == len(self.tops)
+            and all(t() is n for t, n in zip(self.tops, nodes))
+            and [tuple(map(id, a.values())) for a in self.attrs] == self.ids
+            and list(map(tuple, self.attrs)) == self.names
+            and all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
+        )
+
+    def current(self) -> Graph | None:
+        """The graph with the variables' values now; None if one is no longer an array of its type."""
+        leaves = list(map(_RAW_VALUE, self.variables))
+        if list(map(type, leaves)) != self.types:
+            return None
+        return Graph(self.graphdef, self.statedef, tuple(leaves))
+
+
+_RAW_VALUE = operator.attrgetter("_raw_value")
+
+
+def _item_ids(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, dict):
+        return (*value, *map(id, value.values()))
+    return tuple(map(id, value))
+
+
+class _SplitCache:
+    """The last splits of the graph nodes harvest was called on, by the nodes'
+    identity, so an eager call of an unchanged module does not walk its graph
+    again (the idea of ``nnx.cached_partial``, with the structure checked at
+    each call). An entry goes when one of its nodes does; at most ``size`` are kept."""
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self.splits: dict[tuple[int, ...], _Split] = {}
+        self.lock = threading.Lock()
+        self.walks = 0  # how many times a graph was split (the tests count them)
+
+    def graph(self, nnx: Any, nodes: tuple[Any, ...]) -> Graph:
+        key = tuple(map(id, nodes))
+        with self.lock:
+            split = self.splits.get(key)
+        if split is not None and split.still_holds(nodes):
+            graph = split.current()
+            if graph is not None:
+                return graph
+        self.walks += 1
+        graphdef, state = nnx.split(nodes)
+        leaves, statedef = jax.tree_util.tree_flatten(state)
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            # Nodes made inside a trace (merged there): new at every trace, never kept.
+            return Graph(graphdef, statedef, tuple(leaves))
+        split = _Split(nnx, nodes, graphdef, state)
+        graph = Graph(split.graphdef, split.statedef, split.leaves)
+        split.leaves = ()  # the cache keeps the variables, not this call's values
+        if split.reusable:
+            self._keep(key, split, nodes)
+        return graph
+
+    def _keep(self, key: tuple[int, ...], split: _Split, nodes: tuple[Any, ...]) -> None:
+        with self.lock:
+            new = key not in self.splits
+            self.splits.pop(key, None)
+            self.splits[key] = split
+            while len(self.splits) > self.size:
+                self.splits.pop(next(iter(self.splits)))
+        if new:
+            for n in nodes:  # the entry goes with the first of its nodes collected
+                weakref.finalize(n, self._drop, key)
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        with self.lock:
+            self.splits.pop(key, None)
+
+
+_split_cache = _SplitCache()
 
 
 @jax.tree_util.register_pytree_node_class

@@ -555,3 +555,13 @@ def jit_cache_salted(salt: Any) -> Any:
     """A context under which every `jax.jit` inside is traced afresh for `salt` (a hashable):
     its Python body runs again rather than reusing a trace made outside the context."""
     return contextlib.nullcontext() if _jit_key_salt is None else _jit_key_salt(salt)
+
+
+def clear_with_jax(cache: Any, what: str) -> None:
+    """Has ``jax.clear_caches()`` call ``cache.cache_clear()`` too, where this JAX
+    lets a library register a cache (`jax._src.util.register_cache`, held weakly)."""
+    from jax._src import util as _util
+
+    register = getattr(_util, "register_cache", None)
+    if register is not None:
+        register(cache, what)

@@ -20,9 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
-from ._calling import make_jaxpr
 from ._compile_cache import compile_program
-from ._inspect import sow_firings
 from ._interpreter import NameFilter
 from ._interventions import (
     AddRow,
@@ -35,6 +33,7 @@ from ._interventions import (
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
+from ._site_discovery import sow_sites
 from ._sow import DEFAULT_TAG
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
@@ -96,8 +95,7 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     if not isinstance(clean, dict):
         raise _errors.clean_not_a_dict(caller, clean)
     by_name: dict[str, list] = {}
-    for eqn, where, fires, stacked in sow_firings(make_jaxpr(f, corrupted_args, {})[0].jaxpr):
-        site = Site.of(eqn)
+    for site, where, fires, stacked in sow_sites(f, corrupted_args):
         if site.tag == tag:
             by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
     chosen = names
@@ -159,7 +157,20 @@ def _sizes_along(value: Any, axes: tuple[int, ...]) -> tuple[int, ...] | None:
 def _select_names(names, sown, tag, caller):
     """The names `names=` selects (exact names, globs, predicates, or a list of
     them), in the order of its entries, each entry's matches in program order."""
-    entries = names if isinstance(names, (list, tuple)) else [names]
+    entries = tuple(names) if isinstance(names, (list, tuple)) else (names,)
+    try:
+        return list(_selected(entries, tuple(sown), tag, caller))
+    except TypeError:  # an unhashable entry: matched afresh
+        return _matched(entries, sown, tag, caller)
+
+
+@functools.lru_cache(maxsize=64)
+def _selected(entries, sown, tag, caller):
+    # A repeated sweep selects the same names among the same sites: matched once.
+    return tuple(_matched(entries, sown, tag, caller))
+
+
+def _matched(entries, sown, tag, caller):
     picked = {}
     for entry in entries:
         select = NameFilter.make(entry)
@@ -340,7 +351,10 @@ def patching_sweep(
     method of one is data: weights changed in place are read at every call,
     without compiling again. The cache holds ``f`` weakly, keeps at most
     ``set_compile_cache``'s ``max_programs`` programs, and is cleared by
-    ``jax.clear_caches()``.
+    ``jax.clear_caches()``. The sites to patch are found once per key as well
+    (``f``, argument shapes and dtypes, an NNX module's graph definition,
+    non-array values, what ``f`` closes over), so a repeated sweep does not
+    trace ``f`` again.
 
     Args:
         f: The model: a function, an NNX or Equinox module, or a bound method

@@ -82,7 +82,7 @@ class _Static:
 # -- the callable, split into a plain function and the data bound to it ------
 
 
-def _unwrap(f):
+def _unwrap(f: Any) -> tuple[Any, Any]:
     """(function, bound data) such that `_rewrap(function, data)` behaves as `f`."""
     if isinstance(f, functools.partial):
         fn, inner = _unwrap(f.func)

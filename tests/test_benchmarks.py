@@ -19,6 +19,8 @@ def test_quick_run_writes_the_page(tmp_path):
         "## Interpreter cost",
         "## Activation patching",
         "## Probing an unmodified model",
+        "## Nothing traced twice",
+        "## Many devices",
         "## Steering inside a sampler",
         "## Memory of a full reap",
     ):

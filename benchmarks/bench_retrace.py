@@ -1,0 +1,292 @@
+"""Nothing traced twice: repeated sweeps and eager NNX calls against the compiled work alone.
+
+    python -m benchmarks --only retrace [--quick]
+
+An instrumented NNX transformer (`bench_instrument`'s: `nnx.MultiHeadAttention`
+and an MLP per block), every block's output a site. Each pair is timed
+interleaved in one run and reported as a ratio of medians (ours over the
+reference):
+
+* repeated sweep: `patching_sweep` over every (block, position), called again
+  on new data, vs a hand-written `jax.jit(jax.vmap(...))` of the same one-hot
+  patches through `plant` on the split state (compiled once, only run);
+* attribution: a repeated `attribution_patching` call vs the repeated exact
+  sweep on the same patches;
+* eager capture: `reap(instrument(model))(x)` called again and again vs
+  `jax.jit` of the functional forward on the split state, and vs the same
+  capture under `jax.jit` on the split state (the compiled work alone, every
+  site's output included), at the tiny width and at a realistic one (d=256);
+* first call at the realistic width: the eager capture after
+  `jax.clear_caches()` vs the functional forward's first call likewise;
+* the Linen twin at the realistic width: `reap(instrument(model.apply))`
+  eager and on its first call, vs `jax.jit(model.apply)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen, nnx
+
+from harvest import attribution_patching, instrument, patching_sweep, plant, reap
+
+from . import _timing
+from .bench_instrument import Transformer
+
+HEADING = "## Nothing traced twice"
+TARGETS = {"sweep": 1.1, "attribution": 0.5, "eager": 1.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    blocks: int = 12
+    tiny_width: int = 16
+    wide_width: int = 256
+    positions: int = 8
+    repeats: int = 7  # timings per side
+    calls: int = 5  # back-to-back calls per timing
+    first_repeats: int = 3
+
+
+QUICK = Config(
+    blocks=1, tiny_width=8, wide_width=8, positions=2, repeats=1, calls=1, first_repeats=1
+)
+
+
+def metric(out):
+    return jnp.sum(out[-1])
+
+
+def _model(width, cfg):
+    model = Transformer(width, cfg.blocks, nnx.Rngs(0))
+    k1, k2 = jax.random.split(jax.random.key(1))
+    shape = (cfg.positions, width)
+    return model, jax.random.normal(k1, shape), jax.random.normal(k2, shape)
+
+
+def sweeps(cfg):
+    """The repeated sweep vs its hand-written program, and attribution vs the sweep."""
+    model, x_clean, x_corrupt = _model(cfg.tiny_width, cfg)
+    probed = instrument(model)
+    names = [f"blocks.{i}" for i in range(cfg.blocks)]
+    clean = reap(probed, tag="modules")(x_clean)
+    graphdef, state = nnx.split(model)
+    positions = cfg.positions
+    patches = len(names) * positions
+
+    @jax.jit
+    def hand(state, cleans, x):
+        planted = plant(instrument(nnx.merge(graphdef, state)), tag="modules")
+
+        def one(k):
+            row, at = k // positions, k % positions
+            here = (jnp.arange(positions) == at)[:, None]
+            plants = {
+                n: (lambda old, c=c, i=i: jnp.where(here & (row == i), c, old))
+                for i, (n, c) in enumerate(zip(names, cleans))
+            }
+            return metric(planted(plants, x))
+
+        return jax.vmap(one)(jnp.arange(patches)) - metric(planted({}, x))
+
+    cleans = [clean[n] for n in names]
+
+    def sweep():
+        return patching_sweep(
+            probed, clean, (x_corrupt,), metric, tag="modules", names=names, axis=0
+        ).values
+
+    def attribution():
+        return attribution_patching(
+            probed, clean, (x_corrupt,), metric, tag="modules", names=names, axis=0
+        ).values
+
+    np.testing.assert_allclose(
+        sweep().ravel(), hand(state, cleans, x_corrupt), rtol=1e-3, atol=1e-4
+    )
+    attribution()
+    sweep_ratio, ours, theirs = _timing.ratio(
+        sweep, lambda: hand(state, cleans, x_corrupt), cfg.repeats, cfg.calls
+    )
+    attribution_ratio, attr, exact = _timing.ratio(attribution, sweep, cfg.repeats, cfg.calls)
+    return [
+        dict(
+            measure=f"repeated `patching_sweep`, {patches} patches",
+            reference="hand-written `jit(vmap(plant))`",
+            ratio=sweep_ratio,
+            ours=ours,
+            theirs=theirs,
+            target=TARGETS["sweep"],
+        ),
+        dict(
+            measure=f"repeated `attribution_patching`, {patches} patches",
+            reference="the repeated exact sweep",
+            ratio=attribution_ratio,
+            ours=attr,
+            theirs=exact,
+            target=TARGETS["attribution"],
+        ),
+    ]
+
+
+def eager(width, cfg, first=False):
+    """The eager capture vs the functional forward under `jax.jit`."""
+    model, x, _ = _model(width, cfg)
+    capture = reap(instrument(model), tag="modules")
+    graphdef, state = nnx.split(model)
+    functional = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    np.testing.assert_allclose(capture(x)["head"], functional(state, x), rtol=1e-4, atol=1e-4)
+    rows = []
+    r, ours, theirs = _timing.ratio(
+        lambda: capture(x), lambda: functional(state, x), cfg.repeats, cfg.calls
+    )
+    rows.append(
+        dict(
+            measure=f"eager `reap(instrument(model))(x)`, d={width}",
+            reference="`jax.jit` of the functional forward",
+            ratio=r,
+            ours=ours,
+            theirs=theirs,
+            target=TARGETS["eager"] if width == cfg.tiny_width else None,
+        )
+    )
+    # The same capture compiled by hand on the split state: what is left is harvest's Python.
+    jitted = jax.jit(
+        lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x)
+    )
+    np.testing.assert_allclose(jitted(state, x)["head"], capture(x)["head"], rtol=1e-4, atol=1e-4)
+    r, ours, theirs = _timing.ratio(
+        lambda: capture(x), lambda: jitted(state, x), cfg.repeats, cfg.calls
+    )
+    rows.append(
+        dict(
+            measure=f"eager `reap(instrument(model))(x)`, d={width}",
+            reference="the same capture under `jax.jit` on the split state",
+            ratio=r,
+            ours=ours,
+            theirs=theirs,
+            target=None,
+        )
+    )
+    if first:
+        r, ours, theirs = _timing.ratio(
+            lambda: reap(instrument(model), tag="modules")(x),
+            lambda: jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x),
+            cfg.first_repeats,
+            setup=jax.clear_caches,
+        )
+        rows.append(
+            dict(
+                measure=f"first call of the capture, d={width}",
+                reference="the functional forward's first call",
+                ratio=r,
+                ours=ours,
+                theirs=theirs,
+                target=None,
+            )
+        )
+    return rows
+
+
+class LinenBlock(linen.Module):
+    width: int
+
+    @linen.compact
+    def __call__(self, x):
+        x = x + linen.MultiHeadDotProductAttention(4, name="attn")(linen.LayerNorm(name="ln1")(x))
+        h = linen.Dense(4 * self.width, name="up")(linen.LayerNorm(name="ln2")(x))
+        return x + linen.Dense(self.width, name="down")(jax.nn.gelu(h))
+
+
+class LinenTransformer(linen.Module):
+    """The NNX transformer's Linen twin."""
+
+    width: int
+    blocks: int
+
+    @linen.compact
+    def __call__(self, x):
+        for i in range(self.blocks):
+            x = LinenBlock(self.width, name=f"blocks_{i}")(x)
+        return linen.Dense(10, name="head")(x)
+
+
+def linen_eager(width, cfg):
+    """The Linen twin: the eager capture vs `jax.jit(model.apply)`, steady and first call."""
+    model = LinenTransformer(width, cfg.blocks)
+    x = jax.random.normal(jax.random.key(1), (cfg.positions, width))
+    variables = model.init(jax.random.key(0), x)
+    capture = reap(instrument(model.apply), tag="modules")
+    forward = jax.jit(model.apply)
+    np.testing.assert_allclose(
+        capture(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
+    )
+    r, ours, theirs = _timing.ratio(
+        lambda: capture(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
+    )
+    first, first_ours, first_theirs = _timing.ratio(
+        lambda: reap(instrument(model.apply), tag="modules")(variables, x),
+        lambda: jax.jit(model.apply)(variables, x),
+        cfg.first_repeats,
+        setup=jax.clear_caches,
+    )
+    return [
+        dict(
+            measure=f"Linen: eager `reap(instrument(model.apply))(variables, x)`, d={width}",
+            reference="`jax.jit(model.apply)`",
+            ratio=r,
+            ours=ours,
+            theirs=theirs,
+            target=None,
+        ),
+        dict(
+            measure=f"Linen: first call of the capture, d={width}",
+            reference="`jax.jit(model.apply)`'s first call",
+            ratio=first,
+            ours=first_ours,
+            theirs=first_theirs,
+            target=None,
+        ),
+    ]
+
+
+def run(cfg: Config = Config()) -> list[dict]:
+    """Every row of this section (see the module's docstring).
+
+    Example:
+        >>> rows = run(QUICK)  # doctest: +SKIP
+    """
+    return [
+        *sweeps(cfg),
+        *(eager(cfg.tiny_width, cfg) if cfg.tiny_width != cfg.wide_width else []),
+        *eager(cfg.wide_width, cfg, first=True),
+        *linen_eager(cfg.wide_width, cfg),
+    ]
+
+
+def render(rows: list[dict]) -> list[str]:
+    """The section of docs/benchmarks.md, from `run`'s rows."""
+    lines = [
+        HEADING,
+        "",
+        "A repeated sweep finds its sites without tracing the model again, and an eager",
+        "call of an unchanged NNX module reuses its split graph. An instrumented NNX",
+        "transformer (`nnx.MultiHeadAttention` and an MLP per block), every block's output",
+        "a site, swept over every (block, position). Ratios of medians, timed interleaved.",
+        "",
+        "| measure | reference | ours (ms) | reference (ms) | ratio | target |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["target"] is None:
+            target = "—"
+        else:
+            target = f"≤{r['target']} ({'met' if r['ratio'] <= r['target'] else '**missed**'})"
+        lines.append(
+            f"| {r['measure']} | {r['reference']} | {1e3 * r['ours']:.2f} | {1e3 * r['theirs']:.2f} "
+            f"| {r['ratio']:.3f} | {target} |"
+        )
+    return lines

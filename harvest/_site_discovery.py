@@ -1,0 +1,138 @@
+"""The sow sites of a function's program, found once per function and abstract signature.
+
+The sweeps (`patching_sweep`, `attribution_patching`) patch the sites of the
+corrupted run, and finding them traces the model: on a repeated sweep that
+trace cost as much as running the compiled program. So the sites are kept,
+keyed as `jax.jit` keys its traces: by the function (held weakly, so its
+entries go with it), by the shapes and dtypes of the traced leaves of what it
+is given and binds (an NNX module's state included, so weights changed in
+place find the same entry), and by every other leaf's value (its
+`static_key`), the NNX graph definition among them, and what the function
+closes over and the module-level values it reads. A new shape, a flag, a
+replaced layer or a rebound closure is a new key, and traces again.
+`jax.clear_caches()` clears the sites too.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from . import _jax
+from ._calling import (
+    Held,
+    _nnx,
+    closure_of,
+    globals_read,
+    is_array,
+    make_jaxpr,
+    split_nodes,
+    static_key,
+)
+from ._inspect import sow_firings
+from ._site import Site
+from ._transforms import _unwrap
+
+# One sow site's firing: (site, the bodies it is in, how often it fires, how many rows reap stacks).
+Firing = tuple[Site, tuple[str, ...], "int | None", int]
+
+_PER_FUNCTION = 16  # signatures kept per function, the oldest dropped first
+_found: weakref.WeakKeyDictionary[Callable[..., Any], dict[Any, tuple[Firing, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_lock = threading.Lock()
+
+
+class _Clearer:
+    """Lets ``jax.clear_caches()`` forget the sites found, as it forgets traces."""
+
+    def cache_clear(self) -> None:
+        with _lock:
+            _found.clear()
+
+    def cache_info(self) -> str:
+        return f"{len(_found)} functions"
+
+    def cache_keys(self) -> list[Any]:
+        return list(_found.keys())
+
+
+_clearer = _Clearer()  # JAX holds it weakly
+_jax.clear_with_jax(_clearer, "harvest: the sow sites of the sweeps' models")
+
+
+def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...]:
+    """Every sow of ``f(*args)``'s program, in program order, as `sow_firings` gives
+    them (each equation as its `Site`); traced only for a signature not seen before."""
+    fn, bound = _unwrap(f)
+    key = _signature(fn, bound, args)
+    table = None
+    if key is not None:
+        try:
+            with _lock:
+                table = _found.setdefault(fn, {})
+        except TypeError:  # a function that cannot be weakly referenced: found every time
+            table = None
+    if table is not None:
+        with _lock:
+            found = table.get(key)
+        if found is not None:
+            return found
+    closed = make_jaxpr(f, args, {})[0]
+    found = tuple(
+        (Site.of(eqn), where, fires, stacked)
+        for eqn, where, fires, stacked in sow_firings(closed.jaxpr)
+    )
+    if table is not None:
+        with _lock:
+            table[key] = found
+            while len(table) > _PER_FUNCTION:
+                del table[next(iter(table))]
+    return found
+
+
+def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
+    """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
+    # An NNX module the function closes over is keyed by its graph and state too, so a
+    # layer replaced deep inside it is a new key (a `Held` object is keyed only two levels deep).
+    cells = tuple(_unheld_node(c) for c in closure_of(fn))
+    (bound, args, cells), graph, _ = split_nodes((bound, args, cells))
+    # The graph goes into the tree structure, which hashes without hashing the
+    # graph definition (a deep walk, ~ms on a transformer) and compares the same
+    # definition, as the split cache hands it back, by identity first.
+    leaves, tree = jax.tree_util.tree_flatten(
+        (bound, args, closure_of(fn), globals_read(fn), graph)
+    )
+    state = 0 if graph is None else len(graph.leaves)
+    key = (
+        tree,
+        tuple(map(_abstract, leaves[: len(leaves) - state])),
+        tuple(_abstract(leaf, data=True) for leaf in leaves[len(leaves) - state :]),
+    )
+    try:
+        hash(key)
+    except TypeError:  # an unhashable static leaf
+        return None
+    return key
+
+
+def _abstract(leaf: Any, data: bool = False) -> Any:
+    """A leaf as the trace sees it: an array (or a number in NNX state, which is
+    data) by its shape and dtype, anything else by its value."""
+    if is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct):
+        return ("array", leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False))
+    if data:
+        return ("number", type(leaf))
+    return (type(leaf), static_key(leaf))
+
+
+def _unheld_node(cell: Any) -> Any:
+    """A closed-over NNX graph node as itself (to be split), any other cell as `closure_of` gave it."""
+    nnx = _nnx()
+    if isinstance(cell, Held) and nnx is not None and nnx.graph.is_graph_node(cell.value):
+        return cell.value
+    return cell

@@ -1,0 +1,274 @@
+"""Nothing traced twice: a repeated sweep finds its sites without tracing, and an
+eager call of an unchanged NNX module does not split its graph again; results
+stay right after weights change in place, shapes change or the structure does."""
+
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import (
+    _calling,
+    _site_discovery,
+    attribution_patching,
+    call_and_reap,
+    patching_sweep,
+    reap,
+    sow,
+)
+
+nnx = pytest.importorskip("flax.nnx")
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """How many times the sweeps traced a model to find its sites (none found yet)."""
+    monkeypatch.setattr(_site_discovery, "_found", type(_site_discovery._found)())
+    count = [0]
+    real = _site_discovery.make_jaxpr
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_site_discovery, "make_jaxpr", counted)
+    return count
+
+
+def metric(out):
+    return jnp.sum(out[:, -1])
+
+
+def hand_forward(w1, w2, x, patch=None):
+    """The model below, threaded by hand: `patch=(site, value)` replaces that site."""
+    sites = {}
+    h = jnp.tanh(x @ w1)
+    sites["a"] = h = patch[1] if patch and patch[0] == "a" else h
+    g = h + jnp.tanh(h @ w2)
+    sites["b"] = g = patch[1] if patch and patch[0] == "b" else g
+    return g.sum(-1), sites
+
+
+def hand_sweep(w1, w2, x_clean, x_corrupt):
+    """patching_sweep's values (whole sites) by hand: one patched run per site."""
+    _, clean = hand_forward(w1, w2, x_clean)
+    base = metric(hand_forward(w1, w2, x_corrupt)[0])
+    return np.array(
+        [metric(hand_forward(w1, w2, x_corrupt, (n, clean[n]))[0]) - base for n in ("a", "b")]
+    )
+
+
+def hand_attribution(w1, w2, x_clean, x_corrupt):
+    """attribution_patching's values by hand: (clean - corrupt) . d metric / d site."""
+    _, clean = hand_forward(w1, w2, x_clean)
+    _, corrupt = hand_forward(w1, w2, x_corrupt)
+
+    def from_site(name, value):
+        return metric(hand_forward(w1, w2, x_corrupt, (name, value))[0])
+
+    return np.array(
+        [
+            jnp.sum((clean[n] - corrupt[n]) * jax.grad(from_site, 1)(n, corrupt[n]))
+            for n in ("a", "b")
+        ]
+    )
+
+
+class Net(nnx.Module):
+    def __init__(self, width=4, seed=0):
+        k1, k2 = jax.random.split(jax.random.key(seed))
+        self.w1 = nnx.Param(jax.random.normal(k1, (3, width)))
+        self.w2 = nnx.Param(jax.random.normal(k2, (width, width)) / width)
+
+    def __call__(self, x):
+        h = sow(jnp.tanh(x @ self.w1[...]), name="a", mode="strict")
+        g = sow(h + jnp.tanh(h @ self.w2[...]), name="b", mode="strict")
+        return g.sum(-1)
+
+
+def data(batch=2, positions=3, seed=1):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(k1, (batch, positions, 3)), jax.random.normal(
+        k2, (batch, positions, 3)
+    )
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sweep", [patching_sweep, attribution_patching])
+def test_a_repeated_sweep_does_not_trace_and_sees_weights_changed_in_place(traces, sweep):
+    hand = hand_sweep if sweep is patching_sweep else hand_attribution
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    close(
+        sweep(model, clean, (x_corrupt,), metric).values,
+        hand(model.w1[...], model.w2[...], x_clean, x_corrupt),
+    )
+    first = traces[0]
+    assert first == 1
+    model.w2[...] = model.w2[...] * 3.0  # trained in place: the same sites, new values
+    clean = reap(model)(x_clean)
+    again = sweep(model, clean, (x_corrupt * 0.5,), metric).values
+    assert traces[0] == first
+    close(again, hand(model.w1[...], model.w2[...], x_clean, x_corrupt * 0.5))
+
+
+def test_a_new_shape_or_structure_finds_the_sites_again(traces):
+    model = Net()
+    x_clean, x_corrupt = data()
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    assert traces[0] == 1
+    x_clean, x_corrupt = data(batch=3, positions=5)  # new shapes: new sites
+    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    assert traces[0] == 2
+    close(values, hand_sweep(model.w1[...], model.w2[...], x_clean, x_corrupt))
+    model.w2 = nnx.Param(jnp.eye(4) * 0.5)  # a weight replaced: same structure, same sites
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    wide = Net(width=6, seed=2)  # another module of other shapes
+    values = patching_sweep(wide, reap(wide)(x_clean), (x_corrupt,), metric).values
+    close(values, hand_sweep(wide.w1[...], wide.w2[...], x_clean, x_corrupt))
+    assert traces[0] == 3
+
+
+def test_a_function_closing_over_new_arrays_finds_its_sites_again(traces):
+    w = jnp.ones((3, 4))
+
+    def model(x):
+        return sow(jnp.tanh(x @ w), name="a", mode="strict").sum(-1)
+
+    x_clean, x_corrupt = data()
+    r = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    assert traces[0] == 1 and r.values.shape == (1,)
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    assert traces[0] == 1
+    w = jnp.ones((3, 7)) * 0.1  # the closed-over array rebound at another shape
+    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    assert traces[0] == 2
+    patched = jnp.tanh(x_clean @ w).sum(-1)
+    close(values, [metric(patched) - metric(model(x_corrupt))])
+
+
+# ---------------------------------------------------------------------------
+# Eager NNX calls.
+
+
+class Counted(nnx.Module):
+    """Counts its calls in a variable, and doubles its output when `double` is set."""
+
+    def __init__(self):
+        self.net = Net()
+        self.calls = nnx.BatchStat(jnp.zeros(()))
+        self.double = False
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1.0
+        out = self.net(x)
+        return 2.0 * out if self.double else out
+
+
+def test_an_eager_call_after_the_first_does_not_split_the_graph():
+    model = Counted()
+    x = data()[0]
+    capture = reap(model)
+    capture(x)
+    walks = _calling._split_cache.walks
+    for _ in range(3):
+        reaped = capture(x)
+    assert _calling._split_cache.walks == walks
+    close(reaped["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
+    assert float(model.calls[...]) == 4.0  # the state the calls changed, written back each time
+
+
+def test_an_eager_call_sees_weights_flags_and_layers_changed():
+    model = Counted()
+    x = data()[0]
+    capture = reap(model)
+    capture(x)
+    model.net.w1[...] = model.net.w1[...] * -1.0  # in place: no new split needed
+    walks = _calling._split_cache.walks
+    close(capture(x)["a"], jnp.tanh(x @ model.net.w1[...]))
+    assert _calling._split_cache.walks == walks
+    model.double = True  # a static flag: the structure changed
+    close(reap(model)(x)["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
+    doubled, _ = call_and_reap(model)(x)
+    close(doubled, 2.0 * hand_forward(model.net.w1[...], model.net.w2[...], x)[0])
+    assert _calling._split_cache.walks > walks
+    model.net = Net(width=6, seed=3)  # a layer replaced
+    close(capture(x)["a"], jnp.tanh(x @ model.net.w1[...]))
+    model.extra = nnx.Param(jnp.ones(2))  # an attribute added
+    before = _calling._split_cache.walks
+    close(capture(x)["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
+    assert _calling._split_cache.walks == before + 1
+    assert float(model.calls[...]) == 6.0  # every call counted, none twice
+
+
+def test_a_list_of_layers_changed_in_place_is_seen():
+    class Stack(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([nnx.Linear(3, 3, rngs=nnx.Rngs(i)) for i in range(2)])
+
+        def __call__(self, x):
+            for i, layer in enumerate(self.layers):
+                x = sow(layer(x), name=f"l{i}", mode="strict")
+            return x
+
+    model = Stack()
+    x = jnp.ones((2, 3))
+    assert sorted(reap(model)(x)) == ["l0", "l1"]
+    model.layers.append(nnx.Linear(3, 3, rngs=nnx.Rngs(5)))
+    reaped = reap(model)(x)
+    assert sorted(reaped) == ["l0", "l1", "l2"]
+    close(reaped["l2"], model.layers[2](model.layers[1](model.layers[0](x))))
+    model.layers[0] = nnx.Linear(3, 3, rngs=nnx.Rngs(9))
+    close(reap(model)(x)["l0"], model.layers[0](x))
+
+
+def test_the_caches_do_not_keep_a_module_alive():
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    reap(model)(x_clean)
+    gone = weakref.ref(model)
+    kept = len(_calling._split_cache.splits)
+    del model
+    gc.collect()
+    assert gone() is None
+    assert len(_calling._split_cache.splits) < kept
+
+
+def test_a_layer_replaced_inside_a_closed_over_module_finds_the_sites_again(traces):
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = nnx.Dict(net=Net())
+
+    holder = Outer()
+
+    def model(x):  # the module reached only through the closure
+        return holder.inner["net"](x)
+
+    x_clean, x_corrupt = data()
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    assert traces[0] == 1
+    net = holder.inner["net"] = Net(width=6, seed=4)  # two levels down: sites of another shape
+    clean = hand_forward(net.w1[...], net.w2[...], x_clean)[1]
+    r = patching_sweep(model, clean, (x_corrupt,), metric)
+    assert traces[0] == 2
+    close(r.values, hand_sweep(net.w1[...], net.w2[...], x_clean, x_corrupt))
+
+
+def test_jax_clear_caches_forgets_the_sites(traces):
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    jax.clear_caches()
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    assert traces[0] == 2
