@@ -86,7 +86,9 @@ def set_compile_cache(
 
 # -- how often each function's code was traced, for the one-time warning --------
 
-_traced: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+# Keyed by (code, shapes, alike): code objects live as long as their module, so
+# this grows only with the distinct programs traced, each counted once per retrace.
+_traced: dict[Any, int] = {}
 _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -98,13 +100,21 @@ def _where(fn: Any) -> str:
     return f"{name} ({code.co_filename}:{code.co_firstlineno})"
 
 
-def note_trace(fn: Any) -> None:
-    """Counts one trace of ``fn``'s code (fresh closures of it count together);
-    warns once past ``warn_after``."""
+def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
+    """Counts one trace of ``fn``'s code for ``arrays`` (their shapes and dtypes) and
+    ``alike`` (what else shapes the program, Python values left out): only traces
+    that a cached program could have served count, as when a fresh closure of the
+    same code or a new Python number comes each call. Warns once past ``warn_after``."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return
-    n = _traced[code] = _traced.get(code, 0) + 1
+    shapes = tuple((getattr(a, "shape", ()), str(getattr(a, "dtype", type(a)))) for a in arrays)
+    try:
+        key = (code, shapes, alike)
+        n = _traced[key] = _traced.get(key, 0) + 1
+    except TypeError:  # `alike` holds something unhashable: counted by code alone
+        key, n = (code, shapes, None), _traced.get((code, shapes, None), 0) + 1
+        _traced[key] = n
     if n > _settings["warn_after"] and code not in _warned:
         _warned.add(code)
         warnings.warn(_errors.recompiles(_where(fn), n), stacklevel=4)
@@ -256,7 +266,7 @@ _sweeps: collections.OrderedDict[_Compiled, _Compiled] = collections.OrderedDict
 
 def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
     assert static.trace is not None
-    note_trace(static.owner)
+    note_trace(static.owner, arrays, static.key[1])
     return static.trace(arrays)
 
 

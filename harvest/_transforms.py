@@ -249,7 +249,14 @@ jax.tree_util.register_pytree_node(
 
 
 def _walk_weak(fn_ref, dynamic, static):
-    note_trace(fn_ref())
+    # Traces alike but for Python values (a new number, a fresh closure) count together.
+    alike = (
+        static.treedef,
+        tuple(kind for _, kind, _, _ in static.static_leaves),
+        static.policy,
+        static.reap,
+    )
+    note_trace(fn_ref(), dynamic, alike)
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
