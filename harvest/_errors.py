@@ -917,3 +917,14 @@ def d_head_axis(name: str, axes: Any) -> ValueError:
         "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
         "for every (head, position) pair, or axis=-2 for heads."
     )
+
+
+def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
+    where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
+    return ValueError(
+        f"Cannot differentiate with respect to the value planted at {site}: it is sown in "
+        f"{where} whose body holds a while_loop, so harvest runs the planted forward under "
+        "your backward rule, which knows nothing of the planted value (and autodiff cannot "
+        "reverse a while_loop). Differentiate with respect to the inputs only "
+        "(jax.lax.stop_gradient on the plant), or plant outside the custom_vjp function."
+    )

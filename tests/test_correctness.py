@@ -318,3 +318,49 @@ def test_custom_vmap_sow_under_vmap_is_reaped():
     xs = jnp.array([0.1, 0.2, 0.3])
     for reaped in (reap(jax.vmap(g))(xs), jax.vmap(reap(g))(xs)):
         np.testing.assert_allclose(reaped["h"], np.sin(np.asarray(xs)), rtol=1e-6)
+
+
+# -- item 4: planting inside a custom_vjp around a while_loop --------------------
+
+
+_RULE_SLOPE = 0.125  # the user's backward rule: d solve / dx, whatever the body does
+
+
+@jax.custom_vjp
+def _halving_solver(x):
+    def body(carry):
+        i, v = carry
+        return i + 1, sow(v * 0.5, name="h", mode="clobber")
+
+    return jax.lax.while_loop(lambda carry: carry[0] < 3, body, (0, x))[1]
+
+
+_halving_solver.defvjp(lambda x: (_halving_solver(x), None), lambda _, g: (g * _RULE_SLOPE,))
+
+
+def _uses_solver(x):
+    return _halving_solver(x) * x
+
+
+def test_grad_of_plant_in_a_custom_vjp_while_keeps_the_users_rule():
+    # By hand: out = solve(x) * x, d out/dx = solve'(x) * x + solve(x), with
+    # solve' the user's rule (0.125) and solve(x) the planted value.
+    x = 2.0
+    value, grad = jax.value_and_grad(lambda x: plant(_uses_solver)({"h": 5.0}, x))(x)
+    assert float(value) == 5.0 * x
+    assert float(grad) == _RULE_SLOPE * x + 5.0
+    doubled = jax.jit(jax.grad(lambda x: plant(_uses_solver)({"h": lambda v: v * 2.0}, x)))(x)
+    assert float(doubled) == _RULE_SLOPE * x + x  # the planted body keeps v
+    # Reaping keeps working, and grad of the unharvested function is unchanged.
+    out, reaped = harvest.harvest(_uses_solver)({}, x)
+    assert float(reaped["h"]) == x / 8 and float(out) == float(_uses_solver(x))
+    assert float(jax.grad(lambda x: harvest.harvest(_uses_solver)({}, x)[0])(x)) == float(
+        jax.grad(_uses_solver)(x)
+    )
+
+
+def test_grad_with_respect_to_a_plant_in_a_custom_vjp_while_is_refused():
+    planted = lambda p: plant(_uses_solver)({"h": p}, 2.0)  # noqa: E731
+    with pytest.raises(ValueError, match=r"name='h'.*'_halving_solver'.*stop_gradient"):
+        jax.grad(planted)(5.0)
+    assert float(jax.grad(lambda p: planted(jax.lax.stop_gradient(p)))(5.0)) == 0.0
