@@ -35,6 +35,7 @@ from ._calling import (
     globals_read,
     is_array,
     make_jaxpr,
+    reveal_static,
     split_nodes,
     static_key,
     with_closure,
@@ -300,7 +301,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
-    return out, nested_dict(flat)
+    return reveal_static(out), nested_dict(flat)
 
 
 # Functions whose walk cannot be compiled, because they bind a primitive

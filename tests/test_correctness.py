@@ -364,3 +364,27 @@ def test_grad_with_respect_to_a_plant_in_a_custom_vjp_while_is_refused():
     with pytest.raises(ValueError, match=r"name='h'.*'_halving_solver'.*stop_gradient"):
         jax.grad(planted)(5.0)
     assert float(jax.grad(lambda p: planted(jax.lax.stop_gradient(p)))(5.0)) == 0.0
+
+
+# -- item 7: non-array outputs pass through, as under equinox.filter_jit ----------
+
+
+def _mixed_outputs(x, label):
+    h = sow(x * 2.0, name="h", mode="clobber")
+    return {"label": label, "count": 3, "ratio": 0.5, "none": None, "y": h + 1.0}
+
+
+@pytest.mark.parametrize("label", ["first", "second"])
+def test_non_array_outputs_pass_through_as_themselves(label):
+    want = _mixed_outputs(jnp.ones(2), label)
+    for _ in range(2):  # the second call reuses the compiled program
+        out, reaped = harvest.call_and_reap(_mixed_outputs)(jnp.ones(2), label)
+        planted = plant(_mixed_outputs)({"h": jnp.zeros(2)}, jnp.ones(2), label)
+        for got in (out, planted):
+            assert got["label"] == label and got["none"] is None
+            assert type(got["count"]) is int and got["count"] == 3
+            assert type(got["ratio"]) is float and got["ratio"] == 0.5
+        np.testing.assert_array_equal(out["y"], want["y"])
+        np.testing.assert_array_equal(planted["y"], jnp.ones(2))
+        np.testing.assert_array_equal(reaped["h"], 2.0 * jnp.ones(2))
+    assert plant(lambda x: (sow(x, name="h", mode="clobber"), 3)[1])({"h": 1.0}, 1.0) == 3
