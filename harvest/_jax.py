@@ -429,6 +429,37 @@ def pcast_varying(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def varying_of(shape: Any) -> frozenset:
+    """The manual mesh axes a ShapeDtypeStruct or aval varies over."""
+    # A ShapeDtypeStruct's `manual_axis_type`, an aval's `mat` (from 0.10), or `vma` before.
+    mat = getattr(shape, "manual_axis_type", None) or getattr(shape, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(shape, "vma", None) or ())
+
+
+def _explicit_spec(shape: Any) -> Any:
+    """The PartitionSpec of `shape` where it names an Explicit mesh axis, else None."""
+    sharding = getattr(shape, "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if mesh is None or spec is None or explicit is None:
+        return None
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    named = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+    return spec if any(types.get(a) == explicit for a in named) else None
+
+
+def retype(x: Any, like: Any, axes: Any = ()) -> Any:
+    """`x` typed as `like` (a ShapeDtypeStruct or array of its shape): resharded to
+    its Explicit sharding, and varying over its manual mesh axes and `axes`. A
+    `cond` branch's outputs must agree on all of it."""
+    if isinstance(like, jax.Array):
+        like = jax.typeof(like)
+    spec = _explicit_spec(like)
+    if spec is not None and _explicit_spec(jax.typeof(x)) != spec:
+        x = jax.sharding.reshard(x, spec)
+    return pcast_varying(x, tuple(varying_of(like) | frozenset(axes)))
+
+
 # ---------------------------------------------------------------------------
 # Registering a new primitive's rules.
 
