@@ -160,6 +160,31 @@ def user_location(source_info: Any) -> str | None:
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
+def _frame_is(frame: Any, module: str, names: tuple[str, ...]) -> bool:
+    path = frame.file_name.replace(os.sep, "/")
+    name = frame.function_name
+    return path.endswith(module) and any(name == n or name.startswith(n + ".") for n in names)
+
+
+def staged_by_batched_lax_map(source_info: Any) -> bool:
+    """Whether an equation was staged by the vmap that `lax.map(f, xs, batch_size=b)`
+    runs `f` under (a scan over batches of `b`, then the remainder, each vmapped).
+
+    Read from the traceback JAX keeps (innermost frame first): a frame of
+    `jax.vmap`'s wrapper called straight from `lax.map` (JAX's own frames between
+    them, such as its traceback filter, are skipped)."""
+    frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
+    for i, frame in enumerate(frames):
+        if not _frame_is(frame, "jax/_src/api.py", ("vmap_f", "vmap.<locals>.vmap_f")):
+            continue
+        for outer in frames[i + 1 :]:
+            if _frame_is(outer, "jax/_src/lax/control_flow/loops.py", ("map", "<lambda>")):
+                return True
+            if "/jax/_src/" not in outer.file_name.replace(os.sep, "/"):
+                break
+    return False
+
+
 def hide_frames_of(path: str) -> None:
     """Treats the code under `path` as JAX's own: left out of the tracebacks an
     `api_boundary` filters, and skipped when naming an equation's user frame."""

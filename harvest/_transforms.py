@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Concatenate, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._calling import (
@@ -182,6 +183,7 @@ def _walk(fn, dynamic, static: _Static, staged=False):
     resolved = _resolve_plants(plants, handled, policy, filtered)
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
+    _refuse_batched_lax_map(closed.jaxpr, policy, resolved, static.reap)
     walk = Walk(policy, resolved, static.reap)
     outs = interpret(walk, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
@@ -190,6 +192,33 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         out,
         _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}),
         changes,
+    )
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
+    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
+    there fires once per batch with a `[b, ...]` value, so what would be reaped,
+    or which plant row goes where, depends on `b`. Only a plant that means the
+    same for every element (one value, broadcast to each) is allowed."""
+    for eqn, _, _ in sow_equations(jaxpr):
+        site = Site.of(eqn)
+        if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
+            continue
+        plant = plants.get(site.path)
+        if plant is None and reaping:
+            raise _errors.sown_in_batched_lax_map(site, "reap")
+        if plant is not None and not _one_value_per_element(plant.value, site):
+            raise _errors.sown_in_batched_lax_map(site, "plant")
+
+
+def _one_value_per_element(value, site):
+    """Whether `value` is one value shaped as the site's per-element value (its vmap axes left out)."""
+    if callable(value):
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree == site.tree and all(
+        jnp.shape(leaf) == aval.shape[batch:]
+        for leaf, aval, batch in zip(leaves, site.avals, site.vmapped or (0,) * len(leaves))
     )
 
 
