@@ -521,6 +521,16 @@ def trace_flag(name, help):
     )
 
 
+def trace_value(name, help):
+    """A context value (default None; hashable) that, like `trace_flag`, is part of
+    jit's cache key and of the trace context. Returns the state; `state(v)` is a
+    context manager. Where JAX has no such state, None (the caller does without)."""
+    make = getattr(_config, "string_or_object_state", None)
+    if make is None:
+        return None
+    return make(name, None, help, include_in_jit_key=True, include_in_trace_context=True)
+
+
 def register_batching(primitive, rule):
     """`rule(axis_data, args, dims)`; `axis_data` goes to `bdim_at_front`."""
     _batching.fancy_primitive_batchers[primitive] = rule

@@ -47,6 +47,7 @@ from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
+from ._primitive import batching_sites
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow import DEFAULT_TAG
@@ -130,7 +131,7 @@ def _traced_leaves(call: _Call) -> list[bool]:
     ]
 
 
-def _walk(fn, dynamic, static: _Static, staged=False):
+def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -146,7 +147,7 @@ def _walk(fn, dynamic, static: _Static, staged=False):
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    with _tags_walked_inside() as inner_tags:
+    with _tags_walked_inside() as inner_tags, batching_sites(batched):
         closed, arrays, out_shape = make_jaxpr(
             call, (bound, *args), kwargs, graph, return_shape=True
         )
@@ -181,6 +182,11 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
     resolved = _resolve_plants(plants, handled, policy, filtered)
+    per_example = {(p.site.tag, path) for path, p in resolved.items() if _per_example(p)}
+    if per_example and not batched:
+        # Sites vmap left unbatched (their value does not depend on the batched
+        # input), planted one value per example: traced again with them batched.
+        return _walk(fn, dynamic, static, staged, frozenset(per_example))
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
     _refuse_batched_lax_map(closed.jaxpr, policy, resolved, static.reap)
@@ -193,6 +199,25 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}),
         changes,
     )
+
+
+def _per_example(plant):
+    """Whether `plant` is one value per example of a vmap that left its site
+    unbatched: it does not fit the site, but would with one more leading axis."""
+    value, site = plant.value, plant.site
+    if callable(value) or plant.per_occurrence():
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if tree != site.tree or not any(
+        jnp.ndim(leaf) == len(aval.shape) + 1 and jnp.shape(leaf)[1:] == aval.shape
+        for leaf, aval in zip(leaves, site.avals)
+    ):
+        return False
+    try:
+        site.check(value, "the planted value")
+    except (ValueError, TypeError):
+        return True
+    return False
 
 
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):

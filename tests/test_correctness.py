@@ -388,3 +388,38 @@ def test_non_array_outputs_pass_through_as_themselves(label):
         np.testing.assert_array_equal(planted["y"], jnp.ones(2))
         np.testing.assert_array_equal(reaped["h"], 2.0 * jnp.ones(2))
     assert plant(lambda x: (sow(x, name="h", mode="clobber"), 3)[1])({"h": 1.0}, 1.0) == 3
+
+
+# -- item 9: a per-example plant into a site vmap left unbatched ----------------
+
+
+def _scales(x, c):
+    return x * c + jnp.sum(c)
+
+
+def _vmapped_unbatched_site(xs):
+    def per_row(x):
+        c = sow(jnp.ones(2), name="c", mode="clobber")  # does not depend on x
+        return jax.jit(_scales)(x, c)
+
+    return jax.vmap(per_row)(xs)
+
+
+def test_a_per_example_plant_batches_a_site_vmap_left_unbatched():
+    xs = jnp.arange(6.0).reshape(3, 2)
+    plants = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    by_hand = jnp.stack([_scales(x, c) for x, c in zip(xs, plants)])
+    for planting in (plant(_vmapped_unbatched_site), jax.jit(plant(_vmapped_unbatched_site))):
+        np.testing.assert_allclose(planting({"c": plants}, xs), by_hand)
+    # One value for every example, and the round trip, as before.
+    np.testing.assert_allclose(
+        plant(_vmapped_unbatched_site)({"c": plants[0]}, xs),
+        jnp.stack([_scales(x, plants[0]) for x in xs]),
+    )
+    reaped = reap(_vmapped_unbatched_site)(xs)
+    assert reaped["c"].shape == (2,)  # still unbatched when reaped
+    np.testing.assert_allclose(
+        plant(_vmapped_unbatched_site)(reaped, xs), _vmapped_unbatched_site(xs)
+    )
+    with pytest.raises(ValueError, match=r"name='c'.*float32\[4, 2\]"):
+        plant(_vmapped_unbatched_site)({"c": jnp.ones((4, 2))}, xs)  # 4 is not the batch
