@@ -423,3 +423,17 @@ def test_a_per_example_plant_batches_a_site_vmap_left_unbatched():
     )
     with pytest.raises(ValueError, match=r"name='c'.*float32\[4, 2\]"):
         plant(_vmapped_unbatched_site)({"c": jnp.ones((4, 2))}, xs)  # 4 is not the batch
+
+
+def test_grad_of_plant_in_odeint_runs_the_adjoint_rule():
+    from jax.experimental.ode import odeint
+
+    def decay(k):
+        field = lambda y, t, k: sow(-k * y, name="rate", mode="clobber")  # noqa: E731
+        return odeint(field, 1.0, jnp.array([0.0, 1.0]), k)[-1]
+
+    k = 0.5
+    doubled, grad = jax.value_and_grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
+    np.testing.assert_allclose(doubled, np.exp(-2.0 * k), rtol=1e-4)  # y' = -2ky, by hand
+    # The adjoint rule's derivative, of the unplanted solution exp(-k) (documented).
+    np.testing.assert_allclose(grad, -np.exp(-k), rtol=1e-4)
