@@ -473,6 +473,11 @@ def _explicit_spec(shape: Any) -> Any:
     return spec if any(types.get(a) == explicit for a in named) else None
 
 
+def mesh_typed(shape: Any) -> bool:
+    """Whether a ShapeDtypeStruct's type names mesh axes (varying, or Explicit sharding)."""
+    return bool(varying_of(shape)) or _explicit_spec(shape) is not None
+
+
 def retype(x: Any, like: Any, axes: Any = ()) -> Any:
     """`x` typed as `like` (a ShapeDtypeStruct or array of its shape): resharded to
     its Explicit sharding, and varying over its manual mesh axes and `axes`. A

@@ -125,22 +125,24 @@ def _cond(walk, eqn, invals):
 
         return fn
 
-    # Every branch returns each record typed alike (sharding under Explicit mesh
-    # axes, varying axes inside shard_map): as the first branch that sows it,
-    # varying over the axes any branch's varies over.
-    padded = [jax.eval_shape(branch_fn(c, s), *ops)[1] for c, s, _ in traced]
-    like = {
-        p: next(
-            (pad[p] for pad, (_, _, child) in zip(padded, traced) if child.seen.get(p)),
-            padded[0][p],
+    types = None
+    if any(map(_jax.mesh_typed, jax.tree_util.tree_leaves([s[1] for _, s, _ in traced]))):
+        # Every branch returns each record typed alike (sharding under Explicit
+        # mesh axes, varying axes inside shard_map): as the first branch that
+        # sows it, varying over the axes any branch's varies over.
+        padded = [jax.eval_shape(branch_fn(c, s), *ops)[1] for c, s, _ in traced]
+        like = {
+            p: next(
+                (pad[p] for pad, (_, _, child) in zip(padded, traced) if child.seen.get(p)),
+                padded[0][p],
+            )
+            for p in paths
+        }
+        axes = jax.tree_util.tree_map(
+            lambda *shapes: frozenset().union(*map(_jax.varying_of, shapes)), *padded
         )
-        for p in paths
-    }
-    axes = jax.tree_util.tree_map(
-        lambda *shapes: frozenset().union(*map(_jax.varying_of, shapes)),
-        *padded,
-    )
-    outs, recs = lax.switch(index, [branch_fn(c, s, (like, axes)) for c, s, _ in traced], *ops)
+        types = (like, axes)
+    outs, recs = lax.switch(index, [branch_fn(c, s, types) for c, s, _ in traced], *ops)
     records = {
         p: Record(sites[p], list(v) if sites[p].mode.entries else [v]) for p, v in recs.items()
     }
