@@ -461,8 +461,8 @@ def test_zero_size_append_in_scan_keeps_its_shape():
     assert reap(outer)(jnp.ones(4))["z"].shape == (8, 0)
 
 
-@pytest.mark.parametrize("mode", ["append", "collect", "clobber"])
-@pytest.mark.parametrize("n", [4, 5])  # 5 % 2 != 0: a shorter remainder batch
+# n % 2 != 0 leaves a shorter remainder batch.
+@pytest.mark.parametrize("mode,n", [("append", 4), ("append", 5), ("collect", 5), ("clobber", 5)])
 def test_lax_map_with_batch_size_refuses_batch_shaped_occurrences(mode, n):
     # lax.map(batch_size=b) is a scan over a vmap of b elements plus a remainder:
     # a sow there fires once per batch, so reaps would depend on b. Refused;
