@@ -68,7 +68,8 @@ def _shard_map(walk, eqn, invals):
     def per_shard(*args):
         # Each shard reads its own row of a plant stacked per shard.
         def row(pl, site):
-            idx = _row_index(p.mesh, axes, _varying(site))
+            # Without check_vma JAX tracks no varying axes: every shard reads its own row.
+            idx = _row_index(p.mesh, axes, _varying(site) if p.check_vma else frozenset(axes))
             return (
                 pl.per_iteration(idx, body, site) if pl.site.mode.stacks_in_loops else pl.peel(idx)
             )

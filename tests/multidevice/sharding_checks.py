@@ -237,3 +237,12 @@ def test_a_plant_varies_over_exactly_the_axes_the_sown_value_does():
     np.testing.assert_allclose(got, by_hand, rtol=1e-6)
     one = plant(PARTLY)({"t": jnp.ones((2, 4))}, X)
     np.testing.assert_allclose(one, X + 1.0, rtol=1e-6)
+
+
+def test_without_vma_checks_a_per_shard_plant_reads_each_shards_own_row():
+    f = jax.shard_map(
+        partly_varying, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"), check_vma=False
+    )
+    rows = jnp.arange(8.0)[:, None, None] * jnp.ones((8, 2, 4))
+    got = shard_blocks(np.asarray(plant(f)({"t": rows}, X)))
+    np.testing.assert_allclose(got, shard_blocks(np.asarray(X)) + np.asarray(rows), rtol=1e-6)
