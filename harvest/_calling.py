@@ -394,6 +394,55 @@ def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) ->
 
 
 # ---------------------------------------------------------------------------
+# Outputs that are not arrays.
+
+
+class _Static:
+    """A non-array leaf of a traced function's output (a string, a Python number,
+    an object), held in the output's tree structure rather than as a traced value,
+    so it reaches the caller as itself, as ``equinox.filter_jit`` returns it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Static)
+            and type(self.value) is type(other.value)
+            and (self.value is other.value or bool(self.value == other.value))
+        )
+
+    def __hash__(self) -> int:
+        return 0  # compared by value only where two output structures meet
+
+
+jax.tree_util.register_pytree_node(_Static, lambda s: ((), s.value), lambda v, _: _Static(v))
+
+
+def hide_static(out: Any) -> Any:
+    """`out` with each non-array leaf wrapped so that tracing carries it as structure."""
+    return jax.tree_util.tree_map(lambda leaf: leaf if is_array(leaf) else _Static(leaf), out)
+
+
+def reveal_static(out: Any) -> Any:
+    """`out` with the leaves `hide_static` wrapped given back as themselves.
+
+    Args:
+        out: a traced function's output, rebuilt from its output structure.
+
+    Returns:
+        The same pytree, each non-array leaf as the function returned it.
+    """
+    return jax.tree_util.tree_map(
+        lambda leaf: leaf.value if isinstance(leaf, _Static) else leaf,
+        out,
+        is_leaf=lambda leaf: isinstance(leaf, _Static),
+    )
+
+
+# ---------------------------------------------------------------------------
 # Tracing under the convention.
 
 
@@ -437,7 +486,7 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         out, changes, before = call_merged(*jax.tree_util.tree_unflatten(tree, filled))
         at = {id(a): i for i, a in enumerate(arrays)}
         priors[:] = [[at.get(id(leaf)) for leaf in jax.tree_util.tree_leaves(b)] for b in before]
-        return out, changes
+        return hide_static(out), changes
 
     # JAX's errors name the traced function: make it the user's, not `flat_f`.
     flat_f.__wrapped__ = inspect.unwrap(f)

@@ -974,3 +974,29 @@ def index_after_while_in(site: Any, where: str) -> ValueError:
         "only per run of that while_loop, which harvest cannot count there. Plant a callable "
         "old -> new (no index), or move the while_loop out of the " + where + "."
     )
+
+
+def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
+    where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
+    return ValueError(
+        f"Cannot differentiate with respect to the value planted at {site}: it is sown in "
+        f"{where} whose body holds a while_loop, so harvest runs the planted forward under "
+        "your backward rule, which knows nothing of the planted value (and autodiff cannot "
+        "reverse a while_loop). Differentiate with respect to the inputs only "
+        "(jax.lax.stop_gradient on the plant), or plant outside the custom_vjp function."
+    )
+
+
+def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
+    what = {
+        "reap": "reaping it would give batch-shaped occurrences",
+        "plant": "a plant other than one value of the element's shape (rows, or a callable) "
+        "would meet batch-shaped occurrences",
+    }[action]
+    return ValueError(
+        f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
+        f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
+        "([b, ...] per batch) that depend on batch_size, not one per element of xs. Harvest "
+        "lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one value for every "
+        "element works."
+    )

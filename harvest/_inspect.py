@@ -336,7 +336,9 @@ def _sow_tree(
             continue
         for body in bodies(eqn):
             runs = body.runs
-            if runs == 0:  # runs only where JAX differentiates: its sows do not fire in a call
+            if runs == 0 and not body.stacked_loop:
+                # Runs only where JAX differentiates: its sows do not fire in a call. (A
+                # scan of length 0 is listed, firing 0 times, as reap returns 0 rows.)
                 continue
             inner = None if fires is UNBOUNDED or runs is UNBOUNDED else fires * runs
             rows = stacked * runs if body.per_run_stacked and runs is not UNBOUNDED else stacked

@@ -160,6 +160,31 @@ def user_location(source_info: Any) -> str | None:
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
+def _frame_is(frame: Any, module: str, names: tuple[str, ...]) -> bool:
+    path = frame.file_name.replace(os.sep, "/")
+    name = frame.function_name
+    return path.endswith(module) and any(name == n or name.startswith(n + ".") for n in names)
+
+
+def staged_by_batched_lax_map(source_info: Any) -> bool:
+    """Whether an equation was staged by the vmap that `lax.map(f, xs, batch_size=b)`
+    runs `f` under (a scan over batches of `b`, then the remainder, each vmapped).
+
+    Read from the traceback JAX keeps (innermost frame first): a frame of
+    `jax.vmap`'s wrapper called straight from `lax.map` (JAX's own frames between
+    them, such as its traceback filter, are skipped)."""
+    frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
+    for i, frame in enumerate(frames):
+        if not _frame_is(frame, "jax/_src/api.py", ("vmap_f", "vmap.<locals>.vmap_f")):
+            continue
+        for outer in frames[i + 1 :]:
+            if _frame_is(outer, "jax/_src/lax/control_flow/loops.py", ("map", "<lambda>")):
+                return True
+            if "/jax/_src/" not in outer.file_name.replace(os.sep, "/"):
+                break
+    return False
+
+
 def hide_frames_of(path: str) -> None:
     """Treats the code under `path` as JAX's own: left out of the tracebacks an
     `api_boundary` filters, and skipped when naming an equation's user frame."""
@@ -429,6 +454,42 @@ def pcast_varying(x, axes):
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
+def varying_of(shape: Any) -> frozenset:
+    """The manual mesh axes a ShapeDtypeStruct or aval varies over."""
+    # A ShapeDtypeStruct's `manual_axis_type`, an aval's `mat` (from 0.10), or `vma` before.
+    mat = getattr(shape, "manual_axis_type", None) or getattr(shape, "mat", None)
+    return frozenset(mat.varying if mat is not None else getattr(shape, "vma", None) or ())
+
+
+def _explicit_spec(shape: Any) -> Any:
+    """The PartitionSpec of `shape` where it names an Explicit mesh axis, else None."""
+    sharding = getattr(shape, "sharding", None)
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    if mesh is None or spec is None or explicit is None:
+        return None
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    named = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
+    return spec if any(types.get(a) == explicit for a in named) else None
+
+
+def mesh_typed(shape: Any) -> bool:
+    """Whether a ShapeDtypeStruct's type names mesh axes (varying, or Explicit sharding)."""
+    return bool(varying_of(shape)) or _explicit_spec(shape) is not None
+
+
+def retype(x: Any, like: Any, axes: Any = ()) -> Any:
+    """`x` typed as `like` (a ShapeDtypeStruct or array of its shape): resharded to
+    its Explicit sharding, and varying over its manual mesh axes and `axes`. A
+    `cond` branch's outputs must agree on all of it."""
+    if isinstance(like, jax.Array):
+        like = jax.typeof(like)
+    spec = _explicit_spec(like)
+    if spec is not None and _explicit_spec(jax.typeof(x)) != spec:
+        x = jax.sharding.reshard(x, spec)
+    return pcast_varying(x, tuple(varying_of(like) | frozenset(axes)))
+
+
 # ---------------------------------------------------------------------------
 # Registering a new primitive's rules.
 
@@ -463,6 +524,16 @@ def trace_flag(name, help):
     return _config.bool_state(
         name, False, help, include_in_jit_key=True, include_in_trace_context=True
     )
+
+
+def trace_value(name, help):
+    """A context value (default None; hashable) that, like `trace_flag`, is part of
+    jit's cache key and of the trace context. Returns the state; `state(v)` is a
+    context manager. Where JAX has no such state, None (the caller does without)."""
+    make = getattr(_config, "string_or_object_state", None)
+    if make is None:
+        return None
+    return make(name, None, help, include_in_jit_key=True, include_in_trace_context=True)
 
 
 def register_batching(primitive, rule):

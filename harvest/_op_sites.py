@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 
 from . import _jax
-from ._calling import make_jaxpr, split_nodes, write_back
+from ._calling import make_jaxpr, reveal_static, split_nodes, write_back
 from ._evaluator import evaluate
 from ._higher_order import describe
 from ._modes import AUTO
@@ -37,7 +37,7 @@ def sow_ops(f, call, args, kwargs):
     outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
     write_back(nodes, changes)
-    return out
+    return reveal_static(out)
 
 
 def _scope_str(scopes, module_paths):

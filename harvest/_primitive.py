@@ -23,6 +23,9 @@ the site sows what does flow through it: the cotangent.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import jax.numpy as jnp
 
 from . import _jax
@@ -70,6 +73,28 @@ def tracing_for_harvest():
 def tracing_a_harvest() -> bool:
     """Whether a harvest is tracing now (inside `tracing_for_harvest`)."""
     return bool(_harvest_tracing.value)
+
+
+# The (tag, path) of the sites that `vmap` batches even where their value does not
+# depend on the batched input: a plant holding one value per example asks for it
+# (see `_transforms`). Part of jit's cache key, so no trace is reused across.
+_batched_sites = _jax.trace_value(
+    "harvest_batched_sites", "Sites harvest batches under every vmap around them."
+)
+
+
+def batching_sites(sites: frozenset) -> Any:
+    """A context in which traced sows of `sites`, ``{(tag, path)}``, are batched
+    by every vmap around them (their value broadcast), so a plant can hold one
+    value per example."""
+    if _batched_sites is None:
+        return contextlib.nullcontext()
+    return _batched_sites(sites or None)
+
+
+def _batched_here(tag: Any, path: tuple) -> bool:
+    sites = _batched_sites.value if _batched_sites is not None else None
+    return sites is not None and (tag, path) in sites
 
 
 sow_p = _jax.Primitive("sow")
@@ -123,8 +148,11 @@ def _sow_batch(
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
     # never changes what vmap (or jacfwd, hessian) sees.
-    if _has_pred(mode, role) and dims[-1] is not None:
-        # A batched predicate picks per example, so every leaf becomes per example.
+    if (_has_pred(mode, role) and dims[-1] is not None) or (
+        any(d is None for d in dims) and _batched_here(tag, scope + (name,))
+    ):
+        # A batched predicate picks per example (or a plant is given per example),
+        # so every leaf becomes per example.
         args = [_jax.bdim_at_front(a, d, axis_data) for a, d in zip(args, dims)]
         dims = [0] * len(args)
     args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]

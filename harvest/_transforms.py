@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Concatenate, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._calling import (
@@ -35,6 +36,7 @@ from ._calling import (
     globals_read,
     is_array,
     make_jaxpr,
+    reveal_static,
     split_nodes,
     static_key,
     with_closure,
@@ -46,6 +48,7 @@ from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
 from ._interventions import code_as_data
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
+from ._primitive import batching_sites
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow import DEFAULT_TAG
@@ -129,7 +132,7 @@ def _traced_leaves(call: _Call) -> list[bool]:
     ]
 
 
-def _walk(fn, dynamic, static: _Static, staged=False):
+def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -145,7 +148,7 @@ def _walk(fn, dynamic, static: _Static, staged=False):
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    with _tags_walked_inside() as inner_tags:
+    with _tags_walked_inside() as inner_tags, batching_sites(batched):
         closed, arrays, out_shape = make_jaxpr(
             call, (bound, *args), kwargs, graph, return_shape=True
         )
@@ -180,8 +183,14 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
     resolved = _resolve_plants(plants, handled, policy, filtered)
+    per_example = {(p.site.tag, path) for path, p in resolved.items() if _per_example(p)}
+    if per_example and not batched:
+        # Sites vmap left unbatched (their value does not depend on the batched
+        # input), planted one value per example: traced again with them batched.
+        return _walk(fn, dynamic, static, staged, frozenset(per_example))
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
+    _refuse_batched_lax_map(closed.jaxpr, policy, resolved, static.reap)
     walk = Walk(policy, resolved, static.reap)
     outs = interpret(walk, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
@@ -190,6 +199,52 @@ def _walk(fn, dynamic, static: _Static, staged=False):
         out,
         _InOrder({path: results[path] for path in sorted(results, key=first.__getitem__)}),
         changes,
+    )
+
+
+def _per_example(plant):
+    """Whether `plant` is one value per example of a vmap that left its site
+    unbatched: it does not fit the site, but would with one more leading axis."""
+    value, site = plant.value, plant.site
+    if callable(value) or plant.per_occurrence():
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if tree != site.tree or not any(
+        jnp.ndim(leaf) == len(aval.shape) + 1 and jnp.shape(leaf)[1:] == aval.shape
+        for leaf, aval in zip(leaves, site.avals)
+    ):
+        return False
+    try:
+        site.check(value, "the planted value")
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
+    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
+    there fires once per batch with a `[b, ...]` value, so what would be reaped,
+    or which plant row goes where, depends on `b`. Only a plant that means the
+    same for every element (one value, broadcast to each) is allowed."""
+    for eqn, _, _ in sow_equations(jaxpr):
+        site = Site.of(eqn)
+        if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
+            continue
+        plant = plants.get(site.path)
+        if plant is None and reaping:
+            raise _errors.sown_in_batched_lax_map(site, "reap")
+        if plant is not None and not _one_value_per_element(plant.value, site):
+            raise _errors.sown_in_batched_lax_map(site, "plant")
+
+
+def _one_value_per_element(value, site):
+    """Whether `value` is one value shaped as the site's per-element value (its vmap axes left out)."""
+    if callable(value):
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree == site.tree and all(
+        jnp.shape(leaf) == aval.shape[batch:]
+        for leaf, aval, batch in zip(leaves, site.avals, site.vmapped or (0,) * len(leaves))
     )
 
 
@@ -312,7 +367,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes)
-    return out, nested_dict(flat)
+    return reveal_static(out), nested_dict(flat)
 
 
 # Functions whose walk cannot be compiled, because they bind a primitive

@@ -461,14 +461,25 @@ def test_zero_size_append_in_scan_keeps_its_shape():
     assert reap(outer)(jnp.ones(4))["z"].shape == (8, 0)
 
 
-def test_append_under_lax_map_with_batch_size():
-    # lax.map(batch_size=b) is a scan over a vmap of b examples: [length / b, b].
-    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode="append"), xs, batch_size=2)
-    close(reap(f)(jnp.arange(4.0))["h"], (jnp.arange(4.0) * 2.0).reshape(2, 2))
-    close(plant(f)({"h": jnp.ones((2, 2))}, jnp.arange(4.0)), jnp.ones(4))
-    # collect keeps the last, shorter batch as its own entry.
-    g = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs, batch_size=2)
-    close(reap(g)(jnp.arange(5.0))["h"], ((jnp.arange(4.0) * 2.0).reshape(2, 2), jnp.array([8.0])))
+# n % 2 != 0 leaves a shorter remainder batch.
+@pytest.mark.parametrize("mode,n", [("append", 4), ("append", 5), ("collect", 5), ("clobber", 5)])
+def test_lax_map_with_batch_size_refuses_batch_shaped_occurrences(mode, n):
+    # lax.map(batch_size=b) is a scan over a vmap of b elements plus a remainder:
+    # a sow there fires once per batch, so reaps would depend on b. Refused;
+    # one value planted for every element means the same whatever b is.
+    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode=mode), xs, batch_size=2)
+    xs = jnp.arange(float(n))
+    with pytest.raises(ValueError, match=r"name='h'.*batch_size=b.*without batch_size"):
+        reap(f)(xs)
+    with pytest.raises(ValueError, match=r"name='h'.*rows, or a callable"):
+        plant(f)({"h": jnp.ones((n,))}, xs)
+    with pytest.raises(ValueError, match=r"name='h'.*callable"):
+        plant(f)({"h": lambda old: old + 1.0}, xs)
+    close(plant(f)({"h": 7.0}, xs), jnp.full(n, 7.0))
+    # Without batch_size it is an ordinary scan: one occurrence per element.
+    unbatched = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode=mode), xs)
+    reaped = jax.tree_util.tree_leaves(reap(unbatched)(xs)["h"])[-1]
+    close(reaped, xs[-1] * 2.0 if mode == "clobber" else xs * 2.0)
 
 
 def _while_per_example(x):

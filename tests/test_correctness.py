@@ -318,3 +318,122 @@ def test_custom_vmap_sow_under_vmap_is_reaped():
     xs = jnp.array([0.1, 0.2, 0.3])
     for reaped in (reap(jax.vmap(g))(xs), jax.vmap(reap(g))(xs)):
         np.testing.assert_allclose(reaped["h"], np.sin(np.asarray(xs)), rtol=1e-6)
+
+
+# -- item 4: planting inside a custom_vjp around a while_loop --------------------
+
+
+_RULE_SLOPE = 0.125  # the user's backward rule: d solve / dx, whatever the body does
+
+
+@jax.custom_vjp
+def _halving_solver(x):
+    def body(carry):
+        i, v = carry
+        return i + 1, sow(v * 0.5, name="h", mode="clobber")
+
+    return jax.lax.while_loop(lambda carry: carry[0] < 3, body, (0, x))[1]
+
+
+_halving_solver.defvjp(lambda x: (_halving_solver(x), None), lambda _, g: (g * _RULE_SLOPE,))
+
+
+def _uses_solver(x):
+    return _halving_solver(x) * x
+
+
+def test_grad_of_plant_in_a_custom_vjp_while_keeps_the_users_rule():
+    # By hand: out = solve(x) * x, d out/dx = solve'(x) * x + solve(x), with
+    # solve' the user's rule (0.125) and solve(x) the planted value.
+    x = 2.0
+    value, grad = jax.value_and_grad(lambda x: plant(_uses_solver)({"h": 5.0}, x))(x)
+    assert float(value) == 5.0 * x
+    assert float(grad) == _RULE_SLOPE * x + 5.0
+    doubled = jax.jit(jax.grad(lambda x: plant(_uses_solver)({"h": lambda v: v * 2.0}, x)))(x)
+    assert float(doubled) == _RULE_SLOPE * x + x  # the planted body keeps v
+    # Reaping keeps working, and grad of the unharvested function is unchanged.
+    out, reaped = harvest.harvest(_uses_solver)({}, x)
+    assert float(reaped["h"]) == x / 8 and float(out) == float(_uses_solver(x))
+    assert float(jax.grad(lambda x: harvest.harvest(_uses_solver)({}, x)[0])(x)) == float(
+        jax.grad(_uses_solver)(x)
+    )
+
+
+def test_grad_with_respect_to_a_plant_in_a_custom_vjp_while_is_refused():
+    planted = lambda p: plant(_uses_solver)({"h": p}, 2.0)  # noqa: E731
+    with pytest.raises(ValueError, match=r"name='h'.*'_halving_solver'.*stop_gradient"):
+        jax.grad(planted)(5.0)
+    assert float(jax.grad(lambda p: planted(jax.lax.stop_gradient(p)))(5.0)) == 0.0
+
+
+# -- item 7: non-array outputs pass through, as under equinox.filter_jit ----------
+
+
+def _mixed_outputs(x, label):
+    h = sow(x * 2.0, name="h", mode="clobber")
+    return {"label": label, "count": 3, "ratio": 0.5, "none": None, "y": h + 1.0}
+
+
+@pytest.mark.parametrize("label", ["first", "second"])
+def test_non_array_outputs_pass_through_as_themselves(label):
+    want = _mixed_outputs(jnp.ones(2), label)
+    for _ in range(2):  # the second call reuses the compiled program
+        out, reaped = harvest.call_and_reap(_mixed_outputs)(jnp.ones(2), label)
+        planted = plant(_mixed_outputs)({"h": jnp.zeros(2)}, jnp.ones(2), label)
+        for got in (out, planted):
+            assert got["label"] == label and got["none"] is None
+            assert type(got["count"]) is int and got["count"] == 3
+            assert type(got["ratio"]) is float and got["ratio"] == 0.5
+        np.testing.assert_array_equal(out["y"], want["y"])
+        np.testing.assert_array_equal(planted["y"], jnp.ones(2))
+        np.testing.assert_array_equal(reaped["h"], 2.0 * jnp.ones(2))
+    assert plant(lambda x: (sow(x, name="h", mode="clobber"), 3)[1])({"h": 1.0}, 1.0) == 3
+
+
+# -- item 9: a per-example plant into a site vmap left unbatched ----------------
+
+
+def _scales(x, c):
+    return x * c + jnp.sum(c)
+
+
+def _vmapped_unbatched_site(xs):
+    def per_row(x):
+        c = sow(jnp.ones(2), name="c", mode="clobber")  # does not depend on x
+        return jax.jit(_scales)(x, c)
+
+    return jax.vmap(per_row)(xs)
+
+
+def test_a_per_example_plant_batches_a_site_vmap_left_unbatched():
+    xs = jnp.arange(6.0).reshape(3, 2)
+    plants = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    by_hand = jnp.stack([_scales(x, c) for x, c in zip(xs, plants)])
+    for planting in (plant(_vmapped_unbatched_site), jax.jit(plant(_vmapped_unbatched_site))):
+        np.testing.assert_allclose(planting({"c": plants}, xs), by_hand)
+    # One value for every example, and the round trip, as before.
+    np.testing.assert_allclose(
+        plant(_vmapped_unbatched_site)({"c": plants[0]}, xs),
+        jnp.stack([_scales(x, plants[0]) for x in xs]),
+    )
+    reaped = reap(_vmapped_unbatched_site)(xs)
+    assert reaped["c"].shape == (2,)  # still unbatched when reaped
+    np.testing.assert_allclose(
+        plant(_vmapped_unbatched_site)(reaped, xs), _vmapped_unbatched_site(xs)
+    )
+    with pytest.raises(ValueError, match=r"name='c'.*float32\[4, 2\]"):
+        plant(_vmapped_unbatched_site)({"c": jnp.ones((4, 2))}, xs)  # 4 is not the batch
+
+
+def test_grad_of_plant_in_odeint_runs_the_adjoint_rule():
+    from jax.experimental.ode import odeint
+
+    def decay(k):
+        field = lambda y, t, k: sow(-k * y, name="rate", mode="clobber")  # noqa: E731
+        return odeint(field, 1.0, jnp.array([0.0, 1.0]), k)[-1]
+
+    k = 0.5
+    doubled, grad = jax.value_and_grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
+    np.testing.assert_allclose(doubled, np.exp(-2.0 * k), rtol=1e-4)  # y' = -2ky, by hand
+    # The adjoint rule's derivative, of the unplanted solution exp(-k) (documented).
+    np.testing.assert_allclose(grad, -np.exp(-k), rtol=1e-4)

@@ -7,6 +7,7 @@ import itertools
 import conftest
 import jax
 import jax.numpy as jnp
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from jax import lax
 
@@ -408,9 +409,24 @@ def test_random_programs_with_a_batched_cond(program, x):
 # (harvest/_higher_order.py), so how often sites says a sow fires is how many
 # rows reap returns. Every family of higher-order primitive (jit, closed_call,
 # remat, scan, cond, custom_jvp, custom_vjp, custom_linear_solve; shard_map in
-# tests/multidevice) wraps the sows, all in mode "append".
+# tests/multidevice) wraps the sows, all in mode "append"; so do a scan of
+# length 0 (its body never runs: no rows, and the round trip holds) and
+# lax.map, without batch_size (a scan) and with one that leaves a remainder
+# (a documented error: a sow there fires once per batch).
 
-FAMILIES = ["jit", "call", "remat", "scan", "cond", "custom_jvp", "custom_vjp", "solve"]
+FAMILIES = [
+    "jit",
+    "call",
+    "remat",
+    "scan",
+    "scan0",
+    "cond",
+    "custom_jvp",
+    "custom_vjp",
+    "solve",
+    "map",
+    "map_batched",
+]
 
 
 def build_appending(nodes):
@@ -448,6 +464,10 @@ def _appending_node(node):
     return _wrapped(kind, body)
 
 
+def _map_inputs(x):
+    return jnp.stack([x - 0.1 * i for i in range(LENGTH + 1)])
+
+
 def _wrapped(kind, body):
     if kind == "jit":
         return jax.jit(body)
@@ -455,6 +475,12 @@ def _wrapped(kind, body):
         return jax.checkpoint(body)
     if kind == "scan":
         return lambda x: lax.scan(lambda c, _: (body(c), None), x, None, length=LENGTH)[0]
+    if kind == "scan0":
+        return lambda x: lax.scan(lambda c, _: (body(c), None), x, None, length=0)[0]
+    if kind in ("map", "map_batched"):
+        # LENGTH + 1 elements: batches of LENGTH leave a remainder of one.
+        batch_size = LENGTH if kind == "map_batched" else None
+        return lambda x: lax.map(body, _map_inputs(x), batch_size=batch_size).mean(axis=0)
     if kind == "cond":  # the false branch sows nothing: reap's rows are the true branch's
         return lambda x: lax.cond(_pred(x), body, _false_branch, x)
     raise AssertionError(kind)
@@ -465,6 +491,10 @@ def _wrapped(kind, body):
 def test_random_programs_sites_fire_as_often_as_reap_returns_rows(program, x):
     x = jnp.array(x, jnp.float32)
     f = build_appending(program)
+    if _has(program, "map_batched"):
+        with pytest.raises(ValueError, match=r"lax.map\(f, xs, batch_size=b\)"):
+            reap(f)(x)
+        return
     fires = {}
     for info in sites(f, x):
         fires[info.name] = fires.get(info.name, 0) + info.fires

@@ -64,7 +64,9 @@ def _call(walk, eqn, invals):
 # Custom derivatives. Reaping inside keeps the user's rule for the outputs and
 # differentiates the reaped values by ordinary autodiff of the body. Planting
 # inside changes the function the rule describes, so the planted body is
-# inlined and differentiated by ordinary autodiff instead.
+# inlined and differentiated by ordinary autodiff instead -- except in a
+# custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
+# cannot reverse: there the planted forward runs under the user's backward rule.
 
 
 def original_of(eqn):
@@ -94,16 +96,31 @@ def _keeping_the_rule(wrap):
 
     def rule(walk, eqn, invals):
         call = _jax.call_body(eqn)
-        if walk.plants_inside([call.jaxpr]):
+        planted = walk.plants_inside([call.jaxpr])
+        if planted and not (wrap is with_vjp and _holds_while(call.jaxpr)):
             return interpret(walk, call.jaxpr, call.consts, invals)
         r = retrace(walk, call.jaxpr, call.consts, invals)
         body = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())
+        extra = () if not planted else (_refusal(walk, eqn, call.jaxpr),)
         wrapped = wrap(
-            body, original_of(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn)
+            body, original_of(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn), *extra
         )
         return r.finish(walk, wrapped(*r.args))
 
     return rule
+
+
+def _refusal(walk: Walk, eqn: Any, jaxpr: Any) -> ValueError:
+    site = next(s for p, s in walk.handled_sites([jaxpr]).items() if p in walk.plants)
+    return _errors.plant_differentiated_in_custom_vjp(site, _jax.body_function_name(eqn))
+
+
+def _holds_while(jaxpr: Any) -> bool:
+    """Whether a while_loop runs somewhere in `jaxpr` (reverse-mode autodiff stops there)."""
+    return any(
+        eqn.primitive is _jax.while_p or any(_holds_while(sub) for sub in _jax.sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
 
 
 def with_jvp(body, original, k, n, nconsts):
@@ -123,14 +140,19 @@ def with_jvp(body, original, k, n, nconsts):
     return wrapped
 
 
-def with_vjp(body, original, k, n, nconsts):
-    """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp."""
+def with_vjp(body, original, k, n, nconsts, refusal=None):
+    """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp.
+
+    `refusal`: raised where the closed-over inputs are differentiated (they hold
+    values planted into a body the user's rule describes without them)."""
 
     @jax.custom_vjp
     def wrapped(*xs):
         return body(*xs)
 
     def fwd(*xs):
+        if refusal is not None and any(x.perturbed for x in xs[:k]):
+            raise refusal
         xs = [x.value for x in xs]
         return body(*xs), xs
 

@@ -72,7 +72,10 @@ def _pad(value, union, site):
             value = jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, 0), value)
         return jax.tree_util.tree_map(
             lambda v, u: jnp.concatenate(
-                [v, jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)]
+                [
+                    v,
+                    _jax.retype(jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype), v),
+                ]
             ),
             value,
             union,
@@ -111,15 +114,35 @@ def _cond(walk, eqn, invals):
     paths = sorted({p for _, shape, _ in traced for p in shape[1]})
     union = {p: _union([shape[1].get(p) for _, shape, _ in traced], sites[p]) for p in paths}
 
-    def branch_fn(closed, shape):
+    def branch_fn(closed, shape, types=None):
         def fn(*ops):
             flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
             outs, recs = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), flat)
-            return outs, {p: _pad(recs.get(p), union[p], sites[p]) for p in paths}
+            padded = {p: _pad(recs.get(p), union[p], sites[p]) for p in paths}
+            if types is not None:
+                padded = jax.tree_util.tree_map(_jax.retype, padded, *types)
+            return outs, padded
 
         return fn
 
-    outs, recs = lax.switch(index, [branch_fn(c, s) for c, s, _ in traced], *ops)
+    types = None
+    if any(map(_jax.mesh_typed, jax.tree_util.tree_leaves([s[1] for _, s, _ in traced]))):
+        # Every branch returns each record typed alike (sharding under Explicit
+        # mesh axes, varying axes inside shard_map): as the first branch that
+        # sows it, varying over the axes any branch's varies over.
+        padded = [jax.eval_shape(branch_fn(c, s), *ops)[1] for c, s, _ in traced]
+        like = {
+            p: next(
+                (pad[p] for pad, (_, _, child) in zip(padded, traced) if child.seen.get(p)),
+                padded[0][p],
+            )
+            for p in paths
+        }
+        axes = jax.tree_util.tree_map(
+            lambda *shapes: frozenset().union(*map(_jax.varying_of, shapes)), *padded
+        )
+        types = (like, axes)
+    outs, recs = lax.switch(index, [branch_fn(c, s, types) for c, s, _ in traced], *ops)
     records = {
         p: Record(sites[p], list(v) if sites[p].mode.entries else [v]) for p, v in recs.items()
     }

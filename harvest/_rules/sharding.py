@@ -38,6 +38,24 @@ def _per_shard(eqn):
 declare(_jax.shard_map_p)(HigherOrder(_per_shard))
 
 
+def _varying(site):
+    """The manual mesh axes the sown value varies over (any of its leaves)."""
+    return frozenset().union(*map(_jax.varying_of, site.avals))
+
+
+def _row_index(mesh, axes, varying):
+    """The row of a per-shard stack (rows in mesh order over `axes`) this shard
+    reads, for a value varying over `varying` only: along the other axes every
+    shard holds the same value, so it reads the row at index 0 there, and the
+    planted value varies over exactly the axes the sown one did."""
+    idx, stride = 0, 1
+    for axis in reversed(axes):
+        if axis in varying:
+            idx = idx + lax.axis_index(axis) * stride
+        stride *= mesh.shape[axis]
+    return idx
+
+
 @register(_jax.shard_map_p)
 def _shard_map(walk, eqn, invals):
     p = _jax.ShardMap.of(eqn)
@@ -49,15 +67,15 @@ def _shard_map(walk, eqn, invals):
 
     def per_shard(*args):
         # Each shard reads its own row of a plant stacked per shard.
-        idx = lax.axis_index(axes)
+        def row(pl, site):
+            # Without check_vma JAX tracks no varying axes: every shard reads its own row.
+            idx = _row_index(p.mesh, axes, _varying(site) if p.check_vma else frozenset(axes))
+            return (
+                pl.per_iteration(idx, body, site) if pl.site.mode.stacks_in_loops else pl.peel(idx)
+            )
+
         child = holder["child"] = walk.child(
-            plants={
-                path: pl.per_iteration(idx, body, sites[path])
-                if pl.site.mode.stacks_in_loops
-                else pl.peel(idx)
-                for path, pl in plants.items()
-                if path in sites
-            }
+            plants={path: row(pl, sites[path]) for path, pl in plants.items() if path in sites}
         )
         outs = interpret(child, body, (), args)
         # One leading row per shard, so the out_spec lays the rows along `axes`.

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors, _jax
+from .._calling import reveal_static
 from .._evaluator import bind, evaluate
 from .._higher_order import Body, HigherOrder, describe, split_extra
 from .._jax import sub_jaxprs
@@ -197,9 +198,8 @@ def make_effect_handler(
         def handled(state: Any, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Any]:
             closed, out_shape, arrays = trace_program(f, args, kwargs)
             outs, state = _eval(closed.jaxpr, closed.consts, state, arrays, handlers)
-            return jax.tree_util.tree_unflatten(
-                jax.tree_util.tree_structure(out_shape), outs
-            ), state
+            out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+            return reveal_static(out), state
 
         return handled
 

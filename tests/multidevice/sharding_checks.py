@@ -166,3 +166,83 @@ def test_patching_sweep_inside_shard_map_matches_patching_by_hand(mode):
     )
     attributed = attribution_patching(f, clean, (corrupt_x,), jnp.sum)
     assert attributed.values.shape == result.values.shape
+
+
+# Issue 23 item 1: a sow in one branch of a cond, and values varying over some mesh axes.
+
+
+def one_branch_cond(mode, predicate):
+    def inner(x):
+        def sows(x):
+            return sow(x * 2.0, name="h", mode=mode) + 1.0
+
+        taken = x.sum() > 20.0 if predicate == "data" else jax.lax.axis_index("y") == 0
+        return jax.lax.cond(taken, sows, lambda x: x - 1.0, x)
+
+    def f(x):
+        return jax.shard_map(inner, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"))(x)
+
+    return f
+
+
+@pytest.mark.parametrize("predicate", ["data", "axis_index"])
+@pytest.mark.parametrize("mode", ["collect", "append", "clobber"])
+def test_one_branch_cond_inside_shard_map_reaps_zeros_where_it_did_not_sow(mode, predicate):
+    f = one_branch_cond(mode, predicate)
+    out, reaped = call_and_reap(f)(X)
+    np.testing.assert_allclose(out, f(X), rtol=1e-6)
+    # By hand: shard k sows its block doubled if it took the sowing branch, else zeros.
+    blocks = shard_blocks(np.asarray(X))
+    took = [
+        blocks[k].sum() > 20.0 if predicate == "data" else k % 2 == 0 for k in range(len(blocks))
+    ]
+    assert 0 < sum(took) < len(took)  # both branches run on some shard
+    by_hand = np.stack([b * 2.0 if t else np.zeros_like(b) for b, t in zip(blocks, took)])
+    got = reaped["h"][0] if mode == "collect" else reaped["h"]
+    np.testing.assert_allclose(np.asarray(got).reshape(by_hand.shape), by_hand, rtol=1e-6)
+    np.testing.assert_allclose(plant(f)(reaped, X), f(X), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["collect", "append", "clobber"])
+def test_one_branch_cond_under_explicit_sharding(mode):
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def f(x):
+        sows = lambda x: sow(x * 2.0, name="h", mode=mode) + 1.0  # noqa: E731
+        return jax.lax.cond(x.sum() > 0.0, sows, lambda x: x - 1.0, x)
+
+    with jax.set_mesh(mesh):
+        for x0, expected in ((1.0, 2.0), (-1.0, 0.0)):  # each branch taken once
+            x = jax.device_put(jnp.full(8, x0), NamedSharding(mesh, P("d")))
+            got = jax.tree.leaves(reap(f)(x)["h"])[0]
+            np.testing.assert_allclose(np.ravel(got), np.full(8, expected))
+
+
+def partly_varying(x):
+    total = jax.lax.psum(x, "y")  # varies over "x" only
+    return sow(total * 2.0, name="t", mode="clobber") + x
+
+
+PARTLY = jax.shard_map(partly_varying, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"))
+
+
+def test_a_plant_varies_over_exactly_the_axes_the_sown_value_does():
+    reaped = reap(PARTLY)(X)
+    assert reaped["t"].shape == (8, 2, 4)  # a row per shard, equal along "y"
+    np.testing.assert_allclose(plant(PARTLY)(reaped, X), PARTLY(X), rtol=1e-6)
+    # A stacked per-shard plant: by hand, shard (i, j) adds row i * 2 (its row at y = 0).
+    rows = jnp.arange(8.0)[:, None, None] * jnp.ones((8, 2, 4))
+    by_hand = shard_blocks(np.asarray(X)) + np.asarray(rows)[[2 * (k // 2) for k in range(8)]]
+    got = shard_blocks(np.asarray(plant(PARTLY)({"t": rows}, X)))
+    np.testing.assert_allclose(got, by_hand, rtol=1e-6)
+    one = plant(PARTLY)({"t": jnp.ones((2, 4))}, X)
+    np.testing.assert_allclose(one, X + 1.0, rtol=1e-6)
+
+
+def test_without_vma_checks_a_per_shard_plant_reads_each_shards_own_row():
+    f = jax.shard_map(
+        partly_varying, mesh=MESH, in_specs=P("x", "y"), out_specs=P("x", "y"), check_vma=False
+    )
+    rows = jnp.arange(8.0)[:, None, None] * jnp.ones((8, 2, 4))
+    got = shard_blocks(np.asarray(plant(f)({"t": rows}, X)))
+    np.testing.assert_allclose(got, shard_blocks(np.asarray(X)) + np.asarray(rows), rtol=1e-6)
