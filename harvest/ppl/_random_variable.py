@@ -33,6 +33,7 @@ from ._tags import (
     RANDOM_VARIABLE,
     UNCONSTRAINED,
     is_noise_explicit,
+    is_scoring,
     is_unconstraining,
     sow_density,
 )
@@ -151,7 +152,7 @@ def random_variable(
         def sample_distribution(key: Any) -> Any:
             if is_noise_explicit():
                 return _from_noise(dist, key, name, mode)
-            sample = _through_unconstrained(dist, dist.sample(seed=key), name, mode)
+            sample = _through_unconstrained(dist, key, name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             if enumerate:
                 sow_support(dist, name)
@@ -166,24 +167,49 @@ def random_variable(
     return sample_function
 
 
-def _through_unconstrained(dist: Any, sample: Any, name: str, mode: SowMode) -> Any:
+def _through_unconstrained(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
     """The draw, made through `u` (sown under `UNCONSTRAINED`) while unconstraining.
 
     Every continuous draw goes through `u` and files its log-Jacobian: whether
     the draw stays free (or is fixed by `observed`, `intervene`,
     `conditional`) is known only to `unconstrained`, which plants `u` for the
     free draws and counts their Jacobians alone. A discrete draw has no
-    bijector and is drawn as it is.
+    bijector and is drawn as it is. While scoring, zeros of the sample's shape
+    (or of `u`'s) stand in for the sample, so TFP's sampler is never traced.
     """
-    if not is_unconstraining():
-        return sample
-    bijector = dist.experimental_default_event_space_bijector()
+    shape = _sample_shape(dist) if is_scoring() else None
+    bijector = dist.experimental_default_event_space_bijector() if is_unconstraining() else None
     if bijector is None:
-        return sample
-    u = sow(bijector.inverse(sample), tag=UNCONSTRAINED, name=name, mode=mode)
+        return dist.sample(seed=key) if shape is None else jnp.zeros(*shape)
+    u_shape = _unconstrained_shape(dist, bijector) if shape is not None else None
+    u = bijector.inverse(dist.sample(seed=key)) if u_shape is None else jnp.zeros(*u_shape)
+    u = sow(u, tag=UNCONSTRAINED, name=name, mode=mode)
     log_det = bijector.forward_log_det_jacobian(u, event_ndims=len(dist.event_shape))
     sow(jnp.sum(log_det), tag=JACOBIAN, name=name, mode="collect")
     return bijector.forward(u)
+
+
+def _sample_shape(dist: Any) -> tuple[tuple[int, ...], Any] | None:
+    """`(shape, dtype)` of `dist.sample()` as TFP states it, or None where it does not
+    (a structured or dynamic event, a distribution-like object that is not TFP's)."""
+    try:
+        batch, event = dist.batch_shape, dist.event_shape
+        if not (batch.is_fully_defined() and event.is_fully_defined()):
+            return None
+        return (*batch, *event), jax.dtypes.canonicalize_dtype(dist.dtype)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _unconstrained_shape(dist: Any, bijector: Any) -> tuple[tuple[int, ...], Any] | None:
+    """`(shape, dtype)` of `u`: the bijector may change the event's shape (a simplex)."""
+    try:
+        event = bijector.inverse_event_shape(dist.event_shape)
+        if not event.is_fully_defined():
+            return None
+        return (*dist.batch_shape, *event), jax.dtypes.canonicalize_dtype(dist.dtype)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
 
 def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:

@@ -14,6 +14,9 @@ under `NOISE`, and the noise that explains the value taken is sown under
 `ABDUCED` (see `_mechanisms.py`). `block` re-sows the values it
 hides under `BLOCKED`, so the scoring transformations can tell whether a
 density depends on a hidden draw. `deterministic` sows under `DETERMINISTIC`.
+While the scoring switch is on (`joint_log_prob`, `unconstrained`'s density),
+a draw is not sampled at all: a zero of its shape stands in for the sample,
+since each value the density reads is planted over it.
 
 Each switch is a trace-state flag built like the core's own "a harvest is
 tracing" flag (`harvest._jax.trace_flag`): it is part of JAX's jit cache key,
@@ -73,6 +76,24 @@ def noise_explicit() -> Any:
 def is_noise_explicit() -> bool:
     """Whether the noise-explicit switch is on (inside `noise_explicit()`)."""
     return bool(_noise_explicit.value)
+
+
+_scoring = _jax.trace_flag(
+    "harvest_ppl_scoring",
+    "Set by joint_log_prob and unconstrained while they trace a program: every draw's "
+    "value is given, so none is sampled.",
+)
+
+
+def scoring() -> Any:
+    """A context in which `random_variable` does not sample: every value it draws is
+    replaced (planted, made from `u`, summed out or hidden by `block`) before it is scored."""
+    return _scoring(True)
+
+
+def is_scoring() -> bool:
+    """Whether the scoring switch is on (inside `scoring()`)."""
+    return bool(_scoring.value)
 
 
 def sow_density(log_density: Any, value: Any, name: str) -> None:

@@ -41,6 +41,7 @@ from ._tags import (
     RANDOM_VARIABLE,
     TOTAL,
     densities_of,
+    scoring,
 )
 
 
@@ -112,7 +113,13 @@ def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs:
 
 def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> None:
     """Sows the log density of `f` at `values`. The core traces this once per
-    signature, so its checks and its search for enumerated draws cost nothing later."""
+    signature, so its checks and its search for enumerated draws cost nothing later.
+    Every value is given, so the draws are not sampled (the scoring switch)."""
+    with scoring():
+        _sow_total(f, values, args, kwargs)
+
+
+def _sow_total(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> None:
     # One walk finds the densities, the draws without a value, the enumerated and the blocked.
     scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
     (((_, unplanted), densities), markers), blocked = call_and_reap(

@@ -44,6 +44,7 @@ from ._tags import (
     TOTAL,
     UNCONSTRAINED,
     densities_of,
+    scoring,
     unconstraining,
 )
 
@@ -116,7 +117,16 @@ def _log_density(
 def _total(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> None:
-    """Sows the log density of `u`, with the enumerated draws summed out (traced once)."""
+    """Sows the log density of `u`, with the enumerated draws summed out (traced once).
+    No draw is sampled (the scoring switch): each value is made from `u`, planted,
+    summed out or hidden by `block`."""
+    with scoring():
+        _sow_total(f, observed, check, u, args, kwargs)
+
+
+def _sow_total(
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
+) -> None:
     (_, _, log_det, to_sum), densities = call_and_reap(
         Partial(_run, f, observed, check), tag=LOG_DENSITY
     )(u, *args, **kwargs)
