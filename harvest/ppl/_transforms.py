@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _errors
+from .. import _errors, _jax
 from .._sow import sow
 from .._transforms import call_and_reap, harvest, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
@@ -108,18 +108,25 @@ def _unscored(values: Reaped, densities: Reaped) -> list[str]:
 
 def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     _check_values(values, "joint_log_prob(f)")
+    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+        return _density(f, values, args, kwargs)
     return reap(Partial(_total, f), tag=TOTAL)(values, *args, **kwargs)["total"]
 
 
 def _total(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> None:
-    """Sows the log density of `f` at `values`. The core traces this once per
-    signature, so its checks and its search for enumerated draws cost nothing later.
-    Every value is given, so the draws are not sampled (the scoring switch)."""
+    """Sows the log density of `f` at `values`. Called eagerly, the core traces this
+    once per signature, so its checks and its search for enumerated draws cost nothing later."""
+    sow(_density(f, values, args, kwargs), tag=TOTAL, name="total", mode="strict")
+
+
+def _density(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Any:
+    """The log density of `f` at `values`. Every value is given, so no draw is
+    sampled (the scoring switch)."""
     with scoring():
-        _sow_total(f, values, args, kwargs)
+        return _scored(f, values, args, kwargs)
 
 
-def _sow_total(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> None:
+def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Any:
     # One walk finds the densities, the draws without a value, the enumerated and the blocked.
     scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
     (((_, unplanted), densities), markers), blocked = call_and_reap(
@@ -147,7 +154,7 @@ def _sow_total(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) ->
                 "a TFP distribution, or fix them with intervene/conditional."
             )
         total = sum(densities_of(densities), jnp.zeros(()))
-    sow(total, tag=TOTAL, name="total", mode="strict")
+    return total
 
 
 def _site_densities(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Reaped:

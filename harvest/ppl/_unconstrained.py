@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _errors
+from .. import _errors, _jax
 from .._sow import sow
 from .._transforms import call_and_reap, harvest, reap
 from .._typing import Reaped
@@ -111,22 +111,30 @@ def _run(
 def _log_density(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> Any:
+    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+        return _density(f, observed, check, u, args, kwargs)
     return reap(Partial(_total, f, observed, check), tag=TOTAL)(u, *args, **kwargs)["total"]
 
 
 def _total(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> None:
-    """Sows the log density of `u`, with the enumerated draws summed out (traced once).
-    No draw is sampled (the scoring switch): each value is made from `u`, planted,
-    summed out or hidden by `block`."""
-    with scoring():
-        _sow_total(f, observed, check, u, args, kwargs)
+    """Sows the log density of `u` (called eagerly, the core traces this once per signature)."""
+    sow(_density(f, observed, check, u, args, kwargs), tag=TOTAL, name="total", mode="strict")
 
 
-def _sow_total(
+def _density(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
-) -> None:
+) -> Any:
+    """The log density of `u`, with the enumerated draws summed out. No draw is sampled
+    (the scoring switch): each value is made from `u`, planted, summed out or hidden by `block`."""
+    with scoring():
+        return _scored(f, observed, check, u, args, kwargs)
+
+
+def _scored(
+    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
+) -> Any:
     (_, _, log_det, to_sum), densities = call_and_reap(
         Partial(_run, f, observed, check), tag=LOG_DENSITY
     )(u, *args, **kwargs)
@@ -142,7 +150,7 @@ def _sow_total(
         total = marginal(densities_at, enumerated)
     else:
         total = sum(densities_of(densities)) + log_det
-    sow(total, tag=TOTAL, name="total", mode="strict")
+    return total
 
 
 def _constrain(
