@@ -560,10 +560,11 @@ _EMPTY = Held(None)  # a cell not yet filled (a name assigned after the def)
 
 
 def closure_of(fn: Any) -> tuple[Any, ...]:
-    """What ``fn`` closes over, one entry per cell: arrays, and containers
-    (tuple, list, dict) of arrays and Python numbers, as themselves, so their
-    arrays are traced and their numbers keyed; anything else ``Held`` (a list
-    that ``fn`` appends to stays the caller's list)."""
+    """What ``fn`` closes over, one entry per cell: arrays, NNX graph nodes (to be
+    split, their state traced, as an argument's is), and containers (tuple,
+    list, dict) of arrays and Python numbers, as themselves, so their arrays are
+    traced and their numbers keyed; anything else ``Held`` (a list that ``fn``
+    appends to stays the caller's list)."""
     cells = getattr(fn, "__closure__", None) or ()
     values = []
     for cell in cells:
@@ -573,42 +574,70 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
             values.append(_EMPTY)
             continue
         leaves = jax.tree_util.tree_leaves(value) if type(value) in (tuple, list, dict) else ()
-        plain = is_array(value) or (
-            any(is_array(leaf) for leaf in leaves)
-            and all(is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves)
+        plain = (
+            is_array(value)
+            or _is_graph_node(value)
+            or (
+                any(is_array(leaf) for leaf in leaves)
+                and all(
+                    is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
+                )
+            )
         )
         values.append(value if plain else Held(value))
     return tuple(values)
 
 
-def with_closure(fn: Any, values: tuple[Any, ...]) -> Any:
+def _is_graph_node(value: Any) -> bool:
+    nnx = _nnx()
+    return nnx is not None and nnx.graph.is_graph_node(value)
+
+
+def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any], ...] = ()) -> Any:
     """``fn`` closing over ``values`` (as ``closure_of`` gave them, their arrays
-    perhaps now tracers) instead of its own cells; ``fn`` itself if it closes
-    over no array, so that its ``nonlocal`` writes still reach its cells."""
-    if not any(is_array(leaf) for leaf in jax.tree_util.tree_leaves(values)):
+    perhaps now tracers, their NNX nodes merged copies) instead of its own
+    cells, and reading the NNX nodes among ``reads`` (as ``globals_read`` gave
+    them) in place of its module's; ``fn`` itself if there is nothing to
+    replace, so that its ``nonlocal`` and ``global`` writes still reach their targets."""
+    nodes = {name: v for name, v in reads if not isinstance(v, Held)}
+    own_cells = all(isinstance(v, Held) for v in values)
+    if own_cells and not nodes:
         return fn
-    cells = tuple(
-        types.CellType() if v is _EMPTY else types.CellType(v.value if isinstance(v, Held) else v)
-        for v in values
+    cells = (
+        fn.__closure__
+        if own_cells
+        else tuple(
+            types.CellType()
+            if v is _EMPTY
+            else types.CellType(v.value if isinstance(v, Held) else v)
+            for v in values
+        )
     )
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    space = {**fn.__globals__, **nodes} if nodes else fn.__globals__
+    copy = types.FunctionType(fn.__code__, space, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     copy.__dict__.update(fn.__dict__)
     return copy
 
 
-def globals_read(fn: Any) -> tuple[tuple[str, Held], ...]:
-    """The module-level numbers, strings and arrays ``fn``'s own code reads,
-    each ``Held`` (an array by identity), for the compile-cache key: rebinding
-    one re-traces, as calling ``fn`` would see the new value."""
+def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
+    """The module-level numbers, strings, arrays and NNX graph nodes ``fn``'s own
+    code reads: each number, string or array ``Held`` (an array by identity),
+    for the compile-cache key, so rebinding one re-traces, as calling ``fn``
+    would see the new value; each graph node as itself, to be split as an
+    argument is, so a weight changed in place or a layer replaced is seen."""
     code = getattr(fn, "__code__", None)
     space = getattr(fn, "__globals__", None)
     if code is None or space is None:
         return ()
     return tuple(
-        (name, Held(space[name]))
+        (name, space[name] if _is_graph_node(space[name]) else Held(space[name]))
         for name in code.co_names
         if name in space
-        and (is_array(space[name]) or isinstance(space[name], (numbers.Number, str)))
+        and (
+            is_array(space[name])
+            or isinstance(space[name], (numbers.Number, str))
+            or _is_graph_node(space[name])
+        )
     )

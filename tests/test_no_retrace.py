@@ -16,6 +16,7 @@ from harvest import (
     attribution_patching,
     call_and_reap,
     patching_sweep,
+    plant,
     reap,
     sow,
 )
@@ -272,3 +273,91 @@ def test_jax_clear_caches_forgets_the_sites(traces):
     jax.clear_caches()
     patching_sweep(model, clean, (x_corrupt,), metric)
     assert traces[0] == 2
+
+
+# ---------------------------------------------------------------------------
+# NNX modules a plain function closes over or reads from its module: split and
+# traced as an argument's are, so no cached program holds their old weights.
+
+
+class Wrap(nnx.Module):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def wrapped(depth, net):
+    """`net` as the layer `depth` attributes down a chain of `Wrap`s."""
+    for _ in range(depth):
+        net = Wrap(net)
+    return net
+
+
+def replace_layer(holder, depth, net):
+    for _ in range(depth - 1):
+        holder = holder.inner
+    holder.inner = net
+
+
+def model_reading(holder, where):
+    """A plain function calling `holder`, reached through its closure or its module's globals."""
+    if where == "global":
+        globals()["_HELD"] = holder
+        return lambda x: _HELD(x)  # noqa: F821  # set just above
+    return lambda x: holder(x)
+
+
+def check_runs_match(model, net, x_clean, x_corrupt):
+    """reap, plant and patching_sweep of `model` agree with `net`'s weights threaded by hand."""
+    w1, w2 = net.w1[...], net.w2[...]
+    out, sites = hand_forward(w1, w2, x_clean)
+    close(reap(model)(x_clean)["b"], sites["b"])
+    zeros = jnp.zeros_like(sites["a"])
+    close(plant(model)({"a": zeros}, x_clean), hand_forward(w1, w2, x_clean, ("a", zeros))[0])
+    swept = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    close(swept, hand_sweep(w1, w2, x_clean, x_corrupt))
+
+
+@pytest.mark.parametrize("where", ["closure", "global"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_layer_replaced_deep_in_a_module_a_function_reads_is_seen(depth, where):
+    first = Net()
+    holder = wrapped(depth, first)
+    model = model_reading(holder, where)
+    x_clean, x_corrupt = data()
+    check_runs_match(model, first, x_clean, x_corrupt)
+    net = Net(seed=7)  # the same shapes: only the values tell the layers apart
+    replace_layer(holder, depth, net)
+    check_runs_match(model, net, x_clean, x_corrupt)
+
+
+@pytest.mark.parametrize("where", ["closure", "global"])
+def test_weights_changed_in_place_and_an_attribute_added_in_a_read_module_are_seen(where):
+    class Shifted(Net):
+        def __call__(self, x):
+            out = super().__call__(x)
+            return out + self.shift[...] if hasattr(self, "shift") else out
+
+    net = Shifted()
+    holder = wrapped(2, net)
+    model = model_reading(holder, where)
+    x_clean, x_corrupt = data()
+    check_runs_match(model, net, x_clean, x_corrupt)
+    net.w1[...] = net.w1[...] * -2.0  # trained in place
+    check_runs_match(model, net, x_clean, x_corrupt)
+    net.shift = nnx.Param(jnp.full((), 3.0))  # an attribute added: the output moves
+    out, reaped = call_and_reap(model)(x_clean)
+    close(out, hand_forward(net.w1[...], net.w2[...], x_clean)[0] + 3.0)
+    close(reaped["a"], jnp.tanh(x_clean @ net.w1[...]))
+
+
+def test_state_a_read_module_changes_is_written_back():
+    model = Counted()
+    capture = reap(lambda x: model(x))
+    x = data()[0]
+    for _ in range(3):
+        reaped = capture(x)
+    assert float(model.calls[...]) == 3.0  # as three direct calls would leave it
+    close(reaped["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
