@@ -18,6 +18,7 @@ a harvested call leaves a module exactly as a direct call would.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import numbers
@@ -26,6 +27,7 @@ import sys
 import threading
 import types
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -304,9 +306,26 @@ def call_merged(
     return out, changes, [before.get(p) for p in changes.paths]
 
 
+_measuring = threading.local()
+
+
+@contextlib.contextmanager
+def changes_discarded() -> Iterator[None]:
+    """Within it, harvested calls leave NNX nodes' state as it was: a sweep
+    measures every patched run from the same state, and its nodes (made in
+    the sweep's trace) could not take values of the ``vmap`` or ``grad``
+    inside it anyway."""
+    before = getattr(_measuring, "on", False)
+    _measuring.on = True
+    try:
+        yield
+    finally:
+        _measuring.on = before
+
+
 def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
     """Gives the caller's graph nodes the state a call left in their merged copies."""
-    if not nodes or changes is None or not changes.paths:
+    if not nodes or changes is None or not changes.paths or getattr(_measuring, "on", False):
         return
     nnx = _nnx()
     from flax.errors import TraceContextError
