@@ -125,11 +125,14 @@ _DATA_PARTS = frozenset({"plants", "graph"})
 
 def _traced_leaves(call: _Call) -> list[bool]:
     """Per leaf of `call`, in flattening order: whether it is traced."""
-    return [
-        _is_traced(leaf, part in _DATA_PARTS)
-        for part in _Call._fields
-        for leaf in jax.tree_util.tree_leaves(getattr(call, part))
-    ]
+    traced: list[bool] = []
+    for part in _Call._fields:
+        leaves = jax.tree_util.tree_leaves(getattr(call, part))
+        flags = list(map(is_array, leaves))
+        if part in _DATA_PARTS and not all(flags):
+            flags = [f or _is_traced(leaf, True) for f, leaf in zip(flags, leaves)]
+        traced += flags
+    return traced
 
 
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
