@@ -16,10 +16,12 @@ reference):
   `jax.jit` of the functional forward on the split state, and vs the same
   capture under `jax.jit` on the split state (the compiled work alone, every
   site's output included), at the tiny width and at a realistic one (d=256);
+* steady at the realistic width: the capture under `jax.jit` on the split state
+  vs the functional forward (every site's output against the output alone);
 * first call at the realistic width: the eager capture after
   `jax.clear_caches()` vs the functional forward's first call likewise;
 * the Linen twin at the realistic width: `reap(instrument(model.apply))`
-  eager and on its first call, vs `jax.jit(model.apply)`.
+  eager, under `jax.jit` (steady) and on its first call, vs `jax.jit(model.apply)`.
 """
 
 from __future__ import annotations
@@ -172,6 +174,20 @@ def eager(width, cfg, first=False):
         )
     )
     if first:
+        # Steady state of the compiled capture: every site's output against the forward alone.
+        r, ours, theirs = _timing.ratio(
+            lambda: jitted(state, x), lambda: functional(state, x), cfg.repeats, cfg.calls
+        )
+        rows.append(
+            dict(
+                measure=f"steady: the capture under `jax.jit` on the split state, d={width}",
+                reference="`jax.jit` of the functional forward",
+                ratio=r,
+                ours=ours,
+                theirs=theirs,
+                target=None,
+            )
+        )
         r, ours, theirs = _timing.ratio(
             lambda: reap(instrument(model), tag="modules")(x),
             lambda: jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x),
@@ -227,6 +243,13 @@ def linen_eager(width, cfg):
     r, ours, theirs = _timing.ratio(
         lambda: capture(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
     )
+    jitted = jax.jit(reap(instrument(model.apply), tag="modules"))
+    np.testing.assert_allclose(
+        jitted(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
+    )
+    steady, steady_ours, steady_theirs = _timing.ratio(
+        lambda: jitted(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
+    )
     first, first_ours, first_theirs = _timing.ratio(
         lambda: reap(instrument(model.apply), tag="modules")(variables, x),
         lambda: jax.jit(model.apply)(variables, x),
@@ -240,6 +263,14 @@ def linen_eager(width, cfg):
             ratio=r,
             ours=ours,
             theirs=theirs,
+            target=None,
+        ),
+        dict(
+            measure=f"Linen: steady, `jax.jit(reap(instrument(model.apply)))`, d={width}",
+            reference="`jax.jit(model.apply)`",
+            ratio=steady,
+            ours=steady_ours,
+            theirs=steady_theirs,
             target=None,
         ),
         dict(

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import call_merged, is_array, split_nodes, static_key
+from ._calling import call_merged, changes_discarded, is_array, split_nodes, static_key
 from ._interventions import TracedCode, pytree_dataclass
 
 _settings = {"max_programs": 64, "warn_after": 32}
@@ -237,9 +237,12 @@ def _rebuilt(
 ) -> Any:
     it = iter(arrays)
     tree, graph = treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)])
-    if graph is not None:  # fresh NNX nodes holding the traced state
-        tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
-    return fn(tree)
+    if graph is None:
+        return fn(tree)
+    # Fresh NNX nodes holding the traced state; what the program changes in them is dropped.
+    tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
+    with changes_discarded():
+        return fn(tree)
 
 
 class _Compiled:

@@ -356,6 +356,11 @@ def patching_sweep(
     non-array values, what ``f`` closes over), so a repeated sweep does not
     trace ``f`` again.
 
+    A sweep is a measurement: an NNX module that changes its own state when
+    called (a counter, a ``BatchNorm`` in training mode, an RNG stream) has
+    the baseline and every patched run start from the state it has, and
+    nothing they change is written back to it.
+
     Args:
         f: The model: a function, an NNX or Equinox module, or a bound method
             of one, whose sows of ``tag`` are the sites.
@@ -513,7 +518,8 @@ def attribution_patching(
     compiled function; the gradient is taken with respect to zero offsets
     planted at every site (``old + delta``), which is exactly ``d metric / d
     activation`` including every downstream path. The compile cache is
-    ``patching_sweep``'s.
+    ``patching_sweep``'s, and so is the handling of NNX state: the run starts
+    from the module's state, and what it changes is not written back.
 
     Args:
         f: The model, as for ``patching_sweep``.

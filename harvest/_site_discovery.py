@@ -24,8 +24,6 @@ import jax
 
 from . import _jax
 from ._calling import (
-    Held,
-    _nnx,
     closure_of,
     globals_read,
     is_array,
@@ -97,16 +95,15 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
-    # An NNX module the function closes over is keyed by its graph and state too, so a
-    # layer replaced deep inside it is a new key (a `Held` object is keyed only two levels deep).
-    cells = tuple(_unheld_node(c) for c in closure_of(fn))
-    (bound, args, cells), graph, _ = split_nodes((bound, args, cells))
+    # NNX modules the function closes over or reads from its module are split with the
+    # arguments' (see `closure_of`), so a layer replaced deep inside one is a new key.
+    (bound, args, cells, reads), graph, _ = split_nodes(
+        (bound, args, closure_of(fn), globals_read(fn))
+    )
     # The graph goes into the tree structure, which hashes without hashing the
     # graph definition (a deep walk, ~ms on a transformer) and compares the same
     # definition, as the split cache hands it back, by identity first.
-    leaves, tree = jax.tree_util.tree_flatten(
-        (bound, args, closure_of(fn), globals_read(fn), graph)
-    )
+    leaves, tree = jax.tree_util.tree_flatten((bound, args, cells, reads, graph))
     state = 0 if graph is None else len(graph.leaves)
     key = (
         tree,
@@ -128,11 +125,3 @@ def _abstract(leaf: Any, data: bool = False) -> Any:
     if data:
         return ("number", type(leaf))
     return (type(leaf), static_key(leaf))
-
-
-def _unheld_node(cell: Any) -> Any:
-    """A closed-over NNX graph node as itself (to be split), any other cell as `closure_of` gave it."""
-    nnx = _nnx()
-    if isinstance(cell, Held) and nnx is not None and nnx.graph.is_graph_node(cell.value):
-        return cell.value
-    return cell

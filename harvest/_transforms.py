@@ -125,11 +125,14 @@ _DATA_PARTS = frozenset({"plants", "graph"})
 
 def _traced_leaves(call: _Call) -> list[bool]:
     """Per leaf of `call`, in flattening order: whether it is traced."""
-    return [
-        _is_traced(leaf, part in _DATA_PARTS)
-        for part in _Call._fields
-        for leaf in jax.tree_util.tree_leaves(getattr(call, part))
-    ]
+    traced: list[bool] = []
+    for part in _Call._fields:
+        leaves = jax.tree_util.tree_leaves(getattr(call, part))
+        flags = list(map(is_array, leaves))
+        if part in _DATA_PARTS and not all(flags):
+            flags = [f or _is_traced(leaf, True) for f, leaf in zip(flags, leaves)]
+        traced += flags
+    return traced
 
 
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
@@ -138,11 +141,11 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
     call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    bound, plants, args, kwargs, graph, cells, _ = call_parts
-    fn = with_closure(fn, cells)
+    bound, plants, args, kwargs, graph, cells, reads = call_parts
 
-    def call(bound, /, *args, **kwargs):
-        return _rewrap(fn, bound)(*args, **kwargs)
+    def call(bound, cells, reads, /, *args, **kwargs):
+        # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
+        return _rewrap(with_closure(fn, cells, reads), bound)(*args, **kwargs)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]  # errors name the user's function
 
@@ -150,7 +153,7 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     # strings) closed over, as jit's static arguments would be.
     with _tags_walked_inside() as inner_tags, batching_sites(batched):
         closed, arrays, out_shape = make_jaxpr(
-            call, (bound, *args), kwargs, graph, return_shape=True
+            call, (bound, cells, reads, *args), kwargs, graph, return_shape=True
         )
     if staged and not _lowerable(closed.jaxpr):
         raise _Unlowerable
@@ -319,10 +322,11 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
-    (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-    call_parts = _Call(
-        bound, code_as_data(plants), args, kwargs, graph, closure_of(fn), globals_read(fn)
+    # NNX nodes the function closes over or reads from its module are split as arguments are.
+    (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
+        (bound, args, kwargs, closure_of(fn), globals_read(fn))
     )
+    call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
     leaves, treedef = jax.tree_util.tree_flatten(call_parts)
     traced = _traced_leaves(call_parts)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]

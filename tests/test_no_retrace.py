@@ -16,6 +16,7 @@ from harvest import (
     attribution_patching,
     call_and_reap,
     patching_sweep,
+    plant,
     reap,
     sow,
 )
@@ -272,3 +273,178 @@ def test_jax_clear_caches_forgets_the_sites(traces):
     jax.clear_caches()
     patching_sweep(model, clean, (x_corrupt,), metric)
     assert traces[0] == 2
+
+
+# ---------------------------------------------------------------------------
+# NNX modules a plain function closes over or reads from its module: split and
+# traced as an argument's are, so no cached program holds their old weights.
+
+
+class Wrap(nnx.Module):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, x):
+        return self.inner(x)
+
+
+def wrapped(depth, net):
+    """`net` as the layer `depth` attributes down a chain of `Wrap`s."""
+    for _ in range(depth):
+        net = Wrap(net)
+    return net
+
+
+def replace_layer(holder, depth, net):
+    for _ in range(depth - 1):
+        holder = holder.inner
+    holder.inner = net
+
+
+def model_reading(holder, where):
+    """A plain function calling `holder`, reached through its closure or its module's globals."""
+    if where == "global":
+        globals()["_HELD"] = holder
+        return lambda x: _HELD(x)  # noqa: F821  # set just above
+    return lambda x: holder(x)
+
+
+def check_runs_match(model, net, x_clean, x_corrupt):
+    """reap, plant and patching_sweep of `model` agree with `net`'s weights threaded by hand."""
+    w1, w2 = net.w1[...], net.w2[...]
+    out, sites = hand_forward(w1, w2, x_clean)
+    close(reap(model)(x_clean)["b"], sites["b"])
+    zeros = jnp.zeros_like(sites["a"])
+    close(plant(model)({"a": zeros}, x_clean), hand_forward(w1, w2, x_clean, ("a", zeros))[0])
+    swept = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    close(swept, hand_sweep(w1, w2, x_clean, x_corrupt))
+
+
+@pytest.mark.parametrize("where", ["closure", "global"])
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_layer_replaced_deep_in_a_module_a_function_reads_is_seen(depth, where):
+    first = Net()
+    holder = wrapped(depth, first)
+    model = model_reading(holder, where)
+    x_clean, x_corrupt = data()
+    check_runs_match(model, first, x_clean, x_corrupt)
+    net = Net(seed=7)  # the same shapes: only the values tell the layers apart
+    replace_layer(holder, depth, net)
+    check_runs_match(model, net, x_clean, x_corrupt)
+
+
+@pytest.mark.parametrize("where", ["closure", "global"])
+def test_weights_changed_in_place_and_an_attribute_added_in_a_read_module_are_seen(where):
+    class Shifted(Net):
+        def __call__(self, x):
+            out = super().__call__(x)
+            return out + self.shift[...] if hasattr(self, "shift") else out
+
+    net = Shifted()
+    holder = wrapped(2, net)
+    model = model_reading(holder, where)
+    x_clean, x_corrupt = data()
+    check_runs_match(model, net, x_clean, x_corrupt)
+    net.w1[...] = net.w1[...] * -2.0  # trained in place
+    check_runs_match(model, net, x_clean, x_corrupt)
+    net.shift = nnx.Param(jnp.full((), 3.0))  # an attribute added: the output moves
+    out, reaped = call_and_reap(model)(x_clean)
+    close(out, hand_forward(net.w1[...], net.w2[...], x_clean)[0] + 3.0)
+    close(reaped["a"], jnp.tanh(x_clean @ net.w1[...]))
+
+
+def test_state_a_read_module_changes_is_written_back():
+    model = Counted()
+    capture = reap(lambda x: model(x))
+    x = data()[0]
+    for _ in range(3):
+        reaped = capture(x)
+    assert float(model.calls[...]) == 3.0  # as three direct calls would leave it
+    close(reaped["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
+
+
+# ---------------------------------------------------------------------------
+# Sweeps of modules that change their own state: every run measured from the
+# state the module had, none of it written back.
+
+
+class Scaled(Net):
+    """Counts its calls; its output scales with the count, so a run that saw
+    another run's count would be off."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = nnx.BatchStat(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.calls[...] = self.calls[...] + 1.0
+        return super().__call__(x) * self.calls[...]
+
+
+@pytest.mark.parametrize("sweep", [patching_sweep, attribution_patching])
+def test_a_sweep_of_a_module_counting_its_calls_leaves_the_count(sweep):
+    hand = hand_sweep if sweep is patching_sweep else hand_attribution
+    model = Scaled()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)  # a call: the count is 1 now
+    values = sweep(model, clean, (x_corrupt,), metric).values
+    assert float(model.calls[...]) == 1.0
+    close(values, 2.0 * hand(model.w1[...], model.w2[...], x_clean, x_corrupt))
+
+
+class Normed(nnx.Module):
+    """A BatchNorm in training mode: batch statistics used, running averages updated."""
+
+    def __init__(self):
+        self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.bn = nnx.BatchNorm(4, momentum=0.5, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        h = sow(self.lin(x), name="h", mode="strict")
+        return sow(jnp.tanh(self.bn(h)), name="n", mode="strict").sum(-1)
+
+
+def normed_by_hand(model, x, deltas=None, patch=None):
+    """`Normed` threaded by hand; `deltas` are added to the sites, `patch=(site, position, value)`
+    puts `value` at that position."""
+    deltas = deltas or {}
+
+    def site(name, value):
+        if patch and patch[0] == name:
+            value = value.at[:, patch[1]].set(patch[2][:, patch[1]])
+        return value + deltas.get(name, 0.0)
+
+    h = site("h", x @ model.lin.kernel[...] + model.lin.bias[...])
+    mean, var = h.mean((0, 1)), h.var((0, 1))
+    normed = (h - mean) / jnp.sqrt(var + model.bn.epsilon) * model.bn.scale[...]
+    n = site("n", jnp.tanh(normed + model.bn.bias[...]))
+    return n.sum(-1), {"h": h, "n": n}
+
+
+@pytest.mark.parametrize("sweep", [patching_sweep, attribution_patching])
+def test_a_sweep_of_a_batchnorm_in_training_mode_matches_runs_by_hand(sweep):
+    model = Normed()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    running = (model.bn.mean[...], model.bn.var[...])
+    assert float(jnp.abs(running[0]).sum()) > 0  # the reap updated them, as a call would
+    values = sweep(model, clean, (x_corrupt,), metric, axis=1).values
+    close(model.bn.mean[...], running[0])
+    close(model.bn.var[...], running[1])
+    _, cl = normed_by_hand(model, x_clean)
+    out, co = normed_by_hand(model, x_corrupt)
+    base = metric(out)
+    if sweep is patching_sweep:
+        hand = [
+            [
+                metric(normed_by_hand(model, x_corrupt, patch=(n, p, cl[n]))[0]) - base
+                for p in range(3)
+            ]
+            for n in ("h", "n")
+        ]
+    else:
+        grads = jax.grad(lambda d: metric(normed_by_hand(model, x_corrupt, deltas=d)[0]))(
+            {n: jnp.zeros_like(co[n]) for n in ("h", "n")}
+        )
+        hand = [((cl[n] - co[n]) * grads[n]).sum((0, 2)) for n in ("h", "n")]
+    close(values, np.array(hand))
