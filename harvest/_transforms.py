@@ -38,6 +38,7 @@ from ._calling import (
     make_jaxpr,
     reveal_static,
     split_nodes,
+    stateful_objects,
     static_key,
     with_closure,
     write_back,
@@ -319,6 +320,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
+    stateful = stateful_objects((bound, args, kwargs))
     (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
     call_parts = _Call(
         bound, code_as_data(plants), args, kwargs, graph, closure_of(fn), globals_read(fn)
@@ -366,7 +368,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
         except _RunsRules:
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
-    write_back(nodes, changes)
+    write_back(nodes, changes, stateful)
     return reveal_static(out), nested_dict(flat)
 
 
