@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _attention
+from . import _attention, _errors
 from ._attention import HOOKS
 from ._calling import Stateful, is_array
 from ._instrument_linen import run_linen
@@ -432,6 +432,8 @@ class Instrumented(Stateful):
     def __call__(self, *args, **kwargs):
         if self._kind == "penzai":
             frozen = penzai_states(self.target, frozen=True)
+            if self._ops and (states := frozen or penzai_states(self.target, frozen=False)):
+                raise _errors.penzai_state_with_ops([str(s.label) for s in states.values()])
             if frozen:
                 # A traced copy: the model writes its state variables, so it runs on
                 # mutable copies, and keeps what they hold after (for the next call,
