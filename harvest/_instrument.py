@@ -569,6 +569,11 @@ def instrument(
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
     takes plants of either shape.
 
+    A Penzai model's variables are traced as their frozen values; the
+    ``pz.StateVariable`` s it writes (the KV caches of Penzai's sampling mode)
+    are given their new values after each harvest call, as the model's own call
+    would leave them.
+
     Args:
         target: the model: a Flax NNX module, an Equinox module, a Penzai layer
             (``pz.nn.Layer``), or any callable (for Linen, the function that calls

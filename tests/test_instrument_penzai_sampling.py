@@ -94,6 +94,18 @@ class Zeros(pz.nn.Layer):
 
 
 @pz.pytree_dataclass
+class Traced(pz.nn.Layer):
+    """The identity, counting in TRACES each time JAX traces it."""
+
+    def __call__(self, x, **side_inputs):
+        TRACES.append(1)
+        return x
+
+
+TRACES: list = []
+
+
+@pz.pytree_dataclass
 class Double(pz.nn.Layer):
     def __call__(self, x, **side_inputs):
         return x * 2.0
@@ -193,13 +205,16 @@ def test_steered_decode_loops_give_the_hand_steered_tokens(model):
         expected.append(int(token.unwrap("batch")[0]))
         token = greedy(by_penzai(hand, token[{"seq": None}]))
 
-    mine = sampler(model)
+    TRACES.clear()
+    counted = pz.select(model).at(lambda m: m.body.sublayers).apply(lambda l: [*l, Traced()])
+    mine = sampler(counted)
     steer = plant(instrument(mine), tag="modules")
     token, got = greedy(steer({BLOCK: add_vector(vector)}, STEPS[0])), []
     for _ in range(n):
         got.append(int(token.unwrap("batch")[0]))
         token = greedy(steer({BLOCK: add_vector(vector)}, token[{"seq": None}]))
     assert got == expected
+    assert len(TRACES) == 2  # the prompt's shape, then one token's: each step compiled once
     assert int(mine.cache_end_index.value) == 3 + n
 
     unbound, frozen = pz.unbind_state_vars(sampler(model), freeze=True)
