@@ -569,10 +569,10 @@ def instrument(
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
     takes plants of either shape.
 
-    A Penzai model's variables are traced as their frozen values; the
-    ``pz.StateVariable`` s it writes (the KV caches of Penzai's sampling mode)
-    are given their new values after each harvest call, as the model's own call
-    would leave them.
+    A Penzai model's variables are traced as their frozen values; each
+    ``pz.StateVariable`` it writes (a KV cache of Penzai's sampling mode) is
+    given its new value after each harvest call, as the model's own call would
+    leave it.
 
     Args:
         target: the model: a Flax NNX module, an Equinox module, a Penzai layer
