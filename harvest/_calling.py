@@ -351,9 +351,13 @@ class Stateful:
 
 
 def stateful_objects(tree: Any) -> tuple[Stateful, ...]:
-    """The `Stateful` objects in `tree`, in flattening order."""
+    """The `Stateful` objects in `tree`, in flattening order (not looking inside NNX
+    graph nodes, which hold none and can be large)."""
+    nnx = _nnx()
+    is_node = nnx.graph.is_graph_node if nnx is not None else lambda x: False
     is_stateful = lambda x: isinstance(x, Stateful)
-    return tuple(x for x in jax.tree_util.tree_leaves(tree, is_leaf=is_stateful) if is_stateful(x))
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: is_stateful(x) or is_node(x))
+    return tuple(x for x in leaves if is_stateful(x))
 
 
 def held_states(tree: Any) -> tuple[Any, ...]:
