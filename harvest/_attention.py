@@ -374,11 +374,14 @@ _HEAD_AXES = ("heads", "head_groups", "query_heads_per_group")  # Penzai's own n
 
 
 def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
+    """The paths of Penzai's attention layers: `pz.nn.Attention`, and `KVCachingAttention`
+    (sampling mode), whose sublayers are the same; its keys and values are the new
+    tokens', its pattern over every position of the cache."""
     try:
-        from penzai.nn.attention import Attention
+        from penzai.nn.attention import Attention, KVCachingAttention
     except ImportError:  # Penzai is optional
         return frozenset()
-    return frozenset(p for p, m in parts if type(m) is Attention)
+    return frozenset(p for p, m in parts if type(m) in (Attention, KVCachingAttention))
 
 
 def penzai_hook(call: Any, path: str, value: Any) -> Any:

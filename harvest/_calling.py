@@ -296,20 +296,22 @@ class Changes:
 
     paths: tuple[tuple[Any, ...], ...]
     variables: tuple[Any, ...]
+    states: tuple[Any, ...] = ()  # per `Stateful` object of the call, its state after it
 
-    def tree_flatten(self) -> tuple[tuple[tuple[Any, ...]], tuple[tuple[Any, ...], ...]]:
-        return (self.variables,), self.paths
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
+        return (self.variables, self.states), self.paths
 
     @classmethod
     def tree_unflatten(cls, paths: tuple[tuple[Any, ...], ...], children: Any) -> Changes:
-        return cls(paths, tuple(children[0]))
+        return cls(paths, tuple(children[0]), tuple(children[1]))
 
     def keep(self, kept: list[bool]) -> Changes:
-        return (
-            Changes(*zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k]))
+        paths, variables = (
+            zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k])
             if any(kept)
-            else Changes((), ())
+            else ((), ())
         )
+        return Changes(tuple(paths), tuple(variables), self.states)
 
 
 def call_merged(
@@ -320,7 +322,9 @@ def call_merged(
     whose value it replaced or that it added, and, for each of those, the
     value it had before (None for an added one)."""
     if graph is None:
-        return f(*args, **kwargs), None, []
+        out = f(*args, **kwargs)
+        states = held_states((f, args, kwargs))
+        return out, (Changes((), (), states) if states else None), []
     nnx = _nnx()
     fresh = nnx.merge(graph.graphdef, graph.state)
     before = {path: var.get_value() for path, var in nnx.to_flat_state(nnx.state(fresh))}
@@ -333,7 +337,9 @@ def call_merged(
         for path, var in nnx.to_flat_state(nnx.state(fresh))
         if path not in before or var.get_value() is not before[path]
     ]
-    changes = Changes(tuple(p for p, _ in changed), tuple(v for _, v in changed))
+    changes = Changes(
+        tuple(p for p, _ in changed), tuple(v for _, v in changed), held_states((f, args, kwargs))
+    )
     return out, changes, [before.get(p) for p in changes.paths]
 
 
@@ -354,9 +360,15 @@ def changes_discarded() -> Iterator[None]:
         _measuring.on = before
 
 
-def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
-    """Gives the caller's graph nodes the state a call left in their merged copies."""
-    if not nodes or changes is None or not changes.paths or getattr(_measuring, "on", False):
+def write_back(nodes: tuple[Any, ...], changes: Changes | None, stateful: tuple = ()) -> None:
+    """Gives the caller's graph nodes the state a call left in their merged copies,
+    and the caller's `Stateful` objects (`stateful_objects` of the call) theirs."""
+    if changes is None or getattr(_measuring, "on", False):
+        return
+    for obj, state in zip(stateful, changes.states):
+        if state is not None:
+            obj.harvest_write_state(state)
+    if not nodes or not changes.paths:
         return
     nnx = _nnx()
     from flax.errors import TraceContextError
@@ -368,6 +380,42 @@ def write_back(nodes: tuple[Any, ...], changes: Changes | None) -> None:
         names = ", ".join(".".join(map(str, p[len(nodes) == 1 :])) for p in changes.paths[:4])
         more = ", ..." if len(changes.paths) > 4 else ""
         raise _errors.nnx_state_from_another_trace(TraceContextError, names + more) from e
+
+
+# ---------------------------------------------------------------------------
+# Objects holding state of their own (an instrumented Penzai model's
+# `pz.StateVariable`s): flattened, they give the state's values, which are
+# traced; the copy inside the trace updates its own; its state after the call
+# is an output, given to the caller's object afterwards.
+
+
+class Stateful:
+    """Base of a pytree whose traced copy a call may give new state."""
+
+    def harvest_state(self) -> Any:
+        """Inside the trace: the state this copy holds now (None: it holds none)."""
+        raise NotImplementedError
+
+    def harvest_write_state(self, state: Any) -> None:
+        """After the call, on the caller's object: takes `state` as its own."""
+        raise NotImplementedError
+
+
+def stateful_objects(tree: Any) -> tuple[Stateful, ...]:
+    """The `Stateful` objects in `tree`, in flattening order (not looking inside NNX
+    graph nodes, which hold none and can be large)."""
+    nnx = _nnx()
+    is_node = nnx.graph.is_graph_node if nnx is not None else lambda x: False
+    is_stateful = lambda x: isinstance(x, Stateful)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: is_stateful(x) or is_node(x))
+    return tuple(x for x in leaves if is_stateful(x))
+
+
+def held_states(tree: Any) -> tuple[Any, ...]:
+    """The state of each `Stateful` object in `tree` (in `stateful_objects`'s order),
+    or () if none holds any."""
+    states = tuple(obj.harvest_state() for obj in stateful_objects(tree))
+    return states if any(s is not None for s in states) else ()
 
 
 # ---------------------------------------------------------------------------
@@ -438,6 +486,7 @@ def _drop_copies(closed: Any, out_shape: Any, priors: list[list[int | None]]) ->
         )
         kept.append(not same)
         used += [not same] * n
+    used += [True] * (len(outvars) - start)  # the `Stateful` objects' states
     if all(kept):
         return closed, out_shape
     return _jax.prune_outputs(closed, used), (out, changes.keep(kept))

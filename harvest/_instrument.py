@@ -32,9 +32,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _attention
+from . import _attention, _errors
 from ._attention import HOOKS
-from ._calling import is_array
+from ._calling import Stateful, is_array
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
 from ._module_paths import (
@@ -42,8 +42,10 @@ from ._module_paths import (
     frozen_variables,
     is_named_array,
     kind as target_kind,
+    penzai_states,
     penzai_variables,
     submodules,
+    with_states,
 )
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
@@ -345,11 +347,17 @@ def _unmark(parts):
 # The public callable.
 
 
-class Instrumented:
+class Instrumented(Stateful):
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
     take it as an argument or bound object trace the model's arrays.
+
+    A Penzai model's variables are its frozen values when flattened. Called
+    with frozen `pz.StateVariable` values (inside a harvest trace, or a jit it
+    was passed to), it runs on mutable copies of them, as `pz.variable_jit`
+    does, and keeps their new values; a harvest call hands those out of its
+    trace and writes them to the caller's variables (`Stateful`).
     """
 
     def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False):
@@ -412,7 +420,35 @@ class Instrumented:
             f"inputs={self._inputs}, attention={self._attention})"
         )
 
+    def harvest_state(self):
+        if self._kind != "penzai":
+            return None
+        return tuple(penzai_states(self.target, frozen=True).values()) or None
+
+    def harvest_write_state(self, state):
+        for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
+            variable.update(value)
+
     def __call__(self, *args, **kwargs):
+        if self._kind == "penzai":
+            frozen = penzai_states(self.target, frozen=True)
+            if self._ops and (states := frozen or penzai_states(self.target, frozen=False)):
+                raise _errors.penzai_state_with_ops([str(s.label) for s in states.values()])
+            if frozen:
+                # A traced copy: the model writes its state variables, so it runs on
+                # mutable copies, and keeps what they hold after (for the next call,
+                # and for `harvest_state`).
+                live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
+                self.target = with_states(self.target, live)
+                try:
+                    return self._call(*args, **kwargs)
+                finally:
+                    self.target = with_states(
+                        self.target, {slot: v.freeze() for slot, v in live.items()}
+                    )
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         call = _Call(
             self._tag,
             self._select,
@@ -532,6 +568,11 @@ def instrument(
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
     takes plants of either shape.
+
+    A Penzai model's variables are traced as their frozen values; each
+    ``pz.StateVariable`` it writes (a KV cache of Penzai's sampling mode) is
+    given its new value after each harvest call, as the model's own call would
+    leave it.
 
     Args:
         target: the model: a Flax NNX module, an Equinox module, a Penzai layer

@@ -68,6 +68,27 @@ def frozen_variables(model: Any) -> Any:
     return jax.tree_util.tree_unflatten(tree, [x.freeze() if is_variable(x) else x for x in leaves])
 
 
+def penzai_states(model: Any, frozen: bool) -> dict[Any, Any]:
+    """A Penzai model's state variables by slot, in tree order (each once): the
+    mutable ones (`pz.StateVariable`), or, with `frozen`, their frozen values."""
+    from penzai.core.variables import StateVariable, StateVariableValue
+
+    want = StateVariableValue if frozen else StateVariable
+    is_state = lambda x: issubclass(type(x), want)
+    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_state)
+    return {x.get_slot(): x for x in leaves if is_state(x)}
+
+
+def with_states(model: Any, states: dict[Any, Any]) -> Any:
+    """`model` with each state variable (mutable or frozen) at a slot of `states` replaced by its entry."""
+    from penzai.core.variables import StateVariable, StateVariableValue
+
+    is_state = lambda x: issubclass(type(x), (StateVariable, StateVariableValue))
+    return jax.tree_util.tree_map(
+        lambda x: states.get(x.get_slot(), x) if is_state(x) else x, model, is_leaf=is_state
+    )
+
+
 def kind(target: Any) -> str | None:
     """ "nnx", "equinox", "penzai", "function", or None for a target `instrument` cannot take."""
     nnx, eqx, layer = _nnx(), _eqx(), penzai_layer()

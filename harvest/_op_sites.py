@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 
 from . import _jax
-from ._calling import make_jaxpr, reveal_static, split_nodes, write_back
+from ._calling import make_jaxpr, reveal_static, split_nodes, stateful_objects, write_back
 from ._evaluator import evaluate
 from ._higher_order import describe
 from ._modes import AUTO
@@ -32,11 +32,12 @@ INSTRUMENT_MODE = (
 
 def sow_ops(f, call, args, kwargs):
     """Runs `f(*args, **kwargs)` with each primitive's output sown for `call`."""
+    stateful = stateful_objects((f, args, kwargs))
     (f, args, kwargs), graph, nodes = split_nodes((f, args, kwargs))
     closed, arrays, out_shape = make_jaxpr(f, args, kwargs, graph, return_shape=True)
     outs = _Walk(call).eval(closed.jaxpr, closed.consts, arrays, (), INSTRUMENT_MODE)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
-    write_back(nodes, changes)
+    write_back(nodes, changes, stateful)
     return reveal_static(out)
 
 

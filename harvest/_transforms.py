@@ -38,6 +38,7 @@ from ._calling import (
     make_jaxpr,
     reveal_static,
     split_nodes,
+    stateful_objects,
     static_key,
     with_closure,
     write_back,
@@ -322,6 +323,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
+    stateful = stateful_objects((bound, args, kwargs))
     # NNX nodes the function closes over or reads from its module are split as arguments are.
     (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
         (bound, args, kwargs, closure_of(fn), globals_read(fn))
@@ -370,7 +372,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
         except _RunsRules:
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
-    write_back(nodes, changes)
+    write_back(nodes, changes, stateful)
     return reveal_static(out), nested_dict(flat)
 
 
