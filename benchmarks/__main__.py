@@ -233,6 +233,8 @@ def render(results):
             "",
             *results["instrument"],
             "",
+            *bench_models.render(results["models"]),
+            "",
             *bench_retrace.render(results["retrace"]),
             "",
             *bench_devices.render(results["devices"]),
@@ -302,6 +304,7 @@ def run(quick=False, large=False):
     results = {"machine": _timing.machine(), "config": cfg, "core": bench_core.run(cfg)}
     results["patching"], results["patching_size"] = _patching(size), size
     results["instrument"] = _instrument(size)
+    results["models"] = _run_section(bench_models, quick)
     results["retrace"] = _run_section(bench_retrace, quick)
     results["devices"] = _run_section(bench_devices, quick)
     results["unharvested"] = _run_section(bench_unharvested, quick)

@@ -44,7 +44,7 @@ def is_array(leaf):
     """Whether a leaf of the arguments is traced (a JAX or NumPy array, or a tracer)."""
     if type(leaf) in _ARRAY_TYPES:  # a set lookup: `jax.Array`'s ABC check costs more per leaf
         return True
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, *_jax.LITERAL_TYPES)):
         _ARRAY_TYPES.add(type(leaf))
         return True
     return False

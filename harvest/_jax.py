@@ -44,6 +44,13 @@ from . import _errors
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
 
+try:  # the values of a jaxpr's literals: an ndarray subclass on 0.10, a type of its own on 0.8
+    from jax._src.literals import TypedNdArray as _TypedNdArray
+
+    LITERAL_TYPES: tuple[type, ...] = (_TypedNdArray,)
+except ImportError:
+    LITERAL_TYPES = ()
+
 Primitive = _core.Primitive
 Jaxpr = _core.Jaxpr
 ClosedJaxpr = _core.ClosedJaxpr

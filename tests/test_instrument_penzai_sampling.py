@@ -18,6 +18,8 @@ pz = pytest.importorskip("penzai.pz")
 llamalike = pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
 sampling_mode = pytest.importorskip("penzai.models.transformer.sampling_mode")
 
+from test_instrument_penzai import _get, edited  # noqa: E402  (the same hand edits, after the skip)
+
 BLOCK = "body.sublayers.1"  # the first transformer block
 ATTN = "body.sublayers.1.sublayers.0.delta.sublayers.1"  # its KVCachingAttention in sampling mode
 CACHE = 8
@@ -109,22 +111,6 @@ TRACES: list = []
 class Double(pz.nn.Layer):
     def __call__(self, x, **side_inputs):
         return x * 2.0
-
-
-def edited(model, path, layer):
-    """`model` with `layer` applied after the sublayer at the dotted key `path`."""
-    keys = tuple(path.split("."))
-    return (
-        pz.select(model)
-        .at(lambda m: _get(m, keys))
-        .apply(lambda sub: pz.nn.Sequential([sub, layer]))
-    )
-
-
-def _get(node, keys):
-    for k in keys:
-        node = node[int(k)] if k.isdigit() else getattr(node, k)
-    return node
 
 
 def test_reap_through_a_cached_decode_matches_penzai_and_its_cache(model):
