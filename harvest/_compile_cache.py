@@ -56,8 +56,9 @@ def set_compile_cache(
     Args:
         max_programs: How many keys each cache keeps (a positive int; default
             64). ``None`` leaves it as it is.
-        warn_after: How many traces of one function's code to allow before
-            warning (a positive int; default 32). ``None`` leaves it as it is.
+        warn_after: How many traces of one function's code for the same
+            shapes and structure to allow before warning (a positive int;
+            default 32). ``None`` leaves it as it is.
 
     Returns:
         The settings before the call, as ``{"max_programs": ..., "warn_after": ...}``
