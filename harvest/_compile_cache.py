@@ -87,9 +87,10 @@ def set_compile_cache(
 
 # -- how often each function's code was traced, for the one-time warning --------
 
-# Keyed by (code, shapes, alike): code objects live as long as their module, so
-# this grows only with the distinct programs traced, each counted once per retrace.
-_traced: dict[Any, int] = {}
+# Keyed by (code, shapes, alike), the most recent kept: a long process tracing many
+# shapes forgets the oldest counts instead of growing.
+_traced: collections.OrderedDict[Any, int] = collections.OrderedDict()
+_TRACED_KEPT = 4096
 _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -110,12 +111,14 @@ def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
     if code is None:
         return
     shapes = tuple((getattr(a, "shape", ()), str(getattr(a, "dtype", type(a)))) for a in arrays)
+    key = (code, shapes, alike)
     try:
-        key = (code, shapes, alike)
-        n = _traced[key] = _traced.get(key, 0) + 1
-    except TypeError:  # `alike` holds something unhashable: counted by code alone
-        key, n = (code, shapes, None), _traced.get((code, shapes, None), 0) + 1
-        _traced[key] = n
+        hash(key)
+    except TypeError:  # `alike` holds something unhashable: counted by code and shapes alone
+        key = (code, shapes, None)
+    n = _traced[key] = _traced.pop(key, 0) + 1
+    if len(_traced) > _TRACED_KEPT:
+        _traced.popitem(last=False)
     if n > _settings["warn_after"] and code not in _warned:
         _warned.add(code)
         warnings.warn(_errors.recompiles(_where(fn), n), stacklevel=4)
