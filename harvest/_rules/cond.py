@@ -126,7 +126,11 @@ def _cond(walk, eqn, invals):
         return fn
 
     types = None
-    if any(map(_jax.mesh_typed, jax.tree_util.tree_leaves([s[1] for _, s, _ in traced]))):
+    # The jaxpr's avals, not make_jaxpr's shapes: JAX 0.8's shapes drop the sharding.
+    record_avals = [
+        a for c, s, _ in traced for a in c.out_avals[len(jax.tree_util.tree_leaves(s[0])) :]
+    ]
+    if any(map(_jax.mesh_typed, record_avals)):
         # Every branch returns each record typed alike (sharding under Explicit
         # mesh axes, varying axes inside shard_map): as the first branch that
         # sows it, varying over the axes any branch's varies over.
