@@ -167,7 +167,7 @@ def _while(walk, eqn, invals):
     kept0 = {}
     if stacked:  # one abstract walk of the body gives the shapes its records take
         shapes = jax.eval_shape(lambda: run_body(list(init), rec0, t0, n0)[2])
-        lead = () if steps is None else (steps,)
+        lead = () if steps is None else (steps + 1,)  # the last row: past `steps` (`_write_row`)
         kept0 = jax.tree_util.tree_map(lambda s: jnp.zeros(lead + s.shape, s.dtype), shapes)
     loop = _while_per_example if batch else lax.while_loop
     c, rec, kept, count, n = loop(cond_fn, body_fn, (list(init), rec0, kept0, t0, n0))
@@ -176,8 +176,9 @@ def _while(walk, eqn, invals):
         if steps is None:
             records[path] = Record(sites[path], list(v))
         else:
+            rows = jax.tree_util.tree_map(lambda b: b[:steps], v)
             records[path] = Record(
-                sites[path], [Steps(stacked_record(sites[path], v).result(), count)]
+                sites[path], [Steps(stacked_record(sites[path], rows).result(), count)]
             )
     # A later sow of a name planted by index counts the occurrences the loop gave.
     walk.absorb(records, n)
@@ -195,12 +196,12 @@ def _counted(plants, sites):
 
 
 def _write_row(t, buffer, row):
-    """`buffer` with row `t` set to `row`; past the last row, unchanged. An update
-    in place of one row (a scatter that may drop would copy the buffer)."""
-    last = buffer.shape[0] - 1
-    at = jnp.minimum(t, last)
-    row = jnp.where(t <= last, row, lax.dynamic_index_in_dim(buffer, at, keepdims=False))
-    return lax.dynamic_update_index_in_dim(buffer, row, at, 0)
+    """`buffer` with row `t` set to `row`, in place. The buffer has one row more
+    than it records: iterations past the record all write that spare row, which
+    is cut off after the loop, so a step writes one row and reads nothing (a
+    select keeping the old row past the end, or a scatter that may drop, would
+    cost a read or a copy of the buffer every step)."""
+    return lax.dynamic_update_index_in_dim(buffer, row, jnp.minimum(t, buffer.shape[0] - 1), 0)
 
 
 def _last_per_example(record, batch):
