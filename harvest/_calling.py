@@ -405,9 +405,7 @@ def stateful_objects(tree: Any) -> tuple[Stateful, ...]:
     """The `Stateful` objects in `tree`, in flattening order (not looking inside NNX
     graph nodes, which hold none and can be large)."""
     is_stateful = lambda x: isinstance(x, Stateful)
-    leaves = jax.tree_util.tree_leaves(
-        tree, is_leaf=lambda x: is_stateful(x) or _is_graph_node(x)
-    )
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: is_stateful(x) or _is_graph_node(x))
     return tuple(x for x in leaves if is_stateful(x))
 
 
