@@ -19,6 +19,7 @@ a harvested call leaves a module exactly as a direct call would.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -399,6 +400,27 @@ class Stateful:
     def harvest_write_state(self, state: Any) -> None:
         """After the call, on the caller's object: takes `state` as its own."""
         raise NotImplementedError
+
+
+_flattening_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "harvest_flattening_call", default=False
+)
+
+
+@contextlib.contextmanager
+def flattening_call() -> Iterator[None]:
+    """While harvest flattens one call's parts: a `Stateful` object may flatten to
+    a form that is cheaper to flatten again (an instrumented Penzai model gives its
+    arrays as direct children), which only harvest's own walk unflattens."""
+    token = _flattening_call.set(True)
+    try:
+        yield
+    finally:
+        _flattening_call.reset(token)
+
+
+def in_flattening_call() -> bool:
+    return _flattening_call.get()
 
 
 def stateful_objects(tree: Any) -> tuple[Stateful, ...]:

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from . import _attention, _errors
 from ._attention import HOOKS
-from ._calling import Stateful, is_array
+from ._calling import Stateful, in_flattening_call, is_array
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
 from ._module_paths import (
@@ -358,10 +358,21 @@ class Instrumented(Stateful):
     was passed to), it runs on mutable copies of them, as `pz.variable_jit`
     does, and keeps their new values; a harvest call hands those out of its
     trace and writes them to the caller's variables (`Stateful`).
+
+    Flattening a Penzai layer tree runs Python for every layer, and an eager
+    harvest call flattens its parts several times (`jax.jit` once). So while
+    harvest flattens a call (`flattening_call`), the model gives the frozen
+    model's arrays as direct children, its structure (kept while no variable
+    changes) as auxiliary data, and the copy made from them rebuilds the model
+    only when it is first used. Any other flatten (`jax.jit`, `pz.select`)
+    gives the frozen model itself as the one child, so its layers are seen.
     """
 
-    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False):
-        self.target = target
+    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False, leaves=None):
+        self._target = target
+        # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
+        self._leaves = leaves
+        self._rebuilt = False  # whether `target` was rebuilt from `_leaves`
         self._kind = kind
         self._tag = tag
         self._ops = ops
@@ -369,8 +380,22 @@ class Instrumented(Stateful):
         self._attention = attention
         self._select = select
         self._where = where
-        self._frozen = None  # Penzai: (the variables, their values, the model frozen from them)
-        functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
+        self._frozen = (
+            None  # Penzai: (the variables, their values, the frozen model's arrays, structure)
+        )
+        if leaves is None:
+            functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
+
+    @property
+    def target(self):
+        if self._leaves is not None:
+            tree, leaves = self._leaves
+            self._target, self._leaves, self._rebuilt = tree.unflatten(leaves), None, True
+        return self._target
+
+    @target.setter
+    def target(self, value):
+        self._target, self._leaves = value, None
 
     def _static(self):
         return (
@@ -385,34 +410,55 @@ class Instrumented(Stateful):
 
     def tree_flatten(self):
         if self._kind == "function":
-            return (), (self.target, self._static())
-        if self._kind == "penzai":
-            # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
-            # static leaf its old value would stay in a compiled program. Frozen,
-            # the weights are arrays, traced like any argument.
-            return (self._frozen_target(),), (None, self._static())
-        return (self.target,), (None, self._static())
+            return (), ("function", self.target, self._static())
+        if (
+            self._kind == "penzai"
+            and not self._rebuilt
+            and (self._leaves is not None or in_flattening_call())
+        ):
+            tree, leaves = self._leaves if self._leaves is not None else self._frozen_flat()
+            return leaves, ("leaves", tree, self._static())
+        return self._children(), ("tree", None, self._static())
 
-    def _frozen_target(self):
-        """The Penzai model with its variables frozen, rebuilt only when one of them
-        holds a new value (an eager call flattens the model several times)."""
+    def tree_flatten_with_keys(self):
+        children, aux = (
+            (self._children(), ("tree", None, self._static()))
+            if self._kind != "function"
+            else self.tree_flatten()
+        )
+        return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
+
+    def _children(self):
+        # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
+        # static leaf its old value would stay in a compiled program. Frozen,
+        # the weights are arrays, traced like any argument.
+        return (frozen_variables(self.target) if self._kind == "penzai" else self.target,)
+
+    def _frozen_flat(self):
+        """The Penzai model's frozen arrays and structure, computed again only when
+        one of its variables holds a new value (an eager call flattens the model
+        several times)."""
         if self._frozen is None:
             variables = penzai_variables(self.target)
         else:
-            variables, values, frozen = self._frozen
+            variables, values, leaves, tree = self._frozen
             if all(v.value is old for v, old in zip(variables, values)):
-                return frozen
+                return tree, leaves
         values = [v.value for v in variables]
-        frozen = frozen_variables(self.target)
+        leaves, tree = jax.tree_util.tree_flatten(frozen_variables(self.target))
         # Only values of JAX arrays can stand for themselves (a NumPy array changes in place).
         if all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(values)):
-            self._frozen = (variables, values, frozen)
-        return frozen
+            self._frozen = (variables, values, leaves, tree)
+        return tree, leaves
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        target = aux[0] if children == () else children[0]
-        return cls(target, *aux[1])
+        form, data, static = aux
+        if form == "function":
+            return cls(data, *static)
+        if form == "leaves":
+            return cls(None, *static, leaves=(data, list(children)))
+        return cls(children[0], *static)
 
     def __repr__(self):
         return (
@@ -510,7 +556,12 @@ class Instrumented(Stateful):
         )
 
 
-jax.tree_util.register_pytree_node_class(Instrumented)
+jax.tree_util.register_pytree_with_keys(
+    Instrumented,
+    Instrumented.tree_flatten_with_keys,
+    Instrumented.tree_unflatten,
+    flatten_func=Instrumented.tree_flatten,
+)
 
 
 def _sample(names, k=6):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from . import _errors, _jax
 from ._calling import (
     closure_of,
+    flattening_call,
     globals_read,
     is_array,
     make_jaxpr,
@@ -323,14 +324,15 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
-    stateful = stateful_objects((bound, args, kwargs))
-    # NNX nodes the function closes over or reads from its module are split as arguments are.
-    (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
-        (bound, args, kwargs, closure_of(fn), globals_read(fn))
-    )
-    call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
-    leaves, treedef = jax.tree_util.tree_flatten(call_parts)
-    traced = _traced_leaves(call_parts)
+    with flattening_call():
+        stateful = stateful_objects((bound, args, kwargs))
+        # NNX nodes the function closes over or reads from its module are split as arguments are.
+        (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
+            (bound, args, kwargs, closure_of(fn), globals_read(fn))
+        )
+        call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
+        leaves, treedef = jax.tree_util.tree_flatten(call_parts)
+        traced = _traced_leaves(call_parts)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
         treedef,
