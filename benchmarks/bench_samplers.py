@@ -172,4 +172,12 @@ def render(rows):
             f"| {r['measure']} | {1e3 * r['ours']:.3f} | {1e3 * r['theirs']:.3f} "
             f"| {r['ratio']:.3f} | {target} |"
         )
+    lines += [
+        "",
+        "Compiled, the per-step record is the decode's own loop plus, per recorded site and",
+        "iteration, one in-place write of a row into a buffer the loop carries (`max_steps`",
+        "rows and a spare one that iterations past them write, cut off after the loop; XLA",
+        "shares the loop's own counter for the row index); after the loop, one copy of each",
+        "buffer into its output and the outputs themselves (a buffer and a count per site).",
+    ]
     return lines
