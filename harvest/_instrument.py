@@ -380,9 +380,8 @@ class Instrumented(Stateful):
         self._attention = attention
         self._select = select
         self._where = where
-        self._frozen = (
-            None  # Penzai: (the variables, their values, the frozen model's arrays, structure)
-        )
+        # Penzai: (the variables, their values, the frozen model's arrays, its structure).
+        self._frozen = None
         if leaves is None:
             functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
@@ -395,7 +394,7 @@ class Instrumented(Stateful):
 
     @target.setter
     def target(self, value):
-        self._target, self._leaves = value, None
+        self._target, self._leaves, self._frozen = value, None, None
 
     def _static(self):
         return (
@@ -421,18 +420,22 @@ class Instrumented(Stateful):
         return self._children(), ("tree", None, self._static())
 
     def tree_flatten_with_keys(self):
-        children, aux = (
-            (self._children(), ("tree", None, self._static()))
-            if self._kind != "function"
-            else self.tree_flatten()
-        )
+        if self._kind == "function":
+            children, aux = self.tree_flatten()
+        else:
+            children, aux = self._children(), ("tree", None, self._static())
         return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
 
     def _children(self):
+        if self._kind != "penzai":
+            return (self.target,)
         # A Penzai `Parameter` is a mutable leaf, hashed by identity: as a
         # static leaf its old value would stay in a compiled program. Frozen,
-        # the weights are arrays, traced like any argument.
-        return (frozen_variables(self.target) if self._kind == "penzai" else self.target,)
+        # the weights are arrays, traced like any argument. A model with no
+        # variable left to freeze (a copy a flatten made) is its own child, so
+        # `pz.select(...).at(...)` finds the layers it picked in it.
+        target = self.target
+        return (frozen_variables(target) if penzai_variables(target) else target,)
 
     def _frozen_flat(self):
         """The Penzai model's frozen arrays and structure, computed again only when

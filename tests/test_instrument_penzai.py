@@ -211,6 +211,7 @@ def test_pz_select_still_works_on_the_instrumented_model(model):
     # Penzai's own selection reaches through the instrumented wrapper and keeps it instrumented.
     softmaxes = pz.select(m).at_instances_of(pz.nn.Softmax)
     assert softmaxes.count() == 1
+    assert pz.select(m).at(lambda i: i.target.body.sublayers[1]).count() == 1  # by accessor
     edited_m = softmaxes.apply(lambda s: pz.nn.Sequential([s, pz.nn.Identity()]))
     assert type(edited_m) is type(m)
     np.testing.assert_array_equal(logits(edited_m(CLEAN)), logits(model(CLEAN)))
