@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import add_vector, call_and_reap, instrument, plant, reap, sites
+from harvest import add_vector, call_and_reap, instrument, patching_sweep, plant, reap, sites
 
 pz = pytest.importorskip("penzai.pz")
 llamalike = pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
@@ -236,3 +236,22 @@ def test_sites_leave_the_cache_and_ops_is_a_short_error(model):
     with pytest.raises(ValueError, match="ops=False") as info:
         instrument(mine, ops=True)(STEPS[0])
     assert len(str(info.value)) < 600 and "sampler/cache_0" in str(info.value)
+
+
+def test_patching_sweep_over_a_cached_prompt_leaves_the_cache(model):
+    clean_prompt, corrupt_prompt = tokens(1, 2, 3), tokens(1, 7, 3)
+    clean_out, clean = call_and_reap(instrument(sampler(model), where=BLOCK), tag="modules")(
+        clean_prompt
+    )
+    fresh = sampler(model)
+    metric = lambda out: data(out)[0, -1, 3]
+    result = patching_sweep(
+        instrument(fresh, where=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
+    )
+    assert_same_state(fresh, sampler(model))  # a sweep measures: the cache is left as it was
+    # By hand: with one block, the last position's logits read only the block's output
+    # there, so patching an earlier position changes nothing, and patching the last gives
+    # the clean run's logits (the corrupted run by Penzai itself, on a fresh cache).
+    by_hand = metric(clean_out) - metric(by_penzai(sampler(model), corrupt_prompt))
+    assert result.names == (BLOCK,)
+    np.testing.assert_allclose(result.values[0], [0.0, 0.0, by_hand], rtol=1e-5, atol=1e-6)
