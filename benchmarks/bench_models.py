@@ -14,8 +14,8 @@ each pair timed interleaved in one run:
 * steady, inside `jax.jit`: the capture jitted, vs the jitted forward taking the weights
   as the capture does (Penzai: closed over, as constants);
 * steady, inside `jax.jit`, against the same forward also returning one array per
-  reaped site (of its shape, filled from the output): the cost of returning that
-  many arrays, which the capture cannot avoid;
+  reaped site (of its shape, filled from the output): a forward that returns as
+  many arrays as the capture;
 * first call: both after `jax.clear_caches()` (trace and compile).
 
 The Gemma row is left out, with the reason, where the `gemma` library does not
@@ -236,14 +236,14 @@ def render(rows: list[dict]) -> list[str]:
         "changed parameter is seen); the reference `jax.jit` call flattens the Penzai layer tree in",
         "Python on every call, which is why the eager capture can be the faster one.",
         "",
-        "Inside `jax.jit`, the compiled capture is the model's own program plus its outputs: the",
-        "capture returns 24 arrays where the forward returns one, and each costs JAX and XLA",
-        "something of its own (an output buffer, an array handed to Python; a few µs each here,",
-        "which is most of what is left above 1 on these small models). Beyond that, per hook,",
-        "one copy into the output's layout: XLA computes q/k/v/z and the pattern in the layouts",
-        "the model's einsums want (Gemma's pattern as `[B, T, N, S]`, its z with the heads",
-        "first), and an output is row-major in TransformerLens's axis order. The column against",
-        "the forward returning as many arrays (each filled from its output) shows the capture",
-        "against that floor.",
+        "Inside `jax.jit`, the compiled capture is the model's own program (less what only the",
+        "logits need) plus its outputs, which is what is left above 1: it returns 24 arrays",
+        "where the forward returns one (each an output buffer for XLA and an array for JAX to",
+        "hand back), and per hook one copy into the output's layout, as XLA computes q/k/v/z",
+        "and the pattern in the layouts the model's einsums want (Gemma's pattern as",
+        "`[B, T, N, S]`, its z with the heads first) while an output is row-major in",
+        "TransformerLens's axis order. The next column sets it beside the forward returning as",
+        "many arrays of the same shapes, each filled from its output (a small computation per",
+        "array): the capture's outputs are arrays the model computes anyway, so it costs less.",
     ]
     return lines
