@@ -26,7 +26,7 @@ from jax.tree_util import Partial
 
 from .. import _errors, _jax
 from .._sow import sow
-from .._transforms import call_and_reap, harvest, layer_tag, plant, reap
+from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
@@ -127,11 +127,12 @@ def _density(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> A
 
 
 def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Any:
-    # One walk finds the densities, the draws without a value, the enumerated and the blocked.
-    scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
-    (((_, unplanted), densities), markers), blocked = call_and_reap(
-        call_and_reap(scored, tag=ENUMERATED), tag=BLOCKED
-    )(values, _placeholder_key(), *args, **kwargs)
+    # One walk plants the values and finds the densities, the draws without a value,
+    # the enumerated and the blocked.
+    reaped = walked(f, (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED), values, args, kwargs)
+    unplanted, densities, markers, blocked = (
+        reaped.get(tag, {}) for tag in (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED)
+    )
     if blocked:
         check_blocked_unscored(Partial(_score, f), (values, *args), kwargs, "joint_log_prob")
     missing = set(leaf_paths(unplanted))
@@ -158,15 +159,23 @@ def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> An
 
 
 def _site_densities(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Reaped:
-    return reap(Partial(_planted, f), tag=LOG_DENSITY)(values, *args, **kwargs)
+    densities: Reaped = walked(f, (RANDOM_VARIABLE, LOG_DENSITY), values, args, kwargs).get(
+        LOG_DENSITY, {}
+    )
+    return densities
+
+
+def walked(
+    f: Callable[..., Any], tags: tuple[str, ...], values: Plants, args: Any, kwargs: Any
+) -> Reaped:
+    """`{tag: {name: value}}` of one walk of `f` under a placeholder key, with `values`
+    planted at its random variables and every other site of `tags` reaped."""
+    plants = {RANDOM_VARIABLE: values} if values else {}
+    return harvest_tags(f, tags)(plants, _placeholder_key(), *args, **kwargs)[1]
 
 
 def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     return sum(densities_of(_site_densities(f, values, args, kwargs)))
-
-
-def _planted(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    return plant(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
 
 
 def joint_log_prob(
