@@ -108,7 +108,7 @@ def _unscored(values: Reaped, densities: Reaped) -> list[str]:
 
 def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     _check_values(values, "joint_log_prob(f)")
-    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+    if _jax.staged_beneath():  # the outer jit is the cache: a walk would only re-bind the program
         return _density(f, values, args, kwargs)
     return reap(Partial(_total, f), tag=TOTAL)(values, *args, **kwargs)["total"]
 

@@ -126,7 +126,7 @@ def _run(
 def _log_density(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> Any:
-    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+    if _jax.staged_beneath():  # the outer jit is the cache: a walk would only re-bind the program
         return _density(f, observed, check, u, args, kwargs)
     return reap(Partial(_total, f, observed, check), tag=TOTAL)(u, *args, **kwargs)["total"]
 
