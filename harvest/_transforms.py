@@ -346,9 +346,10 @@ def run_walk(f, policy, reap, plants, args, kwargs):
         reap,
         _jax.differentiating(),
     )
-    if _jax.is_staging() or (static.differentiating and fn in _rule_walks):
-        # Already being staged (under jit, scan, ...): the outer trace is the
-        # cache, and walking in place saves a nested jit for XLA to inline.
+    if _jax.staged_beneath() or (static.differentiating and fn in _rule_walks):
+        # Already being staged (under jit, scan, ..., or a vmap or grad inside one):
+        # the outer trace is the cache, and walking in place saves a nested jit for
+        # XLA to inline (and, under vmap, batching the walk's jaxpr after the fact).
         out, flat, changes = _walk(fn, dynamic, static)
     else:
         try:
