@@ -758,13 +758,16 @@ def harvest(
 
 
 def harvest_tags(
-    f: Callable[P, R], tags: Any
+    f: Callable[P, R], tags: Any, allowlist: NameSelect = None
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """``harvest`` of several tags in one walk (for harvest's layers, not public):
     ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
     ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
-    one ``harvest`` per tag re-binds it once per tag; sows of other tags pass through."""
-    return transform(f, "harvest", Policy(Tags(frozenset(tags))), takes_plants=True, gives="both")
+    one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
+    ``allowlist`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
+    pass through."""
+    policy = Policy(Tags(frozenset(tags)), NameFilter.make(allowlist))
+    return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:

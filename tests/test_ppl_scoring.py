@@ -164,20 +164,26 @@ def test_a_density_walks_the_model_once_per_trace(walks):
         jax.jit(ppl.joint_log_prob(model))(values), _by_hand(W, SCALE, XS, Y), rtol=1e-6
     )
     assert (len(traces), len(walks)) == (2, 2)
-    # z fixed by intervene: one trace; intervene's own two walks (plant the value,
-    # drop its density) come before the density's one.
+    # z fixed by intervene: one trace; intervene's own walk (plant the value, drop its
+    # density) comes before the density's one.
     model, traces = _counted()
     walks.clear()
     jax.jit(ppl.joint_log_prob(ppl.intervene(model, z=1.0)))(values)
-    assert (len(traces), len(walks)) == (1, 3)
-    # unconstrained's gradient under jit: one trace; intervene's two walks and the
-    # density's one (u and y planted, every ppl tag reaped).
+    assert (len(traces), len(walks)) == (1, 2)
+    # unconstrained's gradient under jit: one trace; intervene's walk and the density's
+    # (u and y planted, every ppl tag reaped).
     model, traces = _counted()
     walks.clear()
     fixed = ppl.unconstrained(ppl.intervene(model, z=1.0), observed={"y": Y})
     u = {"w": jnp.array(0.1), "scale": jnp.array(-0.2), "x": XS}
     jax.jit(jax.grad(fixed.log_density))(u)
-    assert (len(traces), len(walks)) == (1, 3)
+    assert (len(traces), len(walks)) == (1, 2)
+    # block: one walk hides y and drops its density, under each of the three traces
+    # (the density, z summed out, and the check that no counted density reads y).
+    model, traces = _counted()
+    walks.clear()
+    jax.jit(ppl.joint_log_prob(ppl.block(model, "y")))({"w": W, "scale": SCALE, "x": XS})
+    assert (len(traces), len(walks)) == (3, 6)
 
 
 def test_eager_scores_are_the_jitted_ones():

@@ -31,7 +31,15 @@ from .._typing import P, Plants, R, Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
-from ._names import Among, dotted_paths, leaf_paths, merged, nested, random_variables_of
+from ._names import (
+    Among,
+    AmongUnderAnyTag,
+    dotted_paths,
+    leaf_paths,
+    merged,
+    nested,
+    random_variables_of,
+)
 from ._random_variable import is_distribution
 from ._tags import (
     BLOCKED,
@@ -210,21 +218,16 @@ def joint_log_prob(
     return Partial(_joint_log_prob, f)
 
 
-def _plant_values(
-    f: Callable[..., Any], chosen: Among, values: Plants, *args: Any, **kwargs: Any
-) -> Any:
-    return plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)(values, *args, **kwargs)
-
-
 def _fixed(
     f: Callable[..., Any], names: frozenset[str], values: Plants, *args: Any, **kwargs: Any
 ) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
-    chosen = Among(names)
+    # One walk plants the values and drops their densities (reaped, then thrown away).
+    chosen = AmongUnderAnyTag(names)
     try:
-        planted = Partial(_plant_values, f, chosen)
-        return call_and_reap(planted, tag=LOG_DENSITY, allowlist=chosen)(values, *args, **kwargs)[0]
+        walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), allowlist=chosen)
+        return walk({RANDOM_VARIABLE: values} if values else {}, *args, **kwargs)[0]
     except KeyError as error:
         known = random_variables_of(f, args, kwargs)
         unknown = sorted(set(leaf_paths(values)) - set(known))
