@@ -297,8 +297,8 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
         ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
         ...     return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
         >>> given = ppl.conditional(model, ["z", "x"])
-        >>> given(jax.random.key(0), 1.0, 2.0)  # x's value, as given (a Python float here)
-        2.0
+        >>> given(jax.random.key(0), 1.0, 2.0)  # x's value, as given (traced, as every value)
+        Array(2., dtype=float32, weak_type=True)
         >>> ppl.joint_log_prob(ppl.conditional(model, "z"))({"x": 0.0}, 0.0)
         Array(-0.9189385, dtype=float32)
     """
