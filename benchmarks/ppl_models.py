@@ -88,14 +88,13 @@ def _tfd() -> Any:
     return import_tfp().distributions
 
 
-def _eight_schools() -> Trial:
-    import numpyro
-    import numpyro.distributions as dist
-
+def eight_schools() -> Callable[[jax.Array], jax.Array]:
+    """A fresh harvest.ppl program of eight schools (non-centred), `key -> y`: the one
+    the trial and tests/test_ppl_unconstrained.py share (it needs no NumPyro)."""
     import harvest.ppl as ppl
 
     tfd = _tfd()
-    y, sigma = jnp.asarray(SCHOOLS_Y), jnp.asarray(SCHOOLS_SIGMA)
+    sigma = jnp.asarray(SCHOOLS_SIGMA)
 
     def ours(key):
         k_mu, k_tau, k_theta, k_y = jax.random.split(key, 4)
@@ -106,6 +105,17 @@ def _eight_schools() -> Trial:
         )
         theta = ppl.deterministic(mu + tau * tilde, name="theta")
         return ppl.random_variable(tfd.Independent(tfd.Normal(theta, sigma), 1), name="y")(k_y)
+
+    return ours
+
+
+def _eight_schools() -> Trial:
+    import numpyro
+    import numpyro.distributions as dist
+
+    tfd = _tfd()
+    y, sigma = jnp.asarray(SCHOOLS_Y), jnp.asarray(SCHOOLS_SIGMA)
+    ours = eight_schools()
 
     def theirs():
         mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))

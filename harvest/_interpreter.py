@@ -159,6 +159,15 @@ class NameFilter:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tags:
+    """Several tags walked at once, as a `Policy`'s tag: one walk plants and reaps
+    them all, each site filed under `(tag, *path)`, where nested walks of one tag
+    each would re-bind the whole program once per tag (harvest.ppl's scores)."""
+
+    tags: frozenset
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy:
     """Which sows a walk handles (plants or reaps), and how it re-emits the rest."""
 
@@ -170,21 +179,30 @@ class Policy:
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
     max_steps: int | None = None  # record this many iterations of each while_loop (`Steps`)
 
+    def covers(self, tag):
+        """Whether sows of `tag` are this walk's (one of them, for a `Tags` walk)."""
+        return tag in self.tag.tags if isinstance(self.tag, Tags) else tag == self.tag
+
+    def key(self, site):
+        """What the walk files `site` under: its path, with its tag in front for a
+        `Tags` walk (whose plants and reaps are ``{tag: {name: value}}``)."""
+        return (site.tag, *site.path) if isinstance(self.tag, Tags) else site.path
+
     def handles(self, site):
-        return site.tag == self.tag and self.select(site.path)
+        return self.covers(site.tag) and self.select(self.key(site))
 
     def touches(self, sites):
         return any(
             self.prefix
             or self.exclusive
-            or (self.drop_filtered and s.tag == self.tag)
+            or (self.drop_filtered and self.covers(s.tag))
             or self.handles(s)
             for s in sites
         )
 
     def reemit(self, params):
         """The params to re-emit a sow this walk does not handle with (None: drop it)."""
-        if self.exclusive or (self.drop_filtered and params["tag"] == self.tag):
+        if self.exclusive or (self.drop_filtered and self.covers(params["tag"])):
             return None
         if not self.prefix:
             return params
@@ -265,7 +283,7 @@ class Walk:
             ValueError: if a single-occurrence (``"strict"``) name is sown twice, or
                 a plant targets a sow where a batching rule ran.
         """
-        path = site.path
+        path = self.policy.key(site)
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
             raise _errors.planted_where_a_batching_rule_ran(site)
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
@@ -287,7 +305,7 @@ class Walk:
         return value
 
     def _record(self, site, value, pred):
-        self.records.setdefault(site.path, Record(site, [])).add(site, value, pred)
+        self.records.setdefault(self.policy.key(site), Record(site, [])).add(site, value, pred)
 
     # -- folding a child's records back -----------------------------------
     def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]):
@@ -331,10 +349,11 @@ class Walk:
         """
         out = {}
         for site in sites.values():
-            if self.reap and site.mode.carried and site.path not in self.plants:
-                rec = self.records.get(site.path)
+            key = self.policy.key(site)
+            if self.reap and site.mode.carried and key not in self.plants:
+                rec = self.records.get(key)
                 value = rec.values[0] if rec else site.zeros()
-                out[site.path] = (site, site.fit(value, where, batch))
+                out[key] = (site, site.fit(value, where, batch))
         return out
 
     def handled_sites(self, jaxprs):
@@ -350,7 +369,7 @@ class Walk:
         for j in jaxprs:
             for site in sites_in(j):
                 if self.policy.handles(site):
-                    out.setdefault(site.path, site)
+                    out.setdefault(self.policy.key(site), site)
         return out
 
     def plants_inside(self, jaxprs):
@@ -439,7 +458,7 @@ def sow_rule(walk, eqn, invals):
     if not walk.policy.handles(site):
         params = walk.policy.reemit(eqn.params)
         return invals[:n] if params is None else sow_p.bind(*invals, **params)
-    if not walk.reap and site.path not in walk.plants:
+    if not walk.reap and walk.policy.key(site) not in walk.plants:
         # A plant leaves the names it does not plant for an outer harvest.
         return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)

@@ -238,6 +238,18 @@ def is_staging() -> bool:
     return isinstance(_src_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
 
 
+def staged_beneath() -> bool:
+    """True while a staging trace is current or under the current ones (`jit(grad(f))`
+    traces `f` under a JVP trace over a jaxpr trace): what is traced now is cached by
+    the outer jit. Traces without a `parent_trace` end the search (False)."""
+    trace = _src_core.trace_ctx.trace
+    while trace is not None:
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
 # ---------------------------------------------------------------------------
 # What the params of each higher-order primitive hold.
 

@@ -46,7 +46,7 @@ from ._calling import (
 )
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
 from ._inspect import sow_equations
-from ._interpreter import NameFilter, Policy, Walk, interpret, sites_in
+from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
@@ -162,25 +162,27 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     if staged and static.differentiating and holds_rule_sows(closed.jaxpr, static.policy):
         raise _RunsRules
     policy = static.policy
-    first: dict[tuple, int] = {}  # path -> rank of its first sow in program order
+    key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
+    first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(closed.jaxpr):
-        first.setdefault(Site.of(eqn).path, len(first))
-    for path in sorted({site.path for site in sites_in(closed.jaxpr)} - first.keys()):
+        first.setdefault(key(Site.of(eqn)), len(first))
+    for path in sorted({key(site) for site in sites_in(closed.jaxpr)} - first.keys()):
         first[path] = len(first)  # sown only in a custom_jvp rule: after the others
     handled: dict[tuple, Site] = {}
     filtered = set()
     for site in sites_in(closed.jaxpr):
-        if site.tag == policy.tag and not policy.handles(site):
-            filtered.add(site.path)
+        if policy.covers(site.tag) and not policy.handles(site):
+            filtered.add(key(site))
         if policy.handles(site):
-            known = handled.setdefault(site.path, site)
+            known = handled.setdefault(key(site), site)
             if known.mode is not site.mode:
                 raise _errors.modes_differ(site, known)
     handled = dict(
         sorted(handled.items(), key=lambda item: first[item[0]])
     )  # program order, for messages
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
-    if static.reap and policy.strict_names and not handled and not filtered:
+    multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
+    if static.reap and policy.strict_names and not handled and not filtered and not multi:
         tags = {site.tag for site in sites_in(closed.jaxpr)}
         if tags and policy.tag not in tags | _LAYER_TAGS | inner_tags:
             raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
@@ -188,7 +190,7 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
     resolved = _resolve_plants(plants, handled, policy, filtered)
-    per_example = {(p.site.tag, path) for path, p in resolved.items() if _per_example(p)}
+    per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
     if per_example and not batched:
         # Sites vmap left unbatched (their value does not depend on the batched
         # input), planted one value per example: traced again with them batched.
@@ -235,7 +237,7 @@ def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
         site = Site.of(eqn)
         if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
             continue
-        plant = plants.get(site.path)
+        plant = plants.get(policy.key(site))
         if plant is None and reaping:
             raise _errors.sown_in_batched_lax_map(site, "reap")
         if plant is not None and not _one_value_per_element(plant.value, site):
@@ -322,7 +324,8 @@ def _walk_weak(fn_ref, dynamic, static):
 
 def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
-    _note_walked(policy.tag)
+    for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
+        _note_walked(tag)
     fn, bound = _unwrap(f)
     with flattening_call():
         stateful = stateful_objects((bound, args, kwargs))
@@ -345,9 +348,10 @@ def run_walk(f, policy, reap, plants, args, kwargs):
         reap,
         _jax.differentiating(),
     )
-    if _jax.is_staging() or (static.differentiating and fn in _rule_walks):
-        # Already being staged (under jit, scan, ...): the outer trace is the
-        # cache, and walking in place saves a nested jit for XLA to inline.
+    if _jax.staged_beneath() or (static.differentiating and fn in _rule_walks):
+        # Already being staged (under jit, scan, ..., or a vmap or grad inside one):
+        # the outer trace is the cache, and walking in place saves a nested jit for
+        # XLA to inline (and, under vmap, batching the walk's jaxpr after the fact).
         out, flat, changes = _walk(fn, dynamic, static)
     else:
         try:
@@ -426,12 +430,22 @@ def _resolve_plants(plants, sites, policy, filtered):
             elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
                 visit(value, name)
             elif policy.strict_names and name in left_out:
-                raise _errors.planted_but_filtered(name, policy.tag)
+                name, tag, _ = _as_sown(name, policy, ())
+                raise _errors.planted_but_filtered(name, tag)
             elif policy.strict_names:
-                raise _errors.planted_unknown(name, policy.tag, dotted)
+                raise _errors.planted_unknown(*_as_sown(name, policy, dotted))
 
     visit(plants, ())
     return resolved
+
+
+def _as_sown(name, policy, names):
+    """(name, tag, the tag's names) for a message about planting `name`: under a
+    `Tags` walk, names are dotted with their tag in front."""
+    if not isinstance(policy.tag, Tags):
+        return name, policy.tag, names
+    tag, _, rest = name.partition(".")
+    return rest, tag, [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
 
 
 def _check_callable(f, fn_name):
@@ -743,6 +757,19 @@ def harvest(
     return transform(
         f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
     )
+
+
+def harvest_tags(
+    f: Callable[P, R], tags: Any, allowlist: NameSelect = None
+) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
+    """``harvest`` of several tags in one walk (for harvest's layers, not public):
+    ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
+    ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
+    one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
+    ``allowlist`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
+    pass through."""
+    policy = Policy(Tags(frozenset(tags)), NameFilter.make(allowlist))
+    return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:

@@ -123,3 +123,75 @@ def test_a_distribution_without_static_shapes_is_sampled():
     assert _sample_shape(Flat()) is None
     model = lambda key: ppl.random_variable(Flat(), name="v")(key)  # noqa: E731
     np.testing.assert_allclose(ppl.joint_log_prob(model)({"v": jnp.ones(2)}), -1.0)
+
+
+# -- how often a score traces the model, and walks it -------------------------
+
+
+@pytest.fixture
+def walks(monkeypatch):
+    """Counts the core's walks (each interprets one traced program)."""
+    from harvest import _transforms
+
+    count = []
+    interpret = _transforms.interpret
+
+    def counting(*args, **kwargs):
+        count.append(1)
+        return interpret(*args, **kwargs)
+
+    monkeypatch.setattr(_transforms, "interpret", counting)
+    return count
+
+
+def _counted():
+    """A fresh copy of `_model` (nothing of it cached) and the list of its traces."""
+    traces = []
+
+    def model(key):
+        traces.append(1)
+        return _model(key)
+
+    return model, traces
+
+
+def test_a_density_walks_the_model_once_per_trace(walks):
+    # One walk plants the values and reaps every ppl tag; z, enumerated, is summed
+    # out by a second trace and walk, under vmap over its support.
+    values = {"w": W, "scale": SCALE, "x": XS, "y": Y}
+    model, traces = _counted()
+    np.testing.assert_allclose(
+        jax.jit(ppl.joint_log_prob(model))(values), _by_hand(W, SCALE, XS, Y), rtol=1e-6
+    )
+    assert (len(traces), len(walks)) == (2, 2)
+    # z fixed by intervene: one trace; intervene's own walk (plant the value, drop its
+    # density) comes before the density's one.
+    model, traces = _counted()
+    walks.clear()
+    jax.jit(ppl.joint_log_prob(ppl.intervene(model, z=1.0)))(values)
+    assert (len(traces), len(walks)) == (1, 2)
+    # unconstrained's gradient under jit: one trace; intervene's walk and the density's
+    # (u and y planted, every ppl tag reaped).
+    model, traces = _counted()
+    walks.clear()
+    fixed = ppl.unconstrained(ppl.intervene(model, z=1.0), observed={"y": Y})
+    u = {"w": jnp.array(0.1), "scale": jnp.array(-0.2), "x": XS}
+    jax.jit(jax.grad(fixed.log_density))(u)
+    assert (len(traces), len(walks)) == (1, 2)
+    # block: one walk hides y and drops its density, under each of the three traces
+    # (the density, z summed out, and the check that no counted density reads y).
+    model, traces = _counted()
+    walks.clear()
+    jax.jit(ppl.joint_log_prob(ppl.block(model, "y")))({"w": W, "scale": SCALE, "x": XS})
+    assert (len(traces), len(walks)) == (3, 6)
+
+
+def test_eager_scores_are_the_jitted_ones():
+    values = {"w": W, "scale": SCALE, "x": XS, "y": Y}
+    score = ppl.joint_log_prob(_counted()[0])
+    first, again, jitted = score(values), score(values), jax.jit(score)(values)
+    np.testing.assert_allclose(first, _by_hand(W, SCALE, XS, Y), rtol=1e-6)
+    assert first == again == jitted
+    density = ppl.unconstrained(ppl.block(_counted()[0], "y")).log_density
+    u = {"w": jnp.array(0.1), "scale": jnp.array(-0.2), "x": XS}
+    np.testing.assert_allclose(density(u), jax.jit(density)(u), rtol=1e-6)

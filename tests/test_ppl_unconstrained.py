@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import harvest.ppl as ppl
+from benchmarks import ppl_models
 from harvest.ppl._tfp_shim import import_tfp
 
 tfp = import_tfp()  # a statement, so the import sorter keeps it after harvest's shim
@@ -19,19 +20,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning:tensorflow_probability"),
 ]
 GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "eight_schools.json").read_text())
-Y = jnp.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SIGMA = jnp.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def eight_schools(key):
-    k_mu, k_tau, k_theta, k_y = jax.random.split(key, 4)
-    mu = ppl.random_variable(tfd.Normal(0.0, 5.0), name="mu")(k_mu)
-    tau = ppl.random_variable(tfd.HalfCauchy(0.0, 5.0), name="tau")(k_tau)
-    theta_tilde = ppl.random_variable(tfd.Sample(tfd.Normal(0.0, 1.0), 8), name="theta_tilde")(
-        k_theta
-    )
-    theta = ppl.deterministic(mu + tau * theta_tilde, name="theta")
-    return ppl.random_variable(tfd.Independent(tfd.Normal(theta, SIGMA), 1), name="y")(k_y)
+Y = jnp.asarray(ppl_models.SCHOOLS_Y)
+eight_schools = ppl_models.eight_schools()  # the trial's model (benchmarks/ppl_models.py)
 
 
 def test_density_is_the_model_s_through_each_default_bijector():

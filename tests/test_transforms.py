@@ -408,3 +408,30 @@ def test_a_python_number_planted_into_a_site_of_another_dtype_takes_its_dtype():
     # Only Python numbers: an array of another dtype is still an error.
     with pytest.raises(ValueError, match=r"is float32\[\], but the site expects int32\[\]"):
         plant(f)({"y": jnp.float32(15.0)}, 1.0)
+
+
+def test_one_walk_of_several_tags_plants_and_reaps_each_by_tag_and_name():
+    from harvest._transforms import harvest_tags
+
+    def f(xs):
+        def step(c, x):
+            a = sow(x * 2.0, tag="a", name="h", mode="append")
+            b = sow(a + c, tag="b", name="h", mode="append")  # the same name, another tag
+            return sow(b, tag="c", name="carry", mode="clobber"), None
+
+        return lax.scan(step, 0.0, xs)[0]
+
+    xs = jnp.arange(3.0)
+    walk = harvest_tags(f, ("a", "b"))
+    out, reaps = jax.jit(walk)({"a": {"h": -xs}}, xs)
+    # By hand: a = -x planted, b = a + c carried; the tag "c" passes through, unreaped.
+    expected_b = jnp.array([0.0, -1.0, -3.0])
+    assert sorted(reaps) == ["b"]
+    np.testing.assert_allclose(reaps["b"]["h"], expected_b)
+    np.testing.assert_allclose(out, expected_b[-1])
+    assert reap(lambda x: walk({}, x)[0], tag="c")(xs)["carry"] == f(xs)
+    # The same as one harvest per tag, nested.
+    nested = call_and_reap(lambda x: harvest(f, tag="a")({"h": -xs}, x)[0], tag="b")(xs)
+    np.testing.assert_allclose(nested[1]["h"], reaps["b"]["h"])
+    with pytest.raises(KeyError, match="Cannot plant 'nope': no sow site of tag 'a'.*'h'"):
+        walk({"a": {"nope": 1.0}}, xs)

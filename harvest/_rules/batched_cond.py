@@ -291,8 +291,9 @@ def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
 
 def _unless_harvested(walk: Walk, site: Site) -> Site | None:
     """A stuck site, or None once this walk has planted it (in every branch, as it should)."""
-    if not walk.policy.handles(site) or (not walk.reap and site.path not in walk.plants):
+    key = walk.policy.key(site)
+    if not walk.policy.handles(site) or (not walk.reap and key not in walk.plants):
         return site
-    if site.path in walk.plants:
+    if key in walk.plants:
         return None
     raise _errors.stuck_in_batched_branch(site)

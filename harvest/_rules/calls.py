@@ -196,7 +196,7 @@ def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
     if not found:
         return {}
     in_body = {(s.tag, s.path) for s in sites_in(_jax.call_body(eqn).jaxpr)}
-    return {s.path: s for s in found if policy.handles(s) and (s.tag, s.path) not in in_body}
+    return {policy.key(s): s for s in found if policy.handles(s) and (s.tag, s.path) not in in_body}
 
 
 def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:

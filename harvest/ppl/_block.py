@@ -25,16 +25,16 @@ import jax
 
 from .. import _errors
 from .._calling import make_jaxpr
-from .._interpreter import NameFilter, Policy, sites_in
+from .._interpreter import sites_in
 from .._jax import sub_jaxprs
 from .._paths import path_str
 from .._primitive import sow_p
 from .._site import Site
 from .._sow import sow
-from .._transforms import plant, run_walk
+from .._transforms import harvest_tags
 from .._typing import P, R
 from ._inverse import inline_calls, live_vars
-from ._names import Among, random_variables_of
+from ._names import Among, AmongUnderAnyTag, random_variables_of
 from ._tags import BLOCKED, LOG_DENSITY, RANDOM_VARIABLE
 
 
@@ -91,21 +91,18 @@ class _Hide:
         return sow(value, tag=BLOCKED, name=self.name, mode="collect")
 
 
-def _hidden(f: Callable[..., Any], names: Among, *args: Any, **kwargs: Any) -> Any:
-    plants = {name: _Hide(name) for name in sorted(names.names)}
+def _blocked(f: Callable[..., Any], names: Among, *args: Any, **kwargs: Any) -> Any:
+    # One walk hides the draws and drops their densities (reaped, then thrown away).
+    plants = {RANDOM_VARIABLE: {name: _Hide(name) for name in sorted(names.names)}}
+    walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), AmongUnderAnyTag(names.names))
     try:
-        return plant(f, tag=RANDOM_VARIABLE, allowlist=names)(plants, *args, **kwargs)
+        return walk(plants, *args, **kwargs)[0]
     except KeyError as error:
         known = random_variables_of(f, args, kwargs)
         unknown = sorted(names.names - set(known))
         if not unknown:
             raise
         raise _errors.ppl_unknown_names("block", unknown, known) from error
-
-
-def _blocked(f: Callable[..., Any], names: Among, *args: Any, **kwargs: Any) -> Any:
-    policy = Policy(LOG_DENSITY, NameFilter.make(blocklist=(names,)), drop_filtered=True)
-    return run_walk(jax.tree_util.Partial(_hidden, f, names), policy, False, {}, args, kwargs)[0]
 
 
 def check_blocked_unscored(

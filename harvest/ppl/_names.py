@@ -24,6 +24,17 @@ class Among:
         return name in self.names
 
 
+@dataclasses.dataclass(frozen=True)
+class AmongUnderAnyTag:
+    """`Among` for a walk of several tags, whose names come dotted with their tag in
+    front (`"tag.name"`): whether the name, under whichever tag, is among `names`."""
+
+    names: frozenset[str]
+
+    def __call__(self, name: str) -> bool:
+        return name.partition(".")[2] in self.names
+
+
 def dotted_paths(tree: Reaped, prefix: tuple[str, ...] = ()) -> set[str]:
     """Every key path of a nested dict, as dotted names ("scope.x")."""
     paths = set()

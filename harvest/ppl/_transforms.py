@@ -26,12 +26,20 @@ from jax.tree_util import Partial
 
 from .. import _errors, _jax
 from .._sow import sow
-from .._transforms import call_and_reap, harvest, layer_tag, plant, reap
+from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
-from ._names import Among, dotted_paths, leaf_paths, merged, nested, random_variables_of
+from ._names import (
+    Among,
+    AmongUnderAnyTag,
+    dotted_paths,
+    leaf_paths,
+    merged,
+    nested,
+    random_variables_of,
+)
 from ._random_variable import is_distribution
 from ._tags import (
     BLOCKED,
@@ -108,7 +116,7 @@ def _unscored(values: Reaped, densities: Reaped) -> list[str]:
 
 def _joint_log_prob(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     _check_values(values, "joint_log_prob(f)")
-    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+    if _jax.staged_beneath():  # the outer jit is the cache: a walk would only re-bind the program
         return _density(f, values, args, kwargs)
     return reap(Partial(_total, f), tag=TOTAL)(values, *args, **kwargs)["total"]
 
@@ -127,11 +135,12 @@ def _density(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> A
 
 
 def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Any:
-    # One walk finds the densities, the draws without a value, the enumerated and the blocked.
-    scored = call_and_reap(harvest(f, tag=RANDOM_VARIABLE), tag=LOG_DENSITY)
-    (((_, unplanted), densities), markers), blocked = call_and_reap(
-        call_and_reap(scored, tag=ENUMERATED), tag=BLOCKED
-    )(values, _placeholder_key(), *args, **kwargs)
+    # One walk plants the values and finds the densities, the draws without a value,
+    # the enumerated and the blocked.
+    reaped = walked(f, (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED), values, args, kwargs)
+    unplanted, densities, markers, blocked = (
+        reaped.get(tag, {}) for tag in (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED)
+    )
     if blocked:
         check_blocked_unscored(Partial(_score, f), (values, *args), kwargs, "joint_log_prob")
     missing = set(leaf_paths(unplanted))
@@ -158,15 +167,23 @@ def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> An
 
 
 def _site_densities(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Reaped:
-    return reap(Partial(_planted, f), tag=LOG_DENSITY)(values, *args, **kwargs)
+    densities: Reaped = walked(f, (RANDOM_VARIABLE, LOG_DENSITY), values, args, kwargs).get(
+        LOG_DENSITY, {}
+    )
+    return densities
+
+
+def walked(
+    f: Callable[..., Any], tags: tuple[str, ...], values: Plants, args: Any, kwargs: Any
+) -> Reaped:
+    """`{tag: {name: value}}` of one walk of `f` under a placeholder key, with `values`
+    planted at its random variables and every other site of `tags` reaped."""
+    plants = {RANDOM_VARIABLE: values} if values else {}
+    return harvest_tags(f, tags)(plants, _placeholder_key(), *args, **kwargs)[1]
 
 
 def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
     return sum(densities_of(_site_densities(f, values, args, kwargs)))
-
-
-def _planted(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
-    return plant(f, tag=RANDOM_VARIABLE)(values, _placeholder_key(), *args, **kwargs)
 
 
 def joint_log_prob(
@@ -201,21 +218,16 @@ def joint_log_prob(
     return Partial(_joint_log_prob, f)
 
 
-def _plant_values(
-    f: Callable[..., Any], chosen: Among, values: Plants, *args: Any, **kwargs: Any
-) -> Any:
-    return plant(f, tag=RANDOM_VARIABLE, allowlist=chosen)(values, *args, **kwargs)
-
-
 def _fixed(
     f: Callable[..., Any], names: frozenset[str], values: Plants, *args: Any, **kwargs: Any
 ) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
-    chosen = Among(names)
+    # One walk plants the values and drops their densities (reaped, then thrown away).
+    chosen = AmongUnderAnyTag(names)
     try:
-        planted = Partial(_plant_values, f, chosen)
-        return call_and_reap(planted, tag=LOG_DENSITY, allowlist=chosen)(values, *args, **kwargs)[0]
+        walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), allowlist=chosen)
+        return walk({RANDOM_VARIABLE: values} if values else {}, *args, **kwargs)[0]
     except KeyError as error:
         known = random_variables_of(f, args, kwargs)
         unknown = sorted(set(leaf_paths(values)) - set(known))
@@ -285,8 +297,8 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
         ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
         ...     return ppl.random_variable(tfd.Normal(z, 1.0), name="x")(k2)
         >>> given = ppl.conditional(model, ["z", "x"])
-        >>> given(jax.random.key(0), 1.0, 2.0)  # x's value, as given (a Python float here)
-        2.0
+        >>> given(jax.random.key(0), 1.0, 2.0)  # x's value, as given (traced, as every value)
+        Array(2., dtype=float32, weak_type=True)
         >>> ppl.joint_log_prob(ppl.conditional(model, "z"))({"x": 0.0}, 0.0)
         Array(-0.9189385, dtype=float32)
     """

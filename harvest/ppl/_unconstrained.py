@@ -29,7 +29,7 @@ from jax.tree_util import Partial
 
 from .. import _errors, _jax
 from .._sow import sow
-from .._transforms import call_and_reap, harvest, reap
+from .._transforms import harvest_tags, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
@@ -53,32 +53,46 @@ def _key() -> jax.Array:
     return jax.random.PRNGKey(0)
 
 
-def _free(
-    f: Callable[..., Any], observed: Reaped, find_blocked: bool, key: Any, *args: Any, **kwargs: Any
-) -> Any:
-    """`f` with `observed` planted: `(((out, the draws still random), their Jacobians),
-    the markers of enumerated draws), the blocked draws`. Without `find_blocked` the
-    blocked draws stay in the program (`{}` in their place), for the check that looks
-    for them in the density's jaxpr."""
-    planted = Partial(harvest(f, tag=RANDOM_VARIABLE), observed)
-    with_markers = call_and_reap(call_and_reap(planted, tag=JACOBIAN), tag=ENUMERATED)
-    if not find_blocked:
-        return with_markers(key, *args, **kwargs), {}
-    return call_and_reap(with_markers, tag=BLOCKED)(key, *args, **kwargs)
+def _walked(
+    f: Callable[..., Any],
+    tags: tuple[str, ...],
+    observed: Reaped,
+    u: Reaped,
+    key: Any,
+    args: Any,
+    kwargs: Any,
+) -> Reaped:
+    """`{tag: {name: value}}` of one walk of `f` while unconstraining: `observed`
+    planted at its random variables, `u` at its unconstrained sites, every other
+    site of `tags` reaped."""
+    plants = {tag: v for tag, v in ((RANDOM_VARIABLE, observed), (UNCONSTRAINED, u)) if v}
+    with unconstraining():
+        return harvest_tags(f, tags)(plants, key, *args, **kwargs)[1]
+
+
+# What `_run` reaps: the free draws, their `u` sites left unplanted (continuous draws
+# without a value), their Jacobians and the markers of enumerated draws.
+_RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED)
 
 
 def _run(
-    f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
-) -> tuple[Any, Reaped, jax.Array, Reaped]:
-    """`f` with the observed values planted and every free draw made from `u`:
-    `(out, the free draws, the log-Jacobian of the free draws, the markers of the
-    enumerated draws to sum out)`. The core traces this once per signature, so the checks below (with `check`,
-    also the one for blocked draws) cost nothing on later calls."""
+    f: Callable[..., Any],
+    observed: Reaped,
+    check: bool,
+    also: tuple[str, ...],
+    u: Reaped,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[Reaped, jax.Array, Reaped, Reaped]:
+    """`f` with the observed values planted and every free draw made from `u`, in one
+    walk: `(the free draws, the log-Jacobian of the free draws, the markers of the
+    enumerated draws to sum out, the reaps of the tags `also`)`. With `check`, also
+    the check for blocked draws; the core traces the caller once per signature, so
+    the checks cost nothing on later calls. Without `check` the blocked draws stay in
+    the program, for that check to find them in the density's jaxpr."""
+    tags = _RUN_TAGS + also + ((BLOCKED,) if check else ())
     try:
-        with unconstraining():
-            ((((out, free), jacobians), markers), blocked), unplanted = harvest(
-                Partial(_free, f, observed, check), tag=UNCONSTRAINED
-            )(u, _key(), *args, **kwargs)
+        reaped = _walked(f, tags, observed, u, _key(), args, kwargs)
     except KeyError as error:  # a name in `u` with no `u` site: say which kind it is
         free, sites = jax.eval_shape(
             Partial(_draws_and_sites, f, observed), _key(), *args, **kwargs
@@ -88,7 +102,8 @@ def _run(
         if discrete:
             raise _errors.ppl_discrete_free(sorted(discrete)) from error
         raise _errors.ppl_not_free(sorted(unknown)) from error
-    if check and blocked:
+    free, unplanted, jacobians, markers = (reaped.get(tag, {}) for tag in _RUN_TAGS)
+    if check and reaped.get(BLOCKED):
         score = Partial(_log_density, f, observed, False)
         check_blocked_unscored(score, (u, *args), kwargs, "unconstrained")
     free_names = set(leaf_paths(free))
@@ -105,13 +120,13 @@ def _run(
     log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
     kept = restricted(free, free_names - set(enumerated))
     to_sum = restricted(markers, set(enumerated))
-    return out, kept, jnp.asarray(log_det, jnp.float32), to_sum
+    return kept, jnp.asarray(log_det, jnp.float32), to_sum, {t: reaped.get(t, {}) for t in also}
 
 
 def _log_density(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, *args: Any, **kwargs: Any
 ) -> Any:
-    if _jax.is_staging():  # the outer trace is the cache: a walk would only re-bind the program
+    if _jax.staged_beneath():  # the outer jit is the cache: a walk would only re-bind the program
         return _density(f, observed, check, u, args, kwargs)
     return reap(Partial(_total, f, observed, check), tag=TOTAL)(u, *args, **kwargs)["total"]
 
@@ -135,31 +150,26 @@ def _density(
 def _scored(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
 ) -> Any:
-    (_, _, log_det, to_sum), densities = call_and_reap(
-        Partial(_run, f, observed, check), tag=LOG_DENSITY
-    )(u, *args, **kwargs)
+    _, log_det, to_sum, found = _run(f, observed, check, (LOG_DENSITY,), u, *args, **kwargs)
     enumerated = supports(to_sum, set(leaf_paths(to_sum)))
     if enumerated:
 
         def densities_at(values: Reaped) -> Reaped:
-            (_, _, log_det, _), found = call_and_reap(
-                Partial(_run, f, merged(observed, values), False), tag=LOG_DENSITY
-            )(u, *args, **kwargs)
-            return {**found, TOTAL: log_det}
+            at = merged(observed, values)
+            _, log_det, _, found = _run(f, at, False, (LOG_DENSITY,), u, *args, **kwargs)
+            return {**found[LOG_DENSITY], TOTAL: log_det}
 
         total = marginal(densities_at, enumerated)
     else:
-        total = sum(densities_of(densities)) + log_det
+        total = sum(densities_of(found[LOG_DENSITY])) + log_det
     return total
 
 
 def _constrain(
     f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
 ) -> Reaped:
-    (_, free, _, _), recorded = call_and_reap(Partial(_run, f, observed, False), tag=DETERMINISTIC)(
-        u, *args, **kwargs
-    )
-    return {**free, **recorded}
+    free, _, _, found = _run(f, observed, False, (DETERMINISTIC,), u, *args, **kwargs)
+    return {**free, **found[DETERMINISTIC]}
 
 
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
@@ -171,17 +181,8 @@ def _draws_and_sites(
     f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any
 ) -> tuple[Reaped, Reaped]:
     """The free draws of `f` and its `u` sites (free or not), from a prior draw."""
-    (_, free), sites = call_and_reap(Partial(_prior_draw, f, observed), tag=UNCONSTRAINED)(
-        key, *args, **kwargs
-    )
-    return free, sites
-
-
-def _prior_draw(
-    f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any
-) -> Any:
-    with unconstraining():
-        return harvest(f, tag=RANDOM_VARIABLE)(observed, key, *args, **kwargs)
+    reaped = _walked(f, (RANDOM_VARIABLE, UNCONSTRAINED), observed, {}, key, args, kwargs)
+    return reaped.get(RANDOM_VARIABLE, {}), reaped.get(UNCONSTRAINED, {})
 
 
 @dataclasses.dataclass(frozen=True)
