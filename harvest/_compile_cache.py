@@ -160,18 +160,23 @@ class _Programs:
 
     def __call__(self, dynamic: Any, static: Any) -> Any:
         with _jits_lock:
-            jitted = self.jits.get(static)
-            if jitted is None:
-                # `static` is passed at each call, not bound here: a retrace (new
-                # shapes) must see this call's values, whose functions are alive.
-                # A fresh partial per key: JAX's caches hold it weakly, so a
-                # dropped key's programs go with it.
-                jitted = self.jits[static] = jax.jit(functools.partial(self.walk), static_argnums=1)
+            entry = self.jits.get(static)
+            if entry is None:
+                entry = self.jits[static] = self._program()
                 while len(self.jits) > _settings["max_programs"]:
                     self.jits.popitem(last=False)
             else:
                 self.jits.move_to_end(static)
-        return jitted(dynamic, static)
+            # The key is bound, not a static argument JAX would hash and compare
+            # again; it is this call's, so a retrace (new shapes) sees values alive now.
+            entry[1][0] = static
+        return entry[0](dynamic)
+
+    def _program(self) -> tuple[Any, list[Any]]:
+        # A fresh function per key: JAX's caches hold it weakly, so a dropped
+        # key's programs go with it.
+        walk, key = self.walk, [None]
+        return jax.jit(lambda dynamic: walk(dynamic, key[0])), key
 
 
 def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:

@@ -34,6 +34,7 @@ from . import _errors, _jax
 from ._calling import (
     closure_of,
     globals_read,
+    holds_no_nodes,
     is_array,
     make_jaxpr,
     reveal_static,
@@ -124,15 +125,19 @@ class _Call(NamedTuple):
 _DATA_PARTS = frozenset({"plants", "graph"})
 
 
-def _traced_leaves(call: _Call) -> list[bool]:
-    """Per leaf of `call`, in flattening order: whether it is traced."""
-    traced: list[bool] = []
-    for part in _Call._fields:
-        leaves = jax.tree_util.tree_leaves(getattr(call, part))
-        flags = list(map(is_array, leaves))
-        if part in _DATA_PARTS and not all(flags):
-            flags = [f or _is_traced(leaf, True) for f, leaf in zip(flags, leaves)]
-        traced += flags
+def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
+    """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
+    traced = list(map(is_array, leaves))
+    if all(traced):
+        return traced
+    start = 0
+    for part, child in zip(_Call._fields, treedef.children()):
+        end = start + child.num_leaves
+        if part in _DATA_PARTS:
+            traced[start:end] = [
+                t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
+            ]
+        start = end
     return traced
 
 
@@ -323,14 +328,18 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     _note_walked(policy.tag)
     fn, bound = _unwrap(f)
-    stateful = stateful_objects((bound, args, kwargs))
-    # NNX nodes the function closes over or reads from its module are split as arguments are.
-    (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
-        (bound, args, kwargs, closure_of(fn), globals_read(fn))
-    )
+    cells, reads = closure_of(fn), globals_read(fn)
+    if holds_no_nodes((bound, args, kwargs, cells, reads)):
+        stateful, graph, nodes = (), None, ()
+    else:
+        stateful = stateful_objects((bound, args, kwargs))
+        # NNX nodes the function closes over or reads from its module are split as arguments are.
+        (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
+            (bound, args, kwargs, cells, reads)
+        )
     call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
     leaves, treedef = jax.tree_util.tree_flatten(call_parts)
-    traced = _traced_leaves(call_parts)
+    traced = _traced_leaves(leaves, treedef)
     dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
     static = _Static(
         treedef,
