@@ -248,10 +248,36 @@ class _SplitCache:
         self.splits: dict[tuple[int, ...], _Split] = {}
         self.graphdefs: dict[Any, Any] = {}  # the last graph definitions split, each its own key
         self.lock = threading.Lock()
+        self.local = threading.local()  # the splits verified in the current `verified_once`
         self.walks = 0  # how many times a graph was split (the tests count them)
 
     def graph(self, nnx: Any, nodes: tuple[Any, ...]) -> Graph:
         key = tuple(map(id, nodes))
+        verified = getattr(self.local, "verified", None)
+        if verified is not None and key in verified:
+            return verified[key]
+        graph = self._graph(nnx, nodes, key)
+        if verified is not None and key in self.splits:
+            verified[key] = graph
+        return graph
+
+    @contextlib.contextmanager
+    def verified_once(self) -> Iterator[None]:
+        """Within it (one sweep's call), nodes split once are not checked again:
+        no user code runs between the splits but a trace, which `forget_verified` ends."""
+        before = getattr(self.local, "verified", None)
+        self.local.verified = {} if before is None else before
+        try:
+            yield
+        finally:
+            self.local.verified = before
+
+    def forget_verified(self) -> None:
+        verified = getattr(self.local, "verified", None)
+        if verified is not None:
+            verified.clear()
+
+    def _graph(self, nnx: Any, nodes: tuple[Any, ...], key: tuple[int, ...]) -> Graph:
         with self.lock:
             split = self.splits.get(key)
         if split is not None and split.still_holds(nodes):
@@ -307,6 +333,8 @@ class _SplitCache:
 
 
 _split_cache = _SplitCache()
+splits_verified_once = _split_cache.verified_once
+forget_verified_splits = _split_cache.forget_verified
 
 
 @jax.tree_util.register_pytree_node_class
@@ -432,6 +460,15 @@ def _stateful_or_node(x: Any) -> bool:
     if type(x) in _NEVER_NODES or type(x) in _ARRAY_TYPES:
         return False  # the common nodes and leaves, without the ABC and NNX checks
     return isinstance(x, Stateful) or _is_graph_node(x)
+
+
+def holds_graph_nodes(tree: Any) -> bool:
+    """Whether `split_nodes` would find NNX graph nodes in ``tree`` (without splitting them)."""
+    return any(
+        _is_graph_node(leaf.__self__ if inspect.ismethod(leaf) else leaf)
+        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=_is_graph_node)
+        if type(leaf) not in _ARRAY_TYPES
+    )
 
 
 def holds_no_nodes(tree: Any) -> bool:

@@ -30,7 +30,15 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import call_merged, changes_discarded, is_array, split_nodes, static_key
+from ._calling import (
+    call_merged,
+    changes_discarded,
+    forget_verified_splits,
+    holds_graph_nodes,
+    is_array,
+    split_nodes,
+    static_key,
+)
 from ._interventions import TracedCode, pytree_dataclass
 
 _settings = {"max_programs": 64, "warn_after": 32}
@@ -279,6 +287,7 @@ _sweeps: collections.OrderedDict[_Compiled, _Compiled] = collections.OrderedDict
 def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
     assert static.trace is not None
     note_trace(static.owner, arrays, static.key[1])
+    forget_verified_splits()  # the trace runs user code: splits are checked again after it
     return static.trace(arrays)
 
 
@@ -315,12 +324,9 @@ def compile_program(
             ("code", *spec),
             f,
         )
-    if (
-        inspect.ismethod(f)
-        and not split_nodes(f)[2]
-        and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]
-    ):
+    nodes = holds_graph_nodes(f)  # told without splitting them (split once, below)
+    if inspect.ismethod(f) and not nodes and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]:
         f = _BoundMethod(f.__func__, f.__self__)
-    if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
+    if nodes or jax.tree_util.tree_leaves(f) != [f]:
         return jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec), owner)
     return jit_on_arrays(lambda ops: program(f, ops), operands, None)
