@@ -53,6 +53,15 @@ def is_array(leaf):
 _ARRAY_TYPES: set[type] = set()  # the types seen to be arrays (the check is by type alone)
 
 
+def array_flags(leaves: list[Any]) -> list[bool]:
+    """`is_array` of each leaf: by type first, at C speed (a model's state is hundreds
+    of arrays), then the full check for the leaves of other types."""
+    flags = list(map(_ARRAY_TYPES.__contains__, map(type, leaves)))
+    for i in itertools.compress(range(len(leaves)), map(operator.not_, flags)):
+        flags[i] = is_array(leaves[i])
+    return flags
+
+
 # ---------------------------------------------------------------------------
 # NNX graph nodes: split before the trace, merged inside it, written back after.
 

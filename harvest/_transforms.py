@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import numbers
 import threading
 import weakref
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._calling import (
+    array_flags,
     closure_of,
     globals_read,
     holds_no_nodes,
@@ -127,13 +129,13 @@ _DATA_PARTS = frozenset({"plants", "graph"})
 
 def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
     """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
-    traced = list(map(is_array, leaves))
+    traced = array_flags(leaves)
     if all(traced):
         return traced
     start = 0
     for part, child in zip(_Call._fields, treedef.children()):
         end = start + child.num_leaves
-        if part in _DATA_PARTS:
+        if part in _DATA_PARTS and not all(traced[start:end]):
             traced[start:end] = [
                 t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
             ]
@@ -340,7 +342,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
     leaves, treedef = jax.tree_util.tree_flatten(call_parts)
     traced = _traced_leaves(leaves, treedef)
-    dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
+    dynamic = list(itertools.compress(leaves, traced))
     static = _Static(
         treedef,
         tuple(

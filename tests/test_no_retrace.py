@@ -448,3 +448,51 @@ def test_a_sweep_of_a_batchnorm_in_training_mode_matches_runs_by_hand(sweep):
         )
         hand = [((cl[n] - co[n]) * grads[n]).sum((0, 2)) for n in ("h", "n")]
     close(values, np.array(hand))
+
+
+# ---------------------------------------------------------------------------
+# Models of one structure share a program; a sweep checks a model's structure once per call.
+
+
+class Traced(Net):
+    """Net counting how many times it is traced (its body runs only then)."""
+
+    runs = 0
+
+    def __call__(self, x):
+        Traced.runs += 1
+        return super().__call__(x)
+
+
+def test_a_second_model_of_the_same_structure_shares_the_program_and_reads_its_own_weights():
+    first, second = Traced(seed=0), Traced(seed=5)  # equal graph definitions, other weights
+    x = data()[0]
+    Traced.runs = 0
+    close(reap(first)(x)["b"], hand_forward(first.w1[...], first.w2[...], x)[1]["b"])
+    for _ in range(2):
+        reaped = reap(second)(x)
+        close(reaped["b"], hand_forward(second.w1[...], second.w2[...], x)[1]["b"])
+    assert Traced.runs == 1  # one trace served both models
+    # The second split hands back the first's graph definition, so keys compare by identity.
+    assert _calling.split_nodes(second)[1].graphdef is _calling.split_nodes(first)[1].graphdef
+
+
+def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(monkeypatch):
+    model = Net()
+    x_clean, x_corrupt = data()
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    checks = [0]
+    real = _calling._Split.still_holds
+
+    def counted(self, nodes):
+        checks[0] += 1
+        return real(self, nodes)
+
+    monkeypatch.setattr(_calling._Split, "still_holds", counted)
+    clean = reap(model)(x_clean)
+    checks[0] = 0
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    assert checks[0] == 1  # finding the sites and running the program share one check
+    model.w2 = nnx.Param(jnp.eye(4) * 0.5)  # a layer replaced between two calls: seen
+    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    close(values, hand_sweep(model.w1[...], model.w2[...], x_clean, x_corrupt))
