@@ -496,3 +496,24 @@ def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(mo
     model.w2 = nnx.Param(jnp.eye(4) * 0.5)  # a layer replaced between two calls: seen
     values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
     close(values, hand_sweep(model.w1[...], model.w2[...], x_clean, x_corrupt))
+
+
+def test_planted_values_of_other_types_are_still_cast_and_checked():
+    # Site.check passes a value of the site's shape and dtype as is; any other is cast or refused.
+    def f(x):
+        return sow(x * 2.0, name="h", mode="strict") + 1.0
+
+    x = jnp.ones(3, jnp.float32)
+    want = np.full(3, 4.0, np.float32)
+    for value in (jnp.full(3, 3.0), np.full(3, 3.0, np.float32), np.full(3, 3.0, np.float64)):
+        got = plant(f)({"h": value}, x)
+        assert got.dtype == jnp.float32
+        close(got, want)
+    total = lambda x: sow(x.sum(), name="s", mode="strict") * 2.0  # noqa: E731
+    for number in (3.0, 3):  # a Python number takes the site's dtype
+        got = plant(total)({"s": number}, x)
+        assert got.dtype == jnp.float32 and float(got) == 6.0
+    with pytest.raises(ValueError, match="int32"):
+        plant(f)({"h": jnp.full(3, 3, jnp.int32)}, x)
+    with pytest.raises(ValueError, match=r"\[4\]"):
+        plant(f)({"h": jnp.full(4, 3.0)}, x)
