@@ -30,7 +30,15 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import call_merged, changes_discarded, is_array, split_nodes, static_key
+from ._calling import (
+    call_merged,
+    changes_discarded,
+    forget_verified_splits,
+    holds_graph_nodes,
+    is_array,
+    split_nodes,
+    static_key,
+)
 from ._interventions import TracedCode, pytree_dataclass
 
 _settings = {"max_programs": 64, "warn_after": 32}
@@ -160,18 +168,23 @@ class _Programs:
 
     def __call__(self, dynamic: Any, static: Any) -> Any:
         with _jits_lock:
-            jitted = self.jits.get(static)
-            if jitted is None:
-                # `static` is passed at each call, not bound here: a retrace (new
-                # shapes) must see this call's values, whose functions are alive.
-                # A fresh partial per key: JAX's caches hold it weakly, so a
-                # dropped key's programs go with it.
-                jitted = self.jits[static] = jax.jit(functools.partial(self.walk), static_argnums=1)
+            entry = self.jits.get(static)
+            if entry is None:
+                entry = self.jits[static] = self._program()
                 while len(self.jits) > _settings["max_programs"]:
                     self.jits.popitem(last=False)
             else:
                 self.jits.move_to_end(static)
-        return jitted(dynamic, static)
+            # The key is bound, not a static argument JAX would hash and compare
+            # again; it is this call's, so a retrace (new shapes) sees values alive now.
+            entry[1][0] = static
+        return entry[0](dynamic)
+
+    def _program(self) -> tuple[Any, list[Any]]:
+        # A fresh function per key: JAX's caches hold it weakly, so a dropped
+        # key's programs go with it.
+        walk, key = self.walk, [None]
+        return jax.jit(lambda dynamic: walk(dynamic, key[0])), key
 
 
 def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:
@@ -274,6 +287,7 @@ _sweeps: collections.OrderedDict[_Compiled, _Compiled] = collections.OrderedDict
 def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
     assert static.trace is not None
     note_trace(static.owner, arrays, static.key[1])
+    forget_verified_splits()  # the trace runs user code: splits are checked again after it
     return static.trace(arrays)
 
 
@@ -310,12 +324,9 @@ def compile_program(
             ("code", *spec),
             f,
         )
-    if (
-        inspect.ismethod(f)
-        and not split_nodes(f)[2]
-        and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]
-    ):
+    nodes = holds_graph_nodes(f)  # told without splitting them (split once, below)
+    if inspect.ismethod(f) and not nodes and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]:
         f = _BoundMethod(f.__func__, f.__self__)
-    if split_nodes(f)[2] or jax.tree_util.tree_leaves(f) != [f]:
+    if nodes or jax.tree_util.tree_leaves(f) != [f]:
         return jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec), owner)
     return jit_on_arrays(lambda ops: program(f, ops), operands, None)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
+from ._calling import splits_verified_once
 from ._compile_cache import compile_program
 from ._interpreter import NameFilter
 from ._interventions import (
@@ -147,10 +148,11 @@ def _sizes_along(value: Any, axes: tuple[int, ...]) -> tuple[int, ...] | None:
     lack one of the axes, or two of `axes` are the same axis."""
     sizes = set()
     for leaf in jax.tree_util.tree_leaves(value):
-        ndim = jnp.ndim(leaf)
+        shape = np.shape(leaf)  # numpy's reads the attribute; jnp's goes through its dtype rules
+        ndim = len(shape)
         if not all(-ndim <= a < ndim for a in axes) or len({a % ndim for a in axes}) != len(axes):
             return None
-        sizes.add(tuple(jnp.shape(leaf)[a] for a in axes))
+        sizes.add(tuple(shape[a] for a in axes))
     return sizes.pop() if len(sizes) == 1 else None
 
 
@@ -270,9 +272,17 @@ def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, An
 
 
 def _batch_cleans(
-    targets: list[_Target], batch_clean: Any, axes: tuple[int, ...] | None, size: Any, caller: str
+    targets: list[_Target],
+    batch_clean: Any,
+    axes: tuple[int, ...] | None,
+    size: Any,
+    caller: str,
+    checked: Any = None,
 ) -> list[Any]:
-    """Each target's clean value in one batch of a dataset, checked against the first batch's sizes."""
+    """Each target's clean value in one batch of a dataset, checked against the first batch's
+    sizes (the first batch's own, `_targets` took and checked already)."""
+    if batch_clean is checked:
+        return [t.clean for t in targets]
     cleans = []
     for t in targets:
         value = _site_value(batch_clean, t.site, "clean", t.count)
@@ -317,6 +327,19 @@ def _interactive() -> bool:
 # The sweep.
 
 
+def _splits_checked_once(sweep: Callable[..., PatchingResult]) -> Callable[..., PatchingResult]:
+    """``sweep`` checking each NNX split once per call: finding the sites and
+    running the program both split the model, with no user code between."""
+
+    @functools.wraps(sweep)
+    def checked_once(*args: Any, **kwargs: Any) -> PatchingResult:
+        with splits_verified_once():
+            return sweep(*args, **kwargs)
+
+    return checked_once
+
+
+@_splits_checked_once
 def patching_sweep(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -472,7 +495,7 @@ def patching_sweep(
     cleans: list[Any] = []
     for b, start in _steps(steps, progress, caller):
         if start == 0:
-            cleans = _batch_cleans(targets, batches[b][0], axes, size, caller)
+            cleans = _batch_cleans(targets, batches[b][0], axes, size, caller, batches[0][0])
         ks = np.minimum(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
@@ -497,6 +520,7 @@ def patching_sweep(
 # Attribution patching.
 
 
+@_splits_checked_once
 def attribution_patching(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -589,7 +613,9 @@ def attribution_patching(
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
     results = [
-        compile_program(program, f, (_batch_cleans(targets, c, axes, size, caller), args), spec)
+        compile_program(
+            program, f, (_batch_cleans(targets, c, axes, size, caller, batches[0][0]), args), spec
+        )
         for c, args in _steps(batches, progress, caller)
     ]
     names_, labels = _labels(targets, size, axis)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from . import _errors
@@ -12,13 +13,21 @@ def path_str(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
+@functools.lru_cache(maxsize=256)
+def _check_scopes(paths: tuple[tuple[str, ...], ...]) -> None:
+    """No path is the scope of another (a call reaping the same sites checks once)."""
+    names = set(paths)
+    for path in paths:
+        for n in range(1, len(path)):
+            if path[:n] in names:
+                raise _errors.name_and_scope(path_str(path[:n]), path_str(path))
+
+
 def nested_dict(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
     """{path: value} as nested dicts, one level per scope: {("b", "h"): v} -> {"b": {"h": v}}."""
     out: dict[str, Any] = {}
-    for path in flat:
-        for n in range(1, len(path)):
-            if path[:n] in flat:
-                raise _errors.name_and_scope(path_str(path[:n]), path_str(path))
+    if any(len(path) > 1 for path in flat):
+        _check_scopes(tuple(flat))
     for path, value in flat.items():
         d = out
         for key in path[:-1]:

@@ -91,7 +91,16 @@ class Site:
             raise _errors.plant_structure(self, what, tree)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
+            if (
+                type(leaf) in _ARRAY_TYPES
+                and leaf.shape == (*leading, *aval.shape)
+                and leaf.dtype == aval.dtype
+            ):
+                out.append(leaf)  # an array of the site's shape and dtype: nothing to check or cast
+                continue
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+            if array:
+                _ARRAY_TYPES.add(type(leaf))
             if not (array or isinstance(leaf, numbers.Number)):
                 raise _errors.plant_not_an_array(self, what, leaf)
             if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
@@ -138,3 +147,7 @@ class Site:
             if batch
             else ""
         )
+
+
+# The array types `Site.check` has seen (a leaf of one, shaped and typed as the site, passes as is).
+_ARRAY_TYPES: set[type] = set()

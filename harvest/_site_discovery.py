@@ -25,6 +25,7 @@ import jax
 from . import _jax
 from ._calling import (
     closure_of,
+    forget_verified_splits,
     globals_read,
     is_array,
     make_jaxpr,
@@ -51,6 +52,7 @@ class _Clearer:
     def cache_clear(self) -> None:
         with _lock:
             _found.clear()
+            _state_seen.clear()
 
     def cache_info(self) -> str:
         return f"{len(_found)} functions"
@@ -81,6 +83,7 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
         if found is not None:
             return found
     closed = make_jaxpr(f, args, {})[0]
+    forget_verified_splits()  # tracing ran user code: splits are checked again after it
     found = tuple(
         (Site.of(eqn), where, fires, stacked)
         for eqn, where, fires, stacked in sow_firings(closed.jaxpr)
@@ -108,13 +111,37 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     key = (
         tree,
         tuple(map(_abstract, leaves[: len(leaves) - state])),
-        tuple(_abstract(leaf, data=True) for leaf in leaves[len(leaves) - state :]),
+        _state_abstract(fn, leaves[len(leaves) - state :]),
     )
     try:
         hash(key)
     except TypeError:  # an unhashable static leaf
         return None
     return key
+
+
+def _state_abstract(fn: Callable[..., Any], leaves: list[Any]) -> tuple[Any, ...]:
+    """`_abstract` of each leaf of an NNX state, as data; that of the last call of
+    ``fn`` again if these are its very arrays (held weakly, so none is reused), as
+    on a repeated sweep: a model's hundreds of leaves are not looked at again."""
+    seen = _state_seen.get(fn)
+    if seen is not None and len(seen[0]) == len(leaves) and all(map(_refers, seen[0], leaves)):
+        return seen[1]
+    abstract = tuple(_abstract(leaf, data=True) for leaf in leaves)
+    try:
+        _state_seen[fn] = (tuple(map(weakref.ref, leaves)), abstract)
+    except TypeError:  # a number in the state, or a function held only strongly: not kept
+        pass
+    return abstract
+
+
+def _refers(ref: Any, leaf: Any) -> bool:
+    return ref() is leaf
+
+
+_state_seen: weakref.WeakKeyDictionary[
+    Callable[..., Any], tuple[tuple[Any, ...], tuple[Any, ...]]
+] = weakref.WeakKeyDictionary()
 
 
 def _abstract(leaf: Any, data: bool = False) -> Any:

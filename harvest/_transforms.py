@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import numbers
 import threading
 import weakref
@@ -32,9 +33,11 @@ import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._calling import (
+    array_flags,
     closure_of,
     flattening_call,
     globals_read,
+    holds_no_nodes,
     is_array,
     make_jaxpr,
     reveal_static,
@@ -125,15 +128,19 @@ class _Call(NamedTuple):
 _DATA_PARTS = frozenset({"plants", "graph"})
 
 
-def _traced_leaves(call: _Call) -> list[bool]:
-    """Per leaf of `call`, in flattening order: whether it is traced."""
-    traced: list[bool] = []
-    for part in _Call._fields:
-        leaves = jax.tree_util.tree_leaves(getattr(call, part))
-        flags = list(map(is_array, leaves))
-        if part in _DATA_PARTS and not all(flags):
-            flags = [f or _is_traced(leaf, True) for f, leaf in zip(flags, leaves)]
-        traced += flags
+def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
+    """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
+    traced = array_flags(leaves)
+    if all(traced):
+        return traced
+    start = 0
+    for part, child in zip(_Call._fields, treedef.children()):
+        end = start + child.num_leaves
+        if part in _DATA_PARTS and not all(traced[start:end]):
+            traced[start:end] = [
+                t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
+            ]
+        start = end
     return traced
 
 
@@ -328,15 +335,19 @@ def run_walk(f, policy, reap, plants, args, kwargs):
         _note_walked(tag)
     fn, bound = _unwrap(f)
     with flattening_call():
-        stateful = stateful_objects((bound, args, kwargs))
-        # NNX nodes the function closes over or reads from its module are split as arguments are.
-        (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
-            (bound, args, kwargs, closure_of(fn), globals_read(fn))
-        )
+        cells, reads = closure_of(fn), globals_read(fn)
+        if holds_no_nodes((bound, args, kwargs, cells, reads)):
+            stateful, graph, nodes = (), None, ()
+        else:
+            stateful = stateful_objects((bound, args, kwargs))
+            # NNX nodes the function closes over or reads from its module are split as arguments are.
+            (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
+                (bound, args, kwargs, cells, reads)
+            )
         call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
         leaves, treedef = jax.tree_util.tree_flatten(call_parts)
-        traced = _traced_leaves(call_parts)
-    dynamic = [leaf for leaf, t in zip(leaves, traced) if t]
+        traced = _traced_leaves(leaves, treedef)
+    dynamic = list(itertools.compress(leaves, traced))
     static = _Static(
         treedef,
         tuple(

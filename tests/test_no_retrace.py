@@ -448,3 +448,72 @@ def test_a_sweep_of_a_batchnorm_in_training_mode_matches_runs_by_hand(sweep):
         )
         hand = [((cl[n] - co[n]) * grads[n]).sum((0, 2)) for n in ("h", "n")]
     close(values, np.array(hand))
+
+
+# ---------------------------------------------------------------------------
+# Models of one structure share a program; a sweep checks a model's structure once per call.
+
+
+class Traced(Net):
+    """Net counting how many times it is traced (its body runs only then)."""
+
+    runs = 0
+
+    def __call__(self, x):
+        Traced.runs += 1
+        return super().__call__(x)
+
+
+def test_a_second_model_of_the_same_structure_shares_the_program_and_reads_its_own_weights():
+    first, second = Traced(seed=0), Traced(seed=5)  # equal graph definitions, other weights
+    x = data()[0]
+    Traced.runs = 0
+    close(reap(first)(x)["b"], hand_forward(first.w1[...], first.w2[...], x)[1]["b"])
+    for _ in range(2):
+        reaped = reap(second)(x)
+        close(reaped["b"], hand_forward(second.w1[...], second.w2[...], x)[1]["b"])
+    assert Traced.runs == 1  # one trace served both models
+    # The second split hands back the first's graph definition, so keys compare by identity.
+    assert _calling.split_nodes(second)[1].graphdef is _calling.split_nodes(first)[1].graphdef
+
+
+def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(monkeypatch):
+    model = Net()
+    x_clean, x_corrupt = data()
+    patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
+    checks = [0]
+    real = _calling._Split.still_holds
+
+    def counted(self, nodes):
+        checks[0] += 1
+        return real(self, nodes)
+
+    monkeypatch.setattr(_calling._Split, "still_holds", counted)
+    clean = reap(model)(x_clean)
+    checks[0] = 0
+    patching_sweep(model, clean, (x_corrupt,), metric)
+    assert checks[0] == 1  # finding the sites and running the program share one check
+    model.w2 = nnx.Param(jnp.eye(4) * 0.5)  # a layer replaced between two calls: seen
+    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    close(values, hand_sweep(model.w1[...], model.w2[...], x_clean, x_corrupt))
+
+
+def test_planted_values_of_other_types_are_still_cast_and_checked():
+    # Site.check passes a value of the site's shape and dtype as is; any other is cast or refused.
+    def f(x):
+        return sow(x * 2.0, name="h", mode="strict") + 1.0
+
+    x = jnp.ones(3, jnp.float32)
+    want = np.full(3, 4.0, np.float32)
+    for value in (jnp.full(3, 3.0), np.full(3, 3.0, np.float32), np.full(3, 3.0, np.float64)):
+        got = plant(f)({"h": value}, x)
+        assert got.dtype == jnp.float32
+        close(got, want)
+    total = lambda x: sow(x.sum(), name="s", mode="strict") * 2.0  # noqa: E731
+    for number in (3.0, 3):  # a Python number takes the site's dtype
+        got = plant(total)({"s": number}, x)
+        assert got.dtype == jnp.float32 and float(got) == 6.0
+    with pytest.raises(ValueError, match="int32"):
+        plant(f)({"h": jnp.full(3, 3, jnp.int32)}, x)
+    with pytest.raises(ValueError, match=r"\[4\]"):
+        plant(f)({"h": jnp.full(4, 3.0)}, x)
