@@ -9,7 +9,9 @@ hunting bugs locally.
 `make test-fast` sets two caps: `HARVEST_MAX_EXAMPLES=N` runs every property
 test with at most N examples (including those that set their own count), and
 `HARVEST_MAX_CASES=N` keeps at most N cases of each parametrized test (the
-first, the last and evenly spaced ones between), so every test still runs.
+first, the last and evenly spaced ones between), so every test still runs. It
+also deselects the `slow` marker, which `SLOW_FILES` puts on whole files here
+(one list, rather than a line in each file).
 """
 
 import os
@@ -22,6 +24,23 @@ from hypothesis import settings
 settings.register_profile("deterministic", database=None, derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+# Files whose every test is `slow`: each is a long end-to-end run whose modules other,
+# faster files (or the docstring examples) also reach. `make test` and the matrix run them.
+SLOW_FILES = {
+    "test_instrument_gemma.py": "builds and runs DeepMind's gemma model",
+    "test_instrument_penzai_sampling.py": "KV-cached Penzai decodes (test_instrument_penzai stays)",
+    "test_ppl_posterior.py": "BlackJAX NUTS chains (the docstring examples sample too)",
+    "test_ppl_counterfactual.py": "BlackJAX NUTS chains (the docstring examples run it too)",
+    "test_store_multiprocess.py": "two writer processes and a SIGKILL",
+    "test_typing.py": "a mypy run (make lint runs mypy on the package)",
+}
+
+
+def pytest_itemcollected(item):
+    if item.path.name in SLOW_FILES:
+        item.add_marker("slow")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -39,6 +39,7 @@ def test_the_shipped_weights_solve_the_task_and_are_small():
     assert ti.accuracy(params, n=200) > 0.9
 
 
+@pytest.mark.slow  # trains twice
 @pytest.mark.single_release  # the guide's training script on JAX alone; the JAX matrix skips it
 def test_training_is_deterministic():
     a, loss_a = ti.train(steps=2)
