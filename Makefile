@@ -36,8 +36,8 @@ test: $(STAMP) lint
 
 # For development (about 3 minutes on 2 idle cores): the suite without the
 # notebooks, the docs build, the long end-to-end files, the golden comparison
-# against oryx and the benchmarks (markers in pyproject.toml; whole files in
-# tests/conftest.py's SLOW_FILES), with at most 2 examples per property test and
+# against oryx and the benchmarks (markers in pyproject.toml; files and tests in
+# tests/conftest.py's SLOW), with at most 2 examples per property test and
 # 3 cases per parametrized test (tests/conftest.py), on two workers. Every test
 # file but those still runs.
 test-fast: $(STAMP)
