@@ -62,6 +62,14 @@ def metric(out):
     return jnp.sum(out[-1])
 
 
+def _row(measure, reference, timing, target=None):
+    """One table row from `_timing.ratio`'s (ratio, ours, theirs)."""
+    ratio, ours, theirs = timing
+    return dict(
+        measure=measure, reference=reference, ratio=ratio, ours=ours, theirs=theirs, target=target
+    )
+
+
 def _model(width, cfg):
     model = Transformer(width, cfg.blocks, nnx.Rngs(0))
     k1, k2 = jax.random.split(jax.random.key(1))
@@ -110,26 +118,18 @@ def sweeps(cfg):
         sweep().ravel(), hand(state, cleans, x_corrupt), rtol=1e-3, atol=1e-4
     )
     attribution()
-    sweep_ratio, ours, theirs = _timing.ratio(
-        sweep, lambda: hand(state, cleans, x_corrupt), cfg.repeats, cfg.calls
-    )
-    attribution_ratio, attr, exact = _timing.ratio(attribution, sweep, cfg.repeats, cfg.calls)
     return [
-        dict(
-            measure=f"repeated `patching_sweep`, {patches} patches",
-            reference="hand-written `jit(vmap(plant))`",
-            ratio=sweep_ratio,
-            ours=ours,
-            theirs=theirs,
-            target=TARGETS["sweep"],
+        _row(
+            f"repeated `patching_sweep`, {patches} patches",
+            "hand-written `jit(vmap(plant))`",
+            _timing.ratio(sweep, lambda: hand(state, cleans, x_corrupt), cfg.repeats, cfg.calls),
+            TARGETS["sweep"],
         ),
-        dict(
-            measure=f"repeated `attribution_patching`, {patches} patches",
-            reference="the repeated exact sweep",
-            ratio=attribution_ratio,
-            ours=attr,
-            theirs=exact,
-            target=TARGETS["attribution"],
+        _row(
+            f"repeated `attribution_patching`, {patches} patches",
+            "the repeated exact sweep",
+            _timing.ratio(attribution, sweep, cfg.repeats, cfg.calls),
+            TARGETS["attribution"],
         ),
     ]
 
@@ -141,69 +141,49 @@ def eager(width, cfg, first=False):
     graphdef, state = nnx.split(model)
     functional = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     np.testing.assert_allclose(capture(x)["head"], functional(state, x), rtol=1e-4, atol=1e-4)
-    rows = []
-    r, ours, theirs = _timing.ratio(
-        lambda: capture(x), lambda: functional(state, x), cfg.repeats, cfg.calls
-    )
-    rows.append(
-        dict(
-            measure=f"eager `reap(instrument(model))(x)`, d={width}",
-            reference="`jax.jit` of the functional forward",
-            ratio=r,
-            ours=ours,
-            theirs=theirs,
-            target=TARGETS["eager"] if width == cfg.tiny_width else None,
+    rows = [
+        _row(
+            f"eager `reap(instrument(model))(x)`, d={width}",
+            "`jax.jit` of the functional forward",
+            _timing.ratio(lambda: capture(x), lambda: functional(state, x), cfg.repeats, cfg.calls),
+            TARGETS["eager"] if width == cfg.tiny_width else None,
         )
-    )
+    ]
     # The same capture compiled by hand on the split state: what is left is harvest's Python.
     jitted = jax.jit(
         lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x)
     )
     np.testing.assert_allclose(jitted(state, x)["head"], capture(x)["head"], rtol=1e-4, atol=1e-4)
-    r, ours, theirs = _timing.ratio(
-        lambda: capture(x), lambda: jitted(state, x), cfg.repeats, cfg.calls
-    )
     rows.append(
-        dict(
-            measure=f"eager `reap(instrument(model))(x)`, d={width}",
-            reference="the same capture under `jax.jit` on the split state",
-            ratio=r,
-            ours=ours,
-            theirs=theirs,
-            target=None,
+        _row(
+            f"eager `reap(instrument(model))(x)`, d={width}",
+            "the same capture under `jax.jit` on the split state",
+            _timing.ratio(lambda: capture(x), lambda: jitted(state, x), cfg.repeats, cfg.calls),
         )
     )
     if first:
         # Steady state of the compiled capture: every site's output against the forward alone.
-        r, ours, theirs = _timing.ratio(
+        steady = _timing.ratio(
             lambda: jitted(state, x), lambda: functional(state, x), cfg.repeats, cfg.calls
         )
-        rows.append(
-            dict(
-                measure=f"steady: the capture under `jax.jit` on the split state, d={width}",
-                reference="`jax.jit` of the functional forward",
-                ratio=r,
-                ours=ours,
-                theirs=theirs,
-                target=None,
-            )
-        )
-        r, ours, theirs = _timing.ratio(
+        first_call = _timing.ratio(
             lambda: reap(instrument(model), tag="modules")(x),
             lambda: jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x),
             cfg.first_repeats,
             setup=jax.clear_caches,
         )
-        rows.append(
-            dict(
-                measure=f"first call of the capture, d={width}",
-                reference="the functional forward's first call",
-                ratio=r,
-                ours=ours,
-                theirs=theirs,
-                target=None,
-            )
-        )
+        rows += [
+            _row(
+                f"steady: the capture under `jax.jit` on the split state, d={width}",
+                "`jax.jit` of the functional forward",
+                steady,
+            ),
+            _row(
+                f"first call of the capture, d={width}",
+                "the functional forward's first call",
+                first_call,
+            ),
+        ]
     return rows
 
 
@@ -240,46 +220,37 @@ def linen_eager(width, cfg):
     np.testing.assert_allclose(
         capture(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
     )
-    r, ours, theirs = _timing.ratio(
+    eager_call = _timing.ratio(
         lambda: capture(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
     )
     jitted = jax.jit(reap(instrument(model.apply), tag="modules"))
     np.testing.assert_allclose(
         jitted(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
     )
-    steady, steady_ours, steady_theirs = _timing.ratio(
+    steady = _timing.ratio(
         lambda: jitted(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
     )
-    first, first_ours, first_theirs = _timing.ratio(
+    first_call = _timing.ratio(
         lambda: reap(instrument(model.apply), tag="modules")(variables, x),
         lambda: jax.jit(model.apply)(variables, x),
         cfg.first_repeats,
         setup=jax.clear_caches,
     )
     return [
-        dict(
-            measure=f"Linen: eager `reap(instrument(model.apply))(variables, x)`, d={width}",
-            reference="`jax.jit(model.apply)`",
-            ratio=r,
-            ours=ours,
-            theirs=theirs,
-            target=None,
+        _row(
+            f"Linen: eager `reap(instrument(model.apply))(variables, x)`, d={width}",
+            "`jax.jit(model.apply)`",
+            eager_call,
         ),
-        dict(
-            measure=f"Linen: steady, `jax.jit(reap(instrument(model.apply)))`, d={width}",
-            reference="`jax.jit(model.apply)`",
-            ratio=steady,
-            ours=steady_ours,
-            theirs=steady_theirs,
-            target=None,
+        _row(
+            f"Linen: steady, `jax.jit(reap(instrument(model.apply)))`, d={width}",
+            "`jax.jit(model.apply)`",
+            steady,
         ),
-        dict(
-            measure=f"Linen: first call of the capture, d={width}",
-            reference="`jax.jit(model.apply)`'s first call",
-            ratio=first,
-            ours=first_ours,
-            theirs=first_theirs,
-            target=None,
+        _row(
+            f"Linen: first call of the capture, d={width}",
+            "`jax.jit(model.apply)`'s first call",
+            first_call,
         ),
     ]
 

@@ -9,7 +9,9 @@ hunting bugs locally.
 `make test-fast` sets two caps: `HARVEST_MAX_EXAMPLES=N` runs every property
 test with at most N examples (including those that set their own count), and
 `HARVEST_MAX_CASES=N` keeps at most N cases of each parametrized test (the
-first, the last and evenly spaced ones between), so every test still runs.
+first, the last and evenly spaced ones between), so every test still runs. It
+also deselects the `slow` marker, which `SLOW` puts here on whole files and
+single tests (one list, rather than a line in each file).
 """
 
 import os
@@ -22,6 +24,35 @@ from hypothesis import settings
 settings.register_profile("deterministic", database=None, derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+
+# Files (every test in them) and single tests (`file::name`) marked `slow`: each is a long
+# end-to-end run whose modules other, faster tests (or the docstring examples) also reach.
+# `make test` and the matrix run them.
+SLOW = {
+    "test_instrument_gemma.py": "builds and runs DeepMind's gemma model",
+    "test_instrument_penzai_sampling.py": "KV-cached Penzai decodes (test_instrument_penzai stays)",
+    "test_ppl_posterior.py": "BlackJAX NUTS chains (the docstring examples sample too)",
+    "test_ppl_counterfactual.py": "BlackJAX NUTS chains (the docstring examples run it too)",
+    "test_store_multiprocess.py": "two writer processes and a SIGKILL",
+    "test_typing.py": "a mypy run (make lint runs mypy on the package)",
+    "test_ppl_bench.py": "the bench harness's two densities, against NumPyro",
+    "test_ppl_unconstrained.py::test_hmc_on_the_unconstrained_density_recovers_the_recorded_"
+    "posterior_mean": "an HMC chain",
+    "test_robustness.py::test_threads_calling_harvested_functions_get_correct_results": (
+        "400 calls from 8 threads"
+    ),
+    "test_patching.py::test_progress_bar_over_chunks": "a chunked sweep per progress option",
+    "test_induction_model.py::test_the_shipped_weights_solve_the_task_and_are_small": (
+        "a 200-sequence forward of the guide's model"
+    ),
+}
+
+
+def pytest_itemcollected(item):
+    name = getattr(item, "originalname", item.name)
+    if item.path.name in SLOW or f"{item.path.name}::{name}" in SLOW:
+        item.add_marker("slow")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,6 +2,8 @@
 
 import pytest
 
+pytestmark = pytest.mark.benchmark  # the bench harness: make test only
+
 pytest.importorskip("penzai")
 
 from benchmarks import bench_models  # noqa: E402

@@ -25,6 +25,10 @@ import sys
 import jax
 import pytest
 
+pytestmark = (
+    pytest.mark.single_release
+)  # the pages show one release (PAGES_JAX); the JAX matrix skips them
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 # The JAX release whose printing the pages show.

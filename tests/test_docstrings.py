@@ -12,6 +12,8 @@ import pytest
 
 import harvest
 
+pytestmark = pytest.mark.single_release  # the API reference's examples; the JAX matrix skips them
+
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 REQUIRED = [
     "harvest._sow",

@@ -1032,31 +1032,41 @@ HARVESTS = {  # (the harvested call, the same by hand), each f(model, x, v) -> (
 }
 
 
-def _under(transform, fn, model, x, v):
-    """`fn(model, x, v)` under `transform`; the model's state comes back as NNX
-    transforms return it (for jax.jit: split, merged inside and returned)."""
+def _under(transform, fn, model):
+    """`fn(model, x, v)` under `transform`, made once so that a second call runs the
+    compiled program again, as a training loop would; the model's state comes back as
+    NNX transforms return it (for jax.jit: split, merged inside and returned)."""
     if transform == "eager":
-        return fn(model, x, v)
+        return fn
     if transform == "nnx.jit":
-        return nnx.jit(fn)(model, x, v)
+        return nnx.jit(fn)
     if transform == "nnx.grad":  # gradients with respect to the parameters
 
         def loss(m, x, v):
             result = fn(m, x, v)
             return sum(jnp.sum(leaf) for leaf in jax.tree_util.tree_leaves(result)), result
 
-        grads, result = nnx.grad(loss, has_aux=True)(model, x, v)
-        return result, grads
-    graphdef, state = nnx.split(model)
+        grad = nnx.grad(loss, has_aux=True)
 
+        def with_grads(m, x, v):
+            grads, result = grad(m, x, v)
+            return result, grads
+
+        return with_grads
+    graphdef, _ = nnx.split(model)
+
+    @jax.jit
     def pure(state, x, v):
         m = nnx.merge(graphdef, state)
         result = fn(m, x, v)
         return result, nnx.state(m)
 
-    result, state = jax.jit(pure)(state, x, v)
-    nnx.update(model, state)
-    return result
+    def split_and_update(m, x, v):
+        result, state = pure(nnx.split(m)[1], x, v)
+        nnx.update(m, state)
+        return result
+
+    return split_and_update
 
 
 def assert_same_state(a, b):
@@ -1075,9 +1085,10 @@ def test_state_through_nnx_jit_and_remat_matches_a_direct_twin(cls, which, trans
     model = cls(nnx.Rngs(0, dropout=1))
     twin = ThroughTransforms(nnx.Rngs(0, dropout=1))  # called directly, submodule by submodule
     harvested, by_hand = HARVESTS[which]
+    harvested, by_hand = _under(transform, harvested, model), _under(transform, by_hand, twin)
     for step in range(2):
-        got = _under(transform, harvested, model, X + step, V)
-        want = _under(transform, by_hand, twin, X + step, V)
+        got = harvested(model, X + step, V)
+        want = by_hand(twin, X + step, V)
         assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
         for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             np.testing.assert_allclose(a, b, **TOL)

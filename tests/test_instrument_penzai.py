@@ -22,7 +22,9 @@ from harvest import (
 from harvest._calling import flattening_call
 
 pz = pytest.importorskip("penzai.pz")
-llamalike = pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
+pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
+
+from _penzai_models import tiny_llamalike  # noqa: E402  (it imports Penzai: after the skip)
 
 BLOCK = "body.sublayers.1"  # the first transformer block (sublayer 0 embeds the tokens)
 ATTN = "body.sublayers.1.sublayers.0.delta.sublayers.1"  # its pz.nn.Attention
@@ -30,18 +32,7 @@ ATTN = "body.sublayers.1.sublayers.0.delta.sublayers.1"  # its pz.nn.Attention
 
 @pytest.fixture(scope="module")
 def model():
-    config = llamalike.LlamalikeTransformerConfig(
-        num_kv_heads=2,
-        query_head_multiplier=1,
-        embedding_dim=8,
-        projection_dim=4,
-        mlp_hidden_dim=16,
-        num_decoder_blocks=1,
-        vocab_size=11,
-        mlp_variant="swiglu",
-        tie_embedder_and_logits=False,
-    )
-    return llamalike.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    return tiny_llamalike()
 
 
 def tokens(*ids):

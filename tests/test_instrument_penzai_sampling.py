@@ -15,9 +15,10 @@ import pytest
 from harvest import add_vector, call_and_reap, instrument, patching_sweep, plant, reap, sites
 
 pz = pytest.importorskip("penzai.pz")
-llamalike = pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
+pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
 sampling_mode = pytest.importorskip("penzai.models.transformer.sampling_mode")
 
+from _penzai_models import tiny_llamalike  # noqa: E402  (it imports Penzai: after the skip)
 from test_instrument_penzai import _get, edited  # noqa: E402  (the same hand edits, after the skip)
 
 BLOCK = "body.sublayers.1"  # the first transformer block
@@ -27,18 +28,7 @@ CACHE = 8
 
 @pytest.fixture(scope="module")
 def model():
-    config = llamalike.LlamalikeTransformerConfig(
-        num_kv_heads=2,
-        query_head_multiplier=1,
-        embedding_dim=8,
-        projection_dim=4,
-        mlp_hidden_dim=16,
-        num_decoder_blocks=1,
-        vocab_size=11,
-        mlp_variant="swiglu",
-        tie_embedder_and_logits=False,
-    )
-    return llamalike.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    return tiny_llamalike()
 
 
 def sampler(model):

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import harvest
 
 
@@ -22,6 +24,7 @@ def test_demo_prints_reaped_sites_and_patching_effects():
     assert "layer1.mlp_out" in out.split("Patching")[1]
 
 
+@pytest.mark.single_release  # argument parsing; the JAX matrix skips it
 def test_help_and_version_exit_0_without_running_the_demo():
     for flag in ("--help", "-h"):
         result = run(flag)
@@ -32,6 +35,7 @@ def test_help_and_version_exit_0_without_running_the_demo():
     assert (result.returncode, result.stdout.strip()) == (0, f"harvest {harvest.__version__}")
 
 
+@pytest.mark.single_release  # argument parsing; the JAX matrix skips it
 def test_unknown_flags_and_commands_exit_2():
     for argv in (["--bogus"], ["nonsense"]):
         result = run(*argv)

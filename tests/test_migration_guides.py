@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.single_release  # documentation; the JAX matrix skips it
+
 GUIDES = pathlib.Path(__file__).parent.parent / "docs" / "guides"
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 

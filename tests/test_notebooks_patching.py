@@ -9,6 +9,7 @@ NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "activation_patch
 
 
 @pytest.mark.slow
+@pytest.mark.single_release  # documentation; the JAX matrix skips it
 def test_activation_patching_notebook_runs(monkeypatch):
     # The kernel imports this checkout's harvest, not whichever copy the venv has installed.
     monkeypatch.setenv(

@@ -10,6 +10,7 @@ NOTEBOOK = pathlib.Path(__file__).parent.parent / "notebooks" / "probabilistic_i
 
 
 @pytest.mark.slow
+@pytest.mark.single_release  # documentation; the JAX matrix skips it
 def test_probabilistic_intervention_notebook_runs(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -611,6 +611,7 @@ def test_head_by_position_sweep_equals_per_pair_patches(seed, axis):
     assert result.names == names and result.values.shape == (HL, *sizes) and result.axis == axis
     assert [list(p) for p in result.positions] == [list(range(n)) for n in sizes]
     base = model(x_corrupt)
+    corrupt = reap(model)(x_corrupt)
     for i, name in enumerate(names):
         c = clean[name]
         for h in range(HH):
@@ -619,8 +620,11 @@ def test_head_by_position_sweep_equals_per_pair_patches(seed, axis):
                 hand = head_model(params, lambda j, z: z.at[p, h].set(c[p, h]) if j == i else z)(
                     x_corrupt
                 )
-                # ... and one plant per pair.
-                planted = plant(model)({name: lambda old: old.at[p, h].set(c[p, h])}, x_corrupt)
+                # ... and one plant per pair: the corrupt run's z with that cell clean (an
+                # array, so every pair reuses one compiled program; patching layer i leaves
+                # the z it replaces as the corrupt run computed it).
+                patched = corrupt[name].at[p, h].set(c[p, h])
+                planted = plant(model)({name: patched}, x_corrupt)
                 cell = result.values[(i, h, p) if first == 1 else (i, p, h)]
                 np.testing.assert_allclose(cell, hand - base, rtol=1e-4, atol=1e-5)
                 np.testing.assert_allclose(planted, hand, rtol=1e-5, atol=1e-6)

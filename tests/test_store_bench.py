@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.benchmark  # the bench harness: make test only
+
 pytest.importorskip("tensorstore", reason="harvest.store needs the store extra (tensorstore)")
 pytest.importorskip("flax.nnx")
 

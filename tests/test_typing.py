@@ -10,6 +10,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.single_release  # type checking; the JAX matrix skips it
+
 mypy_api = pytest.importorskip("mypy.api", reason="mypy is in the `test` extra")
 
 # Each line ending in `# E: code ...` must be reported with exactly those error

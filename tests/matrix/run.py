@@ -3,7 +3,8 @@
 Each pin file `tests/matrix/jax-<version>.txt` names one release with the
 optional dependencies that support it. For each, this builds a venv
 `.venv-jax-<version>` (once; again when the pin file changes), runs the suite
-there, one release at a time, and prints
+there, one release at a time (building the next release's venv meanwhile), and
+prints
 
     version | passed | failed | skipped
 
@@ -16,10 +17,10 @@ It exits non-zero if any release has a failure or an error, so CI fails too.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import pathlib
 import re
-import resource
 import subprocess
 import sys
 import time
@@ -28,6 +29,11 @@ import xml.etree.ElementTree as ET
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 DOCS = ROOT / "docs" / "jax_versions.md"
+# What the matrix leaves to `make test`, which runs it once on the primary release: the
+# bench harness's end-to-end runs (`benchmark`: they test the harness, and would add
+# minutes per release) and the tests whose verdict does not depend on the JAX release
+# (`single_release`: docs, notebooks, text checks; see pyproject.toml's markers).
+DESELECT = "not benchmark and not single_release"
 BEGIN, END = "<!-- matrix: written by `python tests/matrix/run.py --docs` -->", "<!-- /matrix -->"
 
 
@@ -59,6 +65,7 @@ def ensure_venv(version, python):
         return venv
     log = ROOT / f".venv-jax-{version}.log"
     print(f"building {venv.name} ...", flush=True)
+    start = time.monotonic()
     with open(log, "w") as out:
         steps = [
             [python, "-m", "venv", "--clear", str(venv)],
@@ -77,6 +84,7 @@ def ensure_venv(version, python):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
                 sys.exit(f"could not build {venv.name}: {' '.join(cmd)} failed; see {log.name}")
     stamp.write_text(pins)
+    print(f"built {venv.name} in {time.monotonic() - start:.0f} s", flush=True)
     return venv
 
 
@@ -96,16 +104,16 @@ def run_suite(version, venv, pytest_args):
         # two workers, as `make test`: the suite is CPU-bound and CI has 2 cores
         "-n",
         "2",
-        # The bench harness's end-to-end runs (`benchmark` marker) run on the primary
-        # release only, in `make test`, where `make bench` measures: they test the
-        # harness, and would add minutes per release to CI.
         "-m",
-        "not benchmark",
+        DESELECT,
         f"--junitxml={report}",
     ]
-    start, cpu = time.monotonic(), _children_cpu()
-    subprocess.run(cmd + pytest_args, cwd=ROOT, env=env)
-    seconds, cpu = time.monotonic() - start, _children_cpu() - cpu
+    start = time.monotonic()
+    suite = subprocess.Popen(cmd + pytest_args, cwd=ROOT, env=env)
+    # The suite's own CPU time (pytest and its workers), not the venv builds running beside it.
+    _, status, usage = os.wait4(suite.pid, 0)
+    suite.returncode = os.waitstatus_to_exitcode(status)
+    seconds, cpu = time.monotonic() - start, usage.ru_utime + usage.ru_stime
     if not report.exists():
         return dict(version=version, passed=0, failed=1, skipped=0, seconds=seconds, cpu=cpu)
     counts = dict(tests=0, failures=0, errors=0, skipped=0)
@@ -122,11 +130,6 @@ def run_suite(version, venv, pytest_args):
         seconds=seconds,
         cpu=cpu,
     )
-
-
-def _children_cpu():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def table(rows):
@@ -165,10 +168,16 @@ def main(argv=None):
             sys.exit(f"no pin file for {', '.join(unknown)}; known: {', '.join(versions)}")
         versions = [v for v in versions if v in wanted]
     rows = []
-    for version in versions:
-        venv = ensure_venv(version, args.python)
-        print(f"== jax {version}", flush=True)
-        rows.append(run_suite(version, venv, pytest_args))
+    # The next release's venv is built (mostly pip downloading and unpacking) while the
+    # current release's suite runs, instead of after it; a failed build stops the run.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as builder:
+        building = builder.submit(ensure_venv, versions[0], args.python) if versions else None
+        for i, version in enumerate(versions):
+            venv = building.result()
+            if i + 1 < len(versions):
+                building = builder.submit(ensure_venv, versions[i + 1], args.python)
+            print(f"== jax {version}", flush=True)
+            rows.append(run_suite(version, venv, pytest_args))
     print()
     print(table(rows))
     # CPU time too: on a shared machine the wall time says more about the neighbours.
