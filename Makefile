@@ -37,11 +37,12 @@ test: $(STAMP) lint
 # For development (about 3 minutes on 2 idle cores): the suite without the
 # notebooks, the docs build, the long end-to-end files, the golden comparison
 # against oryx and the benchmarks (markers in pyproject.toml; files and tests in
-# tests/conftest.py's SLOW), with at most 2 examples per property test and
-# 3 cases per parametrized test (tests/conftest.py), on two workers. Every test
-# file but those still runs.
+# tests/conftest.py's SLOW), with one example per property test and
+# one case per parametrized test (tests/conftest.py), on two workers that take
+# each other's queued tests when idle (worksteal, so no long test ends alone).
+# Every test file but those still runs.
 test-fast: $(STAMP)
-	HARVEST_MAX_EXAMPLES=2 HARVEST_MAX_CASES=3 $(PY) -m pytest -q -p no:cacheprovider -n 2 \
+	HARVEST_MAX_EXAMPLES=1 HARVEST_MAX_CASES=1 $(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal \
 		-m "not slow and not golden and not benchmark"
 
 # ruff (lint rules and the formatter's check) over the tree, then mypy over the

@@ -43,6 +43,16 @@ SLOW = {
         "400 calls from 8 threads"
     ),
     "test_patching.py::test_progress_bar_over_chunks": "a chunked sweep per progress option",
+    "test_patching.py::test_a_dataset_sweep_is_the_mean_of_per_batch_hand_results": (
+        "a sweep over a dataset of batches"
+    ),
+    "test_many_devices.py": "8-device checks in their own processes",
+    "test_instrument_attention.py": "hooks on four libraries' attention (the Penzai hooks stay)",
+    "test_store.py::test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run": (
+        "a recording process killed and resumed"
+    ),
+    "test_autodiff.py::test_grad_of_odeint_with_a_sow_in_the_vector_field": "an ODE solve under grad",
+    "test_ppl_predictive.py": "predictive runs over many draws (its docstring examples stay)",
     "test_induction_model.py::test_the_shipped_weights_solve_the_task_and_are_small": (
         "a 200-sequence forward of the guide's model"
     ),
