@@ -32,7 +32,7 @@ demo: $(CORE_STAMP)
 
 # Two workers: the suite is CPU-bound and the tests share no files (CI has 2 cores).
 test: $(STAMP) lint
-	$(PY) -m pytest -q -p no:cacheprovider -n 2
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # For development (about 3 minutes on 2 idle cores): the suite without the
 # notebooks, the docs build, the long end-to-end files, the golden comparison

@@ -104,6 +104,9 @@ def run_suite(version, venv, pytest_args):
         # two workers, as `make test`: the suite is CPU-bound and CI has 2 cores
         "-n",
         "2",
+        # an idle worker takes the other's queued tests, so no long test ends alone
+        "--dist",
+        "worksteal",
         "-m",
         DESELECT,
         f"--junitxml={report}",
