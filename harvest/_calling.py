@@ -483,14 +483,8 @@ def in_flattening_call() -> bool:
 def stateful_objects(tree: Any) -> tuple[Stateful, ...]:
     """The `Stateful` objects in `tree`, in flattening order (not looking inside NNX
     graph nodes, which hold none and can be large)."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_stateful_or_node)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_special)
     return tuple(x for x in leaves if isinstance(x, Stateful))
-
-
-def _stateful_or_node(x: Any) -> bool:
-    if type(x) in _NEVER_NODES or type(x) in _ARRAY_TYPES:
-        return False  # the common nodes and leaves, without the ABC and NNX checks
-    return isinstance(x, Stateful) or _is_graph_node(x)
 
 
 def holds_graph_nodes(tree: Any) -> bool:
@@ -510,8 +504,9 @@ def holds_no_nodes(tree: Any) -> bool:
 
 
 def _special(x: Any) -> bool:
+    """A `Stateful` object, an NNX graph node or a bound method of either."""
     if type(x) in _NEVER_NODES or type(x) in _ARRAY_TYPES or type(x) is Held:
-        return False
+        return False  # the common nodes and leaves, without the ABC and NNX checks
     if inspect.ismethod(x):
         x = x.__self__
     return isinstance(x, Stateful) or _is_graph_node(x)

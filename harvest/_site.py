@@ -12,6 +12,7 @@ import numpy as np
 from jax.tree_util import PyTreeDef
 
 from . import _errors, _jax
+from ._calling import is_array
 from ._modes import MODES, Mode
 from ._paths import path_str
 from ._primitive import sow_p
@@ -92,15 +93,13 @@ class Site:
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
             if (
-                type(leaf) in _ARRAY_TYPES
+                is_array(leaf)
                 and leaf.shape == (*leading, *aval.shape)
                 and leaf.dtype == aval.dtype
             ):
                 out.append(leaf)  # an array of the site's shape and dtype: nothing to check or cast
                 continue
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
-            if array:
-                _ARRAY_TYPES.add(type(leaf))
             if not (array or isinstance(leaf, numbers.Number)):
                 raise _errors.plant_not_an_array(self, what, leaf)
             if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
@@ -147,7 +146,3 @@ class Site:
             if batch
             else ""
         )
-
-
-# The array types `Site.check` has seen (a leaf of one, shaped and typed as the site, passes as is).
-_ARRAY_TYPES: set[type] = set()

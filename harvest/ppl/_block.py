@@ -92,17 +92,31 @@ class _Hide:
 
 
 def _blocked(f: Callable[..., Any], names: Among, *args: Any, **kwargs: Any) -> Any:
-    # One walk hides the draws and drops their densities (reaped, then thrown away).
-    plants = {RANDOM_VARIABLE: {name: _Hide(name) for name in sorted(names.names)}}
-    walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), AmongUnderAnyTag(names.names))
+    plants = {name: _Hide(name) for name in sorted(names.names)}
+    return with_draws_replaced(f, names.names, plants, names.names, "block", args, kwargs)
+
+
+def with_draws_replaced(
+    f: Callable[..., Any],
+    names: frozenset[str],
+    plants: Any,
+    requested: Any,
+    caller: str,
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """`f`'s output, from one walk that plants `plants` at the random variables
+    `names` and drops their log densities (reaped, then thrown away). A name in
+    `requested` that `f` does not draw is an error naming `caller`."""
+    walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), AmongUnderAnyTag(names))
     try:
-        return walk(plants, *args, **kwargs)[0]
+        return walk({RANDOM_VARIABLE: plants} if plants else {}, *args, **kwargs)[0]
     except KeyError as error:
         known = random_variables_of(f, args, kwargs)
-        unknown = sorted(names.names - set(known))
+        unknown = sorted(set(requested) - set(known))
         if not unknown:
             raise
-        raise _errors.ppl_unknown_names("block", unknown, known) from error
+        raise _errors.ppl_unknown_names(caller, unknown, known) from error
 
 
 def check_blocked_unscored(

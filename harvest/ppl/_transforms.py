@@ -28,12 +28,11 @@ from .. import _errors, _jax
 from .._sow import sow
 from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
-from ._block import check_blocked_unscored
+from ._block import check_blocked_unscored, with_draws_replaced
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
 from ._names import (
     Among,
-    AmongUnderAnyTag,
     dotted_paths,
     leaf_paths,
     merged,
@@ -223,17 +222,8 @@ def _fixed(
 ) -> Any:
     """`f` with the random variables `names` set to `values` and their log
     densities dropped (reaped and thrown away)."""
-    # One walk plants the values and drops their densities (reaped, then thrown away).
-    chosen = AmongUnderAnyTag(names)
-    try:
-        walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), allowlist=chosen)
-        return walk({RANDOM_VARIABLE: values} if values else {}, *args, **kwargs)[0]
-    except KeyError as error:
-        known = random_variables_of(f, args, kwargs)
-        unknown = sorted(set(leaf_paths(values)) - set(known))
-        if not unknown:
-            raise
-        raise _errors.ppl_unknown_names("intervene/conditional", unknown, known) from error
+    requested = leaf_paths(values)
+    return with_draws_replaced(f, names, values, requested, "intervene/conditional", args, kwargs)
 
 
 def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
