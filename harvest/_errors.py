@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import jax.numpy as jnp
+
 # -- the arguments of sow and of the transformations ------------------------
 
 
@@ -1011,3 +1013,31 @@ def penzai_state_with_ops(labels: list[str]) -> ValueError:
         "written back), or use ops=True on the model without the cache (the TransformerLM "
         "it was built from)."
     )
+
+
+# -- interventions that do not fit the value they are planted on ---------------
+
+
+class InterventionMisfit(ValueError):
+    """An intervention's array does not fit the sown value it was given; the
+    walk, which knows the site, re-raises it naming that site."""
+
+
+def intervention_misfit(
+    what: str, shape: tuple[int, ...], old: Any, whole: bool
+) -> InterventionMisfit:
+    target = tuple(jnp.shape(old))
+    got = f"{jnp.result_type(old)}{list(target)}"
+    if whole:
+        fix = f"Pass a value of the site's shape, {got}, as reap returns it"
+    else:
+        last = f" (a vector of shape {target[-1:]!r} runs along its last axis)" if target else ""
+        fix = f"Pass an array that broadcasts to {got}{last}"
+    return InterventionMisfit(
+        f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
+        f"{fix}; `sites(f, *args)` lists each site's shape."
+    )
+
+
+def intervention_misfit_at(site: Any, err: Exception) -> ValueError:
+    return ValueError(f"The intervention planted at the sow site {site} does not fit it: {err}")

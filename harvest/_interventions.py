@@ -56,6 +56,7 @@ class _Mean:
 
     def __call__(self, old: Any) -> Any:
         def fill(m: jax.Array, o: jax.Array) -> jax.Array:
+            _check_fits(m, o, "ablate_mean's mean", whole=False)
             return jnp.broadcast_to(m, o.shape).astype(o.dtype)
 
         return jax.tree_util.tree_map(fill, self.mean, old)
@@ -68,6 +69,7 @@ class AddVector:
 
     def __call__(self, old: Any) -> Any:
         def add(v: jax.Array, o: jax.Array) -> Any:
+            _check_fits(v, o, "add_vector's vector", whole=False)
             return (o + self.scale * v).astype(o.dtype)
 
         return jax.tree_util.tree_map(add, self.vector, old)
@@ -84,6 +86,7 @@ class PatchWhere:
 
     def __call__(self, old: Any) -> Any:
         def patch(c: jax.Array, o: jax.Array) -> jax.Array:
+            _check_fits(c, o, "the clean value to patch in", whole=True)
             return jnp.where(_along(self.mask, self.axes, jnp.ndim(o)), c, o)
 
         return jax.tree_util.tree_map(patch, self.clean, old)
@@ -132,6 +135,19 @@ class AddRow:
 
     def __call__(self, old: Any, index: jax.Array) -> Any:
         return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
+
+
+def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
+    """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
+    would name neither the intervention nor the site); ``whole``: it stands
+    for the whole value, not a vector added or filled in."""
+    shape, target = tuple(jnp.shape(array)), tuple(jnp.shape(old))
+    try:
+        fits = jnp.broadcast_shapes(shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        raise _errors.intervention_misfit(what, shape, old, whole)
 
 
 def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:

@@ -259,7 +259,10 @@ class Plant:
         if callable(v):
             if _required_positional(v) > 2:
                 raise _errors.plant_callable_arity(site, v)
-            new = v(old, self.start + i) if self.takes_index() else v(old)
+            try:
+                new = v(old, self.start + i) if self.takes_index() else v(old)
+            except _errors.InterventionMisfit as err:
+                raise _errors.intervention_misfit_at(site, err) from None
             what = "the value returned by the planted callable"
         elif self.per_occurrence():
             if self.site.mode.entries:
