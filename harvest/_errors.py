@@ -1041,3 +1041,12 @@ def intervention_misfit(
 
 def intervention_misfit_at(site: Any, err: Exception) -> ValueError:
     return ValueError(f"The intervention planted at the sow site {site} does not fit it: {err}")
+
+
+def sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
+    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+    return ValueError(
+        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
+        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'), the "
+        "tag clean was reaped with."
+    )

@@ -96,9 +96,13 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     if not isinstance(clean, dict):
         raise _errors.clean_not_a_dict(caller, clean)
     by_name: dict[str, list] = {}
+    tags = set()
     for site, where, fires, stacked in sow_sites(f, corrupted_args):
+        tags.add(site.tag)
         if site.tag == tag:
             by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
+    if not by_name and tags:  # most often instrument's sites swept without tag="modules"
+        raise _errors.sweep_tag_absent(caller, tag, sorted(tags))
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]

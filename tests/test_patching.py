@@ -281,7 +281,7 @@ def test_bad_input_says_what_to_do(run):
         run(model, clean, (x_corrupt,), metric, names=["nope"])
     with pytest.raises(KeyError, match="clean has no value for 'mix'"):
         run(model, {"embed": clean["embed"]}, (x_corrupt,), metric, names=["mix"])
-    with pytest.raises(ValueError, match="nothing to patch"):
+    with pytest.raises(ValueError, match="no sow of tag 'absent'.*tags 'intermediates'"):
         run(model, clean, (x_corrupt,), metric, tag="absent")
     with pytest.raises(ValueError, match="expects float32\\[2, 5, 4\\]"):
         run(model, dict(clean, embed=clean["embed"][:1]), (x_corrupt,), metric, names=["embed"])

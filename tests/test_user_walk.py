@@ -9,7 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import ablate_mean, add_vector, instrument, patch_positions, plant
+from harvest import (
+    ablate_mean,
+    add_vector,
+    attribution_patching,
+    instrument,
+    patch_positions,
+    patching_sweep,
+    plant,
+    reap,
+)
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -75,3 +84,23 @@ def test_an_intervention_that_does_not_fit_names_the_site_and_changes_nothing(
         assert what in message and "float32[3, 16]" in message and len(message) < 600
     assert int(mlp.count[...]) == 0  # the failed calls ran nothing
     np.testing.assert_allclose(probed(X), mlp(X))
+
+
+@pytest.mark.parametrize("sweep", [patching_sweep, attribution_patching])
+def test_a_sweep_without_tag_modules_says_to_pass_it(mlp, sweep):
+    # reap said so already; the sweeps said "nothing to patch ... names sown with that tag: none".
+    probed = instrument(mlp)
+    clean = reap(probed, tag="modules")(X)
+    with pytest.raises(ValueError, match=r"no sow of tag 'intermediates'.*tag='modules'"):
+        sweep(probed, clean, (-X,), lambda out: out.sum(), axis=-1)
+    swept = sweep(probed, clean, (-X,), lambda out: out.sum(), tag="modules", names="bn", axis=-1)
+    unit = 3  # patching one unit of the batch norm's output, by hand
+    h = mlp.bn(mlp.linear1(-X))
+    patched = by_hand(mlp, -X, lambda h: h.at[:, unit].set(clean["bn"][:, unit]))
+    exact = patched.sum() - mlp(-X).sum()
+    if sweep is patching_sweep:
+        np.testing.assert_allclose(swept.values[0, unit], exact, rtol=1e-5)
+    else:  # the gradient at the corrupted run times the clean - corrupted difference
+        grad = jax.grad(lambda h: by_hand(mlp, -X, lambda _: h).sum())(h)
+        estimate = ((clean["bn"] - h) * grad)[:, unit].sum()
+        np.testing.assert_allclose(swept.values[0, unit], estimate, rtol=1e-5)
