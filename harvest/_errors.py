@@ -1050,3 +1050,13 @@ def sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
         f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'), the "
         "tag clean was reaped with."
     )
+
+
+def penzai_layer_stack(path: str, inside: list[str]) -> NotImplementedError:
+    what = f"sites inside it ({', '.join(map(repr, inside))}, ...)" if inside else "op sites"
+    return NotImplementedError(
+        f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
+        f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "
+        f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
+        f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
+    )

@@ -523,6 +523,8 @@ class Instrumented(Stateful):
                     f"instrument: where={self._where!r} selects none of the model's submodules "
                     f"({_sample(names)})."
                 )
+            if self._kind == "penzai":
+                _refuse_layer_stacks(parts, names, self._select, self._ops)
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
@@ -565,6 +567,20 @@ jax.tree_util.register_pytree_with_keys(
     Instrumented.tree_unflatten,
     flatten_func=Instrumented.tree_flatten,
 )
+
+
+def _refuse_layer_stacks(parts, names, select, ops):
+    """Penzai's `LayerStack` scans over unbound copies of its layers, which the
+    table of paths cannot tell apart (their parameters are slots, and layers
+    without parameters all look alike): sites under one would be misnamed or
+    missed, so selecting one is an error rather than silently wrong names."""
+    from penzai.nn.layer_stack import LayerStack
+
+    for path, module in parts:
+        if isinstance(module, LayerStack):
+            inside = [n for n in names if n.startswith(path + ".") and select((n,))]
+            if inside or ops:
+                raise _errors.penzai_layer_stack(path, inside[:2])
 
 
 def _sample(names, k=6):

@@ -104,3 +104,39 @@ def test_a_sweep_without_tag_modules_says_to_pass_it(mlp, sweep):
         grad = jax.grad(lambda h: by_hand(mlp, -X, lambda _: h).sum())(h)
         estimate = ((clean["bn"] - h) * grad)[:, unit].sum()
         np.testing.assert_allclose(swept.values[0, unit], estimate, rtol=1e-5)
+
+
+def test_a_penzai_layer_stack_is_refused_rather_than_misnamed():
+    # Penzai's LayerStack (llamalike's use_layer_stack=True) scans over unbound copies
+    # of its layers: the second tanh was listed under the first one's name, the scaling
+    # layer and the stacked body were missing.
+    pz = pytest.importorskip("penzai.pz")
+
+    @pz.pytree_dataclass
+    class Scale(pz.nn.Layer):
+        by: pz.nx.NamedArray
+
+        def __call__(self, x, **side_inputs):
+            return x * self.by
+
+    tanh_twice = [pz.nn.Elementwise(jnp.tanh), pz.nn.Elementwise(jnp.tanh)]
+    by = pz.nx.wrap(jnp.array([0.5, 2.0]), "blocks")
+    stack = pz.nn.LayerStack(
+        stacked_sublayers=pz.nn.Sequential([Scale(by), *tanh_twice]),
+        stack_axis="blocks",
+        stack_axis_size=2,
+    )
+    model = pz.nn.Sequential([pz.nn.Elementwise(jnp.sin), stack])
+    x = pz.nx.wrap(jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "seq", "embedding")
+    with pytest.raises(NotImplementedError, match=r"LayerStack at 'sublayers.1'"):
+        reap(instrument(model), tag="modules")(x)
+    with pytest.raises(NotImplementedError, match=r"LayerStack at 'sublayers.1'"):
+        reap(instrument(model, ops=True), tag="modules")(x)
+    # Sites outside the stack stay usable, and hold what the model computes.
+    outside = instrument(model, where=lambda name: not name.startswith("sublayers.1."))
+    cache = reap(outside, tag="modules")(x)
+    h = jnp.sin(x.data_array)
+    for scale in (0.5, 2.0):
+        h = jnp.tanh(jnp.tanh(scale * h))
+    assert list(cache) == ["sublayers.0", "sublayers.1"]
+    np.testing.assert_allclose(cache["sublayers.1"], h, rtol=1e-6)
