@@ -7,6 +7,7 @@ it as `Site` prints itself: its tag, its name and the file:line of the user's
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 from typing import Any
 
@@ -72,9 +73,21 @@ def bad_filter_entry(what: str, entry: Any) -> TypeError:
 # -- names --------------------------------------------------------------------
 
 
+def _listed(names: Iterable[str], near: str, at_most: int = 12) -> str:
+    """`names` for a message: all of them, or, when there are many (a large model's
+    sites), the count and the three closest to the misspelt `near`."""
+    names = list(names)
+    if len(names) <= at_most:
+        return ", ".join(repr(n) for n in names) or "none"
+    close = difflib.get_close_matches(near, names, n=3, cutoff=0.5)
+    shown = ", ".join(repr(n) for n in close or names[:3])
+    which = "the closest" if close else "the first"
+    return f"{len(names)} names, {which} {shown} (`sites(f, *args)` lists them all)"
+
+
 def no_such_names(missing: list[str], names: list[str], what: str, tag: Any) -> str:
     """The message for names or patterns (`missing`) that match no site of `tag`."""
-    listed = ", ".join(repr(n) for n in names) or "none"
+    listed = _listed(names, str(missing[0]).strip("*?[]") if missing else "")
     return (
         f"{what} {', '.join(map(repr, missing))} matches no sow site of tag {tag!r}. "
         f"Names sown with that tag, in program order: {listed}. Check the spelling, or use a "
@@ -97,7 +110,7 @@ def planted_but_filtered(name: str, tag: Any) -> KeyError:
 
 
 def planted_unknown(name: str, tag: Any, names: Iterable[str]) -> KeyError:
-    listed = ", ".join(repr(n) for n in names) or "none"
+    listed = _listed(names, name)
     return KeyError(
         f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown with that tag: {listed}."
     )
@@ -895,7 +908,8 @@ def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
     return ValueError(
         f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "
         f"{dict(named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
-        "and a head axis ('heads', 'head_groups', 'query_heads_per_group'). Name its axes so, or pass "
+        "and a head axis ('heads', 'head_groups', 'query_heads_per_group', 'query_heads'). Name its "
+        "axes so, or pass "
         "attention=False."
     )
 

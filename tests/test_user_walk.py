@@ -18,6 +18,7 @@ from harvest import (
     patching_sweep,
     plant,
     reap,
+    sow,
 )
 
 nnx = pytest.importorskip("flax.nnx")
@@ -140,3 +141,25 @@ def test_a_penzai_layer_stack_is_refused_rather_than_misnamed():
         h = jnp.tanh(jnp.tanh(scale * h))
     assert list(cache) == ["sublayers.0", "sublayers.1"]
     np.testing.assert_allclose(cache["sublayers.1"], h, rtol=1e-6)
+
+
+def deep(x):
+    """Twenty residual sites, as a large model's instrumented blocks give."""
+    for i in range(20):
+        x = x + sow(jnp.tanh(x), name=f"blocks.{i}.resid", mode="strict")
+    return x
+
+
+def test_a_typo_among_many_sites_names_the_closest_ones_in_a_short_message():
+    # A Penzai transformer has 83 sites: the message listed every one (5,091 characters).
+    x = jnp.ones(3)
+    with pytest.raises(KeyError) as err:
+        plant(deep)({"blocks.7.resid_": jnp.zeros(3)}, x)
+    message = str(err.value)
+    assert "'blocks.7.resid'" in message and "20 names" in message and len(message) < 600
+    with pytest.raises(ValueError, match=r"'blocks.7.resid'") as err:
+        reap(deep, allowlist="block.7.*")(x)
+    assert len(str(err.value)) < 600
+    few = lambda x: sow(x, name="h", mode="strict")  # a few names: all of them, as before
+    with pytest.raises(KeyError, match=r"Names sown with that tag: 'h'\."):
+        plant(few)({"g": x}, x)
