@@ -370,7 +370,9 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
 # Penzai `pz.nn.Attention`: hooks at its sublayers' outputs (named axes).
 
 _SEQ, _KV_SEQ, _PROJECTION = "seq", "kv_seq", "projection"
-_HEAD_AXES = ("heads", "head_groups", "query_heads_per_group")  # Penzai's own names
+# Penzai's own names; "query_heads" is multi-query attention's (num_kv_heads=1), whose
+# keys and values have no head axis: their hooks get one of size 1, as one KV head.
+_HEAD_AXES = ("heads", "head_groups", "query_heads_per_group", "query_heads")
 
 
 def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
@@ -402,7 +404,8 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
     names = list(value.named_shape)
     heads = [n for n in _HEAD_AXES if n in names]
     inner = [_SEQ, _KV_SEQ] if which == "hook_pattern" else [_SEQ, _PROJECTION]
-    if not heads or any(n not in names for n in inner):
+    shared = which in ("hook_k", "hook_v")  # keys and values may be shared by every head
+    if (not heads and not shared) or any(n not in names for n in inner):
         raise _errors.penzai_attention_axes(parent, which, value.named_shape)
     batch = [n for n in names if n not in heads and n not in inner]
     order = (

@@ -18,6 +18,7 @@ from harvest import (
     patching_sweep,
     plant,
     reap,
+    sites,
     sow,
 )
 
@@ -163,3 +164,56 @@ def test_a_typo_among_many_sites_names_the_closest_ones_in_a_short_message():
     few = lambda x: sow(x, name="h", mode="strict")  # a few names: all of them, as before
     with pytest.raises(KeyError, match=r"Names sown with that tag: 'h'\."):
         plant(few)({"g": x}, x)
+
+
+def test_penzai_multi_query_attention_gets_its_hooks():
+    # num_kv_heads=1 (multi-query, as in Gemma 2B) names the heads "query_heads" and gives
+    # keys and values none: attention=True refused it. Keys and values get one KV head.
+    pz = pytest.importorskip("penzai.pz")
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=1,
+        query_head_multiplier=2,
+        embedding_dim=8,
+        projection_dim=4,
+        mlp_hidden_dim=16,
+        num_decoder_blocks=1,
+        vocab_size=11,
+        mlp_variant="swiglu",
+        tie_embedder_and_logits=False,
+    )
+    attn = llamalike_common.build_llamalike_attention("attn", jax.random.key(0), config, 0)
+    model = pz.nn.Sequential([attn])  # the hooks are named after the attention's path
+    x = pz.nx.wrap(jnp.linspace(-1.0, 1.0, 40).reshape(1, 5, 8), "batch", "seq", "embedding")
+    positions = pz.nx.arange("seq", 5)
+    hooked = instrument(model, attention=True)
+    listed = sites(hooked, x, token_positions=positions, tag="modules")
+    shapes = {info.name: info.shape for info in listed if ".hook_" in info.name}
+    assert shapes == {
+        "sublayers.0.hook_q": (1, 5, 2, 4),
+        "sublayers.0.hook_k": (1, 5, 1, 4),
+        "sublayers.0.hook_v": (1, 5, 1, 4),
+        "sublayers.0.hook_pattern": (1, 2, 5, 5),
+        "sublayers.0.hook_z": (1, 5, 2, 4),
+    }
+    # Planting the shared keys is the layer edited by hand to put them after input_to_key.
+    keys = jax.random.normal(jax.random.key(1), (1, 5, 1, 4))
+    plants = {"sublayers.0.hook_k": keys}
+    planted = plant(hooked, tag="modules")(plants, x, token_positions=positions)
+
+    @pz.pytree_dataclass
+    class Const(pz.nn.Layer):
+        value: pz.nx.NamedArray
+
+        def __call__(self, x, **side_inputs):
+            return self.value
+
+    shared = Const(pz.nx.wrap(keys[:, :, 0], "batch", "seq", "projection"))
+    by_hand = (
+        pz.select(model)
+        .at(lambda m: m.sublayers[0].input_to_key)
+        .apply(lambda sub: pz.nn.Sequential([sub, shared]))
+    )
+    expected = jax.jit(lambda x: by_hand(x, token_positions=positions).data_array)(x)
+    np.testing.assert_allclose(planted.data_array, expected, rtol=1e-5, atol=1e-6)
