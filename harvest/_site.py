@@ -14,6 +14,7 @@ from jax.tree_util import PyTreeDef
 from . import _errors, _jax
 from ._calling import is_array
 from ._modes import MODES, Mode
+from ._module_paths import is_named_array
 from ._paths import path_str
 from ._primitive import sow_p
 
@@ -52,6 +53,16 @@ class Site:
             p.get("axes"),
         )
 
+    def _named_data(self, value: Any) -> Any:
+        """A Penzai named array planted at a site sown from one (instrument's): its data
+        with the axes in the site's order, matched by name; None for anything else."""
+        if self.axes is None or len(self.axes) != 1 or not is_named_array(value):
+            return None
+        names = self.axes[0]
+        if None in names or value.positional_shape or set(value.named_shape) != set(names):
+            return None
+        return value.order_as(*names).data_array
+
     def where(self) -> str:
         """The file:line of the user's `sow` call that made this site."""
         return _jax.user_location(self.source) or "an unknown line"
@@ -89,7 +100,10 @@ class Site:
         """Flattens `value`, or says exactly how it differs from this site."""
         leaves, tree = jax.tree_util.tree_flatten(value)
         if tree != self.tree:
-            raise _errors.plant_structure(self, what, tree)
+            data = None if leading else self._named_data(value)
+            if data is None:
+                raise _errors.plant_structure(self, what, tree)
+            return self.check(data, what)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
             if (

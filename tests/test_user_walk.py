@@ -217,3 +217,8 @@ def test_penzai_multi_query_attention_gets_its_hooks():
     )
     expected = jax.jit(lambda x: by_hand(x, token_positions=positions).data_array)(x)
     np.testing.assert_allclose(planted.data_array, expected, rtol=1e-5, atol=1e-6)
+    # A Penzai user plants a named array: it is matched by axis names, whatever its order
+    # (it was a structure error printing the NamedArray's tree).
+    transposed = {"sublayers.0.input_to_key": shared.value.order_as("projection", "seq", "batch")}
+    named = plant(hooked, tag="modules")(transposed, x, token_positions=positions)
+    np.testing.assert_allclose(named.data_array, expected, rtol=1e-5, atol=1e-6)
