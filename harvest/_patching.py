@@ -95,10 +95,7 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
     if not isinstance(clean, dict):
         raise _errors.clean_not_a_dict(caller, clean)
-    by_name: dict[str, list] = {}
-    for site, where, fires, stacked in sow_sites(f, corrupted_args):
-        if site.tag == tag:
-            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
+    by_name = _by_name(sow_sites(f, corrupted_args), tag)
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
@@ -137,6 +134,30 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
             )
         size = next(iter(sizes.values()))
     return targets, size, skipped
+
+
+def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
+    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted name.
+
+    A repeated sweep is handed the very tuple `sow_sites` kept, so this is
+    remembered for it (held, so that its identity is not reused)."""
+    kept = _by_name_kept.get((id(found), tag))
+    if kept is not None and kept[0] is found:
+        return kept[1]
+    by_name: dict[str, list[Any]] = {}
+    for site, where, fires, stacked in found:
+        if site.tag == tag:
+            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
+    try:
+        _by_name_kept[(id(found), tag)] = (found, by_name)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any): not kept
+        return by_name
+    while len(_by_name_kept) > 16:
+        _by_name_kept.pop(next(iter(_by_name_kept)))
+    return by_name
+
+
+_by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
 
 
 def _size_str(sizes: tuple[int, ...]) -> str:
