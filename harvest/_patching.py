@@ -29,7 +29,6 @@ from ._interventions import (
     PatchOccurrence,
     PatchWhere,
     axis_size,
-    normalize_axis,
 )
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
@@ -124,7 +123,8 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         )
         targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
     else:
-        for t in targets:  # the full message for a bad axis or mismatched leaves
+        for t in targets if None in sizes.values() else ():
+            # The full message for a bad axis, mismatched leaves or an axis given twice.
             for a in axes:
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
             _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
@@ -158,6 +158,29 @@ def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
 
 
 _by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
+
+
+def _swept_ndims(targets: list[_Target]) -> tuple[tuple[str, int], ...]:
+    """(name, how many axes one occurrence's value has) for each swept site."""
+    # A looped site's clean value stacks its occurrences: one axis more than one of them.
+    return tuple(
+        (
+            path_str(t.site.path),
+            np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
+        )
+        for t in targets
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_axes(
+    ndims: tuple[tuple[str, int], ...], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """Raises if ``axes`` would index merged head features (see `_attention`); else what each
+    swept axis is. Both depend on the names and ranks alone: a repeated sweep asks once."""
+    swept = [(name, np.empty((0,) * ndim)) for name, ndim in ndims]
+    _attention.check_swept_axes(swept, axes)
+    return _attention.axis_labels(swept, axes)
 
 
 def _size_str(sizes: tuple[int, ...]) -> str:
@@ -262,7 +285,14 @@ def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int
     """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
     if axes is None:
         return None
-    normal = tuple(normalize_axis(value, a) for a in axes)
+    return _axes_counted(np.ndim(jax.tree_util.tree_leaves(value)[0]), axes, what)
+
+
+def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of a value with ``ndim`` axes; no axis twice."""
+    if axes is None:
+        return None
+    normal = tuple(a % ndim for a in axes)
     if len(set(normal)) != len(normal):
         raise _errors.same_axis_twice(what, axes)
     return normal
@@ -480,11 +510,11 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
-    _attention.check_swept_axes(swept, axes)
+    ndims = _swept_ndims(targets)
+    axis_labels = _checked_axes(ndims, axes)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
-    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
+    site_axes = [_axes_counted(ndim, axes, caller) for _, ndim in ndims]
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
     total = int(firsts[-1]) * cells
@@ -533,7 +563,7 @@ def patching_sweep(
         axis,
         float(np.mean(baselines)),
         skipped=skipped,
-        axis_labels=_attention.axis_labels(swept, axes),
+        axis_labels=axis_labels,
     )
 
 
@@ -604,9 +634,9 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
-    _attention.check_swept_axes(swept, axes)
-    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
+    ndims = _swept_ndims(targets)
+    axis_labels = _checked_axes(ndims, axes)
+    site_axes = [_axes_counted(ndim, axes, caller) for _, ndim in ndims]
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
@@ -648,7 +678,7 @@ def attribution_patching(
         axis,
         float(np.mean([b for _, b in results])),
         skipped=skipped,
-        axis_labels=_attention.axis_labels(swept, axes),
+        axis_labels=axis_labels,
     )
 
 
