@@ -94,6 +94,7 @@ class Graph:
     graphdef: Any
     statedef: Any
     leaves: tuple[Any, ...]
+    arrays: bool = False  # known to be all arrays (a kept split's, read again)
 
     @property
     def state(self) -> Any:
@@ -109,7 +110,7 @@ class Graph:
     def apart(self) -> tuple[GraphShape, tuple[Any, ...]] | None:
         """(its `GraphShape`, its leaves) if every leaf is an array, else None: a
         call's key and flattening then skip the hundreds of leaves of a model's state."""
-        if all(map(_ARRAY_TYPES.__contains__, map(type, self.leaves))):
+        if self.arrays or all(map(_ARRAY_TYPES.__contains__, map(type, self.leaves))):
             return GraphShape(self.graphdef, self.statedef), self.leaves
         return None
 
@@ -189,6 +190,7 @@ class _Split:
         found = dict(nnx.graph.iter_graph(nodes))
         self.variables = [found.get(path) for path, _ in nnx.to_flat_state(state)]
         self.types = list(map(type, leaves))
+        self.arrays = all(map(is_array, leaves))
         # Reusable if each variable is one leaf of the state, in its order, read
         # directly: a concrete array, no hook on reading (`get_value` copies it
         # through a tree map, some 30 µs a variable).
@@ -239,7 +241,7 @@ class _Split:
         leaves = list(map(_RAW_VALUE, self.variables))
         if list(map(type, leaves)) != self.types:
             return None
-        return Graph(self.graphdef, self.statedef, tuple(leaves))
+        return Graph(self.graphdef, self.statedef, tuple(leaves), self.arrays)
 
 
 _RAW_VALUE = operator.attrgetter("_raw_value")
