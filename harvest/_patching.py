@@ -555,13 +555,16 @@ def patching_sweep(
         baselines += [np.asarray(baseline)] if start == 0 else []
     names_, labels = _labels(targets, size, axis)
     shape = (len(names_),) + (() if size is None else size)
-    mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
+    if len(effects) == 1:  # one batch: its values as they are (a copy the caller owns)
+        mean = np.concatenate(effects[0]) if len(effects[0]) > 1 else np.array(effects[0][0])
+    else:
+        mean = np.mean([np.concatenate(c) for c in effects], 0).astype(effects[0][0].dtype)
     return PatchingResult(
         mean.reshape(shape),
         names_,
         labels,
         axis,
-        float(np.mean(baselines)),
+        float(baselines[0] if len(baselines) == 1 else np.mean(baselines)),
         skipped=skipped,
         axis_labels=axis_labels,
     )
