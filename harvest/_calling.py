@@ -667,20 +667,18 @@ def reveal_static(out: Any) -> Any:
     """
     structure = jax.tree_util.tree_structure(out)
     try:
-        held = _holds_static.get(structure)
-    except TypeError:  # auxiliary data that cannot be hashed: looked at every time
-        held = None
-    if held is False:
-        return out
-    leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=_is_static)
-    held = any(map(_is_static, leaves))
-    try:
-        _holds_static[structure] = held
-        if len(_holds_static) > 256:
-            _holds_static.pop(next(iter(_holds_static)))
-    except TypeError:
+        if structure in _without_static:
+            return out
+    except Exception:  # auxiliary data that cannot be compared: looked at every time
         pass
-    if not held:
+    leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=_is_static)
+    if not any(map(_is_static, leaves)):
+        try:
+            _without_static[structure] = None
+            if len(_without_static) > 256:
+                _without_static.pop(next(iter(_without_static)))
+        except Exception:
+            pass
         return out
     return jax.tree_util.tree_unflatten(
         tree, [leaf.value if isinstance(leaf, _Static) else leaf for leaf in leaves]
@@ -691,8 +689,9 @@ def _is_static(leaf: Any) -> bool:
     return isinstance(leaf, _Static)
 
 
-# Per output structure (as the compiled walk gives it): whether it holds a `_Static`.
-_holds_static: dict[Any, bool] = {}
+# The output structures (as compiled walks give them) seen to hold no `_Static`, so
+# that they hold none of the caller's values; the most recent last.
+_without_static: dict[Any, None] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -855,7 +854,7 @@ def _is_graph_node(value: Any) -> bool:
     # For any type but an array's, NNX tells a graph node by its type alone:
     # remembered per type while no new type is registered as a graph node.
     known = nnx.graph.is_graph_node(value)
-    if registered >= 0:
+    if registered >= 0 and not isinstance(value, jax.Array):  # a ref is told by its value
         if _node_types_registered[0] != registered or len(_node_types) > 1024:
             _node_types.clear()
             _node_types_registered[0] = registered

@@ -160,8 +160,12 @@ def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
 _by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
 
 
-def _swept_ndims(targets: list[_Target]) -> tuple[tuple[str, int], ...]:
-    """(name, how many axes one occurrence's value has) for each swept site."""
+def _swept_ndims(
+    targets: list[_Target], axes: tuple[int, ...] | None
+) -> tuple[tuple[str, int], ...]:
+    """(name, how many axes one occurrence's value has) for each swept site; () for whole sites."""
+    if axes is None:
+        return ()
     # A looped site's clean value stacks its occurrences: one axis more than one of them.
     return tuple(
         (
@@ -510,11 +514,13 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    ndims = _swept_ndims(targets)
+    ndims = _swept_ndims(targets, axes)
     axis_labels = _checked_axes(ndims, axes)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
-    site_axes = [_axes_counted(ndim, axes, caller) for _, ndim in ndims]
+    site_axes = (
+        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
+    )
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
     total = int(firsts[-1]) * cells
@@ -637,9 +643,11 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    ndims = _swept_ndims(targets)
+    ndims = _swept_ndims(targets, axes)
     axis_labels = _checked_axes(ndims, axes)
-    site_axes = [_axes_counted(ndim, axes, caller) for _, ndim in ndims]
+    site_axes = (
+        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
+    )
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
