@@ -867,8 +867,9 @@ _node_types_registered = [-1]  # how many graph node types NNX had when they wer
 
 
 def _registered() -> int:
-    graph = sys.modules.get("flax.nnx.graphlib")
-    return -1 if graph is None else len(getattr(graph, "GRAPH_REGISTRY", ()))
+    """How many graph node types NNX knows; -1 if that cannot be told (nothing is remembered then)."""
+    registry = getattr(sys.modules.get("flax.nnx.graphlib"), "GRAPH_REGISTRY", None)
+    return -1 if registry is None else len(registry)
 
 
 _NEVER_NODES = frozenset(
