@@ -94,6 +94,7 @@ class Graph:
     graphdef: Any
     statedef: Any
     leaves: tuple[Any, ...]
+    arrays: bool = False  # known to be all arrays (a kept split's, read again)
 
     @property
     def state(self) -> Any:
@@ -105,6 +106,35 @@ class Graph:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*aux, tuple(children))
+
+    def apart(self) -> tuple[GraphShape, tuple[Any, ...]] | None:
+        """(its `GraphShape`, its leaves) if every leaf is an array, else None: a
+        call's key and flattening then skip the hundreds of leaves of a model's state."""
+        if self.arrays or all(map(_ARRAY_TYPES.__contains__, map(type, self.leaves))):
+            return GraphShape(self.graphdef, self.statedef), self.leaves
+        return None
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class GraphShape:
+    """A `Graph` without its leaves, which are all arrays and travel beside it,
+    as a pytree with no children (its definitions are the tree structure's data,
+    which JAX compares, the one graph definition an earlier split gave by
+    identity first, and does not hash)."""
+
+    graphdef: Any
+    statedef: Any
+
+    def filled(self, leaves: Any) -> Graph:
+        return Graph(self.graphdef, self.statedef, tuple(leaves))
+
+    def tree_flatten(self):
+        return (), (self.graphdef, self.statedef)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*aux)
 
 
 def split_nodes(tree):
@@ -125,17 +155,16 @@ def split_nodes(tree):
         return leaf if is_node(leaf) else None
 
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
+    found = list(map(node_of, leaves))
     nodes: dict[int, Any] = {}
-    for leaf in leaves:
-        node = node_of(leaf)
+    for node in found:
         if node is not None:
             nodes.setdefault(id(node), node)
     if not nodes:
         return tree, None, ()
     index = {key: i for i, key in enumerate(nodes)}
     held = []
-    for leaf in leaves:
-        node = node_of(leaf)
+    for leaf, node in zip(leaves, found):
         if node is None:
             held.append(leaf)
         else:
@@ -161,6 +190,7 @@ class _Split:
         found = dict(nnx.graph.iter_graph(nodes))
         self.variables = [found.get(path) for path, _ in nnx.to_flat_state(state)]
         self.types = list(map(type, leaves))
+        self.arrays = all(map(is_array, leaves))
         # Reusable if each variable is one leaf of the state, in its order, read
         # directly: a concrete array, no hook on reading (`get_value` copies it
         # through a tree map, some 30 µs a variable).
@@ -211,7 +241,7 @@ class _Split:
         leaves = list(map(_RAW_VALUE, self.variables))
         if list(map(type, leaves)) != self.types:
             return None
-        return Graph(self.graphdef, self.statedef, tuple(leaves))
+        return Graph(self.graphdef, self.statedef, tuple(leaves), self.arrays)
 
 
 _RAW_VALUE = operator.attrgetter("_raw_value")
@@ -635,11 +665,33 @@ def reveal_static(out: Any) -> Any:
     Returns:
         The same pytree, each non-array leaf as the function returned it.
     """
-    return jax.tree_util.tree_map(
-        lambda leaf: leaf.value if isinstance(leaf, _Static) else leaf,
-        out,
-        is_leaf=lambda leaf: isinstance(leaf, _Static),
+    structure = jax.tree_util.tree_structure(out)
+    try:
+        if structure in _without_static:
+            return out
+    except Exception:  # auxiliary data that cannot be compared: looked at every time
+        pass
+    leaves, tree = jax.tree_util.tree_flatten(out, is_leaf=_is_static)
+    if not any(map(_is_static, leaves)):
+        try:
+            _without_static[structure] = None
+            if len(_without_static) > 256:
+                _without_static.pop(next(iter(_without_static)))
+        except Exception:
+            pass
+        return out
+    return jax.tree_util.tree_unflatten(
+        tree, [leaf.value if isinstance(leaf, _Static) else leaf for leaf in leaves]
     )
+
+
+def _is_static(leaf: Any) -> bool:
+    return isinstance(leaf, _Static)
+
+
+# The output structures (as compiled walks give them) seen to hold no `_Static`, so
+# that they hold none of the caller's values; the most recent last.
+_without_static: dict[Any, None] = {}
 
 
 # ---------------------------------------------------------------------------
@@ -789,10 +841,35 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
 
 
 def _is_graph_node(value: Any) -> bool:
-    if type(value) in _NEVER_NODES or type(value) in _ARRAY_TYPES:
+    kind = type(value)
+    if kind in _NEVER_NODES or kind in _ARRAY_TYPES:
         return False  # the common leaves, told apart without NNX's checks (~5 µs each)
+    registered = _registered()
+    known = _node_types.get(kind)
+    if known is not None and _node_types_registered[0] == registered:
+        return known
     nnx = _nnx()
-    return nnx is not None and nnx.graph.is_graph_node(value)
+    if nnx is None:
+        return False
+    # For any type but an array's, NNX tells a graph node by its type alone:
+    # remembered per type while no new type is registered as a graph node.
+    known = nnx.graph.is_graph_node(value)
+    if registered >= 0 and not isinstance(value, jax.Array):  # a ref is told by its value
+        if _node_types_registered[0] != registered or len(_node_types) > 1024:
+            _node_types.clear()
+            _node_types_registered[0] = registered
+        _node_types[kind] = known
+    return known
+
+
+_node_types: dict[type, bool] = {}
+_node_types_registered = [-1]  # how many graph node types NNX had when they were remembered
+
+
+def _registered() -> int:
+    """How many graph node types NNX knows; -1 if that cannot be told (nothing is remembered then)."""
+    registry = getattr(sys.modules.get("flax.nnx.graphlib"), "GRAPH_REGISTRY", None)
+    return -1 if registry is None else len(registry)
 
 
 _NEVER_NODES = frozenset(
@@ -852,13 +929,27 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
     space = getattr(fn, "__globals__", None)
     if code is None or space is None:
         return ()
-    return tuple(
-        (name, space[name] if _is_graph_node(space[name]) else Held(space[name]))
-        for name in code.co_names
-        if name in space
-        and (
-            is_array(space[name])
-            or isinstance(space[name], (numbers.Number, str))
-            or _is_graph_node(space[name])
-        )
-    )
+    read = []
+    for name in code.co_names:
+        value = space.get(name, _UNBOUND)
+        if type(value) in _NOT_READ:  # the functions, modules and classes a body calls
+            continue
+        if _is_graph_node(value):
+            read.append((name, value))
+        elif is_array(value) or isinstance(value, (numbers.Number, str)):
+            read.append((name, Held(value)))
+    return tuple(read)
+
+
+_UNBOUND = object()
+_NOT_READ = frozenset(
+    {
+        type(_UNBOUND),
+        types.FunctionType,
+        types.BuiltinFunctionType,
+        types.ModuleType,
+        type,
+        functools.partial,
+        type(None),
+    }
+)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import itertools
 import threading
 import warnings
 import weakref
@@ -31,11 +32,12 @@ import jax
 
 from . import _errors
 from ._calling import (
+    GraphShape,
+    array_flags,
     call_merged,
     changes_discarded,
     forget_verified_splits,
     holds_graph_nodes,
-    is_array,
     split_nodes,
     static_key,
 )
@@ -211,8 +213,12 @@ def jit_on_arrays(
     call only. `owner` is the function the warnings name.
     """
     tree, graph, _ = split_nodes(tree)
+    state: tuple[Any, ...] = ()
+    apart = None if graph is None else graph.apart()
+    if apart is not None:
+        graph, state = apart  # a model's state goes straight to the traced arrays
     leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
-    traced = [is_array(leaf) for leaf in leaves]
+    traced = array_flags(leaves)
     statics = [l for l, a in zip(leaves, traced) if not a]
     static = _Compiled(
         (
@@ -223,7 +229,7 @@ def jit_on_arrays(
             ),
         )
     )
-    arrays = [leaf for leaf, a in zip(leaves, traced) if a]
+    arrays = [*itertools.compress(leaves, traced), *state]
     rebuilt = functools.partial(_rebuilt, fn, treedef, leaves, traced)
     try:
         hash(static)
@@ -254,6 +260,8 @@ def _rebuilt(
 ) -> Any:
     it = iter(arrays)
     tree, graph = treedef.unflatten([next(it) if a else leaf for leaf, a in zip(leaves, traced)])
+    if isinstance(graph, GraphShape):
+        graph = graph.filled(it)  # the state's arrays come last
     if graph is None:
         return fn(tree)
     # Fresh NNX nodes holding the traced state; what the program changes in them is dropped.

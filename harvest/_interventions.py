@@ -549,6 +549,8 @@ def _names_read(code: types.CodeType) -> tuple[str, ...]:
 
 def code_as_data(plants: Any) -> Any:
     """``plants`` with each plain function in it a ``TracedCode``."""
+    if not plants:  # no plants: the common call of ``reap``
+        return plants
     return jax.tree_util.tree_map(
         lambda v: TracedCode.of(v) if inspect.isfunction(v) else v, plants
     )

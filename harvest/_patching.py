@@ -29,7 +29,6 @@ from ._interventions import (
     PatchOccurrence,
     PatchWhere,
     axis_size,
-    normalize_axis,
 )
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
@@ -95,14 +94,12 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
     if not isinstance(clean, dict):
         raise _errors.clean_not_a_dict(caller, clean)
-    by_name: dict[str, list] = {}
-    tags = set()
-    for site, where, fires, stacked in sow_sites(f, corrupted_args):
-        tags.add(site.tag)
-        if site.tag == tag:
-            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
-    if not by_name and tags:  # most often instrument's sites swept without tag="modules"
-        raise _errors.sweep_tag_absent(caller, tag, sorted(tags))
+    found = sow_sites(f, corrupted_args)
+    by_name = _by_name(found, tag)
+    if not by_name:  # most often instrument's sites swept without tag="modules"
+        tags = {site.tag for site, *_ in found}
+        if tags:
+            raise _errors.sweep_tag_absent(caller, tag, sorted(tags, key=str))
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
@@ -131,7 +128,8 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         )
         targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
     else:
-        for t in targets:  # the full message for a bad axis or mismatched leaves
+        for t in targets if None in sizes.values() else ():
+            # The full message for a bad axis, mismatched leaves or an axis given twice.
             for a in axes:
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
             _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
@@ -141,6 +139,57 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
             )
         size = next(iter(sizes.values()))
     return targets, size, skipped
+
+
+def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
+    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted name.
+
+    A repeated sweep is handed the very tuple `sow_sites` kept, so this is
+    remembered for it (held, so that its identity is not reused)."""
+    kept = _by_name_kept.get((id(found), tag))
+    if kept is not None and kept[0] is found:
+        return kept[1]
+    by_name: dict[str, list[Any]] = {}
+    for site, where, fires, stacked in found:
+        if site.tag == tag:
+            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
+    try:
+        _by_name_kept[(id(found), tag)] = (found, by_name)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any): not kept
+        return by_name
+    while len(_by_name_kept) > 16:
+        _by_name_kept.pop(next(iter(_by_name_kept)))
+    return by_name
+
+
+_by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
+
+
+def _swept_ndims(
+    targets: list[_Target], axes: tuple[int, ...] | None
+) -> tuple[tuple[str, int], ...]:
+    """(name, how many axes one occurrence's value has) for each swept site; () for whole sites."""
+    if axes is None:
+        return ()
+    # A looped site's clean value stacks its occurrences: one axis more than one of them.
+    return tuple(
+        (
+            path_str(t.site.path),
+            np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
+        )
+        for t in targets
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_axes(
+    ndims: tuple[tuple[str, int], ...], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """Raises if ``axes`` would index merged head features (see `_attention`); else what each
+    swept axis is. Both depend on the names and ranks alone: a repeated sweep asks once."""
+    swept = [(name, np.empty((0,) * ndim)) for name, ndim in ndims]
+    _attention.check_swept_axes(swept, axes)
+    return _attention.axis_labels(swept, axes)
 
 
 def _size_str(sizes: tuple[int, ...]) -> str:
@@ -245,7 +294,14 @@ def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int
     """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
     if axes is None:
         return None
-    normal = tuple(normalize_axis(value, a) for a in axes)
+    return _axes_counted(np.ndim(jax.tree_util.tree_leaves(value)[0]), axes, what)
+
+
+def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of a value with ``ndim`` axes; no axis twice."""
+    if axes is None:
+        return None
+    normal = tuple(a % ndim for a in axes)
     if len(set(normal)) != len(normal):
         raise _errors.same_axis_twice(what, axes)
     return normal
@@ -463,11 +519,13 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
-    _attention.check_swept_axes(swept, axes)
+    ndims = _swept_ndims(targets, axes)
+    axis_labels = _checked_axes(ndims, axes)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
-    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
+    site_axes = (
+        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
+    )
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
     total = int(firsts[-1]) * cells
@@ -508,15 +566,18 @@ def patching_sweep(
         baselines += [np.asarray(baseline)] if start == 0 else []
     names_, labels = _labels(targets, size, axis)
     shape = (len(names_),) + (() if size is None else size)
-    mean = np.mean([np.concatenate(chunks) for chunks in effects], 0).astype(effects[0][0].dtype)
+    if len(effects) == 1:  # one batch: its values as they are (a copy the caller owns)
+        mean = np.concatenate(effects[0]) if len(effects[0]) > 1 else np.array(effects[0][0])
+    else:
+        mean = np.mean([np.concatenate(c) for c in effects], 0).astype(effects[0][0].dtype)
     return PatchingResult(
         mean.reshape(shape),
         names_,
         labels,
         axis,
-        float(np.mean(baselines)),
+        float(baselines[0] if len(baselines) == 1 else np.mean(baselines)),
         skipped=skipped,
-        axis_labels=_attention.axis_labels(swept, axes),
+        axis_labels=axis_labels,
     )
 
 
@@ -587,9 +648,11 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    swept = [(path_str(t.site.path), t.one) for t in targets]  # for the head-axis check and labels
-    _attention.check_swept_axes(swept, axes)
-    site_axes = [_site_axes(t.one, axes, caller) for t in targets]
+    ndims = _swept_ndims(targets, axes)
+    axis_labels = _checked_axes(ndims, axes)
+    site_axes = (
+        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
+    )
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
@@ -631,7 +694,7 @@ def attribution_patching(
         axis,
         float(np.mean([b for _, b in results])),
         skipped=skipped,
-        axis_labels=_attention.axis_labels(swept, axes),
+        axis_labels=axis_labels,
     )
 
 

@@ -15,6 +15,7 @@ replaced layer or a rebound closure is a new key, and traces again.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import jax
 
 from . import _jax
 from ._calling import (
+    GraphShape,
     closure_of,
     forget_verified_splits,
     globals_read,
@@ -103,16 +105,15 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     (bound, args, cells, reads), graph, _ = split_nodes(
         (bound, args, closure_of(fn), globals_read(fn))
     )
+    state: Any = ()
+    shape: GraphShape | None = None
+    if graph is not None:  # a model's state is keyed apart, by its arrays' identity
+        shape, state = GraphShape(graph.graphdef, graph.statedef), graph.leaves
     # The graph goes into the tree structure, which hashes without hashing the
     # graph definition (a deep walk, ~ms on a transformer) and compares the same
     # definition, as the split cache hands it back, by identity first.
-    leaves, tree = jax.tree_util.tree_flatten((bound, args, cells, reads, graph))
-    state = 0 if graph is None else len(graph.leaves)
-    key = (
-        tree,
-        tuple(map(_abstract, leaves[: len(leaves) - state])),
-        _state_abstract(fn, leaves[len(leaves) - state :]),
-    )
+    leaves, tree = jax.tree_util.tree_flatten((bound, args, cells, reads, shape))
+    key = (tree, tuple(map(_abstract, leaves)), _state_abstract(fn, state))
     try:
         hash(key)
     except TypeError:  # an unhashable static leaf
@@ -120,14 +121,18 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     return key
 
 
-def _state_abstract(fn: Callable[..., Any], leaves: list[Any]) -> tuple[Any, ...]:
+def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
     """`_abstract` of each leaf of an NNX state, as data; that of the last call of
     ``fn`` again if these are its very arrays (held weakly, so none is reused), as
     on a repeated sweep: a model's hundreds of leaves are not looked at again."""
     seen = _state_seen.get(fn)
-    if seen is not None and len(seen[0]) == len(leaves) and all(map(_refers, seen[0], leaves)):
+    if (
+        seen is not None
+        and len(seen[0]) == len(leaves)
+        and all(map(operator.is_, map(_CALL, seen[0]), leaves))
+    ):
         return seen[1]
-    abstract = tuple(_abstract(leaf, data=True) for leaf in leaves)
+    abstract = _Abstract(tuple(_abstract(leaf, data=True) for leaf in leaves))
     try:
         _state_seen[fn] = (tuple(map(weakref.ref, leaves)), abstract)
     except TypeError:  # a number in the state, or a function held only strongly: not kept
@@ -135,13 +140,27 @@ def _state_abstract(fn: Callable[..., Any], leaves: list[Any]) -> tuple[Any, ...
     return abstract
 
 
-def _refers(ref: Any, leaf: Any) -> bool:
-    return ref() is leaf
+_CALL = operator.methodcaller("__call__")  # a weak reference's referent, at C speed
 
 
-_state_seen: weakref.WeakKeyDictionary[
-    Callable[..., Any], tuple[tuple[Any, ...], tuple[Any, ...]]
-] = weakref.WeakKeyDictionary()
+class _Abstract:
+    """The `_abstract` of a state's leaves, its hash kept: a key found again holds the same one."""
+
+    __slots__ = ("leaves", "hash")
+
+    def __init__(self, leaves: tuple[Any, ...]) -> None:
+        self.leaves, self.hash = leaves, hash(leaves)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, _Abstract) and self.leaves == other.leaves)
+
+
+_state_seen: weakref.WeakKeyDictionary[Callable[..., Any], tuple[tuple[Any, ...], _Abstract]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _abstract(leaf: Any, data: bool = False) -> Any:

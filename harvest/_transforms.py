@@ -18,11 +18,11 @@ data are split into a static graph and traced state (see `_calling`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import inspect
 import itertools
 import numbers
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._calling import (
+    GraphShape,
     array_flags,
     closure_of,
     flattening_call,
@@ -75,16 +76,41 @@ def _traceable(number):
     return not isinstance(number, int) or -(2**31) <= number < 2**31
 
 
-@dataclasses.dataclass(frozen=True)
 class _Static:
-    """Everything about a call that is not an array: the jit cache key."""
+    """Everything about a call that is not an array: the jit cache key, hashed
+    once (a call looks it up twice: whether it can be cached, and its program)."""
 
-    treedef: Any
-    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
-    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0 and a mutated config
-    policy: Policy
-    reap: bool
-    differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
+    __slots__ = (
+        "treedef",
+        "static_leaves",
+        "policy",
+        "reap",
+        "differentiating",
+        "_fields",
+        "_hash",
+    )
+
+    def __init__(
+        self,
+        treedef: Any,
+        static_leaves: tuple,  # (index, type, leaf, its `static_key`) for each leaf not traced;
+        # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0 and a mutated config
+        policy: Policy,
+        reap: bool,
+        differentiating: bool = False,  # a jvp/linearize outside the call (see `_RunsRules`)
+    ) -> None:
+        self.treedef, self.static_leaves, self.policy = treedef, static_leaves, policy
+        self.reap, self.differentiating = reap, differentiating
+        self._fields = (treedef, static_leaves, policy, reap, differentiating)
+        self._hash: int | None = None
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(self._fields)  # raises TypeError for an unhashable leaf
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and self._fields == other._fields
 
 
 # -- the callable, split into a plain function and the data bound to it ------
@@ -151,6 +177,8 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
         leaves.append(static_at[i] if i in static_at else next(dyn))
     call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
     bound, plants, args, kwargs, graph, cells, reads = call_parts
+    if isinstance(graph, GraphShape):
+        graph = graph.filled(dyn)  # the state's leaves come last
 
     def call(bound, cells, reads, /, *args, **kwargs):
         # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
@@ -344,16 +372,19 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
                 (bound, args, kwargs, cells, reads)
             )
+        state: tuple[Any, ...] = ()
+        apart = None if graph is None else graph.apart()
+        if apart is not None:
+            graph, state = apart  # a model's state goes straight to the traced leaves
         call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
         leaves, treedef = jax.tree_util.tree_flatten(call_parts)
         traced = _traced_leaves(leaves, treedef)
-    dynamic = list(itertools.compress(leaves, traced))
+    dynamic = [*itertools.compress(leaves, traced), *state]
     static = _Static(
         treedef,
         tuple(
-            (i, type(leaf), leaf, static_key(leaf))
-            for i, (leaf, t) in enumerate(zip(leaves, traced))
-            if not t
+            (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
+            for i in itertools.compress(range(len(leaves)), map(operator.not_, traced))
         ),
         policy,
         reap,

@@ -517,3 +517,64 @@ def test_planted_values_of_other_types_are_still_cast_and_checked():
         plant(f)({"h": jnp.full(3, 3, jnp.int32)}, x)
     with pytest.raises(ValueError, match=r"\[4\]"):
         plant(f)({"h": jnp.full(4, 3.0)}, x)
+
+
+class WithNumber(nnx.Module):
+    """A Python number in its state (not an array): the call's leaves are keyed the slow way."""
+
+    runs = 0
+
+    def __init__(self):
+        self.net = Net()
+        self.scale = nnx.Variable(2.0)
+
+    def __call__(self, x):
+        WithNumber.runs += 1
+        return self.net(x) * self.scale.get_value()
+
+
+def test_a_number_in_the_state_is_data_and_is_read_at_every_call():
+    model, (x_clean, x_corrupt) = WithNumber(), data()
+    WithNumber.runs = 0
+    out, reaped = call_and_reap(model)(x_clean)
+    want, sites = hand_forward(model.net.w1[...], model.net.w2[...], x_clean)
+    close(out, 2.0 * want)
+    close(reaped["b"], sites["b"])
+    model.scale.set_value(5.0)  # a number changed in place: traced, so no new trace
+    close(call_and_reap(model)(x_clean)[0], 5.0 * want)
+    assert WithNumber.runs == 1
+    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
+    scaled = lambda out: 5.0 * metric(out)  # noqa: E731  the sweep's metric sees the scaled output
+    base = scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt)[0])
+    by_hand = [
+        scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt, (n, sites[n]))[0])
+        - base
+        for n in ("a", "b")
+    ]
+    close(values, by_hand)
+
+
+def test_static_outputs_come_back_as_themselves_whichever_came_first():
+    def f(x, label):
+        h = sow(x * 2.0, name="h", mode="strict")
+        return (label, h) if label else h
+
+    x = jnp.ones(2)
+    assert reap(f)(x, "")["h"].shape == (2,)
+    for label in ("first", "second", "first"):
+        out, reaped = call_and_reap(f)(x, label)
+        assert out[0] == label and isinstance(out[0], str)
+        close(out[1], reaped["h"])
+    close(call_and_reap(f)(x, "")[0], 2.0 * x)
+
+
+def test_a_type_is_told_a_graph_node_after_new_node_types_are_registered():
+    class Plain:
+        pass
+
+    assert not _calling._is_graph_node(Plain())
+
+    class Later(nnx.Module):  # registered as a graph node type on definition
+        pass
+
+    assert _calling._is_graph_node(Later()) and not _calling._is_graph_node(Plain())
