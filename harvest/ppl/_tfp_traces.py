@@ -17,8 +17,11 @@ draw from a distribution of the same description and shapes — in the same
 program, its gradient, a fresh closure of the same model, another model —
 binds the trace JAX cached instead of running TFP's Python again, exactly as a
 `jax.numpy` function decorated with `jit` does. Descriptions hold plain values
-only (numbers, strings, dtypes, tuples and lists of them); a distribution
-given anything else (a callable, a distribution of another library) is called
+only (numbers, strings, dtypes, tuples and lists of them); concrete integer
+and bool arrays (a sample shape, a number of steps) are described by value, as
+TFP may read them while it builds. A distribution given anything else (a
+callable, a distribution of another library), or built with
+`validate_args=True` (TFP checks concrete arguments as it builds), is called
 directly, as it would be without this module. The shape facts a score needs
 (`_random_variable._sample_shape`, the shape of `u`) are kept per description
 too.
@@ -42,6 +45,9 @@ def _describe(obj: Any, arrays: list[Any]) -> Hashable | None:
     """The static description of `obj` (its arrays appended to `arrays`), or None
     when `obj` holds something that cannot be described by value."""
     if isinstance(obj, (jax.Array, np.ndarray, np.generic)):
+        shape_like = _shape_like(obj)
+        if shape_like is not None:
+            return ("by value", _ByValue(shape_like))
         arrays.append(obj)
         return _ARRAY
     if isinstance(obj, _PLAIN):
@@ -52,15 +58,47 @@ def _describe(obj: Any, arrays: list[Any]) -> Hashable | None:
         return None if any(p is None for p in parts) else (type(obj).__name__, tuple(parts))
     if isinstance(obj, (np.dtype, type)) and _is_dtype(obj):
         return ("dtype", obj)
-    if type(obj).__module__.startswith("tensorflow_probability.") and isinstance(
-        getattr(obj, "parameters", None), dict
+    parameters = getattr(obj, "parameters", None)
+    if not (
+        type(obj).__module__.startswith("tensorflow_probability.") and isinstance(parameters, dict)
     ):
-        items = sorted(obj.parameters.items())
-        parts = [_describe(value, arrays) for _, value in items]
-        if any(p is None for p in parts):
-            return None
-        return ("tfp", type(obj), tuple((k, p) for (k, _), p in zip(items, parts)))
-    return None
+        return None
+    if parameters.get("validate_args"):
+        return None  # TFP checks concrete arguments as it builds: keep them concrete
+    items = sorted(parameters.items())
+    parts = [_describe(value, arrays) for _, value in items]
+    if any(p is None for p in parts):
+        return None
+    return ("tfp", type(obj), tuple((k, p) for (k, _), p in zip(items, parts)))
+
+
+def _shape_like(array: Any) -> np.ndarray | None:
+    """A concrete integer or bool array (a sample shape, a number of steps) as NumPy's:
+    TFP may read its value while it builds, so it stays a value, as it was, rather
+    than a traced input. None for any other array."""
+    dtype = np.dtype(array.dtype)
+    if not (np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.bool_)):
+        return None
+    try:
+        return np.asarray(array)
+    except jax.errors.TracerArrayConversionError:  # traced already: it stays an input
+        return None
+
+
+class _ByValue:
+    """A concrete integer or bool array in a description, equal by dtype, shape and bytes."""
+
+    __slots__ = ("value", "key")
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+        self.key = (value.dtype.str, value.shape, value.tobytes())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ByValue) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
 
 
 def _is_dtype(obj: Any) -> bool:
@@ -77,6 +115,8 @@ def _rebuild(desc: Any, arrays: Iterator[Any]) -> Any:
         return next(arrays)
     if kind == "plain":
         return desc[2]
+    if kind == "by value":
+        return desc[1].value
     if kind == "dtype":
         return desc[1]
     if kind in ("tuple", "list"):
