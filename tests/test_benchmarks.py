@@ -39,9 +39,10 @@ def test_quick_run_writes_the_page(tmp_path):
     assert results["memory"]["plants"]["ratio"] > 0
 
     assert "## harvest.ppl against NumPyro" in text
-    if results["ppl"]:  # NumPyro is installed: four ratios for the quick run's model
+    if results["ppl"]:  # NumPyro is installed: the ratios for the quick run's model
+        # (the quick run starts no fresh process: the last measure is the full run's)
         assert [(r["model"], r["measure"]) for r in results["ppl"]] == [
-            ("eight schools", m) for m in bench_ppl.MEASURES
+            ("eight schools", m) for m in bench_ppl.MEASURES[:-1]
         ]
         assert all(r["ratio"] > 0 for r in results["ppl"])
     if bench_oryx.venv_python() is not None:  # the oryx side ran too

@@ -37,6 +37,7 @@ from ._tags import (
     is_unconstraining,
     sow_density,
 )
+from ._tfp_traces import fact, log_prob, onto_support
 
 # "strict": one draw per name (the default, as in oryx). "append": one draw per
 # loop iteration, stacked on a leading axis, for random variables in a scan.
@@ -156,7 +157,7 @@ def random_variable(
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             if enumerate:
                 sow_support(dist, name)
-            sow_density(dist.log_prob(value), value, name)
+            sow_density(log_prob(dist, value), value, name)
             return value
 
         return sample_distribution
@@ -177,16 +178,22 @@ def _through_unconstrained(dist: Any, key: Any, name: str, mode: SowMode) -> Any
     bijector and is drawn as it is. While scoring, zeros of the sample's shape
     (or of `u`'s) stand in for the sample, so TFP's sampler is never traced.
     """
-    shape = _sample_shape(dist) if is_scoring() else None
-    bijector = dist.experimental_default_event_space_bijector() if is_unconstraining() else None
-    if bijector is None:
+    shape = fact("sample shape", dist, _sample_shape) if is_scoring() else None
+    if not (is_unconstraining() and fact("has a bijector", dist, _has_bijector)):
         return dist.sample(seed=key) if shape is None else jnp.zeros(*shape)
-    u_shape = _unconstrained_shape(dist, bijector) if shape is not None else None
-    u = bijector.inverse(dist.sample(seed=key)) if u_shape is None else jnp.zeros(*u_shape)
+    u_shape = fact("u shape", dist, _unconstrained_shape) if shape is not None else None
+    if u_shape is None:
+        u = dist.experimental_default_event_space_bijector().inverse(dist.sample(seed=key))
+    else:
+        u = jnp.zeros(*u_shape)
     u = sow(u, tag=UNCONSTRAINED, name=name, mode=mode)
-    log_det = bijector.forward_log_det_jacobian(u, event_ndims=len(dist.event_shape))
-    sow(jnp.sum(log_det), tag=JACOBIAN, name=name, mode="collect")
-    return bijector.forward(u)
+    value, log_det = onto_support(dist, u)
+    sow(log_det, tag=JACOBIAN, name=name, mode="collect")
+    return value
+
+
+def _has_bijector(dist: Any) -> bool:
+    return dist.experimental_default_event_space_bijector() is not None
 
 
 def _sample_shape(dist: Any) -> tuple[tuple[int, ...], Any] | None:
@@ -201,9 +208,10 @@ def _sample_shape(dist: Any) -> tuple[tuple[int, ...], Any] | None:
         return None
 
 
-def _unconstrained_shape(dist: Any, bijector: Any) -> tuple[tuple[int, ...], Any] | None:
+def _unconstrained_shape(dist: Any) -> tuple[tuple[int, ...], Any] | None:
     """`(shape, dtype)` of `u`: the bijector may change the event's shape (a simplex)."""
     try:
+        bijector = dist.experimental_default_event_space_bijector()
         event = bijector.inverse_event_shape(dist.event_shape)
         if not event.is_fully_defined():
             return None
@@ -220,7 +228,7 @@ def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
     noise = sow(how.noise(k_noise, shape.shape), tag=NOISE, name=name, mode=mode)
     value = sow(how.forward(noise).astype(shape.dtype), tag=RANDOM_VARIABLE, name=name, mode=mode)
     sow(how.abduce(value, k_abduce), tag=ABDUCED, name=name, mode=mode)
-    sow_density(dist.log_prob(value), value, name)
+    sow_density(log_prob(dist, value), value, name)
     return value
 
 
