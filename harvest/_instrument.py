@@ -347,11 +347,14 @@ def _unmark(parts):
 # The public callable.
 
 
-class Instrumented(Stateful):
+class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays.
+    take it as an argument or bound object trace the model's arrays. Only a
+    Penzai model can hold state of its own (`_InstrumentedPenzai`); any other
+    target is not `Stateful`, so a harvest call looks for no state in it (for a
+    Linen function that would be two more walks of every argument's tree).
 
     A Penzai model's variables are its frozen values when flattened. Called
     with frozen `pz.StateVariable` values (inside a harvest trace, or a jit it
@@ -469,15 +472,6 @@ class Instrumented(Stateful):
             f"inputs={self._inputs}, attention={self._attention})"
         )
 
-    def harvest_state(self):
-        if self._kind != "penzai":
-            return None
-        return tuple(penzai_states(self.target, frozen=True).values()) or None
-
-    def harvest_write_state(self, state):
-        for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
-            variable.update(value)
-
     def __call__(self, *args, **kwargs):
         if self._kind == "penzai":
             frozen = penzai_states(self.target, frozen=True)
@@ -559,12 +553,21 @@ class Instrumented(Stateful):
         )
 
 
-jax.tree_util.register_pytree_with_keys(
-    Instrumented,
-    Instrumented.tree_flatten_with_keys,
-    Instrumented.tree_unflatten,
-    flatten_func=Instrumented.tree_flatten,
-)
+class _InstrumentedPenzai(Instrumented, Stateful):
+    """An instrumented Penzai model: its `pz.StateVariable`s are state a harvest call threads."""
+
+    def harvest_state(self):
+        return tuple(penzai_states(self.target, frozen=True).values()) or None
+
+    def harvest_write_state(self, state):
+        for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
+            variable.update(value)
+
+
+for _cls in (Instrumented, _InstrumentedPenzai):
+    jax.tree_util.register_pytree_with_keys(
+        _cls, _cls.tree_flatten_with_keys, _cls.tree_unflatten, flatten_func=_cls.tree_flatten
+    )
 
 
 def _sample(names, k=6):
@@ -686,4 +689,5 @@ def instrument(
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, inputs, select, where, attention)
+    cls = _InstrumentedPenzai if kind == "penzai" else Instrumented
+    return cls(target, kind, tag, ops, inputs, select, where, attention)
