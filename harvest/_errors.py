@@ -1000,14 +1000,3 @@ def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
         "lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one value for every "
         "element works."
     )
-
-
-def penzai_state_with_ops(labels: list[str]) -> ValueError:
-    shown = ", ".join(map(repr, labels[:3])) + (", ..." if len(labels) > 3 else "")
-    return ValueError(
-        f"instrument(ops=True): this Penzai model writes state variables ({shown}; a KV "
-        "cache in sampling mode does), which the op sites' own trace of the model cannot carry. "
-        "Instrument it with ops=False (its layer sites and attention=True hooks work, state "
-        "written back), or use ops=True on the model without the cache (the TransformerLM "
-        "it was built from)."
-    )

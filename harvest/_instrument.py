@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _attention, _errors
+from . import _attention
 from ._attention import HOOKS
 from ._calling import Stateful, in_flattening_call, is_array
 from ._instrument_linen import run_linen
@@ -473,22 +473,6 @@ class Instrumented:
         )
 
     def __call__(self, *args, **kwargs):
-        if self._kind == "penzai":
-            frozen = penzai_states(self.target, frozen=True)
-            if self._ops and (states := frozen or penzai_states(self.target, frozen=False)):
-                raise _errors.penzai_state_with_ops([str(s.label) for s in states.values()])
-            if frozen:
-                # A traced copy: the model writes its state variables, so it runs on
-                # mutable copies, and keeps what they hold after (for the next call,
-                # and for `harvest_state`).
-                live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
-                self.target = with_states(self.target, live)
-                try:
-                    return self._call(*args, **kwargs)
-                finally:
-                    self.target = with_states(
-                        self.target, {slot: v.freeze() for slot, v in live.items()}
-                    )
         return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
@@ -532,12 +516,15 @@ class Instrumented:
                 _with_modules, call, {type(m) for _, m in parts}, marked, self.target
             )
         if self._ops:
-            out = sow_ops(run, call, args, kwargs)
+            out = self._sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)
         if not call.sown:
             raise ValueError(self._nothing_sown())
         return out
+
+    def _sow_ops(self, run, call, args, kwargs):
+        return sow_ops(run, call, args, kwargs)
 
     def _nothing_sown(self):
         if self._where is not None:
@@ -555,6 +542,43 @@ class Instrumented:
 
 class _InstrumentedPenzai(Instrumented, Stateful):
     """An instrumented Penzai model: its `pz.StateVariable`s are state a harvest call threads."""
+
+    def __call__(self, *args, **kwargs):
+        frozen = penzai_states(self.target, frozen=True)
+        if not frozen:
+            return self._call(*args, **kwargs)
+        # A traced copy: the model writes its state variables, so it runs on
+        # mutable copies, and keeps what they hold after (for the next call,
+        # and for `harvest_state`).
+        live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
+        self.target = with_states(self.target, live)
+        try:
+            return self._call(*args, **kwargs)
+        finally:
+            self.target = with_states(self.target, {slot: v.freeze() for slot, v in live.items()})
+
+    def _sow_ops(self, run, call, args, kwargs):
+        """With ops=True, the op sites' own trace of the model takes its state
+        variables' values as inputs and gives their new values as outputs, which
+        the variables hold after (as the module sites' call leaves them)."""
+        states = list(penzai_states(self.target, frozen=False).values())
+        if not states:
+            return sow_ops(run, call, args, kwargs)
+
+        def threaded(values, *args, **kwargs):
+            for variable, value in zip(states, values):
+                variable.value = value
+            return run(*args, **kwargs), [variable.value for variable in states]
+
+        before = [variable.value for variable in states]
+        try:
+            out, after = sow_ops(threaded, call, (before, *args), kwargs)
+        finally:  # the trace left its own tracers in the variables
+            for variable, value in zip(states, before):
+                variable.value = value
+        for variable, value in zip(states, after):
+            variable.value = value
+        return out
 
     def harvest_state(self):
         return tuple(penzai_states(self.target, frozen=True).values()) or None
