@@ -473,9 +473,6 @@ class Instrumented:
         )
 
     def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def _call(self, *args, **kwargs):
         call = _Call(
             self._tag,
             self._select,
@@ -546,14 +543,14 @@ class _InstrumentedPenzai(Instrumented, Stateful):
     def __call__(self, *args, **kwargs):
         frozen = penzai_states(self.target, frozen=True)
         if not frozen:
-            return self._call(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
         # A traced copy: the model writes its state variables, so it runs on
         # mutable copies, and keeps what they hold after (for the next call,
         # and for `harvest_state`).
         live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
         self.target = with_states(self.target, live)
         try:
-            return self._call(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
         finally:
             self.target = with_states(self.target, {slot: v.freeze() for slot, v in live.items()})
 
