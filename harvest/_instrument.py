@@ -473,6 +473,11 @@ class Instrumented:
         )
 
     def __call__(self, *args, **kwargs):
+        # One name read: harvest keys each call by the module globals this method's own
+        # code reads (so a rebound one is seen), which costs a check per name.
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         call = _Call(
             self._tag,
             self._select,
@@ -540,17 +545,17 @@ class Instrumented:
 class _InstrumentedPenzai(Instrumented, Stateful):
     """An instrumented Penzai model: its `pz.StateVariable`s are state a harvest call threads."""
 
-    def __call__(self, *args, **kwargs):
+    def _call(self, *args, **kwargs):
         frozen = penzai_states(self.target, frozen=True)
         if not frozen:
-            return super().__call__(*args, **kwargs)
+            return super()._call(*args, **kwargs)
         # A traced copy: the model writes its state variables, so it runs on
         # mutable copies, and keeps what they hold after (for the next call,
         # and for `harvest_state`).
         live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
         self.target = with_states(self.target, live)
         try:
-            return super().__call__(*args, **kwargs)
+            return super()._call(*args, **kwargs)
         finally:
             self.target = with_states(self.target, {slot: v.freeze() for slot, v in live.items()})
 
