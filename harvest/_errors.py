@@ -1000,3 +1000,11 @@ def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
         "lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one value for every "
         "element works."
     )
+
+
+def module_output_not_an_array(tag: str, path: str, part: str, value: Any) -> TypeError:
+    return TypeError(
+        f"instrument(tag={tag!r}): the module at {path!r} returned {part} of type "
+        f"{type(value).__name__}, which is not an array, so it cannot be a site. Leave that "
+        f"module out with `where` (e.g. where=lambda name: name != {path!r})."
+    )

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _attention
+from . import _attention, _errors
 from ._attention import HOOKS
 from ._calling import Stateful, in_flattening_call, is_array
 from ._instrument_linen import run_linen
@@ -86,11 +86,7 @@ class _Call:
             return value
         bad = non_array(value)
         if bad is not None:
-            raise TypeError(
-                f"instrument(tag={self.tag!r}): the module at {path!r} returned {bad[0] or 'its output'} "
-                f"of type {type(bad[1]).__name__}, which is not an array, so it cannot be a site. "
-                f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
-            )
+            raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
         if is_named_array(value):
             # A Penzai named array: the site is its data, axes in `named_shape` order
             # (after any positional ones), their names kept for `sites`.
