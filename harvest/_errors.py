@@ -1018,14 +1018,11 @@ def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
     )
 
 
-def penzai_state_with_ops(labels: list[str]) -> ValueError:
-    shown = ", ".join(map(repr, labels[:3])) + (", ..." if len(labels) > 3 else "")
-    return ValueError(
-        f"instrument(ops=True): this Penzai model writes state variables ({shown}; a KV "
-        "cache in sampling mode does), which the op sites' own trace of the model cannot carry. "
-        "Instrument it with ops=False (its layer sites and attention=True hooks work, state "
-        "written back), or use ops=True on the model without the cache (the TransformerLM "
-        "it was built from)."
+def module_output_not_an_array(tag: str, path: str, part: str, value: Any) -> TypeError:
+    return TypeError(
+        f"instrument(tag={tag!r}): the module at {path!r} returned {part} of type "
+        f"{type(value).__name__}, which is not an array, so it cannot be a site. Leave that "
+        f"module out with `where` (e.g. where=lambda name: name != {path!r})."
     )
 
 

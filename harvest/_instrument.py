@@ -86,11 +86,7 @@ class _Call:
             return value
         bad = non_array(value)
         if bad is not None:
-            raise TypeError(
-                f"instrument(tag={self.tag!r}): the module at {path!r} returned {bad[0] or 'its output'} "
-                f"of type {type(bad[1]).__name__}, which is not an array, so it cannot be a site. "
-                f"Leave that module out with `where` (e.g. where=lambda name: name != {path!r})."
-            )
+            raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
         if is_named_array(value):
             # A Penzai named array: the site is its data, axes in `named_shape` order
             # (after any positional ones), their names kept for `sites`.
@@ -347,11 +343,14 @@ def _unmark(parts):
 # The public callable.
 
 
-class Instrumented(Stateful):
+class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays.
+    take it as an argument or bound object trace the model's arrays. Only a
+    Penzai model can hold state of its own (`_InstrumentedPenzai`); any other
+    target is not `Stateful`, so a harvest call looks for no state in it (for a
+    Linen function that would be two more walks of every argument's tree).
 
     A Penzai model's variables are its frozen values when flattened. Called
     with frozen `pz.StateVariable` values (inside a harvest trace, or a jit it
@@ -469,32 +468,9 @@ class Instrumented(Stateful):
             f"inputs={self._inputs}, attention={self._attention})"
         )
 
-    def harvest_state(self):
-        if self._kind != "penzai":
-            return None
-        return tuple(penzai_states(self.target, frozen=True).values()) or None
-
-    def harvest_write_state(self, state):
-        for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
-            variable.update(value)
-
     def __call__(self, *args, **kwargs):
-        if self._kind == "penzai":
-            frozen = penzai_states(self.target, frozen=True)
-            if self._ops and (states := frozen or penzai_states(self.target, frozen=False)):
-                raise _errors.penzai_state_with_ops([str(s.label) for s in states.values()])
-            if frozen:
-                # A traced copy: the model writes its state variables, so it runs on
-                # mutable copies, and keeps what they hold after (for the next call,
-                # and for `harvest_state`).
-                live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
-                self.target = with_states(self.target, live)
-                try:
-                    return self._call(*args, **kwargs)
-                finally:
-                    self.target = with_states(
-                        self.target, {slot: v.freeze() for slot, v in live.items()}
-                    )
+        # One name read: harvest keys each call by the module globals this method's own
+        # code reads (so a rebound one is seen), which costs a check per name.
         return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
@@ -540,12 +516,15 @@ class Instrumented(Stateful):
                 _with_modules, call, {type(m) for _, m in parts}, marked, self.target
             )
         if self._ops:
-            out = sow_ops(run, call, args, kwargs)
+            out = self._sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)
         if not call.sown:
             raise ValueError(self._nothing_sown())
         return out
+
+    def _sow_ops(self, run, call, args, kwargs):
+        return sow_ops(run, call, args, kwargs)
 
     def _nothing_sown(self):
         if self._where is not None:
@@ -561,12 +540,58 @@ class Instrumented(Stateful):
         )
 
 
-jax.tree_util.register_pytree_with_keys(
-    Instrumented,
-    Instrumented.tree_flatten_with_keys,
-    Instrumented.tree_unflatten,
-    flatten_func=Instrumented.tree_flatten,
-)
+class _InstrumentedPenzai(Instrumented, Stateful):
+    """An instrumented Penzai model: its `pz.StateVariable`s are state a harvest call threads."""
+
+    def _call(self, *args, **kwargs):
+        frozen = penzai_states(self.target, frozen=True)
+        if not frozen:
+            return super()._call(*args, **kwargs)
+        # A traced copy: the model writes its state variables, so it runs on
+        # mutable copies, and keeps what they hold after (for the next call,
+        # and for `harvest_state`).
+        live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
+        self.target = with_states(self.target, live)
+        try:
+            return super()._call(*args, **kwargs)
+        finally:
+            self.target = with_states(self.target, {slot: v.freeze() for slot, v in live.items()})
+
+    def _sow_ops(self, run, call, args, kwargs):
+        """With ops=True, the op sites' own trace of the model takes its state
+        variables' values as inputs and gives their new values as outputs, which
+        the variables hold after (as the module sites' call leaves them)."""
+        states = list(penzai_states(self.target, frozen=False).values())
+        if not states:
+            return sow_ops(run, call, args, kwargs)
+
+        def threaded(values, *args, **kwargs):
+            for variable, value in zip(states, values):
+                variable.value = value
+            return run(*args, **kwargs), [variable.value for variable in states]
+
+        before = [variable.value for variable in states]
+        try:
+            out, after = sow_ops(threaded, call, (before, *args), kwargs)
+        finally:  # the trace left its own tracers in the variables
+            for variable, value in zip(states, before):
+                variable.value = value
+        for variable, value in zip(states, after):
+            variable.value = value
+        return out
+
+    def harvest_state(self):
+        return tuple(penzai_states(self.target, frozen=True).values()) or None
+
+    def harvest_write_state(self, state):
+        for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
+            variable.update(value)
+
+
+for _cls in (Instrumented, _InstrumentedPenzai):
+    jax.tree_util.register_pytree_with_keys(
+        _cls, _cls.tree_flatten_with_keys, _cls.tree_unflatten, flatten_func=_cls.tree_flatten
+    )
 
 
 def _refuse_layer_stacks(parts, names, select, ops):
@@ -702,4 +727,5 @@ def instrument(
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)
-    return Instrumented(target, kind, tag, ops, inputs, select, where, attention)
+    cls = _InstrumentedPenzai if kind == "penzai" else Instrumented
+    return cls(target, kind, tag, ops, inputs, select, where, attention)

@@ -135,3 +135,39 @@ def test_plant_tuple_outputs_and_shared_scope_children(setup):
     i = result.names.index("layer_1")
     expected = by_hand(variables, x)[0].sum() - by_hand(variables, -x)[0].sum()
     np.testing.assert_allclose(result.values[i], expected, rtol=1e-5)
+
+
+class Wide(nn.Module):
+    """The model with another structure: a third block."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(3):
+            _, x = Block(name=f"layer_{i}")(None, x)
+        return x
+
+
+def test_eager_calls_read_new_weights_and_see_a_new_structure(setup):
+    """An instrumented function holds no state of its own (so an eager call walks its
+    arguments only to flatten them), yet each call reads the weights it is given: a new
+    `variables` dict, a leaf replaced in the same dict, and another model's structure."""
+    from harvest._calling import Stateful
+
+    model, variables, x = setup
+    f = instrument(model.apply)
+    assert not isinstance(f, Stateful)
+    capture = reap(f, tag="modules")
+    capture(variables, x)
+    other = model.init(jax.random.key(7), x)
+    np.testing.assert_allclose(capture(other, x)["layer_1"], by_hand(other, x)[0], rtol=1e-6)
+    mutated = jax.tree_util.tree_map(lambda a: a, variables)  # a dict of the same arrays
+    capture(mutated, x)
+    mutated["params"]["layer_1"]["mlp"]["linear"] = other["params"]["layer_1"]["mlp"]["linear"]
+    expected = by_hand(mutated, x)[0]
+    assert not np.allclose(expected, by_hand(variables, x)[0])
+    np.testing.assert_allclose(capture(mutated, x)["layer_1"], expected, rtol=1e-6)
+    wide = Wide()
+    wide_variables = wide.init(jax.random.key(3), x)
+    reaped = reap(instrument(wide.apply), tag="modules")(wide_variables, x)
+    assert len(reaped) == 12  # four sites per block
+    np.testing.assert_allclose(reaped["layer_2"], wide.apply(wide_variables, x), rtol=1e-6)

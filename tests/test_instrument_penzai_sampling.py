@@ -12,7 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import add_vector, call_and_reap, instrument, patching_sweep, plant, reap, sites
+from harvest import (
+    add_vector,
+    attribution_patching,
+    call_and_reap,
+    instrument,
+    patching_sweep,
+    plant,
+    reap,
+    sites,
+)
 
 pz = pytest.importorskip("penzai.pz")
 pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
@@ -218,14 +227,40 @@ def test_steered_decode_loops_give_the_hand_steered_tokens(model):
     assert list(np.asarray(decode(frozen, vector))) == expected
 
 
-def test_sites_leave_the_cache_and_ops_is_a_short_error(model):
+def test_sites_leave_the_cache(model):
     mine = sampler(model)
     listed = {s.name: s for s in sites(instrument(mine), STEPS[0], tag="modules")}
     assert listed[BLOCK].axes == ("batch", "seq", "embedding")
+    ops = {s.name for s in sites(instrument(mine, ops=True), STEPS[0], tag="modules")}
+    assert SILU + "/silu/mul:0" in ops and BLOCK in ops
     assert int(mine.cache_end_index.value) == 0  # listing sites runs nothing
-    with pytest.raises(ValueError, match="ops=False") as info:
-        instrument(mine, ops=True)(STEPS[0])
-    assert len(str(info.value)) < 600 and "sampler/cache_0" in str(info.value)
+
+
+# The gate's activation (`pz.nn.Elementwise(jax.nn.silu)`) of the first block's MLP.
+SILU = "body.sublayers.1.sublayers.1.delta.sublayers.1.sublayers.0.branches.0.sublayers.1"
+
+
+def test_op_sites_through_a_cached_decode_match_penzai_and_a_hand_patched_op(model):
+    """ops=True on the sampling model: the op trace carries the state in and out, so
+    reaping leaves outputs and cache as Penzai's own call does, and doubling the
+    activation's op at each step equals the model with that layer doubled by hand."""
+    op = SILU + "/silu/mul:0"
+    ref, mine = sampler(model), sampler(model)
+    m = instrument(mine, ops=True, where=[op, BLOCK])
+    hand, patched = sampler(edited(model, SILU, Double())), sampler(model)
+    steer = plant(instrument(patched, ops=True, where=op), tag="modules")
+    for step in STEPS:
+        out, reaped = call_and_reap(m, tag="modules")(step)
+        np.testing.assert_array_equal(data(out), data(by_penzai(ref, step)))
+        assert_same_state(mine, ref)
+        n = step.named_shape["seq"]
+        assert reaped[op].shape == (1, n, 16)  # [batch, seq, neurons]
+        assert reaped[BLOCK].shape == (1, n, 8)
+        out = steer({op: lambda old: 2.0 * old}, step)
+        np.testing.assert_allclose(data(out), data(by_penzai(hand, step)), rtol=1e-6, atol=1e-6)
+        for x, y in zip(state(patched), state(hand)):
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+    assert int(mine.cache_end_index.value) == int(patched.cache_end_index.value) == 5
 
 
 def test_patching_sweep_over_a_cached_prompt_leaves_the_cache(model):
@@ -245,3 +280,36 @@ def test_patching_sweep_over_a_cached_prompt_leaves_the_cache(model):
     by_hand = metric(clean_out) - metric(by_penzai(sampler(model), corrupt_prompt))
     assert result.names == (BLOCK,)
     np.testing.assert_allclose(result.values[0], [0.0, 0.0, by_hand], rtol=1e-5, atol=1e-6)
+
+
+@pz.pytree_dataclass
+class Offset(pz.nn.Layer):
+    delta: pz.nx.NamedArray
+
+    def __call__(self, x, **side_inputs):
+        return x + self.delta
+
+
+def test_attribution_over_a_cached_prompt_is_the_hand_taken_gradient(model):
+    """attribution_patching on the sampling model: (clean - corrupted) times the
+    gradient of the metric w.r.t. a zero offset after the block, taken by hand
+    through a fresh sampling model with that offset layer (its own empty cache)."""
+    clean_prompt, corrupt_prompt = tokens(1, 2, 3), tokens(1, 7, 3)
+    clean = reap(instrument(sampler(model), where=BLOCK), tag="modules")(clean_prompt)
+    corrupted = reap(instrument(sampler(model), where=BLOCK), tag="modules")(corrupt_prompt)
+    metric = lambda out: data(out)[0, -1, 3]
+    fresh = sampler(model)
+    result = attribution_patching(
+        instrument(fresh, where=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
+    )
+    assert_same_state(fresh, sampler(model))  # measured from the empty cache, left so
+
+    def offset_metric(delta):
+        offset = Offset(pz.nx.wrap(delta, "batch", "seq", "embedding"))
+        return metric(sampler(edited(model, BLOCK, offset))(corrupt_prompt))
+
+    grad = jax.jit(jax.grad(offset_metric))(jnp.zeros((1, 3, 8)))  # compiled: 8x faster than eager
+    estimate = ((clean[BLOCK] - corrupted[BLOCK]) * grad).sum(-1)[0]
+    assert np.abs(estimate).max() > 1e-3  # the positions differ: a test that can fail
+    np.testing.assert_allclose(result.values[0], estimate, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(result.baseline, metric(by_penzai(sampler(model), corrupt_prompt)))
