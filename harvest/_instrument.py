@@ -78,6 +78,7 @@ class _Call:
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
+    input_axes: tuple = ()  # the named axes of the call's Penzai arguments, in their order
 
     def sow(self, path, value, axes=None):
         if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
@@ -88,9 +89,11 @@ class _Call:
         if bad is not None:
             raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
         if is_named_array(value):
-            # A Penzai named array: the site is its data, axes in `named_shape` order
-            # (after any positional ones), their names kept for `sites`.
-            value = value.order_as(*value.named_shape)
+            # A Penzai named array: the site is its data, the call's input axes first (so
+            # every site of a model orders batch/seq alike, whatever order a layer's own
+            # einsum left), then the layer's others; their names kept for `sites`.
+            first = [n for n in self.input_axes if n in value.named_shape]
+            value = value.order_as(*first, *(n for n in value.named_shape if n not in first))
             axes = (None,) * len(value.positional_shape) + tuple(value.named_shape)
         leaves, tree = jax.tree_util.tree_flatten(value)
         if not leaves:
@@ -507,6 +510,11 @@ class Instrumented:
             call.known = frozenset(call.paths.values())
             if self._attention and self._kind == "penzai":
                 call.attention_paths = _attention.penzai_attention_paths(parts)
+            if self._kind == "penzai":
+                named = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named_array)
+                call.input_axes = tuple(
+                    dict.fromkeys(n for a in named if is_named_array(a) for n in a.named_shape)
+                )
             marked = (
                 [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
             )

@@ -101,15 +101,14 @@ def test_a_site_per_layer_named_by_its_key_path(model):
     }
     assert expected == {ATTN} and ATTN in reaped
     assert {BLOCK, "body.sublayers.3", "body"} <= set(reaped)  # the block, the LM head, the body
-    # A NamedArray output is sown as its data array, in the NamedArray's own axis order.
+    # A NamedArray output is sown as its data array, the input's axes (batch, seq) first.
     direct = _get(model, ATTN.split("."))
     assert isinstance(reaped[ATTN], jax.Array) and reaped[ATTN].shape == (1, 5, 8)
     # The reaped block output is the block called by hand on its reaped input.
     with_inputs = reap(instrument(model, inputs=True), tag="modules")(CLEAN)
     block = _get(model, BLOCK.split("."))
     positions = pz.nx.arange("seq", 5)
-    embedded = _get(model, ["body", "sublayers", "0"])(CLEAN)  # the block's input, by Penzai
-    residual = pz.nx.wrap(with_inputs[BLOCK + ":in"], *embedded.named_shape)
+    residual = pz.nx.wrap(with_inputs[BLOCK + ":in"], "batch", "seq", "embedding")
     by_hand = block(residual, token_positions=positions).unwrap("batch", "seq", "embedding")
     np.testing.assert_allclose(by_hand, with_inputs[BLOCK], rtol=1e-6, atol=1e-6)
     attn_in = reap(instrument(model, inputs=True, where=ATTN + ":in"), tag="modules")(CLEAN)
@@ -257,3 +256,20 @@ def test_sites_show_the_named_axes(model):
     # A site that is no named array has no names.
     plain = sites(instrument(model, attention=True), CLEAN, tag="modules")
     assert {s.name: s for s in plain}[ATTN + ".hook_q"].axes is None
+
+
+def test_every_site_orders_the_inputs_axes_first(model):
+    """Penzai's embedding lookup returns (embedding, batch, seq) where the blocks return
+    (batch, seq, embedding): sown as is, add_vector at the embedding would add along seq
+    (silently, when seq is as long as the embedding). Every site puts batch, seq first."""
+    square = tokens(1, 2, 3, 4, 5, 6, 7, 8)  # seq == embedding == 8
+    listed = {s.name: s for s in sites(instrument(model), square, tag="modules")}
+    embed = "body.sublayers.0"
+    assert listed[embed].axes[:2] == ("batch", "seq") and listed[embed].shape == (1, 8, 8)
+    assert all(s.axes is None or s.axes[:2] == ("batch", "seq") for s in listed.values())
+    vector = pz.nx.wrap(jnp.linspace(-1.0, 1.0, 8), "embedding")
+    steered = plant(instrument(model), tag="modules")(
+        {embed: add_vector(vector.unwrap("embedding"))}, square
+    )
+    by_hand = logits(edited(model, embed, Shift(vector))(square))
+    np.testing.assert_allclose(logits(steered), by_hand, rtol=1e-6, atol=1e-6)
