@@ -9,10 +9,10 @@ import jax
 from penzai.models.transformer.variants import llamalike_common
 
 
-def tiny_llamalike():
-    """A one-block llama-like transformer (width 8, 2 KV heads, 11 tokens), built from
-    Penzai's own config with fixed weights: it compiles in about a second."""
-    config = llamalike_common.LlamalikeTransformerConfig(
+def tiny_config(**changes):
+    """Penzai's config of a one-block llama-like transformer (width 8, 2 KV heads, 11
+    tokens), with `changes` to its fields."""
+    fields = dict(
         num_kv_heads=2,
         query_head_multiplier=1,
         embedding_dim=8,
@@ -23,4 +23,12 @@ def tiny_llamalike():
         mlp_variant="swiglu",
         tie_embedder_and_logits=False,
     )
-    return llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    return llamalike_common.LlamalikeTransformerConfig(**{**fields, **changes})
+
+
+def tiny_llamalike():
+    """The model of `tiny_config()`, built by Penzai with fixed weights: it compiles in
+    about a second."""
+    return llamalike_common.build_llamalike_transformer(
+        tiny_config(), init_base_rng=jax.random.key(0)
+    )

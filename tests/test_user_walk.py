@@ -170,19 +170,10 @@ def test_penzai_multi_query_attention_gets_its_hooks():
     # num_kv_heads=1 (multi-query, as in Gemma 2B) names the heads "query_heads" and gives
     # keys and values none: attention=True refused it. Keys and values get one KV head.
     pz = pytest.importorskip("penzai.pz")
+    from _penzai_models import tiny_config
     from penzai.models.transformer.variants import llamalike_common
 
-    config = llamalike_common.LlamalikeTransformerConfig(
-        num_kv_heads=1,
-        query_head_multiplier=2,
-        embedding_dim=8,
-        projection_dim=4,
-        mlp_hidden_dim=16,
-        num_decoder_blocks=1,
-        vocab_size=11,
-        mlp_variant="swiglu",
-        tie_embedder_and_logits=False,
-    )
+    config = tiny_config(num_kv_heads=1, query_head_multiplier=2)
     attn = llamalike_common.build_llamalike_attention("attn", jax.random.key(0), config, 0)
     model = pz.nn.Sequential([attn])  # the hooks are named after the attention's path
     x = pz.nx.wrap(jnp.linspace(-1.0, 1.0, 40).reshape(1, 5, 8), "batch", "seq", "embedding")
