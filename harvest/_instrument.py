@@ -502,15 +502,14 @@ class Instrumented:
                     f"instrument: where={self._where!r} selects none of the model's submodules "
                     f"({_sample(names)})."
                 )
-            if self._kind == "penzai":
-                _refuse_layer_stacks(parts, names, self._select, self._ops)
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
-            if self._attention and self._kind == "penzai":
-                call.attention_paths = _attention.penzai_attention_paths(parts)
             if self._kind == "penzai":
+                _refuse_layer_stacks(parts, names, self._select, self._ops)
+                if self._attention:
+                    call.attention_paths = _attention.penzai_attention_paths(parts)
                 named = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named_array)
                 call.input_axes = tuple(
                     dict.fromkeys(n for a in named if is_named_array(a) for n in a.named_shape)

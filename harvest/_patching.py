@@ -165,20 +165,22 @@ def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
 _by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
 
 
-def _swept_ndims(
-    targets: list[_Target], axes: tuple[int, ...] | None
-) -> tuple[tuple[str, int], ...]:
-    """(name, how many axes one occurrence's value has) for each swept site; () for whole sites."""
+def _swept(
+    targets: list[_Target], axes: tuple[int, ...] | None, caller: str
+) -> tuple[tuple[str, ...] | None, list[tuple[int, ...] | None]]:
+    """(what each swept axis is, each target's `axes` counted from the front), after
+    the head-axis check: both come from the sites' names and ranks alone."""
     if axes is None:
-        return ()
+        return _checked_axes((), None), [None] * len(targets)
     # A looped site's clean value stacks its occurrences: one axis more than one of them.
-    return tuple(
+    ndims = tuple(
         (
             path_str(t.site.path),
             np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
         )
         for t in targets
     )
+    return _checked_axes(ndims, axes), [_axes_counted(n, axes, caller) for _, n in ndims]
 
 
 @functools.lru_cache(maxsize=64)
@@ -519,13 +521,9 @@ def patching_sweep(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    ndims = _swept_ndims(targets, axes)
-    axis_labels = _checked_axes(ndims, axes)
+    axis_labels, site_axes = _swept(targets, axes, caller)
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
-    site_axes = (
-        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
-    )
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
     total = int(firsts[-1]) * cells
@@ -648,11 +646,7 @@ def attribution_patching(
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
     targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    ndims = _swept_ndims(targets, axes)
-    axis_labels = _checked_axes(ndims, axes)
-    site_axes = (
-        [_axes_counted(ndim, axes, caller) for _, ndim in ndims] if ndims else [None] * len(targets)
-    )
+    axis_labels, site_axes = _swept(targets, axes, caller)
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
