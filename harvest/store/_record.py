@@ -354,7 +354,10 @@ class _Writer:
                     data = data.reshape(-1, *data.shape[2:])
                 first = base + start * per_example
                 target = self.arrays[name][(slice(first, first + data.shape[0]), *rest)]
-                futures.append(target.write(data).commit)
+                # TensorStore keeps a reference to `data` rather than a copy: the
+                # array is the device's result (zero-copy on CPU), never modified.
+                write = target.write(data, can_reference_source_data_indefinitely=True)
+                futures.append(write.commit)
                 nbytes += data.nbytes
         self.pending.append((index, futures, nbytes))
         while self.pending and (
