@@ -14,9 +14,11 @@ Four comparisons, each measured side by side in one run:
 * peak RSS: a fresh process records N batches from a generator, for two N;
   its peak resident memory above what it held before `record`, over the bytes
   of one batch's recorded activations, must not grow with N;
-* read rate vs disk: `store.batches` over every row (shuffled, one epoch per
-  seed), against reading the store's chunk files whole with plain `read`
-  calls; after one untimed epoch, interleaved, medians.
+* read rate vs TensorStore and vs disk: `store.batches` over every row
+  (shuffled, one epoch per seed), against TensorStore's own `read()` of every
+  chunk of the same arrays (all reads in flight at once: the library the store
+  reads through, at its fastest), and against reading the store's chunk files
+  whole with plain `read` calls; after one untimed epoch, interleaved, medians.
 
 Both sides of each write `fsync` every chunk file (TensorStore's default);
 both sides of each read come from the page cache (the store was just written).
@@ -142,6 +144,18 @@ def _raw_read(files):
     return time.perf_counter() - start, total
 
 
+def _tensorstore_read(arrays):
+    """Seconds for TensorStore to read every chunk of `arrays`, one `read()` each, all in
+    flight at once, and the bytes read."""
+    start = time.perf_counter()
+    futures = []
+    for array in arrays:
+        chunk = array.chunk_layout.read_chunk.shape[0]
+        futures += [array[i : i + chunk].read() for i in range(0, array.shape[0], chunk)]
+    total = sum(f.result().nbytes for f in futures)
+    return time.perf_counter() - start, total
+
+
 def _rss(cfg, n):
     script = MODEL + f"NAMES = {NAMES!r}\n" + RSS_CHILD
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -164,6 +178,7 @@ def run(cfg: Config = Config()):
 
 def _measure(cfg, work):
     import jax
+    import tensorstore as ts
     from flax import nnx
 
     from harvest import store
@@ -208,21 +223,32 @@ def _measure(cfg, work):
     raw_write = _raw_write(work / "raw", chunks)
 
     rows_per_batch = 4096 if cfg.batch * cfg.positions >= 4096 else cfg.positions
-    files = [p for name in s for p in (work / "store" / name / "c").rglob("*") if p.is_file()]
+    keys = [site.key for site in s.manifest.sites.values()]
+    files = [p for key in keys for p in (work / "store" / key).glob("c.*")]
 
     def epoch(seed):
         return sum(len(b[NAMES[0]]) for b in s.batches(rows_per_batch, seed=seed))
 
+    arrays = [
+        ts.open(
+            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(work / "store" / key)}}
+        ).result()
+        for key in keys
+    ]
     rows = epoch(0)  # warm: TensorStore's thread pools, the page cache
     _raw_read(files)
-    reads, raw_reads = [], []
+    _tensorstore_read(arrays)
+    reads, raw_reads, ts_reads = [], [], []
     for seed in range(1, 1 + cfg.repeats):  # interleaved, medians
         start = time.perf_counter()
         epoch(seed)
         reads.append(time.perf_counter() - start)
         raw_time, raw_bytes = _raw_read(files)
         raw_reads.append(raw_time)
+        ts_time, ts_bytes = _tensorstore_read(arrays)
+        ts_reads.append(ts_time)
     read, raw_read = statistics.median(reads), statistics.median(raw_reads)
+    ts_read = statistics.median(ts_reads)
 
     batch_bytes = written // cfg.batches
     rss = {n: _rss(cfg, n) for n in cfg.rss_batches}
@@ -239,6 +265,7 @@ def _measure(cfg, work):
         "read_mib_s": written / 2**20 / read,
         "read_rows_s": rows / read,
         "disk_read_mib_s": raw_bytes / 2**20 / raw_read,
+        "tensorstore_read_mib_s": ts_bytes / 2**20 / ts_read,
         "batch_mib": batch_bytes / 2**20,
         "rss": {n: (r["peak_kib"] - r["before_kib"]) * 1024 / batch_bytes for n, r in rss.items()},
         "rss_peak_mib": {n: r["peak_kib"] / 1024 for n, r in rss.items()},
@@ -262,7 +289,10 @@ def render(r):
         "held in memory, against the bare `nnx.jit` forward over the same batches. The write and",
         "read rates sit beside what the disk does with the same bytes through plain `write` +",
         "`fsync` / `read` calls (one file per chunk; TensorStore too `fsync`s each chunk, and",
-        "reads come from the page cache, as the store was just written). Peak RSS: a fresh process records N",
+        "reads come from the page cache, as the store was just written), and the read rate",
+        "beside TensorStore's own `read()` of every chunk of the same arrays, all in flight at",
+        "once (what the library `batches` reads through does unshuffled, into fresh arrays).",
+        "Peak RSS: a fresh process records N",
         "batches from a generator; its peak resident memory above its memory before `record`,",
         "in units of one batch's activations.",
         "",
@@ -273,6 +303,9 @@ def render(r):
         f"| the same, CPU time of the process (all threads) | | | {r['cpu_ratio']:.3f} | — |",
         f"| write rate (MiB/s): record vs plain writes | {r['write_mib_s']:.0f} | "
         f"{r['disk_write_mib_s']:.0f} | {r['write_mib_s'] / r['disk_write_mib_s']:.3f} | — |",
+        f"| read rate (MiB/s): `batches` vs TensorStore `read()` of every chunk | "
+        f"{r['read_mib_s']:.0f} | {r['tensorstore_read_mib_s']:.0f} | "
+        f"{r['read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
         f"| read rate (MiB/s): `batches` vs plain reads | {r['read_mib_s']:.0f} | "
         f"{r['disk_read_mib_s']:.0f} | {r['read_mib_s'] / r['disk_read_mib_s']:.3f} | — |",
         f"| peak RSS over one batch's activations, N={n2} vs N={n1} | {x2:.1f} | {x1:.1f} | "

@@ -288,14 +288,23 @@ def _write_all(
 ) -> None:
     """Writes every batch, each while the next is being computed."""
     previous = None
-    for index, out in outputs:  # dispatching `index`, then copying out `previous`
-        wrong = _wrong_shape(out, manifest)
+    try:
+        for index, out in outputs:  # dispatching `index`, then copying out `previous`
+            wrong = _wrong_shape(out, manifest)
+            if previous is not None:
+                ready, previous = previous, None
+                writer.submit(*ready)
+            if wrong is not None:
+                writer.drain()
+                raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
+            previous = index, out
+    except BaseException:  # the loader or the next batch failed: the last batch is still good
         if previous is not None:
-            writer.submit(*previous)
-        if wrong is not None:
-            writer.drain()
-            raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
-        previous = index, out
+            try:
+                writer.submit(*previous)
+            except Exception:  # it failed too; the first error is the one to report
+                pass
+        raise
     if previous is not None:
         writer.submit(*previous)
     writer.drain()
