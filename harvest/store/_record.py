@@ -244,22 +244,22 @@ def _lay_out(
             shutil.rmtree(path)
         path.mkdir(parents=True, exist_ok=True)
         _manifest.write(path, manifest)
-        for name, site in manifest.sites.items():
-            _arrays.create(path, site, chunks[name], codecs)
+        _arrays.create(
+            path, [(site, chunks[name]) for name, site in manifest.sites.items()], codecs
+        )
     else:
-        for name, site in stored.sites.items():
-            if _arrays.exists(path, site):
-                _arrays.resize(path, site, _arrays.CAPACITY)
-            else:  # killed between writing the manifest and creating this array
-                _arrays.create(path, site, chunks[name], codecs)
+        there = [site for site in stored.sites.values() if _arrays.exists(path, site)]
+        _arrays.resize(path, there, _arrays.CAPACITY)
+        # Killed between writing the manifest and creating these arrays:
+        missing = [(s, chunks[n]) for n, s in stored.sites.items() if s not in there]
+        _arrays.create(path, missing, codecs)
 
 
 def _finish(path: pathlib.Path, manifest: Manifest, batches: int) -> None:
     """Process 0, after every process has written: the count into the manifest, rows trimmed."""
     done = dataclasses.replace(manifest, batches=batches)
     _manifest.write(path, done)
-    for site in manifest.sites.values():
-        _arrays.resize(path, site, batches * manifest.rows_per_batch)
+    _arrays.resize(path, list(manifest.sites.values()), batches * manifest.rows_per_batch)
     _progress.clear(path)
 
 
@@ -336,9 +336,8 @@ class _Writer:
         bar: Any,
     ):
         self.manifest = manifest
-        self.arrays = {
-            name: _arrays.open_array(path, site) for name, site in manifest.sites.items()
-        }
+        opened = _arrays.open_arrays(path, list(manifest.sites.values()))
+        self.arrays = dict(zip(manifest.sites, opened))
         self.committer = _progress.Committer(path, process, begin)
         self.pending: collections.deque[tuple[int, list[Any], int]] = collections.deque()
         self.max_pending = max_pending
