@@ -15,10 +15,12 @@ Four comparisons, each measured side by side in one run:
   its peak resident memory above what it held before `record`, over the bytes
   of one batch's recorded activations, must not grow with N;
 * read rate vs TensorStore and vs disk: `store.batches` over every row
-  (shuffled, one epoch per seed), against TensorStore's own `read()` of every
-  chunk of the same arrays (all reads in flight at once: the library the store
-  reads through, at its fastest), and against reading the store's chunk files
-  whole with plain `read` calls; after one untimed epoch, interleaved, medians.
+  (shuffled, one epoch per seed; and in order), against TensorStore's own
+  `read()` of every chunk of the same arrays (all reads in flight at once,
+  chunk files mapped as the store's reader maps them: the library the store
+  reads through at its fastest, into fresh arrays, unshuffled), and against
+  reading the store's chunk files whole with plain `read` calls; after one
+  untimed epoch, interleaved, medians.
 
 Both sides of each write `fsync` every chunk file (TensorStore's default);
 both sides of each read come from the page cache (the store was just written).
@@ -226,29 +228,40 @@ def _measure(cfg, work):
     keys = [site.key for site in s.manifest.sites.values()]
     files = [p for key in keys for p in (work / "store" / key).glob("c.*")]
 
-    def epoch(seed):
-        return sum(len(b[NAMES[0]]) for b in s.batches(rows_per_batch, seed=seed))
+    def epoch(seed, shuffle=True):
+        batches = s.batches(rows_per_batch, seed=seed, shuffle=shuffle)
+        return sum(len(b[NAMES[0]]) for b in batches)
 
+    # The same arrays, opened as the store's reader opens them: chunk files mapped.
+    mapped = {"file_io_mode": {"mode": "memmap"}}
     arrays = [
         ts.open(
-            {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(work / "store" / key)}}
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(work / "store" / key)},
+                "context": mapped,
+            }
         ).result()
         for key in keys
     ]
     rows = epoch(0)  # warm: TensorStore's thread pools, the page cache
     _raw_read(files)
     _tensorstore_read(arrays)
-    reads, raw_reads, ts_reads = [], [], []
+    epoch(0, shuffle=False)
+    reads, ordered_reads, raw_reads, ts_reads = [], [], [], []
     for seed in range(1, 1 + cfg.repeats):  # interleaved, medians
         start = time.perf_counter()
         epoch(seed)
         reads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        epoch(seed, shuffle=False)
+        ordered_reads.append(time.perf_counter() - start)
         raw_time, raw_bytes = _raw_read(files)
         raw_reads.append(raw_time)
         ts_time, ts_bytes = _tensorstore_read(arrays)
         ts_reads.append(ts_time)
     read, raw_read = statistics.median(reads), statistics.median(raw_reads)
-    ts_read = statistics.median(ts_reads)
+    ts_read, ordered_read = statistics.median(ts_reads), statistics.median(ordered_reads)
 
     batch_bytes = written // cfg.batches
     rss = {n: _rss(cfg, n) for n in cfg.rss_batches}
@@ -264,6 +277,7 @@ def _measure(cfg, work):
         "rows": rows,
         "read_mib_s": written / 2**20 / read,
         "read_rows_s": rows / read,
+        "ordered_read_mib_s": written / 2**20 / ordered_read,
         "disk_read_mib_s": raw_bytes / 2**20 / raw_read,
         "tensorstore_read_mib_s": ts_bytes / 2**20 / ts_read,
         "batch_mib": batch_bytes / 2**20,
@@ -291,7 +305,8 @@ def render(r):
         "`fsync` / `read` calls (one file per chunk; TensorStore too `fsync`s each chunk, and",
         "reads come from the page cache, as the store was just written), and the read rate",
         "beside TensorStore's own `read()` of every chunk of the same arrays, all in flight at",
-        "once (what the library `batches` reads through does unshuffled, into fresh arrays).",
+        "once, chunk files mapped into memory as the store's reader maps them (what the library",
+        "`batches` reads through does unshuffled, into fresh arrays; `batches` also shuffles).",
         "Peak RSS: a fresh process records N",
         "batches from a generator; its peak resident memory above its memory before `record`,",
         "in units of one batch's activations.",
@@ -306,6 +321,9 @@ def render(r):
         f"| read rate (MiB/s): `batches` vs TensorStore `read()` of every chunk | "
         f"{r['read_mib_s']:.0f} | {r['tensorstore_read_mib_s']:.0f} | "
         f"{r['read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
+        f"| the same, `batches(shuffle=False)` | {r['ordered_read_mib_s']:.0f} | "
+        f"{r['tensorstore_read_mib_s']:.0f} | "
+        f"{r['ordered_read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
         f"| read rate (MiB/s): `batches` vs plain reads | {r['read_mib_s']:.0f} | "
         f"{r['disk_read_mib_s']:.0f} | {r['read_mib_s'] / r['disk_read_mib_s']:.3f} | — |",
         f"| peak RSS over one batch's activations, N={n2} vs N={n1} | {x2:.1f} | {x1:.1f} | "

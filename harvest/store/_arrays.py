@@ -61,9 +61,22 @@ def exists(path: pathlib.Path, site: SiteSpec) -> bool:
     return (path / site.key / "zarr.json").is_file()
 
 
-def open_arrays(path: pathlib.Path, sites: list[SiteSpec], rows: int | None = None) -> list[Any]:
-    """The array of each site, its row axis cut to `rows` (None: as stored), opened at once."""
-    futures = [tensorstore().open({**_spec(path, site), "open": True}) for site in sites]
+# Reading maps each chunk file into memory rather than `read()`ing it into a
+# buffer first: one copy fewer (measured: `batches` 1.4x faster from the page
+# cache). A chunk is always replaced by a rename, never rewritten in place, so a
+# mapping never sees a chunk change under it; the arrays read are copies.
+_READING = {"file_io_mode": {"mode": "memmap"}}
+
+
+def open_arrays(
+    path: pathlib.Path, sites: list[SiteSpec], rows: int | None = None, reading: bool = False
+) -> list[Any]:
+    """The array of each site, its row axis cut to `rows` (None: as stored), opened at once.
+
+    `reading`: only read through them, with chunk files mapped into memory.
+    """
+    context = {"context": _READING} if reading else {}
+    futures = [tensorstore().open({**_spec(path, site), **context, "open": True}) for site in sites]
     arrays = [future.result() for future in futures]
     return arrays if rows is None else [array[:rows] for array in arrays]
 

@@ -120,7 +120,7 @@ class Store(Mapping[str, StoreArray]):
         self.rows = batches * manifest.rows_per_batch
         # A finished run moved its count into the manifest and removed the progress files.
         self.complete = manifest.batches > 0 and not (path / _progress.FOLDER).exists()
-        opened = _arrays.open_arrays(path, list(manifest.sites.values()), self.rows)
+        opened = _arrays.open_arrays(path, list(manifest.sites.values()), self.rows, reading=True)
         self._arrays = {name: StoreArray(name, a) for name, a in zip(manifest.sites, opened)}
 
     def __getitem__(self, name: str) -> StoreArray:
