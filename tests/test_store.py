@@ -381,6 +381,10 @@ def test_batches_held_together_are_exactly_the_stored_rows(tmp_path, batch_size,
         assert sorted(order.tolist()) == list(range(40))
         np.testing.assert_array_equal(rows, expected[order])
         np.testing.assert_array_equal(half.astype(np.float32), order * 0.5)
+    got[0]["id"] += 1.0  # batches (and rows read) are the caller's copies, not the files
+    whole = s["id"][:]
+    whole += 1.0
+    np.testing.assert_array_equal(s["id"][:], expected)
 
 
 def test_a_loader_failing_mid_pass_keeps_every_batch_computed_and_resumes(tmp_path):
