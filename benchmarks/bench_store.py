@@ -10,7 +10,9 @@ Four comparisons, each measured side by side in one run:
   in wall time and in the process's CPU time (steadier on a loaded machine);
 * write rate vs disk: the activation bytes `record` wrote per second, against
   the same number of bytes written by plain `write` + `fsync` calls to files
-  of one chunk each (what the disk takes, without TensorStore or JAX);
+  of one chunk each (what the disk takes, without TensorStore or JAX); and the
+  write path alone: `record` of those same rows under a function that only
+  sows its input, interleaved with the plain writes;
 * peak RSS: a fresh process records N batches from a generator, for two N;
   its peak resident memory above what it held before `record`, over the bytes
   of one batch's recorded activations, must not grow with N;
@@ -183,7 +185,7 @@ def _measure(cfg, work):
     import tensorstore as ts
     from flax import nnx
 
-    from harvest import store
+    from harvest import sow, store
 
     ns = _namespace()
     model = ns["make_model"](cfg.width, cfg.depth)
@@ -222,7 +224,30 @@ def _measure(cfg, work):
     written = sum(a.dtype.itemsize * int(np.prod(a.shape)) for a in s.values())
     chunk_bytes = written // (len(s) * cfg.batches)
     chunks = [np.random.default_rng(i).bytes(chunk_bytes) for i in range(len(s) * cfg.batches)]
-    raw_write = _raw_write(work / "raw", chunks)
+    # The write path alone: `record` of the very rows it wrote, under a function that
+    # only sows its input (a copy onto the device and back, no model).
+    per_batch = s.manifest.rows_per_batch
+    activations = [
+        {f"site{k}": s[name][i * per_batch : (i + 1) * per_batch] for k, name in enumerate(s)}
+        for i in range(cfg.batches)
+    ]
+
+    def sow_all(batch):
+        return [sow(x, name=name, mode="strict") for name, x in batch.items()]
+
+    def write_path():
+        store.record(sow_all, activations, work / "rows", progress=False)
+
+    write_path()  # compile
+    write_paths, raw_writes = [], []
+    for _ in range(cfg.repeats):  # interleaved, medians
+        for leftover in ("rows", "raw"):
+            shutil.rmtree(work / leftover, ignore_errors=True)
+        start = time.perf_counter()
+        write_path()
+        write_paths.append(time.perf_counter() - start)
+        raw_writes.append(_raw_write(work / "raw", chunks))
+    write_alone, raw_write = statistics.median(write_paths), statistics.median(raw_writes)
 
     rows_per_batch = 4096 if cfg.batch * cfg.positions >= 4096 else cfg.positions
     keys = [site.key for site in s.manifest.sites.values()]
@@ -274,6 +299,7 @@ def _measure(cfg, work):
         "written_mib": written / 2**20,
         "write_mib_s": written / 2**20 / ours,
         "disk_write_mib_s": written / 2**20 / raw_write,
+        "write_alone_mib_s": written / 2**20 / write_alone,
         "rows": rows,
         "read_mib_s": written / 2**20 / read,
         "read_rows_s": rows / read,
@@ -318,6 +344,9 @@ def render(r):
         f"| the same, CPU time of the process (all threads) | | | {r['cpu_ratio']:.3f} | — |",
         f"| write rate (MiB/s): record vs plain writes | {r['write_mib_s']:.0f} | "
         f"{r['disk_write_mib_s']:.0f} | {r['write_mib_s'] / r['disk_write_mib_s']:.3f} | — |",
+        f"| the write path alone (MiB/s): `record` of the same rows, no model | "
+        f"{r['write_alone_mib_s']:.0f} | {r['disk_write_mib_s']:.0f} | "
+        f"{r['write_alone_mib_s'] / r['disk_write_mib_s']:.3f} | — |",
         f"| read rate (MiB/s): `batches` vs TensorStore `read()` of every chunk | "
         f"{r['read_mib_s']:.0f} | {r['tensorstore_read_mib_s']:.0f} | "
         f"{r['read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
@@ -332,5 +361,7 @@ def render(r):
         f"`batches` served {r['read_rows_s']:,.0f} rows/s ({r['rows']} rows in batches of up to "
         "4096). The write rate is the recorded bytes over the whole `record` pass, compute "
         "included: when it is far below the disk's, recording is compute-bound and the ratio "
-        "against the forward is what it costs.",
+        "against the forward is what it costs. The write path alone is `record` of the same "
+        "rows (numpy, one batch's rows per batch) under a function that only sows its input: "
+        "TensorStore, the `fsync`s and harvest's bookkeeping, with no model to wait for.",
     ]
