@@ -54,8 +54,11 @@ def record(
     The store is resumable: killed at any point (even by SIGKILL), calling
     ``record`` again with the same arguments and the same batches skips the
     batches already written and writes the rest, so the result is the store an
-    uninterrupted run writes. A store recorded from other sites, shapes or
-    dtypes is an error (nothing is written); ``overwrite=True`` starts afresh.
+    uninterrupted run writes. An exception from ``batches`` (or Ctrl-C) first
+    lets the writes in flight land, the batch already computed included, so
+    the store keeps every batch computed before it. A store recorded from
+    other sites, shapes or dtypes is an error (nothing is written);
+    ``overwrite=True`` starts afresh.
 
     Across devices, a batch sharded along its examples (``sharding``, or
     arrays already placed) is written shard by shard from the devices that
