@@ -10,13 +10,19 @@ Four comparisons, each measured side by side in one run:
   in wall time and in the process's CPU time (steadier on a loaded machine);
 * write rate vs disk: the activation bytes `record` wrote per second, against
   the same number of bytes written by plain `write` + `fsync` calls to files
-  of one chunk each (what the disk takes, without TensorStore or JAX);
+  of one chunk each (what the disk takes, without TensorStore or JAX); and the
+  write path alone: `record` of those same rows under a function that only
+  sows its input, interleaved with the plain writes;
 * peak RSS: a fresh process records N batches from a generator, for two N;
   its peak resident memory above what it held before `record`, over the bytes
   of one batch's recorded activations, must not grow with N;
-* read rate vs disk: `store.batches` over every row (shuffled, one epoch per
-  seed), against reading the store's chunk files whole with plain `read`
-  calls; after one untimed epoch, interleaved, medians.
+* read rate vs TensorStore and vs disk: `store.batches` over every row
+  (shuffled, one epoch per seed; and in order), against TensorStore's own
+  `read()` of every chunk of the same arrays (all reads in flight at once,
+  chunk files mapped as the store's reader maps them: the library the store
+  reads through at its fastest, into fresh arrays, unshuffled), and against
+  reading the store's chunk files whole with plain `read` calls; after one
+  untimed epoch, interleaved, medians.
 
 Both sides of each write `fsync` every chunk file (TensorStore's default);
 both sides of each read come from the page cache (the store was just written).
@@ -142,6 +148,18 @@ def _raw_read(files):
     return time.perf_counter() - start, total
 
 
+def _tensorstore_read(arrays):
+    """Seconds for TensorStore to read every chunk of `arrays`, one `read()` each, all in
+    flight at once, and the bytes read."""
+    start = time.perf_counter()
+    futures = []
+    for array in arrays:
+        chunk = array.chunk_layout.read_chunk.shape[0]
+        futures += [array[i : i + chunk].read() for i in range(0, array.shape[0], chunk)]
+    total = sum(f.result().nbytes for f in futures)
+    return time.perf_counter() - start, total
+
+
 def _rss(cfg, n):
     script = MODEL + f"NAMES = {NAMES!r}\n" + RSS_CHILD
     root = pathlib.Path(__file__).resolve().parent.parent
@@ -164,9 +182,10 @@ def run(cfg: Config = Config()):
 
 def _measure(cfg, work):
     import jax
+    import tensorstore as ts
     from flax import nnx
 
-    from harvest import store
+    from harvest import sow, store
 
     ns = _namespace()
     model = ns["make_model"](cfg.width, cfg.depth)
@@ -205,24 +224,69 @@ def _measure(cfg, work):
     written = sum(a.dtype.itemsize * int(np.prod(a.shape)) for a in s.values())
     chunk_bytes = written // (len(s) * cfg.batches)
     chunks = [np.random.default_rng(i).bytes(chunk_bytes) for i in range(len(s) * cfg.batches)]
-    raw_write = _raw_write(work / "raw", chunks)
+    # The write path alone: `record` of the very rows it wrote, under a function that
+    # only sows its input (a copy onto the device and back, no model).
+    per_batch = s.manifest.rows_per_batch
+    activations = [
+        {f"site{k}": s[name][i * per_batch : (i + 1) * per_batch] for k, name in enumerate(s)}
+        for i in range(cfg.batches)
+    ]
+
+    def sow_all(batch):
+        return [sow(x, name=name, mode="strict") for name, x in batch.items()]
+
+    def write_path():
+        store.record(sow_all, activations, work / "rows", progress=False)
+
+    write_path()  # compile
+    write_paths, raw_writes = [], []
+    for _ in range(cfg.repeats):  # interleaved, medians
+        for leftover in ("rows", "raw"):
+            shutil.rmtree(work / leftover, ignore_errors=True)
+        start = time.perf_counter()
+        write_path()
+        write_paths.append(time.perf_counter() - start)
+        raw_writes.append(_raw_write(work / "raw", chunks))
+    write_alone, raw_write = statistics.median(write_paths), statistics.median(raw_writes)
 
     rows_per_batch = 4096 if cfg.batch * cfg.positions >= 4096 else cfg.positions
-    files = [p for name in s for p in (work / "store" / name / "c").rglob("*") if p.is_file()]
+    keys = [site.key for site in s.manifest.sites.values()]
+    files = [p for key in keys for p in (work / "store" / key).glob("c.*")]
 
-    def epoch(seed):
-        return sum(len(b[NAMES[0]]) for b in s.batches(rows_per_batch, seed=seed))
+    def epoch(seed, shuffle=True):
+        batches = s.batches(rows_per_batch, seed=seed, shuffle=shuffle)
+        return sum(len(b[NAMES[0]]) for b in batches)
 
+    # The same arrays, opened as the store's reader opens them: chunk files mapped.
+    mapped = {"file_io_mode": {"mode": "memmap"}}
+    arrays = [
+        ts.open(
+            {
+                "driver": "zarr3",
+                "kvstore": {"driver": "file", "path": str(work / "store" / key)},
+                "context": mapped,
+            }
+        ).result()
+        for key in keys
+    ]
     rows = epoch(0)  # warm: TensorStore's thread pools, the page cache
     _raw_read(files)
-    reads, raw_reads = [], []
+    _tensorstore_read(arrays)
+    epoch(0, shuffle=False)
+    reads, ordered_reads, raw_reads, ts_reads = [], [], [], []
     for seed in range(1, 1 + cfg.repeats):  # interleaved, medians
         start = time.perf_counter()
         epoch(seed)
         reads.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        epoch(seed, shuffle=False)
+        ordered_reads.append(time.perf_counter() - start)
         raw_time, raw_bytes = _raw_read(files)
         raw_reads.append(raw_time)
+        ts_time, ts_bytes = _tensorstore_read(arrays)
+        ts_reads.append(ts_time)
     read, raw_read = statistics.median(reads), statistics.median(raw_reads)
+    ts_read, ordered_read = statistics.median(ts_reads), statistics.median(ordered_reads)
 
     batch_bytes = written // cfg.batches
     rss = {n: _rss(cfg, n) for n in cfg.rss_batches}
@@ -235,10 +299,13 @@ def _measure(cfg, work):
         "written_mib": written / 2**20,
         "write_mib_s": written / 2**20 / ours,
         "disk_write_mib_s": written / 2**20 / raw_write,
+        "write_alone_mib_s": written / 2**20 / write_alone,
         "rows": rows,
         "read_mib_s": written / 2**20 / read,
         "read_rows_s": rows / read,
+        "ordered_read_mib_s": written / 2**20 / ordered_read,
         "disk_read_mib_s": raw_bytes / 2**20 / raw_read,
+        "tensorstore_read_mib_s": ts_bytes / 2**20 / ts_read,
         "batch_mib": batch_bytes / 2**20,
         "rss": {n: (r["peak_kib"] - r["before_kib"]) * 1024 / batch_bytes for n, r in rss.items()},
         "rss_peak_mib": {n: r["peak_kib"] / 1024 for n, r in rss.items()},
@@ -262,7 +329,11 @@ def render(r):
         "held in memory, against the bare `nnx.jit` forward over the same batches. The write and",
         "read rates sit beside what the disk does with the same bytes through plain `write` +",
         "`fsync` / `read` calls (one file per chunk; TensorStore too `fsync`s each chunk, and",
-        "reads come from the page cache, as the store was just written). Peak RSS: a fresh process records N",
+        "reads come from the page cache, as the store was just written), and the read rate",
+        "beside TensorStore's own `read()` of every chunk of the same arrays, all in flight at",
+        "once, chunk files mapped into memory as the store's reader maps them (what the library",
+        "`batches` reads through does unshuffled, into fresh arrays; `batches` also shuffles).",
+        "Peak RSS: a fresh process records N",
         "batches from a generator; its peak resident memory above its memory before `record`,",
         "in units of one batch's activations.",
         "",
@@ -273,6 +344,15 @@ def render(r):
         f"| the same, CPU time of the process (all threads) | | | {r['cpu_ratio']:.3f} | — |",
         f"| write rate (MiB/s): record vs plain writes | {r['write_mib_s']:.0f} | "
         f"{r['disk_write_mib_s']:.0f} | {r['write_mib_s'] / r['disk_write_mib_s']:.3f} | — |",
+        f"| the write path alone (MiB/s): `record` of the same rows, no model | "
+        f"{r['write_alone_mib_s']:.0f} | {r['disk_write_mib_s']:.0f} | "
+        f"{r['write_alone_mib_s'] / r['disk_write_mib_s']:.3f} | — |",
+        f"| read rate (MiB/s): `batches` vs TensorStore `read()` of every chunk | "
+        f"{r['read_mib_s']:.0f} | {r['tensorstore_read_mib_s']:.0f} | "
+        f"{r['read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
+        f"| the same, `batches(shuffle=False)` | {r['ordered_read_mib_s']:.0f} | "
+        f"{r['tensorstore_read_mib_s']:.0f} | "
+        f"{r['ordered_read_mib_s'] / r['tensorstore_read_mib_s']:.3f} | — |",
         f"| read rate (MiB/s): `batches` vs plain reads | {r['read_mib_s']:.0f} | "
         f"{r['disk_read_mib_s']:.0f} | {r['read_mib_s'] / r['disk_read_mib_s']:.3f} | — |",
         f"| peak RSS over one batch's activations, N={n2} vs N={n1} | {x2:.1f} | {x1:.1f} | "
@@ -281,5 +361,7 @@ def render(r):
         f"`batches` served {r['read_rows_s']:,.0f} rows/s ({r['rows']} rows in batches of up to "
         "4096). The write rate is the recorded bytes over the whole `record` pass, compute "
         "included: when it is far below the disk's, recording is compute-bound and the ratio "
-        "against the forward is what it costs.",
+        "against the forward is what it costs. The write path alone is `record` of the same "
+        "rows (numpy, one batch's rows per batch) under a function that only sows its input: "
+        "TensorStore, the `fsync`s and harvest's bookkeeping, with no model to wait for.",
     ]

@@ -21,5 +21,8 @@ def test_quick_store_section_updates_just_that_section(tmp_path):
     cfg = bench_store.QUICK
     assert result["rows"] == cfg.batches * cfg.batch * cfg.positions  # every row read once
     assert result["ratio"] > 0 and result["write_mib_s"] > 0 and result["read_mib_s"] > 0
+    assert result["write_alone_mib_s"] > 0 and result["ordered_read_mib_s"] > 0
+    assert result["tensorstore_read_mib_s"] > 0
     assert sorted(result["rss"]) == sorted(cfg.rss_batches)
     assert "| record vs bare forward" in text and "| peak RSS" in text
+    assert "| the write path alone" in text and "TensorStore `read()` of every chunk" in text

@@ -120,10 +120,8 @@ class Store(Mapping[str, StoreArray]):
         self.rows = batches * manifest.rows_per_batch
         # A finished run moved its count into the manifest and removed the progress files.
         self.complete = manifest.batches > 0 and not (path / _progress.FOLDER).exists()
-        self._arrays = {
-            name: StoreArray(name, _arrays.open_array(path, site, self.rows))
-            for name, site in manifest.sites.items()
-        }
+        opened = _arrays.open_arrays(path, list(manifest.sites.values()), self.rows, reading=True)
+        self._arrays = {name: StoreArray(name, a) for name, a in zip(manifest.sites, opened)}
 
     def __getitem__(self, name: str) -> StoreArray:
         try:
@@ -222,43 +220,77 @@ class Store(Mapping[str, StoreArray]):
         batch_size: int,
         drop_remainder: bool,
     ) -> Iterator[dict[str, np.ndarray[Any, Any]]]:
-        def read(window: np.ndarray[Any, Any]) -> list[list[Any]]:
-            # The rows are shuffled within the window anyway, so its chunks are read in
-            # order, neighbours as one read.
-            spans: list[list[int]] = []
-            for b in sorted(int(b) for b in window):
-                if spans and spans[-1][1] == b * block:
-                    spans[-1][1] = min((b + 1) * block, self.rows)
-                else:
-                    spans.append([b * block, min((b + 1) * block, self.rows)])
-            return [[a.read_rows(start, stop) for start, stop in spans] for a in arrays]
+        # Each window's chunks are decoded by TensorStore straight into one buffer per
+        # site, after room for the last window's leftover rows (fewer than a batch), so
+        # leftovers join the next window without concatenating it. Shuffled batches are
+        # gathered out of the buffer (fresh arrays), so two buffers serve every window in
+        # turn (one read while the other is served) and memory is not faulted in again;
+        # in order, batches are views of a fresh buffer per window, never copied.
+        spare = min(batch_size - 1, self.rows)
+        room = spare + max((len(w) for w in windows), default=0) * block
+        reused = [_Buffers(arrays, room) for _ in range(2)] if rng is not None else []
+        names = [a.name for a in arrays]
 
-        carry: list[np.ndarray[Any, Any]] | None = None
-        reads = [read(windows[0])] if windows else []
+        def read(k: int) -> tuple[_Buffers, list[Any], int]:
+            buffers = reused[k % 2] if reused else _Buffers(arrays, room)
+            return (buffers, *buffers.fill(arrays, _spans(windows[k], block, self.rows), spare))
+
+        carry: list[np.ndarray[Any, Any]] = []
+        reads = [read(0)] if windows else []
         for k in range(len(windows)):
             if k + 1 < len(windows):  # the next window is read while this one is served
-                reads.append(read(windows[k + 1]))
-            futures = reads.pop(0)
-            # Last window's leftover rows join this one (shuffled again: still once each).
-            data = [
-                _joined(([] if carry is None else [carry[i]]) + [f.result() for f in site])
-                for i, site in enumerate(futures)
-            ]
+                reads.append(read(k + 1))
+            buffers, futures, end = reads.pop(0)
+            for future in futures:
+                future.result()
+            begin = spare - (len(carry[0]) if carry else 0)
+            pool = buffers.rows(begin, end)
+            for target, rows in zip(pool, carry):
+                target[: len(rows)] = rows
+            n = end - begin
+            full = n // batch_size * batch_size
             if rng is not None:
-                perm = rng.permutation(len(data[0]))
-                data = [d[perm] for d in data]
-            full = len(data[0]) // batch_size * batch_size
-            for i in range(0, full, batch_size):
-                yield {a.name: d[i : i + batch_size] for a, d in zip(arrays, data)}
-            carry = [d[full:] for d in data]
-        if carry is not None and len(carry[0]) and not drop_remainder:
-            yield {a.name: c for a, c in zip(arrays, carry)}
+                order = rng.permutation(n)
+                for i in range(0, full, batch_size):
+                    take = order[i : i + batch_size]
+                    yield {name: np.take(p, take, axis=0) for name, p in zip(names, pool)}
+                carry = [np.take(p, order[full:], axis=0) for p in pool]
+            else:
+                for i in range(0, full, batch_size):
+                    yield {name: p[i : i + batch_size] for name, p in zip(names, pool)}
+                carry = [p[full:] for p in pool]
+        if carry and len(carry[0]) and not drop_remainder:
+            yield dict(zip(names, carry))
 
 
-def _joined(parts: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
-    """The parts end to end; one part (a window read in one piece) is not copied."""
-    parts = [p for p in parts if len(p)]
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+class _Buffers:
+    """One host buffer per site, a window of rows each, with TensorStore views to fill them."""
+
+    def __init__(self, arrays: list[StoreArray], rows: int):
+        self.data = [np.empty((rows, *a.shape[1:]), a.dtype) for a in arrays]
+        ts = _arrays.tensorstore()
+        self.views = [ts.array(d, copy=False, write=True) for d in self.data]
+
+    def fill(
+        self, arrays: list[StoreArray], spans: list[tuple[int, int]], at: int
+    ) -> tuple[list[Any], int]:
+        """Futures copying each site's rows in `spans` to rows `at` onwards; the end row."""
+        futures = []
+        for array, view in zip(arrays, self.views):
+            end = at
+            for start, stop in spans:
+                futures.append(view[end : end + stop - start].write(array._array[start:stop]))
+                end += stop - start
+        return futures, end
+
+    def rows(self, begin: int, end: int) -> list[np.ndarray[Any, Any]]:
+        return [d[begin:end] for d in self.data]
+
+
+def _spans(window: np.ndarray[Any, Any], block: int, rows: int) -> list[tuple[int, int]]:
+    """The row ranges of a window's chunks, in order: one copy each, which TensorStore
+    runs in parallel (neighbours merged into one copy ran slower, measured)."""
+    return [(b * block, min((b + 1) * block, rows)) for b in sorted(int(b) for b in window)]
 
 
 def open_store(path: str | pathlib.Path) -> Store:

@@ -54,8 +54,11 @@ def record(
     The store is resumable: killed at any point (even by SIGKILL), calling
     ``record`` again with the same arguments and the same batches skips the
     batches already written and writes the rest, so the result is the store an
-    uninterrupted run writes. A store recorded from other sites, shapes or
-    dtypes is an error (nothing is written); ``overwrite=True`` starts afresh.
+    uninterrupted run writes. An exception from ``batches`` (or Ctrl-C) first
+    lets the writes in flight land, the batch already computed included, so
+    the store keeps every batch computed before it. A store recorded from
+    other sites, shapes or dtypes is an error (nothing is written);
+    ``overwrite=True`` starts afresh.
 
     Across devices, a batch sharded along its examples (``sharding``, or
     arrays already placed) is written shard by shard from the devices that
@@ -244,22 +247,22 @@ def _lay_out(
             shutil.rmtree(path)
         path.mkdir(parents=True, exist_ok=True)
         _manifest.write(path, manifest)
-        for name, site in manifest.sites.items():
-            _arrays.create(path, site, chunks[name], codecs)
+        _arrays.create(
+            path, [(site, chunks[name]) for name, site in manifest.sites.items()], codecs
+        )
     else:
-        for name, site in stored.sites.items():
-            if _arrays.exists(path, site):
-                _arrays.resize(path, site, _arrays.CAPACITY)
-            else:  # killed between writing the manifest and creating this array
-                _arrays.create(path, site, chunks[name], codecs)
+        there = [site for site in stored.sites.values() if _arrays.exists(path, site)]
+        _arrays.resize(path, there, _arrays.CAPACITY)
+        # Killed between writing the manifest and creating these arrays:
+        missing = [(s, chunks[n]) for n, s in stored.sites.items() if s not in there]
+        _arrays.create(path, missing, codecs)
 
 
 def _finish(path: pathlib.Path, manifest: Manifest, batches: int) -> None:
     """Process 0, after every process has written: the count into the manifest, rows trimmed."""
     done = dataclasses.replace(manifest, batches=batches)
     _manifest.write(path, done)
-    for site in manifest.sites.values():
-        _arrays.resize(path, site, batches * manifest.rows_per_batch)
+    _arrays.resize(path, list(manifest.sites.values()), batches * manifest.rows_per_batch)
     _progress.clear(path)
 
 
@@ -288,14 +291,23 @@ def _write_all(
 ) -> None:
     """Writes every batch, each while the next is being computed."""
     previous = None
-    for index, out in outputs:  # dispatching `index`, then copying out `previous`
-        wrong = _wrong_shape(out, manifest)
+    try:
+        for index, out in outputs:  # dispatching `index`, then copying out `previous`
+            wrong = _wrong_shape(out, manifest)
+            if previous is not None:
+                ready, previous = previous, None
+                writer.submit(*ready)
+            if wrong is not None:
+                writer.drain()
+                raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
+            previous = index, out
+    except BaseException:  # the loader or the next batch failed: the last batch is still good
         if previous is not None:
-            writer.submit(*previous)
-        if wrong is not None:
-            writer.drain()
-            raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
-        previous = index, out
+            try:
+                writer.submit(*previous)
+            except Exception:  # it failed too; the first error is the one to report
+                pass
+        raise
     if previous is not None:
         writer.submit(*previous)
     writer.drain()
@@ -327,9 +339,8 @@ class _Writer:
         bar: Any,
     ):
         self.manifest = manifest
-        self.arrays = {
-            name: _arrays.open_array(path, site) for name, site in manifest.sites.items()
-        }
+        opened = _arrays.open_arrays(path, list(manifest.sites.values()))
+        self.arrays = dict(zip(manifest.sites, opened))
         self.committer = _progress.Committer(path, process, begin)
         self.pending: collections.deque[tuple[int, list[Any], int]] = collections.deque()
         self.max_pending = max_pending
@@ -354,7 +365,10 @@ class _Writer:
                     data = data.reshape(-1, *data.shape[2:])
                 first = base + start * per_example
                 target = self.arrays[name][(slice(first, first + data.shape[0]), *rest)]
-                futures.append(target.write(data).commit)
+                # TensorStore keeps a reference to `data` rather than a copy: the
+                # array is the device's result (zero-copy on CPU), never modified.
+                write = target.write(data, can_reference_source_data_indefinitely=True)
+                futures.append(write.commit)
                 nbytes += data.nbytes
         self.pending.append((index, futures, nbytes))
         while self.pending and (
