@@ -49,6 +49,7 @@ from ._calling import (
     write_back,
 )
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
+from ._eager_dispatch import NOT_TAKEN
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
@@ -357,8 +358,10 @@ def _walk_weak(fn_ref, dynamic, static):
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
-def run_walk(f, policy, reap, plants, args, kwargs):
-    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
+    """Runs the walk of `f` under `policy`; returns (out, reaps). With `finish=False`,
+    as the compiled walk gives them: `out` with its static leaves wrapped, the reaps
+    flat and in program order (pytrees a `jax.jit` can return; see `_eager_dispatch`)."""
     for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
         _note_walked(tag)
     fn, bound = _unwrap(f)
@@ -421,6 +424,8 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes, stateful)
+    if not finish:
+        return out, flat
     return reveal_static(out), nested_dict(flat)
 
 
@@ -553,10 +558,16 @@ def transform(
     """
     _check_callable(f, fn_name)
     reap, pick = gives != "out", _GIVES[gives]
+    # A target that JAX's own dispatch can call eagerly (an instrumented function) says so.
+    dispatcher = getattr(type(f), "harvest_eager_dispatch", None)
+    dispatch = None if dispatcher is None else dispatcher(f, policy, gives, run_walk)
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+            result = NOT_TAKEN if dispatch is None else dispatch(plants, args, kwargs)
+            if result is NOT_TAKEN:
+                result = run_walk(f, policy, reap, plants, args, kwargs)
+            return pick(result)
         except ValueError as error:
             better = reword(error) if reword is not None else None
             if better is None:
