@@ -185,7 +185,10 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
         # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
         return _rewrap(with_closure(fn, cells, reads), bound)(*args, **kwargs)
 
-    call.__wrapped__ = fn  # type: ignore[attr-defined]  # errors name the user's function
+    called = bound[1] if bound is not None and bound[0] == "method" else None
+    # Errors name the user's function (a model called: the method that runs it).
+    model = callable(called) and fn is type(called).__call__
+    call.__wrapped__ = _code_of(called) if model else fn  # type: ignore[attr-defined]
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
@@ -580,14 +583,38 @@ def transform(
         def transformed(*args: Any, **kwargs: Any) -> Any:
             return run({}, args, kwargs)
 
-        return _jax.api_boundary(transformed)
+        return _jax.api_boundary(_unwrapped_to_code(transformed, f))
 
     @functools.wraps(f)
     def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
         _check_plants_arg(plants, fn_name)
         return run(plants, args, kwargs)
 
-    return _plants_first(_jax.api_boundary(transformed_with_plants), f)
+    return _plants_first(_jax.api_boundary(_unwrapped_to_code(transformed_with_plants, f)), f)
+
+
+def _unwrapped_to_code(g: Any, f: Any) -> Any:
+    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model -- a callable
+    pytree holding arrays, such as an instrumented or Equinox module -- to the method
+    that runs it: `inspect.unwrap`, which names the traced function in JAX's errors,
+    still ends at the user's code, and Equinox does not take `g` for a transformed
+    callable hiding parameters (`eqx.filter_jit(reap(model))` warned). The signature
+    shown stays `f`'s."""
+    if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
+        return g
+    try:
+        g.__signature__ = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature to show
+        pass
+    g.__wrapped__ = _code_of(f)
+    return g
+
+
+def _code_of(f: Any) -> Any:
+    """What runs when `f` is called, to name it: the function `inspect.unwrap(f)` ends
+    at, or the `__call__` of the object it ends at (a model, an instrumented one's target)."""
+    end = inspect.unwrap(f)
+    return end if inspect.isroutine(end) else type(end).__call__
 
 
 def reap(
