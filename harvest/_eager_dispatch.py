@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from . import _jax
-from ._calling import array_flags, flattening_call, holds_no_nodes, reveal_static
+from ._calling import array_flags, holds_no_nodes, reveal_static
 from ._compile_cache import note_trace
 from ._paths import nested_dict
 
@@ -98,8 +98,7 @@ class EagerDispatch:
             return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
         self.stage = _WAITING
         try:
-            with flattening_call():  # the instrumented function gives what it closes over
-                out, flat = self.jitted(self.f, plants, args, kwargs)
+            out, flat = self.jitted(self.f, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.

@@ -360,7 +360,10 @@ class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays. Only a
+    take it as an argument or bound object trace the model's arrays; for a
+    function, its children are what the function closes over and reads from
+    its module, as a harvested function's are (`_closure_flat`), so a
+    closed-over `variables` dict is traced and an NNX module there split. Only a
     Penzai model can hold state of its own (`_InstrumentedPenzai`); any other
     target is not `Stateful`, so a harvest call looks for no state in it (for a
     Linen function that would be two more walks of every argument's tree).
@@ -394,6 +397,8 @@ class Instrumented:
         self._where = where
         # Penzai: (the variables, their values, the frozen model's arrays, its structure).
         self._frozen = None
+        # A function rebuilt from its closure's flatten: (the function, layout, children).
+        self._closed = None
         if leaves is None:
             functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
@@ -406,7 +411,7 @@ class Instrumented:
 
     @target.setter
     def target(self, value):
-        self._target, self._leaves, self._frozen = value, None, None
+        self._target, self._leaves, self._frozen, self._closed = value, None, None, None
 
     def _static(self):
         return (
@@ -421,11 +426,13 @@ class Instrumented:
 
     def tree_flatten(self):
         if self._kind == "function":
-            if in_flattening_call():
-                closure = _closure_flat(self._target)
-                if closure is not None:
-                    children, layout = closure
-                    return children, ("closure", self._target, self._static(), layout)
+            if self._closed is not None:  # a copy made from a flatten: flattens as that did
+                source, layout, children = self._closed
+                return list(children), ("closure", source, self._static(), layout)
+            closure = _closure_flat(self._target)
+            if closure is not None:
+                children, layout = closure
+                return children, ("closure", self._target, self._static(), layout)
             return (), ("function", self.target, self._static(), None)
         if (
             self._kind == "penzai"
@@ -477,7 +484,11 @@ class Instrumented:
         if form == "function":
             return cls(data, *static)
         if form == "closure":
-            return cls(_closure_filled(data, layout, children), *static)
+            copy = cls(_closure_filled(data, layout, children), *static)
+            # Its children may be stand-ins (NNX nodes split, tracers): flattened again,
+            # it gives them back as children, rather than what its copy's cells hold.
+            copy._closed = (data, layout, tuple(children))
+            return copy
         if form == "leaves":
             return cls(None, *static, leaves=(data, list(children)))
         return cls(children[0], *static)
