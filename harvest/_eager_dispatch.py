@@ -37,6 +37,7 @@ holding anything but arrays (callables, numbers) go harvest's own way too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -73,12 +74,20 @@ class EagerDispatch:
         self.reap, self.out = gives != "out", gives != "reaps"
         self.served = True  # False once a call was found that this jit cannot serve
         self.stage = _WAITING  # how far the current call's trace got (a trace runs only on a miss)
-        self.jitted = jax.jit(self._walk_staged)
+        # The function's structure (what it closes over, but arrays) and the jit for it.
+        self.structure: Any = None
+        self.jitted: Any = None
 
     def _walk_staged(
-        self, f: Any, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        structure: Any,
+        children: list[Any],
+        plants: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         self.stage = _TRACING
+        f = type(self.f).tree_unflatten(structure, children)
         tree = (f, plants, args, kwargs)
         leaves = jax.tree_util.tree_leaves(tree)
         if any(map(_maybe_a_python_scalar, leaves)) or not holds_no_nodes(tree):
@@ -98,7 +107,14 @@ class EagerDispatch:
             return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
         self.stage = _WAITING
         try:
-            out, flat = self.jitted(self.f, plants, args, kwargs)
+            # The function is flattened and its structure compared here, not by JAX, whose
+            # C++ path hashes and compares a Python node's data at some 50 µs a call more.
+            children, structure = self.f.tree_flatten()
+            if self.jitted is None or structure != self.structure:
+                # A value it closes over rebound: a jit of its own (the last one's programs go).
+                self.structure = structure
+                self.jitted = jax.jit(functools.partial(self._walk_staged, structure))
+            out, flat = self.jitted(children, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.
