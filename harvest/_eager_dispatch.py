@@ -6,16 +6,18 @@ Linen model's `variables`, hundreds of arrays in nested dicts, that is some
 hundreds of µs a call, where `jax.jit(g)(variables, x)` flattens and matches the
 same pytrees in C++ in a few. So a transformation of an instrumented function
 (`reap(instrument(model.apply))`; any `instrument(f)` of a function, Linen or
-``ops=True``) called while nothing traces runs through one `jax.jit` of its
-own, made with the transformed function and kept by it, whose arguments are
-the instrumented function, the plants and the call's arguments, and whose body
-is harvest's walk staged in place, as under the user's own `jax.jit(reap(f))`.
-JAX's cache key then holds what harvest's own holds: the trees' structures
-and the arrays' shapes and dtypes, and -- through the instrumented function's
-flattening (`Instrumented.tree_flatten`) -- what the function closes over and
-the module-level values it reads, its arrays traced and its other values by
-identity and value (`_calling.closure_of`, `globals_read`). The first call
-traces and compiles once, as harvest's own path would.
+``ops=True``) called while nothing traces runs through a `jax.jit` kept by
+the transformed function, whose arguments are the instrumented function's
+children, the plants and the call's arguments, and whose body is harvest's
+walk staged in place, as under the user's own `jax.jit(reap(f))`. JAX's cache
+key holds the trees' structures and the arrays' shapes and dtypes; the
+instrumented function's flattening (`Instrumented.tree_flatten`) gives what
+the function closes over and the module-level values it reads, its arrays
+as children (traced) and its other values, by identity and value
+(`_calling.closure_of`, `globals_read`), in its structure, which is compared
+here at each call: a new structure (a value rebound) gets a jit of its own,
+replacing the last. The first call traces and compiles once, as harvest's
+own path would.
 
 Where `jax.jit` would take an argument otherwise than harvest's convention
 does, the call goes harvest's own way, and so does every later call of that
