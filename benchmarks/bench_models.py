@@ -11,6 +11,10 @@ each pair timed interleaved in one run:
 * steady: the eager capture called again and again (cached), vs the jitted forward
   with the weights as arguments (Penzai: `pz.freeze_variables(model)`, as the capture
   traces them);
+* steady, harvest's own path (Gemma): the same capture of a function taking a Python
+  flag too, which `jax.jit` would trace and harvest keeps static, so the call is
+  flattened and keyed by harvest in Python rather than dispatched by JAX's own
+  `jax.jit` (`harvest/_eager_dispatch.py`), vs the same jitted forward;
 * steady, inside `jax.jit`: the capture jitted, vs the jitted forward taking the weights
   as the capture does (Penzai: closed over, as constants);
 * steady, inside `jax.jit`, against the same forward also returning one array per
@@ -78,7 +82,7 @@ def penzai_case(cfg: Config):
     plain = lambda t: model(t).data_array  # as the jitted capture sees the weights: constants
     closed = jax.jit(plain)
     forwards = (lambda: with_args(frozen, tokens)), (lambda: closed(tokens)), (plain, (tokens,))
-    return forwards, reap(probed, tag="modules"), (tokens,)
+    return forwards, reap(probed, tag="modules"), (tokens,), None
 
 
 def import_gemma():
@@ -136,7 +140,18 @@ def gemma_case(cfg: Config):
     forward = jax.jit(apply)
     # The jitted capture takes params too.
     forwards = (lambda: forward(params, tokens),) * 2 + ((apply, (params, tokens)),)
-    return forwards, reap(probed, tag="modules"), (params, tokens)
+    flagged = instrument(
+        lambda p, t, logits: model.apply(p, t).logits if logits else model.apply(p, t),
+        attention=True,
+        where=[*blocks, "*.hook_*"],
+    )
+    own = reap(flagged, tag="modules")
+    return (
+        forwards,
+        reap(probed, tag="modules"),
+        (params, tokens),
+        lambda: own(params, tokens, True),
+    )
 
 
 CASES = {"penzai": penzai_case, "gemma": gemma_case}
@@ -157,7 +172,7 @@ def returning_as_many(plain, args, like):
 
 
 def measure(name: str, build, cfg: Config) -> dict:
-    (forward, forward_closed, (plain, plain_args)), capture, args = build(cfg)
+    (forward, forward_closed, (plain, plain_args)), capture, args, own = build(cfg)
     reaped = capture(*args)  # compiles (each side compiles before it is timed)
     _timing.block((forward(), forward_closed()))
     hooks = sum(1 for n in reaped if ".hook_" in n)
@@ -170,6 +185,10 @@ def measure(name: str, build, cfg: Config) -> dict:
         1e-5,
     )
     steady = _timing.ratio(lambda: capture(*args), forward, cfg.repeats, cfg.calls)[0]
+    own_path = None
+    if own is not None:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, 1e-5, 1e-5), own(), reaped)
+        own_path = _timing.ratio(own, forward, cfg.repeats, cfg.calls)[0]
     inside = _timing.ratio(lambda: jitted(*args), forward_closed, cfg.repeats, cfg.calls)[0]
     many = returning_as_many(plain, plain_args, reaped)
     inside_many = _timing.ratio(lambda: jitted(*args), many, cfg.repeats, cfg.calls)[0]
@@ -182,6 +201,7 @@ def measure(name: str, build, cfg: Config) -> dict:
         "sites": len(reaped),
         "hooks": hooks,
         "steady": steady,
+        "steady_own_path": own_path,
         "steady_jit": inside,
         "steady_jit_many": inside_many,
         "first": first,
@@ -217,19 +237,26 @@ def render(rows: list[dict]) -> list[str]:
         "block output and every attention hook (`hook_q/k/v/z/pattern`), against the model's forward",
         "under `jax.jit`. Ratios of medians, ours over the jitted forward, timed interleaved.",
         "",
-        "| model | sites (hooks) | steady | steady, inside `jax.jit` "
+        "| model | sites (hooks) | steady | steady, harvest's own path | steady, inside `jax.jit` "
         "| inside `jax.jit`, vs the forward returning as many arrays | first call |",
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["skipped"]:
-            lines.append(f"| {r['model']} | — | {r['skipped']} | | | |")
+            lines.append(f"| {r['model']} | — | {r['skipped']} | | | | |")
         else:
+            own = "—" if r["steady_own_path"] is None else f"{r['steady_own_path']:.3f}"
             lines.append(
-                f"| {r['model']} | {r['sites']} ({r['hooks']}) | {r['steady']:.3f} | "
+                f"| {r['model']} | {r['sites']} ({r['hooks']}) | {r['steady']:.3f} | {own} | "
                 f"{r['steady_jit']:.3f} | {r['steady_jit_many']:.3f} | {r['first']:.3f} |"
             )
     lines += [
+        "",
+        "Eagerly, an instrumented function (Gemma's `model.apply`) is called through one",
+        "`jax.jit` the capture keeps, so JAX flattens the `params` and finds the compiled",
+        "program in C++; the own-path column is the same capture called with a Python flag",
+        "(static to harvest, so JAX's dispatch cannot serve it): harvest flattening and",
+        "keying the call in Python, as every eager Linen call did before.",
         "",
         "Eagerly, a Penzai model is handed to the compiled capture as its frozen arrays, kept from",
         "the last call while no variable holds a new value (one identity check per variable, so a",

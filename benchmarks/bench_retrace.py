@@ -21,7 +21,10 @@ reference):
 * first call at the realistic width: the eager capture after
   `jax.clear_caches()` vs the functional forward's first call likewise;
 * the Linen twin at the realistic width: `reap(instrument(model.apply))`
-  eager, under `jax.jit` (steady) and on its first call, vs `jax.jit(model.apply)`.
+  eager, under `jax.jit` (steady) and on its first call, vs `jax.jit(model.apply)`;
+  and eager with a Python flag among the arguments, which JAX's own dispatch
+  cannot serve (`harvest/_eager_dispatch.py`), so harvest flattens and keys
+  the call in Python.
 """
 
 from __future__ import annotations
@@ -223,6 +226,15 @@ def linen_eager(width, cfg):
     eager_call = _timing.ratio(
         lambda: capture(variables, x), lambda: forward(variables, x), cfg.repeats, cfg.calls
     )
+    # With a Python flag (static to harvest, which `jax.jit` would trace), the call goes
+    # harvest's own way: flattened and keyed in Python, not by JAX's dispatch.
+    flagged = reap(instrument(lambda v, a, flag: model.apply(v, a)), tag="modules")
+    np.testing.assert_allclose(
+        flagged(variables, x, True)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
+    )
+    own_path = _timing.ratio(
+        lambda: flagged(variables, x, True), lambda: forward(variables, x), cfg.repeats, cfg.calls
+    )
     jitted = jax.jit(reap(instrument(model.apply), tag="modules"))
     np.testing.assert_allclose(
         jitted(variables, x)["head"], forward(variables, x), rtol=1e-4, atol=1e-4
@@ -241,6 +253,11 @@ def linen_eager(width, cfg):
             f"Linen: eager `reap(instrument(model.apply))(variables, x)`, d={width}",
             "`jax.jit(model.apply)`",
             eager_call,
+        ),
+        _row(
+            f"Linen: the same, with a Python flag argument (harvest's own path), d={width}",
+            "`jax.jit(model.apply)`",
+            own_path,
         ),
         _row(
             f"Linen: steady, `jax.jit(reap(instrument(model.apply)))`, d={width}",

@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import inspect
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +35,16 @@ import jax.numpy as jnp
 
 from . import _attention, _errors
 from ._attention import HOOKS
-from ._calling import Stateful, in_flattening_call, is_array
+from ._calling import (
+    Held,
+    Stateful,
+    closure_of,
+    globals_read,
+    in_flattening_call,
+    is_array,
+    with_closure,
+)
+from ._eager_dispatch import EagerDispatch
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
 from ._module_paths import (
@@ -350,7 +360,10 @@ class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays. Only a
+    take it as an argument or bound object trace the model's arrays; for a
+    function, its children are what the function closes over and reads from
+    its module, as a harvested function's are (`_closure_flat`), so a
+    closed-over `variables` dict is traced and an NNX module there split. Only a
     Penzai model can hold state of its own (`_InstrumentedPenzai`); any other
     target is not `Stateful`, so a harvest call looks for no state in it (for a
     Linen function that would be two more walks of every argument's tree).
@@ -384,6 +397,8 @@ class Instrumented:
         self._where = where
         # Penzai: (the variables, their values, the frozen model's arrays, its structure).
         self._frozen = None
+        # A function rebuilt from its closure's flatten: (the function, layout, children).
+        self._closed = None
         if leaves is None:
             functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
@@ -396,7 +411,7 @@ class Instrumented:
 
     @target.setter
     def target(self, value):
-        self._target, self._leaves, self._frozen = value, None, None
+        self._target, self._leaves, self._frozen, self._closed = value, None, None, None
 
     def _static(self):
         return (
@@ -411,21 +426,28 @@ class Instrumented:
 
     def tree_flatten(self):
         if self._kind == "function":
-            return (), ("function", self.target, self._static())
+            if self._closed is not None:  # a copy made from a flatten: flattens as that did
+                source, layout, children = self._closed
+                return list(children), ("closure", source, self._static(), layout)
+            closure = _closure_flat(self._target)
+            if closure is not None:
+                children, layout = closure
+                return children, ("closure", self._target, self._static(), layout)
+            return (), ("function", self.target, self._static(), None)
         if (
             self._kind == "penzai"
             and not self._rebuilt
             and (self._leaves is not None or in_flattening_call())
         ):
             tree, leaves = self._leaves if self._leaves is not None else self._frozen_flat()
-            return leaves, ("leaves", tree, self._static())
-        return self._children(), ("tree", None, self._static())
+            return leaves, ("leaves", tree, self._static(), None)
+        return self._children(), ("tree", None, self._static(), None)
 
     def tree_flatten_with_keys(self):
         if self._kind == "function":
             children, aux = self.tree_flatten()
         else:
-            children, aux = self._children(), ("tree", None, self._static())
+            children, aux = self._children(), ("tree", None, self._static(), None)
         return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
 
     def _children(self):
@@ -458,9 +480,15 @@ class Instrumented:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        form, data, static = aux
+        form, data, static, layout = aux
         if form == "function":
             return cls(data, *static)
+        if form == "closure":
+            copy = cls(_closure_filled(data, layout, children), *static)
+            # Its children may be stand-ins (NNX nodes split, tracers): flattened again,
+            # it gives them back as children, rather than what its copy's cells hold.
+            copy._closed = (data, layout, tuple(children))
+            return copy
         if form == "leaves":
             return cls(None, *static, leaves=(data, list(children)))
         return cls(children[0], *static)
@@ -533,6 +561,13 @@ class Instrumented:
     def _sow_ops(self, run, call, args, kwargs):
         return sow_ops(run, call, args, kwargs)
 
+    def harvest_eager_dispatch(self, policy, gives, run_walk):
+        """How a transformation of this target is called eagerly: a function's
+        calls through one `jax.jit` (`_eager_dispatch`); None: harvest's own way."""
+        if self._kind != "function":
+            return None
+        return EagerDispatch(self, policy, gives, run_walk)
+
     def _nothing_sown(self):
         if self._where is not None:
             return f"instrument: where={self._where!r} selected nothing that {describe(self.target)} computes."
@@ -599,6 +634,34 @@ for _cls in (Instrumented, _InstrumentedPenzai):
     jax.tree_util.register_pytree_with_keys(
         _cls, _cls.tree_flatten_with_keys, _cls.tree_unflatten, flatten_func=_cls.tree_flatten
     )
+
+
+_CHILD = object()  # in a closure's layout: the value is a child, not held in the structure
+
+
+def _closure_flat(target):
+    """(children, layout) of what a function target closes over and reads from its
+    module, as harvest takes a plain function's (`closure_of`, `globals_read`): arrays,
+    containers of them and NNX nodes as children, every other value `Held` in the
+    layout, so the compile-cache key sees a value rebound; None for a target that
+    is not a plain function or reads nothing (a bound method's object is the key)."""
+    if not inspect.isfunction(target):
+        return None
+    cells, reads = closure_of(target), globals_read(target)
+    if not cells and not reads:
+        return None
+    values = (*cells, *(value for _, value in reads))
+    held = tuple(v if isinstance(v, Held) else _CHILD for v in values)
+    children = [v for v in values if not isinstance(v, Held)]
+    return children, (len(cells), tuple(name for name, _ in reads), held)
+
+
+def _closure_filled(target, layout, children):
+    """`target` closing over and reading the values a `_closure_flat` layout and its children give."""
+    n, names, held = layout
+    given = iter(children)
+    values = [next(given) if h is _CHILD else h for h in held]
+    return with_closure(target, tuple(values[:n]), tuple(zip(names, values[n:])))
 
 
 def _refuse_layer_stacks(parts, names, select, ops):

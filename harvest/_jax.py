@@ -238,6 +238,11 @@ def is_staging() -> bool:
     return isinstance(_src_core.trace_ctx.trace, _pe.DynamicJaxprTrace)
 
 
+def is_eager() -> bool:
+    """True while no transformation traces: what is called now runs on concrete arrays."""
+    return type(_src_core.trace_ctx.trace) is _src_core.EvalTrace
+
+
 def staged_beneath() -> bool:
     """True while a staging trace is current or under the current ones (`jit(grad(f))`
     traces `f` under a JVP trace over a jaxpr trace): what is traced now is cached by

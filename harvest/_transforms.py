@@ -49,6 +49,7 @@ from ._calling import (
     write_back,
 )
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
+from ._eager_dispatch import NOT_TAKEN
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
@@ -184,7 +185,10 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
         # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
         return _rewrap(with_closure(fn, cells, reads), bound)(*args, **kwargs)
 
-    call.__wrapped__ = fn  # type: ignore[attr-defined]  # errors name the user's function
+    called = bound[1] if bound is not None and bound[0] == "method" else None
+    # Errors name the user's function (a model called: the method that runs it).
+    model = callable(called) and fn is type(called).__call__
+    call.__wrapped__ = _code_of(called) if model else fn  # type: ignore[attr-defined]
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
@@ -357,8 +361,10 @@ def _walk_weak(fn_ref, dynamic, static):
     return _walk(fn_ref(), dynamic, static, staged=True)
 
 
-def run_walk(f, policy, reap, plants, args, kwargs):
-    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
+    """Runs the walk of `f` under `policy`; returns (out, reaps). With `finish=False`,
+    as the compiled walk gives them: `out` with its static leaves wrapped, the reaps
+    flat and in program order (pytrees a `jax.jit` can return; see `_eager_dispatch`)."""
     for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
         _note_walked(tag)
     fn, bound = _unwrap(f)
@@ -421,6 +427,8 @@ def run_walk(f, policy, reap, plants, args, kwargs):
             _rule_walks.add(fn)
             out, flat, changes = _walk(fn, dynamic, static)
     write_back(nodes, changes, stateful)
+    if not finish:
+        return out, flat
     return reveal_static(out), nested_dict(flat)
 
 
@@ -553,10 +561,16 @@ def transform(
     """
     _check_callable(f, fn_name)
     reap, pick = gives != "out", _GIVES[gives]
+    # A target that JAX's own dispatch can call eagerly (an instrumented function) says so.
+    dispatcher = getattr(type(f), "harvest_eager_dispatch", None)
+    dispatch = None if dispatcher is None else dispatcher(f, policy, gives, run_walk)
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+            result = NOT_TAKEN if dispatch is None else dispatch(plants, args, kwargs)
+            if result is NOT_TAKEN:
+                result = run_walk(f, policy, reap, plants, args, kwargs)
+            return pick(result)
         except ValueError as error:
             better = reword(error) if reword is not None else None
             if better is None:
@@ -569,14 +583,38 @@ def transform(
         def transformed(*args: Any, **kwargs: Any) -> Any:
             return run({}, args, kwargs)
 
-        return _jax.api_boundary(transformed)
+        return _jax.api_boundary(_unwrapped_to_code(transformed, f))
 
     @functools.wraps(f)
     def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
         _check_plants_arg(plants, fn_name)
         return run(plants, args, kwargs)
 
-    return _plants_first(_jax.api_boundary(transformed_with_plants), f)
+    return _plants_first(_jax.api_boundary(_unwrapped_to_code(transformed_with_plants, f)), f)
+
+
+def _unwrapped_to_code(g: Any, f: Any) -> Any:
+    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model -- a callable
+    pytree holding arrays, such as an instrumented or Equinox module -- to the method
+    that runs it: `inspect.unwrap`, which names the traced function in JAX's errors,
+    still ends at the user's code, and Equinox does not take `g` for a transformed
+    callable hiding parameters (`eqx.filter_jit(reap(model))` warned). The signature
+    shown stays `f`'s."""
+    if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
+        return g
+    try:
+        g.__signature__ = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature to show
+        pass
+    g.__wrapped__ = _code_of(f)
+    return g
+
+
+def _code_of(f: Any) -> Any:
+    """What runs when `f` is called, to name it: the function `inspect.unwrap(f)` ends
+    at, or the `__call__` of the object it ends at (a model, an instrumented one's target)."""
+    end = inspect.unwrap(f)
+    return end if inspect.isroutine(end) else type(end).__call__
 
 
 def reap(

@@ -1278,3 +1278,36 @@ def test_inputs_of_scanned_layers_and_linen(eqx_scan):
     np.testing.assert_allclose(
         plant(f, tag="modules")({"blocks_1:in": jnp.ones((T, D))}, X), want, **TOL
     )
+
+
+class _Branching(eqx.Module):
+    """An Equinox model whose forward branches on a traced value (an error under a trace)."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return y if y.sum() > 0 else -y
+
+
+def test_equinox_jit_of_a_transformed_model_does_not_warn_and_errors_name_the_model():
+    """`eqx.filter_jit(reap(instrument(m)))` printed Equinox's "JAX-transformed callable"
+    warning (the transformed function's `__wrapped__` was the model, a pytree of arrays);
+    JAX's errors still name the model's own `__call__`, and the signature is the model's."""
+    import inspect
+    import warnings
+
+    model = instrument(eqx.nn.MLP(2, 1, 3, 1, key=jax.random.key(0)))
+    x = jnp.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reaped = eqx.filter_jit(reap(model, tag="modules"))(x)
+        planted = eqx.filter_jit(plant(model, tag="modules"))({"layers.1": jnp.zeros(1)}, x)
+    np.testing.assert_allclose(reaped["layers.1"], model(x), rtol=1e-6)
+    np.testing.assert_allclose(planted, jnp.zeros(1))
+    assert inspect.signature(reap(model, tag="modules")) == inspect.signature(model.target)
+    branching = instrument(_Branching(eqx.nn.Linear(2, 2, key=jax.random.key(1))))
+    with pytest.raises(jax.errors.TracerBoolConversionError) as error:
+        reap(reap(branching, tag="modules"))(x)  # nested: the inner one's wrapper is unwrapped
+    line = inspect.getsourcelines(_Branching.__call__)[1]
+    assert f"__call__ at {__file__}:{line}" in str(error.value)
