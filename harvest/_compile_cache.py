@@ -172,11 +172,11 @@ class _Programs:
         with _jits_lock:
             entry = self.jits.get(static)
             if entry is None:
-                entry = self.jits[static] = self._program()
+                entry = self.jits[static] = (*self._program(), static)
                 while len(self.jits) > _settings["max_programs"]:
                     self.jits.popitem(last=False)
             else:
-                self.jits.move_to_end(static)
+                self.jits.move_to_end(entry[2])  # the kept key: found by identity
             # The key is bound, not a static argument JAX would hash and compare
             # again; it is this call's, so a retrace (new shapes) sees values alive now.
             entry[1][0] = static
@@ -247,7 +247,7 @@ def jit_on_arrays(
             while len(_sweeps) > _settings["max_programs"]:
                 _sweeps.popitem(last=False)
         else:
-            _sweeps.move_to_end(static)
+            _sweeps.move_to_end(entry)  # the kept key: found by identity
     entry.trace, entry.owner = rebuilt, owner
     try:
         return entry.jitted(arrays)
@@ -280,9 +280,12 @@ class _Compiled:
         self.jitted: Any = None
         self.trace: Callable[[Any], Any] | None = None
         self.owner: Any = None
+        self._hash: int | None = None
 
     def __hash__(self) -> int:
-        return hash(self.key)
+        if self._hash is None:  # a call hashes its key twice: whether it can, and the lookup
+            self._hash = hash(self.key)
+        return self._hash
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Compiled) and self.key == other.key

@@ -578,3 +578,117 @@ def test_a_type_is_told_a_graph_node_after_new_node_types_are_registered():
         pass
 
     assert _calling._is_graph_node(Later()) and not _calling._is_graph_node(Plain())
+
+
+# -- what an eager call's compile-cache key must see between calls --
+
+
+def forward(model, x, scale=1.0):
+    return model(x) * scale
+
+
+def test_models_and_python_values_given_to_one_harvested_function_are_each_seen():
+    first, second = Net(seed=0), Net(seed=5)  # same structure, other weights
+    x = data()[0]
+    capture = call_and_reap(forward)
+
+    def by_hand(model, scale=1.0):
+        out, sites = hand_forward(model.w1[...], model.w2[...], x)
+        return out * scale, sites["b"]
+
+    for model, kwargs in [
+        (first, {}),
+        (second, {}),  # another model: its own weights
+        (second, {}),
+        (second, {"scale": 3.0}),  # a static keyword: another key
+        (first, {"scale": 3.0}),
+        (first, {"scale": -0.0}),
+    ]:
+        out, reaped = capture(model, x, **kwargs)
+        want_out, want_b = by_hand(model, kwargs.get("scale", 1.0))
+        close(out, want_out)
+        close(reaped["b"], want_b)
+        assert np.signbit(np.asarray(out)).tolist() == np.signbit(np.asarray(want_out)).tolist()
+
+
+def test_the_same_model_twice_or_two_models_are_told_apart():
+    def two(a, b, x):
+        return sow(a(x), tag="outer", name="a_out", mode="strict") + sow(
+            b(x), tag="outer", name="b_out", mode="strict"
+        )
+
+    m1, m2 = Net(seed=0), Net(seed=5)
+    x = data()[0]
+    capture = reap(two, tag="outer")
+    for a, b in [(m1, m2), (m1, m1), (m2, m1), (m1, m1)]:
+        reaped = capture(a, b, x)
+        close(reaped["a_out"], hand_forward(a.w1[...], a.w2[...], x)[0])
+        close(reaped["b_out"], hand_forward(b.w1[...], b.w2[...], x)[0])
+
+
+def test_a_rebound_closure_or_module_global_is_seen():
+    model = Net()
+    x = data()[0]
+    scale = 2.0
+
+    def scaled(x):
+        return sow(model(x) * scale * OFFSET, name="out", mode="strict")
+
+    capture = reap(scaled)
+    want = hand_forward(model.w1[...], model.w2[...], x)[0]
+    close(capture(x)["out"], want * 2.0 * OFFSET)
+    scale = 5.0
+    close(capture(x)["out"], want * 5.0 * OFFSET)
+    globals()["OFFSET"] = 7.0  # rebound in the function's module
+    try:
+        close(capture(x)["out"], want * 5.0 * 7.0)
+    finally:
+        globals()["OFFSET"] = 1.0
+
+
+OFFSET = 1.0
+
+
+class Grown(nnx.Module):
+    """A model whose structure the tests below change between calls of one capture."""
+
+    def __init__(self):
+        self.first = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+        self.steps = 0  # a static number, not state
+
+    def __call__(self, x):
+        x = sow(self.first(x), name="first", mode="strict")
+        if hasattr(self, "second"):
+            x = sow(self.second(x), name="second", mode="strict")
+        if isinstance(self.steps, nnx.Variable):
+            x = x + self.steps[...]
+        return x
+
+
+def test_structural_changes_through_nnx_between_calls_of_one_capture_are_seen():
+    model = Grown()
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    capture = call_and_reap(model)
+    capture(x)
+    capture(x)
+    model.second = nnx.Linear(3, 3, rngs=nnx.Rngs(1))  # a submodule added
+    out, reaped = capture(x)
+    assert sorted(reaped) == ["first", "second"]
+    close(out, model.second(model.first(x)))
+    model.second.kernel = nnx.Param(jnp.eye(3) * 2.0)  # a variable replaced
+    close(capture(x)[0], 2.0 * model.first(x) + model.second.bias[...])
+    other = Grown()
+    other.second = nnx.Linear(3, 3, rngs=nnx.Rngs(4))
+    nnx.update(model, nnx.state(other))  # another state of the same structure
+    close(capture(x)[0], other.second(other.first(x)))
+    model.steps = nnx.data(nnx.Variable(jnp.zeros(())))  # a static number replaced by a variable
+    close(capture(x)[0], other.second(other.first(x)))
+    model.steps[...] = jnp.ones(())  # ...whose value is then read
+    close(capture(x)[0], other.second(other.first(x)) + 1.0)
+    del model.second  # an attribute deleted
+    out, reaped = capture(x)
+    assert sorted(reaped) == ["first"]
+    close(out, other.first(x) + 1.0)
+    object.__setattr__(model, "second", nnx.Linear(3, 3, rngs=nnx.Rngs(7)))  # past NNX's setattr
+    out, reaped = capture(x)
+    assert sorted(reaped) == ["first", "second"]
