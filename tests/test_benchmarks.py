@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
-from benchmarks import __main__ as bench, _timing, bench_core, bench_oryx, bench_ppl
+from benchmarks import __main__ as bench, _timing, bench_core, bench_models, bench_oryx, bench_ppl
 
 pytestmark = pytest.mark.benchmark  # deselected by `make test-fast`
 
@@ -37,6 +39,16 @@ def test_quick_run_writes_the_page(tmp_path):
     assert variants[:4] == ["bare", "reap", "reap_one_site", "hand"]
     assert variants[4:] in ([], ["nnx_bare", "nnx_instrumented"])  # the NNX pair needs flax
     assert results["memory"]["plants"]["ratio"] > 0
+    # The sections that have no test of their own: each would run its quick size again.
+    patching = results["patching"]
+    assert patching and all(r > 0 for r in patching.values())
+    models = results["models"]
+    assert [r["model"] for r in models] == ["penzai", "gemma"]
+    assert sum(line.startswith("| penzai") for line in bench_models.render(models)) == 1
+    assert bench_models.HEADING in text
+    if importlib.util.find_spec("penzai") is not None:
+        penzai = models[0]
+        assert penzai["skipped"] is None and penzai["hooks"] == 5 and penzai["steady"] > 0
 
     assert "## harvest.ppl against NumPyro" in text
     if results["ppl"]:  # NumPyro is installed: the ratios for the quick run's model

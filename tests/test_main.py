@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import harvest
+from harvest.__main__ import main
 
 
 def run(*argv):
@@ -24,20 +25,29 @@ def test_demo_prints_reaped_sites_and_patching_effects():
     assert "layer1.mlp_out" in out.split("Patching")[1]
 
 
+def cli(capsys, *argv):
+    """(exit status, stdout, stderr) of the CLI's `main` on `argv`, in this process: the
+    flags' parsing needs no interpreter of its own (the demo test runs `-m harvest`)."""
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return exited.value.code, out, err
+
+
 @pytest.mark.single_release  # argument parsing; the JAX matrix skips it
-def test_help_and_version_exit_0_without_running_the_demo():
+def test_help_and_version_exit_0_without_running_the_demo(capsys):
     for flag in ("--help", "-h"):
-        result = run(flag)
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith("usage: python -m harvest") and "demo" in result.stdout
-        assert "What reap" not in result.stdout
-    result = run("--version")
-    assert (result.returncode, result.stdout.strip()) == (0, f"harvest {harvest.__version__}")
+        code, out, err = cli(capsys, flag)
+        assert code == 0, err
+        assert out.startswith("usage: python -m harvest") and "demo" in out
+        assert "What reap" not in out
+    code, out, _ = cli(capsys, "--version")
+    assert (code, out.strip()) == (0, f"harvest {harvest.__version__}")
 
 
 @pytest.mark.single_release  # argument parsing; the JAX matrix skips it
-def test_unknown_flags_and_commands_exit_2():
+def test_unknown_flags_and_commands_exit_2(capsys):
     for argv in (["--bogus"], ["nonsense"]):
-        result = run(*argv)
-        assert result.returncode == 2 and "usage:" in result.stderr, argv
-        assert "What reap" not in result.stdout
+        code, out, err = cli(capsys, *argv)
+        assert code == 2 and "usage:" in err, argv
+        assert "What reap" not in out
