@@ -22,6 +22,7 @@ import collections
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -104,12 +105,36 @@ _TRACED_KEPT = 4096
 _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def _code(fn: Any) -> Any:
+    """The code of the user's function `fn` wraps (not a decorator's wrapper, whose
+    code every function it wraps shares: JAX's `api_boundary`, say)."""
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        pass
+    return getattr(fn, "__code__", None)
+
+
 def _where(fn: Any) -> str:
-    code = getattr(fn, "__code__", None)
+    code = _code(fn)
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if code is None:
         return name
     return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def _warn(message: Warning) -> None:
+    """Warns at the user's line: the first frame outside harvest and JAX (a trace
+    runs inside JAX, so no fixed stack level reaches the caller)."""
+    level, frame = 2, sys._getframe(1)  # level 2: _warn's caller
+    while (
+        frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] in _INNER
+    ):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, stacklevel=level)
+
+
+_INNER = frozenset({"harvest", "jax", "jaxlib", "flax", "contextlib", "functools"})
 
 
 def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
@@ -117,7 +142,7 @@ def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
     ``alike`` (what else shapes the program, Python values left out): only traces
     that a cached program could have served count, as when a fresh closure of the
     same code or a new Python number comes each call. Warns once past ``warn_after``."""
-    code = getattr(fn, "__code__", None)
+    code = _code(fn)
     if code is None:
         return
     shapes = tuple((getattr(a, "shape", ()), str(getattr(a, "dtype", type(a)))) for a in arrays)
@@ -131,19 +156,19 @@ def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
         _traced.popitem(last=False)
     if n > _settings["warn_after"] and code not in _warned:
         _warned.add(code)
-        warnings.warn(_errors.recompiles(_where(fn), n), stacklevel=4)
+        _warn(_errors.recompiles(_where(fn), n))
 
 
 def note_unhashable(fn: Any, leaves: Any) -> None:
     """Warns once per ``fn``'s code that its calls cannot be keyed (``leaves``: the static ones)."""
-    code = getattr(fn, "__code__", None)
+    code = _code(fn)
     if code is None or code in _warned:
         return
     culprit = next((leaf for leaf in leaves if not _hashable(leaf)), None)
     if culprit is None:  # hashable after all (a function that cannot be weakly referenced)
         return
     _warned.add(code)
-    warnings.warn(_errors.unhashable_argument(_where(fn), culprit), stacklevel=4)
+    _warn(_errors.unhashable_argument(_where(fn), culprit))
 
 
 def _hashable(leaf: Any) -> bool:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import harvest
-from harvest import _compile_cache, patching_sweep, plant, reap, sites, sow
+from harvest import _compile_cache, call_and_reap, patching_sweep, plant, reap, sites, sow
 
 X = jnp.arange(3.0)
 
@@ -221,6 +221,37 @@ def test_the_warning_fires_once_after_n_recompiles(cache_settings):
     assert [w.category for w in caught] == [harvest.RecompileWarning]
     message = str(caught[0].message)
     assert "test_plant_cache.py:" in message and "4 times" in message and len(message) < 600
+    assert caught[0].filename == __file__  # shown at the caller's line, not inside JAX
+
+
+def _double(x):
+    return sow(x * 2.0, name="h", tag="in", mode="strict")
+
+
+def _triple(x):
+    return sow(x * 3.0, name="h", tag="in", mode="strict")
+
+
+def _halve(x):
+    return sow(x * 0.5, name="h", tag="in", mode="strict")
+
+
+def _negate(x):
+    return sow(-x, name="h", tag="in", mode="strict")
+
+
+def test_functions_behind_one_wrapper_are_counted_apart(cache_settings):
+    harvest.set_compile_cache(warn_after=3)
+    # Each inner harvest is wrapped by JAX's `api_boundary`, whose code all of them
+    # share: counted by that code, four functions traced once each read as one
+    # function traced four times, and the warning named the wrapper.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for f, k in [(_double, 2.0), (_triple, 3.0), (_halve, 0.5), (_negate, -1.0)]:
+            out, inner = call_and_reap(reap(f, tag="in"), tag="out")(X)
+            np.testing.assert_allclose(out["h"], X * k)
+            assert inner == {}
+    assert caught == []
 
 
 def test_steady_use_never_warns(cache_settings):
