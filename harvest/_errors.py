@@ -1071,3 +1071,20 @@ def penzai_layer_stack(path: str, inside: list[str]) -> NotImplementedError:
         f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
         f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
     )
+
+
+def view_values_unmatched(missing: list[str], names: list[str], tag: Any) -> ValueError:
+    of = "" if tag is None else f" of tag {tag!r}"
+    return ValueError(
+        f"view: values names {', '.join(map(repr, missing))}, but the program has no such sow "
+        f"site{of}. Sites{of}: {_listed(names, missing[0])}. Pass what reap returned for this "
+        "function and these arguments" + ("." if tag is None else ", reaped with this tag.")
+    )
+
+
+def view_values_ambiguous(name: str, tags: list[str]) -> ValueError:
+    return ValueError(
+        f"view: the name {name!r} in values is sown with the tags {', '.join(map(repr, tags))}, "
+        "so which sites its value belongs to is unclear. Pass the tag values were reaped with "
+        "as view(..., tag=...)."
+    )

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _errors
 from ._calling import make_jaxpr
 from ._higher_order import bodies as _descriptor_bodies
 from ._paths import path_str
@@ -72,7 +73,11 @@ class View:
 
 
 def view(
-    f: Callable[..., Any], *args: Any, values: dict[str, Any] | None = None, **kwargs: Any
+    f: Callable[..., Any],
+    *args: Any,
+    values: dict[str, Any] | None = None,
+    tag: Any = None,
+    **kwargs: Any,
 ) -> View:
     """Draws the dataflow graph of ``f(*args, **kwargs)``, traced as ``reap`` traces it.
 
@@ -82,7 +87,9 @@ def view(
     ``checkpoint`` and custom derivatives are boxes that open and close
     (click their header). Nothing runs: ``f`` is only traced. Given
     ``values`` -- what ``reap`` returned -- each site it names shows the
-    value's mean, standard deviation and a histogram. With
+    value's mean, standard deviation and a histogram: on the sites of
+    ``tag`` (the tag the values were reaped with), or, with no ``tag``, on
+    the sites of the one tag that has each name. With
     ``instrument(f, ops=True)`` every op is a site too.
 
     Args:
@@ -91,6 +98,8 @@ def view(
             values, or Python values (static, as in ``reap``).
         values: a reaped dict (nested by ``nest`` scopes, or with dotted names)
             whose values are summarised on their sites; None for none.
+        tag: the tag ``values`` were reaped with; None (the default) when
+            each of their names is sown with one tag only.
         **kwargs: its keyword arguments, as ``args``.
 
     Returns:
@@ -99,6 +108,8 @@ def view(
 
     Raises:
         TypeError: if ``f`` is not callable, or ``values`` is not a dict.
+        ValueError: if a name in ``values`` is no site of ``tag`` (a typo),
+            or, with no ``tag``, is sown with several tags.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -116,8 +127,9 @@ def view(
     if values is not None and not isinstance(values, dict):
         raise TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
     closed = make_jaxpr(f, args, kwargs)[0]
-    graph = _Graph(_flat(values or {}))
+    graph = _Graph(_flat(values or {}), tag)
     body = graph.jaxpr(closed.jaxpr, {}, inputs=True)
+    graph.check_values()
     uid = f"hv{next(_COUNTER)}"
     fragment = (
         f'<div class="harvest-view" id="{uid}"><style>{_STYLE}</style>'
@@ -140,8 +152,9 @@ def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
 class _Graph:
     """Builds the nested HTML; each var is mapped to the id of the node producing it."""
 
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.values = values
+    def __init__(self, values: dict[str, Any], tag: Any) -> None:
+        self.values, self.tag = values, tag
+        self.tags_of: dict[str, set[Any]] = {}  # each site name drawn: the tags it is sown with
         self.ids = itertools.count()
         self.sites = 0
         self.groups = 0
@@ -177,9 +190,20 @@ class _Graph:
         title = f'<span class="hv-name">{html.escape(name)}</span>'
         meta = f"{html.escape(str(site.tag))} · {html.escape(str(eqn.params['mode']))}"
         extra = f'<div class="hv-meta">{meta}</div>'
-        if name in self.values:
+        self.tags_of.setdefault(name, set()).add(site.tag)
+        if name in self.values and self.tag in (None, site.tag):
             extra += _summary(self.values[name])
         return _card(node, "hv-site", title, _avals(eqn), sources, extra)
+
+    def check_values(self) -> None:
+        """Raises unless each name in ``values`` was summarised on the sites of one tag."""
+        names = [n for n, tags in self.tags_of.items() if self.tag is None or self.tag in tags]
+        missing = [n for n in self.values if n not in names]
+        if missing:
+            raise _errors.view_values_unmatched(missing, names, self.tag)
+        for name in self.values:
+            if self.tag is None and len(self.tags_of[name]) > 1:
+                raise _errors.view_values_ambiguous(name, sorted(map(str, self.tags_of[name])))
 
     def _group(
         self,

@@ -142,3 +142,26 @@ def test_a_while_loop_is_two_boxes_whose_inputs_come_from_the_right_operands():
     cond_box = v.html.split("while cond")[1].split("while body")[0]
     lt = re.search(r'data-node="(n\d+)" data-from="([^"]*)"><span class="hv-title">lt', cond_box)
     assert lt and inputs[1] in lt.group(2).split()
+
+
+def _two_tags(x):
+    a = sow(x * 2.0, name="a", tag="t1")
+    return sow(sow(a + 1.0, name="a", tag="t2"), name="c", tag="t1")
+
+
+def test_values_go_on_the_sites_of_their_tag_only():
+    x = jnp.arange(3.0)
+    reaped = reap(_two_tags, tag="t2")(x)
+    v = view(_two_tags, x, values=reaped, tag="t2")
+    (stats,) = re.findall(r"mean ([-\d.e+]+) · std", v.html)  # the t1 site 'a' gets none
+    np.testing.assert_allclose(float(stats), float(np.mean(x * 2.0 + 1.0)), rtol=1e-3)
+
+
+def test_values_naming_no_site_or_a_name_of_two_tags_raise():
+    x = jnp.arange(3.0)
+    with pytest.raises(ValueError, match=r"'zz'.*no such sow site of tag 't1'.*'a', 'c'"):
+        view(_two_tags, x, values={"zz": x}, tag="t1")
+    with pytest.raises(ValueError, match=r"'c'.*no such sow site of tag 't2'"):
+        view(_two_tags, x, values=reap(_two_tags, tag="t1")(x), tag="t2")
+    with pytest.raises(ValueError, match=r"'a'.*tags 't1', 't2'.*tag="):
+        view(_two_tags, x, values=reap(_two_tags, tag="t1")(x))
