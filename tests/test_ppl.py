@@ -549,6 +549,14 @@ def test_block_rejects_a_name_the_program_does_not_draw():
         ppl.joint_sample(ppl.block(chain, ["muu"]))(jax.random.key(0))
 
 
+def test_scoring_a_name_the_program_does_not_draw_names_the_transformation():
+    values = {"z": 0.0, "x": 0.0, "y": 0.0, "yy": 1.0}
+    with pytest.raises(KeyError, match=r"joint_log_prob: not random .*: yy\. .*: x, y, z\."):
+        ppl.joint_log_prob(chain)(values)
+    with pytest.raises(KeyError, match=r"unconstrained: not random .*: yy\. .*: x, y, z\."):
+        ppl.unconstrained(chain, observed={"yy": 1.0}).init(jax.random.key(0))
+
+
 def scm(key):
     k1, k2, k3 = jax.random.split(key, 3)
     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)

@@ -34,7 +34,7 @@ from .._sow import sow
 from .._transforms import harvest_tags
 from .._typing import P, R
 from ._inverse import inline_calls, live_vars
-from ._names import Among, AmongUnderAnyTag, random_variables_of
+from ._names import Among, AmongUnderAnyTag, check_drawn
 from ._tags import BLOCKED, LOG_DENSITY, RANDOM_VARIABLE
 
 
@@ -111,12 +111,9 @@ def with_draws_replaced(
     walk = harvest_tags(f, (RANDOM_VARIABLE, LOG_DENSITY), AmongUnderAnyTag(names))
     try:
         return walk({RANDOM_VARIABLE: plants} if plants else {}, *args, **kwargs)[0]
-    except KeyError as error:
-        known = random_variables_of(f, args, kwargs)
-        unknown = sorted(set(requested) - set(known))
-        if not unknown:
-            raise
-        raise _errors.ppl_unknown_names(caller, unknown, known) from error
+    except KeyError:
+        check_drawn(caller, f, requested, args, kwargs)
+        raise
 
 
 def check_blocked_unscored(

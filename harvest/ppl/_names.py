@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 
+from .. import _errors
 from .._transforms import reap
 from .._typing import Reaped
 from ._tags import RANDOM_VARIABLE
@@ -106,3 +107,14 @@ def nested(names: Any, values: Any) -> Reaped:
 def random_variables_of(f: Callable[..., Any], args: Any, kwargs: Any) -> list[str]:
     """The dotted names of the random variables `f(*args, **kwargs)` draws (from shapes alone)."""
     return leaf_paths(jax.eval_shape(reap(f, tag=RANDOM_VARIABLE), *args, **kwargs))
+
+
+def check_drawn(
+    caller: str, f: Callable[..., Any], requested: Iterable[str], args: Any, kwargs: Any
+) -> None:
+    """Raises the error naming `caller` if a name in `requested` is no random variable of
+    `f(*args, **kwargs)`: what a plant's `KeyError` meant, said in the program's terms."""
+    known = random_variables_of(f, args, kwargs)
+    unknown = sorted(set(requested) - set(known))
+    if unknown:
+        raise _errors.ppl_unknown_names(caller, unknown, known)

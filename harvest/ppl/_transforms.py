@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _errors, _jax
+from .. import _jax
 from .._sow import sow
 from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
@@ -33,11 +33,11 @@ from ._enumerate import marginal, supports
 from ._log_prob import log_density
 from ._names import (
     Among,
+    check_drawn,
     dotted_paths,
     leaf_paths,
     merged,
     nested,
-    random_variables_of,
 )
 from ._random_variable import is_distribution
 from ._tags import (
@@ -178,7 +178,11 @@ def walked(
     """`{tag: {name: value}}` of one walk of `f` under a placeholder key, with `values`
     planted at its random variables and every other site of `tags` reaped."""
     plants = {RANDOM_VARIABLE: values} if values else {}
-    return harvest_tags(f, tags)(plants, _placeholder_key(), *args, **kwargs)[1]
+    try:
+        return harvest_tags(f, tags)(plants, _placeholder_key(), *args, **kwargs)[1]
+    except KeyError:
+        check_drawn("joint_log_prob", f, leaf_paths(values), (_placeholder_key(), *args), kwargs)
+        raise
 
 
 def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> Any:
@@ -526,14 +530,10 @@ def _replaced(
         values = reap(Partial(_kept, given, Among(frozenset(outputs))), tag=_REPLACED)(
             *args, **kwargs
         )
-    except KeyError as error:
-        known = random_variables_of(given, args, kwargs)
-        unknown = sorted(set(outputs) - set(known))
-        if not unknown:
-            raise
-        raise _errors.ppl_unknown_names(
-            "graph_replace (outputs that are inputs are not random variables)", unknown, known
-        ) from error
+    except KeyError:
+        caller = "graph_replace (outputs that are inputs are not random variables)"
+        check_drawn(caller, given, outputs, args, kwargs)
+        raise
     returned = [_at(values, n) for n in outputs]
     return returned[0] if isinstance(output_names, str) else returned
 

@@ -33,7 +33,7 @@ from .._transforms import harvest_tags, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
 from ._enumerate import marginal, supports
-from ._names import at_paths, leaf_paths, merged, restricted
+from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
 from ._tags import (
     BLOCKED,
     DETERMINISTIC,
@@ -66,8 +66,12 @@ def _walked(
     planted at its random variables, `u` at its unconstrained sites, every other
     site of `tags` reaped."""
     plants = {tag: v for tag, v in ((RANDOM_VARIABLE, observed), (UNCONSTRAINED, u)) if v}
-    with unconstraining():
-        return harvest_tags(f, tags)(plants, key, *args, **kwargs)[1]
+    try:
+        with unconstraining():
+            return harvest_tags(f, tags)(plants, key, *args, **kwargs)[1]
+    except KeyError:
+        check_drawn("unconstrained", f, leaf_paths(observed), (key, *args), kwargs)
+        raise
 
 
 # What `_run` reaps: the free draws, their `u` sites left unplanted (continuous draws
