@@ -767,25 +767,66 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
 def static_key(leaf: Any, depth: int = 2) -> Any:
     """What a static leaf is keyed by in the compile caches, so that an equal
     key means the same trace: a float by its bits too (``-0.0 == 0.0``, but
-    ``copysign`` tells them apart), and an identity-hashed object with
-    attributes (a mutable config) by their values as well, so mutating one
-    re-traces. An object with an attribute that cannot be hashed (an array,
-    a list) is keyed by identity alone, as ``jax.jit`` keys it."""
+    ``copysign`` tells them apart); a dict or tuple (a config a function
+    closes over or reads from its module) by its items, so mutating it
+    re-traces (up to ``_CONTENT_KEYED`` items; a larger one by identity; a
+    list by identity alone, as a list a function appends to is a log of its
+    traces, whose every append would otherwise re-trace);
+    and an identity-hashed object with attributes (a mutable config, the
+    object of a bound method) by their values as well, so mutating one
+    re-traces. Within these, a value that cannot be hashed (an array) is
+    keyed by identity: rebinding an attribute to a new array re-traces."""
     if isinstance(leaf, (float, complex)):
         return (type(leaf), leaf, repr(leaf))  # repr tells -0.0 and 0.0 apart
+    if depth <= 0:
+        return leaf
+    if type(leaf) in (tuple, dict):
+        items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
+        if len(items) > _CONTENT_KEYED:
+            return leaf
+        return (structure, tuple(_part_key(item, depth - 1) for item in items))
     if (
-        depth > 0
-        and type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
+        type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
         and hasattr(leaf, "__dict__")
         and not isinstance(leaf, (type, types.FunctionType, types.MethodType, types.ModuleType))
     ):
-        attrs = tuple((k, static_key(v, depth - 1)) for k, v in sorted(vars(leaf).items()))
-        try:
-            hash(attrs)
-        except TypeError:
-            return leaf
-        return (leaf, attrs)
+        return (leaf, tuple((k, _part_key(v, depth - 1)) for k, v in sorted(vars(leaf).items())))
     return leaf
+
+
+def _is_list(value: Any) -> bool:
+    return type(value) is list
+
+
+# How many items a container may hold to be keyed by them: a larger one (a
+# vocabulary, say) would cost its flattening at every call.
+_CONTENT_KEYED = 1024
+
+
+def _part_key(value: Any, depth: int) -> Any:
+    """The key of a value inside a keyed container or object: its ``static_key``,
+    or the value by identity if that cannot be hashed."""
+    key = static_key(value, depth)
+    try:
+        hash(key)
+    except TypeError:
+        return _Same(value)
+    return key
+
+
+class _Same:
+    """A value in a key by identity (held, so its id is not reused while the key is kept)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and self.value is other.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 class Held:
@@ -920,8 +961,9 @@ def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any],
 
 
 def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
-    """The module-level numbers, strings, arrays and NNX graph nodes ``fn``'s own
-    code reads: each number, string or array ``Held`` (an array by identity),
+    """The module-level numbers, strings, arrays, tuples, lists, dicts and NNX graph
+    nodes ``fn``'s own code reads: each but a graph node ``Held`` (an array by
+    identity, a container by its items: see ``static_key``),
     for the compile-cache key, so rebinding one re-traces, as calling ``fn``
     would see the new value; each graph node as itself, to be split as an
     argument is, so a weight changed in place or a layer replaced is seen."""
@@ -936,12 +978,13 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
             continue
         if _is_graph_node(value):
             read.append((name, value))
-        elif is_array(value) or isinstance(value, (numbers.Number, str)):
+        elif is_array(value) or isinstance(value, (numbers.Number, str)) or type(value) in _CONFIGS:
             read.append((name, Held(value)))
     return tuple(read)
 
 
 _UNBOUND = object()
+_CONFIGS = (tuple, dict)  # the containers read from a module, keyed by their items
 _NOT_READ = frozenset(
     {
         type(_UNBOUND),

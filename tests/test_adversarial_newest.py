@@ -1,0 +1,126 @@
+"""Adversarial checks of the newest code, as a user meets it: each case once gave
+silently stale numbers, checked here against the function run by hand.
+
+What a harvested function reads that is not an argument -- a closed-over config,
+a module-level dict, the object of a bound method -- must be read afresh at each
+call, as calling the function would read it, never kept from the first trace.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import instrument, plant, reap, sow
+
+X = jnp.arange(3.0)
+
+
+def test_a_closed_over_config_of_numbers_mutated_between_calls_is_read_again():
+    config = {"scale": 2.0, "shift": (1.0, "add")}
+
+    def f(x):
+        y = x * config["scale"]
+        return sow(y + config["shift"][0] if config["shift"][1] == "add" else y, name="y")
+
+    reaped = reap(f)
+    np.testing.assert_array_equal(reaped(X)["y"][0], X * 2.0 + 1.0)
+    config["scale"] = 3.0
+    np.testing.assert_array_equal(reaped(X)["y"][0], f(X))
+    config["shift"] = (0.0, "none")
+    np.testing.assert_array_equal(reaped(X)["y"][0], X * 3.0)
+
+
+def test_a_list_the_function_appends_to_is_not_a_key():
+    # A list is keyed by identity (see `_calling.static_key`): a log of traces.
+    traces = []
+
+    def f(x):
+        traces.append(x.shape)
+        return sow(x * 2.0, name="y", mode="strict")
+
+    reaped = reap(f)
+    for _ in range(3):
+        np.testing.assert_array_equal(reaped(X)["y"], X * 2.0)
+    assert traces == [(3,)]
+
+
+SETTINGS = {"scale": 2.0}
+
+
+def _scaled_by_module_dict(x):
+    return sow(x * SETTINGS["scale"], name="y", mode="strict")
+
+
+def test_a_module_level_dict_mutated_between_calls_is_read_again():
+    reaped, planted = reap(_scaled_by_module_dict), plant(_scaled_by_module_dict)
+    try:
+        np.testing.assert_array_equal(reaped(X)["y"], X * 2.0)
+        np.testing.assert_array_equal(planted({}, X), X * 2.0)
+        SETTINGS["scale"] = 5.0
+        np.testing.assert_array_equal(reaped(X)["y"], X * 5.0)
+        np.testing.assert_array_equal(planted({}, X), _scaled_by_module_dict(X))
+    finally:
+        SETTINGS["scale"] = 2.0
+
+
+class _Layer:
+    """A plain Python object holding a weight, as a hand-written model does."""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, x):
+        return jnp.sin(sow(x * self.w, name="y", mode="strict"))
+
+    def apply(self, x):
+        return self(x)
+
+
+@pytest.mark.parametrize("bound", ["method", "object"])
+def test_a_weight_attribute_rebound_between_calls_is_read_again(bound):
+    layer = _Layer(jnp.array([1.0, 2.0, 3.0]))
+    reaped = reap(layer.apply if bound == "method" else layer)
+    np.testing.assert_array_equal(reaped(X)["y"], X * layer.w)
+    for w in (jnp.array([3.0, 3.0, 3.0]), np.array([0.5, 4.0, 1.0], np.float32)):
+        layer.w = w
+        np.testing.assert_array_equal(reaped(X)["y"], X * w)
+
+
+def test_an_object_with_a_dict_attribute_mutated_between_calls_is_read_again():
+    class Config:
+        def __init__(self):
+            self.scales = {"y": 2.0}
+
+    config = Config()
+
+    def f(x, config):
+        return sow(x * config.scales["y"], name="y", mode="strict")
+
+    reaped = reap(f)
+    np.testing.assert_array_equal(reaped(X, config)["y"], X * 2.0)
+    config.scales["y"] = 3.0
+    np.testing.assert_array_equal(reaped(X, config)["y"], X * 3.0)
+
+
+def test_instrumented_bound_method_sees_its_objects_rebound_weight():
+    # `instrument(..., ops=True)` of a method: its eager calls go through one cached jit.
+    layer = _Layer(jnp.array([1.0, 2.0, 3.0]))
+    reaped = reap(instrument(layer.apply, ops=True), tag="modules")
+    site = next(name for name in reaped(X) if name.startswith("sin"))
+    np.testing.assert_allclose(reaped(X)[site], jnp.sin(X * layer.w))
+    layer.w = jnp.array([3.0, 3.0, 3.0])
+    np.testing.assert_allclose(reaped(X)[site], jnp.sin(X * layer.w))
+
+
+def test_instrumented_function_sees_its_closed_over_config_mutated():
+    config = {"scale": 2.0}
+
+    def g(x):
+        return jnp.sin(x * config["scale"])
+
+    reaped = reap(instrument(g, ops=True), tag="modules")
+    site = next(name for name in reaped(X) if name.startswith("sin"))
+    np.testing.assert_allclose(reaped(X)[site], g(X))
+    config["scale"] = 3.0
+    np.testing.assert_allclose(reaped(X)[site], g(X))
+    np.testing.assert_allclose(reaped(X)[site], jnp.sin(X * 3.0))
