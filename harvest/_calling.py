@@ -774,10 +774,14 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
     traces, whose every append would otherwise re-trace);
     and an identity-hashed object with attributes (a mutable config, the
     object of a bound method) by their values as well, so mutating one
-    re-traces. Within these, a value that cannot be hashed (an array) is
-    keyed by identity: rebinding an attribute to a new array re-traces."""
+    re-traces. A NumPy array of up to ``_CONTENT_KEYED`` elements is keyed by
+    its bytes (it can change in place); within a container or an object, any
+    other value that cannot be hashed (a JAX array, a larger NumPy one) by
+    identity: rebinding an attribute to a new array re-traces."""
     if isinstance(leaf, (float, complex)):
         return (type(leaf), leaf, repr(leaf))  # repr tells -0.0 and 0.0 apart
+    if type(leaf) is np.ndarray and leaf.size <= _CONTENT_KEYED:
+        return (np.ndarray, leaf.shape, leaf.dtype.str, leaf.tobytes())  # it can change in place
     if depth <= 0:
         return leaf
     if type(leaf) in (tuple, dict):
@@ -866,19 +870,22 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
         except ValueError:
             values.append(_EMPTY)
             continue
-        leaves = jax.tree_util.tree_leaves(value) if type(value) in (tuple, list, dict) else ()
-        plain = (
-            is_array(value)
-            or _is_graph_node(value)
-            or (
-                any(is_array(leaf) for leaf in leaves)
-                and all(
-                    is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
-                )
-            )
-        )
-        values.append(value if plain else Held(value))
+        values.append(value if _is_data(value) else Held(value))
     return tuple(values)
+
+
+def _is_data(value: Any) -> bool:
+    """Whether a value a function reads (not an argument) is taken apart, its arrays
+    traced: an array, an NNX graph node, or a tuple, list or dict of arrays and
+    Python numbers or strings (which are keyed)."""
+    if is_array(value) or _is_graph_node(value):
+        return True
+    if type(value) not in (tuple, list, dict):
+        return False
+    leaves = jax.tree_util.tree_leaves(value)
+    return any(map(is_array, leaves)) and all(
+        is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
+    )
 
 
 def _is_graph_node(value: Any) -> bool:
@@ -961,12 +968,17 @@ def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any],
 
 
 def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
-    """The module-level numbers, strings, arrays, tuples, lists, dicts and NNX graph
-    nodes ``fn``'s own code reads: each but a graph node ``Held`` (an array by
-    identity, a container by its items: see ``static_key``),
-    for the compile-cache key, so rebinding one re-traces, as calling ``fn``
-    would see the new value; each graph node as itself, to be split as an
-    argument is, so a weight changed in place or a layer replaced is seen."""
+    """The module-level numbers, strings, arrays, containers and NNX graph nodes
+    ``fn``'s own code reads. A JAX array (by identity: it cannot change), a
+    NumPy array of up to ``_CONTENT_KEYED`` elements (by its bytes: it can
+    change in place), a number, a string, and a tuple or dict of neither
+    arrays nor nodes (by its items: see ``static_key``) are ``Held`` for the
+    compile-cache key, so rebinding or mutating one re-traces, as calling
+    ``fn`` would see the new value. A larger NumPy array and a container of
+    arrays are taken as themselves and traced, as closed-over ones are; each graph node
+    as itself, to be split as an argument is, so a weight changed in place or
+    a layer replaced is seen. Mutable defaults (a dict, a NumPy array) are
+    ``Held`` too, under the names ``"<defaults>"`` and ``"<kwdefaults>"``."""
     code = getattr(fn, "__code__", None)
     space = getattr(fn, "__globals__", None)
     if code is None or space is None:
@@ -976,14 +988,32 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
         value = space.get(name, _UNBOUND)
         if type(value) in _NOT_READ:  # the functions, modules and classes a body calls
             continue
-        if _is_graph_node(value):
-            read.append((name, value))
+        if _is_graph_node(value) or _is_large_numpy(value) or _is_data_container(value):
+            read.append((name, value))  # traced, read afresh at every call
         elif is_array(value) or isinstance(value, (numbers.Number, str)) or type(value) in _CONFIGS:
             read.append((name, Held(value)))
+    # Defaults a call leaves out are read when it is traced: a mutable one (a config
+    # dict, a NumPy array) is keyed as a module-level value, under a name no global has.
+    for name, defaults in (
+        ("<defaults>", getattr(fn, "__defaults__", None)),
+        ("<kwdefaults>", getattr(fn, "__kwdefaults__", None)),
+    ):
+        values = defaults.values() if isinstance(defaults, dict) else defaults or ()
+        if not all(type(v) in _IMMUTABLE for v in values):
+            read.append((name, Held(defaults)))
     return tuple(read)
 
 
+def _is_large_numpy(value: Any) -> bool:
+    return type(value) is np.ndarray and value.size > _CONTENT_KEYED
+
+
+def _is_data_container(value: Any) -> bool:
+    return type(value) in (tuple, list, dict) and _is_data(value)
+
+
 _UNBOUND = object()
+_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None), type})
 _CONFIGS = (tuple, dict)  # the containers read from a module, keyed by their items
 _NOT_READ = frozenset(
     {

@@ -12,7 +12,7 @@ import pytest
 
 from harvest import instrument, plant, reap, sow
 
-X = jnp.arange(3.0)
+X = jnp.arange(1.0, 4.0)  # no zero: a change at any position shows
 
 
 def test_a_closed_over_config_of_numbers_mutated_between_calls_is_read_again():
@@ -124,3 +124,56 @@ def test_instrumented_function_sees_its_closed_over_config_mutated():
     config["scale"] = 3.0
     np.testing.assert_allclose(reaped(X)[site], g(X))
     np.testing.assert_allclose(reaped(X)[site], jnp.sin(X * 3.0))
+
+
+MASK = np.array([1.0, 1.0, 1.0], np.float32)  # small: keyed by its bytes
+TABLE = np.ones(2000, np.float32)  # large: traced
+
+
+def _masked(x):
+    return sow(x * MASK + TABLE[: x.shape[0]], name="y", mode="strict")
+
+
+def _masked_sin(x):
+    return jnp.sin(x * MASK + TABLE[: x.shape[0]])
+
+
+def test_module_level_numpy_arrays_changed_in_place_are_read_again():
+    # (Only the harvested function's own code is looked at: a function it calls
+    # reads its module's values as they were when traced, as under ``jax.jit``.)
+    reaped = reap(_masked)
+    sited = reap(instrument(_masked_sin, ops=True), tag="modules")
+    site = next(name for name in sited(X) if name.startswith("sin"))
+    try:
+        for mask, table in (([0.0, 2.0, 5.0], 3.0), ([4.0, 4.0, -1.0], -2.0)):
+            MASK[:], TABLE[:] = mask, table
+            want = X * MASK + TABLE[:3]
+            np.testing.assert_array_equal(reaped(X)["y"], want)
+            np.testing.assert_allclose(sited(X)[site], jnp.sin(want))
+    finally:
+        MASK[:], TABLE[:] = 1.0, 1.0
+
+
+def test_a_numpy_weight_attribute_changed_in_place_is_read_again():
+    layer = _Layer(np.array([1.0, 2.0, 3.0], np.float32))
+    reaped = reap(layer.apply)
+    np.testing.assert_array_equal(reaped(X)["y"], X * layer.w)
+    layer.w[:] = [-1.0, 0.5, 8.0]
+    np.testing.assert_array_equal(reaped(X)["y"], X * layer.w)
+
+
+def test_mutable_defaults_changed_between_calls_are_read_again():
+    config, weight = {"scale": 2.0}, np.array([1.0, 2.0, 3.0], np.float32)
+
+    def f(x, config=config, *, weight=weight):
+        return sow(x * config["scale"] * weight, name="y", mode="strict")
+
+    def g(x, config=config):
+        return jnp.sin(x * config["scale"])
+
+    reaped, sited = reap(f), reap(instrument(g, ops=True), tag="modules")
+    site = next(name for name in sited(X) if name.startswith("sin"))
+    np.testing.assert_array_equal(reaped(X)["y"], f(X))
+    config["scale"], weight[:] = 3.0, [4.0, -5.0, 6.0]
+    np.testing.assert_array_equal(reaped(X)["y"], X * 3.0 * weight)
+    np.testing.assert_allclose(sited(X)[site], g(X))
