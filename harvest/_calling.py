@@ -784,6 +784,11 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
         return (np.ndarray, leaf.shape, leaf.dtype.str, leaf.tobytes())  # it can change in place
     if depth <= 0:
         return leaf
+    if type(leaf) is dict and all(type(v) in _IMMUTABLE for v in leaf.values()):
+        # A flat config, keyed without flattening it: a float by its bits, as above.
+        items = tuple(leaf.items())
+        if len(items) <= _CONTENT_KEYED:
+            return (dict, tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in items))
     if type(leaf) in (tuple, dict):
         items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
         if len(items) > _CONTENT_KEYED:
@@ -796,6 +801,9 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
     ):
         return (leaf, tuple((k, _part_key(v, depth - 1)) for k, v in sorted(vars(leaf).items())))
     return leaf
+
+
+_INEXACT = (float, complex)
 
 
 def _is_list(value: Any) -> bool:
@@ -841,16 +849,17 @@ class Held:
         self.value = value
         key = static_key(value)
         try:
-            hash(key)
+            self._hash = hash((id(value), key))  # a call's key is hashed twice: kept
         except TypeError:
             key = None  # unhashable: identity alone
+            self._hash = hash((id(value), key))
         self.key = key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Held) and self.value is other.value and self.key == other.key
 
     def __hash__(self) -> int:
-        return hash((id(self.value), self.key))
+        return self._hash
 
 
 _EMPTY = Held(None)  # a cell not yet filled (a name assigned after the def)
@@ -878,11 +887,11 @@ def _is_data(value: Any) -> bool:
     """Whether a value a function reads (not an argument) is taken apart, its arrays
     traced: an array, an NNX graph node, or a tuple, list or dict of arrays and
     Python numbers or strings (which are keyed)."""
-    if is_array(value) or _is_graph_node(value):
-        return True
     if type(value) not in (tuple, list, dict):
-        return False
+        return is_array(value) or _is_graph_node(value)
     leaves = jax.tree_util.tree_leaves(value)
+    if all(type(leaf) in _IMMUTABLE for leaf in leaves):
+        return False  # a config of numbers and strings, told without the array checks
     return any(map(is_array, leaves)) and all(
         is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
     )
@@ -990,7 +999,7 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
             continue
         if _is_graph_node(value) or _is_large_numpy(value) or _is_data_container(value):
             read.append((name, value))  # traced, read afresh at every call
-        elif is_array(value) or isinstance(value, (numbers.Number, str)) or type(value) in _CONFIGS:
+        elif type(value) in _CONFIGS or is_array(value) or isinstance(value, (numbers.Number, str)):
             read.append((name, Held(value)))
     # Defaults a call leaves out are read when it is traced: a mutable one (a config
     # dict, a NumPy array) is keyed as a module-level value, under a name no global has.
