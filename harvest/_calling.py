@@ -786,9 +786,11 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
         return leaf
     if type(leaf) is dict and all(type(v) in _IMMUTABLE for v in leaf.values()):
         # A flat config, keyed without flattening it: a float by its bits, as above.
-        items = tuple(leaf.items())
-        if len(items) <= _CONTENT_KEYED:
-            return (dict, tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in items))
+        if len(leaf) <= _CONTENT_KEYED:
+            return (
+                dict,
+                tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in leaf.items()),
+            )
     if type(leaf) in (tuple, dict):
         items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
         if len(items) > _CONTENT_KEYED:
