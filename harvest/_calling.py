@@ -792,6 +792,8 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
                 tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in leaf.items()),
             )
     if type(leaf) in (tuple, dict):
+        if len(leaf) > _CONTENT_KEYED:
+            return leaf  # not flattened: a vocabulary read at every call would cost its size
         items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
         if len(items) > _CONTENT_KEYED:
             return leaf
@@ -845,11 +847,12 @@ class _Same:
 
 class Held:
     """A closed-over value kept whole (not flattened): a static leaf, equal to
-    another holding the same object with the same ``static_key``."""
+    another holding the same object with the same ``static_key`` (with
+    ``keyed=False``, holding the same object)."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, keyed: bool = True) -> None:
         self.value = value
-        key = static_key(value)
+        key = static_key(value) if keyed else None  # not keyed: by identity alone
         try:
             self._hash = hash((id(value), key))  # a call's key is hashed twice: kept
         except TypeError:
@@ -1003,6 +1006,12 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
             read.append((name, value))  # traced, read afresh at every call
         elif type(value) in _CONFIGS or is_array(value) or isinstance(value, (numbers.Number, str)):
             read.append((name, Held(value)))
+        elif value is not _UNBOUND:
+            # Any other object (an enum, a frozen config, a Linen model): a mutable
+            # config object by its attributes too, a callable or a value-hashed one by
+            # identity (it cannot change, or its hash would cost a call more than its key).
+            by_attributes = type(value).__hash__ is object.__hash__ and not callable(value)  # type: ignore[comparison-overlap]
+            read.append((name, Held(value, keyed=by_attributes)))
     # Defaults a call leaves out are read when it is traced: a mutable one (a config
     # dict, a NumPy array) is keyed as a module-level value, under a name no global has.
     for name, defaults in (

@@ -6,11 +6,16 @@ a module-level dict, the object of a bound method -- must be read afresh at each
 call, as calling the function would read it, never kept from the first trace.
 """
 
+import dataclasses
+import enum
+
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import instrument, plant, reap, sow
+from harvest import call_and_reap, instrument, plant, reap, sow
 
 X = jnp.arange(1.0, 4.0)  # no zero: a change at any position shows
 
@@ -177,3 +182,69 @@ def test_mutable_defaults_changed_between_calls_are_read_again():
     config["scale"], weight[:] = 3.0, [4.0, -5.0, 6.0]
     np.testing.assert_array_equal(reaped(X)["y"], X * 3.0 * weight)
     np.testing.assert_allclose(sited(X)[site], g(X))
+
+
+class _Mode(enum.Enum):
+    DOUBLE = 2.0
+    TRIPLE = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    shift: float
+
+
+class _Mutable:
+    def __init__(self, shift):
+        self.shift = shift
+
+
+MODE, FROZEN, MUTABLE = _Mode.DOUBLE, _Frozen(1.0), _Mutable(0.5)
+
+
+def _configured(x):
+    return sow(x * MODE.value + FROZEN.shift + MUTABLE.shift, name="y", mode="strict")
+
+
+def test_module_level_objects_rebound_or_mutated_between_calls_are_read_again():
+    global MODE, FROZEN
+    reaped = reap(_configured)
+    try:
+        np.testing.assert_array_equal(reaped(X)["y"], X * 2.0 + 1.5)
+        MODE, FROZEN = _Mode.TRIPLE, _Frozen(-4.0)
+        MUTABLE.shift = 2.0
+        np.testing.assert_array_equal(reaped(X)["y"], _configured(X))
+        np.testing.assert_array_equal(reaped(X)["y"], X * 3.0 - 2.0)
+    finally:
+        MODE, FROZEN, MUTABLE.shift = _Mode.DOUBLE, _Frozen(1.0), 0.5
+
+
+class _Scaled(nn.Module):
+    scale: float
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="dense")(x) * self.scale
+
+
+LINEN_MODEL = _Scaled(1.0)
+
+
+def _apply_module_level_model(variables, x):
+    return LINEN_MODEL.apply(variables, x)
+
+
+def test_a_module_level_linen_model_rebound_between_calls_is_read_again():
+    # The Linen pattern: `instrument` of a function applying a model defined at module level.
+    global LINEN_MODEL
+    x = jnp.ones((1, 3))
+    variables = LINEN_MODEL.init(jax.random.key(0), x)
+    run = call_and_reap(instrument(_apply_module_level_model), tag="modules")
+    try:
+        for scale in (1.0, 10.0):
+            LINEN_MODEL = _Scaled(scale)
+            out, reaps = run(variables, x)
+            np.testing.assert_allclose(out, LINEN_MODEL.apply(variables, x), rtol=1e-6)
+            np.testing.assert_allclose(reaps["dense"], out / scale, rtol=1e-6)
+    finally:
+        LINEN_MODEL = _Scaled(1.0)
