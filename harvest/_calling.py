@@ -774,8 +774,9 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
     traces, whose every append would otherwise re-trace);
     and an identity-hashed object with attributes (a mutable config, the
     object of a bound method) by their values as well, so mutating one
-    re-traces. A NumPy array of up to ``_CONTENT_KEYED`` elements is keyed by
-    its bytes (it can change in place); within a container or an object, any
+    re-traces; a ``functools.partial`` by its arguments as well. A NumPy
+    array of up to ``_CONTENT_KEYED`` elements is keyed by its bytes (it can
+    change in place); within a container or an object, any
     other value that cannot be hashed (a JAX array, a larger NumPy one) by
     identity: rebinding an attribute to a new array re-traces."""
     if isinstance(leaf, (float, complex)):
@@ -784,6 +785,8 @@ def static_key(leaf: Any, depth: int = 2) -> Any:
         return (np.ndarray, leaf.shape, leaf.dtype.str, leaf.tobytes())  # it can change in place
     if depth <= 0:
         return leaf
+    if type(leaf) is functools.partial:  # by its arguments too (a NumPy one can change)
+        return (leaf, _part_key(leaf.args, depth - 1), _part_key(leaf.keywords, depth - 1))
     if type(leaf) is dict and all(type(v) in _IMMUTABLE for v in leaf.values()):
         # A flat config, keyed without flattening it: a float by its bits, as above.
         if len(leaf) <= _CONTENT_KEYED:

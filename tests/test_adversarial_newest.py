@@ -8,6 +8,7 @@ call, as calling the function would read it, never kept from the first trace.
 
 import dataclasses
 import enum
+import functools
 
 import flax.linen as nn
 import jax
@@ -248,3 +249,17 @@ def test_a_module_level_linen_model_rebound_between_calls_is_read_again():
             np.testing.assert_allclose(reaps["dense"], out / scale, rtol=1e-6)
     finally:
         LINEN_MODEL = _Scaled(1.0)
+
+
+def test_an_instrumented_partial_sees_its_numpy_argument_changed_in_place():
+    weight = np.array([1.0, 2.0, 3.0], np.float32)
+
+    def g(x, weight):
+        return jnp.sin(x * weight)
+
+    bound = functools.partial(g, weight=weight)
+    reaped = reap(instrument(bound, ops=True), tag="modules")
+    site = next(name for name in reaped(X) if name.startswith("sin"))
+    weight[:] = [4.0, 5.0, -6.0]
+    np.testing.assert_allclose(reaped(X)[site], bound(X))
+    np.testing.assert_allclose(reaped(X)[site], jnp.sin(X * weight))
