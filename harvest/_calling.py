@@ -767,45 +767,107 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
 def static_key(leaf: Any, depth: int = 2) -> Any:
     """What a static leaf is keyed by in the compile caches, so that an equal
     key means the same trace: a float by its bits too (``-0.0 == 0.0``, but
-    ``copysign`` tells them apart), and an identity-hashed object with
-    attributes (a mutable config) by their values as well, so mutating one
-    re-traces. An object with an attribute that cannot be hashed (an array,
-    a list) is keyed by identity alone, as ``jax.jit`` keys it."""
+    ``copysign`` tells them apart); a dict or tuple (a config a function
+    closes over or reads from its module) by its items, so mutating it
+    re-traces (up to ``_CONTENT_KEYED`` items; a larger one by identity; a
+    list by identity alone, as a list a function appends to is a log of its
+    traces, whose every append would otherwise re-trace);
+    and an identity-hashed object with attributes (a mutable config, the
+    object of a bound method) by their values as well, so mutating one
+    re-traces; a ``functools.partial`` by its arguments as well. A NumPy
+    array of up to ``_CONTENT_KEYED`` elements is keyed by its bytes (it can
+    change in place); within a container or an object, any
+    other value that cannot be hashed (a JAX array, a larger NumPy one) by
+    identity: rebinding an attribute to a new array re-traces."""
     if isinstance(leaf, (float, complex)):
         return (type(leaf), leaf, repr(leaf))  # repr tells -0.0 and 0.0 apart
+    if type(leaf) is np.ndarray and leaf.size <= _CONTENT_KEYED:
+        return (np.ndarray, leaf.shape, leaf.dtype.str, leaf.tobytes())  # it can change in place
+    if depth <= 0:
+        return leaf
+    if type(leaf) is functools.partial:  # by its arguments too (a NumPy one can change)
+        return (leaf, _part_key(leaf.args, depth - 1), _part_key(leaf.keywords, depth - 1))
+    if type(leaf) is dict and all(type(v) in _IMMUTABLE for v in leaf.values()):
+        # A flat config, keyed without flattening it: a float by its bits, as above.
+        if len(leaf) <= _CONTENT_KEYED:
+            return (
+                dict,
+                tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in leaf.items()),
+            )
+    if type(leaf) in (tuple, dict):
+        if len(leaf) > _CONTENT_KEYED:
+            return leaf  # not flattened: a vocabulary read at every call would cost its size
+        items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
+        if len(items) > _CONTENT_KEYED:
+            return leaf
+        return (structure, tuple(_part_key(item, depth - 1) for item in items))
     if (
-        depth > 0
-        and type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
+        type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
         and hasattr(leaf, "__dict__")
         and not isinstance(leaf, (type, types.FunctionType, types.MethodType, types.ModuleType))
     ):
-        attrs = tuple((k, static_key(v, depth - 1)) for k, v in sorted(vars(leaf).items()))
-        try:
-            hash(attrs)
-        except TypeError:
-            return leaf
-        return (leaf, attrs)
+        return (leaf, tuple((k, _part_key(v, depth - 1)) for k, v in sorted(vars(leaf).items())))
     return leaf
+
+
+_INEXACT = (float, complex)
+
+
+def _is_list(value: Any) -> bool:
+    return type(value) is list
+
+
+# How many items a container may hold to be keyed by them: a larger one (a
+# vocabulary, say) would cost its flattening at every call.
+_CONTENT_KEYED = 1024
+
+
+def _part_key(value: Any, depth: int) -> Any:
+    """The key of a value inside a keyed container or object: its ``static_key``,
+    or the value by identity if that cannot be hashed."""
+    key = static_key(value, depth)
+    try:
+        hash(key)
+    except TypeError:
+        return _Same(value)
+    return key
+
+
+class _Same:
+    """A value in a key by identity (held, so its id is not reused while the key is kept)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and self.value is other.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
 
 
 class Held:
     """A closed-over value kept whole (not flattened): a static leaf, equal to
-    another holding the same object with the same ``static_key``."""
+    another holding the same object with the same ``static_key`` (with
+    ``keyed=False``, holding the same object)."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: Any, keyed: bool = True) -> None:
         self.value = value
-        key = static_key(value)
+        key = static_key(value) if keyed else None  # not keyed: by identity alone
         try:
-            hash(key)
+            self._hash = hash((id(value), key))  # a call's key is hashed twice: kept
         except TypeError:
             key = None  # unhashable: identity alone
+            self._hash = hash((id(value), key))
         self.key = key
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Held) and self.value is other.value and self.key == other.key
 
     def __hash__(self) -> int:
-        return hash((id(self.value), self.key))
+        return self._hash
 
 
 _EMPTY = Held(None)  # a cell not yet filled (a name assigned after the def)
@@ -825,19 +887,22 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
         except ValueError:
             values.append(_EMPTY)
             continue
-        leaves = jax.tree_util.tree_leaves(value) if type(value) in (tuple, list, dict) else ()
-        plain = (
-            is_array(value)
-            or _is_graph_node(value)
-            or (
-                any(is_array(leaf) for leaf in leaves)
-                and all(
-                    is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
-                )
-            )
-        )
-        values.append(value if plain else Held(value))
+        values.append(value if _is_data(value) else Held(value))
     return tuple(values)
+
+
+def _is_data(value: Any) -> bool:
+    """Whether a value a function reads (not an argument) is taken apart, its arrays
+    traced: an array, an NNX graph node, or a tuple, list or dict of arrays and
+    Python numbers or strings (which are keyed)."""
+    if type(value) not in (tuple, list, dict):
+        return is_array(value) or _is_graph_node(value)
+    leaves = jax.tree_util.tree_leaves(value)
+    if all(type(leaf) in _IMMUTABLE for leaf in leaves):
+        return False  # a config of numbers and strings, told without the array checks
+    return any(map(is_array, leaves)) and all(
+        is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
+    )
 
 
 def _is_graph_node(value: Any) -> bool:
@@ -920,11 +985,17 @@ def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any],
 
 
 def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
-    """The module-level numbers, strings, arrays and NNX graph nodes ``fn``'s own
-    code reads: each number, string or array ``Held`` (an array by identity),
-    for the compile-cache key, so rebinding one re-traces, as calling ``fn``
-    would see the new value; each graph node as itself, to be split as an
-    argument is, so a weight changed in place or a layer replaced is seen."""
+    """The module-level numbers, strings, arrays, containers and NNX graph nodes
+    ``fn``'s own code reads. A JAX array (by identity: it cannot change), a
+    NumPy array of up to ``_CONTENT_KEYED`` elements (by its bytes: it can
+    change in place), a number, a string, and a tuple or dict of neither
+    arrays nor nodes (by its items: see ``static_key``) are ``Held`` for the
+    compile-cache key, so rebinding or mutating one re-traces, as calling
+    ``fn`` would see the new value. A larger NumPy array and a container of
+    arrays are taken as themselves and traced, as closed-over ones are; each graph node
+    as itself, to be split as an argument is, so a weight changed in place or
+    a layer replaced is seen. Mutable defaults (a dict, a NumPy array) are
+    ``Held`` too, under the names ``"<defaults>"`` and ``"<kwdefaults>"``."""
     code = getattr(fn, "__code__", None)
     space = getattr(fn, "__globals__", None)
     if code is None or space is None:
@@ -934,14 +1005,39 @@ def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
         value = space.get(name, _UNBOUND)
         if type(value) in _NOT_READ:  # the functions, modules and classes a body calls
             continue
-        if _is_graph_node(value):
-            read.append((name, value))
-        elif is_array(value) or isinstance(value, (numbers.Number, str)):
+        if _is_graph_node(value) or _is_large_numpy(value) or _is_data_container(value):
+            read.append((name, value))  # traced, read afresh at every call
+        elif type(value) in _CONFIGS or is_array(value) or isinstance(value, (numbers.Number, str)):
             read.append((name, Held(value)))
+        elif value is not _UNBOUND:
+            # Any other object (an enum, a frozen config, a Linen model): a mutable
+            # config object by its attributes too, a callable or a value-hashed one by
+            # identity (it cannot change, or its hash would cost a call more than its key).
+            by_attributes = type(value).__hash__ is object.__hash__ and not callable(value)  # type: ignore[comparison-overlap]
+            read.append((name, Held(value, keyed=by_attributes)))
+    # Defaults a call leaves out are read when it is traced: a mutable one (a config
+    # dict, a NumPy array) is keyed as a module-level value, under a name no global has.
+    for name, defaults in (
+        ("<defaults>", getattr(fn, "__defaults__", None)),
+        ("<kwdefaults>", getattr(fn, "__kwdefaults__", None)),
+    ):
+        values = defaults.values() if isinstance(defaults, dict) else defaults or ()
+        if not all(type(v) in _IMMUTABLE for v in values):
+            read.append((name, Held(defaults)))
     return tuple(read)
 
 
+def _is_large_numpy(value: Any) -> bool:
+    return type(value) is np.ndarray and value.size > _CONTENT_KEYED
+
+
+def _is_data_container(value: Any) -> bool:
+    return type(value) in (tuple, list, dict) and _is_data(value)
+
+
 _UNBOUND = object()
+_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None), type})
+_CONFIGS = (tuple, dict)  # the containers read from a module, keyed by their items
 _NOT_READ = frozenset(
     {
         type(_UNBOUND),

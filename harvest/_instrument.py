@@ -433,7 +433,7 @@ class Instrumented:
             if closure is not None:
                 children, layout = closure
                 return children, ("closure", self._target, self._static(), layout)
-            return (), ("function", self.target, self._static(), None)
+            return (), ("function", self.target, self._static(), _object_key(self.target))
         if (
             self._kind == "penzai"
             and not self._rebuilt
@@ -654,6 +654,16 @@ def _closure_flat(target):
     held = tuple(v if isinstance(v, Held) else _CHILD for v in values)
     children = [v for v in values if not isinstance(v, Held)]
     return children, (len(cells), tuple(name for name, _ in reads), held)
+
+
+def _object_key(target):
+    """What a target that is not a plain function is compared by beside itself: the
+    object of a bound method, or a callable object, by its attributes' values (see
+    `_calling.static_key`), so an attribute rebound (a new weight array) re-traces."""
+    owner = target.__self__ if inspect.ismethod(target) else target
+    if type(owner).__hash__ is not object.__hash__ or inspect.isroutine(owner):
+        return None  # hashed by its values (a Linen module), or code: itself is its key
+    return Held(owner)
 
 
 def _closure_filled(target, layout, children):
