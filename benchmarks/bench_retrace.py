@@ -9,7 +9,10 @@ reference):
 
 * repeated sweep: `patching_sweep` over every (block, position), called again
   on new data, vs a hand-written `jax.jit(jax.vmap(...))` of the same one-hot
-  patches through `plant` on the split state (compiled once, only run);
+  patches through `plant` on the split state (compiled once, only run). Both
+  return before their program finishes (a sweep's result converts to NumPy when
+  read), and the timing waits for the last call's; a second row reads every
+  call's numbers on the host (`.values`, `np.asarray`) before the next call;
 * attribution: a repeated `attribution_patching` call vs the repeated exact
   sweep on the same patches;
 * eager capture: `reap(instrument(model))(x)` called again and again vs
@@ -107,26 +110,37 @@ def sweeps(cfg):
 
     cleans = [clean[n] for n in names]
 
-    def sweep():
+    def sweep():  # the result, still computing: the timing waits for the last
         return patching_sweep(
             probed, clean, (x_corrupt,), metric, tag="modules", names=names, axis=0
-        ).values
+        )
 
     def attribution():
         return attribution_patching(
             probed, clean, (x_corrupt,), metric, tag="modules", names=names, axis=0
-        ).values
+        )
 
     np.testing.assert_allclose(
-        sweep().ravel(), hand(state, cleans, x_corrupt), rtol=1e-3, atol=1e-4
+        sweep().values.ravel(), hand(state, cleans, x_corrupt), rtol=1e-3, atol=1e-4
     )
-    attribution()
+    attribution().block_until_ready()  # compiled before the timing
     return [
         _row(
             f"repeated `patching_sweep`, {patches} patches",
             "hand-written `jit(vmap(plant))`",
             _timing.ratio(sweep, lambda: hand(state, cleans, x_corrupt), cfg.repeats, cfg.calls),
             TARGETS["sweep"],
+        ),
+        # Each call's numbers on the host before the next call: both sides wait every time.
+        _row(
+            f"repeated `patching_sweep`, {patches} patches, `.values` read every call",
+            "the same, `np.asarray` of its output every call",
+            _timing.ratio(
+                lambda: sweep().values,
+                lambda: np.asarray(hand(state, cleans, x_corrupt)),
+                cfg.repeats,
+                cfg.calls,
+            ),
         ),
         _row(
             f"repeated `attribution_patching`, {patches} patches",

@@ -550,8 +550,8 @@ def patching_sweep(
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes), size)
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
-    effects: list[list[np.ndarray]] = [[] for _ in batches]  # each batch's chunks
-    baselines: list[np.ndarray] = []
+    effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
+    baselines: list[Any] = []
     cleans: list[Any] = []
     for b, start in _steps(steps, progress, caller):
         if start == 0:
@@ -560,23 +560,41 @@ def patching_sweep(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
         values, baseline = compile_program(program, f, (ks, cleans, batches[b][1]), spec)
-        effects[b].append(np.asarray(values)[: total - start])
-        baselines += [np.asarray(baseline)] if start == 0 else []
+        if len(steps) > 1:  # each step waited for, so a progress bar shows the work done
+            values, baseline = np.asarray(values), np.asarray(baseline)
+        effects[b].append((values, total - start))
+        baselines += [baseline] if start == 0 else []
     names_, labels = _labels(targets, size, axis)
     shape = (len(names_),) + (() if size is None else size)
-    if len(effects) == 1:  # one batch: its values as they are (a copy the caller owns)
-        mean = np.concatenate(effects[0]) if len(effects[0]) > 1 else np.array(effects[0][0])
-    else:
-        mean = np.mean([np.concatenate(c) for c in effects], 0).astype(effects[0][0].dtype)
-    return PatchingResult(
-        mean.reshape(shape),
+    return _result(
+        functools.partial(_on_host, effects, baselines, shape),
         names_,
         labels,
         axis,
-        float(baselines[0] if len(baselines) == 1 else np.mean(baselines)),
         skipped=skipped,
         axis_labels=axis_labels,
+        wait=len(steps) > 1,
     )
+
+
+def _on_host(
+    effects: list[list[tuple[Any, int]]], baselines: list[Any], shape: tuple[int, ...]
+) -> tuple[np.ndarray, float]:
+    """The values (each batch's chunks joined, each cut to its patches; the mean over
+    batches) shaped ``shape``, and the mean baseline, as NumPy: the caller owns them."""
+    joined = [np.concatenate([np.asarray(v)[:n] for v, n in chunks]) for chunks in effects]
+    mean = joined[0] if len(joined) == 1 else np.mean(joined, 0).astype(joined[0].dtype)
+    baseline = np.asarray(baselines[0]) if len(baselines) == 1 else np.mean(baselines)
+    return mean.reshape(shape), float(baseline)
+
+
+def _result(
+    finish: Callable[[], tuple[np.ndarray, float]], *fields: Any, wait: bool, **named: Any
+) -> PatchingResult:
+    """A sweep's result, its values ``finish()``'s: read when first needed (the
+    program still running), or now if ``wait``."""
+    result = PatchingResult._computing(finish, *fields, **named)
+    return result.block_until_ready() if wait else result
 
 
 # ---------------------------------------------------------------------------
@@ -673,22 +691,25 @@ def attribution_patching(
         return jnp.concatenate(effects), baseline
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
-    results = [
-        compile_program(
-            program, f, (_batch_cleans(targets, c, axes, size, caller, batches[0][0]), args), spec
-        )
-        for c, args in _steps(batches, progress, caller)
-    ]
+    effects: list[list[tuple[Any, int]]] = []
+    baselines: list[Any] = []
+    for c, args in _steps(batches, progress, caller):
+        cleans = _batch_cleans(targets, c, axes, size, caller, batches[0][0])
+        values, baseline = compile_program(program, f, (cleans, args), spec)
+        if len(batches) > 1:  # each batch waited for, so a progress bar shows the work done
+            values, baseline = np.asarray(values), np.asarray(baseline)
+        effects.append([(values, len(values))])
+        baselines.append(baseline)
     names_, labels = _labels(targets, size, axis)
-    values = np.mean([np.asarray(v) for v, _ in results], 0)
-    return PatchingResult(
-        values,
+    shape = (len(names_),) + (() if size is None else size)
+    return _result(
+        functools.partial(_on_host, effects, baselines, shape),
         names_,
         labels,
         axis,
-        float(np.mean([b for _, b in results])),
         skipped=skipped,
         axis_labels=axis_labels,
+        wait=len(batches) > 1,
     )
 
 
