@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
-from ._calling import splits_verified_once
+from ._calling import _ARRAY_TYPES, splits_verified_once
 from ._compile_cache import compile_program
 from ._interpreter import NameFilter
 from ._interventions import (
@@ -33,7 +33,7 @@ from ._interventions import (
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
-from ._site_discovery import sow_sites
+from ._site_discovery import _abstract, sow_sites
 from ._sow import DEFAULT_TAG
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
@@ -63,18 +63,20 @@ class _Target:
         return 1 if self.count is None else self.count
 
 
-def _site_value(reaps, site, what, count=None):
+def _site_value(reaps, site, what, count=None, checked=False):
     """One occurrence's value of `site` from a dict shaped as `reap` returns it
-    (all `count` of them, stacked, for a looped site)."""
+    (all `count` of them, stacked, for a looped site); `checked`: known to fit."""
     node = _lookup(reaps, site, what)
     if count is not None:
-        site.check(node, f"the {what} value", leading=(count,))
+        if not checked:
+            site.check(node, f"the {what} value", leading=(count,))
         return node
     if site.mode.entries:
         node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
     elif site.mode.rows and not site.mode.unstacked_once:
         node = jax.tree_util.tree_map(lambda l: l[0], node)
-    site.check(node, f"the {what} value")
+    if not checked:
+        site.check(node, f"the {what} value")
     return node
 
 
@@ -86,8 +88,26 @@ def _lookup(reaps, site, what):
     return node
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a sweep patches, decided by the sites found and the clean values' shapes alone."""
+
+    found: tuple[Any, ...]  # the sites found (`sow_sites`), held: the key holds its identity
+    sites: tuple[tuple[Site, int | None], ...]  # each target's site and occurrences (`_Target`)
+    size: tuple[int, ...] | None  # the sizes along the swept axes
+    skipped: tuple[str, ...]  # the sites left out, each with the reason
+    axis_labels: tuple[str, ...] | None  # what each swept axis is
+    site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
+
+
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
-    """The sites to patch, with their clean values, their sizes along `axes`, and the sites skipped."""
+    """The sites to patch with their clean values, and the `_Plan` they follow.
+
+    The plan is kept, keyed by everything it is decided from: the sites found
+    (the very tuple `sow_sites` keeps for the model's signature), the tag, the
+    names chosen and whether they were chosen by the sweep, the axes, and the
+    structure, types, shapes and dtypes of the chosen clean values (a number's
+    value too). So a repeated sweep does not check the clean values again."""
     if not callable(f):
         raise _errors.needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
@@ -107,6 +127,48 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         names = _select_names(names, list(by_name), tag, caller)
     if not names:
         raise _errors.nothing_to_patch(caller, tag, list(by_name))
+    key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
+    plan = None if key is None else _plans.get(key)
+    if plan is not None and plan.found is found:
+        values = [_site_value(clean, s, "clean", count, checked=True) for s, count in plan.sites]
+        return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
+    targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
+    axis_labels, site_axes = _swept(targets, axes, caller)
+    sites = tuple((t.site, t.count) for t in targets)
+    plan = _Plan(found, sites, size, skipped, axis_labels, tuple(site_axes))
+    if key is not None:
+        _plans[key] = plan
+        while len(_plans) > 64:
+            _plans.pop(next(iter(_plans)))
+    return targets, plan
+
+
+_plans: dict[Any, _Plan] = {}  # the plans of the last sweeps, oldest first
+
+
+def _plan_key(found, tag, auto, names, axes, caller, clean):
+    """What decides a sweep's `_Plan` (see `_targets`), hashable; None if it cannot be."""
+    shapes = tuple(_value_shape(_lookup_dotted(clean, name)) for name in names)
+    key = (id(found), tag, auto, tuple(names), axes, caller, shapes)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any) or static leaf
+        return None
+    return key
+
+
+def _value_shape(value: Any) -> Any:
+    """What the checks of a clean value look at: its structure and each leaf's
+    type and, for an array, shape and dtype (else the leaf's value)."""
+    if type(value) in _ARRAY_TYPES:  # the common case, one array: no flatten
+        return type(value), _abstract(value)
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree, tuple((type(leaf), _abstract(leaf)) for leaf in leaves)
+
+
+def _chosen(by_name, names, chosen, clean, tag, axes, caller):
+    """The targets of `names` with their clean values, checked, their sizes along
+    `axes`, and the sites skipped (only when the sweep chose the names)."""
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
     if axes is None:
         return targets, None, ()
@@ -520,8 +582,13 @@ def patching_sweep(
     caller = "patching_sweep"
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    axis_labels, site_axes = _swept(targets, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    size, skipped, axis_labels, site_axes = (
+        plan.size,
+        plan.skipped,
+        plan.axis_labels,
+        plan.site_axes,
+    )
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
     cells = 1 if size is None else int(np.prod(size))  # patches per row
@@ -663,8 +730,13 @@ def attribution_patching(
     caller = "attribution_patching"
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    axis_labels, site_axes = _swept(targets, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    size, skipped, axis_labels, site_axes = (
+        plan.size,
+        plan.skipped,
+        plan.axis_labels,
+        plan.site_axes,
+    )
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
