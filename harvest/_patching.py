@@ -98,6 +98,8 @@ class _Plan:
     skipped: tuple[str, ...]  # the sites left out, each with the reason
     axis_labels: tuple[str, ...] | None  # what each swept axis is
     site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
+    rows: tuple[str, ...]  # one name per row of the result
+    firsts: np.ndarray  # each target's first row, and the number of rows last
 
 
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
@@ -135,7 +137,10 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
     axis_labels, site_axes = _swept(targets, axes, caller)
     sites = tuple((t.site, t.count) for t in targets)
-    plan = _Plan(found, sites, size, skipped, axis_labels, tuple(site_axes))
+    firsts = np.cumsum([0] + [t.rows for t in targets])
+    plan = _Plan(
+        found, sites, size, skipped, axis_labels, tuple(site_axes), _row_names(targets), firsts
+    )
     if key is not None:
         _plans[key] = plan
         while len(_plans) > 64:
@@ -371,19 +376,22 @@ def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[i
     return normal
 
 
-def _labels(
-    targets: list[_Target], size: tuple[int, ...] | None, axis: Any
-) -> tuple[tuple[str, ...], Any]:
-    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`),
-    and the indices along the swept axis (a tuple of them, one per axis, for several axes)."""
+def _row_names(targets: list[_Target]) -> tuple[str, ...]:
+    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`)."""
     names: list[str] = []
     for t in targets:
         name = path_str(t.site.path)
         names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
+    return tuple(names)
+
+
+def _positions(size: tuple[int, ...] | None, axis: Any) -> Any:
+    """The indices along the swept axis (a tuple of them, one per axis, for several
+    axes): fresh arrays each call, as the result's own."""
     if size is None:
-        return tuple(names), None
+        return None
     labels = tuple(np.arange(n) for n in size)
-    return tuple(names), labels if isinstance(axis, (tuple, list)) else labels[0]
+    return labels if isinstance(axis, (tuple, list)) else labels[0]
 
 
 def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:
@@ -592,7 +600,7 @@ def patching_sweep(
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
     cells = 1 if size is None else int(np.prod(size))  # patches per row
-    firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
+    firsts = plan.firsts  # each target's first row
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
 
@@ -631,7 +639,7 @@ def patching_sweep(
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
-    names_, labels = _labels(targets, size, axis)
+    names_, labels = plan.rows, _positions(size, axis)
     shape = (len(names_),) + (() if size is None else size)
     return _result(
         functools.partial(_on_host, effects, baselines, shape),
@@ -772,7 +780,7 @@ def attribution_patching(
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects.append([(values, len(values))])
         baselines.append(baseline)
-    names_, labels = _labels(targets, size, axis)
+    names_, labels = plan.rows, _positions(size, axis)
     shape = (len(names_),) + (() if size is None else size)
     return _result(
         functools.partial(_on_host, effects, baselines, shape),

@@ -75,9 +75,8 @@ class PatchingResult:
         ``fields`` and ``named`` are the other fields, in order from ``names``."""
         result = object.__new__(cls)
         given = dict(zip(("names", "positions", "axis"), fields), **named)
-        for field in dataclasses.fields(cls):
-            if field.name not in _DEFERRED:
-                object.__setattr__(result, field.name, given.get(field.name, field.default))
+        for name, default in _SET_AT_ONCE:
+            object.__setattr__(result, name, given.get(name, default))
         object.__setattr__(result, "_finish", finish)
         return result
 
@@ -287,3 +286,9 @@ class PatchingResult:
 
 
 _DEFERRED = ("values", "baseline")  # the fields a result still computing sets when first read
+# The other fields, with their defaults, in order.
+_SET_AT_ONCE = tuple(
+    (field.name, field.default)
+    for field in dataclasses.fields(PatchingResult)
+    if field.name not in _DEFERRED
+)
