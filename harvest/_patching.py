@@ -547,7 +547,9 @@ def patching_sweep(
     Returns:
         A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
         metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
-        ``axis``, and whose ``baseline`` is the corrupted run's metric.
+        ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
+        returned while the program runs (in one step; several steps wait for
+        each): ``values`` and ``baseline`` are converted to NumPy when first read.
 
     Raises:
         TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
@@ -715,7 +717,8 @@ def attribution_patching(
 
     Returns:
         A ``PatchingResult`` of the estimated effects, shaped as
-        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric.
+        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric
+        (returned while the program runs, as ``patching_sweep``'s).
 
     Raises:
         TypeError: malformed ``f``, ``clean``, ``corrupted_args`` or ``axis``,

@@ -110,7 +110,7 @@ class PatchingResult:
             >>> f = lambda x: sow(2.0 * x, name="h", mode="strict").sum()
             >>> r = patching_sweep(f, reap(f)(jnp.ones(2)), (jnp.zeros(2),), lambda o: o, axis=0)
             >>> jax.block_until_ready(r).values
-            array([2., 2.], dtype=float32)
+            array([[2., 2.]], dtype=float32)
         """
         self.values  # noqa: B018 -- reading it is the wait
         return self
