@@ -637,7 +637,7 @@ def patching_sweep(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
         values, baseline = compile_program(program, f, (ks, cleans, batches[b][1]), spec)
-        if len(steps) > 1:  # each step waited for, so a progress bar shows the work done
+        if _waits(len(steps), baseline):
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
@@ -650,8 +650,14 @@ def patching_sweep(
         axis,
         skipped=skipped,
         axis_labels=axis_labels,
-        wait=len(steps) > 1,
+        wait=_waits(len(steps), baselines[0]),
     )
+
+
+def _waits(steps: int, baseline: Any) -> bool:
+    """Whether a sweep converts each step's output at once: for several steps (so a
+    progress bar shows the work done), or inside a trace (refused there, as before)."""
+    return steps > 1 or isinstance(baseline, jax.core.Tracer)
 
 
 def _on_host(
@@ -779,7 +785,7 @@ def attribution_patching(
     for c, args in _steps(batches, progress, caller):
         cleans = _batch_cleans(targets, c, axes, size, caller, batches[0][0])
         values, baseline = compile_program(program, f, (cleans, args), spec)
-        if len(batches) > 1:  # each batch waited for, so a progress bar shows the work done
+        if _waits(len(batches), baseline):
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects.append([(values, len(values))])
         baselines.append(baseline)
@@ -792,7 +798,7 @@ def attribution_patching(
         axis,
         skipped=skipped,
         axis_labels=axis_labels,
-        wait=len(batches) > 1,
+        wait=_waits(len(batches), baselines[0]),
     )
 
 

@@ -142,3 +142,11 @@ def test_a_repeated_sweep_keeps_its_plan_and_a_new_shape_makes_another(monkeypat
     r = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
     close(r.values, hand_sweep(model.w1[...], model.w2[...], x_clean, x_corrupt))
     assert made[0] == 2
+
+
+def test_a_sweep_inside_a_trace_is_refused_at_the_call_as_before():
+    model = Net()
+    x_clean, x_corrupt = data()
+    clean = reap(model)(x_clean)
+    with pytest.raises(jax.errors.TracerArrayConversionError):
+        jax.jit(lambda x: (patching_sweep(model, clean, (x,), metric), 0)[1])(x_corrupt)
