@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
-from ._calling import splits_verified_once
+from ._calling import _ARRAY_TYPES, splits_verified_once
 from ._compile_cache import compile_program
 from ._interpreter import NameFilter
 from ._interventions import (
@@ -33,7 +33,7 @@ from ._interventions import (
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
-from ._site_discovery import sow_sites
+from ._site_discovery import _abstract, sow_sites
 from ._sow import DEFAULT_TAG
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
@@ -63,18 +63,20 @@ class _Target:
         return 1 if self.count is None else self.count
 
 
-def _site_value(reaps, site, what, count=None):
+def _site_value(reaps, site, what, count=None, checked=False):
     """One occurrence's value of `site` from a dict shaped as `reap` returns it
-    (all `count` of them, stacked, for a looped site)."""
+    (all `count` of them, stacked, for a looped site); `checked`: known to fit."""
     node = _lookup(reaps, site, what)
     if count is not None:
-        site.check(node, f"the {what} value", leading=(count,))
+        if not checked:
+            site.check(node, f"the {what} value", leading=(count,))
         return node
     if site.mode.entries:
         node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
     elif site.mode.rows and not site.mode.unstacked_once:
         node = jax.tree_util.tree_map(lambda l: l[0], node)
-    site.check(node, f"the {what} value")
+    if not checked:
+        site.check(node, f"the {what} value")
     return node
 
 
@@ -86,8 +88,28 @@ def _lookup(reaps, site, what):
     return node
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What a sweep patches, decided by the sites found and the clean values' shapes alone."""
+
+    found: tuple[Any, ...]  # the sites found (`sow_sites`), held: the key holds its identity
+    sites: tuple[tuple[Site, int | None], ...]  # each target's site and occurrences (`_Target`)
+    size: tuple[int, ...] | None  # the sizes along the swept axes
+    skipped: tuple[str, ...]  # the sites left out, each with the reason
+    axis_labels: tuple[str, ...] | None  # what each swept axis is
+    site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
+    rows: tuple[str, ...]  # one name per row of the result
+    firsts: np.ndarray  # each target's first row, and the number of rows last
+
+
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
-    """The sites to patch, with their clean values, their sizes along `axes`, and the sites skipped."""
+    """The sites to patch with their clean values, and the `_Plan` they follow.
+
+    The plan is kept, keyed by everything it is decided from: the sites found
+    (the very tuple `sow_sites` keeps for the model's signature), the tag, the
+    names chosen and whether they were chosen by the sweep, the axes, and the
+    structure, types, shapes and dtypes of the chosen clean values (a number's
+    value too). So a repeated sweep does not check the clean values again."""
     if not callable(f):
         raise _errors.needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
@@ -107,6 +129,51 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         names = _select_names(names, list(by_name), tag, caller)
     if not names:
         raise _errors.nothing_to_patch(caller, tag, list(by_name))
+    key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
+    plan = None if key is None else _plans.get(key)
+    if plan is not None and plan.found is found:
+        values = [_site_value(clean, s, "clean", count, checked=True) for s, count in plan.sites]
+        return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
+    targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
+    axis_labels, site_axes = _swept(targets, axes, caller)
+    sites = tuple((t.site, t.count) for t in targets)
+    firsts = np.cumsum([0] + [t.rows for t in targets])
+    plan = _Plan(
+        found, sites, size, skipped, axis_labels, tuple(site_axes), _row_names(targets), firsts
+    )
+    if key is not None:
+        _plans[key] = plan
+        while len(_plans) > 64:
+            _plans.pop(next(iter(_plans)))
+    return targets, plan
+
+
+_plans: dict[Any, _Plan] = {}  # the plans of the last sweeps, oldest first
+
+
+def _plan_key(found, tag, auto, names, axes, caller, clean):
+    """What decides a sweep's `_Plan` (see `_targets`), hashable; None if it cannot be."""
+    shapes = tuple(_value_shape(_lookup_dotted(clean, name)) for name in names)
+    key = (id(found), tag, auto, tuple(names), axes, caller, shapes)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any) or static leaf
+        return None
+    return key
+
+
+def _value_shape(value: Any) -> Any:
+    """What the checks of a clean value look at: its structure and each leaf's
+    type and, for an array, shape and dtype (else the leaf's value)."""
+    if type(value) in _ARRAY_TYPES:  # the common case, one array: no flatten
+        return type(value), _abstract(value)
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree, tuple((type(leaf), _abstract(leaf)) for leaf in leaves)
+
+
+def _chosen(by_name, names, chosen, clean, tag, axes, caller):
+    """The targets of `names` with their clean values, checked, their sizes along
+    `axes`, and the sites skipped (only when the sweep chose the names)."""
     targets = [_target(by_name, name, clean, tag, caller) for name in names]
     if axes is None:
         return targets, None, ()
@@ -309,19 +376,22 @@ def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[i
     return normal
 
 
-def _labels(
-    targets: list[_Target], size: tuple[int, ...] | None, axis: Any
-) -> tuple[tuple[str, ...], Any]:
-    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`),
-    and the indices along the swept axis (a tuple of them, one per axis, for several axes)."""
+def _row_names(targets: list[_Target]) -> tuple[str, ...]:
+    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`)."""
     names: list[str] = []
     for t in targets:
         name = path_str(t.site.path)
         names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
+    return tuple(names)
+
+
+def _positions(size: tuple[int, ...] | None, axis: Any) -> Any:
+    """The indices along the swept axis (a tuple of them, one per axis, for several
+    axes): fresh arrays each call, as the result's own."""
     if size is None:
-        return tuple(names), None
+        return None
     labels = tuple(np.arange(n) for n in size)
-    return tuple(names), labels if isinstance(axis, (tuple, list)) else labels[0]
+    return labels if isinstance(axis, (tuple, list)) else labels[0]
 
 
 def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:
@@ -477,7 +547,9 @@ def patching_sweep(
     Returns:
         A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
         metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
-        ``axis``, and whose ``baseline`` is the corrupted run's metric.
+        ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
+        returned while the program runs (in one step; several steps wait for
+        each): ``values`` and ``baseline`` are converted to NumPy when first read.
 
     Raises:
         TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
@@ -520,12 +592,17 @@ def patching_sweep(
     caller = "patching_sweep"
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    axis_labels, site_axes = _swept(targets, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    size, skipped, axis_labels, site_axes = (
+        plan.size,
+        plan.skipped,
+        plan.axis_labels,
+        plan.site_axes,
+    )
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
     cells = 1 if size is None else int(np.prod(size))  # patches per row
-    firsts = np.cumsum([0] + [t.rows for t in targets])  # each target's first row
+    firsts = plan.firsts  # each target's first row
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
 
@@ -550,8 +627,8 @@ def patching_sweep(
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes), size)
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
-    effects: list[list[np.ndarray]] = [[] for _ in batches]  # each batch's chunks
-    baselines: list[np.ndarray] = []
+    effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
+    baselines: list[Any] = []
     cleans: list[Any] = []
     for b, start in _steps(steps, progress, caller):
         if start == 0:
@@ -560,23 +637,47 @@ def patching_sweep(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
         values, baseline = compile_program(program, f, (ks, cleans, batches[b][1]), spec)
-        effects[b].append(np.asarray(values)[: total - start])
-        baselines += [np.asarray(baseline)] if start == 0 else []
-    names_, labels = _labels(targets, size, axis)
+        if _waits(len(steps), baseline):
+            values, baseline = np.asarray(values), np.asarray(baseline)
+        effects[b].append((values, total - start))
+        baselines += [baseline] if start == 0 else []
+    names_, labels = plan.rows, _positions(size, axis)
     shape = (len(names_),) + (() if size is None else size)
-    if len(effects) == 1:  # one batch: its values as they are (a copy the caller owns)
-        mean = np.concatenate(effects[0]) if len(effects[0]) > 1 else np.array(effects[0][0])
-    else:
-        mean = np.mean([np.concatenate(c) for c in effects], 0).astype(effects[0][0].dtype)
-    return PatchingResult(
-        mean.reshape(shape),
+    return _result(
+        functools.partial(_on_host, effects, baselines, shape),
         names_,
         labels,
         axis,
-        float(baselines[0] if len(baselines) == 1 else np.mean(baselines)),
         skipped=skipped,
         axis_labels=axis_labels,
+        wait=_waits(len(steps), baselines[0]),
     )
+
+
+def _waits(steps: int, baseline: Any) -> bool:
+    """Whether a sweep converts each step's output at once: for several steps (so a
+    progress bar shows the work done), or inside a trace (refused there, as before)."""
+    return steps > 1 or isinstance(baseline, jax.core.Tracer)
+
+
+def _on_host(
+    effects: list[list[tuple[Any, int]]], baselines: list[Any], shape: tuple[int, ...]
+) -> tuple[np.ndarray, float]:
+    """The values (each batch's chunks joined, each cut to its patches; the mean over
+    batches) shaped ``shape``, and the mean baseline, as NumPy: the caller owns them."""
+    joined = [np.concatenate([np.asarray(v)[:n] for v, n in chunks]) for chunks in effects]
+    mean = joined[0] if len(joined) == 1 else np.mean(joined, 0).astype(joined[0].dtype)
+    baseline = np.asarray(baselines[0]) if len(baselines) == 1 else np.mean(baselines)
+    return mean.reshape(shape), float(baseline)
+
+
+def _result(
+    finish: Callable[[], tuple[np.ndarray, float]], *fields: Any, wait: bool, **named: Any
+) -> PatchingResult:
+    """A sweep's result, its values ``finish()``'s: read when first needed (the
+    program still running), or now if ``wait``."""
+    result = PatchingResult._computing(finish, *fields, **named)
+    return result.block_until_ready() if wait else result
 
 
 # ---------------------------------------------------------------------------
@@ -622,7 +723,8 @@ def attribution_patching(
 
     Returns:
         A ``PatchingResult`` of the estimated effects, shaped as
-        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric.
+        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric
+        (returned while the program runs, as ``patching_sweep``'s).
 
     Raises:
         TypeError: malformed ``f``, ``clean``, ``corrupted_args`` or ``axis``,
@@ -645,8 +747,13 @@ def attribution_patching(
     caller = "attribution_patching"
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, size, skipped = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    axis_labels, site_axes = _swept(targets, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    size, skipped, axis_labels, site_axes = (
+        plan.size,
+        plan.skipped,
+        plan.axis_labels,
+        plan.site_axes,
+    )
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
@@ -673,22 +780,25 @@ def attribution_patching(
         return jnp.concatenate(effects), baseline
 
     spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
-    results = [
-        compile_program(
-            program, f, (_batch_cleans(targets, c, axes, size, caller, batches[0][0]), args), spec
-        )
-        for c, args in _steps(batches, progress, caller)
-    ]
-    names_, labels = _labels(targets, size, axis)
-    values = np.mean([np.asarray(v) for v, _ in results], 0)
-    return PatchingResult(
-        values,
+    effects: list[list[tuple[Any, int]]] = []
+    baselines: list[Any] = []
+    for c, args in _steps(batches, progress, caller):
+        cleans = _batch_cleans(targets, c, axes, size, caller, batches[0][0])
+        values, baseline = compile_program(program, f, (cleans, args), spec)
+        if _waits(len(batches), baseline):
+            values, baseline = np.asarray(values), np.asarray(baseline)
+        effects.append([(values, len(values))])
+        baselines.append(baseline)
+    names_, labels = plan.rows, _positions(size, axis)
+    shape = (len(names_),) + (() if size is None else size)
+    return _result(
+        functools.partial(_on_host, effects, baselines, shape),
         names_,
         labels,
         axis,
-        float(np.mean([b for _, b in results])),
         skipped=skipped,
         axis_labels=axis_labels,
+        wait=_waits(len(batches), baselines[0]),
     )
 
 

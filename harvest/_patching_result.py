@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
@@ -24,6 +24,14 @@ class PatchingResult:
     `positions` is `None`. A sweep over several axes (`axis=(2, 1)`, say) has
     `values` of shape `[len(names), *sizes]` and `positions` holds one array of
     indices per swept axis.
+
+    A sweep returns its result as soon as its program is dispatched, as a JAX
+    call returns its arrays: reading ``values`` or ``baseline`` (or anything
+    that reads them: ``normalized``, ``plot``, printing) waits for the program
+    and converts its output to NumPy, once. ``jax.block_until_ready(result)``
+    waits explicitly. So a loop of sweeps overlaps each call's Python with the
+    previous program's run; a sweep of several steps (chunks of
+    ``batch_size``, or batches of a dataset) waits for each step in turn.
 
     Args:
         values: The effects: ``[len(names)]``, ``[len(names), size]`` or
@@ -57,6 +65,55 @@ class PatchingResult:
     skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
     # What each swept axis is ("head", "position"), when the swept sites say (attention hooks).
     axis_labels: tuple[str, ...] | None = None
+
+    @classmethod
+    def _computing(
+        cls, finish: Callable[[], tuple[np.ndarray, float]], *fields: Any, **named: Any
+    ) -> PatchingResult:
+        """A result whose ``values`` and ``baseline`` are ``finish()``'s, called when first read.
+
+        ``fields`` and ``named`` are the other fields, in order from ``names``."""
+        result = object.__new__(cls)
+        given = dict(zip(("names", "positions", "axis"), fields), **named)
+        for name, default in _SET_AT_ONCE:
+            object.__setattr__(result, name, given.get(name, default))
+        object.__setattr__(result, "_finish", finish)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for an attribute not set: the deferred fields of a result
+        # still computing. Both are set together, so `finish` runs once.
+        finish = self.__dict__.get("_finish")
+        if finish is None or name not in _DEFERRED:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        values, baseline = finish()
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "baseline", baseline)
+        self.__dict__.pop("_finish", None)
+        return self.__dict__[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.block_until_ready()  # a pickle holds the numbers, not the running program
+        return dict(self.__dict__)
+
+    def block_until_ready(self) -> PatchingResult:
+        """Waits for the sweep's program and converts its output; returns the result itself.
+
+        ``jax.block_until_ready(result)`` calls it; reading ``values`` does the same.
+
+        Returns:
+            This result, its ``values`` and ``baseline`` on the host.
+
+        Example:
+            >>> import jax, jax.numpy as jnp
+            >>> from harvest import patching_sweep, reap, sow
+            >>> f = lambda x: sow(2.0 * x, name="h", mode="strict").sum()
+            >>> r = patching_sweep(f, reap(f)(jnp.ones(2)), (jnp.zeros(2),), lambda o: o, axis=0)
+            >>> jax.block_until_ready(r).values
+            array([[2., 2.]], dtype=float32)
+        """
+        self.values  # noqa: B018 -- reading it is the wait
+        return self
 
     def normalized(self, clean_metric: SupportsFloat) -> PatchingResult:
         """The effects as fractions of the clean-corrupt gap: `values / (clean_metric - baseline)`.
@@ -226,3 +283,12 @@ class PatchingResult:
             ax=ax,
             **imshow_kwargs,
         )
+
+
+_DEFERRED = ("values", "baseline")  # the fields a result still computing sets when first read
+# The other fields, with their defaults, in order.
+_SET_AT_ONCE = tuple(
+    (field.name, field.default)
+    for field in dataclasses.fields(PatchingResult)
+    if field.name not in _DEFERRED
+)
