@@ -431,6 +431,20 @@ def call_merged(
     return out, changes, [before.get(p) for p in changes.paths]
 
 
+def split_of(nodes: tuple[Any, ...]) -> Graph:
+    """The split of ``nodes`` (NNX graph nodes), the kept one while their structure holds
+    (as `split_nodes` gives it for a call holding exactly these nodes)."""
+    return _split_cache.graph(_nnx(), nodes)
+
+
+def call_on_merged(f: Any, graph: Graph, count: int) -> tuple[Any, Changes]:
+    """``f(*nodes)`` on fresh nodes merged from ``graph`` (a split of ``count`` nodes);
+    returns its output and the state it changed or added in them, as `call_merged`."""
+    out, changes, _ = call_merged(f, tuple(map(_Node, range(count))), {}, graph)
+    assert changes is not None  # a graph was merged: its changes are told
+    return out, changes
+
+
 _measuring = threading.local()
 
 

@@ -39,6 +39,8 @@ holding anything but arrays (callables, numbers) go harvest's own way too.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -47,8 +49,15 @@ import jax
 import numpy as np
 
 from . import _jax
-from ._calling import array_flags, holds_no_nodes, reveal_static
-from ._compile_cache import note_trace
+from ._calling import (
+    array_flags,
+    call_on_merged,
+    holds_no_nodes,
+    reveal_static,
+    split_of,
+    write_back,
+)
+from ._compile_cache import max_programs, note_trace
 from ._paths import nested_dict
 
 NOT_TAKEN: Any = object()  # what a dispatch returns for a call it leaves to harvest's own path
@@ -132,3 +141,98 @@ def _maybe_a_python_scalar(leaf: Any) -> bool:
     if aval is None:
         return True
     return aval.shape == () and (getattr(aval, "weak_type", False) or aval.dtype == np.bool_)
+
+
+class EagerModuleDispatch(EagerDispatch):
+    """An instrumented NNX module's eager calls through one `jax.jit` per structure.
+
+    The module is split as harvest's own path splits it (the kept split, checked
+    at each call, `_calling._SplitCache`), and its state's arrays are the jit's
+    first argument: a flat tuple JAX's C++ path flattens and matches. The split's
+    graph and state definitions and the instrumented target's static part are
+    the structure, compared by identity first; inside the trace, fresh nodes are
+    merged from the traced state and the instrumented copy holding them is
+    walked, and the state the walk changed or added comes out as data, written
+    back to the caller's module after the call, as harvest's own path writes it.
+    """
+
+    def __init__(self, f: Any, policy: Any, gives: str, run_walk: Callable[..., Any]) -> None:
+        super().__init__(f, policy, gives, run_walk)
+        # Every structure's jit, the most recent last (a model switched between
+        # training and evaluation keeps both programs).
+        self.jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+    def _module_walk_staged(
+        self,
+        structure: Any,
+        code: Any,
+        leaves: tuple[Any, ...],
+        plants: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        self.stage = _TRACING
+        shape, aux = structure
+        given = (plants, args, kwargs)
+        if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(given))) or not (
+            holds_no_nodes(given)
+        ):
+            self.stage = _TRACED
+            raise _Refused
+        alike = (self.policy, self.reap, structure, jax.tree_util.tree_structure(given))
+        note_trace(code, leaves, alike)
+
+        def walk(module: Any) -> Any:
+            copy = type(self.f).tree_unflatten(aux, (module,))
+            return self.run_walk(copy, self.policy, self.reap, plants, args, kwargs, finish=False)
+
+        (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
+        self.stage = _TRACED
+        return (out if self.out else None), flat, changes
+
+    def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
+            return NOT_TAKEN
+        if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
+            return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
+        self.stage = _WAITING
+        try:
+            (module,), aux = self.f.tree_flatten()
+            apart = split_of((module,)).apart()
+            if apart is None:
+                return NOT_TAKEN  # numbers or other values in its state: traced harvest's way
+            shape, leaves = apart
+            jitted = self._jit_for(shape, aux, module)
+            out, flat, changes = jitted(leaves, plants, args, kwargs)
+        except Exception:
+            if self.stage != _TRACING:
+                self.served = False
+            return NOT_TAKEN
+        write_back((module,), changes)
+        return reveal_static(out), nested_dict(flat)
+
+    def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
+        """The jit for this structure: the last one's if the split is the one it was
+        made for (by identity: a kept split gives its definitions back), else by equality."""
+        last = self.structure
+        if (
+            last is not None
+            and last[0].graphdef is shape.graphdef
+            and last[0].statedef is shape.statedef
+            and last[1] == aux
+        ):
+            return self.jitted
+        structure = (shape, aux)
+        try:
+            jitted = self.jits.pop(structure, None)
+        except TypeError:  # a graph definition that cannot be hashed: its jit is not kept
+            jitted = None
+        if jitted is None:
+            code = type(module).__call__  # what a recompile warning names: the model's code
+            jitted = jax.jit(functools.partial(self._module_walk_staged, structure, code))
+        with contextlib.suppress(TypeError):
+            self.jits[structure] = jitted
+            while len(self.jits) > max_programs():
+                self.jits.popitem(last=False)
+        self.structure, self.jitted = structure, jitted
+        return jitted
