@@ -188,7 +188,8 @@ class EagerModuleDispatch(EagerDispatch):
 
         (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
         self.stage = _TRACED
-        return (out if self.out else None), flat, changes
+        # No state changed (a plain forward): nothing to hand out, nothing to write back.
+        return (out if self.out else None), flat, (changes if changes.paths else None)
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
@@ -208,7 +209,8 @@ class EagerModuleDispatch(EagerDispatch):
             if self.stage != _TRACING:
                 self.served = False
             return NOT_TAKEN
-        write_back((module,), changes)
+        if changes is not None:
+            write_back((module,), changes)
         return reveal_static(out), nested_dict(flat)
 
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
