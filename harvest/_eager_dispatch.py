@@ -1,4 +1,4 @@
-"""Eager calls of an instrumented function through JAX's own dispatch: one cached `jax.jit`.
+"""Eager calls of an instrumented function or NNX module through JAX's own dispatch: one cached `jax.jit`.
 
 Harvest's own path for an eager call (`_transforms.run_walk`) flattens the
 call's parts and builds and compares its compile-cache key in Python: for a
@@ -19,6 +19,22 @@ here at each call: a new structure (a value rebound) gets a jit of its own,
 replacing the last. The first call traces and compiles once, as harvest's
 own path would.
 
+An instrumented NNX module (`EagerModuleDispatch`) is not flattened as a
+pytree (NNX's Python flatten of every node and variable costs more than the
+call): it is split as harvest's own path splits it, through the kept split
+(`_calling._SplitCache`, whose check at each call sees every attribute of
+every node by identity, so weights changed in place are read and any
+structural change re-splits), and the jit's arguments are the state's arrays
+as one flat tuple, the plants and the call's arguments. The split's graph
+and state definitions and the instrumented target's static part are the
+structure, compared by identity first (a kept split hands its definitions
+back), then by equality against a few kept jits (a model switched between
+training and evaluation keeps both programs). Inside the trace, fresh nodes
+are merged from the traced state and walked; what the walk changed or added
+in them (RNG counts, batch statistics, ``nnx.Intermediate``s) leaves the jit
+as data and is written back to the caller's module after the call
+(`_calling.write_back`, as harvest's own path does).
+
 Where `jax.jit` would take an argument otherwise than harvest's convention
 does, the call goes harvest's own way, and so does every later call of that
 transformed function (this one is then known not to be served):
@@ -28,8 +44,11 @@ transformed function (this one is then known not to be served):
   value (a JAX array of that kind too, to be safe);
 * a leaf that is not an array (a string, a callable), which `jax.jit` refuses
   before it traces;
-* an NNX graph node or an object with state of its own (`Stateful`), whose
-  state a harvest call writes back to the caller's objects;
+* an NNX graph node among the arguments or plants, or an object with state
+  of its own (`Stateful`), whose state a harvest call writes back to the
+  caller's objects (an instrumented module's own state is written back here);
+* for a module, a state holding anything but arrays (a Python number in a
+  variable, which harvest traces as data), this call only;
 * a program that fails after its trace (a primitive without a lowering).
 
 An error raised while tracing the walk (a misspelt ``allowlist`` name, say)
@@ -42,6 +61,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -85,9 +105,9 @@ class EagerDispatch:
         self.reap, self.out = gives != "out", gives != "reaps"
         self.served = True  # False once a call was found that this jit cannot serve
         self.stage = _WAITING  # how far the current call's trace got (a trace runs only on a miss)
-        # The function's structure (what it closes over, but arrays) and the jit for it.
-        self.structure: Any = None
-        self.jitted: Any = None
+        # The function's structure (what it closes over, but arrays) and the jit for it, as
+        # one pair, read once by a call: another thread may replace it meanwhile.
+        self.last: tuple[Any, Any] = (None, None)
 
     def _walk_staged(
         self,
@@ -121,11 +141,12 @@ class EagerDispatch:
             # The function is flattened and its structure compared here, not by JAX, whose
             # C++ path hashes and compares a Python node's data at some 50 µs a call more.
             children, structure = self.f.tree_flatten()
-            if self.jitted is None or structure != self.structure:
+            last, jitted = self.last
+            if jitted is None or structure != last:
                 # A value it closes over rebound: a jit of its own (the last one's programs go).
-                self.structure = structure
-                self.jitted = jax.jit(functools.partial(self._walk_staged, structure))
-            out, flat = self.jitted(children, plants, args, kwargs)
+                jitted = jax.jit(functools.partial(self._walk_staged, structure))
+                self.last = (structure, jitted)
+            out, flat = jitted(children, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.
@@ -161,6 +182,7 @@ class EagerModuleDispatch(EagerDispatch):
         # Every structure's jit, the most recent last (a model switched between
         # training and evaluation keeps both programs).
         self.jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.lock = threading.Lock()
 
     def _module_walk_staged(
         self,
@@ -216,25 +238,26 @@ class EagerModuleDispatch(EagerDispatch):
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
         """The jit for this structure: the last one's if the split is the one it was
         made for (by identity: a kept split gives its definitions back), else by equality."""
-        last = self.structure
+        last, jitted = self.last
         if (
             last is not None
             and last[0].graphdef is shape.graphdef
             and last[0].statedef is shape.statedef
             and last[1] == aux
         ):
-            return self.jitted
+            return jitted
         structure = (shape, aux)
-        try:
-            jitted = self.jits.pop(structure, None)
-        except TypeError:  # a graph definition that cannot be hashed: its jit is not kept
-            jitted = None
-        if jitted is None:
-            code = type(module).__call__  # what a recompile warning names: the model's code
-            jitted = jax.jit(functools.partial(self._module_walk_staged, structure, code))
-        with contextlib.suppress(TypeError):
-            self.jits[structure] = jitted
-            while len(self.jits) > max_programs():
-                self.jits.popitem(last=False)
-        self.structure, self.jitted = structure, jitted
+        with self.lock:
+            try:
+                jitted = self.jits.pop(structure, None)
+            except TypeError:  # a graph definition that cannot be hashed: its jit is not kept
+                jitted = None
+            if jitted is None:
+                code = type(module).__call__  # what a recompile warning names: the model's code
+                jitted = jax.jit(functools.partial(self._module_walk_staged, structure, code))
+            with contextlib.suppress(TypeError):
+                self.jits[structure] = jitted
+                while len(self.jits) > max_programs():
+                    self.jits.popitem(last=False)
+            self.last = (structure, jitted)
         return jitted
