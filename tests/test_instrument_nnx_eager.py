@@ -4,6 +4,9 @@ change a user can make through NNX between calls is seen, the state the call cha
 is written back as a direct call leaves it, and errors are harvest's own; each result
 against the module called directly."""
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -262,3 +265,14 @@ def test_python_numbers_among_the_arguments_stay_static():
         close(out, want)
         close(reaped["linear"], model.linear(X))
         assert np.signbit(np.asarray(out)).tolist() == np.signbit(np.asarray(want)).tolist()
+
+
+def test_a_dropped_capture_does_not_keep_the_module_alive():
+    model = Grown()
+    capture = reap(instrument(model), tag="modules")
+    for _ in range(2):
+        capture(X)
+    gone = weakref.ref(model)
+    del model, capture
+    gc.collect()
+    assert gone() is None
