@@ -128,8 +128,9 @@ class EagerDispatch:
         alike = (self.policy, self.reap, jax.tree_util.tree_structure((plants, args, kwargs)))
         note_trace(getattr(f, "target", f), leaves, alike)
         out, flat = self.run_walk(f, self.policy, self.reap, plants, args, kwargs, finish=False)
+        reaped = _Reaped.of(flat)
         self.stage = _TRACED
-        return (out if self.out else None), flat
+        return (out if self.out else None), reaped
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
@@ -153,7 +154,48 @@ class EagerDispatch:
             if self.stage != _TRACING:
                 self.served = False
             return NOT_TAKEN
-        return reveal_static(out), nested_dict(flat)
+        return (reveal_static(out) if self.out else None), flat.reaps
+
+
+class _Reaped:
+    """A walk's reaps leaving the jit as the dict a caller gets: a pytree whose
+    structure holds their paths (in program order) and, when no name is scoped,
+    the names, so that JAX's unflattening of the outputs builds the dict (at C
+    speed, for one level of names) and no pass over it follows."""
+
+    __slots__ = ("names", "paths", "reaps")
+
+    def __init__(self, paths: tuple[Any, ...], names: tuple[str, ...] | None, values: Any) -> None:
+        self.paths, self.names = paths, names
+        values = list(values)
+        if names is not None:
+            self.reaps = dict(zip(names, values))
+        else:
+            self.reaps = nested_dict(dict(zip(paths, values)))
+
+    @classmethod
+    def of(cls, flat: dict[tuple[str, ...], Any]) -> _Reaped:
+        """The reaps ``{path: value}`` (a walk's, in program order); the paths of
+        nested names are checked here, while tracing."""
+        paths = tuple(flat)
+        names = tuple(p[0] for p in paths) if all(len(p) == 1 for p in paths) else None
+        return cls(paths, names, flat.values())
+
+    def values(self) -> list[Any]:
+        if self.names is not None:
+            return list(self.reaps.values())
+        return [_at(self.reaps, path) for path in self.paths]
+
+
+def _at(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        nested = nested[key]
+    return nested
+
+
+jax.tree_util.register_pytree_node(
+    _Reaped, lambda r: (r.values(), (r.paths, r.names)), lambda aux, v: _Reaped(*aux, v)
+)
 
 
 def _maybe_a_python_scalar(leaf: Any) -> bool:
@@ -209,9 +251,10 @@ class EagerModuleDispatch(EagerDispatch):
             return self.run_walk(copy, self.policy, self.reap, plants, args, kwargs, finish=False)
 
         (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
+        reaped = _Reaped.of(flat)
         self.stage = _TRACED
         # No state changed (a plain forward): nothing to hand out, nothing to write back.
-        return (out if self.out else None), flat, (changes if changes.paths else None)
+        return (out if self.out else None), reaped, (changes if changes.paths else None)
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
@@ -233,7 +276,7 @@ class EagerModuleDispatch(EagerDispatch):
             return NOT_TAKEN
         if changes is not None:
             write_back((module,), changes)
-        return reveal_static(out), nested_dict(flat)
+        return (reveal_static(out) if self.out else None), flat.reaps
 
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
         """The jit for this structure: the last one's if the split is the one it was

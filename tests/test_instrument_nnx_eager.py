@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import harvest._transforms as transforms
-from harvest import _calling, _instrument, call_and_reap, harvest, instrument, plant, reap
+from harvest import _calling, _instrument, call_and_reap, harvest, instrument, nest, plant, reap
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -276,3 +276,26 @@ def test_a_dropped_capture_does_not_keep_the_module_alive():
     del model, capture
     gc.collect()
     assert gone() is None
+
+
+class Scoped(nnx.Module):
+    """A submodule called under a `nest` scope: its site's name is nested."""
+
+    def __init__(self):
+        self.inner = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+        self.outer = nnx.Linear(3, 3, rngs=nnx.Rngs(1))
+
+    def __call__(self, x):
+        return self.outer(nest(self.inner, scope="block")(x))
+
+
+def test_scoped_names_come_back_as_nested_dicts_in_program_order(monkeypatch):
+    model = Scoped()
+    capture = reap(instrument(model), tag="modules")
+    for _ in range(2):
+        reaped = capture(X)
+        assert list(reaped) == ["block", "outer"]
+        close(reaped["block"]["inner"], model.inner(X))
+        close(reaped["outer"], model.outer(model.inner(X)))
+        # traced once (`nest` inside walks harvest's own way); the next call is the jit's
+        monkeypatch.setattr(transforms, "run_walk", _no_own_path)
