@@ -214,54 +214,32 @@ class EagerModuleDispatch(EagerDispatch):
     first argument: a flat tuple JAX's C++ path flattens and matches. The split's
     graph and state definitions and the instrumented target's static part are
     the structure, compared by identity first; inside the trace, fresh nodes are
-    merged from the traced state and the instrumented copy holding them is
+    merged from the traced state and an instrumented copy holding them is
     walked, and the state the walk changed or added comes out as data, written
     back to the caller's module after the call, as harvest's own path writes it.
+    The jits are shared by every transformed function of the same kind, policy
+    and structure (`_module_jits`), so ``reap(instrument(model))(x)`` written
+    afresh at each call, or for another model of that structure, traces once.
     """
 
     def __init__(self, f: Any, policy: Any, gives: str, run_walk: Callable[..., Any]) -> None:
         super().__init__(f, policy, gives, run_walk)
-        # Every structure's jit, the most recent last (a model switched between
-        # training and evaluation keeps both programs).
-        self.jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-        self.lock = threading.Lock()
-
-    def _module_walk_staged(
-        self,
-        structure: Any,
-        code: Any,
-        leaves: tuple[Any, ...],
-        plants: Any,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        self.stage = _TRACING
-        shape, aux = structure
-        given = (plants, args, kwargs)
-        if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(given))) or not (
-            holds_no_nodes(given)
-        ):
-            self.stage = _TRACED
-            raise _Refused
-        alike = (self.policy, self.reap, structure, jax.tree_util.tree_structure(given))
-        note_trace(code, leaves, alike)
-
-        def walk(module: Any) -> Any:
-            copy = type(self.f).tree_unflatten(aux, (module,))
-            return self.run_walk(copy, self.policy, self.reap, plants, args, kwargs, finish=False)
-
-        (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
-        reaped = _Reaped.of(flat)
-        self.stage = _TRACED
-        # No state changed (a plain forward): nothing to hand out, nothing to write back.
-        return (out if self.out else None), reaped, (changes if changes.paths else None)
+        self.kind = (
+            type(f),
+            policy,
+            gives,
+            run_walk,
+        )  # what the program depends on but the structure
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
             return NOT_TAKEN
         if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
             return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
-        self.stage = _WAITING
+        call = _calls.__dict__.setdefault(
+            "stage", [_WAITING]
+        )  # this thread's call, as the trace left it
+        call[0] = _WAITING
         try:
             (module,), aux = self.f.tree_flatten()
             apart = split_of((module,)).apart()
@@ -269,14 +247,16 @@ class EagerModuleDispatch(EagerDispatch):
                 return NOT_TAKEN  # numbers or other values in its state: traced harvest's way
             shape, leaves = apart
             jitted = self._jit_for(shape, aux, module)
-            out, flat, changes = jitted(leaves, plants, args, kwargs)
+            out, reaped, changes = jitted(leaves, plants, args, kwargs)
         except Exception:
-            if self.stage != _TRACING:
+            # An error of the walk's own trace is raised again by harvest's path; any
+            # other failure means this jit cannot serve such calls.
+            if call[0] != _TRACING:
                 self.served = False
             return NOT_TAKEN
         if changes is not None:
             write_back((module,), changes)
-        return (reveal_static(out) if self.out else None), flat.reaps
+        return (reveal_static(out) if self.out else None), reaped.reaps
 
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
         """The jit for this structure: the last one's if the split is the one it was
@@ -289,18 +269,58 @@ class EagerModuleDispatch(EagerDispatch):
             and last[1] == aux
         ):
             return jitted
-        structure = (shape, aux)
-        with self.lock:
+        key = (*self.kind, shape, aux)
+        with _module_jits_lock:
             try:
-                jitted = self.jits.pop(structure, None)
-            except TypeError:  # a graph definition that cannot be hashed: its jit is not kept
+                jitted = _module_jits.pop(key, None)
+            except TypeError:  # a definition that cannot be hashed: its jit is not kept
                 jitted = None
             if jitted is None:
                 code = type(module).__call__  # what a recompile warning names: the model's code
-                jitted = jax.jit(functools.partial(self._module_walk_staged, structure, code))
+                jitted = jax.jit(functools.partial(_module_walk_staged, key, code))
             with contextlib.suppress(TypeError):
-                self.jits[structure] = jitted
-                while len(self.jits) > max_programs():
-                    self.jits.popitem(last=False)
-            self.last = (structure, jitted)
+                _module_jits[key] = jitted
+                while len(_module_jits) > max_programs():
+                    _module_jits.popitem(last=False)
+        self.last = ((shape, aux), jitted)
         return jitted
+
+
+# The jits of instrumented modules' eager calls, by (kind, policy, gives, walk,
+# structure), the most recent last: a model switched between training and
+# evaluation keeps both programs, and a fresh transformed function finds its own.
+_module_jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_module_jits_lock = threading.Lock()
+_calls = threading.local()  # `stage`: how far this thread's dispatched call traced
+
+
+def _module_walk_staged(
+    key: Any,
+    code: Any,
+    leaves: tuple[Any, ...],
+    plants: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The walk of an instrumented module merged from ``leaves`` (see `EagerModuleDispatch`)."""
+    call = _calls.stage
+    call[0] = _TRACING
+    kind, policy, gives, run_walk, shape, aux = key
+    given = (plants, args, kwargs)
+    if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(given))) or not (
+        holds_no_nodes(given)
+    ):
+        call[0] = _TRACED
+        raise _Refused
+    alike = (policy, gives, shape, aux, jax.tree_util.tree_structure(given))
+    note_trace(code, leaves, alike)
+
+    def walk(module: Any) -> Any:
+        copy = kind.tree_unflatten(aux, (module,))
+        return run_walk(copy, policy, gives != "out", plants, args, kwargs, finish=False)
+
+    (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
+    reaped = _Reaped.of(flat)
+    call[0] = _TRACED
+    # No state changed (a plain forward): nothing to hand out, nothing to write back.
+    return (out if gives != "reaps" else None), reaped, (changes if changes.paths else None)
