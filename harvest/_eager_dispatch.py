@@ -28,8 +28,10 @@ structural change re-splits), and the jit's arguments are the state's arrays
 as one flat tuple, the plants and the call's arguments. The split's graph
 and state definitions and the instrumented target's static part are the
 structure, compared by identity first (a kept split hands its definitions
-back), then by equality against a few kept jits (a model switched between
-training and evaluation keeps both programs). Inside the trace, fresh nodes
+back), then by equality against the jits kept for every transformed function
+(`_module_jits`, at most ``max_programs``): a model switched between training
+and evaluation keeps both programs, and ``reap(instrument(model))`` written
+afresh at each call, or for another model of the same structure, finds its own. Inside the trace, fresh nodes
 are merged from the traced state and walked; what the walk changed or added
 in them (RNG counts, batch statistics, ``nnx.Intermediate``s) leaves the jit
 as data and is written back to the caller's module after the call
