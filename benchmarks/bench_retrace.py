@@ -19,6 +19,9 @@ reference):
   `jax.jit` of the functional forward on the split state, and vs the same
   capture under `jax.jit` on the split state (the compiled work alone, every
   site's output included), at the tiny width and at a realistic one (d=256);
+  at the tiny width also with a Python flag among the arguments, which JAX's
+  dispatch cannot take (`harvest/_eager_dispatch.py`), so the call takes
+  harvest's own path (the same split, the call keyed in Python);
 * steady at the realistic width: the capture under `jax.jit` on the split state
   vs the functional forward (every site's output against the output alone);
 * first call at the realistic width: the eager capture after
@@ -166,6 +169,22 @@ def eager(width, cfg, first=False):
             TARGETS["eager"] if width == cfg.tiny_width else None,
         )
     ]
+    if width == cfg.tiny_width:
+        # With a Python flag (static to harvest, which `jax.jit` would trace), the call goes
+        # harvest's own way: the same split and compiled capture, keyed in Python.
+        flagged = reap(instrument(Flagged(model)), tag="modules")
+        np.testing.assert_allclose(
+            flagged(x, True)["model.head"], functional(state, x), rtol=1e-4, atol=1e-4
+        )
+        rows.append(
+            _row(
+                f"the same, with a Python flag argument (harvest's own path), d={width}",
+                "`jax.jit` of the functional forward",
+                _timing.ratio(
+                    lambda: flagged(x, True), lambda: functional(state, x), cfg.repeats, cfg.calls
+                ),
+            )
+        )
     # The same capture compiled by hand on the split state: what is left is harvest's Python.
     jitted = jax.jit(
         lambda state, x: reap(instrument(nnx.merge(graphdef, state)), tag="modules")(x)
@@ -202,6 +221,16 @@ def eager(width, cfg, first=False):
             ),
         ]
     return rows
+
+
+class Flagged(nnx.Module):
+    """The model called with a Python flag it ignores: JAX's dispatch cannot take the call."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x, flag):
+        return self.model(x)
 
 
 class LinenBlock(linen.Module):
@@ -319,6 +348,10 @@ def render(rows: list[dict]) -> list[str]:
         "The eager rows run after the sweeps, whose model has the same structure as theirs:",
         "as for a user holding two such models, both splits share one graph definition, so",
         "the compile-cache lookup compares it by identity (before, node by node: some 3 ms a call).",
+        "An eager call of an instrumented NNX module runs through one `jax.jit` the capture keeps:",
+        "the kept split, checked at each call, hands its state's arrays over as one flat tuple",
+        "that JAX's C++ dispatch matches, and the state the call changes is written back after it;",
+        "the flag row is the same call taking harvest's own path (flattened and keyed in Python).",
         "",
         "| measure | reference | ours (ms) | reference (ms) | ratio | target |",
         "|---|---|---|---|---|---|",

@@ -179,8 +179,11 @@ class _Split:
     Each node's attributes are kept by identity (a layer replaced, an attribute
     added, a flag flipped changes one; a list or dict among them by its items
     too), and the values themselves are held so that no identity is reused
-    while the split is kept; the top nodes are held weakly. The state is read
-    from the variables at each call, so weights changed in place are seen.
+    while the split is kept; the top nodes are held weakly. Each node's and
+    variable's class is kept too, and the attributes are read from each node's
+    ``__dict__`` at each check (a class or a whole ``__dict__`` assigned past
+    NNX's ``__setattr__`` changes no attribute). The state is read from the
+    variables at each call, so weights changed in place are seen.
     """
 
     def __init__(self, nnx: Any, nodes: tuple[Any, ...], graphdef: Any, state: Any) -> None:
@@ -220,6 +223,7 @@ class _Split:
         # The attribute dicts themselves (an object keeps its own), so a check is
         # two passes at C speed; holding the values keeps their identities unused.
         self.attrs = [vars(o) for o in (*nodes, *self.inner) if hasattr(o, "__dict__")]
+        self.classes = list(map(type, (*nodes, *self.inner, *self.variables)))
         self.lengths, self.names, self.values = _attribute_layout(self.attrs)
         self.items = [
             (a, name, _item_ids(value), tuple(value.values() if isinstance(value, dict) else value))
@@ -232,7 +236,13 @@ class _Split:
         return (
             len(nodes) == len(self.tops)
             and all(t() is n for t, n in zip(self.tops, nodes))
-            and _same_layout(_attribute_layout(self.attrs), self.lengths, self.names, self.values)
+            and list(map(type, itertools.chain(nodes, self.inner, self.variables))) == self.classes
+            and _same_layout(
+                _attribute_layout(list(map(vars, itertools.chain(nodes, self.inner)))),
+                self.lengths,
+                self.names,
+                self.values,
+            )
             and all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
         )
 
@@ -429,6 +439,20 @@ def call_merged(
         tuple(p for p, _ in changed), tuple(v for _, v in changed), held_states((f, args, kwargs))
     )
     return out, changes, [before.get(p) for p in changes.paths]
+
+
+def split_of(nodes: tuple[Any, ...]) -> Graph:
+    """The split of ``nodes`` (NNX graph nodes), the kept one while their structure holds
+    (as `split_nodes` gives it for a call holding exactly these nodes)."""
+    return _split_cache.graph(_nnx(), nodes)
+
+
+def call_on_merged(f: Any, graph: Graph, count: int) -> tuple[Any, Changes]:
+    """``f(*nodes)`` on fresh nodes merged from ``graph`` (a split of ``count`` nodes);
+    returns its output and the state it changed or added in them, as `call_merged`."""
+    out, changes, _ = call_merged(f, tuple(map(_Node, range(count))), {}, graph)
+    assert changes is not None  # a graph was merged: its changes are told
+    return out, changes
 
 
 _measuring = threading.local()

@@ -96,6 +96,11 @@ def set_compile_cache(
     return before
 
 
+def max_programs() -> int:
+    """How many keys each compile cache keeps (see `set_compile_cache`)."""
+    return _settings["max_programs"]
+
+
 # -- how often each function's code was traced, for the one-time warning --------
 
 # Keyed by (code, shapes, alike), the most recent kept: a long process tracing many

@@ -1,4 +1,4 @@
-"""Eager calls of an instrumented function through JAX's own dispatch: one cached `jax.jit`.
+"""Eager calls of an instrumented function or NNX module through JAX's own dispatch: one cached `jax.jit`.
 
 Harvest's own path for an eager call (`_transforms.run_walk`) flattens the
 call's parts and builds and compares its compile-cache key in Python: for a
@@ -19,6 +19,24 @@ here at each call: a new structure (a value rebound) gets a jit of its own,
 replacing the last. The first call traces and compiles once, as harvest's
 own path would.
 
+An instrumented NNX module (`EagerModuleDispatch`) is not flattened as a
+pytree (NNX's Python flatten of every node and variable costs more than the
+call): it is split as harvest's own path splits it, through the kept split
+(`_calling._SplitCache`, whose check at each call sees every attribute of
+every node by identity, so weights changed in place are read and any
+structural change re-splits), and the jit's arguments are the state's arrays
+as one flat tuple, the plants and the call's arguments. The split's graph
+and state definitions and the instrumented target's static part are the
+structure, compared by identity first (a kept split hands its definitions
+back), then by equality against the jits kept for every transformed function
+(`_module_jits`, at most ``max_programs``): a model switched between training
+and evaluation keeps both programs, and ``reap(instrument(model))`` written
+afresh at each call, or for another model of the same structure, finds its own. Inside the trace, fresh nodes
+are merged from the traced state and walked; what the walk changed or added
+in them (RNG counts, batch statistics, ``nnx.Intermediate``s) leaves the jit
+as data and is written back to the caller's module after the call
+(`_calling.write_back`, as harvest's own path does).
+
 Where `jax.jit` would take an argument otherwise than harvest's convention
 does, the call goes harvest's own way, and so does every later call of that
 transformed function (this one is then known not to be served):
@@ -28,8 +46,11 @@ transformed function (this one is then known not to be served):
   value (a JAX array of that kind too, to be safe);
 * a leaf that is not an array (a string, a callable), which `jax.jit` refuses
   before it traces;
-* an NNX graph node or an object with state of its own (`Stateful`), whose
-  state a harvest call writes back to the caller's objects;
+* an NNX graph node among the arguments or plants, or an object with state
+  of its own (`Stateful`), whose state a harvest call writes back to the
+  caller's objects (an instrumented module's own state is written back here);
+* for a module, a state holding anything but arrays (a Python number in a
+  variable, which harvest traces as data), this call only;
 * a program that fails after its trace (a primitive without a lowering).
 
 An error raised while tracing the walk (a misspelt ``allowlist`` name, say)
@@ -39,7 +60,10 @@ holding anything but arrays (callables, numbers) go harvest's own way too.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +71,15 @@ import jax
 import numpy as np
 
 from . import _jax
-from ._calling import array_flags, holds_no_nodes, reveal_static
-from ._compile_cache import note_trace
+from ._calling import (
+    array_flags,
+    call_on_merged,
+    holds_no_nodes,
+    reveal_static,
+    split_of,
+    write_back,
+)
+from ._compile_cache import max_programs, note_trace
 from ._paths import nested_dict
 
 NOT_TAKEN: Any = object()  # what a dispatch returns for a call it leaves to harvest's own path
@@ -76,9 +107,9 @@ class EagerDispatch:
         self.reap, self.out = gives != "out", gives != "reaps"
         self.served = True  # False once a call was found that this jit cannot serve
         self.stage = _WAITING  # how far the current call's trace got (a trace runs only on a miss)
-        # The function's structure (what it closes over, but arrays) and the jit for it.
-        self.structure: Any = None
-        self.jitted: Any = None
+        # The function's structure (what it closes over, but arrays) and the jit for it, as
+        # one pair, read once by a call: another thread may replace it meanwhile.
+        self.last: tuple[Any, Any] = (None, None)
 
     def _walk_staged(
         self,
@@ -99,8 +130,9 @@ class EagerDispatch:
         alike = (self.policy, self.reap, jax.tree_util.tree_structure((plants, args, kwargs)))
         note_trace(getattr(f, "target", f), leaves, alike)
         out, flat = self.run_walk(f, self.policy, self.reap, plants, args, kwargs, finish=False)
+        reaped = _Reaped.of(flat)
         self.stage = _TRACED
-        return (out if self.out else None), flat
+        return (out if self.out else None), reaped
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
@@ -112,18 +144,60 @@ class EagerDispatch:
             # The function is flattened and its structure compared here, not by JAX, whose
             # C++ path hashes and compares a Python node's data at some 50 µs a call more.
             children, structure = self.f.tree_flatten()
-            if self.jitted is None or structure != self.structure:
+            last, jitted = self.last
+            if jitted is None or structure != last:
                 # A value it closes over rebound: a jit of its own (the last one's programs go).
-                self.structure = structure
-                self.jitted = jax.jit(functools.partial(self._walk_staged, structure))
-            out, flat = self.jitted(children, plants, args, kwargs)
+                jitted = jax.jit(functools.partial(self._walk_staged, structure))
+                self.last = (structure, jitted)
+            out, flat = jitted(children, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.
             if self.stage != _TRACING:
                 self.served = False
             return NOT_TAKEN
-        return reveal_static(out), nested_dict(flat)
+        return (reveal_static(out) if self.out else None), flat.reaps
+
+
+class _Reaped:
+    """A walk's reaps leaving the jit as the dict a caller gets: a pytree whose
+    structure holds their paths (in program order) and, when no name is scoped,
+    the names, so that JAX's unflattening of the outputs builds the dict (at C
+    speed, for one level of names) and no pass over it follows."""
+
+    __slots__ = ("names", "paths", "reaps")
+
+    def __init__(self, paths: tuple[Any, ...], names: tuple[str, ...] | None, values: Any) -> None:
+        self.paths, self.names = paths, names
+        values = list(values)
+        if names is not None:
+            self.reaps = dict(zip(names, values))
+        else:
+            self.reaps = nested_dict(dict(zip(paths, values)))
+
+    @classmethod
+    def of(cls, flat: dict[tuple[str, ...], Any]) -> _Reaped:
+        """The reaps ``{path: value}`` (a walk's, in program order); the paths of
+        nested names are checked here, while tracing."""
+        paths = tuple(flat)
+        names = tuple(p[0] for p in paths) if all(len(p) == 1 for p in paths) else None
+        return cls(paths, names, flat.values())
+
+    def values(self) -> list[Any]:
+        if self.names is not None:
+            return list(self.reaps.values())
+        return [_at(self.reaps, path) for path in self.paths]
+
+
+def _at(nested: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for key in path:
+        nested = nested[key]
+    return nested
+
+
+jax.tree_util.register_pytree_node(
+    _Reaped, lambda r: (r.values(), (r.paths, r.names)), lambda aux, v: _Reaped(*aux, v)
+)
 
 
 def _maybe_a_python_scalar(leaf: Any) -> bool:
@@ -132,3 +206,123 @@ def _maybe_a_python_scalar(leaf: Any) -> bool:
     if aval is None:
         return True
     return aval.shape == () and (getattr(aval, "weak_type", False) or aval.dtype == np.bool_)
+
+
+class EagerModuleDispatch(EagerDispatch):
+    """An instrumented NNX module's eager calls through one `jax.jit` per structure.
+
+    The module is split as harvest's own path splits it (the kept split, checked
+    at each call, `_calling._SplitCache`), and its state's arrays are the jit's
+    first argument: a flat tuple JAX's C++ path flattens and matches. The split's
+    graph and state definitions and the instrumented target's static part are
+    the structure, compared by identity first; inside the trace, fresh nodes are
+    merged from the traced state and an instrumented copy holding them is
+    walked, and the state the walk changed or added comes out as data, written
+    back to the caller's module after the call, as harvest's own path writes it.
+    The jits are shared by every transformed function of the same kind, policy
+    and structure (`_module_jits`), so ``reap(instrument(model))(x)`` written
+    afresh at each call, or for another model of that structure, traces once.
+    """
+
+    def __init__(self, f: Any, policy: Any, gives: str, run_walk: Callable[..., Any]) -> None:
+        super().__init__(f, policy, gives, run_walk)
+        self.kind = (
+            type(f),
+            policy,
+            gives,
+            run_walk,
+        )  # what the program depends on but the structure
+
+    def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
+            return NOT_TAKEN
+        if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
+            return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
+        call = _calls.__dict__.setdefault(
+            "stage", [_WAITING]
+        )  # this thread's call, as the trace left it
+        call[0] = _WAITING
+        try:
+            (module,), aux = self.f.tree_flatten()
+            apart = split_of((module,)).apart()
+            if apart is None:
+                return NOT_TAKEN  # numbers or other values in its state: traced harvest's way
+            shape, leaves = apart
+            jitted = self._jit_for(shape, aux, module)
+            out, reaped, changes = jitted(leaves, plants, args, kwargs)
+        except Exception:
+            # An error of the walk's own trace is raised again by harvest's path; any
+            # other failure means this jit cannot serve such calls.
+            if call[0] != _TRACING:
+                self.served = False
+            return NOT_TAKEN
+        if changes is not None:
+            write_back((module,), changes)
+        return (reveal_static(out) if self.out else None), reaped.reaps
+
+    def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
+        """The jit for this structure: the last one's if the split is the one it was
+        made for (by identity: a kept split gives its definitions back), else by equality."""
+        last, jitted = self.last
+        if (
+            last is not None
+            and last[0].graphdef is shape.graphdef
+            and last[0].statedef is shape.statedef
+            and last[1] == aux
+        ):
+            return jitted
+        key = (*self.kind, shape, aux)
+        with _module_jits_lock:
+            try:
+                jitted = _module_jits.pop(key, None)
+            except TypeError:  # a definition that cannot be hashed: its jit is not kept
+                jitted = None
+            if jitted is None:
+                code = type(module).__call__  # what a recompile warning names: the model's code
+                jitted = jax.jit(functools.partial(_module_walk_staged, key, code))
+            with contextlib.suppress(TypeError):
+                _module_jits[key] = jitted
+                while len(_module_jits) > max_programs():
+                    _module_jits.popitem(last=False)
+        self.last = ((shape, aux), jitted)
+        return jitted
+
+
+# The jits of instrumented modules' eager calls, by (kind, policy, gives, walk,
+# structure), the most recent last: a model switched between training and
+# evaluation keeps both programs, and a fresh transformed function finds its own.
+_module_jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+_module_jits_lock = threading.Lock()
+_calls = threading.local()  # `stage`: how far this thread's dispatched call traced
+
+
+def _module_walk_staged(
+    key: Any,
+    code: Any,
+    leaves: tuple[Any, ...],
+    plants: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The walk of an instrumented module merged from ``leaves`` (see `EagerModuleDispatch`)."""
+    call = _calls.stage
+    call[0] = _TRACING
+    kind, policy, gives, run_walk, shape, aux = key
+    given = (plants, args, kwargs)
+    if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(given))) or not (
+        holds_no_nodes(given)
+    ):
+        call[0] = _TRACED
+        raise _Refused
+    alike = (policy, gives, shape, aux, jax.tree_util.tree_structure(given))
+    note_trace(code, leaves, alike)
+
+    def walk(module: Any) -> Any:
+        copy = kind.tree_unflatten(aux, (module,))
+        return run_walk(copy, policy, gives != "out", plants, args, kwargs, finish=False)
+
+    (out, flat), changes = call_on_merged(walk, shape.filled(leaves), 1)
+    reaped = _Reaped.of(flat)
+    call[0] = _TRACED
+    # No state changed (a plain forward): nothing to hand out, nothing to write back.
+    return (out if gives != "reaps" else None), reaped, (changes if changes.paths else None)

@@ -44,7 +44,7 @@ from ._calling import (
     is_array,
     with_closure,
 )
-from ._eager_dispatch import EagerDispatch
+from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
 from ._module_paths import (
@@ -564,9 +564,11 @@ class Instrumented:
     def harvest_eager_dispatch(self, policy, gives, run_walk):
         """How a transformation of this target is called eagerly: a function's
         calls through one `jax.jit` (`_eager_dispatch`); None: harvest's own way."""
-        if self._kind != "function":
-            return None
-        return EagerDispatch(self, policy, gives, run_walk)
+        if self._kind == "function":
+            return EagerDispatch(self, policy, gives, run_walk)
+        if self._kind == "nnx":
+            return EagerModuleDispatch(self, policy, gives, run_walk)
+        return None
 
     def _nothing_sown(self):
         if self._where is not None:
