@@ -226,21 +226,15 @@ class EagerModuleDispatch(EagerDispatch):
 
     def __init__(self, f: Any, policy: Any, gives: str, run_walk: Callable[..., Any]) -> None:
         super().__init__(f, policy, gives, run_walk)
-        self.kind = (
-            type(f),
-            policy,
-            gives,
-            run_walk,
-        )  # what the program depends on but the structure
+        # What the program depends on besides the structure.
+        self.kind = (type(f), policy, gives, run_walk)
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
             return NOT_TAKEN
         if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
             return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
-        call = _calls.__dict__.setdefault(
-            "stage", [_WAITING]
-        )  # this thread's call, as the trace left it
+        call = _calls.__dict__.setdefault("stage", [_WAITING])  # this thread's call's stage
         call[0] = _WAITING
         try:
             (module,), aux = self.f.tree_flatten()

@@ -152,10 +152,10 @@ def test_path_patching_equals_two_passes_by_hand(prompts):
 
 
 def test_path_patching_compiles_once_and_runs_under_jit():
-    traces = {"n": 0}
+    traces = []  # a list, keyed by identity: a dict or number f changes would re-trace it
 
     def f(x):
-        traces["n"] += 1
+        traces.append(None)
         a = sow(x * 2.0, name="a", mode="strict")
         b = sow(a + 1.0, name="b", mode="strict")
         return sow(a * b, name="c", mode="strict") + b
@@ -164,10 +164,9 @@ def test_path_patching_compiles_once_and_runs_under_jit():
     for x in (1.0, 2.0, 3.0):
         out = path_patching(f, {"a": 5.0}, "c", (jnp.float32(x),), freeze="b")
         assert float(out) == 5.0 * (2 * x + 1) + (2 * x + 1)
-    assert traces["n"] == 3  # three walks (freeze, pass 1, pass 2), each traced once
-    before = traces["n"]
+    assert len(traces) == 3  # three walks (freeze, pass 1, pass 2), each traced once
     path_patching(f, {"a": 5.0}, "c", (jnp.float32(4.0),), freeze="b")
-    assert traces["n"] == before
+    assert len(traces) == 3
     jitted = jax.jit(lambda x, s: path_patching(f, {"a": s}, "c", (x,), freeze="b"))
     assert float(jitted(jnp.float32(1.0), jnp.float32(5.0))) == 18.0
 
