@@ -57,8 +57,10 @@ class Config:
     tiny_width: int = 16
     wide_width: int = 256
     positions: int = 8
-    repeats: int = 7  # timings per side
-    calls: int = 5  # back-to-back calls per timing
+    # Timings per side and back-to-back calls per timing: the eager rows are ~1 ms a
+    # call, where 7 x 5 calls left their ratio to drift by ~0.2 between runs.
+    repeats: int = 15
+    calls: int = 20
     first_repeats: int = 3
 
 
@@ -339,7 +341,7 @@ def render(rows: list[dict]) -> list[str]:
         "transformer (`nnx.MultiHeadAttention` and an MLP per block), every block's output",
         "a site, swept over every (block, position). Ratios of medians, timed interleaved.",
         "A sweep returns while its program runs, as the hand-written `jit` does (its result",
-        "converts to NumPy when read), so the first row times five back-to-back calls of each",
+        "converts to NumPy when read), so the first row times twenty back-to-back calls of each",
         "side and waits for the last; the second row reads every call's numbers on the host",
         "(`.values`; `np.asarray` of the hand-written output) before the next call.",
         "What a sweep adds is Python per call, most of it the check that the module's",
