@@ -102,6 +102,15 @@ class _Plan:
     firsts: np.ndarray  # each target's first row, and the number of rows last
 
 
+def _planned(f, clean, corrupted_args, tag, names, axis, caller):
+    """A sweep's swept axes, its batches of (clean, corrupted arguments), and the
+    targets and `_Plan` of its first batch."""
+    axes = _swept_axes(axis, caller)
+    batches = _dataset(clean, corrupted_args, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    return axes, batches, targets, plan
+
+
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     """The sites to patch with their clean values, and the `_Plan` they follow.
 
@@ -590,15 +599,8 @@ def patching_sweep(
         (('h[0]', 'h[1]'), (2, 3))
     """
     caller = "patching_sweep"
-    axes = _swept_axes(axis, caller)
-    batches = _dataset(clean, corrupted_args, caller)
-    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    size, skipped, axis_labels, site_axes = (
-        plan.size,
-        plan.skipped,
-        plan.axis_labels,
-        plan.site_axes,
-    )
+    axes, batches, targets, plan = _planned(f, clean, corrupted_args, tag, names, axis, caller)
+    size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
     cells = 1 if size is None else int(np.prod(size))  # patches per row
@@ -648,8 +650,8 @@ def patching_sweep(
         names_,
         labels,
         axis,
-        skipped=skipped,
-        axis_labels=axis_labels,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
         wait=_waits(len(steps), baselines[0]),
     )
 
@@ -745,15 +747,8 @@ def attribution_patching(
                [2., 4., 6.]], dtype=float32)
     """
     caller = "attribution_patching"
-    axes = _swept_axes(axis, caller)
-    batches = _dataset(clean, corrupted_args, caller)
-    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
-    size, skipped, axis_labels, site_axes = (
-        plan.size,
-        plan.skipped,
-        plan.axis_labels,
-        plan.site_axes,
-    )
+    axes, batches, targets, plan = _planned(f, clean, corrupted_args, tag, names, axis, caller)
+    size, site_axes = plan.size, plan.site_axes
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
@@ -796,8 +791,8 @@ def attribution_patching(
         names_,
         labels,
         axis,
-        skipped=skipped,
-        axis_labels=axis_labels,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
         wait=_waits(len(batches), baselines[0]),
     )
 
