@@ -86,6 +86,7 @@ NOT_TAKEN: Any = object()  # what a dispatch returns for a call it leaves to har
 
 # Where the call being dispatched is: its trace of the walk started, or ended.
 _WAITING, _TRACING, _TRACED = range(3)
+_calls = threading.local()  # `stage`: how far this thread's dispatched call traced
 
 
 class _Refused(Exception):
@@ -106,7 +107,6 @@ class EagerDispatch:
         # (a model's logits, say) if it is not.
         self.reap, self.out = gives != "out", gives != "reaps"
         self.served = True  # False once a call was found that this jit cannot serve
-        self.stage = _WAITING  # how far the current call's trace got (a trace runs only on a miss)
         # The function's structure (what it closes over, but arrays) and the jit for it, as
         # one pair, read once by a call: another thread may replace it meanwhile.
         self.last: tuple[Any, Any] = (None, None)
@@ -119,27 +119,33 @@ class EagerDispatch:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        self.stage = _TRACING
         f = type(self.f).tree_unflatten(structure, children)
         tree = (f, plants, args, kwargs)
+        call = _trace_begins(tree)
         leaves = jax.tree_util.tree_leaves(tree)
-        if any(map(_maybe_a_python_scalar, leaves)) or not holds_no_nodes(tree):
-            self.stage = _TRACED
-            raise _Refused
         # Traces alike but for the values closed over count together, for the warning.
         alike = (self.policy, self.reap, jax.tree_util.tree_structure((plants, args, kwargs)))
         note_trace(getattr(f, "target", f), leaves, alike)
         out, flat = self.run_walk(f, self.policy, self.reap, plants, args, kwargs, finish=False)
         reaped = _Reaped.of(flat)
-        self.stage = _TRACED
+        call[0] = _TRACED
         return (out if self.out else None), reaped
 
-    def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _starts(self, plants: Any) -> list[int] | None:
+        """This thread's call's stage, reset, if this jit may serve a call planting
+        ``plants`` (None: harvest's own path)."""
         if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
-            return NOT_TAKEN
+            return None
         if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
-            return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
-        self.stage = _WAITING
+            return None  # callables and numbers: harvest makes them data its own way
+        call: list[int] = _calls.__dict__.setdefault("stage", [_WAITING])
+        call[0] = _WAITING
+        return call
+
+    def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = self._starts(plants)
+        if call is None:
+            return NOT_TAKEN
         try:
             # The function is flattened and its structure compared here, not by JAX, whose
             # C++ path hashes and compares a Python node's data at some 50 µs a call more.
@@ -153,7 +159,7 @@ class EagerDispatch:
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.
-            if self.stage != _TRACING:
+            if call[0] != _TRACING:
                 self.served = False
             return NOT_TAKEN
         return (reveal_static(out) if self.out else None), flat.reaps
@@ -200,6 +206,20 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def _trace_begins(tree: Any) -> list[int]:
+    """Marks this thread's dispatched call as tracing and returns its stage; raises
+    `_Refused` (marked traced) if ``tree`` holds what `jax.jit` takes otherwise than
+    harvest: a leaf that may have been a Python number or bool, or an NNX node."""
+    call: list[int] = _calls.stage
+    call[0] = _TRACING
+    if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(tree))) or not holds_no_nodes(
+        tree
+    ):
+        call[0] = _TRACED
+        raise _Refused
+    return call
+
+
 def _maybe_a_python_scalar(leaf: Any) -> bool:
     """Whether a traced leaf may have been a Python number or bool: a scalar weak-typed or bool."""
     aval = getattr(leaf, "aval", None)
@@ -230,12 +250,9 @@ class EagerModuleDispatch(EagerDispatch):
         self.kind = (type(f), policy, gives, run_walk)
 
     def __call__(self, plants: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
+        call = self._starts(plants)
+        if call is None:
             return NOT_TAKEN
-        if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
-            return NOT_TAKEN  # callables and numbers: harvest makes them data its own way
-        call = _calls.__dict__.setdefault("stage", [_WAITING])  # this thread's call's stage
-        call[0] = _WAITING
         try:
             (module,), aux = self.f.tree_flatten()
             apart = split_of((module,)).apart()
@@ -287,7 +304,6 @@ class EagerModuleDispatch(EagerDispatch):
 # evaluation keeps both programs, and a fresh transformed function finds its own.
 _module_jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 _module_jits_lock = threading.Lock()
-_calls = threading.local()  # `stage`: how far this thread's dispatched call traced
 
 
 def _module_walk_staged(
@@ -299,15 +315,9 @@ def _module_walk_staged(
     kwargs: dict[str, Any],
 ) -> Any:
     """The walk of an instrumented module merged from ``leaves`` (see `EagerModuleDispatch`)."""
-    call = _calls.stage
-    call[0] = _TRACING
     kind, policy, gives, run_walk, shape, aux = key
     given = (plants, args, kwargs)
-    if any(map(_maybe_a_python_scalar, jax.tree_util.tree_leaves(given))) or not (
-        holds_no_nodes(given)
-    ):
-        call[0] = _TRACED
-        raise _Refused
+    call = _trace_begins(given)
     alike = (policy, gives, shape, aux, jax.tree_util.tree_structure(given))
     note_trace(code, leaves, alike)
 

@@ -643,17 +643,7 @@ def patching_sweep(
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
-    names_, labels = plan.rows, _positions(size, axis)
-    shape = (len(names_),) + (() if size is None else size)
-    return _result(
-        functools.partial(_on_host, effects, baselines, shape),
-        names_,
-        labels,
-        axis,
-        skipped=plan.skipped,
-        axis_labels=plan.axis_labels,
-        wait=_waits(len(steps), baselines[0]),
-    )
+    return _result(plan, axis, effects, baselines, wait=_waits(len(steps), baselines[0]))
 
 
 def _waits(steps: int, baseline: Any) -> bool:
@@ -674,11 +664,21 @@ def _on_host(
 
 
 def _result(
-    finish: Callable[[], tuple[np.ndarray, float]], *fields: Any, wait: bool, **named: Any
+    plan: _Plan, axis: Any, effects: list[list[tuple[Any, int]]], baselines: list[Any], wait: bool
 ) -> PatchingResult:
-    """A sweep's result, its values ``finish()``'s: read when first needed (the
-    program still running), or now if ``wait``."""
-    result = PatchingResult._computing(finish, *fields, **named)
+    """A sweep's result, its values those of ``effects`` and ``baselines`` (see
+    `_on_host`): read when first needed (the program still running), or now if ``wait``."""
+    size = plan.size
+    shape = (len(plan.rows),) + (() if size is None else size)
+    finish = functools.partial(_on_host, effects, baselines, shape)
+    result = PatchingResult._computing(
+        finish,
+        plan.rows,
+        _positions(size, axis),
+        axis,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
+    )
     return result.block_until_ready() if wait else result
 
 
@@ -784,17 +784,7 @@ def attribution_patching(
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects.append([(values, len(values))])
         baselines.append(baseline)
-    names_, labels = plan.rows, _positions(size, axis)
-    shape = (len(names_),) + (() if size is None else size)
-    return _result(
-        functools.partial(_on_host, effects, baselines, shape),
-        names_,
-        labels,
-        axis,
-        skipped=plan.skipped,
-        axis_labels=plan.axis_labels,
-        wait=_waits(len(batches), baselines[0]),
-    )
+    return _result(plan, axis, effects, baselines, wait=_waits(len(batches), baselines[0]))
 
 
 def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None) -> jax.Array:
