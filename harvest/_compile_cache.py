@@ -32,17 +32,17 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import (
+from ._free_variables import static_key
+from ._interventions import TracedCode, pytree_dataclass
+from ._leaves import array_flags
+from ._nnx_state import (
     GraphShape,
-    array_flags,
     call_merged,
     changes_discarded,
     forget_verified_splits,
     holds_graph_nodes,
     split_nodes,
-    static_key,
 )
-from ._interventions import TracedCode, pytree_dataclass
 
 _settings = {"max_programs": 64, "warn_after": 32}
 

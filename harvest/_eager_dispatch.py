@@ -14,7 +14,7 @@ key holds the trees' structures and the arrays' shapes and dtypes; the
 instrumented function's flattening (`Instrumented.tree_flatten`) gives what
 the function closes over and the module-level values it reads, its arrays
 as children (traced) and its other values, by identity and value
-(`_calling.closure_of`, `globals_read`), in its structure, which is compared
+(`_free_variables.closure_of`, `globals_read`), in its structure, which is compared
 here at each call: a new structure (a value rebound) gets a jit of its own,
 replacing the last. The first call traces and compiles once, as harvest's
 own path would.
@@ -22,7 +22,7 @@ own path would.
 An instrumented NNX module (`EagerModuleDispatch`) is not flattened as a
 pytree (NNX's Python flatten of every node and variable costs more than the
 call): it is split as harvest's own path splits it, through the kept split
-(`_calling._SplitCache`, whose check at each call sees every attribute of
+(`_nnx_state._SplitCache`, whose check at each call sees every attribute of
 every node by identity, so weights changed in place are read and any
 structural change re-splits), and the jit's arguments are the state's arrays
 as one flat tuple, the plants and the call's arguments. The split's graph
@@ -35,7 +35,7 @@ afresh at each call, or for another model of the same structure, finds its own. 
 are merged from the traced state and walked; what the walk changed or added
 in them (RNG counts, batch statistics, ``nnx.Intermediate``s) leaves the jit
 as data and is written back to the caller's module after the call
-(`_calling.write_back`, as harvest's own path does).
+(`_nnx_state.write_back`, as harvest's own path does).
 
 Where `jax.jit` would take an argument otherwise than harvest's convention
 does, the call goes harvest's own way, and so does every later call of that
@@ -71,16 +71,11 @@ import jax
 import numpy as np
 
 from . import _jax
-from ._calling import (
-    array_flags,
-    call_on_merged,
-    holds_no_nodes,
-    reveal_static,
-    split_of,
-    write_back,
-)
 from ._compile_cache import max_programs, note_trace
+from ._leaves import array_flags, reveal_static
+from ._nnx_state import call_on_merged, split_of, write_back
 from ._paths import nested_dict
+from ._stateful import holds_no_nodes
 
 NOT_TAKEN: Any = object()  # what a dispatch returns for a call it leaves to harvest's own path
 
@@ -232,7 +227,7 @@ class EagerModuleDispatch(EagerDispatch):
     """An instrumented NNX module's eager calls through one `jax.jit` per structure.
 
     The module is split as harvest's own path splits it (the kept split, checked
-    at each call, `_calling._SplitCache`), and its state's arrays are the jit's
+    at each call, `_nnx_state._SplitCache`), and its state's arrays are the jit's
     first argument: a flat tuple JAX's C++ path flattens and matches. The split's
     graph and state definitions and the instrumented target's static part are
     the structure, compared by identity first; inside the trace, fresh nodes are

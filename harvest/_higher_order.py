@@ -9,7 +9,7 @@ around bodies that another evaluator supplies. Each family in `_rules/`
 declares its primitives' descriptors with `declare`, next to its walk rule.
 
 Site listing (`_inspect`), occurrence counting (`_occurrences`), op sites,
-the calling convention (`_calling`), batched conds and the PPL evaluators
+the calling convention (`_tracing`), batched conds and the PPL evaluators
 read these descriptors; none of them names a primitive. So two tools cannot
 disagree about how often a body runs.
 """

@@ -13,11 +13,11 @@ import jax
 import numpy as np
 
 from . import _errors
-from ._calling import make_jaxpr
 from ._higher_order import UNBOUNDED, bodies
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
+from ._tracing import make_jaxpr
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,18 +35,11 @@ import jax.numpy as jnp
 
 from . import _attention, _errors
 from ._attention import HOOKS
-from ._calling import (
-    Held,
-    Stateful,
-    closure_of,
-    globals_read,
-    in_flattening_call,
-    is_array,
-    with_closure,
-)
 from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
+from ._free_variables import StaticValue, closure_of, globals_read, with_closure
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
+from ._leaves import is_array
 from ._module_paths import (
     describe,
     frozen_variables,
@@ -60,6 +53,7 @@ from ._module_paths import (
 from ._op_sites import INSTRUMENT_MODE, sow_ops
 from ._primitive import sow_p
 from ._sow import non_array
+from ._stateful import Stateful, in_flattening_call
 from ._typing import NameSelect, P, R
 
 # ---------------------------------------------------------------------------
@@ -644,7 +638,7 @@ _CHILD = object()  # in a closure's layout: the value is a child, not held in th
 def _closure_flat(target):
     """(children, layout) of what a function target closes over and reads from its
     module, as harvest takes a plain function's (`closure_of`, `globals_read`): arrays,
-    containers of them and NNX nodes as children, every other value `Held` in the
+    containers of them and NNX nodes as children, every other value `StaticValue` in the
     layout, so the compile-cache key sees a value rebound; None for a target that
     is not a plain function or reads nothing (a bound method's object is the key)."""
     if not inspect.isfunction(target):
@@ -653,19 +647,19 @@ def _closure_flat(target):
     if not cells and not reads:
         return None
     values = (*cells, *(value for _, value in reads))
-    held = tuple(v if isinstance(v, Held) else _CHILD for v in values)
-    children = [v for v in values if not isinstance(v, Held)]
+    held = tuple(v if isinstance(v, StaticValue) else _CHILD for v in values)
+    children = [v for v in values if not isinstance(v, StaticValue)]
     return children, (len(cells), tuple(name for name, _ in reads), held)
 
 
 def _object_key(target):
     """What a target that is not a plain function is compared by beside itself: the
     object of a bound method, or a callable object, by its attributes' values (see
-    `_calling.static_key`), so an attribute rebound (a new weight array) re-traces."""
+    `_free_variables.static_key`), so an attribute rebound (a new weight array) re-traces."""
     owner = target.__self__ if inspect.ismethod(target) else target
     if type(owner).__hash__ is not object.__hash__ or inspect.isroutine(owner):
         return None  # hashed by its values (a Linen module), or code: itself is its key
-    return Held(owner)
+    return StaticValue(owner)
 
 
 def _closure_filled(target, layout, children):

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
-from ._calling import Held, is_array, static_key
+from ._free_variables import StaticValue, static_key
+from ._leaves import is_array
 from ._typing import T, dataclass_transform
 
 if TYPE_CHECKING:
@@ -385,7 +386,7 @@ class TracedCode:
             try:
                 cells.append(_as_part(cell.cell_contents, depth))
             except ValueError:  # a cell not yet filled (a name assigned after the def)
-                cells.append(Held(_EMPTY_CELL))
+                cells.append(StaticValue(_EMPTY_CELL))
         space = fn.__globals__
         names = _names_read(fn.__code__)
         parts = (
@@ -434,19 +435,19 @@ jax.tree_util.register_pytree_node_class(TracedCode)
 
 def _as_part(value: Any, depth: int) -> Any:
     """A value ``fn`` reads, as a pytree whose arrays are traced and whose other
-    leaves are keyed by value; ``Held`` (by identity) when it cannot be keyed."""
+    leaves are keyed by value; ``StaticValue`` (by identity) when it cannot be keyed."""
     if is_array(value) or _is_node(value):
         return value
     if inspect.isfunction(value) and depth > 0:
         return TracedCode.of(value, depth - 1)
     leaves, _ = jax.tree_util.tree_flatten(value, is_leaf=_is_node)
     if leaves == [value]:
-        return value if _keyable(value) else Held(value)
+        return value if _keyable(value) else StaticValue(value)
     # A container: taken apart if its every leaf can be traced or keyed (a list
     # the function appends to stays the caller's list, held by identity).
     if leaves and all(is_array(l) or _is_node(l) or _keyable(l) for l in leaves):
         return jax.tree_util.tree_map(lambda l: _as_part(l, depth), value, is_leaf=_is_node)
-    return Held(value)
+    return StaticValue(value)
 
 
 def _keyable(value: Any) -> bool:
@@ -531,7 +532,7 @@ class _CodeShape:
 
 def _value(part: Any) -> Any:
     """What ``_as_part`` made of a value, back as the value."""
-    if isinstance(part, Held):
+    if isinstance(part, StaticValue):
         return part.value
     if isinstance(part, TracedCode):
         return part.function()

@@ -19,11 +19,14 @@ from __future__ import annotations
 import jax
 
 from . import _jax
-from ._calling import make_jaxpr, reveal_static, split_nodes, stateful_objects, write_back
 from ._evaluator import evaluate
 from ._higher_order import describe
+from ._leaves import reveal_static
 from ._modes import AUTO
+from ._nnx_state import split_nodes, write_back
 from ._primitive import sow_p
+from ._stateful import stateful_objects
+from ._tracing import make_jaxpr
 
 INSTRUMENT_MODE = (
     AUTO.name

@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _attention, _errors
-from ._calling import _ARRAY_TYPES, splits_verified_once
 from ._compile_cache import compile_program
 from ._interpreter import NameFilter
 from ._interventions import (
@@ -30,6 +29,8 @@ from ._interventions import (
     PatchWhere,
     axis_size,
 )
+from ._leaves import ARRAY_TYPES
+from ._nnx_state import splits_verified_once
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._site import Site
@@ -174,7 +175,7 @@ def _plan_key(found, tag, auto, names, axes, caller, clean):
 def _value_shape(value: Any) -> Any:
     """What the checks of a clean value look at: its structure and each leaf's
     type and, for an array, shape and dtype (else the leaf's value)."""
-    if type(value) in _ARRAY_TYPES:  # the common case, one array: no flatten
+    if type(value) in ARRAY_TYPES:  # the common case, one array: no flatten
         return type(value), _abstract(value)
     leaves, tree = jax.tree_util.tree_flatten(value)
     return tree, tuple((type(leaf), _abstract(leaf)) for leaf in leaves)

@@ -12,7 +12,7 @@ import numpy as np
 from jax.tree_util import PyTreeDef
 
 from . import _errors, _jax
-from ._calling import is_array
+from ._leaves import is_array
 from ._modes import MODES, Mode
 from ._module_paths import is_named_array
 from ._paths import path_str

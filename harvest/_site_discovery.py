@@ -24,18 +24,12 @@ from typing import Any
 import jax
 
 from . import _jax
-from ._calling import (
-    GraphShape,
-    closure_of,
-    forget_verified_splits,
-    globals_read,
-    is_array,
-    make_jaxpr,
-    split_nodes,
-    static_key,
-)
+from ._free_variables import closure_of, globals_read, static_key
 from ._inspect import sow_firings
+from ._leaves import is_array
+from ._nnx_state import GraphShape, forget_verified_splits, split_nodes
 from ._site import Site
+from ._tracing import make_jaxpr
 from ._transforms import _unwrap
 
 # One sow site's firing: (site, the bodies it is in, how often it fires, how many rows reap stacks).

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import is_array
+from ._leaves import is_array
 from ._modes import COND_CLOBBER, PUBLIC_MODES
 from ._primitive import sow_p
 from ._typing import SowMode, T

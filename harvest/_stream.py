@@ -21,13 +21,13 @@ from typing import Any
 import jax
 
 from . import _errors
-from ._calling import make_jaxpr
 from ._inspect import sow_equations
 from ._interpreter import NameFilter
 from ._paths import nested_dict, path_str
 from ._primitive import sow_p
 from ._site import Site
 from ._sow import DEFAULT_TAG
+from ._tracing import make_jaxpr
 from ._transforms import plant
 from ._typing import NameSelect, P, R
 

@@ -12,7 +12,7 @@ do, so harvesting fresh closures in a loop does not pile up programs. Bound
 methods and `functools.partial` are unwrapped to their function; what they
 bind (the object, the partial's arguments) is passed as data, its arrays
 traced and the rest part of the cache key. Flax NNX graph nodes among that
-data are split into a static graph and traced state (see `_calling`).
+data are split into a static graph and traced state (see `_tracing`).
 """
 
 from __future__ import annotations
@@ -32,38 +32,27 @@ import jax
 import jax.numpy as jnp
 
 from . import _errors, _jax
-from ._calling import (
-    GraphShape,
-    array_flags,
-    closure_of,
-    flattening_call,
-    globals_read,
-    holds_no_nodes,
-    is_array,
-    make_jaxpr,
-    reveal_static,
-    split_nodes,
-    stateful_objects,
-    static_key,
-    with_closure,
-    write_back,
-)
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
 from ._eager_dispatch import NOT_TAKEN
+from ._free_variables import closure_of, globals_read, static_key, with_closure
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
+from ._leaves import array_flags, is_array, reveal_static
+from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow import DEFAULT_TAG
+from ._stateful import flattening_call, holds_no_nodes, stateful_objects
+from ._tracing import make_jaxpr
 from ._typing import NameSelect, P, Plants, R, Reaped
 
 
 def _is_traced(leaf, data):
-    """Arrays are traced (see `_calling`); so are numbers given as planted values
+    """Arrays are traced (see `_tracing`); so are numbers given as planted values
     or held in NNX state, which are data, not configuration: sweeping them does
     not recompile."""
     return is_array(leaf) or (data and isinstance(leaf, numbers.Number) and _traceable(leaf))
@@ -77,7 +66,7 @@ def _traceable(number):
     return not isinstance(number, int) or -(2**31) <= number < 2**31
 
 
-class _Static:
+class _CallKey:
     """Everything about a call that is not an array: the jit cache key, hashed
     once (a call looks it up twice: whether it can be cached, and its program)."""
 
@@ -111,7 +100,7 @@ class _Static:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Static) and self._fields == other._fields
+        return isinstance(other, _CallKey) and self._fields == other._fields
 
 
 # -- the callable, split into a plain function and the data bound to it ------
@@ -146,9 +135,9 @@ class _Call(NamedTuple):
     plants: Any
     args: tuple
     kwargs: dict
-    graph: Any  # the NNX graph nodes' split state (see `_calling`)
-    cells: tuple  # what the function closes over (see `_calling.closure_of`)
-    globals: tuple  # the module-level values it reads, keyed (see `_calling.globals_read`)
+    graph: Any  # the NNX graph nodes' split state (see `_tracing`)
+    cells: tuple  # what the function closes over (see `_free_variables.closure_of`)
+    globals: tuple  # the module-level values it reads, keyed (see `_free_variables.globals_read`)
 
 
 # The parts whose numbers are data, traced rather than static.
@@ -171,7 +160,7 @@ def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
     return traced
 
 
-def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
+def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset()):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -386,7 +375,7 @@ def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
         leaves, treedef = jax.tree_util.tree_flatten(call_parts)
         traced = _traced_leaves(leaves, treedef)
     dynamic = [*itertools.compress(leaves, traced), *state]
-    static = _Static(
+    static = _CallKey(
         treedef,
         tuple(
             (i, type(leaves[i]), leaves[i], static_key(leaves[i]))

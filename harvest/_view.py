@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 
 from . import _errors
-from ._calling import make_jaxpr
 from ._higher_order import bodies as _descriptor_bodies
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
+from ._tracing import make_jaxpr
 
 _COUNTER = itertools.count()
 

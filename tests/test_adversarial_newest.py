@@ -37,7 +37,7 @@ def test_a_closed_over_config_of_numbers_mutated_between_calls_is_read_again():
 
 
 def test_a_list_the_function_appends_to_is_not_a_key():
-    # A list is keyed by identity (see `_calling.static_key`): a log of traces.
+    # A list is keyed by identity (see `_free_variables.static_key`): a log of traces.
     traces = []
 
     def f(x):

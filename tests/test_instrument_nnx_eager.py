@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import harvest._transforms as transforms
-from harvest import _calling, _instrument, call_and_reap, harvest, instrument, nest, plant, reap
+from harvest import _instrument, _nnx_state, call_and_reap, harvest, instrument, nest, plant, reap
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -79,14 +79,14 @@ def test_later_calls_neither_split_nor_trace_nor_go_harvests_own_way(monkeypatch
     capture = call_and_reap(instrument(model), tag="modules")
     check(capture, model)
     monkeypatch.setattr(transforms, "run_walk", _no_own_path)
-    walks, traces = _calling._split_cache.walks, Grown.traces
+    walks, traces = _nnx_state._split_cache.walks, Grown.traces
     for _ in range(3):
         check(capture, model)
-    assert (_calling._split_cache.walks, Grown.traces) == (walks, traces)
+    assert (_nnx_state._split_cache.walks, Grown.traces) == (walks, traces)
     model.first.kernel[...] = -model.first.kernel[...]  # in place: read, not split again
     model.layers[0].bias.value = jnp.full(3, 0.5, jnp.float32)  # (a weak type would retrace)
     check(capture, model)
-    assert (_calling._split_cache.walks, Grown.traces) == (walks, traces)
+    assert (_nnx_state._split_cache.walks, Grown.traces) == (walks, traces)
 
 
 def test_every_structural_change_through_nnx_is_seen(monkeypatch):

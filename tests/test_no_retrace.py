@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from harvest import (
-    _calling,
+    _leaves,
+    _nnx_state,
     _site_discovery,
     attribution_patching,
     call_and_reap,
@@ -178,10 +179,10 @@ def test_an_eager_call_after_the_first_does_not_split_the_graph():
     x = data()[0]
     capture = reap(model)
     capture(x)
-    walks = _calling._split_cache.walks
+    walks = _nnx_state._split_cache.walks
     for _ in range(3):
         reaped = capture(x)
-    assert _calling._split_cache.walks == walks
+    assert _nnx_state._split_cache.walks == walks
     close(reaped["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
     assert float(model.calls[...]) == 4.0  # the state the calls changed, written back each time
 
@@ -192,20 +193,20 @@ def test_an_eager_call_sees_weights_flags_and_layers_changed():
     capture = reap(model)
     capture(x)
     model.net.w1[...] = model.net.w1[...] * -1.0  # in place: no new split needed
-    walks = _calling._split_cache.walks
+    walks = _nnx_state._split_cache.walks
     close(capture(x)["a"], jnp.tanh(x @ model.net.w1[...]))
-    assert _calling._split_cache.walks == walks
+    assert _nnx_state._split_cache.walks == walks
     model.double = True  # a static flag: the structure changed
     close(reap(model)(x)["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
     doubled, _ = call_and_reap(model)(x)
     close(doubled, 2.0 * hand_forward(model.net.w1[...], model.net.w2[...], x)[0])
-    assert _calling._split_cache.walks > walks
+    assert _nnx_state._split_cache.walks > walks
     model.net = Net(width=6, seed=3)  # a layer replaced
     close(capture(x)["a"], jnp.tanh(x @ model.net.w1[...]))
     model.extra = nnx.Param(jnp.ones(2))  # an attribute added
-    before = _calling._split_cache.walks
+    before = _nnx_state._split_cache.walks
     close(capture(x)["b"], hand_forward(model.net.w1[...], model.net.w2[...], x)[1]["b"])
-    assert _calling._split_cache.walks == before + 1
+    assert _nnx_state._split_cache.walks == before + 1
     assert float(model.calls[...]) == 6.0  # every call counted, none twice
 
 
@@ -237,11 +238,11 @@ def test_the_caches_do_not_keep_a_module_alive():
     patching_sweep(model, clean, (x_corrupt,), metric)
     reap(model)(x_clean)
     gone = weakref.ref(model)
-    kept = len(_calling._split_cache.splits)
+    kept = len(_nnx_state._split_cache.splits)
     del model
     gc.collect()
     assert gone() is None
-    assert len(_calling._split_cache.splits) < kept
+    assert len(_nnx_state._split_cache.splits) < kept
 
 
 def test_a_layer_replaced_inside_a_closed_over_module_finds_the_sites_again(traces):
@@ -474,7 +475,7 @@ def test_a_second_model_of_the_same_structure_shares_the_program_and_reads_its_o
         close(reaped["b"], hand_forward(second.w1[...], second.w2[...], x)[1]["b"])
     assert Traced.runs == 1  # one trace served both models
     # The second split hands back the first's graph definition, so keys compare by identity.
-    assert _calling.split_nodes(second)[1].graphdef is _calling.split_nodes(first)[1].graphdef
+    assert _nnx_state.split_nodes(second)[1].graphdef is _nnx_state.split_nodes(first)[1].graphdef
 
 
 def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(monkeypatch):
@@ -482,13 +483,13 @@ def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(mo
     x_clean, x_corrupt = data()
     patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
     checks = [0]
-    real = _calling._Split.still_holds
+    real = _nnx_state._Split.still_holds
 
     def counted(self, nodes):
         checks[0] += 1
         return real(self, nodes)
 
-    monkeypatch.setattr(_calling._Split, "still_holds", counted)
+    monkeypatch.setattr(_nnx_state._Split, "still_holds", counted)
     clean = reap(model)(x_clean)
     checks[0] = 0
     patching_sweep(model, clean, (x_corrupt,), metric)
@@ -572,12 +573,12 @@ def test_a_type_is_told_a_graph_node_after_new_node_types_are_registered():
     class Plain:
         pass
 
-    assert not _calling._is_graph_node(Plain())
+    assert not _leaves.is_graph_node(Plain())
 
     class Later(nnx.Module):  # registered as a graph node type on definition
         pass
 
-    assert _calling._is_graph_node(Later()) and not _calling._is_graph_node(Plain())
+    assert _leaves.is_graph_node(Later()) and not _leaves.is_graph_node(Plain())
 
 
 # -- what an eager call's compile-cache key must see between calls --

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors, _jax
-from .._calling import reveal_static
 from .._evaluator import bind, evaluate
 from .._higher_order import Body, HigherOrder, describe, split_extra
 from .._jax import sub_jaxprs
+from .._leaves import reveal_static
 from .._rules.calls import with_vjp
 from .._typing import P, R
 from ._inverse import trace_program
