@@ -28,9 +28,9 @@ from ._free_variables import closure_of, globals_read, static_key
 from ._inspect import sow_firings
 from ._leaves import is_array
 from ._nnx_state import GraphShape, forget_verified_splits, split_nodes
+from ._run_walk import _unwrap
 from ._site import Site
 from ._tracing import make_jaxpr
-from ._transforms import _unwrap
 
 # One sow site's firing: (site, the bodies it is in, how often it fires, how many rows reap stacks).
 Firing = tuple[Site, tuple[str, ...], "int | None", int]

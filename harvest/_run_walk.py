@@ -1,0 +1,544 @@
+"""One call of a harvested function: its parts, its key, and the walk that runs it.
+
+`run_walk` takes a call apart (the function, what it binds, what it reads
+besides its arguments, the plants, NNX state), decides up front where it
+runs (in place under an outer trace, or through the function's compiled
+walks in `_compile_cache`), and `_walk` traces the function, validates its
+sites against the policy and the plants, and runs the walk (`_interpreter`).
+
+The jit is made once per underlying Python function and held weakly by it:
+its compiled programs live as long as the function does, as `jax.jit(f)`'s
+do, so harvesting fresh closures in a loop does not pile up programs. Bound
+methods and `functools.partial` are unwrapped to their function; what they
+bind (the object, the partial's arguments) is passed as data, its arrays
+traced and the rest part of the cache key. Flax NNX graph nodes among that
+data are split into a static graph and traced state (see `_nnx_state`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import numbers
+import operator
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import _errors, _jax
+from ._compile_cache import jit_per_function, note_trace, note_unhashable
+from ._free_variables import closure_of, globals_read, static_key, with_closure
+from ._inspect import sow_equations
+from ._interpreter import Policy, Tags, Walk, interpret, sites_in
+from ._interventions import code_as_data
+from ._leaves import array_flags, is_array, reveal_static
+from ._nnx_state import GraphShape, split_nodes, write_back
+from ._occurrences import Plant, occurrences
+from ._paths import nested_dict, path_str
+from ._primitive import batching_sites
+from ._rules.calls import holds_rule_sows
+from ._site import Site
+from ._stateful import flattening_call, holds_no_nodes, stateful_objects
+from ._tracing import make_jaxpr
+
+
+def _is_traced(leaf, data):
+    """Arrays are traced (see `_tracing`); so are numbers given as planted values
+    or held in NNX state, which are data, not configuration: sweeping them does
+    not recompile."""
+    return is_array(leaf) or (data and isinstance(leaf, numbers.Number) and _traceable(leaf))
+
+
+def _traceable(number):
+    """Whether a Python number traced keeps its value for any site: not a bool
+    (it would trace as bool, not the site's dtype) nor an int beyond int32."""
+    if isinstance(number, bool):
+        return False
+    return not isinstance(number, int) or -(2**31) <= number < 2**31
+
+
+class _CallKey:
+    """Everything about a call that is not an array: the jit cache key, hashed
+    once (a call looks it up twice: whether it can be cached, and its program)."""
+
+    __slots__ = (
+        "treedef",
+        "static_leaves",
+        "policy",
+        "reap",
+        "differentiating",
+        "_fields",
+        "_hash",
+    )
+
+    def __init__(
+        self,
+        treedef: Any,
+        static_leaves: tuple,  # (index, type, leaf, its `static_key`) for each leaf not traced;
+        # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0 and a mutated config
+        policy: Policy,
+        reap: bool,
+        differentiating: bool = False,  # a jvp/linearize outside the call (see `_RunsRules`)
+    ) -> None:
+        self.treedef, self.static_leaves, self.policy = treedef, static_leaves, policy
+        self.reap, self.differentiating = reap, differentiating
+        self._fields = (treedef, static_leaves, policy, reap, differentiating)
+        self._hash: int | None = None
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(self._fields)  # raises TypeError for an unhashable leaf
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _CallKey) and self._fields == other._fields
+
+
+# -- the callable, split into a plain function and the data bound to it ------
+
+
+def _unwrap(f: Any) -> tuple[Any, Any]:
+    """(function, bound data) such that `_rewrap(function, data)` behaves as `f`."""
+    if isinstance(f, functools.partial):
+        fn, inner = _unwrap(f.func)
+        return fn, ("partial", inner, f.args, f.keywords)
+    if inspect.ismethod(f):
+        return f.__func__, ("method", f.__self__)
+    if inspect.isfunction(f):
+        return f, None
+    # Any other callable object (a module, say): its class's __call__ plus itself.
+    return type(f).__call__, ("method", f)
+
+
+def _rewrap(fn, data):
+    if data is None:
+        return fn
+    if data[0] == "method":
+        return functools.partial(fn, data[1])
+    _, inner, args, keywords = data
+    return functools.partial(_rewrap(fn, inner), *args, **keywords)
+
+
+class _Call(NamedTuple):
+    """What one call of a harvested function is given, in parts."""
+
+    bound: Any  # what the callable binds (see `_unwrap`)
+    plants: Any
+    args: tuple
+    kwargs: dict
+    graph: Any  # the NNX graph nodes' split state (see `_tracing`)
+    cells: tuple  # what the function closes over (see `_free_variables.closure_of`)
+    globals: tuple  # the module-level values it reads, keyed (see `_free_variables.globals_read`)
+
+
+# The parts whose numbers are data, traced rather than static.
+_DATA_PARTS = frozenset({"plants", "graph"})
+
+
+def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
+    """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
+    traced = array_flags(leaves)
+    if all(traced):
+        return traced
+    start = 0
+    for part, child in zip(_Call._fields, treedef.children()):
+        end = start + child.num_leaves
+        if part in _DATA_PARTS and not all(traced[start:end]):
+            traced[start:end] = [
+                t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
+            ]
+        start = end
+    return traced
+
+
+def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset()):
+    """The walk of one call: traced, its sites and plants validated, then run.
+    Returns (out, reaps in program order, changed NNX state)."""
+    traced = _trace_call(fn, dynamic, static, batched)
+    if staged:
+        _check_stageable(traced.closed.jaxpr, static)
+    order, handled, filtered = _checked_sites(traced, static)
+    resolved = _resolve_plants(traced.plants, handled, static.policy, filtered)
+    per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
+    if per_example and not batched:
+        # Sites vmap left unbatched (their value does not depend on the batched
+        # input), planted one value per example: traced again with them batched.
+        return _walk(fn, dynamic, static, staged, frozenset(per_example))
+    for planted in resolved.values():
+        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
+    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap)
+    return _run(traced, static, resolved, order)
+
+
+class _Traced(NamedTuple):
+    """A call traced: its closed jaxpr, the arrays it takes, its output's shape, the
+    call's plants, and the tags inner harvest walks consumed while it was traced."""
+
+    closed: Any
+    arrays: list
+    out_shape: Any
+    plants: Any
+    inner_tags: set
+
+
+def _trace_call(fn, dynamic, static: _CallKey, batched) -> _Traced:
+    leaves, dyn = [], iter(dynamic)
+    static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
+    for i in range(static.treedef.num_leaves):
+        leaves.append(static_at[i] if i in static_at else next(dyn))
+    call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    bound, plants, args, kwargs, graph, cells, reads = call_parts
+    if isinstance(graph, GraphShape):
+        graph = graph.filled(dyn)  # the state's leaves come last
+
+    def call(bound, cells, reads, /, *args, **kwargs):
+        # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
+        return _rewrap(with_closure(fn, cells, reads), bound)(*args, **kwargs)
+
+    called = bound[1] if bound is not None and bound[0] == "method" else None
+    # Errors name the user's function (a model called: the method that runs it).
+    model = callable(called) and fn is type(called).__call__
+    call.__wrapped__ = code_of(called) if model else fn  # type: ignore[attr-defined]
+
+    # Trace with the arrays as inputs and everything else (numbers, flags,
+    # strings) closed over, as jit's static arguments would be.
+    with _tags_walked_inside() as inner_tags, batching_sites(batched):
+        closed, arrays, out_shape = make_jaxpr(
+            call, (bound, cells, reads, *args), kwargs, graph, return_shape=True
+        )
+    return _Traced(closed, arrays, out_shape, plants, inner_tags)
+
+
+def _check_stageable(jaxpr, static: _CallKey) -> None:
+    """Raises what sends a staged walk back to `run_walk` to be walked in place."""
+    if not _lowerable(jaxpr):
+        raise _Unlowerable
+    if static.differentiating and holds_rule_sows(jaxpr, static.policy):
+        raise _RunsRules
+
+
+def _checked_sites(traced: _Traced, static: _CallKey):
+    """(each site key's rank in program order, the sites the policy handles, the keys
+    of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
+    jaxpr, policy = traced.closed.jaxpr, static.policy
+    key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
+    first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
+    for eqn, _, _ in sow_equations(jaxpr):
+        first.setdefault(key(Site.of(eqn)), len(first))
+    for path in sorted({key(site) for site in sites_in(jaxpr)} - first.keys()):
+        first[path] = len(first)  # sown only in a custom_jvp rule: after the others
+    handled: dict[tuple, Site] = {}
+    filtered = set()
+    for site in sites_in(jaxpr):
+        if policy.covers(site.tag) and not policy.handles(site):
+            filtered.add(key(site))
+        if policy.handles(site):
+            known = handled.setdefault(key(site), site)
+            if known.mode is not site.mode:
+                raise _errors.modes_differ(site, known)
+    handled = dict(
+        sorted(handled.items(), key=lambda item: first[item[0]])
+    )  # program order, for messages
+    _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
+    multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
+    if static.reap and policy.strict_names and not handled and not filtered and not multi:
+        tags = {site.tag for site in sites_in(jaxpr)}
+        if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
+            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
+    if policy.strict_names:
+        tagged = sorted(filtered.union(handled), key=first.__getitem__)
+        policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
+    return first, handled, filtered
+
+
+def _run(traced: _Traced, static: _CallKey, resolved, order):
+    walk = Walk(static.policy, resolved, static.reap)
+    outs = interpret(walk, traced.closed.jaxpr, traced.closed.consts, traced.arrays)
+    out_tree = jax.tree_util.tree_structure(traced.out_shape)
+    out, changes = jax.tree_util.tree_unflatten(out_tree, outs)
+    results = walk.results()
+    return (
+        out,
+        _InOrder({path: results[path] for path in sorted(results, key=order.__getitem__)}),
+        changes,
+    )
+
+
+def _per_example(plant):
+    """Whether `plant` is one value per example of a vmap that left its site
+    unbatched: it does not fit the site, but would with one more leading axis."""
+    value, site = plant.value, plant.site
+    if callable(value) or plant.per_occurrence():
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if tree != site.tree or not any(
+        jnp.ndim(leaf) == len(aval.shape) + 1 and jnp.shape(leaf)[1:] == aval.shape
+        for leaf, aval in zip(leaves, site.avals)
+    ):
+        return False
+    try:
+        site.check(value, "the planted value")
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
+    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
+    there fires once per batch with a `[b, ...]` value, so what would be reaped,
+    or which plant row goes where, depends on `b`. Only a plant that means the
+    same for every element (one value, broadcast to each) is allowed."""
+    for eqn, _, _ in sow_equations(jaxpr):
+        site = Site.of(eqn)
+        if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
+            continue
+        plant = plants.get(policy.key(site))
+        if plant is None and reaping:
+            raise _errors.sown_in_batched_lax_map(site, "reap")
+        if plant is not None and not _one_value_per_element(plant.value, site):
+            raise _errors.sown_in_batched_lax_map(site, "plant")
+
+
+def _one_value_per_element(value, site):
+    """Whether `value` is one value shaped as the site's per-element value (its vmap axes left out)."""
+    if callable(value):
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree == site.tree and all(
+        jnp.shape(leaf) == aval.shape[batch:]
+        for leaf, aval, batch in zip(leaves, site.avals, site.vmapped or (0,) * len(leaves))
+    )
+
+
+# Tags that harvest's own layers reap whether or not a program sows them
+# (harvest.ppl asks every model for its deterministic sites, say): reaping
+# them finds {} quietly. Each layer declares its own with `layer_tag`.
+_LAYER_TAGS: set[str] = set()
+
+
+def layer_tag(tag: str) -> str:
+    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    program sowing other tags but not this one reaps ``{}`` rather than an error."""
+    _LAYER_TAGS.add(tag)
+    return tag
+
+
+_walking = threading.local()
+
+
+@contextlib.contextmanager
+def _tags_walked_inside():
+    """Collects the tags of the harvest walks run while tracing a function: a
+    tag an inner ``plant`` or ``reap`` consumed has no sites left, not a typo."""
+    stack = _walking.__dict__.setdefault("stack", [])
+    stack.append(set())
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def _note_walked(tag):
+    for tags in getattr(_walking, "stack", ()):
+        tags.add(tag)
+
+
+def _check_paths_distinct(paths):
+    """Every dotted path names one site: no two sites spell the same (a name
+    ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
+    spelled = {}
+    for path in paths:
+        other = spelled.setdefault(path_str(path), path)
+        if other != path:
+            raise _errors.paths_collide(other, path)
+
+
+class _InOrder(dict):
+    """Reaped values by path, in program order: a pytree whose key order is
+    static data, so it survives the jit (which would sort a dict's keys)."""
+
+
+jax.tree_util.register_pytree_node(
+    _InOrder,
+    lambda d: (list(d.values()), tuple(d)),
+    lambda keys, values: _InOrder(zip(keys, values)),
+)
+
+
+def _walk_weak(fn_ref, dynamic, static):
+    # Traces alike but for Python values (a new number, a fresh closure) count together.
+    alike = (
+        static.treedef,
+        tuple(kind for _, kind, _, _ in static.static_leaves),
+        static.policy,
+        static.reap,
+    )
+    note_trace(fn_ref(), dynamic, alike)
+    return _walk(fn_ref(), dynamic, static, staged=True)
+
+
+def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
+    """Runs the walk of `f` under `policy`; returns (out, reaps). With `finish=False`,
+    as the compiled walk gives them: `out` with its static leaves wrapped, the reaps
+    flat and in program order (pytrees a `jax.jit` can return; see `_eager_dispatch`)."""
+    for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
+        _note_walked(tag)
+    fn, bound = _unwrap(f)
+    dynamic, static, nodes, stateful = _taken_apart(fn, bound, policy, reap, plants, args, kwargs)
+    place = _placement(fn, static)
+    if place is _COMPILED:
+        try:
+            out, flat, changes = jit_per_function(fn, _walk_weak)(dynamic, static)
+        except _Unlowerable:
+            # `f` binds a primitive that has an implementation but no XLA lowering
+            # (oryx's tests define one): run the walk op by op, as JAX runs `f`
+            # itself outside `jit`, and remember not to try compiling it again.
+            _eager_only.add(fn)
+            place = _IN_PLACE
+        except _RunsRules:
+            _rule_walks.add(fn)
+            place = _IN_PLACE
+    if place is _IN_PLACE:
+        out, flat, changes = _walk(fn, dynamic, static)
+    write_back(nodes, changes, stateful)
+    if not finish:
+        return out, flat
+    return reveal_static(out), nested_dict(flat)
+
+
+def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
+    """(the traced leaves, the `_CallKey`, the NNX nodes split, the `Stateful` objects)
+    of one call of `fn` binding `bound`."""
+    with flattening_call():
+        cells, reads = closure_of(fn), globals_read(fn)
+        if holds_no_nodes((bound, args, kwargs, cells, reads)):
+            stateful, graph, nodes = (), None, ()
+        else:
+            stateful = stateful_objects((bound, args, kwargs))
+            # NNX nodes the function closes over or reads from its module are split as arguments are.
+            (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
+                (bound, args, kwargs, cells, reads)
+            )
+        state: tuple[Any, ...] = ()
+        apart = None if graph is None else graph.apart()
+        if apart is not None:
+            graph, state = apart  # a model's state goes straight to the traced leaves
+        call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
+        leaves, treedef = jax.tree_util.tree_flatten(call_parts)
+        traced = _traced_leaves(leaves, treedef)
+    dynamic = [*itertools.compress(leaves, traced), *state]
+    static = _CallKey(
+        treedef,
+        tuple(
+            (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
+            for i in itertools.compress(range(len(leaves)), map(operator.not_, traced))
+        ),
+        policy,
+        reap,
+        _jax.differentiating(),
+    )
+    return dynamic, static, nodes, stateful
+
+
+# Where a call's walk runs.
+_IN_PLACE = "in place"  # traced and walked now, into the trace around it (or op by op)
+_COMPILED = "compiled"  # through the function's compiled walks (`_compile_cache`)
+
+
+def _placement(fn, static: _CallKey) -> str:
+    if _jax.staged_beneath() or (static.differentiating and fn in _rule_walks):
+        # Already being staged (under jit, scan, ..., or a vmap or grad inside one):
+        # the outer trace is the cache, and walking in place saves a nested jit for
+        # XLA to inline (and, under vmap, batching the walk's jaxpr after the fact).
+        return _IN_PLACE
+    if fn in _eager_only:
+        return _IN_PLACE
+    try:
+        hash(static)
+        weakref.ref(fn)
+    except TypeError:
+        # An unhashable non-array argument (a mutable config object, say), or
+        # a function that cannot be weakly referenced: still correct, just
+        # traced at every call, with nothing cached that could go stale.
+        note_unhashable(fn, [leaf for _, _, leaf, _ in static.static_leaves])
+        return _IN_PLACE
+    return _COMPILED
+
+
+# Functions whose walk cannot be compiled, because they bind a primitive
+# without a lowering; they are walked eagerly.
+_eager_only: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+class _Unlowerable(Exception):
+    """Raised while staging the walk of a function that cannot be compiled."""
+
+
+# Functions holding a custom_jvp whose JVP rule sows: differentiated from
+# outside, they are walked in place, where JAX calls the rules (see `_rules/calls`).
+_rule_walks: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+class _RunsRules(Exception):
+    """Raised while staging, under a jvp or grad of the call, the walk of a function
+    whose custom_jvp rules sow: a staged walk sees only primals, so no rule runs."""
+
+
+def _lowerable(jaxpr):
+    return all(
+        _jax.has_lowering(eqn.primitive) and all(_lowerable(j) for j in _jax.sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _resolve_plants(plants, sites, policy, filtered):
+    """Matches a nested {name: value} dict to the sites it plants into.
+
+    `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
+    if plants is None:
+        return {}
+    resolved = {}
+    # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
+    dotted = {path_str(p): p for p in sites}
+    left_out = {path_str(p) for p in filtered}
+
+    def visit(d, prefix):
+        for key, value in d.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if name in dotted:
+                path = dotted[name]
+                if path in resolved:
+                    raise _errors.planted_twice(name)
+                resolved[path] = Plant(sites[path], value)
+            elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
+                visit(value, name)
+            elif policy.strict_names and name in left_out:
+                name, tag, _ = _as_sown(name, policy, ())
+                raise _errors.planted_but_filtered(name, tag)
+            elif policy.strict_names:
+                raise _errors.planted_unknown(*_as_sown(name, policy, dotted))
+
+    visit(plants, ())
+    return resolved
+
+
+def _as_sown(name, policy, names):
+    """(name, tag, the tag's names) for a message about planting `name`: under a
+    `Tags` walk, names are dotted with their tag in front."""
+    if not isinstance(policy.tag, Tags):
+        return name, policy.tag, names
+    tag, _, rest = name.partition(".")
+    return rest, tag, [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
+
+
+def code_of(f: Any) -> Any:
+    """What runs when `f` is called, to name it: the function `inspect.unwrap(f)` ends
+    at, or the `__call__` of the object it ends at (a model, an instrumented one's target)."""
+    end = inspect.unwrap(f)
+    return end if inspect.isroutine(end) else type(end).__call__
