@@ -6,10 +6,13 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
-from . import extend as extend, store as store
+from . import config as config, extend as extend, store as store
 from ._capture import capture as capture
-from ._compile_cache import set_compile_cache as set_compile_cache
-from ._errors import RecompileWarning as RecompileWarning
+from ._compile_cache import (
+    clear_caches as clear_caches,
+    set_compile_cache as set_compile_cache,
+)
+from ._errors import RecompileWarning as RecompileWarning, StaleValueError as StaleValueError
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
 from ._interventions import (

@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from . import _errors
+from . import _errors, config
 from ._free_variables import static_key
 from ._interventions import TracedCode, pytree_dataclass
 from ._leaves import array_flags
@@ -43,6 +43,7 @@ from ._nnx_state import (
     holds_graph_nodes,
     split_nodes,
 )
+from ._stale import Snapshot, checking, fingerprint, in_check, stale
 
 _settings = {"max_programs": 64, "warn_after": 32}
 
@@ -148,7 +149,7 @@ def note_trace(fn: Any, arrays: Any, alike: Any = None) -> None:
     that a cached program could have served count, as when a fresh closure of the
     same code or a new Python number comes each call. Warns once past ``warn_after``."""
     code = _code(fn)
-    if code is None:
+    if code is None or in_check():  # a check's fresh trace is not one a program could serve
         return
     shapes = tuple((getattr(a, "shape", ()), str(getattr(a, "dtype", type(a)))) for a in arrays)
     key = (code, shapes, alike)
@@ -184,6 +185,52 @@ def _hashable(leaf: Any) -> bool:
     return True
 
 
+# -- dropping them all ------------------------------------------------------------
+
+_generation = [0]  # bumped by `clear_caches`: a memo made before it is not used after
+
+
+def generation() -> int:
+    """How many times `clear_caches` ran: a memo of a compiled program (an eager
+    dispatcher's last jit) made at another generation is dropped."""
+    return _generation[0]
+
+
+def clear_caches() -> None:
+    """Drops every compiled program harvest keeps, on every path, in one call.
+
+    The eager walks of each harvested function, the instrumented modules'
+    eager programs, the sweeps' and attribution's programs and the sweeps'
+    sites are all dropped; the next call of each traces and compiles afresh,
+    reading the contents of what the function reads (a dict's items, an
+    object's attributes) as they are now. JAX's own caches are left alone.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import harvest
+        >>> config = {"scale": 2.0}
+        >>> f = lambda x: harvest.sow(x * config["scale"], name="y", mode="strict")
+        >>> reaped = harvest.reap(f)
+        >>> reaped(jnp.ones(2))["y"]
+        Array([2., 2.], dtype=float32)
+        >>> config["scale"] = 3.0  # a dict's contents are read when f is traced
+        >>> harvest.clear_caches()
+        >>> reaped(jnp.ones(2))["y"]
+        Array([3., 3.], dtype=float32)
+    """
+    from ._site_discovery import (
+        clear_sites,  # imported here: it imports the walk, which imports this
+    )
+
+    with _jits_lock:
+        for programs in list(_jits.values()):
+            programs.jits.clear()
+        _sweeps.clear()
+        _module_programs.clear()
+        _generation[0] += 1
+    clear_sites()
+
+
 # -- the walks of each harvested function -------------------------------------
 
 _jits: weakref.WeakKeyDictionary[Callable[..., Any], _Programs] = weakref.WeakKeyDictionary()
@@ -195,28 +242,66 @@ class _Programs:
     least recently used dropped past ``max_programs``. Holds the function weakly."""
 
     def __init__(self, fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> None:
-        self.walk = functools.partial(walk_weak, weakref.ref(fn))
-        self.jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+        self.fn = weakref.ref(fn)
+        self.walk = functools.partial(walk_weak, self.fn)
+        self.jits: collections.OrderedDict[Any, _Program] = collections.OrderedDict()
 
-    def __call__(self, dynamic: Any, static: Any) -> Any:
+    def __call__(self, dynamic: Any, static: Any, snapshot: Any = None) -> Any:
+        """The walk for ``static`` run on ``dynamic``; in check mode, ``snapshot()``
+        writes down what the function reads (see `_stale`)."""
         with _jits_lock:
             entry = self.jits.get(static)
             if entry is None:
-                entry = self.jits[static] = (*self._program(), static)
+                entry = self.jits[static] = _Program(self.walk, static)
                 while len(self.jits) > _settings["max_programs"]:
                     self.jits.popitem(last=False)
             else:
-                self.jits.move_to_end(entry[2])  # the kept key: found by identity
+                self.jits.move_to_end(entry.static)  # the kept key: found by identity
             # The key is bound, not a static argument JAX would hash and compare
             # again; it is this call's, so a retrace (new shapes) sees values alive now.
-            entry[1][0] = static
-        return entry[0](dynamic)
+            entry.current = static
+        out = entry.jitted(dynamic)
+        if config.check_stale:
+            walk = self.walk
+            _check(entry, (dynamic,), lambda d: walk(d, static), self.fn(), snapshot)
+        return out
 
-    def _program(self) -> tuple[Any, list[Any]]:
+
+class _Program:
+    """A kept compiled program: its `jax.jit`, its key, the key of the call running
+    it now, and (in check mode) what the function read when it last checked."""
+
+    __slots__ = ("jitted", "static", "current", "snapshot", "kept")
+
+    def __init__(self, walk: Callable[..., Any], static: Any) -> None:
         # A fresh function per key: JAX's caches hold it weakly, so a dropped
         # key's programs go with it.
-        walk, key = self.walk, [None]
-        return jax.jit(lambda dynamic: walk(dynamic, key[0])), key
+        self.static = self.current = static
+        self.snapshot: Any = None
+        self.kept: dict[Any, Any] = {}  # check mode: the kept program's fingerprint per shapes
+        self.jitted = jax.jit(lambda dynamic: walk(dynamic, self.current))
+
+
+def _check(
+    entry: Any, args: tuple[Any, ...], fresh: Callable[..., Any], fn: Any, snapshot: Any
+) -> None:
+    """Check mode: raises `StaleValueError` if ``entry``'s kept program for ``args``
+    differs from ``fresh`` traced now (see `_stale`)."""
+    shapes = tuple(
+        (getattr(a, "shape", None), str(getattr(a, "dtype", "")))
+        for a in jax.tree_util.tree_leaves(args)
+    )
+    kept = entry.kept.get(shapes)
+    if kept is None:  # JAX's kept trace (none is made afresh), its constants' bits copied now
+        kept = entry.kept[shapes] = fingerprint(entry.jitted.trace(*args).jaxpr)
+    # What the function reads, written down before the fresh trace and after it, so that
+    # what its own trace changes (a counter it updates) is not named as the culprit.
+    before = None if snapshot is None else snapshot()
+    with checking():
+        now = fingerprint(jax.make_jaxpr(fresh)(*args))
+    if now != kept:
+        raise stale(_where(fn), entry.snapshot, before)
+    entry.snapshot = None if snapshot is None else snapshot()
 
 
 def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:
@@ -280,7 +365,11 @@ def jit_on_arrays(
             _sweeps.move_to_end(entry)  # the kept key: found by identity
     entry.trace, entry.owner = rebuilt, owner
     try:
-        return entry.jitted(arrays)
+        out = entry.jitted(arrays)
+        if config.check_stale:
+            run = functools.partial(_run_compiled, entry)
+            _check(entry, (arrays,), run, owner, lambda: Snapshot.of(owner, None, (), {}))
+        return out
     finally:
         entry.trace = entry.owner = None  # the cache keeps the key, not this call's data
 
@@ -310,6 +399,8 @@ class _Compiled:
         self.jitted: Any = None
         self.trace: Callable[[Any], Any] | None = None
         self.owner: Any = None
+        self.snapshot: Any = None  # check mode: what the function read when it last checked
+        self.kept: dict[Any, Any] = {}  # and the kept program's fingerprint per shapes
         self._hash: int | None = None
 
     def __hash__(self) -> int:
@@ -319,6 +410,29 @@ class _Compiled:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Compiled) and self.key == other.key
+
+
+# The instrumented modules' eager programs (see `_eager_dispatch.EagerModuleDispatch`),
+# by (kind, policy, gives, walk, structure), the most recent last: a model switched
+# between training and evaluation keeps both programs, and a fresh transformed
+# function finds its own.
+_module_programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+
+def module_program(key: Any, make: Callable[[], Any]) -> Any:
+    """The kept program for ``key`` (`make()` if there is none), most recent last;
+    ``key`` unhashable: made and not kept."""
+    with _jits_lock:
+        try:
+            program = _module_programs.pop(key, None)
+        except TypeError:  # a definition that cannot be hashed: not kept
+            return make()
+        if program is None:
+            program = make()
+        _module_programs[key] = program
+        while len(_module_programs) > _settings["max_programs"]:
+            _module_programs.popitem(last=False)
+    return program
 
 
 # The sweeps' programs, least recently used first.
@@ -344,30 +458,43 @@ class _BoundMethod:
 
 
 def compile_program(
-    program: Callable[[Any, Any], Any], f: Callable[..., Any], operands: Any, spec: tuple[Any, ...]
+    program: Callable[[Any, Any, Any], Any],
+    f: Callable[..., Any],
+    metric: Callable[..., Any],
+    operands: Any,
+    spec: tuple[Any, ...],
 ) -> Any:
-    """`program(f, operands)`, compiled once per `spec` and shapes (see `jit_on_arrays`).
+    """`program(f, metric, operands)`, compiled once per `spec` and shapes (see `jit_on_arrays`).
 
-    A plain function `f` is data too, as a `TracedCode`: keyed by its code and
-    the static values it reads, the arrays it closes over (or reads from its
-    module) traced, so a sweep after such an array changes reads the new one,
-    and a fresh closure of the same code reuses the program. A module -- an NNX graph node, a pytree
-    such as an Equinox module, or a bound method of either -- is data: its
-    arrays are traced, so weights changed in place (or a new module of the
-    same structure) reuse the program and are read at every call. Any other
-    callable compiles for this call only.
+    A plain function `f` or `metric` is data, as a `TracedCode`: keyed by its
+    code and the static values it reads, the arrays it closes over (or reads
+    from its module) traced, so a sweep after such an array changes reads the
+    new one, and a fresh closure of the same code reuses the program. A module
+    -- an NNX graph node, a pytree such as an Equinox module, or a bound method
+    of either -- is data: its arrays are traced, so weights changed in place
+    (or a new module of the same structure) reuse the program and are read at
+    every call. Any other callable `f` compiles for this call only.
     """
     owner = getattr(f, "__func__", type(f).__call__)  # what the warnings name
+    measure = TracedCode.of(metric) if inspect.isfunction(metric) else metric
     if inspect.isfunction(f):
         return jit_on_arrays(
-            lambda tree: program(tree[0].function(), tree[1]),
-            (TracedCode.of(f), operands),
+            lambda tree: program(tree[0].function(), tree[1], tree[2]),
+            (TracedCode.of(f), measure, operands),
             ("code", *spec),
             f,
         )
     nodes = holds_graph_nodes(f)  # told without splitting them (split once, below)
-    if inspect.ismethod(f) and not nodes and jax.tree_util.tree_leaves(f.__self__) != [f.__self__]:
+    if inspect.ismethod(f) and not nodes and not _is_leaf(f.__self__):
         f = _BoundMethod(f.__func__, f.__self__)
-    if nodes or jax.tree_util.tree_leaves(f) != [f]:
-        return jit_on_arrays(lambda tree: program(*tree), (f, operands), ("module", *spec), owner)
-    return jit_on_arrays(lambda ops: program(f, ops), operands, None)
+    if nodes or not _is_leaf(f):
+        return jit_on_arrays(
+            lambda tree: program(*tree), (f, measure, operands), ("module", *spec), owner
+        )
+    return jit_on_arrays(lambda tree: program(f, *tree), (measure, operands), None)
+
+
+def _is_leaf(x: Any) -> bool:
+    """Whether ``x`` is a pytree leaf (compared by identity: ``==`` on an array is elementwise)."""
+    leaves = jax.tree_util.tree_leaves(x)
+    return len(leaves) == 1 and leaves[0] is x

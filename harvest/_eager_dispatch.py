@@ -29,7 +29,7 @@ as one flat tuple, the plants and the call's arguments. The split's graph
 and state definitions and the instrumented target's static part are the
 structure, compared by identity first (a kept split hands its definitions
 back), then by equality against the jits kept for every transformed function
-(`_module_jits`, at most ``max_programs``): a model switched between training
+(`_compile_cache.module_program`, at most ``max_programs``): a model switched between training
 and evaluation keeps both programs, and ``reap(instrument(model))`` written
 afresh at each call, or for another model of the same structure, finds its own. Inside the trace, fresh nodes
 are merged from the traced state and walked; what the walk changed or added
@@ -60,8 +60,6 @@ holding anything but arrays (callables, numbers) go harvest's own way too.
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -70,8 +68,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _jax
-from ._compile_cache import max_programs, note_trace
+from . import _jax, config
+from ._compile_cache import generation, module_program, note_trace
 from ._leaves import array_flags, reveal_static
 from ._nnx_state import call_on_merged, split_of, write_back
 from ._paths import nested_dict
@@ -104,7 +102,9 @@ class EagerDispatch:
         self.served = True  # False once a call was found that this jit cannot serve
         # The function's structure (what it closes over, but arrays) and the jit for it, as
         # one pair, read once by a call: another thread may replace it meanwhile.
-        self.last: tuple[Any, Any] = (None, None)
+        # One pair, read once by a call (another thread may replace it meanwhile), made
+        # at the compile cache's `generation` (`harvest.clear_caches()` drops it).
+        self.last: tuple[Any, Any, int] = (None, None, -1)
 
     def _walk_staged(
         self,
@@ -129,7 +129,12 @@ class EagerDispatch:
     def _starts(self, plants: Any) -> list[int] | None:
         """This thread's call's stage, reset, if this jit may serve a call planting
         ``plants`` (None: harvest's own path)."""
-        if not self.served or not _jax.is_eager() or getattr(jax.config, "jax_disable_jit", False):
+        if (
+            not self.served
+            or not _jax.is_eager()
+            or getattr(jax.config, "jax_disable_jit", False)
+            or config.check_stale  # harvest's own path checks each call
+        ):
             return None
         if plants and not all(array_flags(jax.tree_util.tree_leaves(plants))):
             return None  # callables and numbers: harvest makes them data its own way
@@ -145,11 +150,11 @@ class EagerDispatch:
             # The function is flattened and its structure compared here, not by JAX, whose
             # C++ path hashes and compares a Python node's data at some 50 µs a call more.
             children, structure = self.f.tree_flatten()
-            last, jitted = self.last
-            if jitted is None or structure != last:
+            last, jitted, made = self.last
+            if jitted is None or made != generation() or structure != last:
                 # A value it closes over rebound: a jit of its own (the last one's programs go).
                 jitted = jax.jit(functools.partial(self._walk_staged, structure))
-                self.last = (structure, jitted)
+                self.last = (structure, jitted, generation())
             out, flat = jitted(children, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
@@ -235,7 +240,7 @@ class EagerModuleDispatch(EagerDispatch):
     walked, and the state the walk changed or added comes out as data, written
     back to the caller's module after the call, as harvest's own path writes it.
     The jits are shared by every transformed function of the same kind, policy
-    and structure (`_module_jits`), so ``reap(instrument(model))(x)`` written
+    and structure (`_compile_cache.module_program`), so ``reap(instrument(model))(x)`` written
     afresh at each call, or for another model of that structure, traces once.
     """
 
@@ -269,36 +274,22 @@ class EagerModuleDispatch(EagerDispatch):
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
         """The jit for this structure: the last one's if the split is the one it was
         made for (by identity: a kept split gives its definitions back), else by equality."""
-        last, jitted = self.last
+        last, jitted, made = self.last
         if (
             last is not None
+            and made == generation()
             and last[0].graphdef is shape.graphdef
             and last[0].statedef is shape.statedef
             and last[1] == aux
         ):
             return jitted
         key = (*self.kind, shape, aux)
-        with _module_jits_lock:
-            try:
-                jitted = _module_jits.pop(key, None)
-            except TypeError:  # a definition that cannot be hashed: its jit is not kept
-                jitted = None
-            if jitted is None:
-                code = type(module).__call__  # what a recompile warning names: the model's code
-                jitted = jax.jit(functools.partial(_module_walk_staged, key, code))
-            with contextlib.suppress(TypeError):
-                _module_jits[key] = jitted
-                while len(_module_jits) > max_programs():
-                    _module_jits.popitem(last=False)
-        self.last = ((shape, aux), jitted)
+        code = type(module).__call__  # what a recompile warning names: the model's code
+        jitted = module_program(
+            key, lambda: jax.jit(functools.partial(_module_walk_staged, key, code))
+        )
+        self.last = ((shape, aux), jitted, generation())
         return jitted
-
-
-# The jits of instrumented modules' eager calls, by (kind, policy, gives, walk,
-# structure), the most recent last: a model switched between training and
-# evaluation keeps both programs, and a fresh transformed function finds its own.
-_module_jits: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-_module_jits_lock = threading.Lock()
 
 
 def _module_walk_staged(

@@ -971,6 +971,36 @@ def bad_cache_setting(name: str, value: Any) -> ValueError:
     return ValueError(f"set_compile_cache({name}={value!r}): expected a positive int, or None.")
 
 
+class StaleValueError(ValueError):
+    """A kept compiled program would answer otherwise than the function traced afresh
+    (raised only with ``harvest.config.update("check_stale", True)``)."""
+
+
+def stale_value(where: str, changes: list[str]) -> StaleValueError:
+    if changes:
+        named = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
+        what = f"a value it reads at trace time changed since its program was kept: {named}"
+    else:
+        what = (
+            "a value it reads at trace time changed since its program was kept (the contents of "
+            "a dict, list or object it closes over or reads from its module, a helper's globals)"
+        )
+    return StaleValueError(
+        f"harvest's compiled program for {where} is stale: {what}. harvest reads which object "
+        "each name refers to at every call, but an object's contents only when it traces (as "
+        "jax.jit does; see docs/semantics.md). Pass the value as an argument (an array, or a "
+        "hashable static value), or call harvest.clear_caches() after changing it."
+    )
+
+
+def bad_config_name(name: Any, known: list[str]) -> ValueError:
+    return ValueError(f"harvest.config.update({name!r}, ...): no such setting; there are {known}.")
+
+
+def bad_config_value(name: str, value: Any) -> TypeError:
+    return TypeError(f"harvest.config.update({name!r}, {value!r}): expected True or False.")
+
+
 def ppl_enumeration_unfactored(
     name: str, batch: tuple[int, ...], varying: list[tuple[str, tuple[int, ...]]]
 ) -> ValueError:

@@ -1,90 +1,75 @@
-"""What a function reads besides its arguments, and the compile-cache key of what is not traced.
+"""What a harvested function reads besides its arguments, and the compile-cache key of it.
 
-The closure cells, the module-level values its code names and its defaults
-(see `closure_of`, `globals_read`), and `static_key`: what a static leaf is
-keyed by, so that an equal key means the same trace.
+The rule (stated for users in docs/semantics.md, "What harvest reads at each
+call, and what when it traces"): at every call, harvest reads *which object*
+each name the function uses refers to -- its closure cells, the module-level
+names its code uses (in the lambdas, comprehensions and generator
+expressions inside it too), its defaults and, for a plain method, the
+attributes of its object:
+
+* an immutable value (a number, string, bytes, None, a tuple or frozenset of
+  them, a frozen dataclass) is keyed by value (a float by its repr, so
+  ``0.0``, ``-0.0`` and ``nan`` are three keys);
+* an array (JAX or NumPy) in a cell or a global is a traced input, read at
+  every call (a default or an attribute that is an array: by identity);
+* a tuple or registered pytree of arrays and immutable values, or a list or
+  dict of arrays only, is taken apart: its arrays traced, the rest by value;
+* an NNX graph node is split, its state traced, as an argument's is;
+* anything else (a dict, list, set, a mutable object, a function, a module,
+  a class) is keyed by identity.
+
+The *contents* of a value keyed by identity -- a dict's items, an object's
+attributes, a helper function's own globals -- are read when the function is
+traced, as `jax.jit` reads them: a counter the function updates does not
+re-trace it. `harvest.config.update("check_stale", True)` finds a call that a
+changed content would have answered otherwise (see `_stale`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import numbers
 import types
 from typing import Any
 
 import jax
-import numpy as np
 
 from ._leaves import is_array, is_graph_node
 
+# How many items a tuple may hold to be keyed by them: a larger one is keyed by
+# identity (a tuple cannot change; a new one re-traces).
+_KEYED_ITEMS = 1024
 
-def static_key(leaf: Any, depth: int = 2) -> Any:
-    """What a static leaf is keyed by in the compile caches, so that an equal
-    key means the same trace: a float by its bits too (``-0.0 == 0.0``, but
-    ``copysign`` tells them apart); a dict or tuple (a config a function
-    closes over or reads from its module) by its items, so mutating it
-    re-traces (up to ``_CONTENT_KEYED`` items; a larger one by identity; a
-    list by identity alone, as a list a function appends to is a log of its
-    traces, whose every append would otherwise re-trace);
-    and an identity-hashed object with attributes (a mutable config, the
-    object of a bound method) by their values as well, so mutating one
-    re-traces; a ``functools.partial`` by its arguments as well. A NumPy
-    array of up to ``_CONTENT_KEYED`` elements is keyed by its bytes (it can
-    change in place); within a container or an object, any
-    other value that cannot be hashed (a JAX array, a larger NumPy one) by
-    identity: rebinding an attribute to a new array re-traces."""
-    if isinstance(leaf, (float, complex)):
-        return (type(leaf), leaf, repr(leaf))  # repr tells -0.0 and 0.0 apart
-    if type(leaf) is np.ndarray and leaf.size <= _CONTENT_KEYED:
-        return (np.ndarray, leaf.shape, leaf.dtype.str, leaf.tobytes())  # it can change in place
-    if depth <= 0:
-        return leaf
-    if type(leaf) is functools.partial:  # by its arguments too (a NumPy one can change)
-        return (leaf, _part_key(leaf.args, depth - 1), _part_key(leaf.keywords, depth - 1))
-    if type(leaf) is dict and all(type(v) in _IMMUTABLE for v in leaf.values()):
-        # A flat config, keyed without flattening it: a float by its bits, as above.
-        if len(leaf) <= _CONTENT_KEYED:
-            return (
-                dict,
-                tuple((k, static_key(v) if type(v) in _INEXACT else v) for k, v in leaf.items()),
-            )
-    if type(leaf) in (tuple, dict):
-        if len(leaf) > _CONTENT_KEYED:
-            return leaf  # not flattened: a vocabulary read at every call would cost its size
-        items, structure = jax.tree_util.tree_flatten(leaf, is_leaf=_is_list)
-        if len(items) > _CONTENT_KEYED:
-            return leaf
-        return (structure, tuple(_part_key(item, depth - 1) for item in items))
-    if (
-        type(leaf).__hash__ is object.__hash__  # type: ignore[comparison-overlap]
-        and hasattr(leaf, "__dict__")
-        and not isinstance(leaf, (type, types.FunctionType, types.MethodType, types.ModuleType))
-    ):
-        return (leaf, tuple((k, _part_key(v, depth - 1)) for k, v in sorted(vars(leaf).items())))
-    return leaf
-
-
+_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
 _INEXACT = (float, complex)
 
 
-def _is_list(value: Any) -> bool:
-    return type(value) is list
+def value_key(value: Any) -> Any:
+    """The key of an immutable value: itself, but a float or complex by its repr
+    (``-0.0 == 0.0``, yet ``copysign`` tells them apart; ``nan != nan``)."""
+    if type(value) in _INEXACT:
+        return repr(value)
+    return value
 
 
-# How many items a container may hold to be keyed by them: a larger one (a
-# vocabulary, say) would cost its flattening at every call.
-_CONTENT_KEYED = 1024
-
-
-def _part_key(value: Any, depth: int) -> Any:
-    """The key of a value inside a keyed container or object: its ``static_key``,
-    or the value by identity if that cannot be hashed."""
-    key = static_key(value, depth)
-    try:
-        hash(key)
-    except TypeError:
-        return _ByIdentity(value)
-    return key
+def read_key(value: Any) -> Any:
+    """What a value a function reads is keyed by: its value if it is immutable,
+    else its identity (see the module's docstring)."""
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return (kind, value_key(value))
+    if isinstance(value, (tuple, frozenset)):  # a named tuple too
+        if len(value) > _KEYED_ITEMS:
+            return _ByIdentity(value)
+        items = map(read_key, value)
+        return (kind, frozenset(items) if isinstance(value, frozenset) else tuple(items))
+    if dataclasses.is_dataclass(kind) and kind.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        try:
+            hash(value)
+        except TypeError:  # a field that cannot be hashed: by identity
+            return _ByIdentity(value)
+        return (kind, value)
+    return _ByIdentity(value)
 
 
 class _ByIdentity:
@@ -103,85 +88,110 @@ class _ByIdentity:
 
 
 class StaticValue:
-    """A closed-over value kept whole (not flattened): a static leaf, equal to
-    another holding the same object with the same ``static_key`` (with
-    ``keyed=False``, holding the same object)."""
+    """A value a function reads, not traced: a static leaf of the call, keyed by
+    `read_key` (by value if immutable, else by identity); its hash is kept, as
+    a call's key is hashed twice."""
 
-    def __init__(self, value: Any, keyed: bool = True) -> None:
+    __slots__ = ("value", "key", "_hash")
+
+    def __init__(self, value: Any) -> None:
         self.value = value
-        key = static_key(value) if keyed else None  # not keyed: by identity alone
-        try:
-            self._hash = hash((id(value), key))  # a call's key is hashed twice: kept
-        except TypeError:
-            key = None  # unhashable: identity alone
-            self._hash = hash((id(value), key))
-        self.key = key
+        self.key = read_key(value)
+        self._hash = hash(self.key)
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, StaticValue) and self.value is other.value and self.key == other.key
-        )
+        return isinstance(other, StaticValue) and self.key == other.key
 
     def __hash__(self) -> int:
         return self._hash
 
 
-_EMPTY = StaticValue(None)  # a cell not yet filled (a name assigned after the def)
+EMPTY_CELL = StaticValue(None)  # a cell not yet filled (a name assigned after the def)
+
+
+def static_key(leaf: Any) -> Any:
+    """What a static leaf of a call (an argument's, not an array) is keyed by: by
+    ``==`` and hash, as `jax.jit` keys a static argument, but a float by its repr
+    too (see `value_key`) and a ``functools.partial`` by its function and by
+    which objects its arguments are (`read_key`), so a fresh partial of equal
+    numbers finds the same program."""
+    if type(leaf) in _INEXACT:
+        return (leaf, repr(leaf))
+    if type(leaf) is functools.partial:
+        keywords = tuple((k, read_key(v)) for k, v in sorted(leaf.keywords.items()))
+        return (functools.partial, _ByIdentity(leaf.func), read_key(leaf.args), keywords)
+    return leaf
+
+
+def read_part(value: Any) -> Any:
+    """A value a function reads as part of a call: the value itself if it is traced
+    or taken apart (an array, an NNX node, a container of arrays), else a `StaticValue`."""
+    return value if _taken_apart(value) else StaticValue(value)
+
+
+def _taken_apart(value: Any) -> bool:
+    if is_array(value) or is_graph_node(value):
+        return True
+    kind = type(value)
+    if kind in _IMMUTABLE:
+        return False
+    if kind is list or kind is dict:
+        items = value.values() if kind is dict else value
+        return bool(items) and all(map(_array_only, items))
+    leaves = jax.tree_util.tree_leaves(value, is_leaf=is_graph_node)
+    if len(leaves) == 1 and leaves[0] is value:
+        return False  # a leaf: not a container
+    # A tuple or registered pytree (immutable): arrays traced, immutable values keyed.
+    arrays = [is_array(leaf) or is_graph_node(leaf) for leaf in leaves]
+    return any(arrays) and all(a or type(leaf) in _IMMUTABLE for a, leaf in zip(arrays, leaves))
+
+
+def _array_only(value: Any) -> bool:
+    """Whether ``value`` (an item of a list or dict) holds arrays or NNX nodes only."""
+    if is_array(value) or is_graph_node(value):
+        return True
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return bool(value) and all(map(_array_only, value))
+    if kind is dict:
+        return bool(value) and all(map(_array_only, value.values()))
+    return False
 
 
 def closure_of(fn: Any) -> tuple[Any, ...]:
-    """What ``fn`` closes over, one entry per cell: arrays, NNX graph nodes (to be
-    split, their state traced, as an argument's is), and containers (tuple,
-    list, dict) of arrays and Python numbers, as themselves, so their arrays are
-    traced and their numbers keyed; anything else ``StaticValue`` (a list that ``fn``
-    appends to stays the caller's list)."""
-    cells = getattr(fn, "__closure__", None) or ()
+    """What ``fn`` closes over, one `read_part` per cell (`EMPTY_CELL` for a cell not yet filled)."""
     values = []
-    for cell in cells:
+    for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
         except ValueError:
-            values.append(_EMPTY)
+            values.append(EMPTY_CELL)
             continue
-        values.append(value if _is_data(value) else StaticValue(value))
+        values.append(read_part(value))
     return tuple(values)
-
-
-def _is_data(value: Any) -> bool:
-    """Whether a value a function reads (not an argument) is taken apart, its arrays
-    traced: an array, an NNX graph node, or a tuple, list or dict of arrays and
-    Python numbers or strings (which are keyed)."""
-    if type(value) not in (tuple, list, dict):
-        return is_array(value) or is_graph_node(value)
-    leaves = jax.tree_util.tree_leaves(value)
-    if all(type(leaf) in _IMMUTABLE for leaf in leaves):
-        return False  # a config of numbers and strings, told without the array checks
-    return any(map(is_array, leaves)) and all(
-        is_array(leaf) or isinstance(leaf, (numbers.Number, str)) for leaf in leaves
-    )
 
 
 def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any], ...] = ()) -> Any:
     """``fn`` closing over ``values`` (as ``closure_of`` gave them, their arrays
     perhaps now tracers, their NNX nodes merged copies) instead of its own
-    cells, and reading the NNX nodes among ``reads`` (as ``globals_read`` gave
+    cells, and reading the traced values among ``reads`` (as ``globals_read`` gave
     them) in place of its module's; ``fn`` itself if there is nothing to
     replace, so that its ``nonlocal`` and ``global`` writes still reach their targets."""
-    nodes = {name: v for name, v in reads if not isinstance(v, StaticValue)}
+    traced = {name: v for name, v in reads if not isinstance(v, StaticValue)}
     own_cells = all(isinstance(v, StaticValue) for v in values)
-    if own_cells and not nodes:
+    if own_cells and not traced:
         return fn
     cells = (
         fn.__closure__
         if own_cells
         else tuple(
             types.CellType()
-            if v is _EMPTY
+            if v is EMPTY_CELL
             else types.CellType(v.value if isinstance(v, StaticValue) else v)
             for v in values
         )
     )
-    space = {**fn.__globals__, **nodes} if nodes else fn.__globals__
+    space = {**fn.__globals__, **traced} if traced else fn.__globals__
     copy = types.FunctionType(fn.__code__, space, fn.__name__, fn.__defaults__, cells)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
@@ -189,68 +199,62 @@ def with_closure(fn: Any, values: tuple[Any, ...], reads: tuple[tuple[str, Any],
     return copy
 
 
-def globals_read(fn: Any) -> tuple[tuple[str, Any], ...]:
-    """The module-level numbers, strings, arrays, containers and NNX graph nodes
-    ``fn``'s own code reads. A JAX array (by identity: it cannot change), a
-    NumPy array of up to ``_CONTENT_KEYED`` elements (by its bytes: it can
-    change in place), a number, a string, and a tuple or dict of neither
-    arrays nor nodes (by its items: see ``static_key``) are ``StaticValue`` for the
-    compile-cache key, so rebinding or mutating one re-traces, as calling
-    ``fn`` would see the new value. A larger NumPy array and a container of
-    arrays are taken as themselves and traced, as closed-over ones are; each graph node
-    as itself, to be split as an argument is, so a weight changed in place or
-    a layer replaced is seen. Mutable defaults (a dict, a NumPy array) are
-    ``StaticValue`` too, under the names ``"<defaults>"`` and ``"<kwdefaults>"``."""
+def globals_read(fn: Any, defaults: bool = True) -> tuple[tuple[str, Any], ...]:
+    """``(name, read_part(value))`` for each module-level name ``fn``'s code uses
+    (`names_used`) that its module defines, in name order; with ``defaults``,
+    its defaults too, each by `read_key` (an array by identity), under the names
+    ``"<defaults>"`` and ``"<kwdefaults>"`` that no global has."""
     code = getattr(fn, "__code__", None)
     space = getattr(fn, "__globals__", None)
     if code is None or space is None:
         return ()
-    read = []
-    for name in code.co_names:
-        value = space.get(name, _UNBOUND)
-        if type(value) in _NOT_READ:  # the functions, modules and classes a body calls
-            continue
-        if is_graph_node(value) or _is_large_numpy(value) or _is_data_container(value):
-            read.append((name, value))  # traced, read afresh at every call
-        elif type(value) in _CONFIGS or is_array(value) or isinstance(value, (numbers.Number, str)):
-            read.append((name, StaticValue(value)))
-        elif value is not _UNBOUND:
-            # Any other object (an enum, a frozen config, a Linen model): a mutable
-            # config object by its attributes too, a callable or a value-hashed one by
-            # identity (it cannot change, or its hash would cost a call more than its key).
-            by_attributes = type(value).__hash__ is object.__hash__ and not callable(value)  # type: ignore[comparison-overlap]
-            read.append((name, StaticValue(value, keyed=by_attributes)))
-    # Defaults a call leaves out are read when it is traced: a mutable one (a config
-    # dict, a NumPy array) is keyed as a module-level value, under a name no global has.
-    for name, defaults in (
-        ("<defaults>", getattr(fn, "__defaults__", None)),
-        ("<kwdefaults>", getattr(fn, "__kwdefaults__", None)),
-    ):
-        values = defaults.values() if isinstance(defaults, dict) else defaults or ()
-        if not all(type(v) in _IMMUTABLE for v in values):
-            read.append((name, StaticValue(defaults)))
+    read = [(name, read_part(space[name])) for name in names_used(code) if name in space]
+    if defaults:
+        if fn.__defaults__:
+            read.append(("<defaults>", StaticValue(fn.__defaults__)))
+        if fn.__kwdefaults__:
+            read.append(("<kwdefaults>", StaticValue(tuple(sorted(fn.__kwdefaults__.items())))))
     return tuple(read)
 
 
-def _is_large_numpy(value: Any) -> bool:
-    return type(value) is np.ndarray and value.size > _CONTENT_KEYED
+@functools.lru_cache(maxsize=4096)
+def names_used(code: types.CodeType) -> tuple[str, ...]:
+    """The global (and attribute) names ``code`` and the code objects inside it
+    (lambdas, comprehensions, generator expressions, inner functions) use, sorted."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(names_used(const))
+    return tuple(sorted(names))
 
 
-def _is_data_container(value: Any) -> bool:
-    return type(value) in (tuple, list, dict) and _is_data(value)
+def attributes_key(obj: Any) -> Any:
+    """What the object of a plain method (not a pytree, not an NNX node) is keyed by
+    beside itself: which object each of its attributes is (`read_key`); None for
+    any other object (a pytree is flattened as an argument; a value-hashed one is its own key)."""
+    if (
+        type(obj).__hash__ is not object.__hash__  # type: ignore[comparison-overlap]
+        or not hasattr(obj, "__dict__")
+        or isinstance(obj, (type, types.FunctionType, types.ModuleType))
+        or is_graph_node(obj)
+    ):
+        return None
+    leaves = jax.tree_util.tree_leaves(obj)
+    if not (len(leaves) == 1 and leaves[0] is obj):
+        return None  # a registered pytree: its leaves are the call's
+    return _Attributes(tuple((name, read_key(value)) for name, value in vars(obj).items()))
 
 
-_UNBOUND = object()
-_IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None), type})
-_CONFIGS = (tuple, dict)  # the containers read from a module, keyed by their items
-_NOT_READ = frozenset(
-    {
-        type(_UNBOUND),
-        types.FunctionType,
-        types.BuiltinFunctionType,
-        types.ModuleType,
-        type,
-        functools.partial,
-        type(None),
-    }
-)
+class _Attributes:
+    """`attributes_key`'s key: one static leaf, its hash kept."""
+
+    __slots__ = ("key", "_hash")
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key, self._hash = key, hash(key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Attributes) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return self._hash

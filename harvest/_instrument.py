@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from . import _attention, _errors
 from ._attention import HOOKS
 from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
-from ._free_variables import StaticValue, closure_of, globals_read, with_closure
+from ._free_variables import StaticValue, attributes_key, closure_of, globals_read, with_closure
 from ._instrument_linen import run_linen
 from ._interpreter import NameFilter
 from ._leaves import is_array
@@ -427,6 +427,15 @@ class Instrumented:
             if closure is not None:
                 children, layout = closure
                 return children, ("closure", self._target, self._static(), layout)
+            if type(self._target) is functools.partial:
+                # Its arguments are the call's, as harvest takes a partial's: arrays traced.
+                target = self._target
+                return [target.args, target.keywords], (
+                    "partial",
+                    target.func,
+                    self._static(),
+                    None,
+                )
             return (), ("function", self.target, self._static(), _object_key(self.target))
         if (
             self._kind == "penzai"
@@ -477,6 +486,8 @@ class Instrumented:
         form, data, static, layout = aux
         if form == "function":
             return cls(data, *static)
+        if form == "partial":
+            return cls(functools.partial(data, *children[0], **children[1]), *static)
         if form == "closure":
             copy = cls(_closure_filled(data, layout, children), *static)
             # Its children may be stand-ins (NNX nodes split, tracers): flattened again,
@@ -654,12 +665,10 @@ def _closure_flat(target):
 
 def _object_key(target):
     """What a target that is not a plain function is compared by beside itself: the
-    object of a bound method, or a callable object, by its attributes' values (see
-    `_free_variables.static_key`), so an attribute rebound (a new weight array) re-traces."""
-    owner = target.__self__ if inspect.ismethod(target) else target
-    if type(owner).__hash__ is not object.__hash__ or inspect.isroutine(owner):
-        return None  # hashed by its values (a Linen module), or code: itself is its key
-    return StaticValue(owner)
+    object of a bound method, or a callable object, by which object each of its
+    attributes is (`_free_variables.attributes_key`), so an attribute rebound (a
+    new weight array) re-traces."""
+    return attributes_key(target.__self__ if inspect.ismethod(target) else target)
 
 
 def _closure_filled(target, layout, children):

@@ -10,9 +10,7 @@ selection.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-import sys
 import types
 import weakref
 from collections.abc import Callable, Sequence
@@ -23,8 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
-from ._free_variables import StaticValue, static_key
-from ._leaves import is_array
+from ._free_variables import (
+    EMPTY_CELL,
+    StaticValue,
+    closure_of,
+    globals_read,
+    read_part,
+    static_key,
+)
+from ._leaves import is_array, is_graph_node
 from ._typing import T, dataclass_transform
 
 if TYPE_CHECKING:
@@ -360,17 +365,18 @@ _DEPTH = 2  # how deep closed-over functions are themselves taken apart
 
 
 class TracedCode:
-    """A plain Python function as a pytree: equal when its code, the values it
-    reads (closed-over cells, defaults, module globals) and their shapes agree.
+    """A plain Python function as a pytree: its code, and what it reads besides
+    its arguments taken as harvest takes a harvested function's (see
+    `_free_variables`): closed-over cells, defaults and the module-level names
+    its code uses.
 
-    Closed-over arrays (and NNX graph nodes) are its leaves, so a fresh lambda
-    of the same code over a new array is the same program with new data;
-    closed-over numbers, strings and other hashable values are static, keyed
-    by value (a float by its bits too, see ``static_key``); anything else
-    (an unhashable object) by identity. Closed-over plain functions are taken
-    apart the same way, two levels deep. Globals the code reads are keyed by
-    value, or by identity when unhashable, so rebinding one re-traces.
-    Calling it calls the function rebuilt around its current leaves.
+    Arrays (and NNX graph nodes, and containers of arrays) among them are its
+    leaves, so a fresh lambda of the same code over a new array is the same
+    program with new data; immutable values are static, keyed by value (a
+    float by its repr); anything else by identity. Closed-over and default
+    plain functions are taken apart the same way, two levels deep (a plant
+    built from a helper is data too). Calling it calls the function rebuilt
+    around its current leaves.
     """
 
     def __init__(self, fn: Any, shape: _CodeShape, leaves: Sequence[Any]) -> None:
@@ -381,29 +387,20 @@ class TracedCode:
     @classmethod
     def of(cls, fn: Any, depth: int = _DEPTH) -> TracedCode:
         """``fn`` (a plain function) as a ``TracedCode``."""
-        cells = []
-        for cell in fn.__closure__ or ():
-            try:
-                cells.append(_as_part(cell.cell_contents, depth))
-            except ValueError:  # a cell not yet filled (a name assigned after the def)
-                cells.append(StaticValue(_EMPTY_CELL))
-        space = fn.__globals__
-        names = _names_read(fn.__code__)
         parts = (
-            tuple(cells),
-            tuple(_as_part(v, depth) for v in fn.__defaults__ or ()),
-            {k: _as_part(v, depth) for k, v in (fn.__kwdefaults__ or {}).items()},
+            tuple(_nested(v, depth) for v in closure_of(fn)),
+            tuple(_nested(read_part(v), depth) for v in fn.__defaults__ or ()),
+            {k: _nested(read_part(v), depth) for k, v in (fn.__kwdefaults__ or {}).items()},
             # Module-level values: arrays traced too (a loop at a notebook's top
             # level), functions and modules by identity.
-            {name: _as_part(space[name], 0) for name in names if name in space},
+            dict(globals_read(fn, defaults=False)),
         )
-        leaves, treedef = jax.tree_util.tree_flatten(parts, is_leaf=_is_node)
-        dynamic = [is_array(leaf) or _is_node(leaf) for leaf in leaves]
+        leaves, treedef = jax.tree_util.tree_flatten(parts, is_leaf=is_graph_node)
+        dynamic = [is_array(leaf) or is_graph_node(leaf) for leaf in leaves]
         statics = tuple((i, leaf) for i, (leaf, d) in enumerate(zip(leaves, dynamic)) if not d)
         # Unless something is traced, the function itself is called, so that its
         # `nonlocal` writes still reach its cells.
-        absent = tuple(name for name in names if name not in space)  # builtins
-        shape = _CodeShape(fn, not any(dynamic), treedef, statics, absent)
+        shape = _CodeShape(fn, not any(dynamic), treedef, statics)
         return cls(fn, shape, [leaf for leaf, d in zip(leaves, dynamic) if d])
 
     def function(self) -> Any:
@@ -433,41 +430,11 @@ class TracedCode:
 jax.tree_util.register_pytree_node_class(TracedCode)
 
 
-def _as_part(value: Any, depth: int) -> Any:
-    """A value ``fn`` reads, as a pytree whose arrays are traced and whose other
-    leaves are keyed by value; ``StaticValue`` (by identity) when it cannot be keyed."""
-    if is_array(value) or _is_node(value):
-        return value
-    if inspect.isfunction(value) and depth > 0:
-        return TracedCode.of(value, depth - 1)
-    leaves, _ = jax.tree_util.tree_flatten(value, is_leaf=_is_node)
-    if leaves == [value]:
-        return value if _keyable(value) else StaticValue(value)
-    # A container: taken apart if its every leaf can be traced or keyed (a list
-    # the function appends to stays the caller's list, held by identity).
-    if leaves and all(is_array(l) or _is_node(l) or _keyable(l) for l in leaves):
-        return jax.tree_util.tree_map(lambda l: _as_part(l, depth), value, is_leaf=_is_node)
-    return StaticValue(value)
-
-
-def _keyable(value: Any) -> bool:
-    try:
-        hash(static_key(value))
-    except TypeError:
-        return False
-    return True
-
-
-def _is_node(value: Any) -> bool:
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and nnx.graph.is_graph_node(value)
-
-
-class _EmptyCell:
-    """Marks a closure cell with no value yet."""
-
-
-_EMPTY_CELL = _EmptyCell()
+def _nested(part: Any, depth: int) -> Any:
+    """A `read_part`, with a plain function among static values taken apart itself."""
+    if depth > 0 and isinstance(part, StaticValue) and inspect.isfunction(part.value):
+        return TracedCode.of(part.value, depth - 1)
+    return part
 
 
 class _CodeShape:
@@ -477,23 +444,13 @@ class _CodeShape:
     alive: only a call, which holds the function, traces)."""
 
     def __init__(
-        self,
-        fn: Any,
-        keep: bool,
-        treedef: Any,
-        statics: tuple[tuple[int, Any], ...],
-        absent: tuple[str, ...],
+        self, fn: Any, keep: bool, treedef: Any, statics: tuple[tuple[int, Any], ...]
     ) -> None:
         self.template = weakref.ref(fn)
         self.keep = keep
         self.treedef = treedef
         self.statics = statics
-        self.key = (
-            fn.__code__,
-            treedef,
-            tuple((i, type(v), static_key(v)) for i, v in statics),
-            absent,
-        )
+        self.key = (fn.__code__, treedef, tuple((i, type(v), static_key(v)) for i, v in statics))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _CodeShape) and self.key == other.key
@@ -520,8 +477,7 @@ class _CodeShape:
             fn.__name__,
             tuple(_value(v) for v in defaults) or None,
             tuple(
-                types.CellType() if _value(v) is _EMPTY_CELL else types.CellType(_value(v))
-                for v in cells
+                types.CellType() if v is EMPTY_CELL else types.CellType(_value(v)) for v in cells
             ),
         )
         rebuilt.__kwdefaults__ = {k: _value(v) for k, v in kwdefaults.items()} or None
@@ -531,21 +487,12 @@ class _CodeShape:
 
 
 def _value(part: Any) -> Any:
-    """What ``_as_part`` made of a value, back as the value."""
+    """What ``read_part`` or ``_nested`` made of a value, back as the value."""
     if isinstance(part, StaticValue):
         return part.value
     if isinstance(part, TracedCode):
         return part.function()
     return part
-
-
-@functools.lru_cache(maxsize=4096)
-def _names_read(code: types.CodeType) -> tuple[str, ...]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.update(_names_read(const))
-    return tuple(sorted(names))
 
 
 def code_as_data(plants: Any) -> Any:

@@ -609,7 +609,9 @@ def patching_sweep(
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
 
-    def program(f: Callable, operands: tuple[Any, list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
+    def program(
+        f: Callable, metric: Callable, operands: tuple[Any, list[Any], tuple]
+    ) -> tuple[jax.Array, jax.Array]:
         ks, cleans, args = operands
         planted = plant(f, tag=tag)
 
@@ -628,7 +630,7 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes), size)
+    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes), size)
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
@@ -639,7 +641,7 @@ def patching_sweep(
         ks = np.minimum(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
-        values, baseline = compile_program(program, f, (ks, cleans, batches[b][1]), spec)
+        values, baseline = compile_program(program, f, metric, (ks, cleans, batches[b][1]), spec)
         if _waits(len(steps), baseline):
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects[b].append((values, total - start))
@@ -752,7 +754,9 @@ def attribution_patching(
     size, site_axes = plan.size, plan.site_axes
     patched = frozenset(path_str(t.site.path) for t in targets)
 
-    def program(f: Callable, operands: tuple[list[Any], tuple]) -> tuple[jax.Array, jax.Array]:
+    def program(
+        f: Callable, metric: Callable, operands: tuple[list[Any], tuple]
+    ) -> tuple[jax.Array, jax.Array]:
         cleans, args = operands
         planted = plant(f, tag=tag)
         reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
@@ -775,12 +779,12 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    spec = (caller, metric, tag, tuple(t.site for t in targets), tuple(site_axes))
+    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes))
     effects: list[list[tuple[Any, int]]] = []
     baselines: list[Any] = []
     for c, args in _steps(batches, progress, caller):
         cleans = _batch_cleans(targets, c, axes, size, caller, batches[0][0])
-        values, baseline = compile_program(program, f, (cleans, args), spec)
+        values, baseline = compile_program(program, f, metric, (cleans, args), spec)
         if _waits(len(batches), baseline):
             values, baseline = np.asarray(values), np.asarray(baseline)
         effects.append([(values, len(values))])

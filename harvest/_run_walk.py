@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _errors, _jax
+from . import _errors, _jax, config
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
-from ._free_variables import closure_of, globals_read, static_key, with_closure
+from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
@@ -44,6 +44,7 @@ from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules.calls import holds_rule_sows
 from ._site import Site
+from ._stale import Snapshot
 from ._stateful import flattening_call, holds_no_nodes, stateful_objects
 from ._tracing import make_jaxpr
 
@@ -109,11 +110,11 @@ def _unwrap(f: Any) -> tuple[Any, Any]:
         fn, inner = _unwrap(f.func)
         return fn, ("partial", inner, f.args, f.keywords)
     if inspect.ismethod(f):
-        return f.__func__, ("method", f.__self__)
+        return f.__func__, ("method", f.__self__, attributes_key(f.__self__))
     if inspect.isfunction(f):
         return f, None
     # Any other callable object (a module, say): its class's __call__ plus itself.
-    return type(f).__call__, ("method", f)
+    return type(f).__call__, ("method", f, attributes_key(f))
 
 
 def _rewrap(fn, data):
@@ -394,7 +395,10 @@ def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
     place = _placement(fn, static)
     if place is _COMPILED:
         try:
-            out, flat, changes = jit_per_function(fn, _walk_weak)(dynamic, static)
+            snapshot = (
+                (lambda: Snapshot.of(fn, bound, args, kwargs)) if config.check_stale else None
+            )
+            out, flat, changes = jit_per_function(fn, _walk_weak)(dynamic, static, snapshot)
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`

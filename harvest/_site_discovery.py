@@ -59,6 +59,7 @@ class _Clearer:
 
 _clearer = _Clearer()  # JAX holds it weakly
 _jax.clear_with_jax(_clearer, "harvest: the sow sites of the sweeps' models")
+clear_sites = _clearer.cache_clear  # and `harvest.clear_caches()`
 
 
 def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...]:
