@@ -85,23 +85,34 @@ class _Config:
         self.a = a
 
 
-def test_mutated_identity_hashed_config_retraces():
+def test_mutated_identity_hashed_config_is_read_when_traced():
+    # A static argument is compared by `==` (a plain object: by identity), as under
+    # `jax.jit`: its attributes are read when f is traced; the check mode names them.
     def f(x, cfg):
         return sow(x * cfg.a, name="h", mode="clobber")
 
     cfg = _Config(2.0)
     assert float(reap(f)(1.0, cfg)["h"]) == f(1.0, cfg) == 2.0
     cfg.a = 4.0
+    assert float(reap(f)(1.0, cfg)["h"]) == 2.0
+    harvest.config.update("check_stale", True)
+    try:
+        with pytest.raises(harvest.StaleValueError, match="is stale"):
+            reap(f)(1.0, cfg)
+    finally:
+        harvest.config.update("check_stale", False)
+    harvest.clear_caches()
     assert float(reap(f)(1.0, cfg)["h"]) == f(1.0, cfg) == 4.0
-    cfg.a = -0.0
-    assert np.signbit(reap(f)(1.0, cfg)["h"])
+    assert np.signbit(reap(f)(1.0, _Config(-0.0))["h"])
 
 
-def test_mutated_closed_over_config_retraces():
+def test_mutated_closed_over_config_is_read_when_traced():
     cfg = _Config(2.0)
     f = _closing_over_config(cfg)
     assert float(reap(f)(1.0)["h"]) == 2.0
     cfg.a = 6.0
+    assert float(reap(f)(1.0)["h"]) == 2.0  # its contents: read when f was traced
+    harvest.clear_caches()
     assert float(reap(f)(1.0)["h"]) == f(1.0) == 6.0
 
 
