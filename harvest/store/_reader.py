@@ -95,7 +95,8 @@ class StoreArray:
         """A future of rows ``start:stop`` (``.result()`` gives the numpy array).
 
         Args:
-            start: the first row to read.
+            start: the first row to read (as in a slice: negative counts from the
+                end, and both ends are clipped to the rows there are).
             stop: the row to stop before.
 
         Returns:
