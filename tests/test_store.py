@@ -730,3 +730,52 @@ def test_a_path_through_a_file_is_an_os_error_naming_the_store(tmp_path):
             lambda x: sow(x, name="h", mode="strict"), [np.ones((2, 2))], path, progress=False
         )
     assert (tmp_path / "file").read_text() == "mine"
+
+
+READ_ONLY = """
+import os, sys
+import numpy as np
+from harvest import sow, store
+if os.getuid() == 0:  # file modes do not bind root: become nobody, after the imports
+    os.setgid(65534)
+    os.setuid(65534)
+data = [np.full((2, 3), float(i), np.float32) for i in range(4)]
+print("read", store.open(sys.argv[1])["h"][:].tolist(), flush=True)
+try:
+    store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, sys.argv[1],
+                 progress=False)
+except OSError as e:
+    print(type(e).__name__, e.errno, e, sep="|")
+"""
+
+
+def test_a_store_that_cannot_be_written_is_read_and_a_clear_error_to_extend():
+    import shutil
+    import tempfile
+
+    root = pathlib.Path(tempfile.mkdtemp())  # not under pytest's tmp_path: nobody may enter it
+    try:
+        path = root / "s"
+        data = [np.full((2, 3), float(i), np.float32) for i in range(2)]
+        store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, path, progress=False)
+        for p in [path, *path.rglob("*")]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        root.chmod(0o755)
+        child = subprocess.run(
+            [sys.executable, "-c", READ_ONLY, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        lines = child.stdout.strip().splitlines()
+        assert lines[0] == "read " + str((np.concatenate(data) * 2.0).tolist())
+        kind, code, message = lines[-1].split("|")
+        assert kind == "PermissionError" and int(code) == 13
+        assert f"the store at {str(path)!r} failed: Permission denied." in message
+        assert "Use a path you can write to" in message
+        assert store.open(path).rows == 4  # unchanged
+    finally:
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o755)
+        shutil.rmtree(root)
