@@ -8,6 +8,8 @@ it as `Site` prints itself: its tag, its name and the file:line of the user's
 from __future__ import annotations
 
 import difflib
+import errno
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -705,11 +707,20 @@ def store_site_not_array(name: str, value: Any) -> TypeError:
     )
 
 
-def store_site_not_rows(name: str, shape: Any, batch: int, rows: str) -> ValueError:
+def store_site_not_rows(
+    name: str, shape: Any, batch: int, rows: str, sown: Any = None
+) -> ValueError:
     want = "[examples, ...]" if rows == "examples" else "[examples, positions, ...]"
+    stacked = (
+        f" (each occurrence {tuple(sown)}, stacked by a loop)"
+        if sown is not None and tuple(sown) != tuple(shape)
+        else ""
+    )
     return ValueError(
-        f"record: site {name!r} has shape {tuple(shape)}, but rows={rows!r} needs {want} "
-        f"with {batch} examples first, as in the batch. Leave the site out with `names=`"
+        f"record: site {name!r} has shape {tuple(shape)}{stacked}, but rows={rows!r} needs {want} "
+        f"with {batch} examples first, as in the batch (taken from the sown value's axis "
+        "`example_axis`, 0 unless given; a loop's occurrence axes do not count). Pass "
+        "example_axis= (an int, or a dict by site), leave the site out with `names=`"
         + (", or use rows='examples'." if rows == "tokens" else ".")
     )
 
@@ -756,6 +767,95 @@ def store_tokens_split(name: str) -> ValueError:
         f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
         "device's rows are not contiguous tokens. Shard the batch along examples only, or "
         "use rows='examples'."
+    )
+
+
+def store_site_prng_key(name: str, dtype: Any) -> TypeError:
+    return TypeError(
+        f"record: site {name!r} holds PRNG keys ({dtype}), which a store cannot hold. "
+        "Sow their raw data instead, jax.random.key_data(keys) (jax.random.wrap_key_data "
+        "turns it back into keys), or leave the site out with `names=`. Nothing was written."
+    )
+
+
+def store_cannot_hold(name: str, dtype: str, codecs: Any, reason: str) -> ValueError:
+    return ValueError(
+        f"record: site {name!r} ({dtype}) cannot be stored as a zarr v3 array"
+        + (f" with codecs={codecs!r}" if codecs is not None else "")
+        + f" ({reason.split(' [')[0]}). Cast it with `dtype=` (e.g. dtype='float32')"
+        + (" or fix `codecs`" if codecs is not None else "")
+        + ", or leave the site out with `names=`. Nothing was written."
+    )
+
+
+def store_example_axis(name: str, axis: Any, sown: Any, rows: str) -> ValueError:
+    need = "two axes (examples, then positions)" if rows == "tokens" else "an axis"
+    return ValueError(
+        f"record: example_axis={axis!r} for site {name!r}, whose value as sown has shape "
+        f"{tuple(sown)}: rows={rows!r} needs {need} there. Pass an axis of the sown value "
+        "(negative counts from the end), or leave the site out with `names=`."
+    )
+
+
+def store_example_axis_names(unknown: list[str], names: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"record(example_axis={{...}}) names {', '.join(repr(n) for n in unknown)}, "
+        f"which {'is' if len(unknown) == 1 else 'are'} not recorded; the sites recorded are "
+        f"{', '.join(repr(n) for n in names)}. Nothing was written."
+    )
+
+
+def store_file_missing(path: Any, doing: str, site: str | None) -> FileNotFoundError:
+    where = (
+        f"site {site!r} of the store at {str(path)!r}" if site else f"the store at {str(path)!r}"
+    )
+    return FileNotFoundError(
+        f"harvest.store: {doing} {where}: a file of it is missing (deleted, or not copied "
+        "with the rest); its rows are not read as zeros. The store is damaged: copy it again "
+        "whole, or record it afresh with record(..., overwrite=True)."
+    )
+
+
+def store_io_failed(path: Any, doing: str, site: str | None, code: int | None) -> OSError:
+    where = (
+        f"site {site!r} of the store at {str(path)!r}" if site else f"the store at {str(path)!r}"
+    )
+    reason = os.strerror(code) if code else "an I/O error"
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        advice = (
+            "Free space (or record to another disk); calling record again with the same "
+            "arguments resumes from the batches already written."
+        )
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        advice = "Use a path you can write to (or make this one writable)."
+    else:
+        advice = "Check the file system at that path, then try again."
+    message = f"harvest.store: {doing} {where} failed: {reason}. {advice}"
+    return OSError(code, message) if code else OSError(message)
+
+
+def store_manifest_damaged(path: Any, reason: str) -> ValueError:
+    return ValueError(
+        f"harvest.store: the manifest of the store at {str(path)!r} (its zarr.json) is "
+        f"damaged: {reason}. Copy the store again whole, or record it afresh."
+    )
+
+
+def store_bad_index(index: Any) -> IndexError:
+    return IndexError(
+        f"StoreArray takes numpy basic indexing (ints, slices, ..., None), got {index!r}. "
+        "Read the rows first (np.asarray(array[i:j])), then index the numpy array."
+    )
+
+
+def store_index_out_of_range(index: int, axis: int, size: int) -> IndexError:
+    return IndexError(f"index {index} is out of bounds for axis {axis} with size {size}")
+
+
+def store_too_many_indices(ndim: int, given: int) -> IndexError:
+    return IndexError(
+        f"too many indices for the store's array: it is {ndim}-dimensional, "
+        f"but {given} were indexed"
     )
 
 

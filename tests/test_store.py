@@ -395,7 +395,7 @@ def test_a_loader_failing_mid_pass_keeps_every_batch_computed_and_resumes(tmp_pa
         raise ConnectionError("the loader went away")
 
     path = tmp_path / "s"
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionError, match="the loader went away"):
         store.record(
             model, failing(), path, tag="modules", names=NAMES, max_pending=3, progress=False
         )
@@ -407,3 +407,375 @@ def test_a_loader_failing_mid_pass_keeps_every_batch_computed_and_resumes(tmp_pa
     assert resumed.complete
     for name in NAMES:
         np.testing.assert_array_equal(np.asarray(resumed[name]), expected[name])
+
+
+# -- the example axis: from the site's structure, never guessed by size ------------
+
+
+def _layers(n_layers, batch_first=True):
+    """x [examples, width] -> tanh(x * w_l) per layer l, a scan over layers sowing each."""
+
+    def f(x):
+        def body(c, w):
+            c = jnp.tanh(c * w)
+            sow(c if batch_first else c.T, name="h", mode="append")
+            sow(c.sum(-1), name="total", mode="append")
+            return c, None
+
+        return jax.lax.scan(body, x, jnp.arange(1.0, 1.0 + n_layers))[0]
+
+    return f
+
+
+def _layers_by_hand(x, n_layers):
+    """The scan of `_layers`, in numpy: [examples, layers, width]."""
+    out, c = [], x
+    for w in np.arange(1.0, 1.0 + n_layers, dtype=np.float32):
+        c = np.tanh(c * w)
+        out.append(c)
+    return np.stack(out, axis=1)
+
+
+@pytest.mark.parametrize("n_layers", [3, 4])  # 4 layers: as many as the batch's examples
+def test_a_scan_over_layers_keeps_examples_as_rows(tmp_path, n_layers):
+    rng = np.random.default_rng(0)
+    data = [rng.normal(size=(4, 2)).astype(np.float32) for _ in range(3)]
+    f = _layers(n_layers)
+    s = store.record(f, data, tmp_path / "s", progress=False)
+    expected = np.concatenate([_layers_by_hand(b, n_layers) for b in data])
+    assert s["h"].shape == (12, n_layers, 2) and s["total"].shape == (12, n_layers)
+    np.testing.assert_allclose(s["h"][:], expected, rtol=1e-6)
+    reaped = [reap(f)(b) for b in data]  # reap stacks layers first: [layers, examples, ...]
+    for name in ("h", "total"):
+        by_reap = np.concatenate([np.moveaxis(np.asarray(r[name]), 1, 0) for r in reaped])
+        np.testing.assert_array_equal(s[name][:], by_reap)
+
+
+def test_the_example_axis_under_vmap_collect_tokens_and_when_given(tmp_path):
+    rng = np.random.default_rng(1)
+    data = [rng.normal(size=(3, 2)).astype(np.float32) for _ in range(2)]
+    expected = np.concatenate([_layers_by_hand(b, 3) for b in data])
+    # A per-example function under vmap, the scan inside it: the vmap axis is the examples.
+    per_example = lambda x: _layers(3)(x[None])[0]  # noqa: E731
+    s = store.record(jax.vmap(per_example), data, tmp_path / "vmap", names="h", progress=False)
+    np.testing.assert_allclose(s["h"][:], expected[:, :, None], rtol=1e-6)
+
+    def vmap_in_the_scan(x):  # the scan over layers outside, a vmap over examples inside
+        def body(c, w):
+            return jax.vmap(lambda e: sow(jnp.tanh(e * w), name="h", mode="append"))(c), None
+
+        return jax.lax.scan(body, x, jnp.arange(1.0, 4.0))[0]
+
+    s = store.record(vmap_in_the_scan, data, tmp_path / "inside", progress=False)
+    np.testing.assert_allclose(s["h"][:], expected, rtol=1e-6)
+
+    def collected(x):  # 'collect', sown once in a scan: a 1-tuple of [layers, examples, ...]
+        def body(c, w):
+            c = jnp.tanh(c * w)
+            return sow(c, name="h"), None
+
+        return jax.lax.scan(body, x, jnp.arange(1.0, 4.0))[0]
+
+    s = store.record(collected, data, tmp_path / "collect", progress=False)
+    np.testing.assert_allclose(s["h"][:], expected, rtol=1e-6)
+
+    # Tokens: [examples, positions, width] per layer -> a row per token, [layers, width].
+    tokens = [rng.normal(size=(3, 5, 2)).astype(np.float32) for _ in range(2)]
+    s = store.record(_layers(3), tokens, tmp_path / "tok", names="h", rows="tokens", progress=False)
+    by_hand = np.concatenate([_layers_by_hand(b.reshape(15, 2), 3) for b in tokens])
+    np.testing.assert_allclose(s["h"][:], by_hand, rtol=1e-6)
+
+    # A site sown [width, examples]: its example axis given, per site or for all.
+    for axis in ({"h": 1, "total": 0}, -1):
+        names = ["h"] if axis == -1 else None
+        s = store.record(
+            _layers(3, batch_first=False),
+            data,
+            tmp_path / f"t{axis!s:.3}",
+            names=names,
+            example_axis=axis,
+            progress=False,
+        )
+        np.testing.assert_allclose(s["h"][:], expected, rtol=1e-6)
+
+
+def test_a_wrong_example_axis_is_a_clear_error_that_writes_nothing(tmp_path):
+    data = [np.ones((4, 2), np.float32)]
+    with pytest.raises(
+        ValueError, match=r"site 'h' has shape \(3, 2, 4\) \(each occurrence \(2, 4\).*example_axis"
+    ):
+        store.record(_layers(3, batch_first=False), data, tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match=r"example_axis=2 for site 'h'.*shape \(4, 2\)"):
+        store.record(_layers(3), data, tmp_path / "a", example_axis=2, progress=False)
+    with pytest.raises(ValueError, match="example_axis=1 for site 'h'.*two axes"):
+        store.record(
+            _layers(3),
+            data,
+            tmp_path / "a",
+            names="h",
+            rows="tokens",
+            example_axis=1,
+            progress=False,
+        )
+    with pytest.raises(KeyError, match="example_axis=.*names 'hh', which is not recorded"):
+        store.record(_layers(3), data, tmp_path / "a", example_axis={"hh": 0}, progress=False)
+    with pytest.raises(ValueError, match="`example_axis` must be an int, or a dict from site"):
+        store.record(_layers(3), data, tmp_path / "a", example_axis="0", progress=False)
+    assert not (tmp_path / "a").exists()
+
+
+# -- site names, PRNG keys, dtypes: refused or stored, never a raw TensorStore error --
+
+
+@pytest.mark.parametrize("name", [".progress", "zarr.json", ".", "..", "a/b", "%2E", "é"])
+def test_any_site_name_is_stored_apart_from_the_stores_own_files(tmp_path, name):
+    import urllib.parse
+
+    def f(x):
+        sow(x + 1.0, name="plain", mode="strict")
+        return sow(x * 2.0, name=name, mode="strict")
+
+    data = [np.arange(6.0, dtype=np.float32).reshape(2, 3) + i for i in range(3)]
+    path = tmp_path / "s"
+    s = store.record(f, data, path, progress=False)
+    assert s.complete and not (path / ".progress").exists()
+    key = s.manifest.sites[name].key
+    assert urllib.parse.unquote(key) == name  # reversible
+    assert sorted(p.name for p in path.iterdir()) == sorted(["zarr.json", "plain", key])
+    again = store.record(f, data, path, progress=False)  # resumes: nothing left to write
+    for reopened in (again, store.open(path)):
+        np.testing.assert_array_equal(reopened[name][:], np.concatenate(data) * 2.0)
+        np.testing.assert_array_equal(reopened["plain"][:], np.concatenate(data) + 1.0)
+
+
+def test_prng_key_sites_are_refused_up_front_and_leave_nothing(tmp_path):
+    def keys(x):
+        k = jax.vmap(jax.random.key)(x[:, 0].astype(jnp.uint32))
+        return sow(k, name="k", mode="strict")
+
+    def key_data(x):
+        return sow(jax.random.key_data(keys(x)), name="k_data", mode="strict")
+
+    data = [np.arange(8.0).reshape(4, 2) + i for i in range(2)]
+    path = tmp_path / "s"
+    with pytest.raises(TypeError, match=r"site 'k' holds PRNG keys.*jax.random.key_data"):
+        store.record(keys, data, path, progress=False)
+    assert not path.exists()
+    s = store.record(key_data, data, path, names="k_data", progress=False)  # no overwrite
+    expected = np.concatenate([np.asarray(reap(key_data)(b)["k_data"]) for b in data])
+    np.testing.assert_array_equal(s["k_data"][:], expected)
+    assert s["k_data"].dtype == np.uint32
+
+
+def test_a_dtype_or_codecs_zarr_cannot_hold_is_refused_before_writing(tmp_path):
+    f = lambda x: sow(x.astype(jnp.uint4), name="u", mode="strict")  # noqa: E731
+    data = [np.ones((2, 3), np.float32)]
+    with pytest.raises(ValueError, match=r"site 'u' \(uint4\) cannot be stored.*dtype="):
+        store.record(f, data, tmp_path / "a", progress=False)
+    g = lambda x: sow(x, name="x", mode="strict")  # noqa: E731
+    with pytest.raises(ValueError, match="site 'x' .* with codecs=.*fix `codecs`"):
+        store.record(g, data, tmp_path / "a", codecs=[{"name": "zstdd"}], progress=False)
+    assert not (tmp_path / "a").exists()
+    s = store.record(f, data, tmp_path / "a", dtype="uint8", progress=False)
+    np.testing.assert_array_equal(s["u"][:], np.ones((2, 3), np.uint8))
+
+
+# -- StoreArray indexing: numpy basic indexing, checked against numpy ---------------
+
+
+def test_store_array_indexing_is_numpy_basic_indexing(tmp_path):
+    expected = np.arange(10 * 3 * 4, dtype=np.float32).reshape(10, 3, 4)
+    data = [expected[i : i + 2] for i in range(0, 10, 2)]
+    s = store.record(
+        lambda x: sow(x * 1.0, name="h", mode="strict"),
+        data,
+        tmp_path / "s",
+        chunk_rows=3,
+        progress=False,
+    )
+    h = s["h"]
+    fixed = [
+        -1, 2, np.int64(-10), slice(2, 10), slice(3, 1), slice(-3, None), slice(None, None, -1),
+        slice(8, 2, -3), slice(100, 200), slice(-100, 3), slice(None, None, 4), (),
+        Ellipsis, (Ellipsis, 1), (None, 2), (-3, slice(None), -1), (slice(1, 9, 4), None, ...),
+        (..., slice(None, None, -2)), (1, 2, 3), (slice(0, 0), 0), (None, ..., None),
+        (slice(7, None, -2), slice(-1, None), np.int32(1)), np.array(4),
+    ]  # fmt: skip
+    rng = np.random.default_rng(0)
+    ends, steps = [None, *range(-14, 14)], [None, -5, -2, -1, 1, 2, 3, 7]
+
+    def drawn_slice():  # starts and stops past either end, any step
+        start, stop, step = rng.choice(ends), rng.choice(ends), rng.choice(steps)
+        return slice(*(None if v is None else int(v) for v in (start, stop, step)))
+
+    drawn = [tuple(drawn_slice() for _ in range(rng.integers(1, 4))) for _ in range(200)]
+    for index in fixed + drawn:
+        got, want = h[index], expected[index]
+        assert got.shape == want.shape and got.dtype == want.dtype, index
+        np.testing.assert_array_equal(got, want, err_msg=repr(index))
+    for start, stop in [(-3, 100), (4, 2), (0, 10), (-100, -8)]:
+        np.testing.assert_array_equal(h.read_rows(start, stop).result(), expected[start:stop])
+    with pytest.raises(IndexError, match="index 10 is out of bounds for axis 0 with size 10"):
+        h[10]
+    with pytest.raises(IndexError, match="index -5 is out of bounds for axis 1 with size 3"):
+        h[0, -5]
+    with pytest.raises(IndexError, match=r"too many indices.*3-dimensional, but 4"):
+        h[0, 0, 0, 0]
+    for advanced in ([1, 2], np.array([1, 2]), expected > 3, 1.0, True, (Ellipsis, Ellipsis)):
+        with pytest.raises(IndexError, match="takes numpy basic indexing"):
+            h[advanced]
+
+
+# -- failures of the disk: harvest errors naming the store, never zeros -----------------
+
+
+def test_a_missing_chunk_or_array_is_an_error_never_zeros(tmp_path):
+    f = lambda x: sow(jax.nn.relu(x), name="h", mode="strict")  # noqa: E731
+    data = [np.full((2, 3), v, np.float32) for v in (1.0, -1.0, 2.0)]  # batch 1: all zeros
+    path = tmp_path / "s"
+    s = store.record(f, data, path, progress=False)
+    np.testing.assert_array_equal(s["h"][:], np.maximum(np.concatenate(data), 0))
+    chunks = sorted((path / "h").glob("c.*"))
+    assert [c.name for c in chunks] == ["c.0.0", "c.1.0", "c.2.0"]  # the zeros too
+    chunks[1].unlink()
+    s = store.open(path)
+    message = r"reading site 'h' of the store at .*: a file of it is missing.*overwrite=True"
+    with pytest.raises(FileNotFoundError, match=message):
+        s["h"][:]
+    np.testing.assert_array_equal(s["h"][4:], [[2.0] * 3] * 2)  # the other chunks still read
+    with pytest.raises(FileNotFoundError, match="rows of site 'h' .* a file of it is missing"):
+        s["h"].read_rows(0, 6).result()
+    with pytest.raises(FileNotFoundError, match=message):
+        list(s.batches(2))
+    import shutil
+
+    shutil.rmtree(path / "h")
+    with pytest.raises(FileNotFoundError, match=r"opening the store at .*: a file of it is"):
+        store.open(path)
+
+
+def test_a_store_written_before_every_chunk_was_kept_still_reads(tmp_path):
+    # Such a store has no chunk where a batch was all zeros: there, zeros are its rows.
+    f = lambda x: sow(jax.nn.relu(x), name="h", mode="strict")  # noqa: E731
+    data = [np.full((2, 3), v, np.float32) for v in (1.0, -1.0, 2.0)]
+    path = tmp_path / "s"
+    store.record(f, data, path, progress=False)
+    (path / "h" / "c.1.0").unlink()
+    group = json.loads((path / "zarr.json").read_text())
+    del group["attributes"]["harvest"]["every_chunk"]
+    (path / "zarr.json").write_text(json.dumps(group))
+    np.testing.assert_array_equal(store.open(path)["h"][:], np.maximum(np.concatenate(data), 0))
+
+
+def test_a_damaged_manifest_is_a_clear_error(tmp_path):
+    path = tmp_path / "s"
+    store.record(
+        lambda x: sow(x * 1.0, name="h", mode="strict"), [np.ones((2, 2))], path, progress=False
+    )
+    group = json.loads((path / "zarr.json").read_text())
+    group["attributes"]["harvest"]["sites"]["h"]["key"] = "../elsewhere"
+    (path / "zarr.json").write_text(json.dumps(group))
+    with pytest.raises(ValueError, match=r"manifest .* is damaged: site 'h' has key '../elsew"):
+        store.open(path)
+    (path / "zarr.json").write_text("{not json")
+    with pytest.raises(ValueError, match="manifest .* is damaged: not JSON"):
+        store.open(path)
+
+
+FULL_DISK = """
+import resource, signal, sys
+import numpy as np
+from harvest import sow, store
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+def batches():
+    for i in range(6):
+        if i == 3:  # files may grow no larger than a few rows from now on: the disk is full
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+        yield np.full((4, 1024), float(i), np.float32)
+try:
+    store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), batches(), sys.argv[1],
+                 progress=False)
+except OSError as e:
+    print(type(e).__name__, e.errno, e, sep="|")
+"""
+
+
+def test_a_full_disk_is_a_clear_error_and_record_resumes_after_it(tmp_path):
+    path = tmp_path / "s"
+    child = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    kind, code, message = child.stdout.strip().splitlines()[-1].split("|")
+    assert kind == "OSError" and int(code) == 27  # EFBIG
+    assert f"the store at {str(path)!r} failed: File too large" in message
+    assert "resumes from the batches already written" in message
+    assert "OUT_OF_RANGE" not in message and "tensorstore" not in message.lower()
+    partial = store.open(path)
+    assert not partial.complete and partial.batches_written <= 3
+    data = [np.full((4, 1024), float(i), np.float32) for i in range(6)]
+    s = store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, path, progress=False)
+    assert s.complete
+    np.testing.assert_array_equal(s["h"][:], np.concatenate(data) * 2.0)
+
+
+def test_a_path_through_a_file_is_an_os_error_naming_the_store(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    path = tmp_path / "file" / "s"
+    with pytest.raises(OSError, match=r"opening the store at .*file/s' failed: Not a directory"):
+        store.record(
+            lambda x: sow(x, name="h", mode="strict"), [np.ones((2, 2))], path, progress=False
+        )
+    assert (tmp_path / "file").read_text() == "mine"
+
+
+READ_ONLY = """
+import os, sys
+import numpy as np
+from harvest import sow, store
+if os.getuid() == 0:  # file modes do not bind root: become nobody, after the imports
+    os.setgid(65534)
+    os.setuid(65534)
+data = [np.full((2, 3), float(i), np.float32) for i in range(4)]
+print("read", store.open(sys.argv[1])["h"][:].tolist(), flush=True)
+try:
+    store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, sys.argv[1],
+                 progress=False)
+except OSError as e:
+    print(type(e).__name__, e.errno, e, sep="|")
+"""
+
+
+def test_a_store_that_cannot_be_written_is_read_and_a_clear_error_to_extend():
+    import shutil
+    import tempfile
+
+    root = pathlib.Path(tempfile.mkdtemp())  # not under pytest's tmp_path: nobody may enter it
+    try:
+        path = root / "s"
+        data = [np.full((2, 3), float(i), np.float32) for i in range(2)]
+        store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, path, progress=False)
+        for p in [path, *path.rglob("*")]:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        root.chmod(0o755)
+        child = subprocess.run(
+            [sys.executable, "-c", READ_ONLY, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        lines = child.stdout.strip().splitlines()
+        assert lines[0] == "read " + str((np.concatenate(data) * 2.0).tolist())
+        kind, code, message = lines[-1].split("|")
+        assert kind == "PermissionError" and int(code) == 13
+        assert f"the store at {str(path)!r} failed: Permission denied." in message
+        assert "Use a path you can write to" in message
+        assert store.open(path).rows == 4  # unchanged
+    finally:
+        for p in [root, *root.rglob("*")]:
+            p.chmod(0o755)
+        shutil.rmtree(root)

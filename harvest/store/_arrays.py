@@ -10,7 +10,11 @@ chunk that was never written) and trimmed to the rows written when a run ends.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import pathlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from .. import _errors
@@ -29,8 +33,48 @@ def tensorstore() -> Any:
     return ts
 
 
-def _spec(path: pathlib.Path, site: SiteSpec) -> dict[str, Any]:
-    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / site.key)}}
+def _spec(path: pathlib.Path, site: SiteSpec, every_chunk: bool = True) -> dict[str, Any]:
+    # Every chunk is written, zeros included (zarr's default skips a chunk equal to
+    # the fill value), so that reading can treat a missing chunk as the damage it is
+    # rather than as zeros. `every_chunk=False` reads a store written before that.
+    return {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": str(path / site.key)},
+        "store_data_equal_to_fill_value": True,
+        "fill_missing_data_reads": not every_chunk,
+    }
+
+
+# TensorStore reports a failure as a ValueError whose message starts with its status
+# code, and the OS error under it (if any) as `[os_error_code='28']`.
+_STATUS = re.compile(r"^[A-Z_]+: ")
+_OS_ERROR = re.compile(r"os_error_code='(\d+)'")
+
+
+@contextlib.contextmanager
+def failures(path: pathlib.Path, doing: str, site: str | None = None) -> Iterator[None]:
+    """Turns an OS or TensorStore failure inside into a harvest error naming the
+    store, the site and what was being done; every other exception passes."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        if not isinstance(error, OSError) and not _STATUS.match(str(error)):
+            raise
+        raise translated(error, path, doing, site) from error
+
+
+def translated(error: Exception, path: pathlib.Path, doing: str, site: str | None) -> OSError:
+    """The harvest error for an OS or TensorStore `error`."""
+    text = str(error)
+    if isinstance(error, OSError):
+        code = error.errno
+    else:
+        found = _OS_ERROR.search(text)
+        code = int(found.group(1)) if found else None
+    missing = code == errno.ENOENT or (code is None and text.startswith("NOT_FOUND"))
+    if missing:
+        return _errors.store_file_missing(path, doing, site)
+    return _errors.store_io_failed(path, doing, site, code)
 
 
 def create(
@@ -39,23 +83,43 @@ def create(
     codecs: list[dict[str, Any]] | None,
 ) -> None:
     """Creates the array of each `(site, chunk shape)` (replacing any there), all at once."""
-    futures = []
-    for site, chunk in sites:
-        metadata: dict[str, Any] = {
-            "shape": [CAPACITY, *site.shape],
-            "data_type": site.dtype,
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
-            # Chunk files side by side (`c.<row>.0`), not nested (`c/<row>/0`): a new
-            # directory per chunk cost 3/4 of the chunk's copy into the page cache
-            # (profiled on ext4).
-            "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
-        }
-        if codecs is not None:
-            metadata["codecs"] = codecs
-        spec = {**_spec(path, site), "metadata": metadata, "create": True, "delete_existing": True}
-        futures.append(tensorstore().open(spec))
+    futures = [
+        tensorstore().open({**_create_spec(site, chunk, codecs), **_spec(path, site)})
+        for site, chunk in sites
+    ]
     for future in futures:
         future.result()
+
+
+def check_creatable(
+    sites: list[tuple[str, SiteSpec, tuple[int, ...]]], codecs: list[dict[str, Any]] | None
+) -> None:
+    """Creates each `(name, site, chunk shape)`'s array in memory, before anything is
+    written to disk: a dtype zarr cannot hold or a bad `codecs` fails here."""
+    ts = tensorstore()
+    for name, site, chunk in sites:
+        spec = {**_create_spec(site, chunk, codecs), "kvstore": {"driver": "memory"}}
+        try:
+            ts.open(spec).result()
+        except ValueError as error:
+            raise _errors.store_cannot_hold(name, site.dtype, codecs, str(error)) from None
+
+
+def _create_spec(
+    site: SiteSpec, chunk: tuple[int, ...], codecs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    metadata: dict[str, Any] = {
+        "shape": [CAPACITY, *site.shape],
+        "data_type": site.dtype,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk)}},
+        # Chunk files side by side (`c.<row>.0`), not nested (`c/<row>/0`): a new
+        # directory per chunk cost 3/4 of the chunk's copy into the page cache
+        # (profiled on ext4).
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "."}},
+    }
+    if codecs is not None:
+        metadata["codecs"] = codecs
+    return {"driver": "zarr3", "metadata": metadata, "create": True, "delete_existing": True}
 
 
 def exists(path: pathlib.Path, site: SiteSpec) -> bool:
@@ -70,14 +134,22 @@ _READING = {"file_io_mode": {"mode": "memmap"}}
 
 
 def open_arrays(
-    path: pathlib.Path, sites: list[SiteSpec], rows: int | None = None, reading: bool = False
+    path: pathlib.Path,
+    sites: list[SiteSpec],
+    rows: int | None = None,
+    reading: bool = False,
+    every_chunk: bool = True,
 ) -> list[Any]:
     """The array of each site, its row axis cut to `rows` (None: as stored), opened at once.
 
     `reading`: only read through them, with chunk files mapped into memory.
+    `every_chunk`: the store holds every chunk of its rows (a missing one is an error).
     """
     context = {"context": _READING} if reading else {}
-    futures = [tensorstore().open({**_spec(path, site), **context, "open": True}) for site in sites]
+    futures = [
+        tensorstore().open({**_spec(path, site, every_chunk), **context, "open": True})
+        for site in sites
+    ]
     arrays = [future.result() for future in futures]
     return arrays if rows is None else [array[:rows] for array in arrays]
 

@@ -32,8 +32,16 @@ class SiteSpec:
 
     @staticmethod
     def key_for(name: str) -> str:
-        # Site names are dotted paths; anything a file name cannot hold is escaped.
-        return urllib.parse.quote(name, safe="._-")
+        """The directory of site `name`'s array: the name itself where a file name can
+        hold it, percent-encoded (reversibly: `urllib.parse.unquote`) elsewhere.
+
+        Names of the store's own files never come out: a leading dot (`.progress`,
+        `.`, `..`, temporary files) and the manifest's name `zarr.json` are encoded too.
+        """
+        key = urllib.parse.quote(name, safe="._-")
+        if key.startswith("."):
+            key = "%2E" + key[1:]
+        return "zarr%2Ejson" if key == MANIFEST else key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +56,9 @@ class Manifest:
     versions: dict[str, str]
     processes: int = 1  # how many processes wrote it (resume reads their progress)
     batches: int = 0
+    # Every chunk of its rows is on disk, zeros included, so a missing one is damage;
+    # False for a store written before harvest wrote them all.
+    every_chunk: bool = False
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -65,7 +76,7 @@ class Manifest:
             for name, s in data["sites"].items()
         }
         fields = {f.name for f in dataclasses.fields(cls)} - {"sites"}
-        return cls(sites=sites, **{k: data[k] for k in fields})
+        return cls(sites=sites, **{k: data[k] for k in fields if k in data})
 
     def differences(self, other: Manifest) -> list[str]:
         """How `other` (a new run's) disagrees with this (the stored) manifest."""
@@ -98,8 +109,20 @@ def read(path: pathlib.Path) -> Manifest | None:
         group = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         return None
-    data = group.get("attributes", {}).get("harvest")
-    return None if data is None else Manifest.from_json(data)
+    except json.JSONDecodeError as error:
+        raise _errors.store_manifest_damaged(path, f"not JSON ({error})") from None
+    data = group.get("attributes", {}).get("harvest") if isinstance(group, dict) else None
+    if data is None:
+        return None
+    try:
+        manifest = Manifest.from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise _errors.store_manifest_damaged(path, f"{type(error).__name__}: {error}") from None
+    for name, site in manifest.sites.items():
+        # A site's array lives in a directory of the store's own, never elsewhere.
+        if "/" in site.key or site.key.startswith(".") or site.key == MANIFEST:
+            raise _errors.store_manifest_damaged(path, f"site {name!r} has key {site.key!r}")
+    return manifest
 
 
 def write(path: pathlib.Path, manifest: Manifest) -> None:

@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors
+from .._calling import make_jaxpr
+from .._inspect import sow_equations
 from .._paths import path_str
+from .._site import Site
 from .._transforms import call_and_reap, layer_tag, reap
 from .._typing import NameSelect
 
@@ -43,6 +46,39 @@ def batch_size(batch: Any) -> int:
     raise _errors.store_batch_without_arrays(type(batch).__name__)
 
 
+ExampleAxis = int | dict[str, int]
+
+
+def _sown_shapes(fn: Callable[[Any], Any], batch: Any, tag: str) -> dict[str, Any]:
+    """{dotted name: the shape of one occurrence of the value sown there}, as the
+    program traces it (vmap's batch axes included, a loop's iterations not)."""
+    shapes: dict[str, Any] = {}
+    for eqn, _, _ in sow_equations(make_jaxpr(fn, (batch,), {})[0].jaxpr):
+        site = Site.of(eqn)
+        if site.tag == tag:
+            shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
+            shapes.setdefault(path_str(site.path), shape)
+    return _flat(shapes)  # a dict sown: one name per entry, as its reaped value
+
+
+def _examples_first(
+    value: jax.Array, sown: tuple[int, ...], axis: int, rows: str
+) -> jax.Array | None:
+    """`value` (as reaped) with its example axis first, and for tokens its position
+    axis second, the axes reap stacked a loop's occurrences on after them; None if
+    the value as sown has no such axes.
+
+    `axis` is the example axis of the value as sown, so a scan over layers (whose
+    occurrences reap stacks on a leading axis) is never taken for examples,
+    whatever its length.
+    """
+    width = 2 if rows == "tokens" else 1
+    if not -len(sown) <= axis < len(sown) or axis % len(sown) + width > len(sown):
+        return None
+    first = value.ndim - len(sown) + axis % len(sown)  # past the loops' occurrence axes
+    return jnp.moveaxis(value, range(first, first + width), range(width))
+
+
 def _step(
     fn: Callable[[Any], Any],
     batch: Any,
@@ -50,33 +86,54 @@ def _step(
     names: NameSelect,
     rows: str,
     dtype: str | None,
+    example_axis: tuple[int, tuple[tuple[str, int], ...]],
 ) -> dict[str, jax.Array]:
     examples = batch_size(batch)
-    out = {}
-    for name, value in _flat(reap(fn, tag=tag, allowlist=names)(batch)).items():
+    default, per_site = example_axis[0], dict(example_axis[1])
+    reaped = _flat(reap(fn, tag=tag, allowlist=names)(batch))
+    for name, value in reaped.items():
         if isinstance(value, tuple) and len(value) == 1:  # a 'collect' site sown once
-            value = value[0]
+            reaped[name] = value = value[0]
         if not isinstance(value, jax.Array):
             raise _errors.store_site_not_array(name, value)
-        if value.ndim < (1 if rows == "examples" else 2) or value.shape[0] != examples:
-            raise _errors.store_site_not_rows(name, value.shape, examples, rows)
-        out[name] = value if dtype is None else value.astype(dtype)
+        if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+            raise _errors.store_site_prng_key(name, value.dtype)
+    sown = _sown_shapes(fn, batch, tag) if reaped else {}
+    out = {}
+    for name, value in reaped.items():
+        shape, axis = sown.get(name, value.shape), per_site.get(name, default)
+        moved = _examples_first(value, shape, axis, rows)
+        if moved is None and (name in per_site or default != 0):
+            raise _errors.store_example_axis(name, axis, shape, rows)
+        if moved is None or moved.shape[0] != examples:
+            raise _errors.store_site_not_rows(name, value.shape, examples, rows, shape)
+        out[name] = moved if dtype is None else moved.astype(dtype)
     if not out:
         raise _errors.store_no_sites(tag, names)
     return out
 
 
 def program(
-    fn: Callable[[Any], Any], tag: str, names: NameSelect, rows: str, dtype: str | None
+    fn: Callable[[Any], Any],
+    tag: str,
+    names: NameSelect,
+    rows: str,
+    dtype: str | None,
+    example_axis: ExampleAxis = 0,
 ) -> Callable[[Any], dict[str, jax.Array]]:
     """`batch -> {site name: [examples, ...] array}`, compiled once per batch shape."""
     compiled = call_and_reap(_step, tag=_COMPILE_TAG)
     if dtype is not None:
         dtype = jnp.dtype(dtype).name
     names = tuple(names) if isinstance(names, list) else names
+    axes = (
+        (0, tuple(sorted(example_axis.items())))
+        if isinstance(example_axis, dict)
+        else (example_axis, ())
+    )
 
     def run(batch: Any) -> dict[str, jax.Array]:
-        out, _ = compiled(fn, batch, tag, names, rows, dtype)
+        out, _ = compiled(fn, batch, tag, names, rows, dtype, axes)
         return out
 
     return run

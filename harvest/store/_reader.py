@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import pathlib
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -23,12 +24,16 @@ class StoreArray:
     """One site's rows, read from disk only when indexed (``array[i:j]``, ``np.asarray``).
 
     ``shape``, ``dtype``, ``ndim`` and ``len`` come from the array's metadata,
-    without reading rows. Indexing takes what numpy basic indexing takes and
-    returns a numpy array.
+    without reading rows. Indexing is numpy's basic indexing, with numpy's
+    meaning: ints (negative from the end), slices (clipped to the array, empty
+    ones, any step), ``...`` and ``None``; it reads only the rows it selects and
+    returns a numpy array. A chunk file missing from the store is an error,
+    never rows of zeros.
 
     Args:
         name: the site's name.
         array: the site's TensorStore array, its row axis cut to the rows written.
+        path: the store's directory, for messages.
 
     Example:
         >>> import tempfile, numpy as np
@@ -39,11 +44,14 @@ class StoreArray:
         >>> h.shape, len(h), h[1:]
         ((3, 2), 3, array([[2., 2.],
                [2., 2.]], dtype=float32))
+        >>> h[-1, ::-1].shape, h[5:9].shape
+        ((2,), (0, 2))
     """
 
-    def __init__(self, name: str, array: Any):
+    def __init__(self, name: str, array: Any, path: pathlib.Path | None = None):
         self.name = name
         self._array = array
+        self._path = path
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -67,7 +75,17 @@ class StoreArray:
         return self.shape[0]
 
     def __getitem__(self, index: Any) -> np.ndarray[Any, Any]:
-        return np.asarray(self._array[index].read().result())
+        box, local = _basic_index(index, self.shape)
+        if any(len(range(s.start, s.stop, s.step)) == 0 for s in box):
+            rows = np.empty([len(range(s.start, s.stop, s.step)) for s in box], self.dtype)
+        else:
+            with self._failures("reading"):
+                rows = np.asarray(self._array[box].read().result())
+        out: np.ndarray[Any, Any] = rows[local]
+        return out
+
+    def _failures(self, doing: str) -> Any:
+        return _arrays.failures(self._path or pathlib.Path("?"), doing, self.name)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
         out = self[...]
@@ -77,16 +95,81 @@ class StoreArray:
         """A future of rows ``start:stop`` (``.result()`` gives the numpy array).
 
         Args:
-            start: the first row to read.
+            start: the first row to read (as in a slice: negative counts from the
+                end, and both ends are clipped to the rows there are).
             stop: the row to stop before.
 
         Returns:
-            A TensorStore future; its ``.result()`` is the rows as a numpy array.
+            A future; its ``.result()`` is the rows as a numpy array.
         """
-        return self._array[start:stop].read()
+        ((rows, *_), _) = _basic_index(slice(start, stop), self.shape)
+        return _Read(self._array[rows].read(), lambda: self._failures("reading rows of"))
 
     def __repr__(self) -> str:
         return f"StoreArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _basic_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
+    """numpy's basic indexing of an array of `shape`, as a box to read and an index of it.
+
+    The box holds, per axis, an in-range slice with a positive step (TensorStore
+    reads exactly it; it knows no negative indices); indexing the rows read with
+    the second part (0 for an int, a reversal for a negative step, None for a new
+    axis) gives what numpy gives for `index`.
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    if sum(item is Ellipsis for item in items) > 1:
+        raise _errors.store_bad_index(index)
+    used = sum(item is not None and item is not Ellipsis for item in items)
+    if used > len(shape):
+        raise _errors.store_too_many_indices(len(shape), used)
+    if not any(item is Ellipsis for item in items):
+        items = (*items, Ellipsis)
+    box: list[slice] = []
+    local: list[Any] = []
+    for item in items:
+        axis = len(box)
+        if item is None:
+            local.append(None)
+        elif item is Ellipsis:
+            for _ in range(len(shape) - used):
+                box.append(slice(0, shape[len(box)], 1))
+                local.append(slice(None))
+        elif isinstance(item, slice):
+            start, stop, step = item.indices(shape[axis])
+            taken = range(start, stop, step)
+            if not taken:
+                box.append(slice(0, 0, 1))
+            else:
+                box.append(slice(min(taken[0], taken[-1]), max(taken[0], taken[-1]) + 1, abs(step)))
+            local.append(slice(None, None, -1 if step < 0 else 1))
+        elif isinstance(item, (bool, np.bool_)) or not hasattr(item, "__index__"):
+            raise _errors.store_bad_index(index)  # arrays, lists, masks: advanced indexing
+        else:
+            try:
+                i = operator.index(item)
+            except TypeError:  # an array of more than one element
+                raise _errors.store_bad_index(index) from None
+            if not -shape[axis] <= i < shape[axis]:
+                raise _errors.store_index_out_of_range(i, axis, shape[axis])
+            i %= shape[axis]
+            box.append(slice(i, i + 1, 1))
+            local.append(0)
+    return tuple(box), tuple(local)
+
+
+class _Read:
+    """A read in flight: `result()` gives its rows, or raises a harvest error."""
+
+    def __init__(self, future: Any, failures: Any):
+        self._future, self._failures = future, failures
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def result(self) -> np.ndarray[Any, Any]:
+        with self._failures():
+            return np.asarray(self._future.result())
 
 
 class Store(Mapping[str, StoreArray]):
@@ -120,8 +203,11 @@ class Store(Mapping[str, StoreArray]):
         self.rows = batches * manifest.rows_per_batch
         # A finished run moved its count into the manifest and removed the progress files.
         self.complete = manifest.batches > 0 and not (path / _progress.FOLDER).exists()
-        opened = _arrays.open_arrays(path, list(manifest.sites.values()), self.rows, reading=True)
-        self._arrays = {name: StoreArray(name, a) for name, a in zip(manifest.sites, opened)}
+        with _arrays.failures(path, "opening"):
+            opened = _arrays.open_arrays(
+                path, list(manifest.sites.values()), self.rows, True, manifest.every_chunk
+            )
+        self._arrays = {name: StoreArray(name, a, path) for name, a in zip(manifest.sites, opened)}
 
     def __getitem__(self, name: str) -> StoreArray:
         try:
@@ -241,8 +327,9 @@ class Store(Mapping[str, StoreArray]):
             if k + 1 < len(windows):  # the next window is read while this one is served
                 reads.append(read(k + 1))
             buffers, futures, end = reads.pop(0)
-            for future in futures:
-                future.result()
+            for name, future in futures:
+                with _arrays.failures(self.path, "reading", name):
+                    future.result()
             begin = spare - (len(carry[0]) if carry else 0)
             pool = buffers.rows(begin, end)
             for target, rows in zip(pool, carry):
@@ -273,13 +360,14 @@ class _Buffers:
 
     def fill(
         self, arrays: list[StoreArray], spans: list[tuple[int, int]], at: int
-    ) -> tuple[list[Any], int]:
+    ) -> tuple[list[tuple[str, Any]], int]:
         """Futures copying each site's rows in `spans` to rows `at` onwards; the end row."""
         futures = []
         for array, view in zip(arrays, self.views):
             end = at
             for start, stop in spans:
-                futures.append(view[end : end + stop - start].write(array._array[start:stop]))
+                copy = view[end : end + stop - start].write(array._array[start:stop])
+                futures.append((array.name, copy))
                 end += stop - start
         return futures, end
 
@@ -316,8 +404,10 @@ def open_store(path: str | pathlib.Path) -> Store:
         (StoreArray('y', shape=(2, 3), dtype=float32), 2)
     """
     path = pathlib.Path(path)
-    manifest = _manifest.read(path) if path.is_dir() else None
+    with _arrays.failures(path, "opening"):
+        manifest = _manifest.read(path) if path.is_dir() else None
     if manifest is None:
         raise _errors.store_not_found(path)
-    batches = _progress.start(path, manifest.processes, manifest.batches)
+    with _arrays.failures(path, "opening"):
+        batches = _progress.start(path, manifest.processes, manifest.batches)
     return Store(path, manifest, batches)

@@ -34,6 +34,7 @@ def record(
     names: NameSelect = None,
     rows: Literal["examples", "tokens"] = "examples",
     dtype: Any = None,
+    example_axis: int | dict[str, int] = 0,
     codecs: list[dict[str, Any]] | None = None,
     chunk_rows: int | None = None,
     sharding: jax.sharding.Sharding | None = None,
@@ -86,6 +87,13 @@ def record(
             ...]``, one row per token.
         dtype: cast every site to this dtype on the devices (e.g.
             ``jnp.bfloat16``); None keeps each site's dtype.
+        example_axis: the axis of each site's value, as sown (one occurrence, as
+            ``harvest.sites`` lists its shape), that holds the batch's examples;
+            for ``rows="tokens"`` the next axis holds positions. An int for every
+            site (negative counts from the end), or a dict by site name (others:
+            0). The axes a loop stacks a site's occurrences on (a scan over
+            layers, say) are never the example axis: such a site's rows are
+            ``[examples, layers, ...]``.
         codecs: zarr v3 codecs for every array, as JSON (e.g.
             ``[{"name": "bytes"}, {"name": "zstd", "configuration": {"level": 1}}]``);
             None writes raw little-endian bytes.
@@ -105,8 +113,12 @@ def record(
     Raises:
         ValueError: ``path`` is a file or a directory that is not a store; the
             store there holds other sites, shapes or dtypes; a site has no
-            leading example axis; a batch's shapes differ from the first's.
-            In each case nothing (of that batch) is written.
+            example axis of the batch's length; a batch's shapes differ from the
+            first's; a site's dtype (or ``codecs``) cannot be stored. In each case
+            nothing (of that batch) is written.
+        TypeError: a site holds PRNG keys (record ``jax.random.key_data`` of them).
+        OSError: the disk is full or not writable (the message names the store,
+            the site and what to do; a later ``record`` resumes).
         ImportError: TensorStore is not installed (``jax-harvest[store]``).
 
     Example:
@@ -124,22 +136,29 @@ def record(
     """
     path = pathlib.Path(path)
     _arrays.tensorstore()  # an ImportError now, not after the first batch
-    _check_options(rows, chunk_rows, max_pending)
+    _check_options(rows, chunk_rows, max_pending, example_axis)
     stored = _stored(path, overwrite)
-    run = program(fn, tag, names, rows, dtype)
+    run = program(fn, tag, names, rows, dtype, example_axis)
     place = _placer(sharding)
     items = iter(batches)
     first = next(items, _END)
     if first is _END:
         raise _errors.store_no_batches()
     first_out = run(place(first))
+    if isinstance(example_axis, dict) and (unknown := sorted(example_axis.keys() - first_out)):
+        raise _errors.store_example_axis_names(unknown, first_out)
     manifest, chunks = _layout(fn, tag, rows, first_out, chunk_rows)
-    if stored is not None and (differences := stored.differences(manifest)):
-        raise _errors.store_manifest_mismatch(path, differences)
+    _arrays.check_creatable([(n, s, chunks[n]) for n, s in manifest.sites.items()], codecs)
+    if stored is not None:
+        if differences := stored.differences(manifest):
+            raise _errors.store_manifest_mismatch(path, differences)
+        # Resumed: the batches written before keep the earlier run's promise.
+        manifest = dataclasses.replace(manifest, every_chunk=stored.every_chunk)
     processes, me = _processes.count(), _processes.index()
     begin = 0 if stored is None else _progress.start(path, processes, stored.batches)
     if me == 0:
-        _lay_out(path, stored, manifest, chunks, codecs, overwrite)
+        with _arrays.failures(path, "laying out"):
+            _lay_out(path, stored, manifest, chunks, codecs, overwrite)
     _processes.barrier("harvest.store.begin")
     if me != 0:  # every process checks that it computes what process 0 laid out
         laid_out = _manifest.read(path)
@@ -158,7 +177,8 @@ def record(
     total = writer.committer.committed
     _processes.barrier("harvest.store.written")
     if me == 0:
-        _finish(path, manifest, total)
+        with _arrays.failures(path, "finishing"):
+            _finish(path, manifest, total)
     _processes.barrier("harvest.store.end")
     return open_store(path)
 
@@ -166,18 +186,24 @@ def record(
 _END = object()
 
 
-def _check_options(rows: str, chunk_rows: int | None, max_pending: int) -> None:
+def _check_options(rows: str, chunk_rows: int | None, max_pending: int, example_axis: Any) -> None:
     if rows not in ("examples", "tokens"):
         raise _errors.store_bad_option("rows", rows, "'examples' or 'tokens'")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
         raise _errors.store_bad_option("chunk_rows", chunk_rows, "a positive int or None")
     if not isinstance(max_pending, int) or max_pending < 1:
         raise _errors.store_bad_option("max_pending", max_pending, "a positive int")
+    axes = example_axis.items() if isinstance(example_axis, dict) else [("", example_axis)]
+    if not all(isinstance(n, str) and type(a) is int for n, a in axes):
+        raise _errors.store_bad_option(
+            "example_axis", example_axis, "an int, or a dict from site names to ints"
+        )
 
 
 def _stored(path: pathlib.Path, overwrite: bool) -> Manifest | None:
     """The manifest to resume from (None: a new store); raises for a path that is no store."""
-    stored = _manifest.check_path(path)  # never deletes a file or a stranger's directory
+    with _arrays.failures(path, "opening"):
+        stored = _manifest.check_path(path)  # never deletes a file or a stranger's directory
     return None if overwrite else stored
 
 
@@ -224,6 +250,7 @@ def _layout(
         function=_identity(fn),
         processes=_processes.count(),
         versions={"harvest": __version__, "jax": jax.__version__},
+        every_chunk=True,
     )
     return manifest, chunks
 
@@ -338,11 +365,14 @@ class _Writer:
         max_pending: int,
         bar: Any,
     ):
-        self.manifest = manifest
-        opened = _arrays.open_arrays(path, list(manifest.sites.values()))
+        self.path, self.manifest = path, manifest
+        with _arrays.failures(path, "opening for writing"):
+            opened = _arrays.open_arrays(path, list(manifest.sites.values()))
+            self.committer = _progress.Committer(path, process, begin)
         self.arrays = dict(zip(manifest.sites, opened))
-        self.committer = _progress.Committer(path, process, begin)
-        self.pending: collections.deque[tuple[int, list[Any], int]] = collections.deque()
+        self.pending: collections.deque[tuple[int, list[tuple[str, Any]], int]] = (
+            collections.deque()
+        )
         self.max_pending = max_pending
         self.bar = bar
         self.bytes, self.started = 0, time.perf_counter()
@@ -367,20 +397,23 @@ class _Writer:
                 target = self.arrays[name][(slice(first, first + data.shape[0]), *rest)]
                 # TensorStore keeps a reference to `data` rather than a copy: the
                 # array is the device's result (zero-copy on CPU), never modified.
-                write = target.write(data, can_reference_source_data_indefinitely=True)
-                futures.append(write.commit)
+                with _arrays.failures(self.path, f"writing batch {index} to", name):
+                    write = target.write(data, can_reference_source_data_indefinitely=True)
+                futures.append((name, write.commit))
                 nbytes += data.nbytes
         self.pending.append((index, futures, nbytes))
         while self.pending and (
-            len(self.pending) > self.max_pending or all(f.done() for f in self.pending[0][1])
+            len(self.pending) > self.max_pending or all(f.done() for _, f in self.pending[0][1])
         ):
             self._land()
 
     def _land(self) -> None:
         index, futures, nbytes = self.pending.popleft()
-        for future in futures:
-            future.result()
-        self.committer.landed(index)
+        for name, future in futures:
+            with _arrays.failures(self.path, f"writing batch {index} to", name):
+                future.result()
+        with _arrays.failures(self.path, "saving the progress of"):
+            self.committer.landed(index)
         self.bytes += nbytes
         if self.bar is not None:
             self.bar.update(self.manifest.rows_per_batch)
@@ -390,7 +423,8 @@ class _Writer:
     def drain(self) -> None:
         while self.pending:
             self._land()
-        self.committer.flush()
+        with _arrays.failures(self.path, "saving the progress of"):
+            self.committer.flush()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
