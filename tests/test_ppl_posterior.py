@@ -156,3 +156,29 @@ def test_posterior_under_do_matches_numpyro_s(under_do):
         a, b = under_do.samples[name], theirs[name]
         tolerance = 4 * np.hypot(_mcse(a), _mcse(b))
         assert abs(float(a.mean()) - float(b.mean())) < tolerance, name
+
+
+def test_a_dirichlet_posterior_is_the_conjugate_dirichlet():
+    alpha, counts = jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0, 3.0, 5.0])
+
+    def model(key):
+        kp, ky = jax.random.split(key)
+        p = ppl.random_variable(tfd.Dirichlet(alpha), name="p")(kp)
+        return ppl.random_variable(tfd.Multinomial(10.0, probs=p), name="y")(ky)
+
+    posterior = ppl.sample_posterior(
+        model,
+        jax.random.key(4),
+        observed={"y": counts},
+        num_samples=500,
+        num_warmup=300,
+        num_chains=2,
+    )
+    exact = tfd.Dirichlet(alpha + counts)  # Dirichlet-multinomial conjugacy
+    p = np.asarray(posterior.samples["p"])
+    assert p.shape == (2, 500, 3)
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
+    for i in range(3):
+        assert abs(p[..., i].mean() - float(exact.mean()[i])) < 4 * _mcse(p[..., i]), i
+        np.testing.assert_allclose(p[..., i].std(), exact.stddev()[i], rtol=0.15)
+    assert int(posterior.diverging.sum()) == 0

@@ -132,3 +132,28 @@ def test_joint_log_prob_first_then_unconstrained_through_a_jitted_helper():
         prior + to_scale.forward_log_det_jacobian(u["scale"]),
         rtol=1e-5,
     )
+
+
+def dirichlet_multinomial(key):
+    kp, ky = jax.random.split(key)
+    p = ppl.random_variable(tfd.Dirichlet(jnp.array([1.0, 2.0, 3.0])), name="p")(kp)
+    return ppl.random_variable(tfd.Multinomial(10.0, probs=p), name="y")(ky)
+
+
+def test_a_dirichlet_draw_moves_on_the_simplex_through_softmax_centered():
+    # TFP 0.25's SoftmaxCentered calls np.reshape(newshape=...), gone in NumPy 2.4:
+    # harvest's TFP shim keeps it working.
+    counts = jnp.array([2.0, 3.0, 5.0])
+    posterior = ppl.unconstrained(dirichlet_multinomial, observed={"y": counts})
+    u = {"p": jnp.array([0.3, -0.4])}
+    to_p = tfd.Dirichlet(jnp.ones(3)).experimental_default_event_space_bijector()
+    p = to_p.forward(u["p"])
+    np.testing.assert_allclose(p.sum(), 1.0, rtol=1e-6)
+    expected = (
+        tfd.Dirichlet(jnp.array([1.0, 2.0, 3.0])).log_prob(p)
+        + to_p.forward_log_det_jacobian(u["p"])
+        + tfd.Multinomial(10.0, probs=p).log_prob(counts)
+    )
+    np.testing.assert_allclose(posterior.log_density(u), expected, rtol=1e-5)
+    np.testing.assert_allclose(posterior.constrain(u)["p"], p, rtol=1e-6)
+    assert posterior.init(jax.random.key(0))["p"].shape == (2,)
