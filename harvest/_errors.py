@@ -886,6 +886,29 @@ def ppl_nothing_to_sample() -> ValueError:
     )
 
 
+def ppl_observed_not_finite(name: str, bad: int, size: int, first: Any) -> ValueError:
+    return ValueError(
+        f"unconstrained/sample_posterior: the observed value of {name!r} has {bad} non-finite element(s) of "
+        f"{size} (the first at index {first}). A NaN or infinite observation makes the log "
+        "density NaN everywhere, so a sampler cannot move. Leave missing observations out of "
+        "the observed site (observe only the entries you have), or model them as free draws."
+    )
+
+
+def ppl_start_not_finite(
+    chain: int, attempts: int, init: str, what: str, sites: dict[str, float]
+) -> ValueError:
+    at = ", ".join(f"{name!r}: {value}" for name, value in sites.items())
+    blame = f" Not finite there: {at}." if at else ""
+    tries = f"any of {attempts} starting points" if attempts > 1 else "its starting point"
+    return ValueError(
+        f"sample_posterior: the {what} of chain {chain} is not finite at {tries} "
+        f"(init={init!r}).{blame} Check that each observed value lies in its distribution's "
+        "support and the model's parameters are valid there, or start elsewhere "
+        "(init='prior' draws the start from the prior)."
+    )
+
+
 def needs_extra(what: str, module: str, extra: str) -> ImportError:
     return ImportError(
         f"{what} needs {module}, which is not installed. Install it with "

@@ -157,3 +157,34 @@ def test_a_dirichlet_draw_moves_on_the_simplex_through_softmax_centered():
     np.testing.assert_allclose(posterior.log_density(u), expected, rtol=1e-5)
     np.testing.assert_allclose(posterior.constrain(u)["p"], p, rtol=1e-6)
     assert posterior.init(jax.random.key(0))["p"].shape == (2,)
+
+
+def normal_mean(key):
+    k1, k2 = jax.random.split(key)
+    mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k1)
+    return ppl.random_variable(tfd.Sample(tfd.Normal(mu, 1.0), 3), name="y")(k2)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_observation_is_refused_naming_the_site(bad):
+    # NumPyro refuses such data at init; a sampler on it would stay at its start.
+    y = jnp.array([1.0, bad, 3.0])
+    with pytest.raises(ValueError, match=r"observed value of 'y' has 1 non-finite .* index \(1,\)"):
+        ppl.unconstrained(normal_mean, observed={"y": y})
+    with pytest.raises(ValueError, match="observed value of 'y'"):
+        ppl.sample_posterior(normal_mean, jax.random.key(0), observed={"y": y})
+    scoped = ppl.nest(normal_mean, scope="s")
+    with pytest.raises(ValueError, match="observed value of 's.y'"):
+        ppl.unconstrained(scoped, observed={"s": {"y": y}})
+
+
+def test_a_start_with_a_non_finite_density_is_refused_naming_the_site():
+    def beta_model(key):
+        k1, k2 = jax.random.split(key)
+        a = ppl.random_variable(tfd.HalfNormal(1.0), name="a")(k1)
+        return ppl.random_variable(tfd.Beta(a, 2.0), name="y")(k2)
+
+    # y = 1.5 lies outside the Beta's support: its log density is NaN at every start.
+    assert np.isnan(tfd.Beta(1.0, 2.0).log_prob(1.5))
+    with pytest.raises(ValueError, match=r"log density of chain 0 is not finite.*'y': nan"):
+        ppl.sample_posterior(beta_model, jax.random.key(0), observed={"y": 1.5})

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from .. import _errors
 from .._typing import Reaped
-from ._unconstrained import unconstrained
+from ._unconstrained import site_log_densities, unconstrained
 
 KERNELS = ("nuts", "hmc")
 
@@ -242,9 +242,19 @@ def sample_posterior(
     algorithm = blackjax.nuts if kernel == "nuts" else blackjax.hmc
     extra = {} if kernel == "nuts" else {"num_integration_steps": num_integration_steps}
 
-    def one_chain(chain_key: jax.Array) -> Any:
-        k_init, k_warm, k_draw = jax.random.split(chain_key, 3)
+    def start_of(chain_key: jax.Array) -> Any:
+        k_init, _, _ = jax.random.split(chain_key, 3)
         start = density.init(k_init, *args)
+        value, grad = jax.value_and_grad(log_density)(start)
+        finite_grad = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grad)]))
+        return start, jnp.isfinite(value), finite_grad
+
+    chain_keys = jax.random.split(key, num_chains)
+    starts, finite, finite_grad = jax.jit(jax.vmap(start_of))(chain_keys)
+    _check_start(model, observed, args, starts, finite, finite_grad)
+
+    def one_chain(chain_key: jax.Array, start: Reaped) -> Any:
+        _, k_warm, k_draw = jax.random.split(chain_key, 3)
         _report(progress, "warmup", 0, num_warmup)
         warmup = blackjax.window_adaptation(
             algorithm, log_density, target_acceptance_rate=target_acceptance_rate, **extra
@@ -264,8 +274,29 @@ def sample_posterior(
         return values, u, lp, diverging, accept, parameters["step_size"]
 
     run = jax.jit(jax.vmap(one_chain))
-    values, u, lp, diverging, accept, step_size = run(jax.random.split(key, num_chains))
+    values, u, lp, diverging, accept, step_size = run(chain_keys, starts)
     return Posterior(values, lp, u, diverging, accept, step_size)
+
+
+def _check_start(
+    model: Callable[..., Any],
+    observed: Mapping[str, Any] | None,
+    args: Any,
+    starts: Reaped,
+    finite: jax.Array,
+    finite_grad: jax.Array,
+) -> None:
+    """Refuses to run a chain from a start where the log density or its gradient is not
+    finite (NumPyro refuses too): every transition from there diverges, and the draws
+    would be the start repeated. The error names each site's log density at that start."""
+    for chain, (ok, ok_grad) in enumerate(zip(finite.tolist(), finite_grad.tolist())):
+        if ok and ok_grad:
+            continue
+        start = jax.tree_util.tree_map(lambda a, i=chain: a[i], starts)
+        sites = site_log_densities(model, dict(observed or {}), start, *args)
+        report = {name: float(v) for name, v in sites.items() if not jnp.isfinite(v)}
+        what = "log density" if not ok else "gradient of the log density"
+        raise _errors.ppl_start_not_finite(chain, 1, "prior", what, report)
 
 
 def _report(progress: bool, phase: str, i: Any, total: int) -> None:
