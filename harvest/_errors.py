@@ -831,6 +831,12 @@ def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
     )
 
 
+def ppl_unknown_init(init: Any, inits: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown init {init!r}. Use one of {', '.join(map(repr, inits))}."
+    )
+
+
 def ppl_bad_count(what: str, value: Any) -> ValueError:
     return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
 
@@ -905,7 +911,8 @@ def ppl_start_not_finite(
         f"sample_posterior: the {what} of chain {chain} is not finite at {tries} "
         f"(init={init!r}).{blame} Check that each observed value lies in its distribution's "
         "support and the model's parameters are valid there, or start elsewhere "
-        "(init='prior' draws the start from the prior)."
+        "(init='uniform' draws each unconstrained coordinate in (-2, 2), init='prior' from "
+        "the prior)."
     )
 
 
