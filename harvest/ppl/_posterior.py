@@ -271,12 +271,14 @@ def sample_posterior(
 
     def draw_start(k: jax.Array) -> Reaped:
         if init == "prior":
-            return density.init(k, *args)
+            prior_draw: Reaped = density.init(k, *args)
+            return prior_draw
         # NumPyro's init_to_uniform: each unconstrained coordinate uniform in (-2, 2).
         leaves, tree = jax.tree.flatten(shapes)
         keys = jax.random.split(k, len(leaves))
         drawn = [jax.random.uniform(kl, s.shape, s.dtype, -2.0, 2.0) for kl, s in zip(keys, leaves)]
-        return jax.tree.unflatten(tree, drawn)
+        uniform_draw: Reaped = jax.tree.unflatten(tree, drawn)
+        return uniform_draw
 
     def finite_at(u: Reaped) -> tuple[jax.Array, jax.Array]:
         value, grad = jax.value_and_grad(log_density)(u)

@@ -184,8 +184,8 @@ def site_log_densities(
     draws as `"log |det J|"`: what a non-finite total is made of."""
     _, log_det, _, found = _run(f, observed, False, (LOG_DENSITY,), u, *args, **kwargs)
     densities = found[LOG_DENSITY]
-    sums = {
-        name: sum(densities_of({name: at_paths(densities, {name})[0]}))
+    sums: dict[str, jax.Array] = {
+        name: jnp.asarray(sum(densities_of({name: at_paths(densities, {name})[0]})))
         for name in leaf_paths(densities)
     }
     return {**sums, "log |det J|": log_det}
@@ -198,7 +198,7 @@ def _check_finite(observed: Reaped) -> None:
         for leaf in jax.tree_util.tree_leaves(at_paths(observed, {name})[0]):
             if isinstance(leaf, jax.core.Tracer):  # inside the user's jit: not known here
                 continue
-            if jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key):
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 continue
             value = np.asarray(leaf)
             if value.dtype.kind not in "fc" or np.isfinite(value).all():

@@ -43,12 +43,16 @@ def stan_warmup(
 ) -> tuple[Any, dict[str, jax.Array]]:
     """Runs `num_steps` of warmup from `initial_state`: the last state and the adapted
     `{"step_size", "inverse_mass_matrix"}`, as BlackJAX's kernels take them."""
-    from blackjax.adaptation.mass_matrix import mass_matrix_adaptation
-    from blackjax.adaptation.step_size import (
+    from blackjax.adaptation.mass_matrix import (  # type: ignore[import-untyped]
+        mass_matrix_adaptation,
+    )
+    from blackjax.adaptation.step_size import (  # type: ignore[import-untyped]
         dual_averaging_adaptation,
         find_reasonable_step_size,
     )
-    from blackjax.adaptation.window_adaptation import build_schedule
+    from blackjax.adaptation.window_adaptation import (  # type: ignore[import-untyped]
+        build_schedule,
+    )
 
     mm_init, mm_update, mm_final = mass_matrix_adaptation(not dense_mass)
     da_init, da_update, _ = dual_averaging_adaptation(target_acceptance_rate)
