@@ -931,6 +931,12 @@ def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
     )
 
 
+def ppl_unknown_init(init: Any, inits: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown init {init!r}. Use one of {', '.join(map(repr, inits))}."
+    )
+
+
 def ppl_bad_count(what: str, value: Any) -> ValueError:
     return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
 
@@ -983,6 +989,30 @@ def ppl_nothing_to_sample() -> ValueError:
         "sample_posterior: the program has no free continuous random variable left to sample "
         "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
         "or draw from it with predictive."
+    )
+
+
+def ppl_observed_not_finite(name: str, bad: int, size: int, first: Any) -> ValueError:
+    return ValueError(
+        f"unconstrained/sample_posterior: the observed value of {name!r} has {bad} non-finite element(s) of "
+        f"{size} (the first at index {first}). A NaN or infinite observation makes the log "
+        "density NaN everywhere, so a sampler cannot move. Leave missing observations out of "
+        "the observed site (observe only the entries you have), or model them as free draws."
+    )
+
+
+def ppl_start_not_finite(
+    chain: int, attempts: int, init: str, what: str, sites: dict[str, float]
+) -> ValueError:
+    at = ", ".join(f"{name!r}: {value}" for name, value in sites.items())
+    blame = f" Not finite there: {at}." if at else ""
+    tries = f"any of {attempts} starting points" if attempts > 1 else "its starting point"
+    return ValueError(
+        f"sample_posterior: the {what} of chain {chain} is not finite at {tries} "
+        f"(init={init!r}).{blame} Check that each observed value lies in its distribution's "
+        "support and the model's parameters are valid there, or start elsewhere "
+        "(init='uniform' draws each unconstrained coordinate in (-2, 2), init='prior' from "
+        "the prior)."
     )
 
 

@@ -34,6 +34,7 @@ SLOW = {
     "test_instrument_penzai_sampling.py": "KV-cached Penzai decodes (test_instrument_penzai stays)",
     "test_ppl_posterior.py": "BlackJAX NUTS chains (the docstring examples sample too)",
     "test_ppl_counterfactual.py": "BlackJAX NUTS chains (the docstring examples run it too)",
+    "test_ppl_inference_gym.py": "BlackJAX NUTS on three inference-gym targets (some 40 s)",
     "test_store_multiprocess.py": "two writer processes and a SIGKILL",
     "test_typing.py": "a mypy run (make lint runs mypy on the package)",
     "test_ppl_bench.py": "the bench harness's two densities, against NumPyro",

@@ -297,6 +297,17 @@ def test_compat_append_in_while_names_the_mode_as_written():
     assert "'stack'" not in str(err.value)
 
 
+@pytest.mark.parametrize("name", [3, "", None])
+def test_compat_sow_with_a_name_that_is_not_a_string_says_so(name):
+    # Was: "sequence item 0: expected str instance, int found" from inside reap.
+    for sown in (
+        lambda x: oryx.sow(x, tag="t", name=name),
+        lambda x: oryx.sow_cond(x, x > 0, tag="t", name=name),
+    ):
+        with pytest.raises(TypeError, match="sow needs `name` to be a non-empty string"):
+            oryx.reap(sown, tag="t")(1.0)
+
+
 def test_a_duplicate_strict_sow_names_the_users_file_and_line():
     def twice(x):
         sow(x, name="h", mode="strict")

@@ -123,6 +123,10 @@ def test_bad_arguments_say_what_to_use():
         ppl.sample_posterior(scm, jax.random.key(0), kernel="mala")
     with pytest.raises(ValueError, match="`num_chains` to be a positive int"):
         ppl.sample_posterior(scm, jax.random.key(0), num_chains=0)
+    with pytest.raises(ValueError, match="unknown init 'median'. Use one of 'uniform', 'prior'"):
+        ppl.sample_posterior(scm, jax.random.key(0), init="median")
+    with pytest.raises(ValueError, match="`max_tree_depth` to be a positive int"):
+        ppl.sample_posterior(scm, jax.random.key(0), max_tree_depth=0)
     everything = {"z": 0.0, "s": 1.0, "t": jnp.float32(1.0), "y": Y}
     with pytest.raises(ValueError, match="no free continuous random variable"):
         ppl.sample_posterior(scm, jax.random.key(0), observed=everything)
@@ -156,3 +160,49 @@ def test_posterior_under_do_matches_numpyro_s(under_do):
         a, b = under_do.samples[name], theirs[name]
         tolerance = 4 * np.hypot(_mcse(a), _mcse(b))
         assert abs(float(a.mean()) - float(b.mean())) < tolerance, name
+
+
+@pytest.mark.parametrize("init, dense_mass", [("prior", False), ("uniform", True)])
+def test_the_prior_start_and_a_dense_mass_matrix_sample_the_same_posterior(init, dense_mass):
+    do_t = ppl.intervene(scm, t=jnp.float32(1.0))
+    posterior = ppl.sample_posterior(
+        do_t,
+        jax.random.key(5),
+        observed={"y": Y},
+        num_samples=400,
+        num_warmup=300,
+        num_chains=2,
+        init=init,
+        dense_mass=dense_mass,
+        max_tree_depth=8,
+    )
+    exact_z, exact_s = _exact_means(observed_t=False)
+    z, s = posterior.samples["z"], posterior.samples["s"]
+    assert abs(float(z.mean()) - exact_z) < 4 * _mcse(z)
+    assert abs(float(s.mean()) - exact_s) < 4 * _mcse(s)
+
+
+def test_a_dirichlet_posterior_is_the_conjugate_dirichlet():
+    alpha, counts = jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0, 3.0, 5.0])
+
+    def model(key):
+        kp, ky = jax.random.split(key)
+        p = ppl.random_variable(tfd.Dirichlet(alpha), name="p")(kp)
+        return ppl.random_variable(tfd.Multinomial(10.0, probs=p), name="y")(ky)
+
+    posterior = ppl.sample_posterior(
+        model,
+        jax.random.key(4),
+        observed={"y": counts},
+        num_samples=500,
+        num_warmup=300,
+        num_chains=2,
+    )
+    exact = tfd.Dirichlet(alpha + counts)  # Dirichlet-multinomial conjugacy
+    p = np.asarray(posterior.samples["p"])
+    assert p.shape == (2, 500, 3)
+    np.testing.assert_allclose(p.sum(-1), 1.0, rtol=1e-5)
+    for i in range(3):
+        assert abs(p[..., i].mean() - float(exact.mean()[i])) < 4 * _mcse(p[..., i]), i
+        np.testing.assert_allclose(p[..., i].std(), exact.stddev()[i], rtol=0.15)
+    assert int(posterior.diverging.sum()) == 0

@@ -132,3 +132,59 @@ def test_joint_log_prob_first_then_unconstrained_through_a_jitted_helper():
         prior + to_scale.forward_log_det_jacobian(u["scale"]),
         rtol=1e-5,
     )
+
+
+def dirichlet_multinomial(key):
+    kp, ky = jax.random.split(key)
+    p = ppl.random_variable(tfd.Dirichlet(jnp.array([1.0, 2.0, 3.0])), name="p")(kp)
+    return ppl.random_variable(tfd.Multinomial(10.0, probs=p), name="y")(ky)
+
+
+def test_a_dirichlet_draw_moves_on_the_simplex_through_softmax_centered():
+    # TFP 0.25's SoftmaxCentered calls np.reshape(newshape=...), gone in NumPy 2.4:
+    # harvest's TFP shim keeps it working.
+    counts = jnp.array([2.0, 3.0, 5.0])
+    posterior = ppl.unconstrained(dirichlet_multinomial, observed={"y": counts})
+    u = {"p": jnp.array([0.3, -0.4])}
+    to_p = tfd.Dirichlet(jnp.ones(3)).experimental_default_event_space_bijector()
+    p = to_p.forward(u["p"])
+    np.testing.assert_allclose(p.sum(), 1.0, rtol=1e-6)
+    expected = (
+        tfd.Dirichlet(jnp.array([1.0, 2.0, 3.0])).log_prob(p)
+        + to_p.forward_log_det_jacobian(u["p"])
+        + tfd.Multinomial(10.0, probs=p).log_prob(counts)
+    )
+    np.testing.assert_allclose(posterior.log_density(u), expected, rtol=1e-5)
+    np.testing.assert_allclose(posterior.constrain(u)["p"], p, rtol=1e-6)
+    assert posterior.init(jax.random.key(0))["p"].shape == (2,)
+
+
+def normal_mean(key):
+    k1, k2 = jax.random.split(key)
+    mu = ppl.random_variable(tfd.Normal(0.0, 1.0), name="mu")(k1)
+    return ppl.random_variable(tfd.Sample(tfd.Normal(mu, 1.0), 3), name="y")(k2)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_observation_is_refused_naming_the_site(bad):
+    # NumPyro refuses such data at init; a sampler on it would stay at its start.
+    y = jnp.array([1.0, bad, 3.0])
+    with pytest.raises(ValueError, match=r"observed value of 'y' has 1 non-finite .* index \(1,\)"):
+        ppl.unconstrained(normal_mean, observed={"y": y})
+    with pytest.raises(ValueError, match="observed value of 'y'"):
+        ppl.sample_posterior(normal_mean, jax.random.key(0), observed={"y": y})
+    scoped = ppl.nest(normal_mean, scope="s")
+    with pytest.raises(ValueError, match="observed value of 's.y'"):
+        ppl.unconstrained(scoped, observed={"s": {"y": y}})
+
+
+def test_a_start_with_a_non_finite_density_is_refused_naming_the_site():
+    def beta_model(key):
+        k1, k2 = jax.random.split(key)
+        a = ppl.random_variable(tfd.HalfNormal(1.0), name="a")(k1)
+        return ppl.random_variable(tfd.Beta(a, 2.0), name="y")(k2)
+
+    # y = 1.5 lies outside the Beta's support: its log density is NaN at every start.
+    assert np.isnan(tfd.Beta(1.0, 2.0).log_prob(1.5))
+    with pytest.raises(ValueError, match=r"log density of chain 0 is not finite.*'y': nan"):
+        ppl.sample_posterior(beta_model, jax.random.key(0), observed={"y": 1.5})

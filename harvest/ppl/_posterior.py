@@ -21,9 +21,13 @@ import jax.numpy as jnp
 
 from .. import _errors
 from .._typing import Reaped
-from ._unconstrained import unconstrained
+from ._unconstrained import site_log_densities, unconstrained
+from ._warmup import stan_warmup
 
 KERNELS = ("nuts", "hmc")
+INITS = ("uniform", "prior")
+# How many starts a chain draws before giving up on a finite density (NumPyro's 100).
+START_ATTEMPTS = 100
 
 
 def _require(module: str, what: str) -> Any:
@@ -170,15 +174,22 @@ def sample_posterior(
     kernel: str = "nuts",
     num_integration_steps: int = 16,
     target_acceptance_rate: float = 0.8,
+    init: str = "uniform",
+    dense_mass: bool = False,
+    max_tree_depth: int = 10,
     progress: bool = False,
 ) -> Posterior:
     """Samples the posterior of the program ``model`` given ``observed``, with BlackJAX.
 
     The sampler runs on ``unconstrained(model, observed).log_density``, so
     every transformation composes: ``sample_posterior(intervene(model, t=1.0),
-    ...)`` samples the posterior under ``do(t=1)``. Each chain starts from a
-    prior draw, adapts its step size and diagonal mass matrix by BlackJAX's
-    window adaptation for ``num_warmup`` steps, then draws ``num_samples``.
+    ...)`` samples the posterior under ``do(t=1)``. The defaults are NumPyro's:
+    each chain starts where every unconstrained coordinate is uniform in
+    (-2, 2) (redrawn, up to 100 times, until the density and its gradient are
+    finite), then adapts its step size and mass matrix for ``num_warmup``
+    steps by Stan's warmup (BlackJAX's windows, dual averaging and Welford
+    estimate, with Stan's step-size search at the start and after each new
+    mass matrix), then draws ``num_samples``.
 
     Args:
         model: the program ``model(key, *args)``.
@@ -192,6 +203,11 @@ def sample_posterior(
             with ``num_integration_steps`` leapfrog steps per transition).
         num_integration_steps: HMC's trajectory length in steps (ignored by NUTS).
         target_acceptance_rate: the acceptance rate the warmup tunes the step size for.
+        init: ``"uniform"`` (each unconstrained coordinate uniform in (-2, 2), as
+            NumPyro's ``init_to_uniform``) or ``"prior"`` (a draw from the prior).
+        dense_mass: adapt a dense mass matrix (the posterior's covariance)
+            rather than a diagonal one.
+        max_tree_depth: NUTS's largest trajectory, ``2**max_tree_depth`` leapfrog steps.
         progress: print when warmup and sampling start and how far sampling got
             (ten reports per run, from inside the compiled program).
 
@@ -201,8 +217,9 @@ def sample_posterior(
         and ``to_arviz()`` use ArviZ.
 
     Raises:
-        ValueError: for an unknown ``kernel``, a non-positive count, or a program with
-            nothing left to sample.
+        ValueError: for an unknown ``kernel`` or ``init``, a non-positive count, a
+            program with nothing left to sample, a non-finite observed value, or no
+            start (of 100) where the log density and its gradient are finite.
         ImportError: if BlackJAX is not installed (``pip install 'jax-harvest[infer]'``).
 
     Example:
@@ -225,10 +242,13 @@ def sample_posterior(
     blackjax = _require("blackjax", "sample_posterior")
     if kernel not in KERNELS:
         raise _errors.ppl_unknown_kernel(kernel, KERNELS)
+    if init not in INITS:
+        raise _errors.ppl_unknown_init(init, INITS)
     for what, n in (
         ("num_samples", num_samples),
         ("num_warmup", num_warmup),
         ("num_chains", num_chains),
+        ("max_tree_depth", max_tree_depth),
     ):
         if not isinstance(n, int) or n < 1:
             raise _errors.ppl_bad_count(what, n)
@@ -239,18 +259,67 @@ def sample_posterior(
     def log_density(u: Reaped) -> jax.Array:
         return density.log_density(u, *args)
 
-    algorithm = blackjax.nuts if kernel == "nuts" else blackjax.hmc
-    extra = {} if kernel == "nuts" else {"num_integration_steps": num_integration_steps}
+    if kernel == "nuts":
+        algorithm, extra = blackjax.nuts, {"max_num_doublings": max_tree_depth}
+    else:
+        algorithm, extra = blackjax.hmc, {"num_integration_steps": num_integration_steps}
 
-    def one_chain(chain_key: jax.Array) -> Any:
-        k_init, k_warm, k_draw = jax.random.split(chain_key, 3)
-        start = density.init(k_init, *args)
+    def kernel_at(step_size: Any, inverse_mass_matrix: jax.Array) -> Any:
+        return algorithm(log_density, step_size, inverse_mass_matrix, **extra).step
+
+    shapes = jax.eval_shape(density.init, key, *args)
+
+    def draw_start(k: jax.Array) -> Reaped:
+        if init == "prior":
+            prior_draw: Reaped = density.init(k, *args)
+            return prior_draw
+        # NumPyro's init_to_uniform: each unconstrained coordinate uniform in (-2, 2).
+        leaves, tree = jax.tree.flatten(shapes)
+        keys = jax.random.split(k, len(leaves))
+        drawn = [jax.random.uniform(kl, s.shape, s.dtype, -2.0, 2.0) for kl, s in zip(keys, leaves)]
+        uniform_draw: Reaped = jax.tree.unflatten(tree, drawn)
+        return uniform_draw
+
+    def finite_at(u: Reaped) -> tuple[jax.Array, jax.Array]:
+        value, grad = jax.value_and_grad(log_density)(u)
+        finite_grad = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grad)]))
+        return jnp.isfinite(value), finite_grad
+
+    def start_of(chain_key: jax.Array) -> Any:
+        """The first of up to `START_ATTEMPTS` draws where the density and its gradient are
+        finite (as NumPyro's init), or the last draw tried."""
+        k_init, _, _ = jax.random.split(chain_key, 3)
+
+        def another(carry: Any) -> Any:
+            attempt, _, _, _ = carry
+            u = draw_start(jax.random.fold_in(k_init, attempt))
+            return (attempt + 1, u, *finite_at(u))
+
+        def looking(carry: Any) -> Any:
+            attempt, _, ok, ok_grad = carry
+            return (attempt < START_ATTEMPTS) & ~(ok & ok_grad)
+
+        first = draw_start(k_init)
+        _, start, ok, ok_grad = jax.lax.while_loop(looking, another, (1, first, *finite_at(first)))
+        return start, ok, ok_grad
+
+    chain_keys = jax.random.split(key, num_chains)
+    starts, finite, finite_grad = jax.jit(jax.vmap(start_of))(chain_keys)
+    _check_start(model, observed, args, starts, finite, finite_grad, init)
+
+    def one_chain(chain_key: jax.Array, start: Reaped) -> Any:
+        _, k_warm, k_draw = jax.random.split(chain_key, 3)
         _report(progress, "warmup", 0, num_warmup)
-        warmup = blackjax.window_adaptation(
-            algorithm, log_density, target_acceptance_rate=target_acceptance_rate, **extra
+        state, parameters = stan_warmup(
+            kernel_at,
+            algorithm.init(start, log_density),
+            start,
+            k_warm,
+            num_warmup,
+            target_acceptance_rate,
+            dense_mass,
         )
-        (state, parameters), _ = warmup.run(k_warm, start, num_steps=num_warmup)
-        step = algorithm(log_density, **parameters).step
+        step = kernel_at(parameters["step_size"], parameters["inverse_mass_matrix"])
 
         def transition(carry: Any, xs: Any) -> Any:
             i, k = xs
@@ -264,8 +333,30 @@ def sample_posterior(
         return values, u, lp, diverging, accept, parameters["step_size"]
 
     run = jax.jit(jax.vmap(one_chain))
-    values, u, lp, diverging, accept, step_size = run(jax.random.split(key, num_chains))
+    values, u, lp, diverging, accept, step_size = run(chain_keys, starts)
     return Posterior(values, lp, u, diverging, accept, step_size)
+
+
+def _check_start(
+    model: Callable[..., Any],
+    observed: Mapping[str, Any] | None,
+    args: Any,
+    starts: Reaped,
+    finite: jax.Array,
+    finite_grad: jax.Array,
+    init: str,
+) -> None:
+    """Refuses to run a chain from a start where the log density or its gradient is not
+    finite (NumPyro refuses too): every transition from there diverges, and the draws
+    would be the start repeated. The error names each site's log density at that start."""
+    for chain, (ok, ok_grad) in enumerate(zip(finite.tolist(), finite_grad.tolist())):
+        if ok and ok_grad:
+            continue
+        start = jax.tree_util.tree_map(lambda a, i=chain: a[i], starts)
+        sites = site_log_densities(model, dict(observed or {}), start, *args)
+        report = {name: float(v) for name, v in sites.items() if not jnp.isfinite(v)}
+        what = "log density" if not ok else "gradient of the log density"
+        raise _errors.ppl_start_not_finite(chain, START_ATTEMPTS, init, what, report)
 
 
 def _report(progress: bool, phase: str, i: Any, total: int) -> None:

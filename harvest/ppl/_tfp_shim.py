@@ -11,18 +11,29 @@ replaced. It runs when `harvest` itself is imported (it imports no TFP), so
 import harvest before TFP. TFP imported first fails in TFP's own import, where
 harvest cannot speak; importing harvest afterwards puts the alias back, so
 running the TFP import again works, and `harvest.ppl` retries it itself.
+
+TFP 0.25's `Pad` bijector (inside `SoftmaxCentered`, the Dirichlet's map onto
+the simplex) calls `np.reshape(x, newshape=...)`, a keyword NumPy 2.4 removed.
+On such a NumPy, `import_tfp` hands that one module a NumPy whose `reshape`
+still takes it (`_NumpyWithNewshape`); NumPy itself is left alone.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
+from typing import Any
+
+import numpy as np
 
 from .. import _jax
 
 # The versions this shim is tested against; see `tfp_error_message`.
 TESTED = "tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x, 0.9.x and 0.10.x"
 SUBSTRATE = "tensorflow_probability.substrates.jax"
+# The TFP module that calls `np.reshape(..., newshape=...)`.
+PAD = SUBSTRATE + ".bijectors.pad"
 
 
 def apply_shim():
@@ -58,6 +69,20 @@ def import_tfp():
             # the warning is about TFP's code, not the user's.
             warnings.filterwarnings("ignore", category=DeprecationWarning, module="jax.*")
             warnings.filterwarnings("ignore", message=".*pytype_aval_mappings.*")
-            return importlib.import_module(SUBSTRATE)
+            tfp = importlib.import_module(SUBSTRATE)
     except Exception as cause:  # TFP fails in many ways on an untested JAX
         raise ImportError(tfp_error_message(cause, imported_before)) from cause
+    if "newshape" not in inspect.signature(np.reshape).parameters:
+        importlib.import_module(PAD).np = _NumpyWithNewshape()
+    return tfp
+
+
+class _NumpyWithNewshape:
+    """NumPy as TFP's `Pad` bijector reads it: `reshape` also takes `newshape=`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    @staticmethod
+    def reshape(a: Any, shape: Any = None, *, newshape: Any = None, **kwargs: Any) -> Any:
+        return np.reshape(a, newshape if shape is None else shape, **kwargs)

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.tree_util import Partial
 
 from .. import _errors, _jax
@@ -176,6 +177,37 @@ def _constrain(
     return {**free, **found[DETERMINISTIC]}
 
 
+def site_log_densities(
+    f: Callable[..., Any], observed: Reaped, u: Reaped, *args: Any, **kwargs: Any
+) -> dict[str, jax.Array]:
+    """`{name: summed log density}` of each site at `u`, and the log-Jacobian of the free
+    draws as `"log |det J|"`: what a non-finite total is made of."""
+    _, log_det, _, found = _run(f, observed, False, (LOG_DENSITY,), u, *args, **kwargs)
+    densities = found[LOG_DENSITY]
+    sums: dict[str, jax.Array] = {
+        name: jnp.asarray(sum(densities_of({name: at_paths(densities, {name})[0]})))
+        for name in leaf_paths(densities)
+    }
+    return {**sums, "log |det J|": log_det}
+
+
+def _check_finite(observed: Reaped) -> None:
+    """Refuses a NaN or infinite observation, as NumPyro does: the density would be NaN
+    at every `u`, and a sampler would stay at its start with every step divergent."""
+    for name in leaf_paths(observed):
+        for leaf in jax.tree_util.tree_leaves(at_paths(observed, {name})[0]):
+            if isinstance(leaf, jax.core.Tracer):  # inside the user's jit: not known here
+                continue
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                continue
+            value = np.asarray(leaf)
+            if value.dtype.kind not in "fc" or np.isfinite(value).all():
+                continue
+            bad = np.argwhere(~np.isfinite(value))
+            first = tuple(int(i) for i in bad[0])
+            raise _errors.ppl_observed_not_finite(name, len(bad), value.size, first)
+
+
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
     free, sites = _draws_and_sites(f, observed, key, *args, **kwargs)
     return restricted(sites, set(leaf_paths(free)))
@@ -244,6 +276,7 @@ def unconstrained(
 
     Raises:
         TypeError: if a key of ``observed`` is not a string.
+        ValueError: if an observed value holds a NaN or an infinity.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -270,6 +303,7 @@ def unconstrained(
         raise TypeError(
             f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
         )
+    _check_finite(observed)
     return Unconstrained(
         Partial(_log_density, f, observed, True),
         Partial(_constrain, f, observed),

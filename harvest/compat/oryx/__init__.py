@@ -24,6 +24,7 @@ from typing import Any, Concatenate
 
 import jax
 
+from ... import _errors
 from ..._interpreter import NameFilter, Policy
 from ..._modes import COND_CLOBBER, ORYX_MODES
 from ..._primitive import sow_p as sow_p
@@ -53,6 +54,7 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
     Raises:
         ValueError: for a mode oryx does not have, or ``"cond_clobber"`` (use
             ``sow_cond``).
+        TypeError: if ``name`` is not a non-empty string.
 
     Example:
         >>> from harvest.compat import oryx as harvest
@@ -60,6 +62,7 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
         {'x': Array(3., dtype=float32, weak_type=True)}
     """
     del key  # oryx ties `key` in for ordering; a jaxpr keeps sows in program order anyway
+    _check_name(name)
     if mode == COND_CLOBBER.name:
         raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
     if mode not in ORYX_MODES:
@@ -67,6 +70,12 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
             f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'."
         )
     return bind_sow(value, name=name, tag=tag, mode=ORYX_MODES[mode].name)
+
+
+def _check_name(name: Any) -> None:
+    """oryx names its sites by strings; any other name would fail deep inside a reap."""
+    if not isinstance(name, str) or not name:
+        raise _errors.bad_sow_name("name", name)
 
 
 def sow_cond(
@@ -87,6 +96,7 @@ def sow_cond(
 
     Raises:
         ValueError: if ``mode`` is not ``"cond_clobber"``.
+        TypeError: if ``name`` is not a non-empty string.
 
     Example:
         >>> import jax.numpy as jnp
@@ -96,6 +106,7 @@ def sow_cond(
         {'pos': Array(0., dtype=float32)}
     """
     del key
+    _check_name(name)
     if mode != COND_CLOBBER.name:
         raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
     return bind_sow(value, jax.numpy.asarray(pred), name=name, tag=tag, mode=COND_CLOBBER.name)
