@@ -72,8 +72,9 @@ html_css_files = ["harvest.css"]
 
 # `# not-run` opens the blocks the test suite runs elsewhere (on eight virtual
 # devices, tests/multidevice), `# needs: <module>` those it runs only where an
-# optional dependency is installed: markers for the tests, not for readers.
-NOT_RUN = re.compile(r"^(```python\n)# (?:not-run|needs: [\w.]+)\n", re.M)
+# optional dependency is installed: markers for the tests, not for readers (the
+# whole line goes, with any note after the marker).
+NOT_RUN = re.compile(r"^(```python\n)# (?:not-run|needs: [\w.]+)\b[^\n]*\n", re.M)
 # Pages that show what a block of theirs draws: the page, the block that draws,
 # and the file (under _generated/, which git ignores) the page includes.
 DRAWN = {"guides/reading_intermediates.md": ("view(", "view_reading_intermediates.html")}

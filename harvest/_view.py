@@ -1,33 +1,42 @@
 """`view`: the traced program as a dataflow graph, in one self-contained HTML page.
 
-The layout is harvest's own and needs no library: each jaxpr is a column of
-cards in program order (a jaxpr is already topologically sorted), each body of
-``scan``/``while``/``cond``/``jit``/... a collapsible box inside its parent's
-column, and the edges (data dependencies) are drawn by a few lines of inline
-JavaScript as curves along the column's left edge, re-routed to a collapsed
-box's header. Everything is inline (style, script, histograms as SVG), so the
-page works offline, from a file or in a notebook.
+Python walks the jaxpr into a graph (a node per op, with the sites sown on its
+output merged in; a node per input, named by its pytree path; a group per
+module path, from ``instrument``'s names, and per body of ``scan``/``cond``/
+``jit``/...) and writes it into the page as JSON. The page lays it out with
+dagre (a layered layout, vendored in ``_view_static``, inlined into the page),
+so it works offline, from a file or in a notebook: groups open and close on a
+click, hovering a node lights its inputs and outputs, and a box finds nodes by
+name.
 """
 
 from __future__ import annotations
 
-import html
+import importlib.resources
+import inspect
 import itertools
+import json
 import os
 import pathlib
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _errors
 from ._higher_order import bodies as _descriptor_bodies
 from ._paths import path_str
 from ._primitive import sow_p
+from ._nnx_state import split_nodes
 from ._site import Site
 from ._tracing import make_jaxpr
 
 _COUNTER = itertools.count()
+# Named calls (jit, custom derivatives, checkpoint) start closed, as one node
+# with the call's name; loops and branches start open.
+_CLOSED_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+                 "custom_vjp_call_jaxpr", "checkpoint", "remat", "named_call")  # fmt: skip
 
 
 class View:
@@ -37,12 +46,15 @@ class View:
         html: the self-contained HTML fragment (``save`` wraps it in a page).
         sites: the number of sow sites drawn.
         groups: the number of bodies (``scan``, ``cond`` branches, ``jit``, ...) drawn.
+        modules: the number of module groups drawn (one per module path of
+            ``instrument``'s sites).
     """
 
-    def __init__(self, html: str, sites: int, groups: int) -> None:
+    def __init__(self, html: str, sites: int, groups: int, modules: int = 0) -> None:
         self.html = html
         self.sites = sites
         self.groups = groups
+        self.modules = modules
 
     def _repr_html_(self) -> str:
         return self.html
@@ -81,16 +93,21 @@ def view(
 ) -> View:
     """Draws the dataflow graph of ``f(*args, **kwargs)``, traced as ``reap`` traces it.
 
-    Nodes are the program's sow sites (name, tag, mode) and ops (the
-    primitive), each with its output shapes and dtypes; edges are data
-    dependencies; the bodies of ``scan``, ``while_loop``, ``cond``, ``jit``,
-    ``checkpoint`` and custom derivatives are boxes that open and close
-    (click their header). Nothing runs: ``f`` is only traced. Given
-    ``values`` -- what ``reap`` returned -- each site it names shows the
-    value's mean, standard deviation and a histogram: on the sites of
-    ``tag`` (the tag the values were reaped with), or, with no ``tag``, on
-    the sites of the one tag that has each name. With
-    ``instrument(f, ops=True)`` every op is a site too.
+    Nodes are the program's ops (the primitive), each with its output shapes
+    and dtypes and the sow sites on its output (name, tag, mode), and its
+    inputs, named by their path in the arguments (``attn.query.kernel`` for a
+    model's parameter); edges are data dependencies, laid out top to bottom
+    in layers. The sites of an ``instrument``-ed model are grouped by module
+    path, and the bodies of ``scan``, ``while_loop``, ``cond``, ``jit``,
+    ``checkpoint`` and custom derivatives are groups too; each opens and
+    closes on a click (a named call such as ``relu`` starts closed, as one
+    node; a large graph starts with its deeper groups closed). Hovering a
+    node lights its inputs and outputs; the search box finds nodes by name.
+    Nothing runs: ``f`` is only traced. Given ``values`` -- what ``reap``
+    returned -- each site it names shows the value's mean, standard deviation
+    and a histogram: on the sites of ``tag`` (the tag the values were reaped
+    with), or, with no ``tag``, on the sites of the one tag that has each
+    name. With ``instrument(f, ops=True)`` every op is a site too.
 
     Args:
         f: the function to trace, as for ``reap``.
@@ -126,17 +143,36 @@ def view(
         raise TypeError(f"view(f, *args) needs a callable f, got {type(f).__name__}.")
     if values is not None and not isinstance(values, dict):
         raise TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
-    closed = make_jaxpr(f, args, kwargs)[0]
-    graph = _Graph(_flat(values or {}), tag)
-    body = graph.jaxpr(closed.jaxpr, {}, inputs=True)
+    params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
+    (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
+    closed, arrays = make_jaxpr(f, args, kwargs, graph=graph_nodes)
+    names = _input_names(params, (f, args, kwargs), graph_nodes, arrays)
+    graph = _Graph(_flat(values or {}), tag, *_module_paths(closed.jaxpr))
+    graph.top(closed.jaxpr, names)
     graph.check_values()
     uid = f"hv{next(_COUNTER)}"
+    data = json.dumps(graph.data(), ensure_ascii=False, separators=(",", ":"))
+    data = data.replace("</", "<\\/")  # no `</script>` inside the script
     fragment = (
         f'<div class="harvest-view" id="{uid}"><style>{_STYLE}</style>'
-        f'<svg class="hv-edges"></svg>{body}'
-        f"<script>{_SCRIPT.replace('__ID__', uid)}</script></div>"
+        '<div class="hv-bar"><input class="hv-search" type="search" '
+        'placeholder="find a node by name" aria-label="find a node by name">'
+        '<span class="hv-found"></span><button class="hv-zoom" data-by="0.8">−</button>'
+        '<button class="hv-zoom" data-by="1.25">+</button><button class="hv-zoom" data-by="fit">'
+        'fit</button><span class="hv-info"></span></div>'
+        '<div class="hv-scroll"><svg class="hv-canvas"></svg></div>'
+        f'<script type="application/json" class="hv-data">{data}</script>'
+        f"<script>(function () {{\n{_dagre()}\n{_SCRIPT.replace('__ID__', uid)}}})();</script>"
+        "</div>"
     )
-    return View(fragment, graph.sites, graph.groups)
+    return View(fragment, graph.sites, graph.bodies, graph.modules)
+
+
+def _dagre() -> str:
+    """The vendored layout library (dagre, MIT; see ``_view_static/README.md``)."""
+    return (importlib.resources.files(__package__) / "_view_static" / "dagre.min.js").read_text(
+        encoding="utf-8"
+    )
 
 
 def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -149,51 +185,214 @@ def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
     return out
 
 
-class _Graph:
-    """Builds the nested HTML; each var is mapped to the id of the node producing it."""
+def _input_names(params: list[str], call: Any, graph_nodes: Any, arrays: list[Any]) -> list[str]:
+    """Each traced input's name: its path in the arguments (``x``, ``batch.tokens``),
+    in ``f``'s own leaves (an Equinox model: ``layers.0.weight``) or in the NNX
+    state (``attn.query.kernel``), matched to the traced leaves by identity, in order."""
+    named: list[tuple[str, Any]] = []
+    for part, tree in enumerate(call):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            keys = _keys(path)
+            if part == 1 and keys and keys[0].isdigit():
+                i = int(keys[0])
+                keys[0] = params[i] if i < len(params) else f"arg{i}"
+            named.append((".".join(keys) or "f", leaf))
+    if graph_nodes is not None:
+        state = jax.tree_util.tree_flatten_with_path(graph_nodes.state)[0]
+        several = len({p[0] for p, _ in state}) > 1
+        for path, leaf in state:
+            keys = _keys(path[0 if several else 1 :])
+            if keys and keys[-1] in ("value", "raw_value"):
+                keys.pop()
+            named.append((".".join(keys) or "state", leaf))
+    out: list[str] = []
+    at = 0
+    for array in arrays:
+        while at < len(named) and named[at][1] is not array:
+            at += 1
+        out.append(named[at][0] if at < len(named) else f"input {len(out)}")
+        at += 1
+    return out
 
-    def __init__(self, values: dict[str, Any], tag: Any) -> None:
-        self.values, self.tag = values, tag
-        self.tags_of: dict[str, set[Any]] = {}  # each site name drawn: the tags it is sown with
-        self.ids = itertools.count()
-        self.sites = 0
-        self.groups = 0
 
-    def jaxpr(self, jaxpr: Any, producers: dict[Any, str], inputs: bool = False) -> str:
-        cards = []
-        for i, v in enumerate(jaxpr.invars if inputs else ()):
-            node = f"n{next(self.ids)}"
-            aval = html.escape(v.aval.str_short())
-            cards.append(_card(node, "hv-input", f"input {i}", aval, []))
-            producers[v] = node
-        for eqn in jaxpr.eqns:
-            node = f"n{next(self.ids)}"
-            sources = sorted({producers[v] for v in eqn.invars if _is_var(v) and v in producers})
-            bodies = [(b.label, b.jaxpr, b.runs) for b in _descriptor_bodies(eqn)]
+def _positional_names(f: Any) -> list[str]:
+    """The names of ``f``'s positional parameters, as far as they are known."""
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in itertools.takewhile(lambda p: p.kind in kinds, params)]
+
+
+def _keys(path: Any) -> list[str]:
+    """A key path as names, without the flat indices a wrapper's flattening adds."""
+    out = []
+    for key in path:
+        if isinstance(key, jax.tree_util.DictKey):
+            out.append(str(key.key))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            out.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            out.append(str(key.idx))
+    return out
+
+
+def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
+    """The paths ``instrument(..., ops=True)`` named, and which are modules.
+
+    Each op site's name begins with a path (``attn.query/dot_general:0``): a
+    module's, which is also a named scope of the ops (``instrument`` scopes
+    each module call), or a named call's it inlined (``log_softmax/exp:0``).
+    Without ``ops``, a module's ops are not told apart from its caller's, so
+    no groups are drawn.
+    """
+    names: set[str] = set()
+    scopes: set[str] = set()
+
+    def walk(j: Any) -> None:
+        for eqn in j.eqns:
+            scopes.update(str(eqn.source_info.name_stack).split("/"))
             if eqn.primitive is sow_p:
-                cards.append(self._site(node, eqn, sources))
-            elif bodies:
-                cards.append(self._group(node, eqn, bodies, producers, sources))
+                names.add(path_str(Site.of(eqn).path))
+            for body in _descriptor_bodies(eqn):
+                walk(body.jaxpr)
+
+    walk(jaxpr)
+    paths = {n.split("/")[0] for n in names if "/" in n}
+    return paths, paths & scopes
+
+
+def _parent_module(path: str, modules: set[str]) -> str | None:
+    parts = path.split(".")
+    for k in range(len(parts) - 1, 0, -1):
+        if ".".join(parts[:k]) in modules:
+            return ".".join(parts[:k])
+    return None
+
+
+class _Graph:
+    """The graph as lists of nodes, groups and edges; each var is mapped to the
+    id of the node producing it."""
+
+    def __init__(
+        self, values: dict[str, Any], tag: Any, paths: set[str], modules: set[str]
+    ) -> None:
+        self.values, self.tag = values, tag
+        self.modules_named, self.module_paths = paths, modules
+        self.tags_of: dict[str, set[Any]] = {}  # each site name drawn: the tags it is sown with
+        self.nodes: list[dict[str, Any]] = []
+        self.groups_: list[dict[str, Any]] = []
+        self.edges: dict[tuple[str, str], None] = {}
+        self.module_group: dict[tuple[str | None, str], str] = {}
+        self.sites = self.bodies = self.modules = 0
+
+    def data(self) -> dict[str, Any]:
+        return {"nodes": self.nodes, "groups": self.groups_, "edges": list(self.edges)}
+
+    def top(self, jaxpr: Any, names: list[str]) -> None:
+        producers: dict[Any, str] = {}
+        for v, name in zip(jaxpr.invars, names):
+            group = self._module(None, _parent_module(name, self.modules_named) or "")
+            producers[v] = self._node("input", name, [v], group, title=name)
+        self.jaxpr(jaxpr, producers, None)
+
+    def _node(self, kind: str, label: str, outs: list[Any], group: str | None, **more: Any) -> str:
+        node = f"n{len(self.nodes)}"
+        self.nodes.append(
+            {"id": node, "kind": kind, "label": label, "aval": _avals(outs), "group": group,
+             "sites": [], **more}
+        )  # fmt: skip
+        return node
+
+    def _group(self, kind: str, label: str, parent: str | None, **more: Any) -> str:
+        group = f"g{len(self.groups_)}"
+        self.groups_.append({"id": group, "kind": kind, "label": label, "parent": parent, **more})
+        return group
+
+    def _module(self, body: str | None, path: str) -> str | None:
+        """The group of module ``path`` inside ``body`` (made with its parents), or
+        ``body`` for no path."""
+        if not path:
+            return body
+        key = (body, path)
+        if key not in self.module_group:
+            above = _parent_module(path, self.modules_named)
+            parent = self._module(body, above or "")
+            short = path[len(above) + 1 :] if above else path
+            if path in self.module_paths:
+                self.modules += 1
+                made = self._group("module", short, parent, path=path)
+            else:  # a named call instrument inlined: one node, as a call
+                made = self._group("call", short, parent, path=path, closed=True, op="jit")
+            self.module_group[key] = made
+        return self.module_group[key]
+
+    def _is_module(self, group: str | None) -> bool:
+        return group is not None and "path" in self.groups_[int(group[1:])]
+
+    def _module_of(self, eqn: Any) -> str:
+        """The module an equation runs in: ``instrument``'s named scope, else its
+        site's module."""
+        scopes = str(eqn.source_info.name_stack).split("/")
+        if scopes[-1] in self.modules_named:
+            return scopes[-1]
+        if eqn.primitive is sow_p:
+            name = path_str(Site.of(eqn).path)
+            if "/" in name:
+                return name.split("/")[0]
+            return name if name in self.modules_named else ""
+        return ""
+
+    def jaxpr(self, jaxpr: Any, producers: dict[Any, str], body: str | None) -> None:
+        local: set[str] = set()
+        for eqn in jaxpr.eqns:
+            group = self._module(body, self._module_of(eqn))
+            sources = [producers[v] for v in eqn.invars if _is_var(v) and v in producers]
+            if eqn.primitive is sow_p:
+                node = self._site(eqn, producers, group, local)
+            elif _descriptor_bodies(eqn):
+                node = self._call(eqn, producers, group)
             else:
-                cards.append(self._op(node, eqn, sources))
+                node = self._node("op", eqn.primitive.name, eqn.outvars, group)
+            for source in sources:
+                if source != node:
+                    self.edges[(source, node)] = None
             for v in eqn.outvars:
                 producers[v] = node
-        return '<div class="hv-col">' + "".join(cards) + "</div>"
+            local.add(node)
 
-    def _op(self, node: str, eqn: Any, sources: list[str]) -> str:
-        return _card(node, "hv-op", html.escape(eqn.primitive.name), _avals(eqn), sources)
-
-    def _site(self, node: str, eqn: Any, sources: list[str]) -> str:
+    def _site(self, eqn: Any, producers: dict[Any, str], group: str | None, local: set[str]) -> str:
+        """The node of the op or call whose output this site sows (one node for both),
+        if this jaxpr computed it (``local``); else a node of its own."""
         self.sites += 1
         site = Site.of(eqn)
         name = path_str(site.path)
-        title = f'<span class="hv-name">{html.escape(name)}</span>'
-        meta = f"{html.escape(str(site.tag))} · {html.escape(str(eqn.params['mode']))}"
-        extra = f'<div class="hv-meta">{meta}</div>'
         self.tags_of.setdefault(name, set()).add(site.tag)
+        one = eqn.params["tree"].num_leaves == 1
+        value = eqn.invars[0] if one and _is_var(eqn.invars[0]) else None
+        source = producers.get(value) if value is not None else None
+        node = self.nodes[int(source[1:])] if source else None
+        if node is None or node["id"] not in local:  # an input, or read inside a body
+            node = self.nodes[int(self._node("site", name, eqn.outvars, group)[1:])]
+        elif node["kind"] == "op" and not self._is_module(node["group"]):
+            node["group"] = group  # ops=False: the op ran in the module whose output it is
+        entry: dict[str, Any] = {
+            "name": name,
+            "tag": str(site.tag),
+            "mode": str(eqn.params["mode"]),
+        }
         if name in self.values and self.tag in (None, site.tag):
-            extra += _summary(self.values[name])
-        return _card(node, "hv-site", title, _avals(eqn), sources, extra)
+            entry["stats"] = _summary(self.values[name])
+        node["sites"].append(entry)
+        if node["kind"] == "op":
+            node["op"] = node["label"]
+        if node["kind"] == "result":  # a call's output: the call keeps its name
+            node["op"], name = node["label"], node["label"]
+        node["kind"] = "site"
+        if "/" not in name:  # a module's output (or a plain sow) names the node
+            node["label"] = name
+        return str(node["id"])
 
     def check_values(self) -> None:
         """Raises unless each name in ``values`` was summarised on the sites of one tag."""
@@ -205,33 +404,48 @@ class _Graph:
             if self.tag is None and len(self.tags_of[name]) > 1:
                 raise _errors.view_values_ambiguous(name, sorted(map(str, self.tags_of[name])))
 
-    def _group(
-        self,
-        node: str,
-        eqn: Any,
-        bodies: list[tuple[str, Any, int | None]],
-        producers: dict[Any, str],
-        sources: list[str],
-    ) -> str:
-        inner: list[str] = []
-        labels = [label for label, _, _ in bodies]
-        for label, sub, _ in bodies:
-            self.groups += 1
-            role = _param_name(eqn, sub)
-            if labels.count(label) > 1 and role:  # while's cond_jaxpr and body_jaxpr
-                label = f"{label} {role.removesuffix('_jaxpr')}"
+    def _call(self, eqn: Any, producers: dict[Any, str], group: str | None) -> str:
+        """A group for the call (its bodies inside, one group each if several), and
+        a node for its result, inside it, fed by what the bodies return."""
+        bodies = _descriptor_bodies(eqn)
+        kind = eqn.primitive.name
+        label = _call_name(eqn) or (bodies[0].label if len(bodies) == 1 else kind)
+        closed = kind in _CLOSED_CALLS
+        if group is not None and self.groups_[int(group[1:])]["label"] == label:
+            label, closed = bodies[0].label, False  # the one call a named wrapper holds
+        wrap = self._group("call", label, group, closed=closed, op=kind)
+        result = self._node("result", label, eqn.outvars, wrap)
+        labels = [b.label for b in bodies]
+        for b in bodies:
+            self.bodies += 1
+            role = _param_name(eqn, b.jaxpr)
+            name = b.label
+            if labels.count(name) > 1 and role:  # while's cond_jaxpr and body_jaxpr
+                name = f"{name} {role.removesuffix('_jaxpr')}"
+            inner = wrap if len(bodies) == 1 else self._group("body", name, wrap)
             mapped = {
-                a: producers[b]
-                for a, b in zip(reversed(sub.invars), reversed(_operands(eqn, role)))
-                if _is_var(b) and b in producers
+                a: producers[o]
+                for a, o in zip(reversed(b.jaxpr.invars), reversed(_operands(eqn, role)))
+                if _is_var(o) and o in producers
             }
-            inner.append(
-                f'<details open class="hv-group" data-node="{node}-{len(inner)}">'
-                f'<summary><span class="hv-label">{html.escape(label)}</span></summary>'
-                f"{self.jaxpr(sub, mapped)}</details>"
-            )
-        head = _card(node, "hv-op hv-call", html.escape(eqn.primitive.name), _avals(eqn), sources)
-        return f'<div class="hv-groupwrap">{head}{"".join(inner)}</div>'
+            self.jaxpr(b.jaxpr, mapped, inner)
+            for v in b.jaxpr.outvars:
+                if _is_var(v) and v in mapped:
+                    self.edges[(mapped[v], result)] = None
+        return result
+
+
+def _call_name(eqn: Any) -> str | None:
+    """A named call's name: ``jit``'s ``name`` (``log_softmax``), or, for a custom
+    derivative wrapping one named call (``jax.nn.relu``), that call's."""
+    name = eqn.params.get("name")
+    if isinstance(name, str):
+        return name
+    for body in _descriptor_bodies(eqn):
+        calls = [e for e in body.jaxpr.eqns if isinstance(e.params.get("name"), str)]
+        if len(calls) == 1 and len(body.jaxpr.eqns) == 1:
+            return str(calls[0].params["name"])
+    return None
 
 
 def _param_name(eqn: Any, sub: Any) -> str | None:
@@ -258,35 +472,19 @@ def _is_var(v: Any) -> bool:
     return hasattr(v, "aval") and not hasattr(v, "val")  # a Literal has `val`
 
 
-def _avals(eqn: Any) -> str:
-    shown = [
-        v.aval.str_short() if hasattr(v.aval, "str_short") else str(v.aval) for v in eqn.outvars
-    ]
-    return html.escape(", ".join(shown[:4]) + (", ..." if len(shown) > 4 else ""))
+def _avals(outs: list[Any]) -> str:
+    shown = [v.aval.str_short() if hasattr(v.aval, "str_short") else str(v.aval) for v in outs]
+    return ", ".join(shown[:4]) + (", ..." if len(shown) > 4 else "")
 
 
-def _card(node: str, kind: str, title: str, avals: str, sources: list[str], extra: str = "") -> str:
-    return (
-        f'<div class="hv-node {kind}" data-node="{node}" data-from="{" ".join(sources)}">'
-        f'<span class="hv-title">{title}</span> <span class="hv-aval">{avals}</span>{extra}</div>'
-    )
-
-
-def _summary(value: Any) -> str:
+def _summary(value: Any) -> dict[str, Any] | None:
+    """The value's mean, standard deviation and a 12-bin histogram (its counts)."""
     leaves = [np.asarray(v, dtype=float).ravel() for v in _leaves(value)]
     data = np.concatenate(leaves) if leaves else np.zeros(0)
     if data.size == 0:
-        return ""
+        return None
     counts, _ = np.histogram(data, bins=12)
-    peak = max(int(counts.max()), 1)
-    bars = "".join(
-        f'<rect x="{i * 5}" y="{16 - 16 * c / peak:.1f}" width="4" height="{16 * c / peak:.1f}"/>'
-        for i, c in enumerate(counts)
-    )
-    return (
-        f'<div class="hv-stats">mean {data.mean():.4g} · std {data.std():.4g} '
-        f'<svg class="hv-hist" width="60" height="16">{bars}</svg></div>'
-    )
+    return {"text": f"mean {data.mean():.4g} · std {data.std():.4g}", "hist": counts.tolist()}
 
 
 def _leaves(value: Any) -> list[Any]:
@@ -298,76 +496,264 @@ def _leaves(value: Any) -> list[Any]:
 
 
 _STYLE = """
-.harvest-view { position: relative; font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace;
-  color: #222; padding-left: 28px; max-width: 100%; overflow-x: auto; }
-.harvest-view .hv-edges { position: absolute; left: 0; top: 0; pointer-events: none;
-  overflow: visible; }
-.harvest-view .hv-col { display: flex; flex-direction: column; gap: 4px; }
-.harvest-view .hv-node { border: 1px solid #ccd; border-radius: 4px; padding: 2px 6px;
-  background: #fafaff; width: fit-content; max-width: 100%; }
-.harvest-view .hv-input { border-style: dotted; }
-.harvest-view .hv-site { border-color: #0b6e4f; background: #eefaf4; }
-.harvest-view .hv-name { font-weight: 600; color: #0b6e4f; }
-.harvest-view .hv-op .hv-title { color: #334; }
-.harvest-view .hv-aval { color: #777; }
-.harvest-view .hv-meta, .harvest-view .hv-stats { color: #a15c00; }
-.harvest-view .hv-hist { vertical-align: middle; fill: #0b6e4f; }
-.harvest-view .hv-group { border: 1px dashed #7a3e9d; border-radius: 4px; padding: 2px 6px;
-  margin: 2px 0 2px 14px; }
-.harvest-view .hv-group > summary { cursor: pointer; color: #7a3e9d; font-weight: 600; }
-.harvest-view .hv-groupwrap { display: flex; flex-direction: column; gap: 2px; }
+.harvest-view { font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; color: #222; }
+.harvest-view .hv-bar { display: flex; gap: 10px; align-items: baseline; margin: 2px 0 4px; }
+.harvest-view .hv-search { font: inherit; padding: 1px 4px; width: 16em; }
+.harvest-view .hv-zoom { font: inherit; padding: 0 6px; }
+.harvest-view .hv-found { color: #a15c00; }
+.harvest-view .hv-info { color: #555; white-space: nowrap; overflow: hidden;
+  text-overflow: ellipsis; }
+.harvest-view .hv-scroll { overflow: auto; max-height: 80vh; border: 1px solid #eee; }
+.harvest-view svg text { font: inherit; }
+.harvest-view .hv-node rect { fill: #fafaff; stroke: #aab; }
+.harvest-view .hv-site rect { fill: #eefaf4; stroke: #0b6e4f; }
+.harvest-view .hv-site .hv-t0 { fill: #0b6e4f; font-weight: 600; }
+.harvest-view .hv-input rect { fill: #fff; stroke-dasharray: 3 2; }
+.harvest-view .hv-result rect { fill: #f6effa; stroke: #7a3e9d; }
+.harvest-view .hv-closed rect { fill: #f1ecf6; stroke: #7a3e9d; stroke-width: 1.5; }
+.harvest-view .hv-closed.hv-module rect { fill: #eaf2fb; stroke: #2b5d8c; }
+.harvest-view .hv-closed, .harvest-view .hv-head { cursor: pointer; }
+.harvest-view .hv-t1 { fill: #777; }
+.harvest-view .hv-t2 { fill: #a15c00; }
+.harvest-view .hv-hist rect { fill: #0b6e4f; stroke: none; }
+.harvest-view .hv-cluster > rect { fill: none; stroke: #7a3e9d; stroke-dasharray: 4 2; }
+.harvest-view .hv-cluster.hv-module > rect { fill: rgba(43, 93, 140, 0.04); stroke: #2b5d8c;
+  stroke-dasharray: none; }
+.harvest-view .hv-head { fill: #7a3e9d; font-weight: 600; }
+.harvest-view .hv-module > .hv-head { fill: #2b5d8c; }
+.harvest-view .hv-edge { fill: none; stroke: #99a; stroke-width: 1.2; }
+.harvest-view .hv-edge.hv-in { stroke: #d9480f; stroke-width: 2.5; }
+.harvest-view .hv-edge.hv-out { stroke: #1c7ed6; stroke-width: 2.5; }
+.harvest-view .hv-hot rect { stroke: #222; stroke-width: 2.5; }
+.harvest-view .hv-src rect { stroke: #d9480f; stroke-width: 2.5; }
+.harvest-view .hv-dst rect { stroke: #1c7ed6; stroke-width: 2.5; }
+.harvest-view .hv-match rect { fill: #fff3bf; stroke: #e8590c; stroke-width: 2.5; }
 """
 
-# Draws each edge from the node producing a value to each node using it (both, or
-# the closed box hiding either, by their nearest visible element), as a curve
-# bulging left of the column, and redraws when a box opens or closes.
-_SCRIPT = """
-(function () {
-  var root = document.getElementById("__ID__");
-  var svg = root.querySelector("svg.hv-edges");
-  var NS = "http://www.w3.org/2000/svg";
-  function shown(el) {
-    var box = el.parentElement && el.parentElement.closest("details:not([open])");
-    while (box) {
-      el = box.querySelector("summary");
-      box = box.parentElement && box.parentElement.closest("details:not([open])");
+# Lays the graph out with dagre (a compound graph: open groups are clusters, a
+# closed group is one node standing for everything inside it), draws it as SVG
+# and redraws when a group opens or closes. Each drawn node and edge carries
+# data- attributes (its id, ends and position), which the tests read.
+_SCRIPT = r"""
+var root = document.getElementById("__ID__");
+var data = JSON.parse(root.querySelector("script.hv-data").textContent);
+var svg = root.querySelector("svg.hv-canvas");
+var NS = "http://www.w3.org/2000/svg";
+var BUDGET = 250;  // open groups level by level while at most this many nodes show
+var CHAR = 7.3, LINE = 15;
+var groups = {}, members = {}, byId = {};
+data.groups.forEach(function (g) { groups[g.id] = g; members[g.id] = 0; });
+data.nodes.forEach(function (n) {
+  byId[n.id] = n;
+  for (var g = n.group; g; g = groups[g].parent) members[g] += 1;
+});
+var open = {};
+function depth(g) { var d = 0; for (; groups[g].parent; g = groups[g].parent) d += 1; return d; }
+function rep(id, group) {  // the drawn element standing for a node: it, or its outermost closed group
+  var r = id;
+  for (var g = group; g; g = groups[g].parent) if (!open[g]) r = g;
+  return r;
+}
+function shownCount() {
+  var seen = {};
+  data.nodes.forEach(function (n) { seen[rep(n.id, n.group)] = 1; });
+  return Object.keys(seen).length;
+}
+(function () {  // the first view: whole levels of groups open while small enough
+  var levels = [];
+  data.groups.forEach(function (g) {
+    var d = depth(g.id);
+    (levels[d] = levels[d] || []).push(g.id);
+  });
+  for (var d = 0; d < levels.length; d++) {
+    var opened = levels[d].filter(function (g) { return !groups[g].closed && members[g] > 0; });
+    opened.forEach(function (g) { open[g] = true; });
+    if (d > 0 && shownCount() > BUDGET) {
+      opened.forEach(function (g) { open[g] = false; });
+      break;
     }
-    return el;
   }
-  function draw() {
-    while (svg.firstChild) svg.removeChild(svg.firstChild);
-    var base = root.getBoundingClientRect();
-    svg.setAttribute("width", root.scrollWidth);
-    svg.setAttribute("height", root.scrollHeight);
-    var seen = {};
-    root.querySelectorAll("[data-from]").forEach(function (to) {
-      to.getAttribute("data-from").split(" ").forEach(function (id) {
-        if (!id) return;
-        var from = root.querySelector('[data-node="' + id + '"]');
-        if (!from) return;
-        var a = shown(from), b = shown(to);
-        if (a === b) return;
-        var key = a.dataset.node + ">" + b.dataset.node + (a.tagName + b.tagName);
-        if (seen[key]) return;
-        seen[key] = true;
-        var ra = a.getBoundingClientRect(), rb = b.getBoundingClientRect();
-        var x1 = ra.left - base.left, y1 = ra.top + ra.height / 2 - base.top;
-        var x2 = rb.left - base.left, y2 = rb.top + rb.height / 2 - base.top;
-        var bend = Math.min(26, 6 + Math.abs(y2 - y1) / 8);
-        var path = document.createElementNS(NS, "path");
-        path.setAttribute("d", "M" + x1 + "," + y1 + " C" + (x1 - bend) + "," + y1 + " " +
-          (x2 - bend) + "," + y2 + " " + x2 + "," + y2);
-        path.setAttribute("fill", "none");
-        path.setAttribute("stroke", "#99a");
-        path.setAttribute("class", "hv-edge");
-        svg.appendChild(path);
+})();
+function lines(n) {
+  var out, s = n.sites || [];
+  if (n.kind === "input") out = [n.label, n.aval];
+  else if (n.kind === "site" && n.op && n.op !== n.label) out = [n.label, n.op + " · " + n.aval];
+  else out = [n.label, n.aval];
+  s.forEach(function (e) { if (e.stats) out.push(e.stats.text); });
+  return out;
+}
+function describe(n) {
+  var s = (n.sites || []).map(function (e) { return e.name + " (" + e.tag + ", " + e.mode + ")"; });
+  return (n.op || n.kind) + " " + n.aval + (s.length ? " · sites: " + s.join(", ") : "");
+}
+function text(parent, x, y, str, cls) {
+  var t = document.createElementNS(NS, "text");
+  t.setAttribute("x", x); t.setAttribute("y", y);
+  if (cls) t.setAttribute("class", cls);
+  t.textContent = str;
+  parent.appendChild(t);
+  return t;
+}
+function el(name, attrs, parent) {
+  var e = document.createElementNS(NS, name);
+  for (var k in attrs) e.setAttribute(k, attrs[k]);
+  if (parent) parent.appendChild(e);
+  return e;
+}
+function draw() {
+  var G = new dagre.graphlib.Graph({compound: true});
+  G.setGraph({rankdir: "TB", nodesep: 16, ranksep: 28, edgesep: 8, marginx: 10, marginy: 10});
+  G.setDefaultEdgeLabel(function () { return {}; });
+  var cluster = function (g) { return g && open[g] ? "c" + g : null; };
+  data.groups.forEach(function (g) {
+    if (!open[g.id] || rep(g.id, g.id) !== g.id) return;  // closed, or inside a closed one
+    G.setNode("c" + g.id, {label: g.label, cluster: g});
+  });
+  data.groups.forEach(function (g) {
+    if (rep(g.id, g.parent) !== g.id || open[g.id]) return;
+    var label = "▸ " + g.label;
+    var ls = [label, g.kind === "module" ? members[g.id] + " nodes" : g.op];
+    G.setNode(g.id, {width: Math.max(ls[0].length, ls[1].length) * CHAR + 16,
+                     height: 2 * LINE + 8, lines: ls, group: g});
+    if (cluster(g.parent)) G.setParent(g.id, cluster(g.parent));
+  });
+  data.groups.forEach(function (g) {
+    if (G.hasNode("c" + g.id) && cluster(g.parent)) G.setParent("c" + g.id, cluster(g.parent));
+  });
+  data.nodes.forEach(function (n) {
+    if (rep(n.id, n.group) !== n.id) return;
+    var ls = lines(n), wide = 0;
+    ls.forEach(function (l) { wide = Math.max(wide, l.length); });
+    G.setNode(n.id, {width: wide * CHAR + 16, height: ls.length * LINE + 8, lines: ls, node: n});
+    if (cluster(n.group)) G.setParent(n.id, cluster(n.group));
+  });
+  data.edges.forEach(function (e) {
+    var a = rep(e[0], byId[e[0]].group), b = rep(e[1], byId[e[1]].group);
+    if (a !== b && !G.hasEdge(a, b)) G.setEdge(a, b);
+  });
+  dagre.layout(G);
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  var size = G.graph();
+  svg.setAttribute("viewBox", "0 0 " + Math.ceil(size.width + 20) + " " + Math.ceil(size.height + 20));
+  zoom(1);
+  var defs = el("defs", {}, svg);
+  var marker = el("marker", {id: "__ID__-arrow", viewBox: "0 0 8 8", refX: 8, refY: 4,
+                             markerWidth: 7, markerHeight: 7, markerUnits: "userSpaceOnUse",
+                             orient: "auto"}, defs);
+  el("path", {d: "M0,0 L8,4 L0,8 z", fill: "#99a"}, marker);
+  var layers = {clusters: el("g", {}, svg), edges: el("g", {}, svg), nodes: el("g", {}, svg)};
+  G.nodes().forEach(function (id) {
+    var v = G.node(id);
+    if (!v.cluster) return;
+    var g = v.cluster;
+    var box = el("g", {"class": "hv-cluster hv-" + g.kind, "data-group": g.id}, layers.clusters);
+    el("rect", {x: v.x - v.width / 2, y: v.y - v.height / 2, width: v.width, height: v.height,
+                rx: 5}, box);
+    var head = text(box, v.x - v.width / 2 + 6, v.y - v.height / 2 + 12, "▾ " + g.label, "hv-head");
+    head.addEventListener("click", function () { open[g.id] = false; draw(); });
+  });
+  var drawn = {};
+  G.edges().forEach(function (e) {
+    var pts = G.edge(e).points, d = "M" + pts[0].x + "," + pts[0].y;
+    for (var i = 1; i < pts.length - 1; i++) {
+      var mx = (pts[i].x + pts[i + 1].x) / 2, my = (pts[i].y + pts[i + 1].y) / 2;
+      d += " Q" + pts[i].x + "," + pts[i].y + " " + (i === pts.length - 2 ? pts[i + 1].x + "," +
+        pts[i + 1].y : mx + "," + my);
+    }
+    if (pts.length === 2) d += " L" + pts[1].x + "," + pts[1].y;
+    var path = el("path", {d: d, "class": "hv-edge", "data-from": e.v, "data-to": e.w,
+                           "marker-end": "url(#__ID__-arrow)"}, layers.edges);
+    (drawn[e.v] = drawn[e.v] || []).push(path);
+    (drawn[e.w] = drawn[e.w] || []).push(path);
+  });
+  var shapes = {};
+  G.nodes().forEach(function (id) {
+    var v = G.node(id);
+    if (v.cluster) return;
+    var n = v.node, g = v.group;
+    var cls = n ? "hv-node hv-" + n.kind : "hv-node hv-closed hv-" + g.kind;
+    var shape = el("g", {"class": cls, "data-node": id, "data-x": v.x.toFixed(1),
+                         "data-y": v.y.toFixed(1)}, layers.nodes);
+    shapes[id] = shape;
+    var x0 = v.x - v.width / 2, y0 = v.y - v.height / 2;
+    el("rect", {x: x0, y: y0, width: v.width, height: v.height, rx: n ? 3 : 6}, shape);
+    v.lines.forEach(function (l, i) {
+      text(shape, x0 + 8, y0 + 4 + LINE * (i + 1) - 3, l, "hv-t" + Math.min(i, 2));
+    });
+    var hist = n && (n.sites || []).filter(function (e) { return e.stats; })[0];
+    if (hist) {
+      var counts = hist.stats.hist, peak = Math.max.apply(null, counts.concat([1]));
+      var h = el("g", {"class": "hv-hist"}, shape);
+      counts.forEach(function (c, i) {
+        var t = 12 * c / peak;
+        el("rect", {x: x0 + v.width - 70 + 5 * i, y: y0 + v.height - 6 - t, width: 4, height: t}, h);
       });
+      v.width += 0;
+    }
+    var title = el("title", {}, shape);
+    title.textContent = n ? describe(n) : g.label + ": click to open";
+    if (!n) shape.addEventListener("click", function () { open[g.id] = true; draw(); });
+    shape.addEventListener("mouseenter", function () { light(id, true); });
+    shape.addEventListener("mouseleave", function () { light(id, false); });
+  });
+  function light(id, on) {
+    shapes[id].classList.toggle("hv-hot", on);
+    (drawn[id] || []).forEach(function (p) {
+      var into = p.getAttribute("data-to") === id;
+      p.classList.toggle(into ? "hv-in" : "hv-out", on);
+      var other = shapes[p.getAttribute(into ? "data-from" : "data-to")];
+      if (other) other.classList.toggle(into ? "hv-src" : "hv-dst", on);
+    });
+    var info = root.querySelector(".hv-info"), v = G.node(id);
+    info.textContent = on ? (v.node ? v.node.label + ": " + describe(v.node) : v.group.label) : "";
+  }
+  find();
+}
+var scale = 1;
+function zoom(by) {  // by: a factor, or "fit" (the whole graph in the box's width)
+  var box = svg.viewBox.baseVal, pane = root.querySelector(".hv-scroll");
+  if (by === "fit") scale = Math.min(1, (pane.clientWidth - 4) / box.width);
+  else scale = Math.max(0.05, Math.min(4, scale * by));
+  svg.setAttribute("width", Math.ceil(box.width * scale));
+  svg.setAttribute("height", Math.ceil(box.height * scale));
+}
+root.querySelectorAll(".hv-zoom").forEach(function (b) {
+  b.addEventListener("click", function () {
+    var by = b.getAttribute("data-by");
+    zoom(by === "fit" ? by : Number(by));
+  });
+});
+var search = root.querySelector(".hv-search"), found = root.querySelector(".hv-found");
+var hits = [], at = -1;
+function find() {
+  var q = search.value.trim().toLowerCase(), marked = {};
+  hits = [];
+  root.querySelectorAll(".hv-match").forEach(function (s) { s.classList.remove("hv-match"); });
+  if (q) {
+    data.nodes.forEach(function (n) {
+      var names = [n.label].concat((n.sites || []).map(function (e) { return e.name; }));
+      if (!names.some(function (s) { return s.toLowerCase().indexOf(q) >= 0; })) return;
+      var r = rep(n.id, n.group);
+      if (!marked[r]) hits.push(r);
+      marked[r] = 1;
+    });
+    hits.forEach(function (id) {
+      var s = root.querySelector('[data-node="' + id + '"]');
+      if (s) s.classList.add("hv-match");
     });
   }
-  root.querySelectorAll("details").forEach(function (d) {
-    d.addEventListener("toggle", draw);
-  });
-  window.addEventListener("resize", draw);
+  found.textContent = q ? hits.length + (hits.length === 1 ? " match" : " matches") : "";
+}
+search.addEventListener("input", function () { at = -1; find(); });
+search.addEventListener("keydown", function (ev) {
+  if (ev.key !== "Enter" || !hits.length) return;
+  at = (at + 1) % hits.length;
+  var s = root.querySelector('[data-node="' + hits[at] + '"]');
+  if (s) s.scrollIntoView({block: "center", inline: "center"});
+});
+root.harvestOpen = function (all) {  // every group open (true) or closed (false), for tests
+  data.groups.forEach(function (g) { open[g.id] = all && members[g.id] > 0; });
   draw();
-})();
+};
+draw();
 """

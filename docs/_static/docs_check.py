@@ -103,7 +103,7 @@ def browse(browser: str, page: pathlib.Path, *args: str) -> str:
             "--virtual-time-budget=10000", "--hide-scrollbars",
         ]  # fmt: skip
         done = subprocess.run(
-            [browser, *flags, *args, page.as_uri()],
+            [browser, *flags, *args, page.resolve().as_uri()],
             capture_output=True, text=True, timeout=180, check=True,
         )  # fmt: skip
         return done.stdout
