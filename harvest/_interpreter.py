@@ -20,6 +20,7 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._evaluator import evaluate
@@ -209,8 +210,24 @@ class Policy:
         return dict(params, scope=self.prefix + params["scope"])
 
 
+def _typed_as_sown(value, site):
+    """`value`, each leaf of the site's own shape typed as the site sows it (its
+    sharding under Explicit mesh axes, its varying axes inside shard_map): a
+    loop's carry must keep one type, and the body's sow gives it that one."""
+    leaves = jax.tree_util.tree_leaves(value)
+    leaves = [
+        _jax.retype(leaf, aval) if jnp.shape(leaf) == aval.shape else leaf
+        for leaf, aval in zip(leaves, site.avals)
+    ]
+    return jax.tree_util.tree_unflatten(site.tree, leaves)
+
+
 def _vary_like(new, old):
-    """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
+    """A planted value typed as the sown one: varying over the mesh axes it did
+    (inside shard_map) and, of its shape, with its sharding over Explicit mesh
+    axes, as the program after the sow (a cond's other branch, say) expects."""
+    if jnp.shape(new) == jnp.shape(old):
+        return _jax.retype(new, old)
     return _jax.pcast_varying(new, _jax.varying_axes(old))
 
 
@@ -352,8 +369,8 @@ class Walk:
             key = self.policy.key(site)
             if self.reap and site.mode.carried and key not in self.plants:
                 rec = self.records.get(key)
-                value = rec.values[0] if rec else site.zeros()
-                out[key] = (site, site.fit(value, where, batch))
+                value = site.fit(rec.values[0] if rec else site.zeros(), where, batch)
+                out[key] = (site, _typed_as_sown(value, site))
         return out
 
     def handled_sites(self, jaxprs):
