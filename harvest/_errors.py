@@ -995,11 +995,12 @@ def index_after_while_in(site: Any, where: str) -> ValueError:
 def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
     where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
     return ValueError(
-        f"Cannot differentiate with respect to the value planted at {site}: it is sown in "
-        f"{where} whose body holds a while_loop, so harvest runs the planted forward under "
-        "your backward rule, which knows nothing of the planted value (and autodiff cannot "
-        "reverse a while_loop). Differentiate with respect to the inputs only "
-        "(jax.lax.stop_gradient on the plant), or plant outside the custom_vjp function."
+        f"Cannot differentiate through {where} with a value planted at {site} inside it: its "
+        "body holds a while_loop, which autodiff cannot reverse, and its backward rule "
+        "describes the unplanted function (it cannot see the plant), so the gradient would be "
+        "silently wrong. Plant outside the custom_vjp function, or write the planted "
+        "computation into the function its rule differentiates (odeint's vector field, say), "
+        "or wrap the call's inputs in jax.lax.stop_gradient."
     )
 
 

@@ -46,28 +46,42 @@ def register(*primitives):
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-# One cache outside custom_jvp rules, one inside (where rules are not looked into).
-_sites_caches: tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]], ...] = (
-    weakref.WeakKeyDictionary(),
-    weakref.WeakKeyDictionary(),
-)
+_sites_cache: weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]] = weakref.WeakKeyDictionary()
 
 
 def sites_in(jaxpr) -> frozenset[Site]:
-    """Every site reachable from `jaxpr`, recursively (and from the JVP rules
-    of its custom_jvp calls, see `rule_sites`)."""
-    cache = _sites_caches[getattr(_in_rule, "depth", 0) > 0]
+    """Every site reachable from `jaxpr`, recursively through its bodies. The
+    sows in custom_jvp rules are not among them: a rule is traced only where
+    JAX differentiates (see `program_sites`)."""
     try:
-        return cache[jaxpr]
+        return _sites_cache[jaxpr]
     except KeyError:
         pass
     found = {Site.of(eqn) for eqn in jaxpr.eqns if eqn.primitive is sow_p}
     for eqn in jaxpr.eqns:
         for sub in _jax.sub_jaxprs(eqn):
             found.update(sites_in(sub))
-        found |= rule_sites(eqn)
-    cache[jaxpr] = result = frozenset(found)
+    _sites_cache[jaxpr] = result = frozenset(found)
     return result
+
+
+def program_sites(jaxpr, differentiating: bool) -> frozenset[Site]:
+    """The sites a walk of `jaxpr` may meet: `sites_in`, and where JAX
+    differentiates the call, those of the JVP rules of its custom_jvp calls
+    (traced then only: a rule that raises, or that JAX cannot trace before it
+    differentiates, must not make an undifferentiated walk fail)."""
+    found = sites_in(jaxpr)
+    if not differentiating:
+        return found
+    rules = [rule_sites(eqn) for eqn in _equations(jaxpr)]
+    return found.union(*rules)
+
+
+def _equations(jaxpr) -> Iterator[Any]:
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in _jax.sub_jaxprs(eqn):
+            yield from _equations(sub)
 
 
 # Sows in a custom_jvp's JVP rule run where the function is differentiated
@@ -96,7 +110,8 @@ def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
 
 
 def rule_sites(eqn: Any) -> frozenset[Site]:
-    """The sites in the JVP rule of `eqn` (see `jvp_rule`)."""
+    """The sites in the JVP rule of `eqn` (see `jvp_rule`); traces the rule, so
+    asked only where JAX differentiates `eqn`."""
     rule = jvp_rule(eqn)
     if rule is None:
         return frozenset()
@@ -459,7 +474,10 @@ def _eval_eqn(walk, eqn, invals):
     if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
         return RULES[eqn.primitive](walk, eqn, invals)
     if subs:
-        sites = frozenset().union(*(sites_in(j) for j in subs), rule_sites(eqn))
+        sites = frozenset().union(*(sites_in(j) for j in subs))
+        if eqn.primitive in DESCRIPTORS and DESCRIPTORS[eqn.primitive].jvp_rule is not None:
+            if _jax.differentiating():  # JAX runs the rule here, not the body
+                sites |= rule_sites(eqn)
         if walk.policy.touches(sites):
             rule = RULES.get(eqn.primitive)
             if rule is None:

@@ -51,7 +51,7 @@ from ._calling import (
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
 from ._eager_dispatch import NOT_TAKEN
 from ._inspect import sow_equations
-from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
+from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
@@ -205,11 +205,12 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(closed.jaxpr):
         first.setdefault(key(Site.of(eqn)), len(first))
-    for path in sorted({key(site) for site in sites_in(closed.jaxpr)} - first.keys()):
+    every = program_sites(closed.jaxpr, static.differentiating)
+    for path in sorted({key(site) for site in every} - first.keys()):
         first[path] = len(first)  # sown only in a custom_jvp rule: after the others
     handled: dict[tuple, Site] = {}
     filtered = set()
-    for site in sites_in(closed.jaxpr):
+    for site in every:
         if policy.covers(site.tag) and not policy.handles(site):
             filtered.add(key(site))
         if policy.handles(site):
@@ -222,7 +223,7 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
     if static.reap and policy.strict_names and not handled and not filtered and not multi:
-        tags = {site.tag for site in sites_in(closed.jaxpr)}
+        tags = {site.tag for site in every}
         if tags and policy.tag not in tags | _LAYER_TAGS | inner_tags:
             raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
     if policy.strict_names:

@@ -66,7 +66,8 @@ def _call(walk, eqn, invals):
 # inside changes the function the rule describes, so the planted body is
 # inlined and differentiated by ordinary autodiff instead -- except in a
 # custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
-# cannot reverse: there the planted forward runs under the user's backward rule.
+# cannot reverse: there the planted forward runs, and differentiating it is an
+# error (the user's rule cannot see the plant, so its gradient would be wrong).
 
 
 def original_of(eqn):
@@ -143,15 +144,15 @@ def with_jvp(body, original, k, n, nconsts):
 def with_vjp(body, original, k, n, nconsts, refusal=None):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp.
 
-    `refusal`: raised where the closed-over inputs are differentiated (they hold
-    values planted into a body the user's rule describes without them)."""
+    `refusal`: raised where any input is differentiated: a value is planted into
+    the body, which the user's rule describes without it."""
 
     @jax.custom_vjp
     def wrapped(*xs):
         return body(*xs)
 
     def fwd(*xs):
-        if refusal is not None and any(x.perturbed for x in xs[:k]):
+        if refusal is not None and any(x.perturbed for x in xs):
             raise refusal
         xs = [x.value for x in xs]
         return body(*xs), xs
@@ -208,8 +209,9 @@ def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:
 
 @register(_jax.custom_jvp_call_p)
 def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
-    rule_only = rule_only_sites(walk.policy, eqn)
-    if not rule_only or not _jax.differentiating():
+    # The rule is traced only where JAX differentiates: elsewhere it never runs.
+    rule_only = rule_only_sites(walk.policy, eqn) if _jax.differentiating() else {}
+    if not rule_only:
         return _keeping_the_jvp_rule(walk, eqn, invals)
     call = _jax.call_body(eqn)
     in_body = walk.handled_sites([call.jaxpr])
