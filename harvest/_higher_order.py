@@ -40,6 +40,9 @@ class Body:
         predicate: the body decides whether a loop goes on (no sow may be there).
         stacked_loop: a loop whose iterations reap stacked (a scan): with ``runs`` 0
             it is a loop of length 0, whose sows still reap one empty stack.
+        inputs: the positions of the equation's inputs its invars read, in order
+            (None: its invars read the equation's last inputs, matched from the end,
+            as a scan's consts/carry/xs, a cond's operands or a jit's arguments do).
     """
 
     label: str
@@ -49,6 +52,7 @@ class Body:
     per_run_stacked: bool = False
     predicate: bool = False
     stacked_loop: bool = False
+    inputs: tuple[int, ...] | None = None
 
 
 # Re-staging: `restage(eqn, invals, staged, extra)` binds the primitive again
@@ -142,6 +146,15 @@ def describe(eqn: Any) -> HigherOrder:
 def bodies(eqn: Any) -> list[Body]:
     """The bodies of `eqn` (none for a first-order equation)."""
     return describe(eqn).bodies(eqn) if _jax.sub_jaxprs(eqn) else []
+
+
+def operands_of(eqn: Any, jaxpr: Any) -> list[Any]:
+    """The inputs of `eqn` that its body `jaxpr` reads, matched to the body's
+    invars from the end (the whole input list unless the `Body` says which)."""
+    body = next((b for b in bodies(eqn) if b.jaxpr is jaxpr), None)
+    if body is None or body.inputs is None:
+        return list(eqn.invars)
+    return [eqn.invars[i] for i in body.inputs]
 
 
 # ---------------------------------------------------------------------------

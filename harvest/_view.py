@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _errors
 from ._calling import make_jaxpr
-from ._higher_order import bodies as _descriptor_bodies
+from ._higher_order import bodies as _descriptor_bodies, operands_of
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
@@ -222,7 +222,7 @@ class _Graph:
                 label = f"{label} {role.removesuffix('_jaxpr')}"
             mapped = {
                 a: producers[b]
-                for a, b in zip(reversed(sub.invars), reversed(_operands(eqn, role)))
+                for a, b in zip(reversed(sub.invars), reversed(operands_of(eqn, sub)))
                 if _is_var(b) and b in producers
             }
             inner.append(
@@ -241,17 +241,6 @@ def _param_name(eqn: Any, sub: Any) -> str | None:
             if item is sub or getattr(item, "jaxpr", None) is sub:
                 return str(key)
     return None
-
-
-def _operands(eqn: Any, role: str | None) -> list[Any]:
-    """The outer operands a body reads, matched to its inputs by position from the end
-    (scan's consts/carry/xs, cond's operands after the index, jit's arguments); a
-    while's cond_fun reads its own consts and the carry, not the body's consts."""
-    operands = list(eqn.invars)
-    if role == "cond_jaxpr" and "cond_nconsts" in eqn.params:
-        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        return operands[:n_cond] + operands[n_cond + n_body :]
-    return operands
 
 
 def _is_var(v: Any) -> bool:

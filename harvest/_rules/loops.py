@@ -352,8 +352,18 @@ declare(_jax.scan_p)(
 
 def _while_bodies(eqn):
     p = _jax.While.of(eqn)
+    # The predicate reads its own consts and the carry, not the body's consts.
+    ncc, nbc = p.cond_nconsts, p.body_nconsts
+    predicate_reads = (*range(ncc), *range(ncc + nbc, len(eqn.invars)))
     return [
-        Body("while", p.cond.jaxpr, p.cond.consts, runs=UNBOUNDED, predicate=True),
+        Body(
+            "while",
+            p.cond.jaxpr,
+            p.cond.consts,
+            runs=UNBOUNDED,
+            predicate=True,
+            inputs=predicate_reads,
+        ),
         Body("while", p.body.jaxpr, p.body.consts, runs=UNBOUNDED),
     ]
 
