@@ -177,12 +177,28 @@ def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
     )
 
 
-def stuck_in_batched_branch(site: Any) -> NotImplementedError:
+def stuck_in_batched_branch(site: Any, where: str) -> NotImplementedError:
+    """`where`: the primitive the sow sits in (``"while"``, a custom rule's, a user's)."""
+    known = {
+        "while": "a while_loop",
+        "custom_jvp_call": "a custom_jvp function",
+        "custom_vjp_call": "a custom_vjp function",
+        "custom_vmap_call": "a custom_vmap function",
+    }
+    if where in known:
+        inside = known[where]
+        fix = "move the sow out of that body"
+    else:
+        inside = f"the primitive `{where}`"
+        fix = (
+            f"if `{where}` runs its one body once on its inputs, register it with "
+            "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there"
+        )
     return NotImplementedError(
-        f"The sow site {site} is inside a while_loop or a custom rule (custom_jvp, custom_vjp, custom_vmap) "
-        "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
-        "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
-        "example instead, jax.vmap(reap(f)), or move the sow out of that body."
+        f"The sow site {site} is inside {inside} within a branch of a cond whose predicate "
+        "vmap batches: every branch runs for every example, and harvest cannot carry the value "
+        "out of that body to record the taken branch's. Harvest per example instead, "
+        f"jax.vmap(reap(f)), or {fix}."
     )
 
 
@@ -250,6 +266,17 @@ def no_rule(primitive: Any, site: Any) -> NotImplementedError:
         f"the sow site {site}. Move the sow outside `{primitive}`, or "
         "file an issue naming this primitive."
     )
+
+
+def extend_not_a_descriptor(descriptor: Any) -> TypeError:
+    return TypeError(
+        "harvest.extend.register: descriptor must be a harvest.extend.HigherOrder, got "
+        f"{type(descriptor).__name__}."
+    )
+
+
+def extend_rule_not_callable(rule: Any) -> TypeError:
+    return TypeError(f"harvest.extend.register: rule must be callable, got {rule!r}.")
 
 
 def strict_in_loop(site: Any, where: str) -> ValueError:

@@ -1,8 +1,9 @@
 """The one walk over a jaxpr that serves reap, plant, harvest and nest.
 
 `interpret(walk, jaxpr, consts, args)` evaluates a jaxpr equation by equation
-under whatever trace is current. An equation whose primitive has a rule in
-`RULES`, and whose body holds a sow this walk cares about, goes to that rule;
+under whatever trace is current. An equation whose primitive's registration
+(`_higher_order.REGISTRY`) has a rule, and whose body holds a sow this walk
+cares about, goes to that rule;
 everything else is re-bound untouched (keeping its compile cache and custom
 derivatives). The `Walk` says what to do at each sow: plant it, reap it, or
 re-emit it for an outer harvest of another tag.
@@ -16,7 +17,7 @@ import fnmatch
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -24,24 +25,11 @@ import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._evaluator import evaluate
-from ._higher_order import DESCRIPTORS
+from ._higher_order import describe
 from ._occurrences import Record, select_where
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
-
-# primitive -> rule(walk, eqn, invals) -> outvals. Filled in by `_rules/`.
-RULES: dict[_jax.Primitive, Callable] = {}
-
-
-def register(*primitives):
-    def deco(rule):
-        for p in primitives:
-            RULES[p] = rule
-        return rule
-
-    return deco
-
 
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
@@ -103,7 +91,7 @@ def inside_rule() -> Iterator[None]:
 def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
     """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
     or None inside a rule or where the rule cannot be traced."""
-    rule = DESCRIPTORS[eqn.primitive].jvp_rule if eqn.primitive in DESCRIPTORS else None
+    rule = describe(eqn).jvp_rule
     if rule is None or getattr(_in_rule, "depth", 0) > 0:
         return None
     return rule(eqn)
@@ -471,15 +459,16 @@ def _eval_eqn(walk, eqn, invals):
     if eqn.primitive is sow_p:
         return sow_rule(walk, eqn, invals)
     subs = _jax.sub_jaxprs(eqn)
-    if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
-        return RULES[eqn.primitive](walk, eqn, invals)
+    how = describe(eqn)
+    if how.recount is not None:  # a marker the walk keeps count by
+        assert how.rule is not None
+        return how.rule(walk, eqn, invals)
     if subs:
         sites = frozenset().union(*(sites_in(j) for j in subs))
-        if eqn.primitive in DESCRIPTORS and DESCRIPTORS[eqn.primitive].jvp_rule is not None:
-            if _jax.differentiating():  # JAX runs the rule here, not the body
-                sites |= rule_sites(eqn)
+        if how.jvp_rule is not None and _jax.differentiating():  # JAX runs the rule, not the body
+            sites |= rule_sites(eqn)
         if walk.policy.touches(sites):
-            rule = RULES.get(eqn.primitive)
+            rule = how.rule
             if rule is None:
                 site = next(s for s in sites if walk.policy.touches([s]))
                 raise _errors.no_rule(eqn.primitive, site)
@@ -527,6 +516,29 @@ class Retraced:
     num_outs: int
     child: Walk
     records_tree: Any
+
+    def rebind(self, walk, eqn, param):
+        """Binds `eqn`'s primitive again around the re-traced body and finishes.
+
+        For a call-like primitive only (its one body takes the equation's inputs
+        and gives its outputs, and no other param counts them): `param`, the param
+        holding the body, is replaced by the re-traced jaxpr (closed, with no
+        consts, if it held a ``ClosedJaxpr``), which takes ``args``.
+
+        Args:
+            walk: the walk the records are folded into.
+            eqn: the equation whose body was re-traced.
+            param: the name of its param holding the body.
+
+        Returns:
+            The body's own outputs (``finish`` of the bind's).
+        """
+        held = eqn.params[param]
+        body = (
+            _jax.ClosedJaxpr(self.jaxpr, ()) if isinstance(held, _jax.ClosedJaxpr) else self.jaxpr
+        )
+        outs = _jax.bind_with(eqn.primitive, dict(eqn.params, **{param: body}), self.args)
+        return self.finish(walk, outs)
 
     def finish(self, walk, outs):
         """Splits a bind's outputs, folding the records into `walk`.

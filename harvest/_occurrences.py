@@ -24,10 +24,6 @@ from ._primitive import sow_p
 from ._site import Site
 from ._steps import Steps
 
-# primitive -> (equation, count so far, state kept across one jaxpr's markers ->
-# the count after it), for markers that move the count (`_rules/batched_cond`).
-MARKERS: dict[Any, Callable[[Any, int, dict[Any, Any]], int]] = {}
-
 
 def occurrences(jaxpr: Any, site: Site) -> int:
     """How many entries (collect) or rows (append) of `site` one run of `jaxpr`
@@ -44,8 +40,8 @@ def occurrences(jaxpr: Any, site: Site) -> int:
                 and eqn.params.get("role")
                 != "record_only"  # a copy, after a batched cond, of a sow in its branches
             )
-        elif eqn.primitive in MARKERS:
-            n = MARKERS[eqn.primitive](eqn, n, markers)
+        elif (recount := describe(eqn).recount) is not None:  # `_rules/batched_cond`'s marker
+            n = recount(eqn, n, markers)
         else:
             counts = [
                 occurrences(b.jaxpr, site) * _repeats(b, site)

@@ -17,14 +17,13 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _errors, _jax
-from .._higher_order import HigherOrder, call_body, declare, forwards_through_call
+from .._higher_order import HigherOrder, call_body, forwards_through_call, register
 from .._interpreter import (
     Policy,
     Walk,
     inside_rule,
     interpret,
     jvp_rule,
-    register,
     retrace,
     rule_sites,
     sites_in,
@@ -38,22 +37,11 @@ def _call_like(label: str, **extra: Any) -> HigherOrder:
 
 def _restage_remat(eqn: Any, invals: list[Any], staged: Any, extra: Any) -> list[Any]:
     remat = _jax.Remat.of(eqn)
-    (body,) = REMAT.bodies(eqn)
+    (body,) = call_body("checkpoint")(eqn)
     fn = jax.checkpoint(staged(body), prevent_cse=remat.prevent_cse, policy=remat.policy)
     return list(fn(*invals, *extra))
 
 
-declare(_jax.jit_p)(_call_like("jit"))
-for _plain in (_jax.closed_call_p, _jax.core_call_p):
-    declare(_plain)(_call_like(_plain.name))
-REMAT = declare(_jax.remat_p)(_call_like("checkpoint", restage=_restage_remat))
-declare(_jax.custom_jvp_call_p)(
-    _call_like("custom_jvp", custom_rule="jvp", jvp_rule=_jax.custom_jvp_rule)
-)
-declare(_jax.custom_vjp_call_p)(_call_like("custom_vjp", custom_rule="vjp"))
-
-
-@register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
 def _call(walk, eqn, invals):
     body = _jax.call_body(eqn)
     r = retrace(walk, body.jaxpr, body.consts, invals)
@@ -180,7 +168,6 @@ def with_vjp(body, original, k, n, nconsts, refusal=None):
 
 
 _keeping_the_jvp_rule = _keeping_the_rule(with_jvp)
-register(_jax.custom_vjp_call_p)(_keeping_the_rule(with_vjp))
 
 
 # Sows in a custom_jvp's JVP rule. JAX runs the rule instead of the body where
@@ -207,7 +194,6 @@ def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:
     return any(rule_only_sites(policy, eqn) for eqn in jaxpr.eqns)
 
 
-@register(_jax.custom_jvp_call_p)
 def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     # The rule is traced only where JAX differentiates: elsewhere it never runs.
     rule_only = rule_only_sites(walk.policy, eqn) if _jax.differentiating() else {}
@@ -264,3 +250,22 @@ def _zero_tangent(x: Any) -> Any:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+# ---------------------------------------------------------------------------
+# Registration: one per primitive.
+
+register(_jax.jit_p, _call_like("jit", rule=_call))
+register(_jax.closed_call_p, _call_like(_jax.closed_call_p.name, rule=_call))
+# A plain call has no rule: its body is inlined (it is `inlinable`) by the
+# tools that read descriptors, and the walk never meets one (JAX inlines it).
+register(_jax.core_call_p, _call_like(_jax.core_call_p.name))
+register(_jax.remat_p, _call_like("checkpoint", restage=_restage_remat, rule=_call))
+register(
+    _jax.custom_jvp_call_p,
+    _call_like("custom_jvp", custom_rule="jvp", jvp_rule=_jax.custom_jvp_rule, rule=_custom_jvp),
+)
+register(
+    _jax.custom_vjp_call_p,
+    _call_like("custom_vjp", custom_rule="vjp", rule=_keeping_the_rule(with_vjp)),
+)

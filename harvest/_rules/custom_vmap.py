@@ -66,7 +66,8 @@ def _custom_vmap(walk: extend.Walk, eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 extend.register(
-    _jax.custom_vmap_p, extend.HigherOrder(_function, call=True, custom_rule="vmap"), _custom_vmap
+    _jax.custom_vmap_p,
+    extend.HigherOrder(_function, rule=_custom_vmap, call=True, custom_rule="vmap"),
 )
 
 
