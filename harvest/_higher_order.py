@@ -93,8 +93,10 @@ class HigherOrder:
         jvp_rule: the traced JVP rule whose sows run where JAX differentiates the
             call (custom_jvp; see ``_interpreter.jvp_rule``), or None.
         rule: ``rule(walk, eqn, invals) -> outputs``, what the reap/plant walk does at
-            an equation whose bodies hold a sow it handles (None: an error naming
-            the primitive; for a marker, below, run at every equation).
+            an equation whose bodies hold a sow it handles, or, for a marker
+            (below), at every equation. None: a call-like primitive without a
+            custom rule (``inlinable``) has its body walked in place; any other,
+            an error naming the primitive.
         recount: for a marker without bodies that moves the occurrence count
             (``_rules/batched_cond``'s): ``recount(eqn, n, state) -> n`` after it,
             ``state`` kept across one jaxpr's markers (None: not a marker).

@@ -468,12 +468,19 @@ def _eval_eqn(walk, eqn, invals):
         if how.jvp_rule is not None and _jax.differentiating():  # JAX runs the rule, not the body
             sites |= rule_sites(eqn)
         if walk.policy.touches(sites):
-            rule = how.rule
+            rule = how.rule or (_walk_inlined if how.inlinable else None)
             if rule is None:
                 site = next(s for s in sites if walk.policy.touches([s]))
                 raise _errors.no_rule(eqn.primitive, site)
             return rule(walk, eqn, invals)
     return _jax.rebind(eqn, invals)
+
+
+def _walk_inlined(walk, eqn, invals):
+    """The default rule of a call-like primitive with no custom rule: its one
+    body walked where the equation stood, which computes the same."""
+    (body,) = describe(eqn).bodies(eqn)
+    return interpret(walk, body.jaxpr, body.consts, invals)
 
 
 def sow_rule(walk, eqn, invals):

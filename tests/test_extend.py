@@ -171,3 +171,29 @@ def test_a_custom_primitive_in_a_batched_cond_names_the_registration_that_fixes_
     out, reaped = call_and_reap(fixed)(xs)
     np.testing.assert_allclose(out, np.where(xs > 0, np.sin(2 * xs), xs - 1.0), rtol=1e-6)
     np.testing.assert_allclose(reaped["h"], np.where(xs > 0, 2 * xs, 0.0), rtol=1e-6)
+
+
+def test_a_call_like_primitive_registered_without_a_rule_is_walked_in_place():
+    call_p = Primitive("default_call")
+    call_p.multiple_results = True
+    call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+    call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+    bodies = lambda eqn: [extend.Body("default_call", eqn.params["body"].jaxpr)]  # noqa: E731
+    extend.register(call_p, extend.HigherOrder(bodies, call=True))
+    inner = lambda y: jnp.cos(sow(y * 3.0, name="h", mode="strict"))  # noqa: E731
+    f = lambda x: call_p.bind(x, body=jax.make_jaxpr(inner)(x))[0]  # noqa: E731
+    out, reaped = call_and_reap(f)(X)
+    np.testing.assert_allclose(out, np.cos(3 * X), rtol=1e-6)
+    np.testing.assert_allclose(reaped["h"], 3 * X, rtol=1e-6)
+    np.testing.assert_allclose(plant(f)({"h": jnp.zeros(3)}, X), np.ones(3))
+    # Not call-like and without a rule: a sow there is an error naming the primitive.
+    other_p = Primitive("ruleless_loop")
+    other_p.multiple_results = True
+    other_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+    other_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+    extend.register(other_p, extend.HigherOrder(bodies))
+    g = lambda x: other_p.bind(x, body=jax.make_jaxpr(inner)(x))[0]  # noqa: E731
+    with pytest.raises(
+        NotImplementedError, match=r"no rule for the primitive `ruleless_loop`.*name='h'"
+    ):
+        reap(g)(X)

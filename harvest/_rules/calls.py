@@ -257,8 +257,7 @@ def _zero_tangent(x: Any) -> Any:
 
 register(_jax.jit_p, _call_like("jit", rule=_call))
 register(_jax.closed_call_p, _call_like(_jax.closed_call_p.name, rule=_call))
-# A plain call has no rule: its body is inlined (it is `inlinable`) by the
-# tools that read descriptors, and the walk never meets one (JAX inlines it).
+# A plain call: the default rule of a call-like primitive walks its body in place.
 register(_jax.core_call_p, _call_like(_jax.core_call_p.name))
 register(_jax.remat_p, _call_like("checkpoint", restage=_restage_remat, rule=_call))
 register(
