@@ -16,7 +16,6 @@ import dataclasses
 import fnmatch
 import functools
 import threading
-import weakref
 from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
@@ -30,27 +29,10 @@ from ._occurrences import Record, select_where
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
+from ._sow_index import sites_in
 
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
-
-_sites_cache: weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]] = weakref.WeakKeyDictionary()
-
-
-def sites_in(jaxpr) -> frozenset[Site]:
-    """Every site reachable from `jaxpr`, recursively through its bodies. The
-    sows in custom_jvp rules are not among them: a rule is traced only where
-    JAX differentiates (see `program_sites`)."""
-    try:
-        return _sites_cache[jaxpr]
-    except KeyError:
-        pass
-    found = {Site.of(eqn) for eqn in jaxpr.eqns if eqn.primitive is sow_p}
-    for eqn in jaxpr.eqns:
-        for sub in _jax.sub_jaxprs(eqn):
-            found.update(sites_in(sub))
-    _sites_cache[jaxpr] = result = frozenset(found)
-    return result
 
 
 def program_sites(jaxpr, differentiating: bool) -> frozenset[Site]:

@@ -37,11 +37,12 @@ import numpy as np
 from .. import _errors, _jax
 from .._evaluator import evaluate
 from .._higher_order import HigherOrder, describe, register
-from .._interpreter import Walk, sites_in
+from .._interpreter import Walk
 from .._occurrences import most_count
 from .._paths import path_str
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
 from .._site import Site
+from .._sow_index import sites_in
 
 LAST = -1  # the `branch` of the marker after the last branch
 

@@ -26,9 +26,9 @@ from .._interpreter import (
     jvp_rule,
     retrace,
     rule_sites,
-    sites_in,
 )
 from .._paths import path_str
+from .._sow_index import sites_in
 
 
 def _call_like(label: str, **extra: Any) -> HigherOrder:

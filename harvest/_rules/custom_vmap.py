@@ -27,9 +27,9 @@ from jax.custom_batching import custom_vmap
 from .. import _jax, extend
 from .._evaluator import evaluate
 from .._higher_order import describe
-from .._interpreter import sites_in
 from .._primitive import sow_p, tracing_a_harvest
 from .._site import Site
+from .._sow_index import sites_in
 
 
 def _function(eqn: Any) -> list[extend.Body]:

@@ -25,12 +25,12 @@ import jax
 
 from .. import _errors
 from .._calling import make_jaxpr
-from .._interpreter import sites_in
 from .._jax import sub_jaxprs
 from .._paths import path_str
 from .._primitive import sow_p
 from .._site import Site
 from .._sow import sow
+from .._sow_index import sites_in
 from .._transforms import harvest_tags
 from .._typing import P, R
 from ._inverse import inline_calls, live_vars
