@@ -1040,9 +1040,15 @@ def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
     return ValueError(
         f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
         f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
-        "([b, ...] per batch) that depend on batch_size, not one per element of xs. Harvest "
-        "lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one value for every "
-        "element works."
+        "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
+        + (
+            "Sow it with mode='append' (harvest sows those once per element, the rows "
+            "lax.map(f, xs) gives), harvest lax.map(f, xs) without batch_size, or "
+            "jax.vmap(f)(xs); planting one value for every element works."
+            if site.mode.entries
+            else "Harvest lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one "
+            "value for every element works."
+        )
     )
 
 

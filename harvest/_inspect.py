@@ -12,10 +12,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _errors
+from . import _errors, _jax
 from ._calling import make_jaxpr
 from ._higher_order import UNBOUNDED
 from ._paths import path_str
+from ._rules import batched_lax_map
+from ._rules.batched_lax_map import per_element
 from ._site import Site
 from ._sow_index import sow_index
 
@@ -279,13 +281,31 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
     if tag is not None and not isinstance(tag, str):
         raise _errors.sites_bad_tag(tag)
     found, blocks = Sites(), []
-    for item in sow_index(make_jaxpr(f, args, kwargs)[0].jaxpr).listing:
+    jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
+    unrolled = _in_batched_lax_maps(jaxpr)
+    if unrolled:  # listed once per element, as reap returns them
+        with per_element(unrolled):
+            jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
+    for item in sow_index(jaxpr).listing:
         site = Site.of(item.eqn)
         if tag is None or site.tag == tag:
             found.append(_info(site, item.where, item.fires))
             blocks.append(item.blocks)
     found._blocks = blocks
     return found
+
+
+def _in_batched_lax_maps(jaxpr: Any) -> frozenset[tuple[Any, tuple[str, ...]]]:
+    """The sites a batched `lax.map` stages that reap sows once per element (see
+    `_rules/batched_lax_map`; collect's are refused by reap, listed per batch)."""
+    if not batched_lax_map.SUPPORTED:
+        return frozenset()
+    found = set()
+    for item in sow_index(jaxpr).listing:
+        site = Site.of(item.eqn)
+        if not site.mode.entries and _jax.staged_by_batched_lax_map(item.eqn.source_info):
+            found.add((site.tag, site.path))
+    return frozenset(found)
 
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:

@@ -192,6 +192,11 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     return False
 
 
+def current_source_info() -> Any:
+    """The source info JAX would give an equation staged now (with its traceback)."""
+    return source_info_util.current()
+
+
 def hide_frames_of(path: str) -> None:
     """Treats the code under `path` as JAX's own: left out of the tracebacks an
     `api_boundary` filters, and skipped when naming an equation's user frame."""

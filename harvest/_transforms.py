@@ -56,6 +56,8 @@ from ._interventions import code_as_data
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
+from ._rules import batched_lax_map
+from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow import DEFAULT_TAG
@@ -171,7 +173,7 @@ def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
     return traced
 
 
-def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
+def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -192,7 +194,7 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    with _tags_walked_inside() as inner_tags, batching_sites(batched):
+    with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
         closed, arrays, out_shape = make_jaxpr(
             call, (bound, cells, reads, *args), kwargs, graph, return_shape=True
         )
@@ -234,10 +236,14 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
     if per_example and not batched:
         # Sites vmap left unbatched (their value does not depend on the batched
         # input), planted one value per example: traced again with them batched.
-        return _walk(fn, dynamic, static, staged, frozenset(per_example))
+        return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
-    _refuse_batched_lax_map(closed.jaxpr, policy, resolved, static.reap)
+    in_maps = _in_batched_lax_maps(closed.jaxpr, policy)
+    if in_maps and not unrolled and batched_lax_map.SUPPORTED:
+        # Sows a batched lax.map stages once per batch: traced again, once per element.
+        return _walk(fn, dynamic, static, staged, batched, in_maps)
+    _refuse_batched_lax_map(closed.jaxpr, policy, resolved, static.reap, unrolled)
     walk = Walk(policy, resolved, static.reap)
     outs = interpret(walk, closed.jaxpr, closed.consts, arrays)
     out, changes = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
@@ -268,14 +274,32 @@ def _per_example(plant):
     return False
 
 
-def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
+def _in_batched_lax_maps(jaxpr, policy):
+    """`(tag, path)` of the handled sites a batched `lax.map` stages, to sow once per
+    element (see `_rules/batched_lax_map`). Not collect's: one entry per sow would
+    give one entry per element, where `lax.map(f, xs)` stacks them in one."""
+    return frozenset(
+        (site.tag, site.path)
+        for eqn, _, _ in sow_equations(jaxpr)
+        if policy.handles(site := Site.of(eqn))
+        and not site.mode.entries
+        and _jax.staged_by_batched_lax_map(eqn.source_info)
+    )
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
     """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
-    there fires once per batch with a `[b, ...]` value, so what would be reaped,
-    or which plant row goes where, depends on `b`. Only a plant that means the
-    same for every element (one value, broadcast to each) is allowed."""
+    there not sown once per element (`unrolled`: collect's, or on a JAX without
+    trace values) fires once per batch with a `[b, ...]` value, so what would be
+    reaped, or which plant row goes where, depends on `b`. Only a plant that
+    means the same for every element (one value, broadcast to each) is allowed."""
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
-        if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
+        if (
+            not policy.handles(site)
+            or (site.tag, site.path) in unrolled
+            or not _jax.staged_by_batched_lax_map(eqn.source_info)
+        ):
             continue
         plant = plants.get(policy.key(site))
         if plant is None and reaping:
