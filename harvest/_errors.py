@@ -617,6 +617,16 @@ def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
     )
 
 
+def planted_where_a_derivative_rule_ran(site: Any) -> ValueError:
+    return ValueError(
+        f"Cannot plant {site}: it is sown in the body of a custom_jvp or custom_vjp function "
+        "that is differentiated inside the harvested function, where JAX runs the function's "
+        "rule (its JVP rule, or its forward) instead of its body, so the planted value would "
+        "change nothing. Plant outside the differentiation (jax.grad(plant(f))), or sow in "
+        "the rule too."
+    )
+
+
 def tag_matches_no_site(tag: Any, tags: list[Any]) -> ValueError:
     shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
     return ValueError(

@@ -275,7 +275,8 @@ class Walk:
             site: the sow's site (its tag, name, mode and value's structure).
             value: the sown value (a pytree).
             pred: a boolean array: where it is False the sow did not happen (None: it did).
-            role: the sow's role from its params: ``"unplantable"``, ``"record_only"``,
+            role: the sow's role from its params: ``"unplantable"``, ``"rule_replaced"``,
+                ``"record_only"``,
                 ``"plant_only"`` or None (an ordinary sow).
 
         Returns:
@@ -288,6 +289,8 @@ class Walk:
         path = self.policy.key(site)
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
             raise _errors.planted_where_a_batching_rule_ran(site)
+        if role == "rule_replaced" and path in self.plants:  # see `_rules/calls`
+            raise _errors.planted_where_a_derivative_rule_ran(site)
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
             if path not in self.plants and self.reap:
                 self._record(site, value, pred)

@@ -278,6 +278,52 @@ def test_custom_jvp_rule_is_not_traced_where_nothing_differentiates(kind):
             jax.grad(lambda x: call_and_reap(g)(x)[0])(x)
 
 
+def _rule_never_calls_the_body(kind):
+    """A custom derivative whose rule computes the primal itself: differentiated,
+    JAX never runs the body, where the sow is."""
+    if kind == "jvp":
+
+        @jax.custom_jvp
+        def g(x):
+            return sow(jnp.sin(x), name="s", mode="strict") * 2.0
+
+        @g.defjvp
+        def _g_jvp(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return 2.0 * jnp.sin(x), 2.0 * jnp.cos(x) * t
+
+        return g
+
+    @jax.custom_vjp
+    def v(x):
+        return sow(jnp.sin(x), name="s", mode="strict") * 2.0
+
+    v.defvjp(lambda x: (2.0 * jnp.sin(x), x), lambda x, ct: (2.0 * jnp.cos(x) * ct,))
+    return v
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+def test_body_sows_of_a_custom_rule_differentiated_inside_are_reaped_on_the_primal(kind):
+    # By hand: the body sows sin(x) where f runs at x; a grad inside the
+    # harvested function runs the rule instead, but the value is still sin(x).
+    g = _rule_never_calls_the_body(kind)
+    x = jnp.float32(0.5)
+    grad, reaped = call_and_reap(jax.grad(g))(x)
+    close((grad, reaped), (2.0 * jnp.cos(x), {"s": jnp.sin(x)}))
+    (value, grad), reaped = call_and_reap(jax.value_and_grad(g))(x)
+    close((value, grad, reaped), (2.0 * jnp.sin(x), 2.0 * jnp.cos(x), {"s": jnp.sin(x)}))
+    close(jax.jit(reap(jax.grad(g)))(x), {"s": jnp.sin(x)})
+    close(reap(jax.vmap(jax.grad(g)))(X), {"s": jnp.sin(X)})
+    if kind == "jvp":
+        close(reap(lambda x: jax.jvp(g, (x,), (1.0,)))(x), {"s": jnp.sin(x)})
+    # Planting there could change nothing the rule computes: an error, not ignored.
+    with pytest.raises(ValueError, match=r"name='s'.*rule.*instead of its body"):
+        plant(jax.grad(g))({"s": jnp.float32(3.0)}, x)
+    # A rule that calls the body sows its names itself: reaped once, not twice.
+    g2, r2 = call_and_reap(jax.grad(log1pexp))(jnp.float32(0.7))
+    close((g2, r2), (jax.nn.sigmoid(jnp.float32(0.7)), {"exp": jnp.exp(jnp.float32(0.7))}))
+
+
 def test_custom_jvp_sowing_in_body_and_rule_is_a_clear_error_when_differentiated():
     @jax.custom_jvp
     def g(x):

@@ -17,7 +17,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _errors, _jax
-from .._higher_order import HigherOrder, call_body, forwards_through_call, register
+from .._evaluator import evaluate
+from .._higher_order import HigherOrder, call_body, describe, forwards_through_call, register
 from .._interpreter import (
     Policy,
     Walk,
@@ -28,6 +29,8 @@ from .._interpreter import (
     rule_sites,
 )
 from .._paths import path_str
+from .._primitive import sow_p, tracing_a_harvest
+from .._site import Site
 from .._sow_index import sites_in
 
 
@@ -250,6 +253,51 @@ def _zero_tangent(x: Any) -> Any:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+# ---------------------------------------------------------------------------
+# A custom derivative differentiated inside the harvested function
+# (`reap(jax.grad(f))`): JAX runs the rule (a custom_jvp's JVP rule, a
+# custom_vjp's forward) in place of the body, so the body's sows would vanish
+# from the program. While a harvest traces, the body's sows the rule does not
+# sow itself are shown to the walk as the body sows them on the primals
+# (role "rule_replaced": reaped; a plant there is an error, as it could not
+# change what the rule computes).
+
+
+def _show_replaced_sows(primals: list[Any], body: Any, rule: Any) -> None:
+    if not tracing_a_harvest():
+        return
+    walked = body()
+    if walked is None or not sites_in(walked.jaxpr):
+        return
+    ran = rule()
+    if ran is None:  # the rule cannot be traced apart: what it sows is not known
+        return
+    sown = {(s.tag, s.path) for s in sites_in(ran.jaxpr)}
+    missing = {(s.tag, s.path) for s in sites_in(walked.jaxpr)} - sown
+    if missing:
+        step = functools.partial(_replaced_sows, missing)
+        evaluate(walked.jaxpr, walked.consts, primals, step)
+
+
+def _replaced_sows(missing: set[Any], eqn: Any, invals: list[Any]) -> Any:
+    """The evaluator step that binds only the `missing` sows, marked replaced by a rule."""
+    if eqn.primitive is sow_p:
+        site = Site.of(eqn)
+        if (site.tag, site.path) not in missing:
+            return invals[: len(eqn.outvars)]
+        return sow_p.bind(*invals, **dict(eqn.params, role="rule_replaced"))
+    how = describe(eqn)
+    if how.inlinable and sites_in(_jax.call_body(eqn).jaxpr):
+        (inner,) = how.bodies(eqn)
+        return evaluate(
+            inner.jaxpr, inner.consts, invals, functools.partial(_replaced_sows, missing)
+        )
+    return _jax.rebind(eqn, invals)
+
+
+_jax.on_custom_rule_run(_show_replaced_sows)
 
 
 # ---------------------------------------------------------------------------
