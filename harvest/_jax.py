@@ -369,7 +369,7 @@ def on_custom_rule_run(hook: Any) -> None:
 
 def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
     def process(self, primitive, fun, rule, *rest, **params):
-        tracers = rest[-1] if not on_jvp else rest[0]
+        tracers = rest[0] if on_jvp else rest[1]  # after a custom_vjp's bwd
         try:
             pairs = [self.to_primal_tangent_pair(t) for t in tracers]
         except Exception:
