@@ -179,12 +179,28 @@ def batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
     )
 
 
-def stuck_in_batched_branch(site: Any) -> NotImplementedError:
+def stuck_in_batched_branch(site: Any, where: str) -> NotImplementedError:
+    """`where`: the primitive the sow sits in (``"while"``, a custom rule's, a user's)."""
+    known = {
+        "while": "a while_loop",
+        "custom_jvp_call": "a custom_jvp function",
+        "custom_vjp_call": "a custom_vjp function",
+        "custom_vmap_call": "a custom_vmap function",
+    }
+    if where in known:
+        inside = known[where]
+        fix = "move the sow out of that body"
+    else:
+        inside = f"the primitive `{where}`"
+        fix = (
+            f"if `{where}` runs its one body once on its inputs, register it with "
+            "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there"
+        )
     return NotImplementedError(
-        f"The sow site {site} is inside a while_loop or a custom rule (custom_jvp, custom_vjp, custom_vmap) "
-        "within a branch of a cond whose predicate vmap batches: every branch runs for every example, "
-        "and harvest cannot carry the value out of that body to record the taken branch's. Harvest per "
-        "example instead, jax.vmap(reap(f)), or move the sow out of that body."
+        f"The sow site {site} is inside {inside} within a branch of a cond whose predicate "
+        "vmap batches: every branch runs for every example, and harvest cannot carry the value "
+        "out of that body to record the taken branch's. Harvest per example instead, "
+        f"jax.vmap(reap(f)), or {fix}."
     )
 
 
@@ -252,6 +268,17 @@ def no_rule(primitive: Any, site: Any) -> NotImplementedError:
         f"the sow site {site}. Move the sow outside `{primitive}`, or "
         "file an issue naming this primitive."
     )
+
+
+def extend_not_a_descriptor(descriptor: Any) -> TypeError:
+    return TypeError(
+        "harvest.extend.register: descriptor must be a harvest.extend.HigherOrder, got "
+        f"{type(descriptor).__name__}."
+    )
+
+
+def extend_rule_not_callable(rule: Any) -> TypeError:
+    return TypeError(f"harvest.extend.register: rule must be callable, got {rule!r}.")
 
 
 def strict_in_loop(site: Any, where: str) -> ValueError:
@@ -589,6 +616,16 @@ def planted_where_a_batching_rule_ran(site: Any) -> ValueError:
         "under vmap, where JAX runs the function's batching rule instead of its body, so the "
         "planted value would change nothing. Plant outside the vmap (plant(f) inside "
         "jax.vmap), or sow in the batching rule too."
+    )
+
+
+def planted_where_a_derivative_rule_ran(site: Any) -> ValueError:
+    return ValueError(
+        f"Cannot plant {site}: it is sown in the body of a custom_jvp or custom_vjp function "
+        "that is differentiated inside the harvested function, where JAX runs the function's "
+        "rule (its JVP rule, or its forward) instead of its body, so the planted value would "
+        "change nothing. Plant outside the differentiation (jax.grad(plant(f))), or sow in "
+        "the rule too."
     )
 
 
@@ -1155,11 +1192,12 @@ def index_after_while_in(site: Any, where: str) -> ValueError:
 def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
     where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
     return ValueError(
-        f"Cannot differentiate with respect to the value planted at {site}: it is sown in "
-        f"{where} whose body holds a while_loop, so harvest runs the planted forward under "
-        "your backward rule, which knows nothing of the planted value (and autodiff cannot "
-        "reverse a while_loop). Differentiate with respect to the inputs only "
-        "(jax.lax.stop_gradient on the plant), or plant outside the custom_vjp function."
+        f"Cannot differentiate through {where} with a value planted at {site} inside it: its "
+        "body holds a while_loop, which autodiff cannot reverse, and its backward rule "
+        "describes the unplanted function (it cannot see the plant), so the gradient would be "
+        "silently wrong. Plant outside the custom_vjp function, or write the planted "
+        "computation into the function its rule differentiates (odeint's vector field, say), "
+        "or wrap the call's inputs in jax.lax.stop_gradient."
     )
 
 
@@ -1172,9 +1210,15 @@ def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
     return ValueError(
         f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
         f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
-        "([b, ...] per batch) that depend on batch_size, not one per element of xs. Harvest "
-        "lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one value for every "
-        "element works."
+        "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
+        + (
+            "Sow it with mode='append' (harvest sows those once per element, the rows "
+            "lax.map(f, xs) gives), harvest lax.map(f, xs) without batch_size, or "
+            "jax.vmap(f)(xs); planting one value for every element works."
+            if site.mode.entries
+            else "Harvest lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one "
+            "value for every element works."
+        )
     )
 
 

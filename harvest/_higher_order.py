@@ -4,9 +4,10 @@ A `HigherOrder` descriptor says, for one primitive: which bodies an equation
 of it holds, with their labels and how many times each runs per run of the
 equation (per iteration, per shard, per solve, per branch taken); whether it
 is a plain call (its one body runs once on its inputs and gives its outputs);
-which outputs forward which inputs unchanged; and how to stage it again
-around bodies that another evaluator supplies. Each family in `_rules/`
-declares its primitives' descriptors with `declare`, next to its walk rule.
+which outputs forward which inputs unchanged; how to stage it again
+around bodies that another evaluator supplies; and the rule the reap/plant walk
+runs at it. Each family in `_rules/` registers its primitives with one
+`register(p, HigherOrder(...))` each, in a block after their rules.
 
 Site listing (`_inspect`), occurrence counting (`_occurrences`), op sites,
 the calling convention (`_tracing`), batched conds and the PPL evaluators
@@ -40,6 +41,9 @@ class Body:
         predicate: the body decides whether a loop goes on (no sow may be there).
         stacked_loop: a loop whose iterations reap stacked (a scan): with ``runs`` 0
             it is a loop of length 0, whose sows still reap one empty stack.
+        inputs: the positions of the equation's inputs its invars read, in order
+            (None: its invars read the equation's last inputs, matched from the end,
+            as a scan's consts/carry/xs, a cond's operands or a jit's arguments do).
     """
 
     label: str
@@ -49,6 +53,7 @@ class Body:
     per_run_stacked: bool = False
     predicate: bool = False
     stacked_loop: bool = False
+    inputs: tuple[int, ...] | None = None
 
 
 # Re-staging: `restage(eqn, invals, staged, extra)` binds the primitive again
@@ -87,6 +92,14 @@ class HigherOrder:
             vmap runs side by side (None: they stay stuck there).
         jvp_rule: the traced JVP rule whose sows run where JAX differentiates the
             call (custom_jvp; see ``_interpreter.jvp_rule``), or None.
+        rule: ``rule(walk, eqn, invals) -> outputs``, what the reap/plant walk does at
+            an equation whose bodies hold a sow it handles, or, for a marker
+            (below), at every equation. None: a call-like primitive without a
+            custom rule (``inlinable``) has its body walked in place; any other,
+            an error naming the primitive.
+        recount: for a marker without bodies that moves the occurrence count
+            (``_rules/batched_cond``'s): ``recount(eqn, n, state) -> n`` after it,
+            ``state`` kept across one jaxpr's markers (None: not a marker).
     """
 
     bodies: Callable[[Any], list[Body]]
@@ -97,6 +110,8 @@ class HigherOrder:
     restage: Restage | None = None
     batched_branch: Callable[..., list[Any]] | None = None
     jvp_rule: Callable[[Any], tuple[_jax.ClosedJaxpr, list[bool]] | None] | None = None
+    rule: Callable[[Any, Any, list[Any]], list[Any]] | None = None
+    recount: Callable[[Any, int, dict[Any, Any]], int] | None = None
 
     @property
     def inlinable(self) -> bool:
@@ -104,26 +119,22 @@ class HigherOrder:
         return self.call and self.custom_rule is None
 
 
-DESCRIPTORS: dict[_jax.Primitive, HigherOrder] = {}
+# primitive -> what harvest knows about it: the one table, filled by `register`.
+REGISTRY: dict[_jax.Primitive, HigherOrder] = {}
 
 
-def declare(*primitives: _jax.Primitive) -> Callable[[HigherOrder], HigherOrder]:
-    """Registers one descriptor for `primitives` (used as `declare(p)(HigherOrder(...))`).
+def register(primitive: _jax.Primitive, descriptor: HigherOrder) -> HigherOrder:
+    """Registers everything harvest knows about `primitive` in one place.
 
     Args:
-        *primitives: the JAX primitives the descriptor describes.
+        primitive: the JAX primitive the descriptor describes.
+        descriptor: its ``HigherOrder``: bodies, walk rule and the optional facts.
 
     Returns:
-        A function that registers a ``HigherOrder`` for every one of ``primitives``
-        and returns it unchanged.
+        ``descriptor``, unchanged.
     """
-
-    def register(descriptor: HigherOrder) -> HigherOrder:
-        for p in primitives:
-            DESCRIPTORS[p] = descriptor
-        return descriptor
-
-    return register
+    REGISTRY[primitive] = descriptor
+    return descriptor
 
 
 def _unknown_bodies(eqn: Any) -> list[Body]:
@@ -136,12 +147,21 @@ UNKNOWN = HigherOrder(_unknown_bodies)
 
 def describe(eqn: Any) -> HigherOrder:
     """The descriptor of `eqn`'s primitive (`UNKNOWN` if none was declared)."""
-    return DESCRIPTORS.get(eqn.primitive, UNKNOWN)
+    return REGISTRY.get(eqn.primitive, UNKNOWN)
 
 
 def bodies(eqn: Any) -> list[Body]:
     """The bodies of `eqn` (none for a first-order equation)."""
     return describe(eqn).bodies(eqn) if _jax.sub_jaxprs(eqn) else []
+
+
+def operands_of(eqn: Any, jaxpr: Any) -> list[Any]:
+    """The inputs of `eqn` that its body `jaxpr` reads, matched to the body's
+    invars from the end (the whole input list unless the `Body` says which)."""
+    body = next((b for b in bodies(eqn) if b.jaxpr is jaxpr), None)
+    if body is None or body.inputs is None:
+        return list(eqn.invars)
+    return [eqn.invars[i] for i in body.inputs]
 
 
 # ---------------------------------------------------------------------------

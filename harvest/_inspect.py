@@ -12,11 +12,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _errors
-from ._higher_order import UNBOUNDED, bodies
+from . import _errors, _jax
+from ._higher_order import UNBOUNDED
 from ._paths import path_str
-from ._primitive import sow_p
+from ._rules import batched_lax_map
+from ._rules.batched_lax_map import per_element
 from ._site import Site
+from ._sow_index import sow_index
 from ._tracing import make_jaxpr
 
 
@@ -279,13 +281,31 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
     if tag is not None and not isinstance(tag, str):
         raise _errors.sites_bad_tag(tag)
     found, blocks = Sites(), []
-    for eqn, where, fires, _, keys in _sow_tree(make_jaxpr(f, args, kwargs)[0].jaxpr, (), 1, 1, ()):
-        site = Site.of(eqn)
+    jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
+    unrolled = _in_batched_lax_maps(jaxpr)
+    if unrolled:  # listed once per element, as reap returns them
+        with per_element(unrolled):
+            jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
+    for item in sow_index(jaxpr).listing:
+        site = Site.of(item.eqn)
         if tag is None or site.tag == tag:
-            found.append(_info(site, where, fires))
-            blocks.append(keys)
+            found.append(_info(site, item.where, item.fires))
+            blocks.append(item.blocks)
     found._blocks = blocks
     return found
+
+
+def _in_batched_lax_maps(jaxpr: Any) -> frozenset[tuple[Any, tuple[str, ...]]]:
+    """The sites a batched `lax.map` stages that reap sows once per element (see
+    `_rules/batched_lax_map`; collect's are refused by reap, listed per batch)."""
+    if not batched_lax_map.SUPPORTED:
+        return frozenset()
+    found = set()
+    for item in sow_index(jaxpr).listing:
+        site = Site.of(item.eqn)
+        if not site.mode.entries and _jax.staged_by_batched_lax_map(item.eqn.source_info):
+            found.add((site.tag, site.path))
+    return frozenset(found)
 
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
@@ -307,40 +327,12 @@ def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:
     """Yields (sow equation, enclosing labels, firings per call), in program order."""
-    for eqn, where, fires, _ in sow_firings(jaxpr):
-        yield eqn, where, fires
+    for item in sow_index(jaxpr).listing:
+        yield item.eqn, item.where, item.fires
 
 
 def sow_firings(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None, int]]:
     """As `sow_equations`, plus how many of its firings reap stacks as rows
     whatever the mode: one per shard of each enclosing shard_map (1 elsewhere)."""
-    for eqn, where, fires, stacked, _ in _sow_tree(jaxpr, (), 1, 1, ()):
-        yield eqn, where, fires, stacked
-
-
-def _sow_tree(
-    jaxpr: Any,
-    where: tuple[str, ...],
-    fires: int | None,
-    stacked: int,
-    blocks: tuple[tuple[Any, str], ...],
-) -> Iterator[tuple[Any, tuple[str, ...], int | None, int, tuple[tuple[Any, str], ...]]]:
-    """As `sow_equations`, plus a key per enclosing body (two scans of one length
-    have the same label, not the same key)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is sow_p:
-            if (
-                eqn.params.get("role") != "record_only"
-            ):  # a copy, after a batched cond, of a sow in its branches
-                yield eqn, where, fires, stacked, blocks
-            continue
-        for body in bodies(eqn):
-            runs = body.runs
-            if runs == 0 and not body.stacked_loop:
-                # Runs only where JAX differentiates: its sows do not fire in a call. (A
-                # scan of length 0 is listed, firing 0 times, as reap returns 0 rows.)
-                continue
-            inner = None if fires is UNBOUNDED or runs is UNBOUNDED else fires * runs
-            rows = stacked * runs if body.per_run_stacked and runs is not UNBOUNDED else stacked
-            keys = blocks + ((id(eqn), body.label),)
-            yield from _sow_tree(body.jaxpr, where + (body.label,), inner, rows, keys)
+    for item in sow_index(jaxpr).listing:
+        yield item.eqn, item.where, item.fires, item.stacked

@@ -1,8 +1,9 @@
 """The one walk over a jaxpr that serves reap, plant, harvest and nest.
 
 `interpret(walk, jaxpr, consts, args)` evaluates a jaxpr equation by equation
-under whatever trace is current. An equation whose primitive has a rule in
-`RULES`, and whose body holds a sow this walk cares about, goes to that rule;
+under whatever trace is current. An equation whose primitive's registration
+(`_higher_order.REGISTRY`) has a rule, and whose body holds a sow this walk
+cares about, goes to that rule;
 everything else is re-bound untouched (keeping its compile cache and custom
 derivatives). The `Walk` says what to do at each sow: plant it, reap it, or
 re-emit it for an outer harvest of another tag.
@@ -15,58 +16,42 @@ import dataclasses
 import fnmatch
 import functools
 import threading
-import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from . import _errors, _jax
 from ._evaluator import evaluate
-from ._higher_order import DESCRIPTORS
+from ._higher_order import describe
 from ._occurrences import Record, select_where
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
-
-# primitive -> rule(walk, eqn, invals) -> outvals. Filled in by `_rules/`.
-RULES: dict[_jax.Primitive, Callable] = {}
-
-
-def register(*primitives):
-    def deco(rule):
-        for p in primitives:
-            RULES[p] = rule
-        return rule
-
-    return deco
-
+from ._sow_index import sites_in
 
 # ---------------------------------------------------------------------------
 # Which sows a jaxpr holds, cached per jaxpr object.
 
-# One cache outside custom_jvp rules, one inside (where rules are not looked into).
-_sites_caches: tuple[weakref.WeakKeyDictionary[_jax.Jaxpr, frozenset[Site]], ...] = (
-    weakref.WeakKeyDictionary(),
-    weakref.WeakKeyDictionary(),
-)
+
+def program_sites(jaxpr, differentiating: bool) -> frozenset[Site]:
+    """The sites a walk of `jaxpr` may meet: `sites_in`, and where JAX
+    differentiates the call, those of the JVP rules of its custom_jvp calls
+    (traced then only: a rule that raises, or that JAX cannot trace before it
+    differentiates, must not make an undifferentiated walk fail)."""
+    found = sites_in(jaxpr)
+    if not differentiating:
+        return found
+    rules = [rule_sites(eqn) for eqn in _equations(jaxpr)]
+    return found.union(*rules)
 
 
-def sites_in(jaxpr) -> frozenset[Site]:
-    """Every site reachable from `jaxpr`, recursively (and from the JVP rules
-    of its custom_jvp calls, see `rule_sites`)."""
-    cache = _sites_caches[getattr(_in_rule, "depth", 0) > 0]
-    try:
-        return cache[jaxpr]
-    except KeyError:
-        pass
-    found = {Site.of(eqn) for eqn in jaxpr.eqns if eqn.primitive is sow_p}
+def _equations(jaxpr) -> Iterator[Any]:
     for eqn in jaxpr.eqns:
+        yield eqn
         for sub in _jax.sub_jaxprs(eqn):
-            found.update(sites_in(sub))
-        found |= rule_sites(eqn)
-    cache[jaxpr] = result = frozenset(found)
-    return result
+            yield from _equations(sub)
 
 
 # Sows in a custom_jvp's JVP rule run where the function is differentiated
@@ -88,14 +73,15 @@ def inside_rule() -> Iterator[None]:
 def jvp_rule(eqn: Any) -> tuple[_jax.ClosedJaxpr, list[bool]] | None:
     """(the JVP rule of a custom_jvp equation, its output tangents' zero flags),
     or None inside a rule or where the rule cannot be traced."""
-    rule = DESCRIPTORS[eqn.primitive].jvp_rule if eqn.primitive in DESCRIPTORS else None
+    rule = describe(eqn).jvp_rule
     if rule is None or getattr(_in_rule, "depth", 0) > 0:
         return None
     return rule(eqn)
 
 
 def rule_sites(eqn: Any) -> frozenset[Site]:
-    """The sites in the JVP rule of `eqn` (see `jvp_rule`)."""
+    """The sites in the JVP rule of `eqn` (see `jvp_rule`); traces the rule, so
+    asked only where JAX differentiates `eqn`."""
     rule = jvp_rule(eqn)
     if rule is None:
         return frozenset()
@@ -209,8 +195,24 @@ class Policy:
         return dict(params, scope=self.prefix + params["scope"])
 
 
+def _typed_as_sown(value, site):
+    """`value`, each leaf of the site's own shape typed as the site sows it (its
+    sharding under Explicit mesh axes, its varying axes inside shard_map): a
+    loop's carry must keep one type, and the body's sow gives it that one."""
+    leaves = jax.tree_util.tree_leaves(value)
+    leaves = [
+        _jax.retype(leaf, aval) if jnp.shape(leaf) == aval.shape else leaf
+        for leaf, aval in zip(leaves, site.avals)
+    ]
+    return jax.tree_util.tree_unflatten(site.tree, leaves)
+
+
 def _vary_like(new, old):
-    """Inside shard_map, a planted value must vary over the mesh axes the sown one did."""
+    """A planted value typed as the sown one: varying over the mesh axes it did
+    (inside shard_map) and, of its shape, with its sharding over Explicit mesh
+    axes, as the program after the sow (a cond's other branch, say) expects."""
+    if jnp.shape(new) == jnp.shape(old):
+        return _jax.retype(new, old)
     return _jax.pcast_varying(new, _jax.varying_axes(old))
 
 
@@ -273,7 +275,8 @@ class Walk:
             site: the sow's site (its tag, name, mode and value's structure).
             value: the sown value (a pytree).
             pred: a boolean array: where it is False the sow did not happen (None: it did).
-            role: the sow's role from its params: ``"unplantable"``, ``"record_only"``,
+            role: the sow's role from its params: ``"unplantable"``, ``"rule_replaced"``,
+                ``"record_only"``,
                 ``"plant_only"`` or None (an ordinary sow).
 
         Returns:
@@ -286,6 +289,8 @@ class Walk:
         path = self.policy.key(site)
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
             raise _errors.planted_where_a_batching_rule_ran(site)
+        if role == "rule_replaced" and path in self.plants:  # see `_rules/calls`
+            raise _errors.planted_where_a_derivative_rule_ran(site)
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
             if path not in self.plants and self.reap:
                 self._record(site, value, pred)
@@ -352,8 +357,8 @@ class Walk:
             key = self.policy.key(site)
             if self.reap and site.mode.carried and key not in self.plants:
                 rec = self.records.get(key)
-                value = rec.values[0] if rec else site.zeros()
-                out[key] = (site, site.fit(value, where, batch))
+                value = site.fit(rec.values[0] if rec else site.zeros(), where, batch)
+                out[key] = (site, _typed_as_sown(value, site))
         return out
 
     def handled_sites(self, jaxprs):
@@ -439,17 +444,28 @@ def _eval_eqn(walk, eqn, invals):
     if eqn.primitive is sow_p:
         return sow_rule(walk, eqn, invals)
     subs = _jax.sub_jaxprs(eqn)
-    if not subs and eqn.primitive in RULES:  # a marker the walk keeps count by
-        return RULES[eqn.primitive](walk, eqn, invals)
+    how = describe(eqn)
+    if how.recount is not None:  # a marker the walk keeps count by
+        assert how.rule is not None
+        return how.rule(walk, eqn, invals)
     if subs:
-        sites = frozenset().union(*(sites_in(j) for j in subs), rule_sites(eqn))
+        sites = frozenset().union(*(sites_in(j) for j in subs))
+        if how.jvp_rule is not None and _jax.differentiating():  # JAX runs the rule, not the body
+            sites |= rule_sites(eqn)
         if walk.policy.touches(sites):
-            rule = RULES.get(eqn.primitive)
+            rule = how.rule or (_walk_inlined if how.inlinable else None)
             if rule is None:
                 site = next(s for s in sites if walk.policy.touches([s]))
                 raise _errors.no_rule(eqn.primitive, site)
             return rule(walk, eqn, invals)
     return _jax.rebind(eqn, invals)
+
+
+def _walk_inlined(walk, eqn, invals):
+    """The default rule of a call-like primitive with no custom rule: its one
+    body walked where the equation stood, which computes the same."""
+    (body,) = describe(eqn).bodies(eqn)
+    return interpret(walk, body.jaxpr, body.consts, invals)
 
 
 def sow_rule(walk, eqn, invals):
@@ -492,6 +508,29 @@ class Retraced:
     num_outs: int
     child: Walk
     records_tree: Any
+
+    def rebind(self, walk, eqn, param):
+        """Binds `eqn`'s primitive again around the re-traced body and finishes.
+
+        For a call-like primitive only (its one body takes the equation's inputs
+        and gives its outputs, and no other param counts them): `param`, the param
+        holding the body, is replaced by the re-traced jaxpr (closed, with no
+        consts, if it held a ``ClosedJaxpr``), which takes ``args``.
+
+        Args:
+            walk: the walk the records are folded into.
+            eqn: the equation whose body was re-traced.
+            param: the name of its param holding the body.
+
+        Returns:
+            The body's own outputs (``finish`` of the bind's).
+        """
+        held = eqn.params[param]
+        body = (
+            _jax.ClosedJaxpr(self.jaxpr, ()) if isinstance(held, _jax.ClosedJaxpr) else self.jaxpr
+        )
+        outs = _jax.bind_with(eqn.primitive, dict(eqn.params, **{param: body}), self.args)
+        return self.finish(walk, outs)
 
     def finish(self, walk, outs):
         """Splits a bind's outputs, folding the records into `walk`.

@@ -192,6 +192,11 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     return False
 
 
+def current_source_info() -> Any:
+    """The source info JAX would give an equation staged now (with its traceback)."""
+    return source_info_util.current()
+
+
 def hide_frames_of(path: str) -> None:
     """Treats the code under `path` as JAX's own: left out of the tracebacks an
     `api_boundary` filters, and skipped when naming an equation's user frame."""
@@ -320,6 +325,83 @@ _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED = (
     jax.errors.TracerArrayConversionError,
     jax.errors.UnexpectedTracerError,
 )
+
+
+def _fresh_copy(fun: Any) -> Any:
+    """A `lu.WrappedFun` like `fun`, its transformations applied again with empty
+    stores: calling it leaves `fun`'s own stores (its output tree) to JAX."""
+    from jax._src import linear_util as lu
+
+    new = lu.wrap_init(fun.f, dict(fun.params), debug_info=fun.debug_info)
+    for (gen, args), store in reversed(list(zip(fun.transforms, fun.stores))):
+        new = new.wrap(gen, args, None if store is None else type(store)())
+    return new
+
+
+def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
+    """`make()` (a function) traced on `avals` into a closed jaxpr, or None where
+    it cannot be (or this JAX's `lu.WrappedFun` is not as `_fresh_copy` expects)."""
+    from jax._src import linear_util as lu
+
+    try:
+        wrapped = lu.wrap_init(make(), debug_info=debug_info)
+        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
+    except Exception:  # a function JAX would trace only with values at hand, say
+        return None
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def on_custom_rule_run(hook: Any) -> None:
+    """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a
+    custom_jvp's JVP rule (or a custom_vjp's forward rule) in place of its body:
+    `body()` and `rule()` trace fresh copies of the function and of the rule on
+    the primals (and tangents) into closed jaxprs (None where they cannot be).
+    Where this JAX's traces do not take these calls as harvest expects, nothing."""
+    for trace_type in _DIFFERENTIATING:
+        for method, on_jvp in (
+            ("process_custom_jvp_call", True),
+            ("process_custom_vjp_call", False),
+        ):
+            original = getattr(trace_type, method, None)
+            if original is not None:
+                setattr(trace_type, method, _calling_hook(original, on_jvp, hook))
+
+
+def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
+    def process(self, primitive, fun, rule, *rest, **params):
+        tracers = rest[0] if on_jvp else rest[1]  # after a custom_vjp's bwd
+        try:
+            pairs = [self.to_primal_tangent_pair(t) for t in tracers]
+        except Exception:
+            return original(self, primitive, fun, rule, *rest, **params)
+        primals = [p for p, _ in pairs]
+        nonzero = [type(t) is not _ad_internal.Zero for _, t in pairs]
+        if any(nonzero):
+            avals = [_src_core.typeof(x) for x in primals]
+
+            def body() -> ClosedJaxpr | None:
+                return _traced(lambda: _fresh_copy(fun).call_wrapped, avals, fun.debug_info)
+
+            def rule_jaxpr() -> ClosedJaxpr | None:
+                if on_jvp:  # (primals, tangents), every tangent given
+                    tangents = [a.to_tangent_aval() for a in avals]
+                    return _traced(
+                        lambda: _fresh_copy(rule).call_wrapped, avals + tangents, rule.debug_info
+                    )
+
+                def forward() -> Any:  # a custom_vjp's: (primal, whether it has a tangent) pairs
+                    copy = _fresh_copy(rule)
+                    return lambda *xs: copy.call_wrapped(
+                        *[y for x, nz in zip(xs, nonzero) for y in (x, nz)]
+                    )
+
+                return _traced(forward, avals, rule.debug_info)
+
+            with _src_core.set_current_trace(self.parent_trace):  # where the primals live
+                hook(primals, body, rule_jaxpr)
+        return original(self, primitive, fun, rule, *rest, **params)
+
+    return process
 
 
 def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +21,8 @@ from . import _errors
 from ._higher_order import UNBOUNDED, Body, bodies, describe
 from ._primitive import sow_p
 from ._site import Site
+from ._sow_index import sow_index
 from ._steps import Steps
-
-# primitive -> (equation, count so far, state kept across one jaxpr's markers ->
-# the count after it), for markers that move the count (`_rules/batched_cond`).
-MARKERS: dict[Any, Callable[[Any, int, dict[Any, Any]], int]] = {}
 
 
 def occurrences(jaxpr: Any, site: Site) -> int:
@@ -44,35 +40,16 @@ def occurrences(jaxpr: Any, site: Site) -> int:
                 and eqn.params.get("role")
                 != "record_only"  # a copy, after a batched cond, of a sow in its branches
             )
-        elif eqn.primitive in MARKERS:
-            n = MARKERS[eqn.primitive](eqn, n, markers)
+        elif (recount := describe(eqn).recount) is not None:  # `_rules/batched_cond`'s marker
+            n = recount(eqn, n, markers)
         else:
             counts = [
                 occurrences(b.jaxpr, site) * _repeats(b, site)
                 for b in bodies(eqn)
-                if (site.tag, site.path) in _sown(b.jaxpr)  # else 0: skip the walk
+                if (site.tag, site.path) in sow_index(b.jaxpr).names  # else 0: skip the walk
             ]
             n += max(counts, default=0) if describe(eqn).alternatives else sum(counts)
     return n
-
-
-# jaxpr -> `(tag, path)` of every sow in it and in the bodies `occurrences` counts in.
-_SOWN: weakref.WeakKeyDictionary[Any, frozenset[tuple[Any, Any]]] = weakref.WeakKeyDictionary()
-
-
-def _sown(jaxpr: Any) -> frozenset[tuple[Any, Any]]:
-    """The sites sown anywhere in `jaxpr`, by tag and path, found once per jaxpr: a body
-    that sows nothing counted (a library's jitted helper, say) is not walked per site."""
-    try:
-        return _SOWN[jaxpr]
-    except KeyError:
-        pass
-    found = {(Site.of(e).tag, Site.of(e).path) for e in jaxpr.eqns if e.primitive is sow_p}
-    for eqn in jaxpr.eqns:
-        for b in bodies(eqn):
-            found |= _sown(b.jaxpr)
-    _SOWN[jaxpr] = result = frozenset(found)
-    return result
 
 
 def varies(jaxpr: Any, site: Site) -> bool:

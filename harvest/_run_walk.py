@@ -35,13 +35,15 @@ from . import _errors, _jax, config
 from ._compile_cache import jit_per_function, note_trace, note_unhashable
 from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
 from ._inspect import sow_equations
-from ._interpreter import Policy, Tags, Walk, interpret, sites_in
+from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
 from ._leaves import array_flags, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, occurrences
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
+from ._rules import batched_lax_map
+from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._stale import Snapshot
@@ -158,10 +160,10 @@ def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
     return traced
 
 
-def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset()):
+def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unrolled=frozenset()):
     """The walk of one call: traced, its sites and plants validated, then run.
     Returns (out, reaps in program order, changed NNX state)."""
-    traced = _trace_call(fn, dynamic, static, batched)
+    traced = _trace_call(fn, dynamic, static, batched, unrolled)
     if staged:
         _check_stageable(traced.closed.jaxpr, static)
     order, handled, filtered = _checked_sites(traced, static)
@@ -170,10 +172,14 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset()):
     if per_example and not batched:
         # Sites vmap left unbatched (their value does not depend on the batched
         # input), planted one value per example: traced again with them batched.
-        return _walk(fn, dynamic, static, staged, frozenset(per_example))
+        return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
-    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap)
+    in_maps = _in_batched_lax_maps(traced.closed.jaxpr, static.policy)
+    if in_maps and not unrolled and batched_lax_map.SUPPORTED:
+        # Sows a batched lax.map stages once per batch: traced again, once per element.
+        return _walk(fn, dynamic, static, staged, batched, in_maps)
+    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
     return _run(traced, static, resolved, order)
 
 
@@ -188,7 +194,7 @@ class _Traced(NamedTuple):
     inner_tags: set
 
 
-def _trace_call(fn, dynamic, static: _CallKey, batched) -> _Traced:
+def _trace_call(fn, dynamic, static: _CallKey, batched, unrolled) -> _Traced:
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
@@ -209,7 +215,7 @@ def _trace_call(fn, dynamic, static: _CallKey, batched) -> _Traced:
 
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
-    with _tags_walked_inside() as inner_tags, batching_sites(batched):
+    with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
         closed, arrays, out_shape = make_jaxpr(
             call, (bound, cells, reads, *args), kwargs, graph, return_shape=True
         )
@@ -232,11 +238,12 @@ def _checked_sites(traced: _Traced, static: _CallKey):
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(jaxpr):
         first.setdefault(key(Site.of(eqn)), len(first))
-    for path in sorted({key(site) for site in sites_in(jaxpr)} - first.keys()):
+    every = program_sites(jaxpr, static.differentiating)
+    for path in sorted({key(site) for site in every} - first.keys()):
         first[path] = len(first)  # sown only in a custom_jvp rule: after the others
     handled: dict[tuple, Site] = {}
     filtered = set()
-    for site in sites_in(jaxpr):
+    for site in every:
         if policy.covers(site.tag) and not policy.handles(site):
             filtered.add(key(site))
         if policy.handles(site):
@@ -249,7 +256,7 @@ def _checked_sites(traced: _Traced, static: _CallKey):
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
     if static.reap and policy.strict_names and not handled and not filtered and not multi:
-        tags = {site.tag for site in sites_in(jaxpr)}
+        tags = {site.tag for site in every}
         if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
             raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
     if policy.strict_names:
@@ -290,14 +297,32 @@ def _per_example(plant):
     return False
 
 
-def _refuse_batched_lax_map(jaxpr, policy, plants, reaping):
+def _in_batched_lax_maps(jaxpr, policy):
+    """`(tag, path)` of the handled sites a batched `lax.map` stages, to sow once per
+    element (see `_rules/batched_lax_map`). Not collect's: one entry per sow would
+    give one entry per element, where `lax.map(f, xs)` stacks them in one."""
+    return frozenset(
+        (site.tag, site.path)
+        for eqn, _, _ in sow_equations(jaxpr)
+        if policy.handles(site := Site.of(eqn))
+        and not site.mode.entries
+        and _jax.staged_by_batched_lax_map(eqn.source_info)
+    )
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
     """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
-    there fires once per batch with a `[b, ...]` value, so what would be reaped,
-    or which plant row goes where, depends on `b`. Only a plant that means the
-    same for every element (one value, broadcast to each) is allowed."""
+    there not sown once per element (`unrolled`: collect's, or on a JAX without
+    trace values) fires once per batch with a `[b, ...]` value, so what would be
+    reaped, or which plant row goes where, depends on `b`. Only a plant that
+    means the same for every element (one value, broadcast to each) is allowed."""
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
-        if not policy.handles(site) or not _jax.staged_by_batched_lax_map(eqn.source_info):
+        if (
+            not policy.handles(site)
+            or (site.tag, site.path) in unrolled
+            or not _jax.staged_by_batched_lax_map(eqn.source_info)
+        ):
             continue
         plant = plants.get(policy.key(site))
         if plant is None and reaping:

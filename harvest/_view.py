@@ -25,10 +25,10 @@ import jax
 import numpy as np
 
 from . import _errors
-from ._higher_order import bodies as _descriptor_bodies
+from ._higher_order import bodies as _descriptor_bodies, operands_of
+from ._nnx_state import split_nodes
 from ._paths import path_str
 from ._primitive import sow_p
-from ._nnx_state import split_nodes
 from ._site import Site
 from ._tracing import make_jaxpr
 
@@ -425,7 +425,7 @@ class _Graph:
             inner = wrap if len(bodies) == 1 else self._group("body", name, wrap)
             mapped = {
                 a: producers[o]
-                for a, o in zip(reversed(b.jaxpr.invars), reversed(_operands(eqn, role)))
+                for a, o in zip(reversed(b.jaxpr.invars), reversed(operands_of(eqn, b.jaxpr)))
                 if _is_var(o) and o in producers
             }
             self.jaxpr(b.jaxpr, mapped, inner)
@@ -455,17 +455,6 @@ def _param_name(eqn: Any, sub: Any) -> str | None:
             if item is sub or getattr(item, "jaxpr", None) is sub:
                 return str(key)
     return None
-
-
-def _operands(eqn: Any, role: str | None) -> list[Any]:
-    """The outer operands a body reads, matched to its inputs by position from the end
-    (scan's consts/carry/xs, cond's operands after the index, jit's arguments); a
-    while's cond_fun reads its own consts and the carry, not the body's consts."""
-    operands = list(eqn.invars)
-    if role == "cond_jaxpr" and "cond_nconsts" in eqn.params:
-        n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        return operands[:n_cond] + operands[n_cond + n_body :]
-    return operands
 
 
 def _is_var(v: Any) -> bool:

@@ -10,28 +10,45 @@ harvest has two things for that primitive:
 * a **rule**: what the reap/plant walk does at an equation of it, written
   with ``walk_in_place`` (the body evaluated where the equation stood, as if
   inlined) and ``retrace`` (the body re-traced with its records as extra
-  outputs, to bind the primitive again around it).
+  outputs, to bind the primitive again around it with ``Retraced.rebind``).
 
-``register`` installs both. Without them, a sow there raises an error naming
-the primitive. ``jax.custom_batching.custom_vmap`` is supported through this
+``register(p, HigherOrder(bodies, rule=...))`` installs both, in one object.
+Without them, a sow there raises an error naming the primitive.
+
+``retrace`` and ``Retraced.rebind`` fit **call-like** primitives: one body that
+runs once on the equation's inputs and gives its outputs, and no other param
+that counts them. A loop, a branch or a body with another calling convention
+needs a rule of its own (see ``harvest/_rules/loops.py`` for scan's), or
+``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap`` is supported through this
 module (``harvest/_rules/custom_vmap.py``, the worked example in
 CONTRIBUTING.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _jax
-from ._higher_order import UNBOUNDED as UNBOUNDED, Body as Body, HigherOrder as HigherOrder, declare
-from ._interpreter import RULES, Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
+from . import _errors, _jax
+from ._higher_order import (
+    UNBOUNDED as UNBOUNDED,
+    Body as Body,
+    HigherOrder as HigherOrder,
+    register as _register,
+)
+from ._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
 
 Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 
 
-def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule) -> None:
+def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | None = None) -> None:
     """Registers what harvest knows about ``primitive`` and how its walk handles it.
+
+    One call, one object: the descriptor holds the bodies, the walk rule (its
+    ``rule`` field, or the ``rule`` argument, which takes its place) and the
+    optional facts its fields list (``batched_branch``, for one, brings its
+    sows out of a ``cond`` branch that ``vmap`` runs side by side).
 
     Args:
         primitive: The JAX primitive (a ``Primitive`` of JAX's extension API) whose
@@ -43,7 +60,8 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule) -> 
         rule: ``rule(walk, eqn, invals) -> outputs`` (a list), run where the
             walk meets an equation of ``primitive`` whose body holds a sow it
             handles; build it from ``walk_in_place``, ``retrace`` and
-            ``plants_inside``.
+            ``plants_inside``. None: the descriptor's own ``rule`` (and if it has
+            none either, a sow there is an error naming the primitive).
 
     Raises:
         TypeError: ``descriptor`` is not a ``HigherOrder``, or ``rule`` is not callable.
@@ -64,8 +82,10 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule) -> 
         ...     return extend.walk_in_place(walk, body.jaxpr, body.consts, once)
         >>> extend.register(
         ...     twice_p,
-        ...     extend.HigherOrder(lambda eqn: [extend.Body("twice", eqn.params["body"].jaxpr, runs=2)]),
-        ...     walk_twice,
+        ...     extend.HigherOrder(
+        ...         lambda eqn: [extend.Body("twice", eqn.params["body"].jaxpr, runs=2)],
+        ...         rule=walk_twice,
+        ...     ),
         ... )
         >>> f = lambda x: twice(lambda y: sow(y + 1.0, name="h", mode="append"), x)
         >>> reap(f)(1.0)["h"]
@@ -74,14 +94,12 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule) -> 
         [('h', 2, 'twice')]
     """
     if not isinstance(descriptor, HigherOrder):
-        raise TypeError(
-            f"harvest.extend.register: descriptor must be a harvest.extend.HigherOrder, got "
-            f"{type(descriptor).__name__}."
-        )
-    if not callable(rule):
-        raise TypeError(f"harvest.extend.register: rule must be callable, got {rule!r}.")
-    declare(primitive)(descriptor)
-    RULES[primitive] = rule
+        raise _errors.extend_not_a_descriptor(descriptor)
+    if rule is not None:
+        if not callable(rule):
+            raise _errors.extend_rule_not_callable(rule)
+        descriptor = dataclasses.replace(descriptor, rule=rule)
+    _register(primitive, descriptor)
 
 
 def walk_in_place(
@@ -103,9 +121,27 @@ def walk_in_place(
         The body's outputs, a list.
 
     Example:
-        >>> from harvest import extend
-        >>> callable(extend.walk_in_place)
-        True
+        A call-like primitive whose rule walks its body in place:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.extend.core import Primitive, jaxpr_as_fun
+        >>> from harvest import extend, plant, reap, sow
+        >>> call_p = Primitive("my_call")
+        >>> call_p.multiple_results = True
+        >>> _ = call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+        >>> _ = call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+        >>> def my_call(f, x):
+        ...     return call_p.bind(x, body=jax.make_jaxpr(f)(x))[0]
+        >>> def in_place(walk, eqn, invals):
+        ...     body = eqn.params["body"]
+        ...     return extend.walk_in_place(walk, body.jaxpr, body.consts, invals)
+        >>> body = lambda eqn: [extend.Body("my_call", eqn.params["body"].jaxpr)]
+        >>> extend.register(call_p, extend.HigherOrder(body, rule=in_place, call=True))
+        >>> f = lambda x: my_call(lambda y: sow(y * 2.0, name="h", mode="strict") + 1.0, x)
+        >>> reap(f)(3.0)
+        {'h': Array(6., dtype=float32, weak_type=True)}
+        >>> plant(f)({"h": jnp.float32(10.0)}, 3.0)
+        Array(11., dtype=float32)
     """
     outs: list[Any] = interpret(walk, jaxpr, consts, list(args))
     return outs
@@ -129,9 +165,34 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
     Returns:
         A ``Retraced``: ``jaxpr``, ``args``, ``num_consts``, ``num_outs`` and ``finish``.
 
+    Only for a call-like primitive (see the module docstring): the re-traced
+    body takes the closed-over values before the equation's own inputs and
+    returns the records after its own outputs.
+
     Example:
-        >>> from harvest import extend
-        >>> callable(extend.retrace)
+        A call-like primitive bound again around its walked body, so it stays
+        in the program (a jit's shardings, a custom rule, would be kept):
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.extend.core import Primitive, jaxpr_as_fun
+        >>> from harvest import call_and_reap, extend, reap, sow
+        >>> call_p = Primitive("kept_call")
+        >>> call_p.multiple_results = True
+        >>> _ = call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+        >>> _ = call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+        >>> def kept_call(f, x):
+        ...     return call_p.bind(x, body=jax.make_jaxpr(f)(x))[0]
+        >>> def rebound(walk, eqn, invals):
+        ...     body = eqn.params["body"]
+        ...     r = extend.retrace(walk, body.jaxpr, body.consts, invals)
+        ...     return r.rebind(walk, eqn, "body")  # the body param, re-traced
+        >>> body = lambda eqn: [extend.Body("kept_call", eqn.params["body"].jaxpr)]
+        >>> extend.register(call_p, extend.HigherOrder(body, rule=rebound, call=True))
+        >>> f = lambda x: kept_call(lambda y: jnp.sin(sow(y * 2.0, name="h", mode="strict")), x)
+        >>> out, reaped = call_and_reap(f)(0.25)
+        >>> bool(jnp.allclose(out, jnp.sin(0.5))), reaped
+        (True, {'h': Array(0.5, dtype=float32, weak_type=True)})
+        >>> "kept_call" in str(jax.make_jaxpr(reap(f))(0.25))
         True
     """
     result: Retraced = _retrace(walk, jaxpr, consts, list(args))
@@ -153,8 +214,31 @@ def plants_inside(walk: Walk, jaxprs: Sequence[_jax.Jaxpr]) -> bool:
         True if a sow there is planted by this walk.
 
     Example:
-        >>> from harvest import extend
-        >>> callable(extend.plants_inside)
+        A rule that keeps its primitive when reaping and inlines the body where
+        a value is planted inside:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.extend.core import Primitive, jaxpr_as_fun
+        >>> from harvest import extend, plant, reap, sow
+        >>> call_p = Primitive("either_call")
+        >>> call_p.multiple_results = True
+        >>> _ = call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+        >>> _ = call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+        >>> def either_call(f, x):
+        ...     return call_p.bind(x, body=jax.make_jaxpr(f)(x))[0]
+        >>> def rule(walk, eqn, invals):
+        ...     body = eqn.params["body"]
+        ...     if extend.plants_inside(walk, [body.jaxpr]):
+        ...         return extend.walk_in_place(walk, body.jaxpr, body.consts, invals)
+        ...     return extend.retrace(walk, body.jaxpr, body.consts, invals).rebind(walk, eqn, "body")
+        >>> body = lambda eqn: [extend.Body("either_call", eqn.params["body"].jaxpr)]
+        >>> extend.register(call_p, extend.HigherOrder(body, rule=rule, call=True))
+        >>> f = lambda x: either_call(lambda y: sow(y + 1.0, name="h", mode="strict") * 3.0, x)
+        >>> "either_call" in str(jax.make_jaxpr(reap(f))(1.0))  # reaped: kept
         True
+        >>> "either_call" in str(jax.make_jaxpr(plant(f))({"h": 0.5}, 1.0))  # planted: inlined
+        False
+        >>> reap(f)(1.0), plant(f)({"h": jnp.float32(0.5)}, 1.0)
+        ({'h': Array(2., dtype=float32, weak_type=True)}, Array(1.5, dtype=float32))
     """
     return bool(walk.plants_inside(list(jaxprs)))

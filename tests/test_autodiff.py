@@ -225,8 +225,10 @@ def test_custom_jvp_rule_sows_reaped_where_the_rule_runs():
 
 def test_custom_jvp_rule_sows_planted_where_the_rule_runs():
     x, t = jnp.float32(0.7), jnp.float32(1.5)
-    # Undifferentiated: the body runs, the plant has no site to land on.
-    close(plant(scaled_sin)({"scale": jnp.float32(5.0)}, x), jnp.sin(x))
+    # Undifferentiated: the body runs, the rule is never traced, so the name
+    # has no site to land on (an error, not a plant silently dropped).
+    with pytest.raises(KeyError, match="Cannot plant 'scale'"):
+        plant(scaled_sin)({"scale": jnp.float32(5.0)}, x)
     out, out_dot = jax.jvp(
         plant(scaled_sin), ({"scale": jnp.float32(5.0)}, x), ({"scale": jnp.float32(9.0)}, t)
     )
@@ -234,6 +236,92 @@ def test_custom_jvp_rule_sows_planted_where_the_rule_runs():
     close(
         jax.grad(lambda x: plant(scaled_sin)({"scale": jnp.float32(5.0)}, x))(x), jnp.float32(5.0)
     )
+
+
+def _untraceable_rule(kind):
+    """A custom_jvp whose body sows, and whose rule JAX must not trace unless it
+    differentiates: one that raises, or one that calls back into Python."""
+
+    @jax.custom_jvp
+    def g(x):
+        return sow(jnp.sin(x), name="s", mode="strict") * 2.0
+
+    @g.defjvp
+    def _g_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        if kind == "raises":
+            raise RuntimeError("this rule runs only under differentiation")
+        cos = jax.pure_callback(
+            lambda a: np.cos(a).astype(np.float32), jax.ShapeDtypeStruct((), jnp.float32), x
+        )
+        return g(x), 2.0 * cos * t
+
+    return g
+
+
+@pytest.mark.parametrize("kind", ["raises", "pure_callback"])
+def test_custom_jvp_rule_is_not_traced_where_nothing_differentiates(kind):
+    g = _untraceable_rule(kind)
+    x = jnp.float32(0.7)
+    close(jax.jit(g)(x), 2.0 * jnp.sin(x))  # JAX runs it: so must reap and plant
+    out, reaped = call_and_reap(g)(x)
+    close((out, reaped), (2.0 * jnp.sin(x), {"s": jnp.sin(x)}))
+    close(jax.jit(reap(g))(x), {"s": jnp.sin(x)})
+    close(plant(g)({"s": jnp.float32(3.0)}, x), jnp.float32(6.0))
+    close(reap(jax.vmap(g))(X), {"s": jnp.sin(X)})
+    if kind == "pure_callback":  # differentiated, the rule runs, as under jax.grad(g)
+        close(jax.grad(lambda x: call_and_reap(g)(x)[0])(x), jax.grad(g)(x))
+    else:
+        with pytest.raises(RuntimeError, match="runs only under differentiation"):
+            jax.grad(g)(x)
+        with pytest.raises(RuntimeError, match="runs only under differentiation"):
+            jax.grad(lambda x: call_and_reap(g)(x)[0])(x)
+
+
+def _rule_never_calls_the_body(kind):
+    """A custom derivative whose rule computes the primal itself: differentiated,
+    JAX never runs the body, where the sow is."""
+    if kind == "jvp":
+
+        @jax.custom_jvp
+        def g(x):
+            return sow(jnp.sin(x), name="s", mode="strict") * 2.0
+
+        @g.defjvp
+        def _g_jvp(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return 2.0 * jnp.sin(x), 2.0 * jnp.cos(x) * t
+
+        return g
+
+    @jax.custom_vjp
+    def v(x):
+        return sow(jnp.sin(x), name="s", mode="strict") * 2.0
+
+    v.defvjp(lambda x: (2.0 * jnp.sin(x), x), lambda x, ct: (2.0 * jnp.cos(x) * ct,))
+    return v
+
+
+@pytest.mark.parametrize("kind", ["jvp", "vjp"])
+def test_body_sows_of_a_custom_rule_differentiated_inside_are_reaped_on_the_primal(kind):
+    # By hand: the body sows sin(x) where f runs at x; a grad inside the
+    # harvested function runs the rule instead, but the value is still sin(x).
+    g = _rule_never_calls_the_body(kind)
+    x = jnp.float32(0.5)
+    grad, reaped = call_and_reap(jax.grad(g))(x)
+    close((grad, reaped), (2.0 * jnp.cos(x), {"s": jnp.sin(x)}))
+    (value, grad), reaped = call_and_reap(jax.value_and_grad(g))(x)
+    close((value, grad, reaped), (2.0 * jnp.sin(x), 2.0 * jnp.cos(x), {"s": jnp.sin(x)}))
+    close(jax.jit(reap(jax.grad(g)))(x), {"s": jnp.sin(x)})
+    close(reap(jax.vmap(jax.grad(g)))(X), {"s": jnp.sin(X)})
+    if kind == "jvp":
+        close(reap(lambda x: jax.jvp(g, (x,), (1.0,)))(x), {"s": jnp.sin(x)})
+    # Planting there could change nothing the rule computes: an error, not ignored.
+    with pytest.raises(ValueError, match=r"name='s'.*rule.*instead of its body"):
+        plant(jax.grad(g))({"s": jnp.float32(3.0)}, x)
+    # A rule that calls the body sows its names itself: reaped once, not twice.
+    g2, r2 = call_and_reap(jax.grad(log1pexp))(jnp.float32(0.7))
+    close((g2, r2), (jax.nn.sigmoid(jnp.float32(0.7)), {"exp": jnp.exp(jnp.float32(0.7))}))
 
 
 def test_custom_jvp_sowing_in_body_and_rule_is_a_clear_error_when_differentiated():
@@ -480,3 +568,24 @@ def test_grad_of_odeint_with_a_sow_in_the_vector_field():
     out, reaped = jax.jit(call_and_reap(decay))(1.0, 0.5)
     close(out, decay(1.0, 0.5))
     assert reaped["y"].shape == ()
+
+
+def test_grad_of_a_plant_inside_odeint_is_an_error_not_the_unplanted_adjoint():
+    # odeint's adjoint rule integrates the vector field it was given, which
+    # knows nothing of the plant: the truth, by hand-threading the plant into
+    # the field, differs from what that rule would give.
+    from jax.experimental.ode import odeint
+
+    ts = jnp.array([0.0, 1.0])
+
+    def decay(y0, k):
+        return odeint(lambda y, t, k: -k * sow(y, name="y", mode="clobber"), y0, ts, k)[-1]
+
+    def by_hand(k):
+        return odeint(lambda y, t, k: -k * (y * 0.5), 1.0, ts, k)[-1]
+
+    planted = lambda k: plant(decay)({"y": lambda y: y * 0.5}, 1.0, k)  # noqa: E731
+    close(planted(0.5), by_hand(0.5))  # the forward is right
+    np.testing.assert_allclose(jax.grad(by_hand)(0.5), -0.5 * np.exp(-0.25), rtol=1e-4)
+    with pytest.raises(ValueError, match=r"'_odeint'.*name='y'.*silently wrong"):
+        jax.grad(planted)(0.5)

@@ -1,5 +1,7 @@
 """Sows inside scan, fori_loop, while_loop, cond and switch."""
 
+import functools
+
 import conftest
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax import lax
 
-from harvest import call_and_reap, harvest, nest, plant, reap, sow, sow_cond
+from harvest import call_and_reap, harvest, nest, plant, reap, sites, sow, sow_cond
 
 
 def close(a, b):
@@ -461,25 +463,57 @@ def test_zero_size_append_in_scan_keeps_its_shape():
     assert reap(outer)(jnp.ones(4))["z"].shape == (8, 0)
 
 
-# n % 2 != 0 leaves a shorter remainder batch.
-@pytest.mark.parametrize("mode,n", [("append", 4), ("append", 5), ("collect", 5), ("clobber", 5)])
-def test_lax_map_with_batch_size_refuses_batch_shaped_occurrences(mode, n):
-    # lax.map(batch_size=b) is a scan over a vmap of b elements plus a remainder:
-    # a sow there fires once per batch, so reaps would depend on b. Refused;
-    # one value planted for every element means the same whatever b is.
-    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode=mode), xs, batch_size=2)
-    xs = jnp.arange(float(n))
-    with pytest.raises(ValueError, match=r"name='h'.*batch_size=b.*without batch_size"):
+# n % 2 != 0 leaves a shorter remainder batch; n < 2 has only the remainder.
+@pytest.mark.parametrize("mode", ["append", "clobber"])
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_lax_map_with_batch_size_reaps_and_plants_per_element_as_without(mode, n):
+    # lax.map(batch_size=b) is a scan over a vmap of b elements plus a remainder.
+    # Its sows are reaped and planted once per element, exactly as lax.map(f, xs)
+    # without batch_size, the reference (itself checked by hand).
+    def f(xs, batch_size):
+        g = lambda x: jnp.sin(sow(x * 2.0, name="h", mode=mode)) + x  # noqa: E731
+        return lax.map(g, xs, batch_size=batch_size)
+
+    batched, unbatched = functools.partial(f, batch_size=2), functools.partial(f, batch_size=None)
+    xs = jnp.arange(float(n)) / 3.0
+    out, reaped = call_and_reap(batched)(xs)
+    want_out, want = call_and_reap(unbatched)(xs)
+    close((out, reaped), (want_out, want))
+    close(want["h"], xs * 2.0 if mode == "append" else xs[-1] * 2.0)
+    # sites lists each element's sow of a batch apart; together they fire once per element.
+    assert sum(s.fires for s in sites(batched, xs)) == sum(s.fires for s in sites(unbatched, xs))
+    plants = [
+        {"h": jnp.float32(7.0)},  # one value for every element
+        {"h": lambda old: old * 10.0},  # sees one element
+        {"h": lambda old, i: old + i},  # the element's occurrence index
+    ]
+    if mode == "append":
+        plants.append({"h": jnp.arange(n) * 100.0})  # a row per element
+    for p in plants:
+        close(plant(batched)(p, xs), plant(unbatched)(p, xs))
+    close(plant(batched)(reaped, xs), plant(unbatched)(want, xs))
+    if mode == "append":  # every row planted back: f itself (a clobber plant sets each one)
+        close(plant(batched)(reaped, xs), batched(xs))
+    close(jax.jit(plant(batched))({"h": jnp.float32(7.0)}, xs), jnp.sin(7.0) + xs)
+    close(
+        jax.grad(lambda xs: call_and_reap(batched)(xs)[1]["h"].sum())(xs),
+        jax.grad(lambda xs: call_and_reap(unbatched)(xs)[1]["h"].sum())(xs),
+    )
+
+
+def test_lax_map_with_batch_size_refuses_collect_and_names_append():
+    # collect gives one entry stacked over lax.map's elements; sown once per
+    # element it would give one entry each, so it is refused, naming the fix.
+    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs, batch_size=2)  # noqa: E731
+    xs = jnp.arange(5.0)
+    with pytest.raises(ValueError, match=r"name='h'.*batch_size=b.*mode='append'"):
         reap(f)(xs)
-    with pytest.raises(ValueError, match=r"name='h'.*rows, or a callable"):
-        plant(f)({"h": jnp.ones((n,))}, xs)
-    with pytest.raises(ValueError, match=r"name='h'.*callable"):
+    with pytest.raises(ValueError, match=r"name='h'.*rows, or a callable.*mode='append'"):
         plant(f)({"h": lambda old: old + 1.0}, xs)
-    close(plant(f)({"h": 7.0}, xs), jnp.full(n, 7.0))
-    # Without batch_size it is an ordinary scan: one occurrence per element.
-    unbatched = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h", mode=mode), xs)
-    reaped = jax.tree_util.tree_leaves(reap(unbatched)(xs)["h"])[-1]
-    close(reaped, xs[-1] * 2.0 if mode == "clobber" else xs * 2.0)
+    close(plant(f)({"h": 7.0}, xs), jnp.full(5, 7.0))
+    # Without batch_size it is an ordinary scan: one entry stacked per element.
+    unbatched = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs)  # noqa: E731
+    close(reap(unbatched)(xs)["h"], (xs * 2.0,))
 
 
 def _while_per_example(x):

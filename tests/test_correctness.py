@@ -353,28 +353,27 @@ def _uses_solver(x):
     return _halving_solver(x) * x
 
 
-def test_grad_of_plant_in_a_custom_vjp_while_keeps_the_users_rule():
-    # By hand: out = solve(x) * x, d out/dx = solve'(x) * x + solve(x), with
-    # solve' the user's rule (0.125) and solve(x) the planted value.
+def test_grad_of_plant_in_a_custom_vjp_while_is_refused_not_silently_the_rules():
+    # The user's rule (0.125) describes the unplanted solver: by hand, with h
+    # planted to 5 the solver is the constant 5, and d out/dx = 5, not the
+    # rule's 0.125 * x + 5. So differentiating through it is an error.
     x = 2.0
-    value, grad = jax.value_and_grad(lambda x: plant(_uses_solver)({"h": 5.0}, x))(x)
-    assert float(value) == 5.0 * x
-    assert float(grad) == _RULE_SLOPE * x + 5.0
-    doubled = jax.jit(jax.grad(lambda x: plant(_uses_solver)({"h": lambda v: v * 2.0}, x)))(x)
-    assert float(doubled) == _RULE_SLOPE * x + x  # the planted body keeps v
+    assert float(plant(_uses_solver)({"h": 5.0}, x)) == 5.0 * x
+    for planted in (
+        lambda x: plant(_uses_solver)({"h": 5.0}, x),
+        lambda x: plant(_uses_solver)({"h": lambda v: v * 2.0}, x),
+        lambda p: plant(_uses_solver)({"h": p}, 2.0),
+    ):
+        with pytest.raises(ValueError, match=r"'_halving_solver'.*name='h'.*silently wrong"):
+            jax.grad(planted)(x)
+    with pytest.raises(ValueError, match=r"'_halving_solver'.*silently wrong"):
+        jax.jit(jax.grad(lambda x: plant(_uses_solver)({"h": 5.0}, x)))(x)
     # Reaping keeps working, and grad of the unharvested function is unchanged.
     out, reaped = harvest.harvest(_uses_solver)({}, x)
     assert float(reaped["h"]) == x / 8 and float(out) == float(_uses_solver(x))
     assert float(jax.grad(lambda x: harvest.harvest(_uses_solver)({}, x)[0])(x)) == float(
         jax.grad(_uses_solver)(x)
     )
-
-
-def test_grad_with_respect_to_a_plant_in_a_custom_vjp_while_is_refused():
-    planted = lambda p: plant(_uses_solver)({"h": p}, 2.0)  # noqa: E731
-    with pytest.raises(ValueError, match=r"name='h'.*'_halving_solver'.*stop_gradient"):
-        jax.grad(planted)(5.0)
-    assert float(jax.grad(lambda p: planted(jax.lax.stop_gradient(p)))(5.0)) == 0.0
 
 
 # -- item 7: non-array outputs pass through, as under equinox.filter_jit ----------
@@ -436,7 +435,7 @@ def test_a_per_example_plant_batches_a_site_vmap_left_unbatched():
         plant(_vmapped_unbatched_site)({"c": jnp.ones((4, 2))}, xs)  # 4 is not the batch
 
 
-def test_grad_of_plant_in_odeint_runs_the_adjoint_rule():
+def test_grad_of_plant_in_odeint_is_an_error_not_the_unplanted_adjoint():
     from jax.experimental.ode import odeint
 
     def decay(k):
@@ -444,7 +443,9 @@ def test_grad_of_plant_in_odeint_runs_the_adjoint_rule():
         return odeint(field, 1.0, jnp.array([0.0, 1.0]), k)[-1]
 
     k = 0.5
-    doubled, grad = jax.value_and_grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
+    doubled = plant(decay)({"rate": lambda r: 2.0 * r}, k)
     np.testing.assert_allclose(doubled, np.exp(-2.0 * k), rtol=1e-4)  # y' = -2ky, by hand
-    # The adjoint rule's derivative, of the unplanted solution exp(-k) (documented).
-    np.testing.assert_allclose(grad, -np.exp(-k), rtol=1e-4)
+    # By hand the derivative is -2 exp(-2k); odeint's adjoint rule, which
+    # cannot see the plant, would give the unplanted -exp(-k): refused.
+    with pytest.raises(ValueError, match=r"'_odeint'.*name='rate'.*silently wrong"):
+        jax.grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive, jaxpr_as_fun
+from jax.interpreters import batching
 
 from harvest import call_and_reap, extend, patching_sweep, plant, reap, sites, sow
 
@@ -109,3 +110,90 @@ def test_custom_vmap_under_vmap_in_a_batched_branch_is_a_clear_error():
         reap(g)(X)
     with pytest.raises(ValueError, match="batching rule instead of its body"):
         plant(g)({"h": jnp.ones(3)}, X)
+
+
+def _call_like_p(name: str, call: bool) -> Primitive:
+    """A call-like primitive (its body runs once on its inputs), registered with a
+    rule that re-binds it; `call` says whether its descriptor declares it so."""
+    call_p = Primitive(name)
+    call_p.multiple_results = True
+    call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+    call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+
+    def batched(args, dims, *, body):  # the body vmapped, bound again
+        run = jax.vmap(jaxpr_as_fun(body), in_axes=list(dims))
+        outs = call_p.bind(*args, body=jax.make_jaxpr(run)(*args))
+        return outs, [0] * len(outs)
+
+    batching.primitive_batchers[call_p] = batched
+
+    def rule(walk, eqn, invals):
+        body = eqn.params["body"]
+        return extend.retrace(walk, body.jaxpr, body.consts, invals).rebind(walk, eqn, "body")
+
+    bodies = lambda eqn: [extend.Body(name, eqn.params["body"].jaxpr)]  # noqa: E731
+    extend.register(call_p, extend.HigherOrder(bodies, rule=rule, call=call))
+    return call_p
+
+
+def _in_a_batched_cond(call_p):
+    def inner(y):
+        return jnp.sin(sow(y * 2.0, name="h", mode="clobber"))
+
+    def f(x):
+        sows = lambda x: call_p.bind(x, body=jax.make_jaxpr(inner)(x))[0]  # noqa: E731
+        return jax.lax.cond(x > 0.0, sows, lambda x: x - 1.0, x)
+
+    return jax.vmap(f)
+
+
+def test_retrace_rebind_keeps_a_custom_call_and_matches_the_function():
+    call_p = _call_like_p("rebound_call", call=True)
+    f = lambda x: call_p.bind(x, body=jax.make_jaxpr(lambda y: sow(y * y, name="sq"))(x))[0]  # noqa: E731
+    out, reaped = call_and_reap(f)(X)
+    np.testing.assert_allclose(out, X * X)
+    np.testing.assert_allclose(reaped["sq"][0], X * X)
+    assert "rebound_call" in str(jax.make_jaxpr(reap(f))(X))
+    np.testing.assert_allclose(plant(f)({"sq": (jnp.ones(3),)}, X), np.ones(3))
+
+
+def test_a_custom_primitive_in_a_batched_cond_names_the_registration_that_fixes_it():
+    xs = jnp.array([0.5, -1.0, 2.0])
+    stuck = _in_a_batched_cond(_call_like_p("opaque_call", call=False))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"name='h'.*primitive `opaque_call`.*HigherOrder\(\.\.\., call=True\)",
+    ):
+        reap(stuck)(xs)
+    # Declared call-like, harvest inlines it in the branch: reaped per example,
+    # the taken branch's value (zeros where the other branch ran), as by hand.
+    fixed = _in_a_batched_cond(_call_like_p("declared_call", call=True))
+    out, reaped = call_and_reap(fixed)(xs)
+    np.testing.assert_allclose(out, np.where(xs > 0, np.sin(2 * xs), xs - 1.0), rtol=1e-6)
+    np.testing.assert_allclose(reaped["h"], np.where(xs > 0, 2 * xs, 0.0), rtol=1e-6)
+
+
+def test_a_call_like_primitive_registered_without_a_rule_is_walked_in_place():
+    call_p = Primitive("default_call")
+    call_p.multiple_results = True
+    call_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+    call_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+    bodies = lambda eqn: [extend.Body("default_call", eqn.params["body"].jaxpr)]  # noqa: E731
+    extend.register(call_p, extend.HigherOrder(bodies, call=True))
+    inner = lambda y: jnp.cos(sow(y * 3.0, name="h", mode="strict"))  # noqa: E731
+    f = lambda x: call_p.bind(x, body=jax.make_jaxpr(inner)(x))[0]  # noqa: E731
+    out, reaped = call_and_reap(f)(X)
+    np.testing.assert_allclose(out, np.cos(3 * X), rtol=1e-6)
+    np.testing.assert_allclose(reaped["h"], 3 * X, rtol=1e-6)
+    np.testing.assert_allclose(plant(f)({"h": jnp.zeros(3)}, X), np.ones(3))
+    # Not call-like and without a rule: a sow there is an error naming the primitive.
+    other_p = Primitive("ruleless_loop")
+    other_p.multiple_results = True
+    other_p.def_impl(lambda *xs, body: jaxpr_as_fun(body)(*xs))
+    other_p.def_abstract_eval(lambda *xs, body: body.out_avals)
+    extend.register(other_p, extend.HigherOrder(bodies))
+    g = lambda x: other_p.bind(x, body=jax.make_jaxpr(inner)(x))[0]  # noqa: E731
+    with pytest.raises(
+        NotImplementedError, match=r"no rule for the primitive `ruleless_loop`.*name='h'"
+    ):
+        reap(g)(X)

@@ -1,3 +1,12 @@
 """One module per family of higher-order primitives; importing registers the rules."""
 
-from . import batched_cond, calls, cond, custom_vmap, loops, sharding, solves  # noqa: F401
+from . import (  # noqa: F401
+    batched_cond,
+    batched_lax_map,
+    calls,
+    cond,
+    custom_vmap,
+    loops,
+    sharding,
+    solves,
+)

@@ -36,12 +36,13 @@ import numpy as np
 
 from .. import _errors, _jax
 from .._evaluator import evaluate
-from .._higher_order import describe
-from .._interpreter import Walk, register, sites_in
-from .._occurrences import MARKERS, most_count
+from .._higher_order import HigherOrder, describe, register
+from .._interpreter import Walk
+from .._occurrences import most_count
 from .._paths import path_str
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
 from .._site import Site
+from .._sow_index import sites_in
 
 LAST = -1  # the `branch` of the marker after the last branch
 
@@ -81,16 +82,17 @@ def rewrite(
     consts: Sequence[Any],
     args: Sequence[Any],
     found: list[Occurrence],
-    stuck: set[Site],
+    stuck: set[tuple[Site, str]],
 ) -> list[Any]:
     """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
-    the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
+    the sites it cannot bring out (inside while loops, custom derivatives), each with
+    the name of the primitive it sits in, go to `stuck`."""
 
     def step(eqn: Any, invals: list[Any]) -> Any:
         if eqn.primitive is sow_p and eqn.params.get("role") == "unplantable":
             # A custom_vmap body's sow, shown where its batching rule ran (see
             # `_rules/custom_vmap`): it cannot leave the branch as a slot.
-            stuck.add(Site.of(eqn))
+            stuck.add((Site.of(eqn), "custom_vmap_call"))
             return sow_p.bind(*invals, **eqn.params)
         if eqn.primitive is sow_p:
             return _rewrite_sow(eqn, invals, found)
@@ -103,7 +105,7 @@ def rewrite(
         if how.inlinable:  # as if inlined: a jit's boundary, a checkpoint's policy dropped here
             (body,) = how.bodies(eqn)
             return rewrite(body.jaxpr, body.consts, invals, found, stuck)
-        stuck.update(site for j in subs for site in sites_in(j))
+        stuck.update((site, eqn.primitive.name) for j in subs for site in sites_in(j))
         return _jax.rebind(eqn, invals)
 
     return evaluate(jaxpr, consts, args, step)
@@ -136,7 +138,7 @@ class _Slot:
 
 def united(
     branches: tuple[Any, ...], group: int | None
-) -> tuple[list[Any], list[_Slot], set[Site]]:
+) -> tuple[list[Any], list[_Slot], set[tuple[Site, str]]]:
     """Each branch rewritten to also return the slots of every branch; with a
     `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
     specs = [
@@ -144,7 +146,7 @@ def united(
     ]
     n_outs = len(branches[0].out_avals)
     traced: list[tuple[Any, dict[Any, _Slot]]] = []
-    stuck: set[Site] = set()
+    stuck: set[tuple[Site, str]] = set()
     for b, br in enumerate(branches):
         found: list[Occurrence] = []
 
@@ -260,14 +262,11 @@ def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
     return max(most, n) if p["branch"] == LAST else start
 
 
-MARKERS[branch_p] = recount
-
 _counts: weakref.WeakKeyDictionary[Walk, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-@register(branch_p)
 def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     p = eqn.params
     groups = _counts.setdefault(walk, {})
@@ -281,19 +280,24 @@ def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     stuck = p["stuck"]
     if p["branch"] == LAST:
         del groups[p["group"]]
-        stuck = tuple(_unless_harvested(walk, site) for site in stuck)
+        stuck = tuple(pair for pair in stuck if not _harvested(walk, *pair))
     # What is left goes to an outer harvest, its names as it will see them.
     stuck = tuple(
-        dataclasses.replace(s, path=walk.policy.prefix + s.path) for s in stuck if s is not None
+        (dataclasses.replace(s, path=walk.policy.prefix + s.path), where) for s, where in stuck
     )
     return list(branch_p.bind(**dict(p, stuck=stuck)))
 
 
-def _unless_harvested(walk: Walk, site: Site) -> Site | None:
-    """A stuck site, or None once this walk has planted it (in every branch, as it should)."""
+def _harvested(walk: Walk, site: Site, where: str) -> bool:
+    """Whether this walk has planted a stuck site (in every branch, as it should);
+    one it would record instead is an error, one it leaves alone is not."""
     key = walk.policy.key(site)
     if not walk.policy.handles(site) or (not walk.reap and key not in walk.plants):
-        return site
+        return False
     if key in walk.plants:
-        return None
-    raise _errors.stuck_in_batched_branch(site)
+        return True
+    raise _errors.stuck_in_batched_branch(site, where)
+
+
+# A marker: no bodies, a rule the walk runs at each one, and how it moves counts.
+register(branch_p, HigherOrder(lambda eqn: [], rule=_marker, recount=recount))

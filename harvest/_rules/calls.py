@@ -17,19 +17,21 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _errors, _jax
-from .._higher_order import HigherOrder, call_body, declare, forwards_through_call
+from .._evaluator import evaluate
+from .._higher_order import HigherOrder, call_body, describe, forwards_through_call, register
 from .._interpreter import (
     Policy,
     Walk,
     inside_rule,
     interpret,
     jvp_rule,
-    register,
     retrace,
     rule_sites,
-    sites_in,
 )
 from .._paths import path_str
+from .._primitive import sow_p, tracing_a_harvest
+from .._site import Site
+from .._sow_index import sites_in
 
 
 def _call_like(label: str, **extra: Any) -> HigherOrder:
@@ -38,22 +40,11 @@ def _call_like(label: str, **extra: Any) -> HigherOrder:
 
 def _restage_remat(eqn: Any, invals: list[Any], staged: Any, extra: Any) -> list[Any]:
     remat = _jax.Remat.of(eqn)
-    (body,) = REMAT.bodies(eqn)
+    (body,) = call_body("checkpoint")(eqn)
     fn = jax.checkpoint(staged(body), prevent_cse=remat.prevent_cse, policy=remat.policy)
     return list(fn(*invals, *extra))
 
 
-declare(_jax.jit_p)(_call_like("jit"))
-for _plain in (_jax.closed_call_p, _jax.core_call_p):
-    declare(_plain)(_call_like(_plain.name))
-REMAT = declare(_jax.remat_p)(_call_like("checkpoint", restage=_restage_remat))
-declare(_jax.custom_jvp_call_p)(
-    _call_like("custom_jvp", custom_rule="jvp", jvp_rule=_jax.custom_jvp_rule)
-)
-declare(_jax.custom_vjp_call_p)(_call_like("custom_vjp", custom_rule="vjp"))
-
-
-@register(_jax.jit_p, _jax.closed_call_p, _jax.remat_p)
 def _call(walk, eqn, invals):
     body = _jax.call_body(eqn)
     r = retrace(walk, body.jaxpr, body.consts, invals)
@@ -66,7 +57,8 @@ def _call(walk, eqn, invals):
 # inside changes the function the rule describes, so the planted body is
 # inlined and differentiated by ordinary autodiff instead -- except in a
 # custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
-# cannot reverse: there the planted forward runs under the user's backward rule.
+# cannot reverse: there the planted forward runs, and differentiating it is an
+# error (the user's rule cannot see the plant, so its gradient would be wrong).
 
 
 def original_of(eqn):
@@ -143,15 +135,15 @@ def with_jvp(body, original, k, n, nconsts):
 def with_vjp(body, original, k, n, nconsts, refusal=None):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp.
 
-    `refusal`: raised where the closed-over inputs are differentiated (they hold
-    values planted into a body the user's rule describes without them)."""
+    `refusal`: raised where any input is differentiated: a value is planted into
+    the body, which the user's rule describes without it."""
 
     @jax.custom_vjp
     def wrapped(*xs):
         return body(*xs)
 
     def fwd(*xs):
-        if refusal is not None and any(x.perturbed for x in xs[:k]):
+        if refusal is not None and any(x.perturbed for x in xs):
             raise refusal
         xs = [x.value for x in xs]
         return body(*xs), xs
@@ -179,7 +171,6 @@ def with_vjp(body, original, k, n, nconsts, refusal=None):
 
 
 _keeping_the_jvp_rule = _keeping_the_rule(with_jvp)
-register(_jax.custom_vjp_call_p)(_keeping_the_rule(with_vjp))
 
 
 # Sows in a custom_jvp's JVP rule. JAX runs the rule instead of the body where
@@ -206,10 +197,10 @@ def holds_rule_sows(jaxpr: Any, policy: Policy) -> bool:
     return any(rule_only_sites(policy, eqn) for eqn in jaxpr.eqns)
 
 
-@register(_jax.custom_jvp_call_p)
 def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
-    rule_only = rule_only_sites(walk.policy, eqn)
-    if not rule_only or not _jax.differentiating():
+    # The rule is traced only where JAX differentiates: elsewhere it never runs.
+    rule_only = rule_only_sites(walk.policy, eqn) if _jax.differentiating() else {}
+    if not rule_only:
         return _keeping_the_jvp_rule(walk, eqn, invals)
     call = _jax.call_body(eqn)
     in_body = walk.handled_sites([call.jaxpr])
@@ -262,3 +253,66 @@ def _zero_tangent(x: Any) -> Any:
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(jnp.shape(x), jax.dtypes.float0)
+
+
+# ---------------------------------------------------------------------------
+# A custom derivative differentiated inside the harvested function
+# (`reap(jax.grad(f))`): JAX runs the rule (a custom_jvp's JVP rule, a
+# custom_vjp's forward) in place of the body, so the body's sows would vanish
+# from the program. While a harvest traces, the body's sows the rule does not
+# sow itself are shown to the walk as the body sows them on the primals
+# (role "rule_replaced": reaped; a plant there is an error, as it could not
+# change what the rule computes).
+
+
+def _show_replaced_sows(primals: list[Any], body: Any, rule: Any) -> None:
+    if not tracing_a_harvest():
+        return
+    walked = body()
+    if walked is None or not sites_in(walked.jaxpr):
+        return
+    ran = rule()
+    if ran is None:  # the rule cannot be traced apart: what it sows is not known
+        return
+    sown = {(s.tag, s.path) for s in sites_in(ran.jaxpr)}
+    missing = {(s.tag, s.path) for s in sites_in(walked.jaxpr)} - sown
+    if missing:
+        step = functools.partial(_replaced_sows, missing)
+        evaluate(walked.jaxpr, walked.consts, primals, step)
+
+
+def _replaced_sows(missing: set[Any], eqn: Any, invals: list[Any]) -> Any:
+    """The evaluator step that binds only the `missing` sows, marked replaced by a rule."""
+    if eqn.primitive is sow_p:
+        site = Site.of(eqn)
+        if (site.tag, site.path) not in missing:
+            return invals[: len(eqn.outvars)]
+        return sow_p.bind(*invals, **dict(eqn.params, role="rule_replaced"))
+    how = describe(eqn)
+    if how.inlinable and sites_in(_jax.call_body(eqn).jaxpr):
+        (inner,) = how.bodies(eqn)
+        return evaluate(
+            inner.jaxpr, inner.consts, invals, functools.partial(_replaced_sows, missing)
+        )
+    return _jax.rebind(eqn, invals)
+
+
+_jax.on_custom_rule_run(_show_replaced_sows)
+
+
+# ---------------------------------------------------------------------------
+# Registration: one per primitive.
+
+register(_jax.jit_p, _call_like("jit", rule=_call))
+register(_jax.closed_call_p, _call_like(_jax.closed_call_p.name, rule=_call))
+# A plain call: the default rule of a call-like primitive walks its body in place.
+register(_jax.core_call_p, _call_like(_jax.core_call_p.name))
+register(_jax.remat_p, _call_like("checkpoint", restage=_restage_remat, rule=_call))
+register(
+    _jax.custom_jvp_call_p,
+    _call_like("custom_jvp", custom_rule="jvp", jvp_rule=_jax.custom_jvp_rule, rule=_custom_jvp),
+)
+register(
+    _jax.custom_vjp_call_p,
+    _call_like("custom_vjp", custom_rule="vjp", rule=_keeping_the_rule(with_vjp)),
+)

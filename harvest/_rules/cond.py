@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
-from .._higher_order import Body, HigherOrder, declare
-from .._interpreter import interpret, register
+from .._higher_order import Body, HigherOrder, register
+from .._interpreter import interpret
 from .._occurrences import Record, static_counts
 from .._site import Site
 from .._steps import Steps
@@ -92,7 +92,6 @@ def _normalize(exported, children):
     return out
 
 
-@register(_jax.cond_p)
 def _cond(walk, eqn, invals):
     branches = _jax.cond_branches(eqn)
     index, ops = invals[0], invals[1:]
@@ -179,7 +178,7 @@ def _restage(eqn, invals, staged, extra):
 
 
 def _in_batched_branch(
-    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[Site]
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[tuple[Site, str]]
 ) -> list[Any]:
     """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
     branches = _jax.cond_branches(eqn)
@@ -190,12 +189,14 @@ def _in_batched_branch(
     return list(outs[: len(branches[0].out_avals)])
 
 
-declare(_jax.cond_p)(
+register(
+    _jax.cond_p,
     HigherOrder(
         _branches,
+        rule=_cond,
         alternatives=True,
         forwards=_forwards,
         restage=_restage,
         batched_branch=_in_batched_branch,
-    )
+    ),
 )

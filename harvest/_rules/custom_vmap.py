@@ -27,9 +27,9 @@ from jax.custom_batching import custom_vmap
 from .. import _jax, extend
 from .._evaluator import evaluate
 from .._higher_order import describe
-from .._interpreter import sites_in
 from .._primitive import sow_p, tracing_a_harvest
 from .._site import Site
+from .._sow_index import sites_in
 
 
 def _function(eqn: Any) -> list[extend.Body]:
@@ -66,7 +66,8 @@ def _custom_vmap(walk: extend.Walk, eqn: Any, invals: list[Any]) -> list[Any]:
 
 
 extend.register(
-    _jax.custom_vmap_p, extend.HigherOrder(_function, call=True, custom_rule="vmap"), _custom_vmap
+    _jax.custom_vmap_p,
+    extend.HigherOrder(_function, rule=_custom_vmap, call=True, custom_rule="vmap"),
 )
 
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
-from .._higher_order import UNBOUNDED, Body, HigherOrder, declare, split_extra
-from .._interpreter import interpret, register
+from .._higher_order import UNBOUNDED, Body, HigherOrder, register, split_extra
+from .._interpreter import interpret
 from .._modes import MODES
 from .._occurrences import Record, stacked_record, varies
 from .._site import Site
@@ -34,7 +34,6 @@ def _no_strict(sites, where):
             raise _errors.strict_in_loop(site, where)
 
 
-@register(_jax.scan_p)
 def _scan(walk, eqn, invals):
     p = _jax.Scan.of(eqn)
     body = p.body
@@ -94,7 +93,6 @@ def _scan(walk, eqn, invals):
     return [*c, *ys]
 
 
-@register(_jax.while_p)
 def _while(walk, eqn, invals):
     p = _jax.While.of(eqn)
     cond, body = p.cond, p.body
@@ -269,7 +267,7 @@ def _restage_scan(eqn, invals, staged, extra):
 
 
 def _scan_in_batched_branch(
-    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[Site]
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[tuple[Site, str]]
 ) -> list[Any]:
     """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
     p = _jax.Scan.of(eqn)
@@ -340,20 +338,20 @@ def _last_sown(
     return Occurrence(params, leaves, jnp.any(present, axis=0))
 
 
-declare(_jax.scan_p)(
-    HigherOrder(
-        _scan_body,
-        forwards=_scan_forwards,
-        restage=_restage_scan,
-        batched_branch=_scan_in_batched_branch,
-    )
-)
-
-
 def _while_bodies(eqn):
     p = _jax.While.of(eqn)
+    # The predicate reads its own consts and the carry, not the body's consts.
+    ncc, nbc = p.cond_nconsts, p.body_nconsts
+    predicate_reads = (*range(ncc), *range(ncc + nbc, len(eqn.invars)))
     return [
-        Body("while", p.cond.jaxpr, p.cond.consts, runs=UNBOUNDED, predicate=True),
+        Body(
+            "while",
+            p.cond.jaxpr,
+            p.cond.consts,
+            runs=UNBOUNDED,
+            predicate=True,
+            inputs=predicate_reads,
+        ),
         Body("while", p.body.jaxpr, p.body.consts, runs=UNBOUNDED),
     ]
 
@@ -378,4 +376,20 @@ def _restage_while(eqn, invals, staged, extra):
     return [*carry, *more]
 
 
-declare(_jax.while_p)(HigherOrder(_while_bodies, forwards=_while_forwards, restage=_restage_while))
+# ---------------------------------------------------------------------------
+# Registration: one per primitive.
+
+register(
+    _jax.scan_p,
+    HigherOrder(
+        _scan_body,
+        rule=_scan,
+        forwards=_scan_forwards,
+        restage=_restage_scan,
+        batched_branch=_scan_in_batched_branch,
+    ),
+)
+register(
+    _jax.while_p,
+    HigherOrder(_while_bodies, rule=_while, forwards=_while_forwards, restage=_restage_while),
+)

@@ -19,8 +19,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from .. import _jax
-from .._higher_order import Body, HigherOrder, declare
-from .._interpreter import interpret, register
+from .._higher_order import Body, HigherOrder, register
+from .._interpreter import interpret
 from .._occurrences import Record, merge_rows, static_counts
 
 
@@ -33,9 +33,6 @@ def _lift(site, shards):
 def _per_shard(eqn):
     p = _jax.ShardMap.of(eqn)
     return [Body("shard_map", p.body, runs=p.shards, per_run_stacked=True)]
-
-
-declare(_jax.shard_map_p)(HigherOrder(_per_shard))
 
 
 def _varying(site):
@@ -56,7 +53,6 @@ def _row_index(mesh, axes, varying):
     return idx
 
 
-@register(_jax.shard_map_p)
 def _shard_map(walk, eqn, invals):
     p = _jax.ShardMap.of(eqn)
     body, axes, shards = p.body, p.axes, p.shards
@@ -115,3 +111,6 @@ def _shard_map(walk, eqn, invals):
         seen[path] = n if mode.entries else shards * n if mode.rows else 1
     walk.absorb(records, seen)
     return list(outs)
+
+
+register(_jax.shard_map_p, HigherOrder(_per_shard, rule=_shard_map))

@@ -13,8 +13,8 @@ inlined and differentiated as written.
 from __future__ import annotations
 
 from .. import _errors, _jax
-from .._higher_order import Body, HigherOrder, declare
-from .._interpreter import interpret, register, retrace
+from .._higher_order import Body, HigherOrder, register
+from .._interpreter import interpret, retrace
 from .calls import original_of, with_jvp
 
 
@@ -29,10 +29,6 @@ def _functions(eqn):
     ]
 
 
-declare(_jax.linear_solve_p)(HigherOrder(_functions))
-
-
-@register(_jax.linear_solve_p)
 def _linear_solve(walk, eqn, invals):
     jaxprs, lengths = _jax.LinearSolve.of(eqn)
     solve = jaxprs.solve
@@ -57,3 +53,6 @@ def _linear_solve(walk, eqn, invals):
 
     wrapped = with_jvp(solved, original_of(eqn), k, r.num_outs, 0)
     return r.finish(walk, wrapped(*r.args[:k], *invals))
+
+
+register(_jax.linear_solve_p, HigherOrder(_functions, rule=_linear_solve))

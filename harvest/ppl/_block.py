@@ -24,12 +24,12 @@ from typing import Any
 import jax
 
 from .. import _errors
-from .._interpreter import sites_in
 from .._jax import sub_jaxprs
 from .._paths import path_str
 from .._primitive import sow_p
 from .._site import Site
 from .._sow import sow
+from .._sow_index import sites_in
 from .._tracing import make_jaxpr
 from .._transforms import harvest_tags
 from .._typing import P, R

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jax
-from .._interpreter import sites_in
 from .._jax import sub_jaxprs
 from .._paths import path_str
 from .._primitive import sow_p
 from .._site import Site
+from .._sow_index import sites_in
 from .._transforms import call_and_reap
 from ._inverse import (
     INVERSES,

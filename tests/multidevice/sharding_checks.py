@@ -218,6 +218,80 @@ def test_one_branch_cond_under_explicit_sharding(mode):
             np.testing.assert_allclose(np.ravel(got), np.full(8, expected))
 
 
+def _one_branch(mode):
+    def step(x):
+        sows = lambda x: sow(x * 2.0, name="h", mode=mode) + 1.0  # noqa: E731
+        return jax.lax.cond(x.sum() > 0.0, sows, lambda x: x - 1.0, x)
+
+    return step
+
+
+def _in_scan(mode):
+    return lambda x: jax.lax.scan(lambda c, _: (_one_branch(mode)(c), None), x, None, length=3)[0]
+
+
+def _in_while(mode):
+    body = lambda c: (c[0] + 1, _one_branch(mode)(c[1]))  # noqa: E731
+    return lambda x: jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+
+def _in_jit(mode):
+    return jax.jit(_one_branch(mode))
+
+
+def _jit_in_branch(mode):
+    sows = jax.jit(lambda x: sow(x * 2.0, name="h", mode=mode) + 1.0)
+    return lambda x: jax.lax.cond(x.sum() > 0.0, sows, lambda x: x - 1.0, x)
+
+
+# Each program by hand for x = full(8, x0): the values of h it sows, in order.
+# One step maps c to 2c + 1 (sowing 2c) where c > 0, else to c - 1.
+def _sown_by_hand(x0, steps):
+    c, sown = x0, []
+    for _ in range(steps):
+        if c > 0:
+            sown.append(2.0 * c)
+        c = 2.0 * c + 1.0 if c > 0 else c - 1.0
+    return c, sown
+
+
+@pytest.mark.parametrize(
+    "where,steps",
+    [("cond", 1), ("scan", 3), ("while", 3), ("jit", 1), ("jit_in_branch", 1)],
+)
+@pytest.mark.parametrize("x0", [1.0, -1.0])
+def test_one_branch_cond_under_explicit_sharding_in_loops_and_jits(where, steps, x0):
+    # A carried name (clobber) rides a scan's or a while's carry: its zeros
+    # before the first sow must be typed as the sow's value (sharded along "d").
+    build = {
+        "cond": _one_branch,
+        "scan": _in_scan,
+        "while": _in_while,
+        "jit": _in_jit,
+        "jit_in_branch": _jit_in_branch,
+    }[where]
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = build("clobber")
+    last, sown = _sown_by_hand(x0, steps)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(jnp.full(8, x0), NamedSharding(mesh, P("d")))
+        out, reaped = call_and_reap(f)(x)
+        np.testing.assert_allclose(out, np.full(8, last))
+        np.testing.assert_allclose(reaped["h"], np.full(8, sown[-1] if sown else 0.0))
+        planted = plant(f)({"h": jnp.full(8, 5.0, jnp.float32)}, x)
+        # By hand: every sow gives 5 (so the step gives 6) where it fires.
+        c = x0
+        for _ in range(steps):
+            c = 6.0 if c > 0 else c - 1.0
+        np.testing.assert_allclose(planted, np.full(8, c))
+        if where == "scan":  # append: a row per iteration, zeros where the cond did not sow
+            c, by_hand = x0, []
+            for _ in range(steps):
+                by_hand.append(np.full(8, 2.0 * c if c > 0 else 0.0))
+                c = 2.0 * c + 1.0 if c > 0 else c - 1.0
+            np.testing.assert_allclose(reap(build("append"))(x)["h"], np.stack(by_hand))
+
+
 def partly_varying(x):
     total = jax.lax.psum(x, "y")  # varies over "x" only
     return sow(total * 2.0, name="t", mode="clobber") + x

@@ -1,0 +1,65 @@
+"""`lax.map(f, xs, batch_size=b)`: its sows, one per element, as without `batch_size`.
+
+JAX runs such a map as a scan over batches of `b` elements, `f` vmapped over
+each batch, then `f` vmapped over the remainder. A sow in `f` would fire once
+per batch with a `[b, ...]` value, so what is reaped, and which plant row
+lands where, would depend on `b`, a memory knob. Instead, where a walk handles
+such a sow, `f` is traced again (`_transforms`) with the sow's batching rule
+unrolled: each batch binds one sow per element, in element order, and stacks
+their values back into the batch. The walk then sees exactly the occurrences
+of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
+value (a callable plant sees one element). The unrolled program holds `b`
+sows per batch, one equation each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from .. import _jax
+from .._primitive import sow_p
+
+# The (tag, path) of the sites unrolled per element where a batched lax.map stages
+# them. Part of jit's cache key, so no trace is reused across.
+_per_element = _jax.trace_value(
+    "harvest_lax_map_per_element", "Sites harvest sows once per element of a batched lax.map."
+)
+
+# Whether this JAX lets harvest unroll them (else a walk refuses such sows, see `_transforms`).
+SUPPORTED = _per_element is not None
+
+
+def per_element(sites: frozenset) -> Any:
+    """A context in which traced sows of `sites`, ``{(tag, path)}``, staged under a
+    batched `lax.map`'s vmap, fire once per element of the batch."""
+    if _per_element is None:
+        return contextlib.nullcontext()
+    return _per_element(sites or None)
+
+
+def _unrolled_here(params: dict[str, Any]) -> bool:
+    sites = _per_element.value if _per_element is not None else None
+    if not sites or (params["tag"], params["scope"] + (params["name"],)) not in sites:
+        return False
+    return _jax.staged_by_batched_lax_map(_jax.current_source_info())
+
+
+def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
+    if all(d is None for d in dims) or not _unrolled_here(params):
+        return jax_rule(axis_data, args, dims, **params)
+    per_element = []
+    for j in range(axis_data.size):
+        row = [
+            x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
+            for x, d in zip(args, dims)
+        ]
+        per_element.append(sow_p.bind(*row, **params))
+    outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
+    return outs, [0] * len(outs)
+
+
+_jax.wrap_batching(sow_p, _batch)
