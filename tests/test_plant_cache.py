@@ -183,7 +183,8 @@ def test_a_sweep_reads_the_new_value_of_an_array_f_closes_over():
 
     x, corrupt = jnp.array([1.0, 1.0, 1.0]), jnp.zeros(3)
     counts = []
-    for w in (w, w * 2.0, jnp.array([5.0, 6.0, 7.0]), jnp.array([-1.0, 0.5, 2.0])):
+    first = w
+    for w in (first, first * 2.0, jnp.array([5.0, 6.0, 7.0]), jnp.array([-1.0, 0.5, 2.0])):
         # A fresh metric of the same code each time (the loop's lambda): the same program.
         r = patching_sweep(f, reap(f)(x), (corrupt,), lambda y: y, axis=0)
         np.testing.assert_allclose(r.values, [np.asarray(w) ** 2])
