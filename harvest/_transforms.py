@@ -53,7 +53,7 @@ from ._eager_dispatch import NOT_TAKEN
 from ._inspect import sow_equations
 from ._interpreter import NameFilter, Policy, Tags, Walk, interpret, sites_in
 from ._interventions import code_as_data
-from ._occurrences import Plant, occurrences
+from ._occurrences import Plant, needs_batched_site, occurrences
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules.calls import holds_rule_sows
@@ -230,9 +230,15 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset()):
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
     resolved = _resolve_plants(plants, handled, policy, filtered)
     per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
+    per_example |= {
+        (site.tag, site.path)
+        for site in sites_in(closed.jaxpr)
+        if key(site) in resolved and needs_batched_site(resolved[key(site)], site)
+    }
     if per_example and not batched:
         # Sites vmap left unbatched (their value does not depend on the batched
-        # input), planted one value per example: traced again with them batched.
+        # input), planted one value per example, and callables planted at sites
+        # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example))
     for planted in resolved.values():
         planted.check_count(occurrences(closed.jaxpr, planted.site))
