@@ -329,7 +329,9 @@ def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any
     """An intervention adding ``scale * vector`` to the sown value (activation steering).
 
     Args:
-        vector: The direction to add, broadcast to the sown value's shape.
+        vector: The direction to add, broadcast to the sown value's shape. Under
+            a ``vmap`` inside ``f``, a vector shaped as ``reap`` returns the site
+            (batch axes leading) adds each example its own.
         scale: How much of it to add (a number or a scalar array; data, so a
             sweep over scales compiles once).
 
@@ -354,9 +356,12 @@ def patch_positions(
 
     Args:
         clean: A value of the site's shape, e.g. its value reaped from a clean run.
+            Under a ``vmap`` inside ``f``, shaped as ``reap`` returns the site
+            (batch axes leading), it gives each example its own; of one
+            example's shape, it is shared by every example.
         positions: An index, or a 1-D sequence of indices, along ``axis``.
-        axis: The axis of the sown value that ``positions`` index (negative
-            counts from the end).
+        axis: The axis of ``clean`` that ``positions`` index (negative counts
+            from the end); along a batch axis, the examples patched whole.
 
     Returns:
         A callable ``old -> new`` (a pytree), to plant at a site.
@@ -396,7 +401,7 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
         head: The head's index along ``axis`` (or a 1-D sequence of heads). It
             is data, not part of the compile cache key: planting another head
             reuses the compiled plant.
-        axis: The head axis of the sown value.
+        axis: The head axis of ``clean`` (counted as for ``patch_positions``).
 
     Returns:
         A callable ``old -> new`` (a pytree), to plant at a site.
@@ -427,7 +432,8 @@ def ablate_head(
     Args:
         head: The head's index along ``axis``, or a sequence of heads. It is
             data, so ablating another head reuses the compiled plant.
-        axis: The head axis of the sown value.
+        axis: The head axis of the sown value; under a ``vmap`` inside ``f``,
+            of one example, as ``f`` sows it (or counted from the end).
         mean: What to put there instead of zeros: the shape of one head's
             slice, or broadcastable to it (e.g. the site's value averaged over a
             reference batch, taken at that head). ``None``: zeros.

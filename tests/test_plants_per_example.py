@@ -350,3 +350,34 @@ def test_stream_sees_the_whole_batch_of_a_vmap_inside_f():
     assert [n for n, _ in seen] == ["h", "g"]
     for name, value in seen:
         np.testing.assert_allclose(value, reaped[name], rtol=1e-6)
+
+
+def test_a_sweep_over_layers_of_a_model_vmapped_inside():
+    # A scan over layers inside the vmap: each occurrence is a row h[j]; patch
+    # every example of it in turn (PatchOccurrence), or estimate it (AddRow).
+    step = lambda v, i: sow(v, name="h", mode="append")  # noqa: E731
+    model = lambda xs: (jax.vmap(lambda x: layers(x, step))(xs) ** 2).sum()  # noqa: E731
+    clean, corrupt = reap(model)(XS * -1.0)["h"], reap(model)(XS)["h"]  # [3, B, T, D]
+    per_example = jnp.moveaxis(clean, 1, 0)  # [B, 3, T, D]
+
+    def by_hand(j, b):  # layer j of example b takes its clean value
+        def one_example(x, c, is_b):
+            return layers(x, lambda v, i: jnp.where((i == j) & is_b, c[j], v))
+
+        return (jax.vmap(one_example)(XS, per_example, jnp.arange(B) == b) ** 2).sum()
+
+    base = model(XS)
+    r = patching_sweep(model, {"h": clean}, (XS,), lambda o: o, axis=0)
+    assert r.names == ("h[0]", "h[1]", "h[2]")
+    want = [[by_hand(j, b) - base for b in range(B)] for j in range(3)]
+    np.testing.assert_allclose(r.values, np.array(want), rtol=1e-4, atol=1e-5)
+
+    def offset(deltas):  # d metric / d h, every layer's value moved by its delta
+        one_example = lambda x, d: layers(x, lambda v, i: v + d[i.astype(int)])  # noqa: E731
+        return (jax.vmap(one_example)(XS, deltas) ** 2).sum()
+
+    grad = jnp.moveaxis(jax.grad(offset)(jnp.zeros_like(per_example)), 0, 1)  # [3, B, T, D]
+    r = attribution_patching(model, {"h": clean}, (XS,), lambda o: o, axis=0)
+    np.testing.assert_allclose(
+        r.values, ((clean - corrupt) * grad).sum(axis=(2, 3)), rtol=1e-4, atol=1e-5
+    )
