@@ -683,6 +683,15 @@ def plant_callable_arity(site: Any, fn: Any) -> TypeError:
     )
 
 
+def callable_plant_batched_apart(site: Any) -> ValueError:
+    return ValueError(
+        f"The planted callable for the sow site {site} would see one example of the vmaps "
+        f"around it, but vmap batched its leaves along different axes ({site.vmapped} leading "
+        "batch axes), which cannot be paired. This is a bug in harvest: please report it; "
+        "meanwhile plant a value, or sow the leaves as separate sites."
+    )
+
+
 # -- harvest.store ----------------------------------------------------------
 
 

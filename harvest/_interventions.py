@@ -67,6 +67,9 @@ class _Mean:
 
         return jax.tree_util.tree_map(fill, self.mean, old)
 
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        return self, _mapped(self, mean=_leading(self.mean, old))
+
 
 @pytree_dataclass(data=("vector", "scale"))
 class AddVector:
@@ -79,6 +82,9 @@ class AddVector:
             return (o + self.scale * v).astype(o.dtype)
 
         return jax.tree_util.tree_map(add, self.vector, old)
+
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        return self, _mapped(self, vector=_leading(self.vector, old), scale=None)
 
 
 @pytree_dataclass(data=("clean", "mask"), meta=("axes",))
@@ -97,6 +103,13 @@ class PatchWhere:
 
         return jax.tree_util.tree_map(patch, self.clean, old)
 
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        clean = _leading(self.clean, old)
+        if _shared(clean):
+            return self, None
+        mask, axes = _mask_of_one_example(self.axes)
+        return PatchWhere(self.clean, self.mask, axes), PatchWhere(clean, mask, axes)
+
 
 @pytree_dataclass(data=("fill", "indices"), meta=("axis",))
 class _FillAt:
@@ -112,6 +125,11 @@ class _FillAt:
             return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
 
         return jax.tree_util.tree_map(patch, self.fill(old), old)
+
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        # `axis` is an axis of one example, as `f` sows it; only the filling may be per example.
+        fill, axes = one_example(self.fill, old)
+        return _FillAt(fill, self.indices, self.axis), _mapped(self, fill=axes, indices=None)
 
 
 @pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
@@ -132,6 +150,14 @@ class PatchOccurrence:
 
         return jax.tree_util.tree_map(patch, self.clean, old)
 
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        clean = _leading(self.clean, old, stacked=True)
+        if _shared(clean):
+            return self, None
+        mask, axes = _mask_of_one_example(self.axes)
+        one = PatchOccurrence(self.clean, self.mask, self.which, axes)
+        return one, PatchOccurrence(clean, mask, None, axes)
+
 
 @pytree_dataclass(data=("deltas",))
 class AddRow:
@@ -141,6 +167,9 @@ class AddRow:
 
     def __call__(self, old: Any, index: jax.Array) -> Any:
         return jax.tree_util.tree_map(lambda d, o: (o + d[index]).astype(o.dtype), self.deltas, old)
+
+    def for_one_example(self, old: Any) -> tuple[Any, Any]:
+        return self, _mapped(self, deltas=_leading(self.deltas, old, stacked=True))
 
 
 def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
@@ -166,6 +195,100 @@ def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Arra
     for i in order:
         shape[axes[i]] = mask.shape[i]
     return jnp.reshape(jnp.transpose(mask, order), shape)
+
+
+# ---------------------------------------------------------------------------
+# Under vmap: an intervention sees one example, as the function sowing it does.
+#
+# A sow inside `jax.vmap` (in `f`, or in a model `instrument` wrapped and the
+# caller vmaps) files the batched value, its vmap axes leading. A planted
+# callable is applied to each example, vmapped over those axes, exactly as `f`
+# written with the callable inline would apply it. Two optional attributes let
+# a callable say more (both are looked up on the planted object):
+#
+#   per_example = False
+#       It is handed the whole batch, vmap axes leading (`stream`'s tap, which
+#       re-emits the batched sow).
+#   for_one_example(old) -> (callable, in_axes or None)
+#       It holds data with one value per example (a clean run's activations, a
+#       mask along a batch axis): the callable for one example of the vmap axis
+#       leading `old`, and `jax.vmap`'s in_axes for it (a prefix of its pytree),
+#       mapping those leaves along that axis. Without it, or with None for
+#       in_axes, every example shares the callable as it is.
+
+
+def applied_per_example(
+    fn: Any, old: Any, index: Any, batch: int, call: Callable[[Any, Any, Any, int], Any]
+) -> Any:
+    """``call(fn, old, index, 0)`` applied to each example of the ``batch`` vmap
+    axes leading every leaf of ``old``, as ``f`` vmapped would apply ``fn``; for
+    a callable that opts out, ``call(fn, old, index, batch)``, the last argument
+    saying how many vmap axes lead the ``old`` it is given.
+
+    ``index`` (None for a callable of the old value alone) is the occurrence
+    index: one for every example, or, counted by a ``while_loop`` whose
+    predicate vmap batches, one per example along the outermost vmap axes.
+    """
+    if not batch or getattr(fn, "per_example", True) is False:
+        return call(fn, old, index, batch)
+    one, axes = one_example(fn, old)
+    index_axis = 0 if index is not None and jnp.ndim(index) else None
+
+    # What is not mapped is closed over, not passed: a callable need not be a pytree.
+    args = [old] + [one] * (axes is not None) + [index] * (index_axis is not None)
+    in_axes = (0, *[axes] * (axes is not None), *[index_axis] * (index_axis is not None))
+
+    def each(o: Any, *rest: Any) -> Any:
+        it = iter(rest)
+        f = next(it) if axes is not None else one
+        i = next(it) if index_axis is not None else index
+        return applied_per_example(f, o, i, batch - 1, call)
+
+    return jax.vmap(each, in_axes=in_axes)(*args)
+
+
+def one_example(fn: Any, old: Any) -> tuple[Any, Any]:
+    """``fn`` for one example of the vmap axis leading ``old``, and vmap's in_axes
+    for it (None: shared by every example); see ``for_one_example`` above."""
+    split = getattr(fn, "for_one_example", None)
+    return split(old) if callable(split) else (fn, None)
+
+
+def _leading(data: Any, old: Any, stacked: bool = False) -> Any:
+    """vmap's in_axes for ``data`` (shaped as ``old``, or as a prefix of its pytree)
+    under the vmap axis leading ``old``: a leaf holding that axis too (after the
+    occurrences it stacks, if ``stacked``) is one value per example, mapped; a
+    leaf with fewer axes is one value for every example (broadcast), None."""
+    extra = int(stacked)
+
+    def axis(d: Any, o: Any) -> int | None:
+        whole = jnp.ndim(jax.tree_util.tree_leaves(o)[0]) + extra
+        return extra if jnp.ndim(d) == whole else None
+
+    return jax.tree_util.tree_map(axis, data, old)
+
+
+def _shared(axes: Any) -> bool:
+    """Whether in_axes map nothing (`tree_leaves` drops the Nones)."""
+    return not jax.tree_util.tree_leaves(axes)
+
+
+def _mapped(intervention: Any, **axes: Any) -> Any:
+    """in_axes for ``intervention``, its data fields given by ``axes``; None if nothing is mapped."""
+    if all(_shared(a) for a in axes.values()):
+        return None
+    return dataclasses.replace(intervention, **axes)
+
+
+def _mask_of_one_example(
+    axes: tuple[int, ...] | None,
+) -> tuple[int | None, tuple[int, ...] | None]:
+    """(vmap's in_axis for a mask along ``axes`` of a value whose leading axis is
+    a vmap's, ``axes`` counted for one example): the mask is mapped along its
+    axis for axis 0, if one is, and shared otherwise."""
+    if axes is None:
+        return None, None
+    return (axes.index(0) if 0 in axes else None), tuple(a - 1 for a in axes if a)
 
 
 def ablate_zero() -> Callable[[Any], Any]:
@@ -212,7 +335,9 @@ def add_vector(vector: ArrayLike, scale: ArrayLike = 1.0) -> Callable[[Any], Any
     """An intervention adding ``scale * vector`` to the sown value (activation steering).
 
     Args:
-        vector: The direction to add, broadcast to the sown value's shape.
+        vector: The direction to add, broadcast to the sown value's shape. Under
+            a ``vmap`` inside ``f``, a vector shaped as ``reap`` returns the site
+            (batch axes leading) adds each example its own.
         scale: How much of it to add (a number or a scalar array; data, so a
             sweep over scales compiles once).
 
@@ -237,9 +362,12 @@ def patch_positions(
 
     Args:
         clean: A value of the site's shape, e.g. its value reaped from a clean run.
+            Under a ``vmap`` inside ``f``, shaped as ``reap`` returns the site
+            (batch axes leading), it gives each example its own; of one
+            example's shape, it is shared by every example.
         positions: An index, or a 1-D sequence of indices, along ``axis``.
-        axis: The axis of the sown value that ``positions`` index (negative
-            counts from the end).
+        axis: The axis of ``clean`` that ``positions`` index (negative counts
+            from the end); along a batch axis, the examples patched whole.
 
     Returns:
         A callable ``old -> new`` (a pytree), to plant at a site.
@@ -279,7 +407,7 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
         head: The head's index along ``axis`` (or a 1-D sequence of heads). It
             is data, not part of the compile cache key: planting another head
             reuses the compiled plant.
-        axis: The head axis of the sown value.
+        axis: The head axis of ``clean`` (counted as for ``patch_positions``).
 
     Returns:
         A callable ``old -> new`` (a pytree), to plant at a site.
@@ -310,7 +438,8 @@ def ablate_head(
     Args:
         head: The head's index along ``axis``, or a sequence of heads. It is
             data, so ablating another head reuses the compiled plant.
-        axis: The head axis of the sown value.
+        axis: The head axis of the sown value; under a ``vmap`` inside ``f``,
+            of one example, as ``f`` sows it (or counted from the end).
         mean: What to put there instead of zeros: the shape of one head's
             slice, or broadcastable to it (e.g. the site's value averaged over a
             reference batch, taken at that head). ``None``: zeros.

@@ -19,6 +19,7 @@ from jax import lax
 
 from . import _errors
 from ._higher_order import UNBOUNDED, Body, bodies, describe
+from ._interventions import applied_per_example
 from ._primitive import sow_p
 from ._site import Site
 from ._sow_index import sow_index
@@ -260,12 +261,8 @@ class Plant:
         if callable(v):
             if _required_positional(v) > 2:
                 raise _errors.plant_callable_arity(site, v)
-            try:
-                new = v(old, self.start + i) if self.takes_index() else v(old)
-            except _errors.InterventionMisfit as err:
-                raise _errors.intervention_misfit_at(site, err) from None
-            what = "the value returned by the planted callable"
-        elif self.per_occurrence():
+            return _called(v, old, self.start + i if self.takes_index() else None, site)
+        if self.per_occurrence():
             if self.site.mode.entries:
                 if i >= len(v):
                     raise _errors.too_few_entries(site, len(v), i + 1)
@@ -329,6 +326,63 @@ class Plant:
             return lax.dynamic_slice_in_dim(l, idx * n, n)
 
         return Plant(site, jax.tree_util.tree_map(rows, self.value))
+
+
+def _called(fn: Callable[..., Any], old: Any, index: Any, site: Site) -> Any:
+    """A planted callable's value at `site`, given its old value (and the occurrence
+    `index`, None for a callable of the old value alone). Under vmap it sees one
+    example, as `f` does: it is applied per example, vmapped over the site's batch axes."""
+    batch = _batch_axes(site)
+
+    def call(fn: Any, old: Any, index: Any, left: int) -> Any:
+        # `left`: the vmap axes still leading `old` (all of them, for a callable that opts out).
+        new = fn(old) if index is None else fn(old, index)
+        what = "the value returned by the planted callable"
+        if left < batch:
+            what += (
+                " for one example of the vmap around the sow (a planted callable sees "
+                "one example, as the function does)"
+            )
+        one = _one_example(site, batch - left)
+        return jax.tree_util.tree_unflatten(one.tree, one.check(new, what))
+
+    try:
+        return applied_per_example(fn, old, index, batch, call)
+    except _errors.InterventionMisfit as err:
+        raise _errors.intervention_misfit_at(site, err) from None
+
+
+def _batch_axes(site: Site) -> int:
+    """How many leading vmap axes every leaf of `site` has (see `needs_batched_site`)."""
+    counts = set(site.vmapped or (0,))
+    if len(counts) > 1:  # `_transforms` traces such a site again with its leaves batched alike
+        raise _errors.callable_plant_batched_apart(site)
+    return counts.pop()
+
+
+def _one_example(site: Site, batch: int) -> Site:
+    """`site` as one example of the `batch` vmap axes leading its leaves sees it."""
+    if not batch:
+        return site
+    return dataclasses.replace(
+        site,
+        avals=tuple(a.update(shape=a.shape[batch:]) for a in site.avals),
+        vmapped=(0,) * len(site.avals),
+        axes=None if site.axes is None else tuple(names[batch:] for names in site.axes),
+    )
+
+
+def needs_batched_site(plant: Plant, site: Site) -> bool:
+    """Whether a callable `plant` at `site` needs every vmap around the sow to batch
+    all its leaves: one leaf's vmap axes cannot be paired with another's when
+    different vmaps batched them, and the callable takes one example of all."""
+    fn = plant.value
+    return (
+        callable(fn)
+        and getattr(fn, "per_example", True) is not False
+        and len(site.vmapped) > 1
+        and any(site.vmapped)
+    )
 
 
 def _takes_index(fn: Callable[..., Any]) -> bool:

@@ -39,13 +39,14 @@ from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
 from ._leaves import array_flags, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
-from ._occurrences import Plant, occurrences
+from ._occurrences import Plant, needs_batched_site, occurrences
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules import batched_lax_map
 from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
 from ._site import Site
+from ._sow_index import sites_in
 from ._stale import Snapshot
 from ._stateful import flattening_call, holds_no_nodes, stateful_objects
 from ._tracing import make_jaxpr
@@ -169,9 +170,16 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
     order, handled, filtered = _checked_sites(traced, static)
     resolved = _resolve_plants(traced.plants, handled, static.policy, filtered)
     per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
+    key = static.policy.key
+    per_example |= {
+        (site.tag, site.path)
+        for site in sites_in(traced.closed.jaxpr)
+        if key(site) in resolved and needs_batched_site(resolved[key(site)], site)
+    }
     if per_example and not batched:
         # Sites vmap left unbatched (their value does not depend on the batched
-        # input), planted one value per example: traced again with them batched.
+        # input), planted one value per example, and callables planted at sites
+        # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(traced.closed.jaxpr, planted.site))

@@ -43,6 +43,9 @@ class _Tap:
     callback: Callable[[str, Any], object]
     name: str
     sow_params: tuple[tuple[str, Any], ...]  # the site's sow params, as (key, value) pairs
+    # Handed the whole batch under a vmap inside `f`: it re-emits the sow as it
+    # was, batch axes leading (see `_interventions.applied_per_example`).
+    per_example = False
 
     def __call__(self, old: Any) -> Any:
         # JAX drops the callback's result; its stub asks for None, ours allows any.
