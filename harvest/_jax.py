@@ -742,3 +742,11 @@ def clear_with_jax(cache: Any, what: str) -> None:
     register = getattr(_util, "register_cache", None)
     if register is not None:
         register(cache, what)
+
+
+# The call primitives `harvest.view` draws closed, as one node named for the call
+# (jit, custom derivatives, checkpoint); loops and branches it draws open.
+CLOSED_CALLS = frozenset({
+    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+    "custom_vjp_call_jaxpr", "checkpoint", "remat", "named_call",
+})  # fmt: skip

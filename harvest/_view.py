@@ -26,6 +26,7 @@ import numpy as np
 
 from . import _errors
 from ._higher_order import bodies as _descriptor_bodies, operands_of
+from ._jax import CLOSED_CALLS
 from ._nnx_state import split_nodes
 from ._paths import path_str
 from ._primitive import sow_p
@@ -33,10 +34,6 @@ from ._site import Site
 from ._tracing import make_jaxpr
 
 _COUNTER = itertools.count()
-# Named calls (jit, custom derivatives, checkpoint) start closed, as one node
-# with the call's name; loops and branches start open.
-_CLOSED_CALLS = ("jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-                 "custom_vjp_call_jaxpr", "checkpoint", "remat", "named_call")  # fmt: skip
 
 
 class View:
@@ -410,7 +407,7 @@ class _Graph:
         bodies = _descriptor_bodies(eqn)
         kind = eqn.primitive.name
         label = _call_name(eqn) or (bodies[0].label if len(bodies) == 1 else kind)
-        closed = kind in _CLOSED_CALLS
+        closed = kind in CLOSED_CALLS  # named calls start closed; loops and branches open
         if group is not None and self.groups_[int(group[1:])]["label"] == label:
             label, closed = bodies[0].label, False  # the one call a named wrapper holds
         wrap = self._group("call", label, group, closed=closed, op=kind)

@@ -153,5 +153,10 @@ def test_a_jvp_rule_that_fails_otherwise_is_named():
         return sow(x * 2.0, name="h", mode="strict")
 
     broken.defjvp(lambda primals, tangents: (broken(primals[0]), tangents[0] @ jnp.ones(3)))
-    with pytest.raises(RuntimeError, match="JVP rule of the custom_jvp function `broken`"):
-        reap(broken)(1.0)
+    # Nothing differentiates: the rule is not traced, as under jax.jit.
+    assert reap(broken)(1.0) == {"h": 2.0}
+    # Differentiated, the rule fails as it does under jax.grad alone.
+    with pytest.raises(ValueError, match="matmul"):
+        jax.grad(broken)(1.0)
+    with pytest.raises(ValueError, match="matmul"):
+        reap(jax.grad(broken))(1.0)

@@ -134,16 +134,16 @@ def test_a_head_by_position_sweep_draws_one_panel_per_site_on_one_scale(sites):
         PatchingResult.plot_many([r])
 
 
-def test_the_readme_figures_are_drawn_by_scripts_and_linked_absolutely():
-    # The package index renders the README away from the repository: its images need
-    # absolute URLs, each naming a file of this repository that a script here draws.
+def test_the_readme_figures_are_drawn_by_scripts_and_linked_relatively():
+    # No public address exists yet: each image is a path in this repository (it renders
+    # in a checkout and on a forge), naming a file that a script here draws.
     root = pathlib.Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
     images = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", readme)
     assert images
     for url in images:
-        assert url.startswith("https://"), url
-        local = root / url.split("/main/", 1)[1]
+        assert not url.startswith(("http://", "https://", "/")), url
+        local = root / url
         assert local.stat().st_size > 0
         script = local.with_suffix(".py").read_text()
         assert local.name in script
