@@ -181,12 +181,12 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
         # input), planted one value per example, and callables planted at sites
         # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
-    for planted in resolved.values():
-        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
     in_maps = _in_batched_lax_maps(traced.closed.jaxpr, static.policy)
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
+    for planted in resolved.values():
+        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
     _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
     return _run(traced, static, resolved, order)
 

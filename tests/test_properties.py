@@ -7,6 +7,7 @@ import itertools
 import conftest
 import jax
 import jax.numpy as jnp
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 from jax import lax
 
@@ -490,6 +491,12 @@ def _wrapped(kind, body):
 def test_random_programs_sites_fire_as_often_as_reap_returns_rows(program, x):
     x = jnp.array(x, jnp.float32)
     f = build_appending(program)
+    if _has(program, "map_batched", inside="solve"):
+        # Known limit: a batched lax.map inside a custom_linear_solve is not sown once
+        # per element; harvest refuses it (never a silent answer).
+        with pytest.raises(ValueError, match="lax.map|cannot be stacked"):
+            reap(f)(x)
+        return
     fires = {}
     for info in sites(f, x):
         fires[info.name] = fires.get(info.name, 0) + info.fires

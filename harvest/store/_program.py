@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors
-from .._calling import make_jaxpr
 from .._inspect import sow_equations
 from .._paths import path_str
 from .._site import Site
+from .._tracing import make_jaxpr
 from .._transforms import call_and_reap, layer_tag, reap
 from .._typing import NameSelect
 
