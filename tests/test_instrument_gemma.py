@@ -44,19 +44,63 @@ def logits(model, params, tokens):
     return model.apply(params, tokens).logits
 
 
-def test_every_trace_has_the_sites_and_outputs_are_identical(gemma):
+def hand_forward(model, params, tokens):
+    """Gemma's forward written out from `Transformer.__call__` and `Block.__call__`: its
+    norms and attention called as submodules, the feed-forward from its weights. Returns
+    the logits and each block part's value, by the name instrument gives it."""
+    inner = model.bind(params)
+    t = tokens.shape[1]
+    positions, mask = jnp.arange(t)[None], jnp.tril(jnp.ones((1, t, t), bool))
+    x, values = inner.embedder.encode(tokens), {}
+    for i, block in enumerate(inner.blocks):
+        name, w = f"layer_{i}", params["params"][f"layer_{i}"]
+        normed = block.pre_attention_norm(x)
+        qkv = jnp.einsum("BTD,SNDH->SBTNH", normed, w["attn"]["qkv_einsum"]["w"])
+        _, attn = block.attn(normed, positions, None, mask)
+        after_attn = block.post_attention_norm(attn) + x
+        gate = jnp.einsum(
+            "...F,NFH->...NH", block.pre_ffw_norm(after_attn), w["mlp"]["gating_einsum"]
+        )
+        hidden = jax.nn.gelu(gate[..., 0, :]) * gate[..., 1, :]
+        mlp = hidden @ w["mlp"]["linear"]
+        x = block.post_ffw_norm(mlp) + after_attn
+        values |= {
+            f"{name}.pre_attention_norm": normed,
+            f"{name}.attn.qkv_einsum": qkv,
+            f"{name}.attn": attn,
+            f"{name}.mlp.Einsum_0": gate,
+            f"{name}.mlp.Einsum_1": mlp,
+            f"{name}.mlp": mlp,
+            name: x,
+        }
+    values["final_norm"] = inner.final_norm(x)
+    return inner.embedder.decode(values["final_norm"]), values
+
+
+def test_sites_hold_what_a_hand_written_forward_computes(gemma):
     model, params, tokens = gemma
     f = instrument(lambda p, t: model.apply(p, t).logits)
     np.testing.assert_array_equal(f(params, tokens), logits(model, params, tokens))
-    names = [s.name for s in sites(f, params, tokens, tag="modules")]
+    by_hand_logits, by_hand = hand_forward(model, params, tokens)
+    np.testing.assert_allclose(by_hand_logits, logits(model, params, tokens), rtol=1e-5, atol=1e-5)
+    reaped = reap(f, tag="modules")(params, tokens)
     # FeedForward's two share_scope'd einsums are sites of their own.
-    assert {"layer_0.mlp.Einsum_0", "layer_0.mlp.Einsum_1", "layer_0.mlp", "layer_1"} <= set(names)
-    reaped = reap(f, tag="modules")(params, tokens)  # after sites(): still every site
-    assert set(reaped) == set(names)
-    with pytest.raises(ValueError):
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert set(by_hand) <= set(reaped)
+    assert sorted(reaped) == sorted(s.name for s in sites(f, params, tokens, tag="modules"))
+    with pytest.raises(
+        ValueError, match="allowlist entry 'nope' matches no sow site of tag 'modules'"
+    ):
         reap(f, tag="modules", allowlist="nope")(params, tokens)
+    # Another length: a fresh trace, whose sites are the hand forward's again.
     longer = jnp.array([[2, 5, 7, 1, 3, 4, 4]])
-    assert reap(f, tag="modules")(params, longer)["layer_1"].shape == (1, 7, 8)
+    np.testing.assert_allclose(
+        reap(f, tag="modules")(params, longer)["layer_1"],
+        hand_forward(model, params, longer)[1]["layer_1"],
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 def test_plant_block_output_matches_a_hand_patched_forward(gemma):
