@@ -452,6 +452,25 @@ def bad_heads(heads: Any) -> TypeError:
     )
 
 
+def index_out_of_range(what: str, index: int, axis: int, shape: tuple[int, ...]) -> IndexError:
+    size = shape[axis]
+    return IndexError(
+        f"{what}: index {index} is out of range along axis {axis} of clean, of shape {shape} "
+        f"(indices -{size}..{size - 1}; a negative one counts from the end, as in NumPy). "
+        "Pass indices that exist in the sown value."
+    )
+
+
+def head_out_of_range(head: int, axis: int, old: Any) -> InterventionMisfit:
+    shape = tuple(jnp.shape(old))
+    size = shape[axis]
+    return InterventionMisfit(
+        f"ablate_head: head {head} is out of range along axis {axis} of the sown value, "
+        f"{jnp.result_type(old)}{list(shape)}: its {size} heads are -{size}..{size - 1} (a "
+        "negative one counts from the end, as in NumPy). Pass the head axis and a head it has."
+    )
+
+
 def axis_not_an_int(what: str, axis: Any) -> TypeError:
     return TypeError(f"{what}: axis must be an int, got {axis!r}.")
 

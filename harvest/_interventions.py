@@ -111,17 +111,26 @@ class PatchWhere:
         return PatchWhere(self.clean, self.mask, axes), PatchWhere(clean, mask, axes)
 
 
-@pytree_dataclass(data=("fill", "indices"), meta=("axis",))
+@pytree_dataclass(data=("fill", "indices"), meta=("axis", "farthest"))
 class _FillAt:
-    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere."""
+    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere.
+
+    `farthest` is the index needing the largest axis (None when the indices
+    were traced): static, so an index past the end is refused when the plant
+    is traced, where the sown value's shape is known."""
 
     fill: Any
     indices: jax.Array
     axis: int
+    farthest: int | None
 
     def __call__(self, old: Any) -> Any:
         def patch(n: jax.Array, o: jax.Array) -> jax.Array:
-            mask = jnp.isin(jnp.arange(jnp.shape(o)[self.axis]), self.indices)
+            size = jnp.shape(o)[self.axis]
+            if self.farthest is not None and not -size <= self.farthest < size:
+                raise _errors.head_out_of_range(self.farthest, self.axis, o)
+            at = jnp.where(self.indices < 0, self.indices + size, self.indices)
+            mask = jnp.isin(jnp.arange(size), at)
             return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
 
         return jax.tree_util.tree_map(patch, self.fill(old), old)
@@ -365,7 +374,8 @@ def patch_positions(
             Under a ``vmap`` inside ``f``, shaped as ``reap`` returns the site
             (batch axes leading), it gives each example its own; of one
             example's shape, it is shared by every example.
-        positions: An index, or a 1-D sequence of indices, along ``axis``.
+        positions: An index, or a 1-D sequence of indices, along ``axis``; a
+            negative one counts from the end, as in NumPy.
         axis: The axis of ``clean`` that ``positions`` index (negative counts
             from the end); along a batch axis, the examples patched whole.
 
@@ -377,6 +387,7 @@ def patch_positions(
             (an index or a 1-D sequence).
         ValueError: ``axis`` is out of range for ``clean``, or ``clean``'s
             leaves differ in size along it.
+        IndexError: a position is past either end of ``clean`` along ``axis``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -386,13 +397,28 @@ def patch_positions(
         Array([[0., 1., 0., 1.],
                [0., 1., 0., 1.]], dtype=float32)
     """
-    size = axis_size(clean, axis, "patch_positions(clean, positions, axis)")
+    return _patch_along(clean, positions, axis, "patch_positions")
+
+
+def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere:
+    size = axis_size(clean, axis, f"{what}(clean, ..., axis)")
     axis = normalize_axis(clean, axis)
     positions = jnp.atleast_1d(jnp.asarray(positions))
     if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
         raise _errors.bad_positions(positions)
-    mask = jnp.isin(jnp.arange(size), positions)
-    return PatchWhere(clean, mask, (axis,))
+    far = None if isinstance(positions, jax.core.Tracer) else _farthest(positions)
+    if far is not None and not -size <= far < size:
+        shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
+        raise _errors.index_out_of_range(what, far, axis, shape)
+    positions = jnp.where(positions < 0, positions + size, positions)  # as NumPy counts
+    return PatchWhere(clean, jnp.isin(jnp.arange(size), positions), (axis,))
+
+
+def _farthest(indices: Any) -> int | None:
+    """The index of `indices` (concrete, 1-D) that needs the largest axis to exist
+    (`i + 1` entries for `i >= 0`, `-i` for a negative one), None if there are none."""
+    values = [int(i) for i in np.asarray(indices).tolist()]
+    return max(values, key=lambda i: i + 1 if i >= 0 else -i, default=None)
 
 
 def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
@@ -404,9 +430,10 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
     Args:
         clean: A value of the site's shape, e.g. a per-head output ``z``
             ``[positions, heads, d_head]`` reaped from a clean run.
-        head: The head's index along ``axis`` (or a 1-D sequence of heads). It
-            is data, not part of the compile cache key: planting another head
-            reuses the compiled plant.
+        head: The head's index along ``axis`` (or a 1-D sequence of heads); a
+            negative one counts from the end, as in NumPy. It is data, not part
+            of the compile cache key: planting another head reuses the
+            compiled plant.
         axis: The head axis of ``clean`` (counted as for ``patch_positions``).
 
     Returns:
@@ -416,6 +443,7 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
         TypeError: ``axis`` is not an int, or ``head`` is not an integer (or a
             1-D sequence of them).
         ValueError: ``axis`` is out of range for ``clean``.
+        IndexError: ``head`` is past either end of ``clean`` along ``axis``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -426,7 +454,7 @@ def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[
                [0., 1.],
                [0., 1.]], dtype=float32)
     """
-    return patch_positions(clean, head, axis)
+    return _patch_along(clean, head, axis, "patch_head")
 
 
 def ablate_head(
@@ -436,8 +464,13 @@ def ablate_head(
     (or ``mean``, broadcast) at index ``head`` along the head axis ``axis``.
 
     Args:
-        head: The head's index along ``axis``, or a sequence of heads. It is
-            data, so ablating another head reuses the compiled plant.
+        head: The head's index along ``axis``, or a sequence of heads; a
+            negative one counts from the end, as in NumPy. A head past either
+            end is refused when planted (the site's shape is known only then),
+            so how far the heads reach is part of the compile cache key: a
+            loop over heads compiles once per head (``patching_sweep(...,
+            axis=head_axis)`` runs them all in one program). Heads traced
+            under ``jax.vmap`` are data and are not checked.
         axis: The head axis of the sown value; under a ``vmap`` inside ``f``,
             of one example, as ``f`` sows it (or counted from the end).
         mean: What to put there instead of zeros: the shape of one head's
@@ -450,6 +483,8 @@ def ablate_head(
     Raises:
         TypeError: ``axis`` is not an int, or ``head`` is not an integer (or a
             1-D sequence of them).
+        ValueError: when planted, ``head`` is past either end of the site's
+            ``axis`` (the message names the site and its shape).
 
     Example:
         >>> import jax.numpy as jnp
@@ -465,7 +500,10 @@ def ablate_head(
     heads = jnp.atleast_1d(jnp.asarray(head))
     if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
         raise _errors.bad_heads(heads)
-    return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis))
+    # How far the heads reach is static (a head past the end is refused when
+    # planted); the heads themselves are data.
+    farthest = None if isinstance(heads, jax.core.Tracer) else _farthest(heads)
+    return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis), farthest)
 
 
 def axis_size(value: Any, axis: Any, what: str) -> int:

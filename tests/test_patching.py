@@ -778,6 +778,54 @@ def test_head_helpers_equal_hand_edits_and_a_head_sweep():
         ablate_head(0, axis=(1,))
 
 
+def test_negative_indices_count_from_the_end_and_past_the_end_is_refused():
+    from harvest import ablate_head, patch_head
+
+    params = head_params(jax.random.key(13))
+    model = head_model(params)
+    x_clean, x_corrupt = jax.random.normal(jax.random.key(14), (2, HT, HH * HE))
+    clean = reap(model)(x_clean)
+    name = "blocks.1.attn.z"
+    run = plant(model)
+    edit = lambda fn: head_model(params, lambda j, z: fn(z) if j == 1 else z)(x_corrupt)  # noqa: E731
+    # As NumPy indexes: -1 is the last head (or position), -HH the first.
+    for head, hand in ((-1, HH - 1), (-HH, 0)):
+        np.testing.assert_allclose(
+            run({name: ablate_head(head, axis=1)}, x_corrupt),
+            edit(lambda z: z.at[:, hand].set(0.0)),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+        np.testing.assert_allclose(
+            run({name: patch_head(clean[name], head, axis=1)}, x_corrupt),
+            edit(lambda z: z.at[:, hand].set(clean[name][:, hand])),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+    np.testing.assert_allclose(
+        run({name: patch_positions(clean[name], [0, -1], axis=0)}, x_corrupt),
+        edit(lambda z: z.at[jnp.array([0, HT - 1])].set(clean[name][jnp.array([0, HT - 1])])),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    # A head past either end is refused when planted, naming the site and its shape.
+    for head in (HH, -HH - 1, [0, HH + 2]):
+        far = head[-1] if isinstance(head, list) else head
+        with pytest.raises(
+            ValueError, match=rf"site .*{name}.*head {far} is out of range.*\[4, 3, 2\]"
+        ):
+            run({name: ablate_head(head, axis=1)}, x_corrupt)
+    # With a clean value, the axis's size is known: refused when built.
+    with pytest.raises(
+        IndexError, match=r"patch_head: index 3 is out of range along axis 1 .*\(4, 3, 2\)"
+    ):
+        patch_head(clean[name], HH, axis=1)
+    with pytest.raises(IndexError, match=r"patch_positions: index -5 is out of range along axis 0"):
+        patch_positions(clean[name], [1, -HT - 1], axis=0)
+    with pytest.raises(IndexError, match=r"patch_positions: index 4 is out of range"):
+        patch_positions(clean[name], HT, axis=-3)
+
+
 # ---------------------------------------------------------------------------
 # Modules compile once; their weights are data
 
