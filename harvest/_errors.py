@@ -1282,8 +1282,42 @@ def intervention_misfit(
     )
 
 
+def intervention_on_structure(
+    what: str, shape: tuple[int, ...], old: Any, leaves: list[Any]
+) -> InterventionMisfit:
+    parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
+    kind = type(old).__name__
+    # add_vector(v)'s own form; any other intervention is applied to the part.
+    change = "{} + v" if what.startswith("add_vector") else "intervention({})"
+    example = "lambda out: ..."
+    if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
+        fits = [
+            i for i, x in enumerate(old) if hasattr(x, "shape") and _broadcasts(shape, x.shape)
+        ] or [len(old) - 1]
+        each = (
+            change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]" for i in range(len(old))
+        )
+        example = f"lambda out: ({', '.join(each)})"
+    return InterventionMisfit(
+        f"{what} is one array, of shape {tuple(shape)!r}, but the sown value is a {kind} of "
+        f"{len(leaves)} arrays ({parts}), and which of them it is for is not said. Plant a "
+        f"callable that changes the part you mean, e.g. {{{_SITE}: {example}}}."
+    )
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+_SITE = "<site>"  # in an InterventionMisfit: where the site's name goes once it is known
+
+
 def intervention_misfit_at(site: Any, err: Exception) -> ValueError:
-    return ValueError(f"The intervention planted at the sow site {site} does not fit it: {err}")
+    message = str(err).replace(_SITE, repr(".".join(site.path)))
+    return ValueError(f"The intervention planted at the sow site {site} does not fit it: {message}")
 
 
 def sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:

@@ -185,6 +185,11 @@ def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
     """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
     would name neither the intervention nor the site); ``whole``: it stands
     for the whole value, not a vector added or filled in."""
+    if not _is_array_like(
+        old
+    ):  # one array given for a site sown as a tuple (a block's `(cache, x)`)
+        leaves = jax.tree_util.tree_leaves(old)
+        raise _errors.intervention_on_structure(what, jnp.shape(array), old, leaves)
     shape, target = tuple(jnp.shape(array)), tuple(jnp.shape(old))
     try:
         fits = jnp.broadcast_shapes(shape, target) == target
@@ -192,6 +197,10 @@ def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
         fits = False
     if not fits:
         raise _errors.intervention_misfit(what, shape, old, whole)
+
+
+def _is_array_like(value: Any) -> bool:
+    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
 
 def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:

@@ -6,6 +6,8 @@ says why). Where it is not installed (the JAX matrix), these tests skip; the
 toy model of tests/test_instrument_linen.py reproduces each failure without it.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -185,10 +187,11 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
         out = loop.sample(params=params, init_state=state, max_new_tokens=jnp.int32(new_tokens))
         return out.predicted_tokens[0]
 
-    @jax.jit
-    def step_by_hand(params, vector, token, position, cache, mask):
+    @functools.partial(jax.jit, static_argnames="at")
+    def step_by_hand(params, vector, token, position, cache, mask, at):
         """One decode step of the transformer, its last block written out with
-        `vector` added to the MLP's output (Gemma's `Block.__call__`)."""
+        `vector` added to the MLP's output (Gemma's `Block.__call__`), or to the
+        block's (`at="block"`)."""
         inner = model.bind({"params": params})
         x = inner.embedder.encode(token[:, None])
         positions = position[:, None]
@@ -202,16 +205,19 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
                 block.pre_attention_norm(x), positions, cache[name], mask
             )
             attn = block.post_attention_norm(attn) + x
-            x = block.post_ffw_norm(block.mlp(block.pre_ffw_norm(attn)) + vector) + attn
+            mlp = block.mlp(block.pre_ffw_norm(attn)) + (vector if at == "mlp" else 0.0)
+            x = block.post_ffw_norm(mlp) + attn + (vector if at == "block" else 0.0)
         logits = inner.embedder.decode(inner.final_norm(x))[:, 0]
         return jnp.argmax(logits, axis=-1), new_cache
 
-    def decode_by_hand(vector):
+    def decode_by_hand(vector, at="mlp"):
         token, position, cache, out = state.last_token, state.last_token_pos, state.cache, []
         full = state.full_attention_mask
         for step in range(new_tokens):
             mask = full * (jnp.arange(full.shape[-1]) < state.init_cache_length + step + 1)
-            token, cache = step_by_hand(params, vector, token, position, cache, mask[:, None, :])
+            token, cache = step_by_hand(
+                params, vector, token, position, cache, mask[:, None, :], at
+            )
             out.append(int(token[0]))
             position = position + 1
         return out
@@ -221,6 +227,16 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
     assert "layer_1.mlp" in [s.name for s in sites(probed, params, state, tag="modules")]
     steer = plant(probed, tag="modules")
     vector = jnp.linspace(-3.0, 3.0, 8)
+    # While sampling, a block returns `(cache, x)` with a cache: one vector is refused,
+    # naming the site, and the callable it suggests steers x as the hand decode does.
+    with pytest.raises(
+        ValueError,
+        match=r"'layer_1'.*add_vector's vector is one array.*a tuple of "
+        r".*\{'layer_1': lambda out: \(out\[0\], out\[1\] \+ v\)\}",
+    ):
+        steer({"layer_1": add_vector(vector)}, params, state)
+    block_steered = steer({"layer_1": lambda out: (out[0], out[1] + vector)}, params, state)
+    np.testing.assert_array_equal(block_steered, decode_by_hand(vector, at="block"))
     outs = []
     for v in (jnp.zeros(8), vector, -vector):  # zeros: gemma's own tokens, and the hand decode's
         want = decode_by_hand(v)

@@ -103,6 +103,34 @@ def test_interventions_reuse_the_compiled_plant():
     assert len(traces) == 1  # the intervention's arrays are arguments, not cache keys
 
 
+def test_an_array_intervention_on_a_tuple_site_names_it_and_suggests_a_callable():
+    # A block returning `(cache, x)`, as gemma's do while sampling.
+    def f(x):
+        cache, y = sow((x * 2.0, x + 1.0), name="block_3", mode="strict")
+        return cache * 10.0 + y
+
+    x, v = jnp.arange(3.0), jnp.array([1.0, -2.0, 4.0])
+    run = plant(f)
+    shapes = r"a tuple of 2 arrays \(float32\[3\], float32\[3\]\)"
+    with pytest.raises(
+        ValueError,
+        match=rf"'block_3'.*add_vector's vector .*{shapes}.*"
+        r"\{'block_3': lambda out: \(out\[0\], out\[1\] \+ v\)\}",
+    ):
+        run({"block_3": add_vector(v)}, x)
+    with pytest.raises(
+        ValueError, match=rf"ablate_mean's mean .*{shapes}.*intervention\(out\[1\]\)"
+    ):
+        run({"block_3": ablate_mean(v)}, x)
+    with pytest.raises(ValueError, match=rf"the clean value to patch in .*{shapes}"):
+        run({"block_3": patch_positions(v, [0], axis=0)}, x)
+    # The suggested callable steers x alone, as the function written out by hand does.
+    steered = run({"block_3": lambda out: (out[0], out[1] + v)}, x)
+    np.testing.assert_allclose(steered, (x * 2.0) * 10.0 + (x + 1.0 + v))
+    # ablate_zero fits any structure: every part zeroed.
+    np.testing.assert_allclose(run({"block_3": ablate_zero()}, x), jnp.zeros(3))
+
+
 def test_intervention_bad_input():
     with pytest.raises(ValueError, match="axis 2 is out of range"):
         patch_positions(jnp.zeros((2, 3)), 0, axis=2)
