@@ -648,12 +648,16 @@ def planted_where_a_derivative_rule_ran(site: Any) -> ValueError:
     )
 
 
-def tag_matches_no_site(tag: Any, tags: list[Any]) -> ValueError:
+def tag_matches_no_site(tag: Any, tags: list[Any], caller: str = "reap") -> ValueError:
     shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+    why = (
+        "reaping a tag the function never sows is refused rather than returning {}"
+        if caller == "reap"
+        else "a plant under a tag the function never sows would change nothing"
+    )
     return ValueError(
-        f"reap(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
-        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); "
-        "reaping a tag the function never sows is refused rather than returning {}."
+        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
+        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); {why}."
     )
 
 

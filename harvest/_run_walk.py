@@ -263,10 +263,17 @@ def _checked_sites(traced: _Traced, static: _CallKey):
     )  # program order, for messages
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
-    if static.reap and policy.strict_names and not handled and not filtered and not multi:
+    if (
+        (static.reap or traced.plants)
+        and policy.strict_names
+        and not handled
+        and not filtered
+        and not multi
+    ):
         tags = {site.tag for site in every}
         if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
-            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str))
+            caller = "reap" if static.reap else "plant"
+            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)

@@ -727,6 +727,17 @@ def test_bad_targets_and_outputs():
         instrument(Model(), where="head", ops=True)(X)
 
 
+def test_reap_and_plant_without_the_modules_tag_say_to_pass_it(transformer):
+    model = instrument(transformer)
+    hint = r"has sows of the tags 'modules'\. Pass one of those as tag="
+    with pytest.raises(ValueError, match=r"reap\(tag='intermediates'\).*" + hint):
+        reap(model)(X)
+    with pytest.raises(ValueError, match=r"plant\(tag='intermediates'\).*" + hint):
+        plant(model)({"head": jnp.zeros((T, 2))}, X)
+    # Planting nothing under another tag is still the model itself.
+    np.testing.assert_allclose(plant(model)({}, X), transformer(X), rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Linen, through its own method interception.
 
