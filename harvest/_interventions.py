@@ -138,7 +138,9 @@ class _FillAt:
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
         # `axis` is an axis of one example, as `f` sows it; only the filling may be per example.
         fill, axes = one_example(self.fill, old)
-        return _FillAt(fill, self.indices, self.axis), _mapped(self, fill=axes, indices=None)
+        return _FillAt(fill, self.indices, self.axis, self.farthest), _mapped(
+            self, fill=axes, indices=None
+        )
 
 
 @pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))

@@ -39,8 +39,8 @@ def test_plant_unknown_name_lists_existing_names():
 
 
 def test_plant_unknown_name_wrong_tag():
-    # alpha exists, but not under the default tag
-    with pytest.raises(KeyError, match=r"alpha"):
+    # alpha exists, but not under the default tag: the tags it does sow are named
+    with pytest.raises(ValueError, match=r"plant\(tag='intermediates'\).*tags 't'"):
         plant(f)({"alpha": X}, X)
     ok_after()
 

@@ -733,7 +733,7 @@ def test_a_path_through_a_file_is_an_os_error_naming_the_store(tmp_path):
 
 
 READ_ONLY = """
-import os, sys
+import importlib.metadata, os, sys  # importlib.metadata: JAX imports it lazily, from /root
 import numpy as np
 from harvest import sow, store
 if os.getuid() == 0:  # file modes do not bind root: become nobody, after the imports
