@@ -10,7 +10,7 @@ CORE_STAMP := $(VENV)/.installed-core
 # extra in pyproject.toml for the ones it imports).
 GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
 
-.PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean
+.PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean chromium
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,14 @@ demo: $(CORE_STAMP)
 	$(PY) -m harvest demo
 
 # Two workers: the suite is CPU-bound and the tests share no files (CI has 2 cores).
-test: $(STAMP) lint
+# Headless Chromium for the view and docs tests (Debian's package); where it cannot be
+# installed those tests are skipped, saying so.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+		echo "chromium could not be installed: the browser tests will be skipped"
+
+test: $(STAMP) lint chromium
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # For development (about 3 minutes on 2 idle cores): the suite without the
