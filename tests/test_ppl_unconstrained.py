@@ -171,6 +171,7 @@ def test_a_non_finite_observation_is_refused_naming_the_site(bad):
     y = jnp.array([1.0, bad, 3.0])
     with pytest.raises(ValueError, match=r"observed value of 'y' has 1 non-finite .* index \(1,\)"):
         ppl.unconstrained(normal_mean, observed={"y": y})
+    pytest.importorskip("blackjax")  # sample_posterior's sampler (the `infer` extra)
     with pytest.raises(ValueError, match="observed value of 'y'"):
         ppl.sample_posterior(normal_mean, jax.random.key(0), observed={"y": y})
     scoped = ppl.nest(normal_mean, scope="s")
@@ -186,5 +187,6 @@ def test_a_start_with_a_non_finite_density_is_refused_naming_the_site():
 
     # y = 1.5 lies outside the Beta's support: its log density is NaN at every start.
     assert np.isnan(tfd.Beta(1.0, 2.0).log_prob(1.5))
+    pytest.importorskip("blackjax")  # sample_posterior's sampler (the `infer` extra)
     with pytest.raises(ValueError, match=r"log density of chain 0 is not finite.*'y': nan"):
         ppl.sample_posterior(beta_model, jax.random.key(0), observed={"y": 1.5})
