@@ -25,16 +25,6 @@ from harvest import call_and_reap, instrument, plant, reap, sow
 X = jnp.arange(1.0, 4.0)  # no zero: a change at any position shows
 
 
-@pytest.fixture
-def check_stale():
-    """The check mode on for one test."""
-    harvest.config.update("check_stale", True)
-    try:
-        yield
-    finally:
-        harvest.config.update("check_stale", False)
-
-
 def test_a_closed_over_config_mutated_is_read_when_traced(check_stale):
     config = {"scale": 2.0, "shift": (1.0, "add")}
 

@@ -26,15 +26,6 @@ from harvest import attribution_patching, patching_sweep, plant, reap, sow
 X = jnp.arange(1.0, 4.0)
 
 
-@pytest.fixture
-def check_stale():
-    harvest.config.update("check_stale", True)
-    try:
-        yield
-    finally:
-        harvest.config.update("check_stale", False)
-
-
 def _read_when_traced(f, change, named):
     """Runs the contents case: ``change()`` mutates what ``f`` reads."""
     reaped, jitted = reap(f), jax.jit(f)
