@@ -3,7 +3,11 @@
 Each target is written as a harvest.ppl program, its joint density checked
 against the gym's own `unnormalized_log_prob` at a prior draw, and its
 posterior means checked against the gym's ground truth (long Stan runs)
-within 4 Monte-Carlo standard errors, with R-hat and divergences bounded.
+in Monte-Carlo standard errors, with R-hat and divergences bounded. The bound
+on the largest of a target's d z-scores is Bonferroni's at a family-wise 1e-4
+(a correct sampler fails it once in ten thousand runs): 4.4 for eight schools'
+10 means, 4.9 for stochastic volatility's 103, where a flat 4 failed a correct
+chain by chance (4.09 on one processor, under 4 on another).
 The centred stochastic volatility model is the one where a chain started
 from a prior draw stuck (R-hat 1.55, bulk ESS 7); NumPyro's uniform start
 and Stan's step-size search fixed it.
@@ -19,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.stats
 
 import harvest.ppl as ppl
 from harvest.ppl._tfp_shim import import_tfp
@@ -195,7 +200,12 @@ def diagnostics(name, samples, diverging):
         "ess_bulk": min(ess),
         "divergences": int(np.sum(diverging)),
         "max_z": max(z),
+        "z_bound": float(scipy.stats.norm.isf(FAMILY_WISE / (2 * len(z)))),
     }
+
+
+# How often a correct sampler may fail the z bound: Bonferroni over a target's means.
+FAMILY_WISE = 1e-4
 
 
 # Shorter than the defaults, to fit CI: (chains, warmup, draws) per target.
@@ -219,7 +229,7 @@ def test_posterior_means_are_the_gym_s_ground_truth(name):
         num_samples=draws,
     )
     result = diagnostics(name, posterior.samples, posterior.diverging)
-    assert result["max_z"] < 4.0, result
+    assert result["max_z"] < result["z_bound"], result
     assert result["r_hat"] < 1.05, result
     assert result["divergences"] <= 0.01 * chains * draws, result
 
