@@ -1092,6 +1092,63 @@ def needs_extra(what: str, module: str, extra: str) -> ImportError:
     )
 
 
+# -- instrument ------------------------------------------------------------------
+
+
+def instrument_bad_target(target: Any) -> TypeError:
+    return TypeError(
+        f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
+        f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
+        "e.g. instrument(lambda x: model.apply(variables, x))."
+    )
+
+
+def instrument_bad_tag(tag: Any) -> TypeError:
+    return TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
+
+
+def instrument_bad_flag(flag: str, value: Any) -> TypeError:
+    return TypeError(f"instrument needs `{flag}` to be True or False, got {value!r}.")
+
+
+def instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument: where={where!r} selects none of the model's submodules ({_outermost(names)})."
+    )
+
+
+def _outermost(names: list[str], k: int = 6) -> str:
+    if not names:
+        return "it has none"
+    names = sorted(names, key=lambda n: (n.count("."), n))  # the outermost first
+    more = f", ... ({len(names)} in all)" if len(names) > k else ""
+    return "they are " + ", ".join(map(repr, names[:k])) + more
+
+
+def instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
+    if where is not None:
+        return ValueError(f"instrument: where={where!r} selected nothing that {target} computes.")
+    if kind == "function":
+        return ValueError(
+            f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
+            "Pass ops=True to make every primitive's output a site, or instrument the model itself."
+        )
+    return ValueError(
+        f"instrument: {target} called none of its submodules, so it has no sites. "
+        "Pass ops=True for op sites."
+    )
+
+
+def instrument_rebuilt_ambiguous(tag: str, type_name: str, paths: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument(tag={tag!r}): a {type_name} rebuilt from arrays (as eqx.combine "
+        f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
+        f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
+        f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+        "copy passed through a transformation."
+    )
+
+
 # -- instrument(attention=True) ----------------------------------------------
 
 
