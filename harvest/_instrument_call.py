@@ -1,7 +1,7 @@
 """One running call of an instrumented target: sowing each part's output (and inputs).
 
-`instrument` (`_instrument.py`) makes one `InstrumentCall` per call of the
-instrumented target and holds it in a context variable (`active`) for the
+An instrumented target (`Instrumented`, `_instrumented.py`) makes one
+`InstrumentCall` per call and holds it in a context variable (`active`) for the
 length of the call, so other threads and other calls never see it. Whoever
 meets a part of the model — a wrapped module class (`_instrument_classes.py`),
 Linen's interceptor (`_instrument_linen.py`), an attention hook
