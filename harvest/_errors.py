@@ -1,8 +1,10 @@
-"""Every error harvest raises about a sow or a plant: one function per message.
+"""Every error harvest raises: one function per message.
 
-Each returns the exception for its caller to raise. Messages about a site name
-it as `Site` prints itself: its tag, its name and the file:line of the user's
-`sow` call. Each message says what was wrong and what to do instead.
+Each returns the exception for its caller to raise (but `traced_like_jit`: the
+note harvest adds to an error JAX raises itself); a function whose name starts
+with an underscore builds a part several messages share. Messages about a site
+name it as `Site` prints itself: its tag, its name and the file:line of the
+user's `sow` call. Each message says what was wrong and what to do instead.
 """
 
 from __future__ import annotations
@@ -87,10 +89,10 @@ def _listed(names: Iterable[str], near: str, at_most: int = 12) -> str:
     return f"{len(names)} names, {which} {shown} (`sites(f, *args)` lists them all)"
 
 
-def no_such_names(missing: list[str], names: list[str], what: str, tag: Any) -> str:
-    """The message for names or patterns (`missing`) that match no site of `tag`."""
+def no_such_names(missing: list[str], names: list[str], what: str, tag: Any) -> ValueError:
+    """Names or patterns (`missing`) that match no site of `tag`."""
     listed = _listed(names, str(missing[0]).strip("*?[]") if missing else "")
-    return (
+    return ValueError(
         f"{what} {', '.join(map(repr, missing))} matches no sow site of tag {tag!r}. "
         f"Names sown with that tag, in program order: {listed}. Check the spelling, or use a "
         "predicate (lambda name: ...) for a site that may be absent."
@@ -139,7 +141,7 @@ def sown_twice(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
         + (
-            random_variable_modes(site)
+            _random_variable_modes(site)
             or "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
         )
     )
@@ -149,7 +151,7 @@ def different_shapes(site: Any, shapes: Iterable[Any]) -> ValueError:
     """The error for occurrences of one stacking name with different shapes."""
     return ValueError(
         f"The sow site {site} has mode {site.mode.label}, but its occurrences "
-        f"have different shapes ({', '.join(sorted(map(shapes_str, shapes)))}), so they "
+        f"have different shapes ({', '.join(sorted(map(_shapes_str, shapes)))}), so they "
         "cannot be stacked into one array. Sow one shape per name (give each shape "
         "its own name), or use mode 'collect', which keeps each occurrence as it is."
     )
@@ -158,8 +160,8 @@ def different_shapes(site: Any, shapes: Iterable[Any]) -> ValueError:
 def carried_shape(site: Any, have: list[Any], targets: list[Any], where: str) -> ValueError:
     return ValueError(
         f"The sow site {site} has mode {site.mode.label} and was sown with shape "
-        f"{shapes_str(have)} before this {where}, which sows it with shape "
-        f"{shapes_str(targets)} and carries one value per name. Sow one shape per "
+        f"{_shapes_str(have)} before this {where}, which sows it with shape "
+        f"{_shapes_str(targets)} and carries one value per name. Sow one shape per "
         "name (give each shape its own name)."
     )
 
@@ -194,7 +196,9 @@ def stuck_in_batched_branch(site: Any, where: str) -> NotImplementedError:
         inside = f"the primitive `{where}`"
         fix = (
             f"if `{where}` runs its one body once on its inputs, register it with "
-            "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there"
+            "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there; "
+            "otherwise give its HigherOrder a `batched_branch` that runs its bodies through "
+            "harvest.extend.walk_in_branch (see harvest.extend)"
         )
     return NotImplementedError(
         f"The sow site {site} is inside {inside} within a branch of a cond whose predicate "
@@ -213,7 +217,7 @@ def sown_in_jvp_rule_and_body(site: Any, in_body: Iterable[str]) -> ValueError:
     )
 
 
-def shapes_str(shapes: Iterable[Any]) -> str:
+def _shapes_str(shapes: Iterable[Any]) -> str:
     return " and ".join(str(list(s)) for s in shapes)
 
 
@@ -277,6 +281,10 @@ def extend_not_a_descriptor(descriptor: Any) -> TypeError:
     )
 
 
+def rebind_not_a_call(primitive: Any) -> TypeError:
+    return TypeError(f"rebind_call: `{primitive}` is not a call primitive harvest re-binds.")
+
+
 def extend_rule_not_callable(rule: Any) -> TypeError:
     return TypeError(f"harvest.extend.register: rule must be callable, got {rule!r}.")
 
@@ -287,7 +295,7 @@ def strict_in_loop(site: Any, where: str) -> ValueError:
         f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
         "sows it once per iteration. "
         + (
-            random_variable_modes(site)
+            _random_variable_modes(site)
             or "Use mode 'collect' or 'append' to keep every "
             f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
         )
@@ -931,6 +939,129 @@ def store_too_many_indices(ndim: int, given: int) -> IndexError:
 # -- harvest.ppl ----------------------------------------------------------------
 
 
+def ppl_bad_name(caller: str, name: Any) -> TypeError:
+    return TypeError(f"{caller} needs `name` to be a non-empty string, got {name!r}.")
+
+
+def ppl_names_not_strings(caller: str, what: str, names: Any) -> TypeError:
+    return TypeError(f"{caller} takes {what} as strings, got {names!r}.")
+
+
+def ppl_random_variable_unnamed() -> TypeError:
+    return TypeError(
+        "random_variable needs a name, e.g. random_variable(dist, name='x'): "
+        "joint_sample, joint_log_prob, intervene and conditional refer to the draw by it."
+    )
+
+
+def ppl_random_variable_mode(name: str, mode: Any) -> ValueError:
+    return ValueError(
+        f"random_variable(name={name!r}): mode {mode!r} is not supported. Use 'strict' "
+        "for one draw, or 'append' for a draw inside lax.scan (draws stack on a "
+        "leading axis)."
+    )
+
+
+def ppl_not_a_distribution(name: str, dist: Any) -> TypeError:
+    return TypeError(
+        f"random_variable(name={name!r}) takes a TFP distribution (from "
+        "tensorflow_probability.substrates.jax) or a sampling function key -> value; "
+        f"got a {type(dist).__name__}."
+    )
+
+
+def ppl_plate_size(name: str, size: Any) -> TypeError:
+    return TypeError(f"plate(name={name!r}) needs `size` to be a positive int, got {size!r}.")
+
+
+def ppl_values_not_a_dict(fn_name: str, values: Any) -> TypeError:
+    return TypeError(
+        f"{fn_name} takes the values of random variables as a dict {{name: value}} "
+        f"(as joint_sample returns it), got a {type(values).__name__}."
+    )
+
+
+def ppl_observed_not_a_dict(observed: Any) -> TypeError:
+    return TypeError(
+        f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
+    )
+
+
+def ppl_missing_values(missing: Iterable[str]) -> ValueError:
+    return ValueError(
+        "joint_log_prob needs a value for every random variable; missing: "
+        f"{', '.join(sorted(missing))}. Give them too, fix them "
+        "first with intervene/conditional, or (Bernoulli, Categorical) draw them with "
+        "enumerate=True to sum them out."
+    )
+
+
+def ppl_drawn_without_density(caller: str, names: Iterable[str]) -> ValueError:
+    names = sorted(names)
+    if len(names) == 1:
+        return ValueError(
+            f"{caller}: the random variable {names[0]!r} is drawn by a plain sampling function, "
+            "which has no density. Draw it from a TFP distribution, or fix it with "
+            "intervene/conditional."
+        )
+    return ValueError(
+        f"{caller}: the random variables {', '.join(names)} were drawn by plain sampling "
+        "functions, which have no density. Draw them from a TFP distribution, or fix them "
+        "with intervene/conditional."
+    )
+
+
+def ppl_conditional_arity(names: Iterable[str], given: int) -> TypeError:
+    return TypeError(
+        f"conditional(f, {list(names)}) is called as g(key, *args, *values) with one "
+        f"value per name; got {given} positional arguments in all."
+    )
+
+
+def ppl_log_prob_target(f: Any) -> TypeError:
+    return TypeError(f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}.")
+
+
+def ppl_cannot_invert(why: str, stuck: Iterable[str], invertible: str) -> ValueError:
+    """log_prob by inversion found no way back from the output to a draw (`why`)."""
+    stuck = sorted(stuck)
+    where = ""
+    if stuck:
+        where = (
+            " The way back from the output stopped at: "
+            + ", ".join(f"`{p}`" for p in stuck)
+            + f". Invertible primitives: {invertible}."
+        )
+    return ValueError(
+        f"Cannot compute log_prob of function: {why}.{where} Use joint_log_prob(f) with a value "
+        "for every random variable, or return the missing draws from f (e.g. "
+        "log_prob(joint_sample(f)))."
+    )
+
+
+def ppl_sample_structure(expected: Any, got: Any) -> ValueError:
+    return ValueError(f"log_prob(f) takes a value shaped like f's output, {expected}; got {got}.")
+
+
+def tfp_import_failed(
+    cause: Exception, imported_before: bool, substrate: str, tested: str
+) -> ImportError:
+    order = ""
+    if imported_before:
+        order = (
+            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
+            "importing it again did not recover. Restart the interpreter and import "
+            "harvest (or harvest.ppl) before tensorflow_probability."
+        )
+    return ImportError(
+        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({substrate}): "
+        f"{type(cause).__name__}: {cause}.{order} harvest.ppl is tested with {tested}; "
+        "install them with `pip install 'jax-harvest[ppl]'`, or use plain sampling functions "
+        "(key -> value) instead of TFP distributions."
+    )
+
+
 def ppl_numpyro_distribution(name: str, type_name: str) -> TypeError:
     return TypeError(
         f"random_variable(name={name!r}) got NumPyro's {type_name}; harvest.ppl draws from "
@@ -977,7 +1108,7 @@ def ppl_discrete_free(names: Iterable[str]) -> ValueError:
     )
 
 
-def random_variable_modes(site: Any) -> str:
+def _random_variable_modes(site: Any) -> str:
     """What a duplicate-name error suggests: random_variable knows only 'strict' and 'append'."""
     if site.tag == "random_variable":
         return (
@@ -1089,6 +1220,116 @@ def needs_extra(what: str, module: str, extra: str) -> ImportError:
     return ImportError(
         f"{what} needs {module}, which is not installed. Install it with "
         f"`pip install 'jax-harvest[{extra}]'` (from a checkout: `pip install -e '.[{extra}]'`)."
+    )
+
+
+# -- harvest.compat.oryx: oryx's own wording, which its users' code may match ---
+
+
+def oryx_cond_clobber_in_sow() -> ValueError:
+    return ValueError("For 'cond_clobber' mode, use `sow_cond`.")
+
+
+def oryx_unknown_mode(mode: Any) -> ValueError:
+    return ValueError(
+        f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'."
+    )
+
+
+def oryx_sow_cond_mode() -> ValueError:
+    return ValueError("`sow_cond` only supports 'cond_clobber' mode.")
+
+
+def oryx_worded(wording: str, error: Exception) -> ValueError:
+    """oryx's `wording` of an error, with harvest's message (which says what to do) after it."""
+    return ValueError(f"{wording} ({error})")
+
+
+def oryx_log_prob_not_implemented(f: Any) -> NotImplementedError:
+    return NotImplementedError(f"`log_prob` not implemented for type: {type(f)}")
+
+
+def oryx_log_prob_rule_missing(primitive: Any) -> KeyError:
+    return KeyError(
+        f"`{primitive}` is in log_prob_registry but has no rule in log_prob_rules; "
+        "add one: log_prob_rules[primitive] = rule(incells, outcells, **params)."
+    )
+
+
+def oryx_plate_name(name: Any) -> TypeError:
+    return TypeError(f"plate needs `name`, the named axis to draw along, got {name!r}.")
+
+
+def oryx_random_variable_unnamed(obj: Any) -> ValueError:
+    return ValueError(f"Cannot call `random_variable` on {type(obj)} without passing in a name.")
+
+
+def oryx_random_variable_plate(obj: Any) -> ValueError:
+    return ValueError(f"Cannot call `random_variable` on {type(obj)} with a plate.")
+
+
+def oryx_graph_replace_missing(missing: Iterable[str], draws: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"graph_replace: {', '.join(missing)} are not random variables of the "
+        f"program (or are among its inputs). Its random variables are: "
+        f"{', '.join(sorted(draws)) or 'none'}."
+    )
+
+
+# -- instrument ------------------------------------------------------------------
+
+
+def instrument_bad_target(target: Any) -> TypeError:
+    return TypeError(
+        f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
+        f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
+        "e.g. instrument(lambda x: model.apply(variables, x))."
+    )
+
+
+def instrument_bad_tag(tag: Any) -> TypeError:
+    return TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
+
+
+def instrument_bad_flag(flag: str, value: Any) -> TypeError:
+    return TypeError(f"instrument needs `{flag}` to be True or False, got {value!r}.")
+
+
+def instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument: where={where!r} selects none of the model's submodules ({_outermost(names)})."
+    )
+
+
+def _outermost(names: list[str], k: int = 6) -> str:
+    if not names:
+        return "it has none"
+    names = sorted(names, key=lambda n: (n.count("."), n))  # the outermost first
+    more = f", ... ({len(names)} in all)" if len(names) > k else ""
+    return "they are " + ", ".join(map(repr, names[:k])) + more
+
+
+def instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
+    if where is not None:
+        return ValueError(f"instrument: where={where!r} selected nothing that {target} computes.")
+    if kind == "function":
+        return ValueError(
+            f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
+            "Pass ops=True to make every primitive's output a site, or instrument the model itself."
+        )
+    return ValueError(
+        f"instrument: {target} called none of its submodules, so it has no sites. "
+        "Pass ops=True for op sites."
+    )
+
+
+def instrument_rebuilt_ambiguous(tag: str, type_name: str, paths: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument(tag={tag!r}): a {type_name} rebuilt from arrays (as eqx.combine "
+        f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
+        f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
+        f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+        "copy passed through a transformation."
     )
 
 

@@ -88,8 +88,12 @@ class HigherOrder:
             unchanged, or None (None: no output is known to forward an input).
         restage: ``restage(eqn, invals, staged, extra)``, binding it again around
             bodies another evaluator supplies (None: it cannot be re-staged).
-        batched_branch: how ``_rules/batched_cond`` brings its sows out of a branch
-            vmap runs side by side (None: they stay stuck there).
+        batched_branch: ``batched_branch(eqn, invals, found, stuck) -> outputs``, how
+            ``_rules/batched_cond`` brings its sows out of a branch vmap runs side by
+            side: the equation evaluated on ``invals``, each body run through
+            ``extend.walk_in_branch`` with ``found`` and ``stuck`` (None: a
+            call-like primitive's body is inlined there; any other's sows stay
+            stuck there, and reaping one is an error).
         jvp_rule: the traced JVP rule whose sows run where JAX differentiates the
             call (custom_jvp; see ``_interpreter.jvp_rule``), or None.
         rule: ``rule(walk, eqn, invals) -> outputs``, what the reap/plant walk does at

@@ -135,7 +135,7 @@ class NameFilter:
             if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
         ]
         if missing:
-            raise ValueError(_errors.no_such_names(missing, names, what, tag))
+            raise _errors.no_such_names(missing, names, what, tag)
 
     def __call__(self, path):
         name = path_str(path)

@@ -429,7 +429,7 @@ def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
     elif eqn.primitive is closed_call_p:
         params = dict(p, call_jaxpr=ClosedJaxpr(jaxpr, ()))
     else:
-        raise TypeError(f"rebind_call: `{eqn.primitive}` is not a call primitive harvest re-binds.")
+        raise _errors.rebind_not_a_call(eqn.primitive)
     return bind_with(eqn.primitive, params, args)
 
 

@@ -22,6 +22,22 @@ needs a rule of its own (see ``harvest/_rules/loops.py`` for scan's), or
 ``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap`` is supported through this
 module (``harvest/_rules/custom_vmap.py``, the worked example in
 CONTRIBUTING.md).
+
+A re-traced body takes its closed-over values as its leading inputs, so a
+param that held a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``
+(``jax.extend.core.ClosedJaxpr``, no consts); ``Retraced.rebind`` does that for
+a call-like primitive.
+
+**Inside a cond that vmap batches** (a ``cond`` or ``switch`` whose predicate
+differs per example), JAX runs every branch on every example, so a sow there
+must carry its value out of the branch for harvest to keep the taken
+branch's. Harvest does so through a call-like primitive (``call=True``,
+no ``custom_rule``) by inlining its body there. Any other primitive needs the
+descriptor's ``batched_branch`` field, ``batched_branch(eqn, invals, found,
+stuck) -> outputs``: it evaluates the equation on ``invals`` with each body
+run through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it,
+a sow inside it there still takes plants, and reaping it is an error that
+names the primitive.
 """
 
 from __future__ import annotations
@@ -38,6 +54,7 @@ from ._higher_order import (
     register as _register,
 )
 from ._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
+from ._rules.batched_cond import rewrite as _rewrite
 
 Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 
@@ -147,12 +164,72 @@ def walk_in_place(
     return outs
 
 
+def walk_in_branch(
+    jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence[Any], found: Any, stuck: Any
+) -> list[Any]:
+    """Evaluates a body inside a cond branch that vmap batches, its sows' values carried out.
+
+    The building block of a descriptor's ``batched_branch``: each sow in
+    ``jaxpr`` takes its plant in place, and its value goes to ``found``, to
+    leave the branch with the branch's outputs (where the branch was not taken,
+    the example's value is dropped); a sow this cannot carry out (inside a
+    ``while_loop``, a custom derivative or a primitive without
+    ``batched_branch``) goes to ``stuck``.
+
+    Args:
+        jaxpr: The body (an open jaxpr).
+        consts: Values for its constvars.
+        args: Values for its invars.
+        found: The ``found`` that ``batched_branch`` was given.
+        stuck: The ``stuck`` that ``batched_branch`` was given.
+
+    Returns:
+        The body's outputs, a list.
+
+    Example:
+        A primitive that runs its body twice in a row (not call-like), reaped
+        inside a ``cond`` that ``vmap`` batches:
+
+        >>> import jax, jax.numpy as jnp
+        >>> from jax.extend.core import Primitive, jaxpr_as_fun
+        >>> from jax.interpreters import batching
+        >>> from harvest import extend, reap, sow
+        >>> twice_p = Primitive("twice_in_branch")
+        >>> twice_p.multiple_results = True
+        >>> run = lambda x, body: jaxpr_as_fun(body)(*jaxpr_as_fun(body)(x))
+        >>> _ = twice_p.def_impl(lambda x, *, body: run(x, body))
+        >>> _ = twice_p.def_abstract_eval(lambda x, *, body: [x])
+        >>> batching.primitive_batchers[twice_p] = lambda args, dims, *, body: (
+        ...     jax.vmap(lambda x: run(x, body), in_axes=dims)(*args), [0])
+        >>> def walk_twice(walk, eqn, invals):
+        ...     body = eqn.params["body"]
+        ...     once = extend.walk_in_place(walk, body.jaxpr, body.consts, invals)
+        ...     return extend.walk_in_place(walk, body.jaxpr, body.consts, once)
+        >>> def twice_in_branch(eqn, invals, found, stuck):
+        ...     body = eqn.params["body"]
+        ...     once = extend.walk_in_branch(body.jaxpr, body.consts, invals, found, stuck)
+        ...     return extend.walk_in_branch(body.jaxpr, body.consts, once, found, stuck)
+        >>> extend.register(twice_p, extend.HigherOrder(
+        ...     lambda eqn: [extend.Body("twice", eqn.params["body"].jaxpr, runs=2)],
+        ...     rule=walk_twice, batched_branch=twice_in_branch))
+        >>> def f(x):
+        ...     body = jax.make_jaxpr(lambda y: sow(y + 1.0, name="h", mode="append"))(x)
+        ...     return jax.lax.cond(x > 0, lambda x: twice_p.bind(x, body=body)[0], jnp.negative, x)
+        >>> reap(jax.vmap(f))(jnp.array([1.0, -1.0]))["h"]  # [occurrence, example]
+        Array([[2., 0.],
+               [3., 0.]], dtype=float32)
+    """
+    outs: list[Any] = _rewrite(jaxpr, consts, args, found, stuck)
+    return outs
+
+
 def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> Retraced:
     """Re-traces ``jaxpr`` through a child of ``walk`` into a new jaxpr that also returns its records.
 
     Bind the primitive again around ``result.jaxpr`` (it takes
     ``result.num_consts`` closed-over values, then the body's inputs, and
-    returns the body's ``result.num_outs`` outputs, then the records), calling
+    returns the body's ``result.num_outs`` outputs, then the records; a param
+    that holds a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``), calling
     it on ``result.args``; then ``result.finish(walk, outputs)`` folds the
     records into ``walk`` and returns the body's own outputs.
 

@@ -1,6 +1,8 @@
 """Every error says what went wrong and what to do; no state survives an error."""
 
+import ast
 import os
+import pathlib
 import re
 import traceback
 
@@ -330,7 +332,70 @@ def test_scan_errors_name_the_sow_inside_the_body():
 
 def test_a_failing_reap_shows_only_the_users_frames():
     harvest_dir = os.path.dirname(os.path.abspath(harvest_module.__file__))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ValueError, match=r"(?s)(?=.*alpha)(?=.*float32\[5\])") as err:
         reap(lambda x: plant(f, tag="t")({"alpha": jnp.zeros(5)}, x))(X)
     files = [frame.filename for frame in traceback.extract_tb(err.value.__traceback__)]
     assert files and not [name for name in files if name.startswith(harvest_dir)], files
+
+
+# -- every message is a function in harvest/_errors.py -------------------------
+
+# Modules that still build messages inline, each with its number of such raises and why it is
+# left: another part of issue 34 moves them. A new inline message anywhere fails the test below.
+INLINE_LEFT = {
+    # `AttributeError` from `__getattr__` is Python's protocol for a missing attribute.
+    "harvest/_patching_result.py": 1,
+    # view's and the attention hooks' modules are being changed in parallel (issue 34).
+    "harvest/_view.py": 2,
+    "harvest/_attention.py": 2,
+}
+
+
+def _exception_class(func):
+    """Whether the callee `func` (an AST node) names an exception class."""
+    import builtins
+
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+    builtin = getattr(builtins, name, None)
+    if isinstance(builtin, type) and issubclass(builtin, BaseException):
+        return True
+    return name.endswith(("Error", "Exception", "Warning"))
+
+
+def _inline_raises(path):
+    """Lines in `path` that raise or return an exception built there with arguments (a
+    message) rather than by a function of `harvest._errors`."""
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Raise, ast.Return))
+        and isinstance(call := (node.exc if isinstance(node, ast.Raise) else node.value), ast.Call)
+        and _exception_class(call.func)
+        and (call.args or call.keywords)
+    )
+
+
+def test_every_message_is_a_function_in_errors():
+    package = pathlib.Path(harvest_module.__file__).parent
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        name = path.relative_to(package.parent).as_posix()
+        if name == "harvest/_errors.py":
+            continue
+        lines = _inline_raises(path)
+        if len(lines) > INLINE_LEFT.get(name, 0):
+            found[name] = lines
+    assert not found, (
+        "raises that build their message inline (make each a function in harvest/_errors.py "
+        f"and raise _errors.<function>(...)): {found}"
+    )
+
+
+def test_inline_raise_check_sees_an_inline_message(tmp_path):
+    # The check above must be able to fail: it flags an inline message, not a call into _errors.
+    source = tmp_path / "module.py"
+    source.write_text(
+        "def f(x):\n    if x:\n        raise ValueError(f'bad {x}')\n    raise _errors.bad_tag(x)\n"
+    )
+    assert _inline_raises(source) == [3]

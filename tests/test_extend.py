@@ -197,3 +197,64 @@ def test_a_call_like_primitive_registered_without_a_rule_is_walked_in_place():
         NotImplementedError, match=r"no rule for the primitive `ruleless_loop`.*name='h'"
     ):
         reap(g)(X)
+
+
+def _registered_twice_p(name: str, in_branch: bool) -> Primitive:
+    """A primitive that runs its body twice in a row (not call-like), registered with a
+    walk rule and, if `in_branch`, a `batched_branch` built from `walk_in_branch`."""
+    twice_p = Primitive(name)
+    twice_p.multiple_results = True
+    run = lambda x, body: jaxpr_as_fun(body)(*jaxpr_as_fun(body)(x))  # noqa: E731
+    twice_p.def_impl(lambda x, *, body: run(x, body))
+    twice_p.def_abstract_eval(lambda x, *, body: [x])
+    batching.primitive_batchers[twice_p] = lambda args, dims, *, body: (
+        jax.vmap(lambda x: run(x, body), in_axes=dims)(*args),
+        [0],
+    )
+
+    def walk_twice(walk, eqn, invals):
+        body = eqn.params["body"]
+        once = extend.walk_in_place(walk, body.jaxpr, body.consts, invals)
+        return extend.walk_in_place(walk, body.jaxpr, body.consts, once)
+
+    def twice_in_branch(eqn, invals, found, stuck):
+        body = eqn.params["body"]
+        once = extend.walk_in_branch(body.jaxpr, body.consts, invals, found, stuck)
+        return extend.walk_in_branch(body.jaxpr, body.consts, once, found, stuck)
+
+    bodies = lambda eqn: [extend.Body(name, eqn.params["body"].jaxpr, runs=2)]  # noqa: E731
+    branch = twice_in_branch if in_branch else None
+    extend.register(twice_p, extend.HigherOrder(bodies, rule=walk_twice, batched_branch=branch))
+    return twice_p
+
+
+def _twice_in_a_batched_cond(twice_p):
+    def f(x):
+        body = jax.make_jaxpr(lambda y: jnp.sin(sow(y * 2.0, name="h", mode="append")))(x)
+        return jax.lax.cond(x > 0.0, lambda x: twice_p.bind(x, body=body)[0], jnp.cos, x)
+
+    return jax.vmap(f)
+
+
+def test_a_loop_like_primitive_in_a_batched_cond_is_reaped_through_its_batched_branch():
+    xs = jnp.array([0.5, -1.0, 2.0])
+    stuck = _twice_in_a_batched_cond(_registered_twice_p("twice_unbranched", in_branch=False))
+    with pytest.raises(
+        NotImplementedError, match=r"name='h'.*`twice_unbranched`.*`batched_branch`.*walk_in_branch"
+    ):
+        reap(stuck)(xs)
+    # By hand: the body applied twice, h its input each time; where the branch is not
+    # taken, the example's values are zeros.
+    first = 2.0 * np.asarray(xs)
+    second = 2.0 * np.sin(first)
+    taken = np.asarray(xs) > 0
+    fixed = _twice_in_a_batched_cond(_registered_twice_p("twice_branched", in_branch=True))
+    out, reaped = call_and_reap(fixed)(xs)
+    np.testing.assert_allclose(out, np.where(taken, np.sin(second), np.cos(xs)), rtol=1e-6)
+    np.testing.assert_allclose(
+        reaped["h"],
+        np.stack([np.where(taken, first, 0.0), np.where(taken, second, 0.0)]),
+        rtol=1e-6,
+    )
+    planted = plant(fixed)({"h": jnp.full((2, 3), 0.25)}, xs)
+    np.testing.assert_allclose(planted, np.where(taken, np.sin(0.25), np.cos(xs)), rtol=1e-6)

@@ -29,7 +29,8 @@ def test_every_pip_install_in_the_package_names_a_jax_harvest_extra():
 
 
 def test_the_tfp_message_names_jax_harvest_ppl():
-    message = _tfp_shim.tfp_error_message(ModuleNotFoundError("No module named 'x'"))
+    cause = ModuleNotFoundError("No module named 'x'")
+    message = str(_errors.tfp_import_failed(cause, False, _tfp_shim.SUBSTRATE, _tfp_shim.TESTED))
     assert "pip install 'jax-harvest[ppl]'" in message and "'harvest[ppl]'" not in message
 
 

@@ -223,7 +223,7 @@ def test_errors_are_harvests_own_byte_for_byte(monkeypatch):
     model = Grown()
 
     def message(**kwargs):
-        with pytest.raises(ValueError) as error:
+        with pytest.raises(ValueError, match="'nope' matches no sow site") as error:
             reap(instrument(model, **kwargs), tag="modules", allowlist="nope")(X)
         return str(error.value)
 

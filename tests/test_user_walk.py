@@ -154,7 +154,7 @@ def deep(x):
 def test_a_typo_among_many_sites_names_the_closest_ones_in_a_short_message():
     # A Penzai transformer has 83 sites: the message listed every one (5,091 characters).
     x = jnp.ones(3)
-    with pytest.raises(KeyError) as err:
+    with pytest.raises(KeyError, match=r"'blocks\.7\.resid_'") as err:
         plant(deep)({"blocks.7.resid_": jnp.zeros(3)}, x)
     message = str(err.value)
     assert "'blocks.7.resid'" in message and "20 names" in message and len(message) < 600

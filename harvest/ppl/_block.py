@@ -77,7 +77,7 @@ def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
     """
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"block takes random variable names as strings, got {names!r}.")
+        raise _errors.ppl_names_not_strings("block", "random variable names", names)
     return jax.tree_util.Partial(_blocked, f, Among(frozenset(names)))
 
 

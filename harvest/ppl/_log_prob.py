@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import _jax
+from .. import _errors, _jax
 from .._jax import sub_jaxprs
 from .._paths import path_str
 from .._primitive import sow_p
@@ -69,18 +69,8 @@ def _invertible_names():
 
 
 def _cannot(why, known):
-    stuck = ""
-    if known.stuck:
-        stuck = (
-            " The way back from the output stopped at: "
-            + ", ".join(f"`{p}`" for p in sorted(known.stuck))
-            + f". Invertible primitives: {_invertible_names()}."
-        )
-    return ValueError(
-        f"Cannot compute log_prob of function: {why}.{stuck} Use joint_log_prob(f) with a value "
-        "for every random variable, or return the missing draws from f (e.g. "
-        "log_prob(joint_sample(f)))."
-    )
+    invertible = _invertible_names() if known.stuck else ""
+    return _errors.ppl_cannot_invert(why, known.stuck, invertible)
 
 
 def _holds_draws(eqn, densities):
@@ -102,9 +92,8 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
     try:
         out_leaves = out_tree.flatten_up_to(sample)
     except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"log_prob(f) takes a value shaped like f's output, {out_tree}; got "
-            f"{jax.tree_util.tree_structure(sample)}."
+        raise _errors.ppl_sample_structure(
+            out_tree, jax.tree_util.tree_structure(sample)
         ) from error
 
     known = Known({}, {}, {})
@@ -155,11 +144,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
                 and site.path not in scored_names
                 and any(v in live for v in eqn.outvars)
             ):
-                raise ValueError(
-                    f"log_prob: the random variable {path_str(site.path)!r} is drawn by a plain "
-                    "sampling function, which has no density. Draw it from a TFP "
-                    "distribution, or fix it with intervene/conditional."
-                )
+                raise _errors.ppl_drawn_without_density("log_prob", [path_str(site.path)])
         elif densities is not None and eqn.primitive in densities:
             if not any(v in live for v in eqn.outvars):
                 continue

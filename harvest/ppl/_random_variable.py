@@ -52,26 +52,15 @@ def is_distribution(obj: object) -> bool:
 def _check_arguments(dist: object, name: object, mode: object) -> str:
     """The validated name."""
     if name is None:
-        raise TypeError(
-            "random_variable needs a name, e.g. random_variable(dist, name='x'): "
-            "joint_sample, joint_log_prob, intervene and conditional refer to the draw by it."
-        )
+        raise _errors.ppl_random_variable_unnamed()
     if not isinstance(name, str) or not name:
-        raise TypeError(f"random_variable needs `name` to be a non-empty string, got {name!r}.")
+        raise _errors.ppl_bad_name("random_variable", name)
     if mode not in RV_MODES:
-        raise ValueError(
-            f"random_variable(name={name!r}): mode {mode!r} is not supported. Use 'strict' "
-            "for one draw, or 'append' for a draw inside lax.scan (draws stack on a "
-            "leading axis)."
-        )
+        raise _errors.ppl_random_variable_mode(name, mode)
     if is_distribution(dist) and type(dist).__module__.startswith("numpyro."):
         raise _errors.ppl_numpyro_distribution(name, type(dist).__name__)
     if not (is_distribution(dist) or callable(dist)):
-        raise TypeError(
-            f"random_variable(name={name!r}) takes a TFP distribution (from "
-            "tensorflow_probability.substrates.jax) or a sampling function key -> value; "
-            f"got a {type(dist).__name__}."
-        )
+        raise _errors.ppl_not_a_distribution(name, dist)
     return name
 
 
@@ -234,7 +223,7 @@ def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
 
 def _check_name(fn_name: str, name: object) -> None:
     if not isinstance(name, str) or not name:
-        raise TypeError(f"{fn_name} needs `name` to be a non-empty string, got {name!r}.")
+        raise _errors.ppl_bad_name(fn_name, name)
 
 
 def deterministic(value: T, *, name: str) -> T:

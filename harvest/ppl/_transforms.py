@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _jax
+from .. import _errors, _jax
 from .._sow import sow
 from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
@@ -58,10 +58,7 @@ def _placeholder_key() -> jax.Array:
 
 def _check_values(values: object, fn_name: str) -> None:
     if not isinstance(values, dict):
-        raise TypeError(
-            f"{fn_name} takes the values of random variables as a dict {{name: value}} "
-            f"(as joint_sample returns it), got a {type(values).__name__}."
-        )
+        raise _errors.ppl_values_not_a_dict(fn_name, values)
 
 
 def joint_sample(f: Callable[P, Any]) -> Callable[P, Reaped]:
@@ -145,22 +142,13 @@ def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> An
     missing = set(leaf_paths(unplanted))
     enumerated = supports(markers, missing)
     if missing - set(enumerated):
-        raise ValueError(
-            "joint_log_prob needs a value for every random variable; missing: "
-            f"{', '.join(sorted(missing - set(enumerated)))}. Give them too, fix them "
-            "first with intervene/conditional, or (Bernoulli, Categorical) draw them with "
-            "enumerate=True to sum them out."
-        )
+        raise _errors.ppl_missing_values(missing - set(enumerated))
     if enumerated:
         total = marginal(lambda a: _site_densities(f, merged(values, a), args, kwargs), enumerated)
     else:
         unscored = _unscored(values, densities)
         if unscored:
-            raise ValueError(
-                f"joint_log_prob: the random variables {', '.join(sorted(unscored))} were "
-                "drawn by plain sampling functions, which have no density. Draw them from "
-                "a TFP distribution, or fix them with intervene/conditional."
-            )
+            raise _errors.ppl_drawn_without_density("joint_log_prob", unscored)
         total = sum(densities_of(densities), jnp.zeros(()))
     return total
 
@@ -298,7 +286,7 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
     """
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
-        raise TypeError(f"conditional takes random variable names as strings, got {names!r}.")
+        raise _errors.ppl_names_not_strings("conditional", "random variable names", names)
     if not names:
         return f
     return Partial(_conditioned, f, tuple(names))
@@ -306,10 +294,7 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
 
 def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     if len(args) < len(names):
-        raise TypeError(
-            f"conditional(f, {list(names)}) is called as g(key, *args, *values) with one "
-            f"value per name; got {len(args)} positional arguments in all."
-        )
+        raise _errors.ppl_conditional_arity(names, len(args))
     split = len(args) - len(names)
     values = nested(names, args[split:])
     return _fixed(f, frozenset(dotted_paths(nested(names, names))), values, *args[:split], **kwargs)
@@ -362,9 +347,7 @@ def log_prob(f: Any) -> Callable[..., jax.Array]:
         dist_log_prob: Callable[..., jax.Array] = f.log_prob
         return dist_log_prob
     if not callable(f):
-        raise TypeError(
-            f"log_prob takes a TFP distribution or a program, got a {type(f).__name__}."
-        )
+        raise _errors.ppl_log_prob_target(f)
     if isinstance(f, Partial) and f.func is _joint_sample:
         return joint_log_prob(*f.args)
     return Partial(_log_prob, f)
@@ -495,7 +478,7 @@ def graph_replace(
     single = isinstance(output_names, str)
     outputs = [output_names] if single else list(output_names)
     if not all(isinstance(n, str) and n for n in outputs):
-        raise TypeError(f"graph_replace takes output names as strings, got {output_names!r}.")
+        raise _errors.ppl_names_not_strings("graph_replace", "output names", output_names)
     return Partial(
         _replaced, conditional(f, input_names), output_names if single else tuple(outputs)
     )

@@ -300,9 +300,7 @@ def unconstrained(
     """
     observed = dict(observed or {})
     if not all(isinstance(k, str) for k in observed):
-        raise TypeError(
-            f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
-        )
+        raise _errors.ppl_observed_not_a_dict(observed)
     _check_finite(observed)
     return Unconstrained(
         Partial(_log_density, f, observed, True),

@@ -64,11 +64,9 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
     del key  # oryx ties `key` in for ordering; a jaxpr keeps sows in program order anyway
     _check_name(name)
     if mode == COND_CLOBBER.name:
-        raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
+        raise _errors.oryx_cond_clobber_in_sow()
     if mode not in ORYX_MODES:
-        raise ValueError(
-            f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'."
-        )
+        raise _errors.oryx_unknown_mode(mode)
     return bind_sow(value, name=name, tag=tag, mode=ORYX_MODES[mode].name)
 
 
@@ -108,7 +106,7 @@ def sow_cond(
     del key
     _check_name(name)
     if mode != COND_CLOBBER.name:
-        raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
+        raise _errors.oryx_sow_cond_mode()
     return bind_sow(value, jax.numpy.asarray(pred), name=name, tag=tag, mode=COND_CLOBBER.name)
 
 
@@ -141,7 +139,7 @@ def _in_oryx_words(error: ValueError) -> ValueError | None:
     for pattern, wording in _ORYX_WORDING:
         found = pattern.search(str(error))
         if found:
-            return ValueError(f"{wording.format(found.group(1))} ({error})")
+            return _errors.oryx_worded(wording.format(found.group(1)), error)
     return None
 
 

@@ -1,0 +1,246 @@
+"""`Instrumented`: the callable `instrument` returns, and how it flattens as a pytree.
+
+A call makes one `InstrumentCall` (`_instrument_call.py`) and runs the target
+with the sites it selects: a module target with its submodule classes wrapped
+(`_instrument_classes.py`), a function through Linen's interceptor
+(`_instrument_linen.py`), and with ops=True through the op sites' trace
+(`_op_sites.py`). A Penzai model, which can hold state, is an
+`InstrumentedPenzai` (`_instrument_penzai.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+
+from . import _attention, _errors
+from ._attention import HOOKS
+from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
+from ._free_variables import StaticValue, attributes_key, closure_of, globals_read, with_closure
+from ._instrument_call import INPUTS, InstrumentCall
+from ._instrument_classes import with_modules
+from ._instrument_linen import run_linen
+from ._module_paths import describe, submodules
+from ._op_sites import sow_ops
+
+
+class Instrumented:
+    """`target`, callable as before, with its parts sown under `tag`.
+
+    A pytree whose child is the target (for a module), so transformations that
+    take it as an argument or bound object trace the model's arrays; for a
+    function, its children are what the function closes over and reads from
+    its module, as a harvested function's are (`_closure_flat`), so a
+    closed-over `variables` dict is traced and an NNX module there split. Only a
+    Penzai model can hold state of its own (`InstrumentedPenzai`); any other
+    target is not `Stateful`, so a harvest call looks for no state in it (for a
+    Linen function that would be two more walks of every argument's tree).
+    """
+
+    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False, leaves=None):
+        self._target = target
+        # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
+        self._leaves = leaves
+        self._rebuilt = False  # whether `target` was rebuilt from `_leaves`
+        self._kind = kind
+        self._tag = tag
+        self._ops = ops
+        self._inputs = inputs
+        self._attention = attention
+        self._select = select
+        self._where = where
+        # Penzai: (the variables, their values, the frozen model's arrays, its structure).
+        self._frozen = None
+        # A function rebuilt from its closure's flatten: (the function, layout, children).
+        self._closed = None
+        if leaves is None:
+            functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
+
+    @property
+    def target(self):
+        if self._leaves is not None:
+            tree, leaves = self._leaves
+            self._target, self._leaves, self._rebuilt = tree.unflatten(leaves), None, True
+        return self._target
+
+    @target.setter
+    def target(self, value):
+        self._target, self._leaves, self._frozen, self._closed = value, None, None, None
+
+    def _static(self):
+        return (
+            self._kind,
+            self._tag,
+            self._ops,
+            self._inputs,
+            self._select,
+            self._where,
+            self._attention,
+        )
+
+    def tree_flatten(self):
+        if self._kind == "function":
+            if self._closed is not None:  # a copy made from a flatten: flattens as that did
+                source, layout, children = self._closed
+                return list(children), ("closure", source, self._static(), layout)
+            closure = _closure_flat(self._target)
+            if closure is not None:
+                children, layout = closure
+                return children, ("closure", self._target, self._static(), layout)
+            if type(self._target) is functools.partial:
+                # Its arguments are the call's, as harvest takes a partial's: arrays traced.
+                target = self._target
+                return [target.args, target.keywords], (
+                    "partial",
+                    target.func,
+                    self._static(),
+                    None,
+                )
+            return (), ("function", self.target, self._static(), _object_key(self.target))
+        return self._children(), ("tree", None, self._static(), None)
+
+    def tree_flatten_with_keys(self):
+        if self._kind == "function":
+            children, aux = self.tree_flatten()
+        else:
+            children, aux = self._children(), ("tree", None, self._static(), None)
+        return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
+
+    def _children(self):
+        return (self.target,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        form, data, static, layout = aux
+        if form == "function":
+            return cls(data, *static)
+        if form == "partial":
+            return cls(functools.partial(data, *children[0], **children[1]), *static)
+        if form == "closure":
+            copy = cls(_closure_filled(data, layout, children), *static)
+            # Its children may be stand-ins (NNX nodes split, tracers): flattened again,
+            # it gives them back as children, rather than what its copy's cells hold.
+            copy._closed = (data, layout, tuple(children))
+            return copy
+        if form == "leaves":
+            return cls(None, *static, leaves=(data, list(children)))
+        return cls(children[0], *static)
+
+    def __repr__(self):
+        return (
+            f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
+            f"inputs={self._inputs}, attention={self._attention})"
+        )
+
+    def __call__(self, *args, **kwargs):
+        # One name read: harvest keys each call by the module globals this method's own
+        # code reads (so a rebound one is seen), which costs a check per name.
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
+        call = InstrumentCall(
+            self._tag,
+            self._select,
+            self._ops,
+            self._inputs,
+            {},
+            kind=self._kind,
+            attention=self._attention,
+        )
+        if self._kind == "function":
+            run = functools.partial(run_linen, call, self.target)
+        else:
+            parts = submodules(self.target, self._kind)
+            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._attention:
+                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
+            if (
+                self._where is not None
+                and not self._ops
+                and not any(self._select((n,)) for n in names)
+            ):
+                raise _errors.instrument_where_selects_no_submodule(self._where, names)
+            # Every module is wrapped (with ops=True its path names the ops inside,
+            # whatever `where` selects); `sow` keeps to the selected ones.
+            call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
+            call.known = frozenset(call.paths.values())
+            self._prepare(call, parts, names, args, kwargs)
+            marked = (
+                [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            )
+            if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
+                call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
+            run = functools.partial(
+                with_modules, call, {type(m) for _, m in parts}, marked, self.target
+            )
+        if self._ops:
+            out = self._sow_ops(run, call, args, kwargs)
+        else:
+            out = run(*args, **kwargs)
+        if not call.sown:
+            raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
+        return out
+
+    def _prepare(self, call, parts, names, args, kwargs):
+        """Fills in what `call` needs beyond the paths of `parts` before the model runs
+        (nothing here; a Penzai model's call more, `InstrumentedPenzai`)."""
+
+    def _sow_ops(self, run, call, args, kwargs):
+        return sow_ops(run, call, args, kwargs)
+
+    def harvest_eager_dispatch(self, policy, gives, run_walk):
+        """How a transformation of this target is called eagerly: a function's
+        calls through one `jax.jit` (`_eager_dispatch`); None: harvest's own way."""
+        if self._kind == "function":
+            return EagerDispatch(self, policy, gives, run_walk)
+        if self._kind == "nnx":
+            return EagerModuleDispatch(self, policy, gives, run_walk)
+        return None
+
+
+def register(cls: type[Instrumented]) -> None:
+    """Registers `cls` (`Instrumented` or a subclass) as a pytree."""
+    jax.tree_util.register_pytree_with_keys(
+        cls, cls.tree_flatten_with_keys, cls.tree_unflatten, flatten_func=cls.tree_flatten
+    )
+
+
+register(Instrumented)
+
+
+_CHILD = object()  # in a closure's layout: the value is a child, not held in the structure
+
+
+def _closure_flat(target):
+    """(children, layout) of what a function target closes over and reads from its
+    module, as harvest takes a plain function's (`closure_of`, `globals_read`): arrays,
+    containers of them and NNX nodes as children, every other value `StaticValue` in the
+    layout, so the compile-cache key sees a value rebound; None for a target that
+    is not a plain function or reads nothing (a bound method's object is the key)."""
+    if not inspect.isfunction(target):
+        return None
+    cells, reads = closure_of(target), globals_read(target)
+    if not cells and not reads:
+        return None
+    values = (*cells, *(value for _, value in reads))
+    held = tuple(v if isinstance(v, StaticValue) else _CHILD for v in values)
+    children = [v for v in values if not isinstance(v, StaticValue)]
+    return children, (len(cells), tuple(name for name, _ in reads), held)
+
+
+def _object_key(target):
+    """What a target that is not a plain function is compared by beside itself: the
+    object of a bound method, or a callable object, by which object each of its
+    attributes is (`_free_variables.attributes_key`), so an attribute rebound (a
+    new weight array) re-traces."""
+    return attributes_key(target.__self__ if inspect.ismethod(target) else target)
+
+
+def _closure_filled(target, layout, children):
+    """`target` closing over and reading the values a `_closure_flat` layout and its children give."""
+    n, names, held = layout
+    given = iter(children)
+    values = [next(given) if h is _CHILD else h for h in held]
+    return with_closure(target, tuple(values[:n]), tuple(zip(names, values[n:])))
