@@ -987,6 +987,26 @@ def random_variable_modes(site: Any) -> str:
     return ""
 
 
+def ppl_tfp_import_failed(
+    cause: Exception, module: str, tested: str, imported_before: bool
+) -> ImportError:
+    order = ""
+    if imported_before:
+        order = (
+            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
+            "importing it again did not recover. Restart the interpreter and import "
+            "harvest (or harvest.ppl) before tensorflow_probability."
+        )
+    return ImportError(
+        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({module}): "
+        f"{type(cause).__name__}: {cause}.{order} harvest.ppl needs it (it draws from TFP "
+        f"distributions) and is tested with {tested}; install them with "
+        "`pip install 'jax-harvest[ppl]'`. The core (sow, reap, plant, instrument) works "
+        "without TFP."
+    )
+
+
 def ppl_needs_extra(module: str, what: str) -> ImportError:
     return ImportError(
         f"harvest.ppl.{what} needs {module}, which is not installed. Install the inference "
