@@ -3,7 +3,8 @@ and the site builds with -W.
 
 A block's printed output is checked two ways: a ```text block right after a
 ```python block is what the whole block prints, and a `# -> ...` comment ends a
-statement with what that statement prints (or, for a bare expression, its repr).
+statement (or is the comment line right after it) with what that statement prints (or,
+for a bare expression, its repr).
 Numbers are compared with a tolerance (rtol 1e-3), `...` matches anything, and
 runs of whitespace are one space. The pages show what JAX 0.10.2 prints (jaxprs
 print differently on other releases), so the comparison runs on that release.
@@ -94,14 +95,30 @@ def same_output(printed, shown):
     )
 
 
+def shown_after(lines):
+    """The `# ->` of a statement whose lines (with the comments up to the next statement)
+    are `lines`: on its last line, or on a comment line of its own right after it (where
+    the output would not fit on the line)."""
+    last, *after = lines
+    if ARROW.search(last):
+        return ARROW.search(last)
+    for line in after:
+        if line.strip() and not line.lstrip().startswith("#"):
+            return None
+        if ARROW.search(line):
+            return ARROW.search(line)
+    return None
+
+
 def run_block(code, namespace, label):
     """Runs `code` statement by statement; returns its stdout and the `# ->` checks that
     failed, as (line, shown, printed)."""
     lines = code.splitlines()
     tree = ast.parse(code)
     out, failures = io.StringIO(), []
-    for statement in tree.body:
-        arrow = ARROW.search(lines[statement.end_lineno - 1])
+    ends = [s.lineno - 1 for s in tree.body[1:]] + [len(lines)]
+    for statement, next_start in zip(tree.body, ends):
+        arrow = shown_after(lines[statement.end_lineno - 1 : next_start])
         piece = io.StringIO()
         # dont_inherit: the block runs as a reader's script would, without this file's
         # `from __future__ import annotations` (which turns dataclass fields into strings).
@@ -156,6 +173,12 @@ def test_output_comparison_tolerates_float_noise_and_nothing_else():
     assert not same_output("[0.5 0.7]", "[0.5 0.8]")
     assert not same_output("(3, 2)", "(3, 4)")
     assert not same_output("a b", "a")
+
+
+def test_an_arrow_on_the_line_after_a_statement_is_checked():
+    code = "x = 1\nprint(x + 1)\n# -> 3\nprint(x)  # -> 1\n"
+    printed, failures = run_block(code, {}, "arrows")
+    assert printed == "2\n1\n" and failures == [(2, "3", "2\n")]
 
 
 @pytest.mark.multidevice
