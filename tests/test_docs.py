@@ -20,6 +20,7 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -263,3 +264,40 @@ def test_code_lines_fit_in_88_columns(page):
     blocks = re.findall(r"^```(?:python|text|sh)\n(.*?)^```", text, re.S | re.M)
     long = [line for block in blocks for line in block.splitlines() if len(line) > 88]
     assert not long, long
+
+
+# `make docs-check` on two one-page sites: a table of inline code in the theme's
+# scrolling box, as the oryx guide's ppl table was (its "notes" column hid behind
+# the scrollbar), without and with the docs' stylesheet.
+TABLE_PAGE = """<html><head><style>
+article {{ width: 600px; }}
+div.scroller {{ overflow-x: auto; }}
+span.pre {{ white-space: nowrap; }}  /* the theme's rule for inline code */
+</style>{css}</head><body><article><div class="scroller"><table><tr>
+<td><code class="literal"><span class="pre">{long}</span></code></td>
+<td><code class="literal"><span class="pre">{long}</span></code></td>
+<td>notes: the last column</td></tr></table></div></article></body></html>"""
+
+
+@pytest.mark.skipif(
+    shutil.which("chromium") is None and shutil.which("chromium-browser") is None,
+    reason="Chromium is not installed (make chromium)",
+)
+@pytest.mark.parametrize("styled", [False, True], ids=["theme only", "with harvest.css"])
+def test_docs_check_catches_a_clipped_table_and_the_css_fixes_it(styled, tmp_path):
+    sys.path.insert(0, str(DOCS / "_static"))
+    try:
+        import docs_check
+    finally:
+        sys.path.pop(0)
+    css = ""
+    if styled:
+        shutil.copy(DOCS / "_static" / "harvest.css", tmp_path / "harvest.css")
+        css = '<link rel="stylesheet" href="harvest.css">'
+    long = "body.sublayers.1.sublayers.1.delta.sublayers.1.sublayers.0.attention"
+    (tmp_path / "index.html").write_text(TABLE_PAGE.format(css=css, long=long))
+    report = docs_check.check(tmp_path, tmp_path / "screenshots")
+    if styled:
+        assert report == {"index": []}
+    else:
+        assert len(report["index"]) == 1 and report["index"][0].startswith("table 0 is clipped")

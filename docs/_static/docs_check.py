@@ -7,8 +7,11 @@ reference pages) is opened in headless Chromium, at the width of a laptop
 window, with a small script added to a copy of it that measures, once the
 page has loaded:
 
-* code clipped: a code block whose content is wider than the block (it would
-  hide behind a scrollbar);
+* code clipped: a code block whose content is wider than the block (its
+  line ends would hide behind a scrollbar; a notebook's printed output may
+  scroll instead);
+* tables clipped: a table wider than the box that shows it (its last columns
+  would hide behind a scrollbar a reader may never see) or than the column;
 * figures: an image wider than 900 px, or one drawn at less than 3/4 of its
   own width (squeezed, so its tick labels shrink below readable);
 * test markers a reader would see (``# not-run``);
@@ -52,10 +55,28 @@ PROBE = """
 window.addEventListener("load", function () {
   var problems = [];
   var column = document.querySelector("article") || document.body;
-  document.querySelectorAll("div.highlight pre, pre.literal-block").forEach(function (pre, i) {
-    if (pre.scrollWidth > pre.clientWidth + 1) {
+  var edge = column.getBoundingClientRect().right;
+  function start(el) { return el.textContent.trim().split("\\n")[0].slice(0, 60); }
+  function scrolls(el) { return /auto|scroll/.test(getComputedStyle(el).overflowX); }
+  // The box that shows `el`: the nearest scrolling ancestor inside the column, or itself.
+  function box(el) {
+    for (var e = el; e && e !== column; e = e.parentElement) if (scrolls(e)) return e;
+    return el;
+  }
+  column.querySelectorAll("div.highlight pre, pre.literal-block").forEach(function (pre, i) {
+    var wide = pre.scrollWidth > pre.clientWidth + 1;
+    // A notebook's printed output (a wide `sites()` table) may scroll; code may not.
+    var output = pre.closest(".cell_output, .output");
+    if (wide && !(output && scrolls(pre))) {
       problems.push("code block " + i + " is clipped (" + pre.scrollWidth + " px of content in " +
-        pre.clientWidth + " px): " + pre.textContent.split("\\n")[0].slice(0, 60));
+        pre.clientWidth + " px): " + start(pre));
+    }
+  });
+  column.querySelectorAll("table").forEach(function (table, i) {
+    var shown = box(table);
+    if (shown.scrollWidth > shown.clientWidth + 1 || shown.getBoundingClientRect().right > edge + 1) {
+      problems.push("table " + i + " is clipped (" + shown.scrollWidth + " px of columns in " +
+        shown.clientWidth + " px; its last columns hide): " + start(table));
     }
   });
   column.querySelectorAll("img").forEach(function (img) {
@@ -73,8 +94,15 @@ window.addEventListener("load", function () {
     if (text.indexOf(m) >= 0) problems.push("the test marker '" + m + "' is visible");
   });
   if (column.scrollWidth > column.clientWidth + 1) {
+    var widest = null;
+    column.querySelectorAll("*").forEach(function (el) {
+      if (!widest || el.getBoundingClientRect().right > widest.getBoundingClientRect().right) {
+        widest = el;
+      }
+    });
     problems.push("the content is " + column.scrollWidth + " px wide in a " +
-      column.clientWidth + " px column");
+      column.clientWidth + " px column, widest: <" + widest.tagName.toLowerCase() + "> " +
+      start(widest));
   }
   var out = document.createElement("pre");
   out.id = "docs-check-result";
