@@ -16,6 +16,7 @@ import ast
 import contextlib
 import importlib.util
 import io
+import json
 import math
 import os
 import pathlib
@@ -301,3 +302,105 @@ def test_docs_check_catches_a_clipped_table_and_the_css_fixes_it(styled, tmp_pat
         assert report == {"index": []}
     else:
         assert len(report["index"]) == 1 and report["index"][0].startswith("table 0 is clipped")
+
+
+# The README's examples, each run where only what the README names before it is
+# installed: harvest and JAX (`make demo`'s venv), plus every `pip install` above
+# the block. The test's venv has everything, so a child process refuses to import
+# any installed distribution outside that set, as a venv without it would.
+SETUP = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
+ONLY_NAMED = r"""
+import importlib.metadata as metadata, json, re, sys, tomllib
+from packaging.requirements import Requirement
+
+pyproject = tomllib.load(open(sys.argv[1], "rb"))["project"]
+blocks = json.load(open(sys.argv[2]))
+
+def norm(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+def closure(requirements):
+    found, todo = set(), [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        if (req.marker and not req.marker.evaluate({"extra": ""})) or norm(req.name) in found:
+            continue
+        found.add(norm(req.name))
+        try:
+            todo += [Requirement(r) for r in metadata.requires(req.name) or []]
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+owners = {m: {norm(d) for d in ds} for m, ds in metadata.packages_distributions().items()}
+allowed = set()
+
+class OnlyNamed:  # a finder that finds nothing of a distribution not named
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        dists = owners.get(name.partition(".")[0])
+        if dists and not dists & allowed:
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, name):  # find_distributions, invalidate_caches: the finder's
+        return getattr(self.finder, name)
+
+sys.meta_path[:] = [OnlyNamed(finder) for finder in sys.meta_path]
+namespace = {"__name__": "readme"}
+for i, (installs, code) in enumerate(blocks):
+    named = pyproject["dependencies"] + ["jax-harvest"]
+    for install in installs:
+        extras = re.fullmatch(r"-e \.\[(\w+)\]", install)
+        named += pyproject["optional-dependencies"][extras.group(1)] if extras else [install]
+    allowed = closure(named)
+    try:
+        exec(compile(code, f"README block {i}", "exec"), namespace)
+    except Exception as err:
+        sys.exit(f"README block {i}, after pip install {installs}: {type(err).__name__}: {err}")
+"""
+
+
+def readme_blocks_and_installs():
+    """[(the `pip install` arguments named above the block, its code)] for the README's
+    python blocks, in order."""
+    text = (ROOT / "README.md").read_text()
+    found, installs = [], []
+    for block in re.finditer(r"^```(python|sh)\n(.*?)^```", text, re.S | re.M):
+        kind, body = block.groups()
+        if kind == "sh":
+            for line in body.splitlines():
+                command = line.partition("#")[0].strip()
+                if command.startswith("pip install "):
+                    installs.append(re.sub("[\"']", "", command.removeprefix("pip install ")))
+        else:
+            found.append((list(installs), body))
+    return found
+
+
+def test_readme_blocks_run_with_only_what_the_readme_names_before_them(tmp_path):
+    pytest.importorskip("packaging", reason="reads the extras' requirements")
+    blocks = readme_blocks_and_installs()
+    assert [installs for installs, _ in blocks] == [
+        [],
+        ["equinox"],
+        ["equinox", "-e .[patching]"],
+        ["equinox", "-e .[patching]", "-e .[ppl]"],
+    ]
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ONLY_NAMED,
+            str(ROOT / "pyproject.toml"),
+            str(tmp_path / "blocks.json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "MPLBACKEND": "Agg"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
