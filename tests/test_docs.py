@@ -247,24 +247,48 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
 
 
-# Code on these pages fits the content column unwrapped (the docs' CSS wraps longer
-# lines elsewhere rather than clipping them; `make docs-check` checks that in a browser).
-NARROW = [
-    "../README.md",
-    "index.md",
-    "quickstart.md",
-    "semantics.md",
-    "guides/gradients.md",
-    "guides/reading_intermediates.md",
-]
+# Code on every page fits the content column unwrapped: 88 columns, at the docs'
+# code size (`make docs-check` checks that in a browser). A wrapped line would
+# start at column 0 and read as a new statement.
+WIDTH = 88
+CODE_FENCES = {"", "python", "text", "sh", "bash", "console"}
+ALL_PAGES = ["../README.md"] + sorted(
+    str(path.relative_to(DOCS)) for path in DOCS.glob("**/*.md") if "_build" not in path.parts
+)
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-@pytest.mark.parametrize("page", NARROW)
+def code_lines(text):
+    """The lines of a Markdown page's code fences (not its tables or directives)."""
+    lines, fence = [], None
+    for line in text.splitlines():
+        opening = re.match(r"^(`{3,})(.*)$", line)
+        if fence is None and opening:
+            fence, info = opening.group(1), opening.group(2).strip()
+        elif fence is not None and line.strip() == fence:
+            fence = None
+        elif fence is not None and info in CODE_FENCES:
+            lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("page", ALL_PAGES)
 def test_code_lines_fit_in_88_columns(page):
-    text = (DOCS / page).read_text()
-    blocks = re.findall(r"^```(?:python|text|sh)\n(.*?)^```", text, re.S | re.M)
-    long = [line for block in blocks for line in block.splitlines() if len(line) > 88]
+    long = [line for line in code_lines((DOCS / page).read_text()) if len(line) > WIDTH]
     assert not long, long
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda path: path.name)
+def test_notebook_code_fits_in_88_columns(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    code = "".join("".join(c["source"]) + "\n" for c in cells if c["cell_type"] == "code")
+    long = [line for line in code.splitlines() if len(line) > WIDTH]
+    assert not long, long
+
+
+def test_the_code_line_reader_skips_tables_and_directives():
+    page = "| a | b |\n```{eval-rst}\nskipped\n```\n```python\nx = 1\n```\n"
+    assert code_lines(page) == ["x = 1"]
 
 
 # `make docs-check` on two one-page sites: a table of inline code in the theme's
