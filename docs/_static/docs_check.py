@@ -149,7 +149,9 @@ def pages(root: pathlib.Path) -> list[pathlib.Path]:
 def check(root: pathlib.Path, out: pathlib.Path) -> dict[str, list[str]]:
     browser = chromium()
     out.mkdir(parents=True, exist_ok=True)
-    probe = PROBE.replace("MAX_FIGURE", str(MAX_FIGURE)).replace("SQUEEZE", str(SQUEEZE))
+    probe = PROBE.replace("MAX_FIGURE", str(MAX_FIGURE)).replace(
+        "SQUEEZE", str(SQUEEZE)
+    )
     probe = probe.replace("MARKERS", json.dumps(MARKERS))
     report = {}
     for page in pages(root):
@@ -158,21 +160,33 @@ def check(root: pathlib.Path, out: pathlib.Path) -> dict[str, list[str]]:
         probed.write_text(page.read_text().replace("</body>", probe + "</body>"))
         try:
             dom = browse(browser, probed, "--dump-dom")
-            browse(browser, page, f"--screenshot={out / (name.replace('/', '--') + '.png')}")
+            browse(
+                browser,
+                page,
+                f"--screenshot={out / (name.replace('/', '--') + '.png')}",
+            )
         finally:
             probed.unlink()
         found = re.search(r'<pre id="docs-check-result"[^>]*>(.*?)</pre>', dom, re.S)
         if found is None:
-            report[name] = ["the page did not finish loading (no result from the probe)"]
+            report[name] = [
+                "the page did not finish loading (no result from the probe)"
+            ]
         else:
             report[name] = json.loads(html.unescape(found.group(1)))
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(prog="docs_check.py", description=__doc__.split("\n")[0])
-    cli.add_argument("html", type=pathlib.Path, help="the built site (docs/_build/html)")
-    cli.add_argument("--out", type=pathlib.Path, default=None, help="where screenshots go")
+    cli = argparse.ArgumentParser(
+        prog="docs_check.py", description=__doc__.split("\n")[0]
+    )
+    cli.add_argument(
+        "html", type=pathlib.Path, help="the built site (docs/_build/html)"
+    )
+    cli.add_argument(
+        "--out", type=pathlib.Path, default=None, help="where screenshots go"
+    )
     args = cli.parse_args(argv)
     out = args.out or args.html.parent / "screenshots"
     report = check(args.html, out)
@@ -181,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'FAIL' if problems else 'ok  '} {page}")
         for problem in problems:
             print(f"       {problem}")
-    print(f"{len(report)} pages checked, {len(bad)} with problems; screenshots in {out}")
+    print(
+        f"{len(report)} pages checked, {len(bad)} with problems; screenshots in {out}"
+    )
     return 1 if bad or not report else 0
 
 
