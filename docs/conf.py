@@ -72,7 +72,8 @@ autodoc_default_options = {"members": False}
 
 html_theme = "sphinx_book_theme"
 html_title = "harvest"
-html_theme_options = {"show_toc_level": 2}
+# One search box, the sidebar's: the header's persistent one would be a second.
+html_theme_options = {"show_toc_level": 2, "navbar_persistent": []}
 
 # Long code lines wrap instead of hiding behind a scrollbar (see _static/harvest.css).
 html_static_path = ["_static"]

@@ -242,6 +242,8 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     # The reading-intermediates page shows the graph its code draws, inline.
     page = (html / "guides" / "reading_intermediates.html").read_text()
     assert 'class="harvest-view"' in page and "scan[12]" in page
+    # One search box on a page (the sidebar's), not a second in the header.
+    assert page.count("search-button-field") == 1
     # Parameters are described, and single backticks render as code, not <cite>.
     api = (html / "api.html").read_text()
     assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
