@@ -8,7 +8,8 @@ window, with a small script added to a copy of it that measures, once the
 page has loaded:
 
 * code clipped: a code block whose content is wider than the block (its
-  line ends would hide behind a scrollbar; a notebook's printed output may
+  line ends would hide behind a scrollbar; a notebook's printed output and
+  the API reference's docstring examples, the package's own lines, may
   scroll instead);
 * tables clipped: a table wider than the box that shows it (its last columns
   would hide behind a scrollbar a reader may never see) or than the column;
@@ -65,9 +66,11 @@ window.addEventListener("load", function () {
   }
   column.querySelectorAll("div.highlight pre, pre.literal-block").forEach(function (pre, i) {
     var wide = pre.scrollWidth > pre.clientWidth + 1;
-    // A notebook's printed output (a wide `sites()` table) may scroll; code may not.
-    var output = pre.closest(".cell_output, .output");
-    if (wide && !(output && scrolls(pre))) {
+    // A notebook's printed output (a wide `sites()` table) may scroll, and so may a
+    // docstring's example in the API reference (the source's lines, up to the package's
+    // 100 columns); the pages' own code may not.
+    var mayScroll = pre.closest(".cell_output, .output, dl.py");
+    if (wide && !(mayScroll && scrolls(pre))) {
       problems.push("code block " + i + " is clipped (" + pre.scrollWidth + " px of content in " +
         pre.clientWidth + " px): " + start(pre));
     }
