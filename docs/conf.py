@@ -75,7 +75,7 @@ html_title = "harvest"
 # One search box, the sidebar's: the header's persistent one would be a second.
 html_theme_options = {"show_toc_level": 2, "navbar_persistent": []}
 
-# Long code lines wrap instead of hiding behind a scrollbar (see _static/harvest.css).
+# Code and tables that fit the column, at 88 columns of code (see _static/harvest.css).
 html_static_path = ["_static"]
 html_css_files = ["harvest.css"]
 
