@@ -334,7 +334,6 @@ def test_docs_check_catches_a_clipped_table_and_the_css_fixes_it(styled, tmp_pat
 # installed: harvest and JAX (`make demo`'s venv), plus every `pip install` above
 # the block. The test's venv has everything, so a child process refuses to import
 # any installed distribution outside that set, as a venv without it would.
-SETUP = re.compile(r"^```sh\n(.*?)^```", re.S | re.M)
 ONLY_NAMED = r"""
 import importlib.metadata as metadata, json, re, sys, tomllib
 from packaging.requirements import Requirement
@@ -406,17 +405,11 @@ def readme_blocks_and_installs():
     return found
 
 
-def test_readme_blocks_run_with_only_what_the_readme_names_before_them(tmp_path):
-    pytest.importorskip("packaging", reason="reads the extras' requirements")
-    blocks = readme_blocks_and_installs()
-    assert [installs for installs, _ in blocks] == [
-        [],
-        ["equinox"],
-        ["equinox", "-e .[patching]"],
-        ["equinox", "-e .[patching]", "-e .[ppl]"],
-    ]
+def run_with_only_named(blocks, tmp_path):
+    """Runs [(installs, code)] blocks in one child process that imports only harvest, JAX
+    and each block's named installs; returns the finished process."""
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
-    proc = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-c",
@@ -429,4 +422,20 @@ def test_readme_blocks_run_with_only_what_the_readme_names_before_them(tmp_path)
         check=False,
         env={**os.environ, "MPLBACKEND": "Agg"},
     )
+
+
+def test_readme_blocks_run_with_only_what_the_readme_names_before_them(tmp_path):
+    pytest.importorskip("packaging", reason="reads the extras' requirements")
+    pytest.importorskip("tomllib", reason="reads pyproject.toml (Python 3.11+)")
+    blocks = readme_blocks_and_installs()
+    assert [installs for installs, _ in blocks] == [
+        [],
+        ["equinox"],
+        ["equinox", "-e .[patching]"],
+        ["equinox", "-e .[patching]", "-e .[ppl]"],
+    ]
+    proc = run_with_only_named(blocks, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Without its named install, a block fails as it would in `make demo`'s venv.
+    proc = run_with_only_named([([], blocks[1][1])], tmp_path)
+    assert "No module named 'equinox'" in proc.stderr, proc.stderr[-3000:]
