@@ -69,8 +69,8 @@ docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 # Builds the docs, screenshots pages in headless Chromium and checks that no
-# code is clipped, no figure is wider than the column and no test marker shows
-# (docs/_static/docs_check.py). Needs Chromium (Debian: apt-get install chromium);
+# code or table is clipped, no figure is wider than the column and no test marker
+# shows (docs/_static/docs_check.py). Needs Chromium (Debian: apt-get install chromium);
 # not part of `make test`.
 docs-check: docs
 	$(PY) docs/_static/docs_check.py docs/_build/html

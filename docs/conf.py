@@ -46,13 +46,21 @@ nb_execution_mode = os.environ.get("HARVEST_DOCS_NOTEBOOKS", "force")
 os.environ["PYTHONPATH"] = os.pathsep.join(
     filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
 )  # kernels import this tree
-nb_execution_timeout = 300  # seconds per cell; training cells on a shared 2-core machine
+nb_execution_timeout = (
+    300  # seconds per cell; training cells on a shared 2-core machine
+)
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True  # the failing cell's traceback in the build log
 myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 
-exclude_patterns = ["_build", "_generated", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = [
+    "_build",
+    "_generated",
+    "**.ipynb_checkpoints",
+    "Thumbs.db",
+    ".DS_Store",
+]
 suppress_warnings = [
     "toc.empty_glob",  # before any notebook exists, the notebooks glob matches nothing
     "myst-nb.lexer",  # a notebook saved without kernel metadata renders unhighlighted, not as an error
@@ -64,9 +72,10 @@ autodoc_default_options = {"members": False}
 
 html_theme = "sphinx_book_theme"
 html_title = "harvest"
-html_theme_options = {"show_toc_level": 2}
+# One search box, the sidebar's: the header's persistent one would be a second.
+html_theme_options = {"show_toc_level": 2, "navbar_persistent": []}
 
-# Long code lines wrap instead of hiding behind a scrollbar (see _static/harvest.css).
+# Code and tables that fit the column, at 88 columns of code (see _static/harvest.css).
 html_static_path = ["_static"]
 html_css_files = ["harvest.css"]
 
@@ -77,7 +86,9 @@ html_css_files = ["harvest.css"]
 NOT_RUN = re.compile(r"^(```python\n)# (?:not-run|needs: [\w.]+)\b[^\n]*\n", re.M)
 # Pages that show what a block of theirs draws: the page, the block that draws,
 # and the file (under _generated/, which git ignores) the page includes.
-DRAWN = {"guides/reading_intermediates.md": ("view(", "view_reading_intermediates.html")}
+DRAWN = {
+    "guides/reading_intermediates.md": ("view(", "view_reading_intermediates.html")
+}
 
 
 def _hide_test_markers(app, docname, source):
@@ -92,7 +103,9 @@ def _draw_views(app):
         namespace = {"__name__": f"docs_{page}"}
         text = (pathlib.Path(app.srcdir) / page).read_text()
         for block in re.findall(r"^```python\n(.*?)^```", text, re.S | re.M):
-            with contextlib.redirect_stdout(io.StringIO()):  # what the page prints, not the log
+            with contextlib.redirect_stdout(
+                io.StringIO()
+            ):  # what the page prints, not the log
                 exec(compile(block, page, "exec"), namespace)
             if marker in block:
                 break

@@ -3,7 +3,8 @@
 The model is a three-layer residual MLP with fixed random weights, built here
 so the demonstration needs no downloads. It prints what `reap` found at every
 sown site, then how the output moves when `plant` swaps one layer's output for
-the same layer's output on another input (activation patching).
+the same layer's output on another input (activation patching), and why a patch
+can move it away from the clean value (measured with `plant`, too).
 
 The command line is argparse's: ``--help``/``-h`` and ``--version`` exit 0,
 an unknown flag or command exits 2, and ``demo`` (the default) runs the demo.
@@ -68,6 +69,28 @@ def demo():
         site = {f"layer{i}": {"mlp_out": reaped[f"layer{i}"]["mlp_out"]}}
         patched = float(plant(model)(site, corrupted))
         print(f"  layer{i}.mlp_out{'':<6} {patched:>+8.3f} {patched - base:>+8.3f}")
+    _explain(model, clean, corrupted)
+
+
+def _explain(model, clean, corrupted):
+    """Prints why a patch can move the logit away from the clean value, measured: the
+    skip connections' own path to the logit, which no layer's patch restores."""
+    no_layers = {f"layer{i}": {"mlp_out": jnp.zeros_like(clean)} for i in range(3)}
+    clean_logit, corrupted_logit = float(model(clean)), float(model(corrupted))
+    direct_clean = float(plant(model)(no_layers, clean))
+    direct_corrupted = float(plant(model)(no_layers, corrupted))
+    print(
+        "\nWhy a patch can move the logit away from the clean value: a patch swaps one\n"
+        "layer's output, but the skip connections carry the input itself to the logit,\n"
+        "and that path stays corrupted. With every layer's output planted to zero the\n"
+        f"logit is {direct_clean:+.3f} clean and {direct_corrupted:+.3f} corrupted: the input's "
+        f"own path makes\n{direct_clean - direct_corrupted:+.3f} of the "
+        f"{clean_logit - corrupted_logit:+.3f} gap. The layers add "
+        f"{clean_logit - direct_clean:+.3f} in the clean run and\n"
+        f"{corrupted_logit - direct_corrupted:+.3f} in the corrupted one, so a clean layer's "
+        "output (and what the\nlayers after it compute from it) can lower the logit rather "
+        "than raise it."
+    )
 
 
 def parser():

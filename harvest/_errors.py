@@ -1043,25 +1043,6 @@ def ppl_sample_structure(expected: Any, got: Any) -> ValueError:
     return ValueError(f"log_prob(f) takes a value shaped like f's output, {expected}; got {got}.")
 
 
-def tfp_import_failed(
-    cause: Exception, imported_before: bool, substrate: str, tested: str
-) -> ImportError:
-    order = ""
-    if imported_before:
-        order = (
-            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
-            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
-            "importing it again did not recover. Restart the interpreter and import "
-            "harvest (or harvest.ppl) before tensorflow_probability."
-        )
-    return ImportError(
-        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({substrate}): "
-        f"{type(cause).__name__}: {cause}.{order} harvest.ppl is tested with {tested}; "
-        "install them with `pip install 'jax-harvest[ppl]'`, or use plain sampling functions "
-        "(key -> value) instead of TFP distributions."
-    )
-
-
 def ppl_numpyro_distribution(name: str, type_name: str) -> TypeError:
     return TypeError(
         f"random_variable(name={name!r}) got NumPyro's {type_name}; harvest.ppl draws from "
@@ -1116,6 +1097,26 @@ def _random_variable_modes(site: Any) -> str:
             "mode='append'), which stacks one draw per iteration."
         )
     return ""
+
+
+def ppl_tfp_import_failed(
+    cause: Exception, module: str, tested: str, imported_before: bool
+) -> ImportError:
+    order = ""
+    if imported_before:
+        order = (
+            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
+            "importing it again did not recover. Restart the interpreter and import "
+            "harvest (or harvest.ppl) before tensorflow_probability."
+        )
+    return ImportError(
+        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({module}): "
+        f"{type(cause).__name__}: {cause}.{order} harvest.ppl needs it (it draws from TFP "
+        f"distributions) and is tested with {tested}; install them with "
+        "`pip install 'jax-harvest[ppl]'`. The core (sow, reap, plant, instrument) works "
+        "without TFP."
+    )
 
 
 def ppl_needs_extra(module: str, what: str) -> ImportError:

@@ -154,6 +154,8 @@ class PatchingResult:
         title: str | None = None,
         cmap: str = "RdBu_r",
         vmax: float | None = None,
+        xlabel: str | None = None,
+        ylabel: str | None = None,
         **imshow_kwargs: Any,
     ) -> Any:
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
@@ -167,6 +169,11 @@ class PatchingResult:
             title: The panel's title (for panels per site: the figure's).
             cmap: A diverging colormap name.
             vmax: The colour scale's bound (default: the largest magnitude).
+            xlabel: What the columns are (``"unit"``, say). Default: what the
+                swept sites say the axis is (``"position"``, ``"head"`` for
+                attention hooks), else ``"index along axis <n>"``.
+            ylabel: What the rows are, for two swept axes (default as ``xlabel``).
+                With one swept axis the rows are the sites, named by their ticks.
             **imshow_kwargs: Passed to ``imshow``.
 
         Returns:
@@ -179,6 +186,8 @@ class PatchingResult:
             >>> r = PatchingResult(np.eye(2), ("a", "b"), np.arange(2), axis=1, baseline=0.0)
             >>> r.plot(title="effect").get_title()
             'effect'
+            >>> r.plot(xlabel="unit").get_xlabel()
+            'unit'
             >>> heads = PatchingResult(
             ...     np.ones((2, 3, 4)), ("l0", "l1"), (np.arange(3), np.arange(4)), axis=(2, 1), baseline=0.0
             ... )
@@ -186,13 +195,27 @@ class PatchingResult:
             ['l0', 'l1']
         """
         if self.values.ndim == 3:
-            return self._plot_panels(ax, title, cmap, vmax, **imshow_kwargs)
+            return self._plot_panels(ax, title, cmap, vmax, xlabel, ylabel, **imshow_kwargs)
         return PatchingResult.plot_many(
-            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, **imshow_kwargs
+            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, xlabel=xlabel, **imshow_kwargs
         )[0]
 
+    def _axis_label(self, i: int) -> str:
+        """What swept axis `i` is: the sites' own name for it where they say, else its index."""
+        if self.axis_labels:
+            return self.axis_labels[i]
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        return f"index along axis {axes[i]}"
+
     def _plot_panels(
-        self, ax: Any, title: str | None, cmap: str, vmax: float | None, **imshow_kwargs: Any
+        self,
+        ax: Any,
+        title: str | None,
+        cmap: str,
+        vmax: float | None,
+        xlabel: str | None,
+        ylabel: str | None,
+        **imshow_kwargs: Any,
     ) -> Any:
         from ._plots import heatmaps
 
@@ -203,8 +226,8 @@ class PatchingResult:
             titles=list(self.names),
             row_labels=rows,
             col_labels=cols,
-            xlabel=self.axis_labels[1] if self.axis_labels else f"axis {self.axis[1]}",
-            ylabel=self.axis_labels[0] if self.axis_labels else f"axis {self.axis[0]}",
+            xlabel=self._axis_label(1) if xlabel is None else xlabel,
+            ylabel=self._axis_label(0) if ylabel is None else ylabel,
             cmap=cmap,
             vmin=-(bound or 1.0),
             vmax=bound or 1.0,
@@ -224,6 +247,7 @@ class PatchingResult:
         ax: Axes | Sequence[Axes] | None = None,
         cmap: str = "RdBu_r",
         vmax: float | None = None,
+        xlabel: str | None = None,
         **imshow_kwargs: Any,
     ) -> list[Axes]:
         """Draws several results side by side on one colour scale with one colourbar; returns the axes.
@@ -237,6 +261,9 @@ class PatchingResult:
             ax: The axes to draw on, one per result (``None``: a new figure).
             cmap: A diverging colormap name.
             vmax: The shared colour scale's bound (default: the largest magnitude).
+            xlabel: What the columns are (``"unit"``, say). Default: what the
+                swept sites say the axis is (``"position"`` for attention hooks),
+                else ``"index along axis <n>"``.
             **imshow_kwargs: Passed to ``imshow``.
 
         Returns:
@@ -274,7 +301,7 @@ class PatchingResult:
             titles=titles,
             row_labels=first.names,
             col_labels=first.positions,
-            xlabel=f"position (axis {first.axis})",
+            xlabel=first._axis_label(0) if xlabel is None else xlabel,
             ylabel=None,
             cmap=cmap,
             vmin=-(bound or 1.0),

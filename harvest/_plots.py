@@ -51,10 +51,12 @@ def heatmaps(
     cbar_label: str,
     ax: Axes | Sequence[Axes] | None = None,
     columns: int = 4,
+    colorbar_each: bool = False,
     **imshow_kwargs: Any,
 ) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
-    row; returns the list of axes (one per grid)."""
+    row; returns the list of axes (one per grid). The scale's colourbar is one
+    for all panels, or (`colorbar_each`) one beside each, as tall as it."""
     plt = pyplot()
 
     rows, cols = grids[0].shape
@@ -78,7 +80,7 @@ def heatmaps(
             unused.set_axis_off()
         axes: list[Axes] = list(grid_of_axes.flat[: len(grids)])
     else:
-        across = len(grids)
+        across = min(len(grids), columns)
         axes = [cast("Axes", ax)] if len(grids) == 1 else list(cast("Sequence[Axes]", ax))
     for i, (grid, axis) in enumerate(zip(grids, axes)):
         image = axis.imshow(grid, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", **imshow_kwargs)
@@ -97,7 +99,12 @@ def heatmaps(
         title = titles[i]
         if title is not None:
             axis.set_title(title)
-    axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
+        if colorbar_each:
+            axis.figure.colorbar(
+                image, ax=axis, label=cbar_label if i % across == across - 1 else None
+            )
+    if not colorbar_each:
+        axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
     return axes
 
 
@@ -111,11 +118,17 @@ def plot_attention(
 ) -> list[Axes]:
     """Draws an attention pattern, one panel per head (query × key), on one scale from 0.
 
+    Cells are square; a long sequence puts two heads a row, a short one four,
+    in a figure at most ``MAX_WIDTH`` inches wide, each panel with a colour bar
+    as tall as it.
+
     Args:
         pattern: the pattern, of shape ``[heads, query, key]``; a pattern site as
             ``reap`` returns it is taken too (a ``collect`` 1-tuple, or a leading
             batch axis of size 1, is taken off).
-        tokens: labels for the positions (both axes); None numbers them.
+        tokens: the positions' tokens, one per key position; each axis labels
+            position ``i`` as ``"i: token"`` (repeated tokens stay apart).
+            None numbers the positions.
         heads: which heads to draw, by index; None draws them all.
         title: a title over the whole figure.
         cmap: a matplotlib colour map name.
@@ -136,6 +149,8 @@ def plot_attention(
         >>> axes = plot_attention(jax.nn.softmax(scores, -1), tokens=["a", "b", "c"])
         >>> [ax.get_title() for ax in axes]
         ['head 0', 'head 1']
+        >>> [label.get_text() for label in axes[0].get_xticklabels()]
+        ['0: a', '1: b', '2: c']
     """
     if isinstance(pattern, tuple) and len(pattern) == 1:
         pattern = pattern[0]
@@ -147,20 +162,46 @@ def plot_attention(
     heads = range(array.shape[0]) if heads is None else list(heads)
     if tokens is not None and len(tokens) != array.shape[2]:
         raise _errors.plot_attention_tokens(len(tokens), array.shape[2])
-    labels = range(array.shape[1]) if tokens is None else tokens
+    # "7: the": a repeated token is told apart by its position.
+    keys = [
+        str(i) if tokens is None else f"{i}: {tok}"
+        for i, tok in enumerate(tokens or [None] * array.shape[2])
+    ]
     grids = [array[h] for h in heads]
+    queries, positions = array.shape[1], array.shape[2]
+    plt = pyplot()
+    # Square cells, as large as fit (at most 0.3 in) with two panels a row for
+    # long sequences, four for short ones; each panel has its own colour bar.
+    label_width = 0.07 * max(len(k) for k in keys) + 0.4
+    across = min(len(grids), 2 if positions > 12 else 4)
+    cell = (MAX_WIDTH - across * (label_width + 1.0)) / (across * positions)
+    cell = min(0.3, max(0.1, cell))
+    down = -(-len(grids) // across)
+    width = min(MAX_WIDTH, across * (label_width + 1.0 + cell * positions))
+    height = down * (cell * queries + label_width + 0.5) + (0.3 if title else 0.0)
+    _, grid_of_axes = plt.subplots(
+        down, across, figsize=(width, height), squeeze=False, layout="constrained"
+    )
+    for unused in grid_of_axes.flat[len(grids) :]:
+        unused.set_axis_off()
     axes = heatmaps(
         grids,
         titles=[f"head {h}" for h in heads],
-        row_labels=list(labels)[: array.shape[1]],
-        col_labels=list(range(array.shape[2]) if tokens is None else tokens),
+        row_labels=keys[:queries],
+        col_labels=keys,
         xlabel="key",
         ylabel="query",
         cmap=cmap,
         vmin=0.0,
         vmax=float(max(np.max(g) for g in grids)) or 1.0,
         cbar_label="attention",
+        ax=list(grid_of_axes.flat[: len(grids)]),
+        columns=across,
+        colorbar_each=True,
     )
+    if cell < 0.2:  # small cells: tick labels to match, so each stays beside its row
+        for axis in axes:
+            axis.tick_params(labelsize=7)
     if title is not None:
         axes[0].figure.suptitle(title)
     return axes

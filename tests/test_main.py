@@ -1,5 +1,6 @@
 """`python -m harvest`: the README's demo runs and prints both tables; the CLI's flags behave."""
 
+import re
 import subprocess
 import sys
 
@@ -51,3 +52,28 @@ def test_unknown_flags_and_commands_exit_2(capsys):
         code, out, err = cli(capsys, *argv)
         assert code == 2 and "usage:" in err, argv
         assert "What reap" not in out
+
+
+def test_demo_says_why_a_patch_moves_the_logit_away_with_numbers_that_add_up():
+    out = run().stdout
+    header = re.search(r"\(logit ([-+.\d]+), clean ([-+.\d]+)\)", out)
+    corrupted, clean = map(float, header.groups())
+    why = " ".join(out.split("Why a patch")[1].split())
+    numbers = re.search(
+        r"logit is ([-+.\d]+) clean and ([-+.\d]+) corrupted: the input's own path makes "
+        r"([-+.\d]+) of the ([-+.\d]+) gap. The layers add ([-+.\d]+) in the clean run "
+        r"and ([-+.\d]+) in the corrupted one",
+        why,
+    )
+    assert numbers, why
+    direct_clean, direct_corrupted, path, gap, layers_clean, layers_corrupted = map(
+        float, numbers.groups()
+    )
+    # With no layer output the model is linear in its input, and the input is negated.
+    assert direct_clean == pytest.approx(-direct_corrupted, abs=1e-3)
+    assert gap == pytest.approx(clean - corrupted, abs=2e-3)
+    assert path == pytest.approx(direct_clean - direct_corrupted, abs=2e-3)
+    assert layers_clean == pytest.approx(clean - direct_clean, abs=2e-3)
+    assert layers_corrupted == pytest.approx(corrupted - direct_corrupted, abs=2e-3)
+    # The explanation holds: the corrupted run's layers push the logit up more.
+    assert layers_corrupted > layers_clean

@@ -100,7 +100,9 @@ def test_plot_attention_draws_each_head_on_one_scale():
     np.testing.assert_allclose(axes[1].images[0].get_array(), np.asarray(pattern[0, 2]))
     top = float(jnp.max(pattern[0, jnp.array([0, 2])]))
     assert [ax.images[0].get_clim() for ax in axes] == [(0.0, pytest.approx(top))] * 2
-    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["The", "cat", "sat", "."]
+    labels = ["0: The", "1: cat", "2: sat", "3: ."]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == labels
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == labels
     with pytest.raises(ValueError, match=r"\[heads, query, key\]"):
         plot_attention(pattern[0, 0])
     with pytest.raises(ValueError, match="3 tokens for 4 key positions"):
@@ -124,7 +126,8 @@ def test_a_head_by_position_sweep_draws_one_panel_per_site_on_one_scale(sites):
     for ax, values in zip(axes, r.values):
         np.testing.assert_array_equal(ax.images[0].get_array(), values)
         assert ax.images[0].get_clim() == pytest.approx((-bound, bound))
-    assert axes[0].get_ylabel() == "axis 1" and axes[0].get_xlabel() == "axis 0"
+    assert axes[0].get_ylabel() == "index along axis 1"
+    assert axes[0].get_xlabel() == "index along axis 0"
     figure = axes[0].figure
     assert len(figure.axes) >= sites + 1  # panels (and unused cells), one colourbar
     # The figure fits the docs' column: at most 900 px at matplotlib's 100 dpi.
@@ -158,4 +161,38 @@ def test_many_wide_panels_wrap_into_rows_no_wider_than_the_column():
     assert figure.get_size_inches()[0] <= 8.5
     rows = {round(ax.get_position().y0, 3) for ax in axes}
     assert len(rows) > 1  # wrapped onto several rows
+    assert_no_overlaps(figure)
+
+
+def test_axes_are_labelled_by_what_they_are_or_as_the_caller_names_them():
+    r = result([[1.0, 2.0]])
+    assert r.plot().get_xlabel() == "index along axis 1"  # harvest does not know what it is
+    assert r.plot(xlabel="unit").get_xlabel() == "unit"
+    heads = PatchingResult(
+        np.ones((1, 2, 3)), ("z",), (np.arange(2), np.arange(3)), axis=(2, 1), baseline=0.0,
+        axis_labels=("head", "position"),
+    )  # fmt: skip
+    (panel,) = heads.plot()
+    assert (panel.get_ylabel(), panel.get_xlabel()) == ("head", "position")
+    (panel,) = heads.plot(ylabel="attention head")
+    assert panel.get_ylabel() == "attention head"
+
+
+def test_plot_attention_of_a_long_sequence_is_a_readable_figure():
+    # 24 positions, two heads: one row of square panels, each with its own colour bar as
+    # tall as it, rows and columns labelled "index: token".
+    tokens = ["the", "cat"] * 12
+    pattern = jax.nn.softmax(jax.random.normal(jax.random.key(0), (2, 24, 24)), -1)
+    axes = plot_attention(pattern, tokens=tokens)
+    figure = axes[0].figure
+    width, height = figure.get_size_inches()
+    assert width <= 8.5 and height <= 5.0, (width, height)
+    bars = [ax for ax in figure.axes if ax not in axes]
+    assert len(bars) == 2
+    figure.canvas.draw()
+    for panel, bar in zip(axes, bars):
+        p, b = panel.get_position(), bar.get_position()
+        assert b.height == pytest.approx(p.height, rel=0.02) and b.x0 > p.x1
+    labels = [t.get_text() for t in axes[0].get_yticklabels()]
+    assert labels[7] == "7: cat" and labels[8] == "8: the" and len(set(labels)) == 24
     assert_no_overlaps(figure)

@@ -37,16 +37,24 @@ def main() -> None:
     axes = PatchingResult.plot_many(
         [namespace["exact"], namespace["estimate"]],
         titles=["activation patching", "attribution patching"],
+        xlabel="position",
     )
     figure = axes[0].figure
     figure.suptitle("Which (site, position) carries the clean answer")
     # 100 dpi: narrower than the 900-pixel content column of the docs.
     figure.savefig(HERE / "patching_heatmap.png", dpi=100)
-    axes = namespace["heads"].plot(title="fraction of the gap restored, per head and position")
+    axes = namespace["heads"].plot(
+        title="fraction of the gap restored, per head and position",
+        ylabel="head",
+        xlabel="position",
+    )
     axes[0].figure.savefig(HERE / "induction_heads.png", dpi=100)
-    axes = plot_attention(namespace["clean"]["blocks1"]["pattern"][0], tokens=namespace["first"])
-    axes[0].figure.suptitle("layer 1: the induction heads (first prompt)")
-    axes[0].figure.savefig(HERE / "induction_attention.png", dpi=70)
+    axes = plot_attention(
+        namespace["clean"]["blocks1"]["pattern"][0],
+        tokens=namespace["first"],
+        title="layer 1: the induction heads (first prompt)",
+    )
+    axes[0].figure.savefig(HERE / "induction_attention.png", dpi=100)
 
 
 if __name__ == "__main__":

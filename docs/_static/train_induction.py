@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # this checkout's harvest
+sys.path.insert(
+    0, str(pathlib.Path(__file__).resolve().parents[2])
+)  # this checkout's harvest
 from harvest import nest, sow  # noqa: E402  (identities outside a harvest: training ignores them)
 
 VOCAB, SEQ, WIDTH, HEADS, LAYERS = 32, 24, 32, 2, 2
@@ -45,7 +47,8 @@ def init(key):
         return jax.random.normal(next(keys), shape) / np.sqrt(shape[-2])
 
     layers = [
-        {w: dense(HEADS, WIDTH, HEAD_WIDTH) for w in "qkv"} | {"o": dense(HEADS, HEAD_WIDTH, WIDTH)}
+        {w: dense(HEADS, WIDTH, HEAD_WIDTH) for w in "qkv"}
+        | {"o": dense(HEADS, HEAD_WIDTH, WIDTH)}
         for _ in range(LAYERS)
     ]
     return {
@@ -58,10 +61,14 @@ def init(key):
 
 def attention(x, w):
     """One attention layer: its heads' queries, keys, values, patterns and outputs are sites."""
-    q, k, v = (sow(jnp.einsum("btd,hde->bthe", x, w[n]), name=n, mode="strict") for n in "qkv")
+    q, k, v = (
+        sow(jnp.einsum("btd,hde->bthe", x, w[n]), name=n, mode="strict") for n in "qkv"
+    )
     scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / np.sqrt(HEAD_WIDTH)
     causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
-    pattern = sow(jax.nn.softmax(jnp.where(causal, scores, -1e9)), name="pattern", mode="strict")
+    pattern = sow(
+        jax.nn.softmax(jnp.where(causal, scores, -1e9)), name="pattern", mode="strict"
+    )
     z = sow(jnp.einsum("bhqk,bkhe->bqhe", pattern, v), name="z", mode="strict")
     return sow(jnp.einsum("bqhe,hed->bqd", z, w["o"]), name="out", mode="strict")
 
@@ -80,7 +87,9 @@ def sequence(key):
     start = jax.random.randint(k_start, (), 0, SEQ - 2 * n + 1)
     pos = jnp.arange(SEQ)
     in_repeat = (pos >= start + n) & (pos < start + 2 * n)
-    tokens = jax.random.randint(k_tokens, (SEQ,), 0, VOCAB)[jnp.where(in_repeat, pos - n, pos)]
+    tokens = jax.random.randint(k_tokens, (SEQ,), 0, VOCAB)[
+        jnp.where(in_repeat, pos - n, pos)
+    ]
     predictable = in_repeat & (pos < start + 2 * n - 1)  # the next token repeats too
     return tokens, predictable
 
@@ -103,7 +112,9 @@ def adam_step(state, key, b1=0.9, b2=0.999):
     v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, v, g)
 
     def update(p, m, v):
-        return p - LEARNING_RATE * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + 1e-8)
+        return p - LEARNING_RATE * (m / (1 - b1**t)) / (
+            jnp.sqrt(v / (1 - b2**t)) + 1e-8
+        )
 
     return (jax.tree.map(update, params, m, v), m, v, t), loss
 
@@ -145,7 +156,8 @@ def load(path=WEIGHTS):
     arrays = np.load(path)
     params = {k: jnp.asarray(arrays[k]) for k in ("embed", "pos", "unembed")}
     params["layers"] = [
-        {w: jnp.asarray(arrays[f"layers.{i}.{w}"]) for w in "qkvo"} for i in range(LAYERS)
+        {w: jnp.asarray(arrays[f"layers.{i}.{w}"]) for w in "qkvo"}
+        for i in range(LAYERS)
     ]
     return params
 
@@ -154,7 +166,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=pathlib.Path, default=WEIGHTS)
     parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--check", action="store_true", help="compare with the shipped weights")
+    parser.add_argument(
+        "--check", action="store_true", help="compare with the shipped weights"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     params, loss = train(args.steps)
@@ -164,7 +178,9 @@ def main():
     )
     if args.check:
         shipped = np.load(WEIGHTS)
-        worst = max(float(np.abs(shipped[k] - v).max()) for k, v in to_arrays(params).items())
+        worst = max(
+            float(np.abs(shipped[k] - v).max()) for k, v in to_arrays(params).items()
+        )
         print(f"largest difference from {WEIGHTS.name}: {worst:.2e}")
         return
     np.savez_compressed(args.out, **to_arrays(params))

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import _errors, _jax
 
-# The versions this shim is tested against; see `_errors.tfp_import_failed`.
+# The versions this shim is tested against, named when the import fails.
 TESTED = "tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x, 0.9.x and 0.10.x"
 SUBSTRATE = "tensorflow_probability.substrates.jax"
 # The TFP module that calls `np.reshape(..., newshape=...)`.
@@ -54,7 +54,7 @@ def import_tfp():
             warnings.filterwarnings("ignore", message=".*pytype_aval_mappings.*")
             tfp = importlib.import_module(SUBSTRATE)
     except Exception as cause:  # TFP fails in many ways on an untested JAX
-        raise _errors.tfp_import_failed(cause, imported_before, SUBSTRATE, TESTED) from cause
+        raise _errors.ppl_tfp_import_failed(cause, SUBSTRATE, TESTED, imported_before) from cause
     if "newshape" not in inspect.signature(np.reshape).parameters:
         importlib.import_module(PAD).np = _NumpyWithNewshape()
     return tfp
