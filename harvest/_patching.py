@@ -120,14 +120,18 @@ def patching_sweep(
     The compiled program is kept and reused by later calls with the same
     ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
     argument shapes (and equal non-array arguments): a repeated sweep on new
-    data only runs. A plain function ``f`` is keyed by its code and the values
-    it reads, the arrays it closes over (or reads from its module) traced, so a
-    sweep after such an array changes reads the new one, and a fresh closure of
-    the same code does not compile again; a module (NNX or Equinox) or a bound
-    method of one is data: weights changed in place are read at every call,
-    without compiling again. The cache holds ``f`` weakly, keeps at most
-    ``set_compile_cache``'s ``max_programs`` programs, and is cleared by
-    ``jax.clear_caches()``. The sites to patch are found once per key as well
+    data only runs. A plain function ``f`` is keyed by its code and what it
+    reads, by the rule for Python state every harvest call follows
+    (docs/semantics.md, "What harvest reads at each call"): the arrays it
+    closes over (or reads from its module) are traced, so a sweep after such
+    an array changes reads the new one, and a fresh closure of the same code
+    does not compile again; the contents of a dict or object it reads are read
+    when it is traced (``harvest.config.update("check_stale", True)`` names one
+    that changed). A module (NNX or Equinox) or a bound method of one is data:
+    weights changed in place are read at every call, without compiling again.
+    The program is kept in harvest's one compile table, which holds ``f``
+    weakly, is bounded by ``set_compile_cache``'s ``max_programs`` and is
+    emptied by ``harvest.clear_caches()``. The sites to patch are found once per key as well
     (``f``, argument shapes and dtypes, an NNX module's graph definition,
     non-array values, what ``f`` closes over), so a repeated sweep does not
     trace ``f`` again.

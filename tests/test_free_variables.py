@@ -360,3 +360,28 @@ def test_bad_config_updates():
         harvest.config.update("check_stal", True)
     with pytest.raises(TypeError, match="expected True or False"):
         harvest.config.update("check_stale", 1)
+
+
+def test_clear_caches_reaches_the_instrumented_dispatch():
+    # An instrumented module's eager calls run through `_eager_dispatch`'s programs,
+    # kept in the one compile table: clear_caches drops them as it drops the others.
+    nnx = pytest.importorskip("flax.nnx")
+    cfg = {"scale": 2.0}
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.lin(x) * cfg["scale"]
+
+    model = Model()
+    reaped = harvest.call_and_reap(harvest.instrument(model), tag="modules")
+    out, acts = reaped(X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    np.testing.assert_allclose(acts["lin"], model.lin(X), rtol=1e-6)
+    assert any(key[0] == "module" for key in harvest._compile_cache._table)  # the dispatch's
+    cfg["scale"] = 3.0  # read when the program was traced, as jax.jit(model) would
+    np.testing.assert_allclose(reaped(X)[0], model.lin(X) * 2.0, rtol=1e-6)
+    harvest.clear_caches()
+    np.testing.assert_allclose(reaped(X)[0], model(X), rtol=1e-6)
