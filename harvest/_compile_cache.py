@@ -268,7 +268,11 @@ def touch(entry: Program) -> bool:
         return True
 
 
-def _on_collected(ref: weakref.ref[Any]) -> None:
+def _on_collected(
+    ref: weakref.ref[Any], finalizing: Callable[[], bool] = sys.is_finalizing
+) -> None:
+    if finalizing():  # the interpreter is exiting (this module's names may be gone)
+        return
     _collected.append(ref)
     if _lock.acquire(blocking=False):  # else the table drops them at its next use
         try:
