@@ -84,6 +84,10 @@ class Snapshot:
             roots += [(n, space[n]) for n in names_used(code) if n in space]
             params = list(inspect.signature(fn).parameters)
             roots += [(params[i], a) for i, a in enumerate(args) if i < len(params)]
+        while bound is not None and bound[0] == "partial":  # what a partial binds
+            _, bound, bound_args, bound_kwargs = bound
+            roots += [(_arg_name(a, i), a) for i, a in enumerate(bound_args)]
+            roots += list(bound_kwargs.items())
         if bound is not None and bound[0] == "method":
             roots.append(("self", bound[1]))
         roots += list(kwargs.items())
@@ -143,6 +147,14 @@ class Snapshot:
             if old != new:
                 out.append(f"{path}: {old} -> {new}{_where_read(self.fn, path)}")
         return out
+
+
+def _arg_name(value: Any, index: int) -> str:
+    """How a change under a partial's argument is named: a function by its name
+    (a model ``harvest.ppl`` binds, say), anything else by its place."""
+    if isinstance(value, types.FunctionType):
+        return value.__name__
+    return f"the bound argument {index}"
 
 
 def _items_hash(value: dict[Any, Any]) -> int:

@@ -385,3 +385,26 @@ def test_clear_caches_reaches_the_instrumented_dispatch():
     np.testing.assert_allclose(reaped(X)[0], model.lin(X) * 2.0, rtol=1e-6)
     harvest.clear_caches()
     np.testing.assert_allclose(reaped(X)[0], model(X), rtol=1e-6)
+
+
+def test_ppl_reads_contents_when_traced_and_check_mode_names_them(check_stale):
+    pytest.importorskip("tensorflow_probability", reason="harvest.ppl needs the ppl extra (TFP)")
+    import tensorflow_probability.substrates.jax as tfp
+
+    from harvest import ppl
+
+    prior = _Scale(0.0)  # its `scale` is the prior's mean here
+
+    def model(key):
+        return ppl.random_variable(tfp.distributions.Normal(prior.scale, 1.0), name="z")(key)
+
+    def normal_log_density(z, mean):  # by hand
+        return -0.5 * np.log(2 * np.pi) - 0.5 * (z - mean) ** 2
+
+    density = ppl.joint_log_prob(model)
+    np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 0.0), rtol=1e-6)
+    prior.scale = 1.0
+    with pytest.raises(harvest.StaleValueError, match=r"prior\.scale: 0\.0 -> 1\.0"):
+        density({"z": 0.5})
+    harvest.clear_caches()
+    np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 1.0), rtol=1e-6)
