@@ -104,7 +104,7 @@ class EagerDispatch:
         # The last call's structure and its program in the compile table (held weakly:
         # the table owns it), so that a call like the last skips the table's lookup.
         # One pair, read once by a call: another thread may replace it meanwhile.
-        self.last: tuple[Any, Any] = (None, _NONE)
+        self.last: tuple[Any, Any] = (None, _no_program)
 
     def _walk_staged(
         self,
@@ -181,11 +181,9 @@ def _function_jit(dispatch: EagerDispatch, structure: Any, entry: Program) -> An
     return jax.jit(staged)
 
 
-def _none() -> None:
+def _no_program() -> None:
+    """What `last` holds before a first call: a reference to no program."""
     return None
-
-
-_NONE = _none  # what `last` holds before a first call: a dead reference
 
 
 class _Reaped:
