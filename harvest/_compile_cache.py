@@ -345,7 +345,7 @@ def _check(
     with checking():
         now = fingerprint(jax.make_jaxpr(fresh)(*args))
     if now != kept:
-        raise stale(_where(fn), entry.snapshot, before)
+        raise stale(_where(fn if before is None else before.user), entry.snapshot, before)
     entry.snapshot = None if snapshot is None else snapshot()
 
 

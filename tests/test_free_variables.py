@@ -404,7 +404,8 @@ def test_ppl_reads_contents_when_traced_and_check_mode_names_them(check_stale):
     density = ppl.joint_log_prob(model)
     np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 0.0), rtol=1e-6)
     prior.scale = 1.0
-    with pytest.raises(harvest.StaleValueError, match=r"prior\.scale: 0\.0 -> 1\.0"):
+    with pytest.raises(harvest.StaleValueError, match=r"prior\.scale: 0\.0 -> 1\.0") as error:
         density({"z": 0.5})
+    assert "program for test_ppl_reads" in str(error.value)  # names the model, not ppl's wrapper
     harvest.clear_caches()
     np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 1.0), rtol=1e-6)
