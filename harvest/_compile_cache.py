@@ -1,19 +1,26 @@
-"""Every compiled program harvest keeps: bounded, and telling when it keeps compiling.
+"""The one compile table: every compiled program harvest keeps, on every path.
 
-Two keys, one mechanism (a `jax.jit` per key, its arrays traced, everything
-else that shapes the program in the key):
+Each program is a `jax.jit` kept in one table (`_table`) under one kind of
+key, ``(owner, static)``: ``owner`` is whose program it is -- a harvested
+function or an eager dispatcher, held weakly so that its programs go when it
+is collected, as `jax.jit(f)`'s do, or a string naming a path whose programs
+are shared (``"sweep"``, ``"module"``) -- and ``static`` is everything but
+the arrays that shapes the program, built by one rule (`_free_variables`: an
+immutable value by value, anything else by identity). Arrays are traced, so
+each shape of them is one more trace of the same program, bounded by JAX's
+own caches. Every path asks the table (`program`):
 
-* `jit_per_function`: the walks of each harvested function (`_transforms`),
-  held in a dict weakly keyed by the plain Python function, so its programs
-  go when the function goes, as `jax.jit(f)`'s do;
-* `jit_on_arrays` / `compile_program`: the sweeps' programs, keyed by what
-  shapes a program (the function's code, metric, sites, axes) and not by the
-  arrays it reads, so a repeated sweep on new data only runs.
+* the eager walks of each harvested function (`run_per_function`, from `_run_walk`);
+* the eager programs of instrumented functions and modules (`_eager_dispatch`);
+* the sweeps' and attribution's programs (`compile_program`, from `_patching`),
+  keyed by the function's code, metric, sites and axes, not by the arrays it
+  reads, so a repeated sweep on new data only runs.
 
-Each holds at most `max_programs` keys (least recently used dropped, with
-their compiled programs), and warns once per function when it has traced
-the same function more than `warn_after` times, or cannot key a call at all.
-`jax.clear_caches()` clears the compiled programs.
+One eviction rule: the table holds at most ``max_programs`` keys in all
+(`set_compile_cache`), the least recently used dropped with its programs.
+One warning (`note_trace`): once per function code traced more than
+``warn_after`` times, or whose calls cannot be keyed at all. One
+`clear_caches()` drops every program.
 """
 
 from __future__ import annotations
@@ -45,29 +52,32 @@ from ._nnx_state import (
 )
 from ._stale import Snapshot, checking, fingerprint, in_check, stale
 
-_settings = {"max_programs": 64, "warn_after": 32}
+_settings = {"max_programs": 256, "warn_after": 32}
 
 
 def set_compile_cache(
     max_programs: int | None = None, warn_after: int | None = None
 ) -> dict[str, int]:
-    """Bounds harvest's compile caches and sets when they warn; returns the previous settings.
+    """Bounds harvest's compile table and sets when it warns; returns the previous settings.
 
-    Every harvested function (``reap(f)``, ``plant(f)``, ...) keeps one compiled
-    walk per compile-cache key (its non-array arguments, what it closes over,
-    the plants' shapes), and the sweeps (``patching_sweep``, ...) one program
-    per function code, metric, sites and axes. Each cache holds at most
-    ``max_programs`` keys (per harvested function for the first, in all for the
-    sweeps), dropping the least recently used with its compiled programs; each
-    shape of a key's arrays is one more program, bounded by JAX's own caches.
-    A ``harvest.RecompileWarning`` naming the function (file:line) is shown
-    once when the same function's code has been traced more than
-    ``warn_after`` times (a new Python number or a fresh closure per call), or
-    when a call cannot be keyed at all (an unhashable argument).
+    harvest keeps every compiled program in one table, on every path: each
+    harvested function (``reap(f)``, ``plant(f)``, ...) one per compile-cache
+    key (its non-array arguments, what it closes over, the plants' shapes),
+    each instrumented function or module one per structure, and the sweeps
+    (``patching_sweep``, ``attribution_patching``) one per function code,
+    metric, sites and axes. ``max_programs`` bounds how many keys the whole
+    table holds, over every function and path together; past it, the least
+    recently used key is dropped with its programs. A key's jit is traced
+    again for each new shape or dtype of its arrays; those traces are JAX's,
+    bounded by JAX's own caches. A ``harvest.RecompileWarning`` naming the
+    function (file:line) is shown once when the same function's code has been
+    traced more than ``warn_after`` times (a new Python number or a fresh
+    closure per call), or when a call cannot be keyed at all (an unhashable
+    argument).
 
     Args:
-        max_programs: How many keys each cache keeps (a positive int; default
-            64). ``None`` leaves it as it is.
+        max_programs: How many keys the table keeps, in all (a positive int;
+            default 256). ``None`` leaves it as it is.
         warn_after: How many traces of one function's code for the same
             shapes and structure to allow before warning (a positive int;
             default 32). ``None`` leaves it as it is.
@@ -83,7 +93,7 @@ def set_compile_cache(
         >>> import harvest
         >>> before = harvest.set_compile_cache(max_programs=8, warn_after=100)
         >>> before
-        {'max_programs': 64, 'warn_after': 32}
+        {'max_programs': 256, 'warn_after': 32}
         >>> _ = harvest.set_compile_cache(**before)
     """
     given = {"max_programs": max_programs, "warn_after": warn_after}
@@ -94,12 +104,10 @@ def set_compile_cache(
             raise _errors.bad_cache_setting(name, value)
     before = dict(_settings)
     _settings.update({k: v for k, v in given.items() if v is not None})
+    with _lock:
+        while len(_table) > _settings["max_programs"]:
+            _table.popitem(last=False)[1].dropped = True
     return before
-
-
-def max_programs() -> int:
-    """How many keys each compile cache keeps (see `set_compile_cache`)."""
-    return _settings["max_programs"]
 
 
 # -- how often each function's code was traced, for the one-time warning --------
@@ -185,25 +193,114 @@ def _hashable(leaf: Any) -> bool:
     return True
 
 
-# -- dropping them all ------------------------------------------------------------
+# -- the one table ----------------------------------------------------------------
 
-_generation = [0]  # bumped by `clear_caches`: a memo made before it is not used after
+# Every kept program, on every path, by its key, least recently used first.
+_table: collections.OrderedDict[Any, Program] = collections.OrderedDict()
+_lock = threading.Lock()
+# Owners collected while the table was busy (a collection can run inside a lookup):
+# their programs are dropped at the table's next use.
+_collected: list[weakref.ref[Any]] = []
 
 
-def generation() -> int:
-    """How many times `clear_caches` ran: a memo of a compiled program (an eager
-    dispatcher's last jit) made at another generation is dropped."""
-    return _generation[0]
+class Program:
+    """A kept compiled program: its `jax.jit`, its key in the table, and what the
+    call running it now hands its trace (`current`: read only when JAX traces, on
+    a new key or new shapes, so the key never holds a call's data).
+
+    ``dropped`` turns True when the table drops it (evicted, its owner collected,
+    or `clear_caches`), so a caller holding it to skip the lookup (an eager
+    dispatcher) knows to look again. In check mode, ``kept`` holds the kept
+    program's fingerprint per shapes and ``snapshot`` what the function read
+    when it was last checked (see `_stale`).
+    """
+
+    __slots__ = ("key", "jitted", "current", "owner", "dropped", "snapshot", "kept", "__weakref__")
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+        self.jitted: Any = None
+        self.current: Any = None
+        self.owner: Any = None
+        self.dropped = False
+        self.snapshot: Any = None
+        self.kept: dict[Any, Any] = {}
+
+
+def program(owner: Any, static: Any, make: Callable[[Program], Any]) -> Program | None:
+    """The table's program for ``(owner, static)``, its `jitted` made by
+    ``make(program)`` if there is none (the least recently used dropped past
+    ``max_programs``); None for a key that cannot be hashed or an owner that
+    cannot be held weakly (such a call is not kept).
+
+    ``owner`` says whose program it is: a string naming a path whose programs
+    are shared (the sweeps', the instrumented modules'), or an object (a
+    harvested function, a dispatcher) held weakly, whose programs go when it is
+    collected. ``static`` is everything but arrays that shapes the program."""
+    try:
+        key = (owner if isinstance(owner, str) else weakref.ref(owner), static)
+    except TypeError:  # cannot be held weakly
+        return None
+    with _lock:
+        _drop_collected()
+        try:
+            entry = _table.get(key)
+        except TypeError:  # an unhashable static value
+            return None
+        if entry is None:
+            if not isinstance(owner, str):  # dropped when the owner is collected
+                key = (weakref.ref(owner, _on_collected), static)
+            entry = _table[key] = Program(key)
+            entry.jitted = make(entry)
+            while len(_table) > _settings["max_programs"]:
+                _table.popitem(last=False)[1].dropped = True
+        else:
+            _table.move_to_end(entry.key)  # the kept key: found by identity
+        return entry
+
+
+def touch(entry: Program) -> bool:
+    """Marks ``entry`` as just used (for the eviction order); False if the table dropped it."""
+    with _lock:
+        if entry.dropped:
+            return False
+        _table.move_to_end(entry.key)
+        return True
+
+
+def _on_collected(
+    ref: weakref.ref[Any], finalizing: Callable[[], bool] = sys.is_finalizing
+) -> None:
+    if finalizing():  # the interpreter is exiting (this module's names may be gone)
+        return
+    _collected.append(ref)
+    if _lock.acquire(blocking=False):  # else the table drops them at its next use
+        try:
+            _drop_collected()
+        finally:
+            _lock.release()
+
+
+def _drop_collected() -> None:
+    """Drops the programs of the owners collected since the last call (the lock held)."""
+    if not _collected:
+        return
+    gone = set(map(id, _collected))
+    _collected.clear()
+    for key in [k for k in _table if id(k[0]) in gone]:
+        _table.pop(key).dropped = True
 
 
 def clear_caches() -> None:
     """Drops every compiled program harvest keeps, on every path, in one call.
 
-    The eager walks of each harvested function, the instrumented modules'
-    eager programs, the sweeps' and attribution's programs and the sweeps'
-    sites are all dropped; the next call of each traces and compiles afresh,
-    reading the contents of what the function reads (a dict's items, an
-    object's attributes) as they are now. JAX's own caches are left alone.
+    Every program in harvest's one compile table -- the eager walks of each
+    harvested function, the instrumented functions' and modules' eager
+    programs, the sweeps' and attribution's programs -- and the sweeps' sites
+    are dropped; the next call of each traces and compiles afresh, reading
+    the contents of what the function reads (a dict's items, an object's
+    attributes) as they are now (see docs/semantics.md). JAX's own caches are
+    left alone (``jax.clear_caches()`` clears those).
 
     Example:
         >>> import jax.numpy as jnp
@@ -222,68 +319,16 @@ def clear_caches() -> None:
         clear_sites,  # imported here: it imports the walk, which imports this
     )
 
-    with _jits_lock:
-        for programs in list(_jits.values()):
-            programs.jits.clear()
-        _sweeps.clear()
-        _module_programs.clear()
-        _generation[0] += 1
+    with _lock:
+        for entry in _table.values():
+            entry.dropped = True
+        _table.clear()
+        _collected.clear()
     clear_sites()
 
 
-# -- the walks of each harvested function -------------------------------------
-
-_jits: weakref.WeakKeyDictionary[Callable[..., Any], _Programs] = weakref.WeakKeyDictionary()
-_jits_lock = threading.Lock()
-
-
-class _Programs:
-    """One harvested function's compiled walks: a ``jax.jit`` per static key, the
-    least recently used dropped past ``max_programs``. Holds the function weakly."""
-
-    def __init__(self, fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> None:
-        self.fn = weakref.ref(fn)
-        self.walk = functools.partial(walk_weak, self.fn)
-        self.jits: collections.OrderedDict[Any, _Program] = collections.OrderedDict()
-
-    def __call__(self, dynamic: Any, static: Any, snapshot: Any = None) -> Any:
-        """The walk for ``static`` run on ``dynamic``; in check mode, ``snapshot()``
-        writes down what the function reads (see `_stale`)."""
-        with _jits_lock:
-            entry = self.jits.get(static)
-            if entry is None:
-                entry = self.jits[static] = _Program(self.walk, static)
-                while len(self.jits) > _settings["max_programs"]:
-                    self.jits.popitem(last=False)
-            else:
-                self.jits.move_to_end(entry.static)  # the kept key: found by identity
-            # The key is bound, not a static argument JAX would hash and compare
-            # again; it is this call's, so a retrace (new shapes) sees values alive now.
-            entry.current = static
-        out = entry.jitted(dynamic)
-        if config.check_stale:
-            walk = self.walk
-            _check(entry, (dynamic,), lambda d: walk(d, static), self.fn(), snapshot)
-        return out
-
-
-class _Program:
-    """A kept compiled program: its `jax.jit`, its key, the key of the call running
-    it now, and (in check mode) what the function read when it last checked."""
-
-    __slots__ = ("jitted", "static", "current", "snapshot", "kept")
-
-    def __init__(self, walk: Callable[..., Any], static: Any) -> None:
-        # A fresh function per key: JAX's caches hold it weakly, so a dropped
-        # key's programs go with it.
-        self.static = self.current = static
-        self.snapshot: Any = None
-        self.kept: dict[Any, Any] = {}  # check mode: the kept program's fingerprint per shapes
-        self.jitted = jax.jit(lambda dynamic: walk(dynamic, self.current))
-
-
 def _check(
-    entry: Any, args: tuple[Any, ...], fresh: Callable[..., Any], fn: Any, snapshot: Any
+    entry: Program, args: tuple[Any, ...], fresh: Callable[..., Any], fn: Any, snapshot: Any
 ) -> None:
     """Check mode: raises `StaleValueError` if ``entry``'s kept program for ``args``
     differs from ``fresh`` traced now (see `_stale`)."""
@@ -300,18 +345,42 @@ def _check(
     with checking():
         now = fingerprint(jax.make_jaxpr(fresh)(*args))
     if now != kept:
-        raise stale(_where(fn), entry.snapshot, before)
+        raise stale(_where(fn if before is None else before.user), entry.snapshot, before)
     entry.snapshot = None if snapshot is None else snapshot()
 
 
-def jit_per_function(fn: Callable[..., Any], walk_weak: Callable[..., Any]) -> _Programs:
-    """``walk_weak(weakref.ref(fn), dynamic, static)`` compiled per ``static``,
-    as ``programs(dynamic, static)``: made once per ``fn`` and dropped when ``fn`` is collected."""
-    with _jits_lock:
-        programs = _jits.get(fn)
-        if programs is None:
-            programs = _jits[fn] = _Programs(fn, walk_weak)
-        return programs
+# -- the walks of each harvested function -------------------------------------
+
+
+def run_per_function(
+    fn: Callable[..., Any],
+    walk_weak: Callable[..., Any],
+    dynamic: Any,
+    static: Any,
+    snapshot: Any = None,
+) -> Any:
+    """``walk_weak(weakref.ref(fn), dynamic, static)``, compiled once per ``fn`` and
+    ``static`` in the table (dropped when ``fn`` is collected, as `jax.jit(fn)`'s
+    programs are); in check mode, ``snapshot()`` writes down what ``fn`` reads."""
+    weak = weakref.ref(fn)
+    entry = program(fn, static, lambda made: _walk_jit(made, weak, walk_weak))
+    assert entry is not None, "`run_walk` walks an unkeyable call in place"
+    # The key is bound, not a static argument JAX would hash and compare again; it
+    # is this call's, so a retrace (new shapes) sees the values alive now.
+    entry.current = static
+    out = entry.jitted(dynamic)
+    if config.check_stale:
+        _check(entry, (dynamic,), lambda d: walk_weak(weak, d, static), fn, snapshot)
+    return out
+
+
+def _walk_jit(entry: Program, weak: Any, walk_weak: Callable[..., Any]) -> Any:
+    # A fresh function per key: JAX's caches hold it weakly, so a dropped key's
+    # programs go with it. It holds ``fn`` only weakly.
+    return jax.jit(lambda dynamic: walk_weak(weak, dynamic, entry.current))
+
+
+# -- the sweeps' programs ---------------------------------------------------------
 
 
 def jit_on_arrays(
@@ -323,7 +392,7 @@ def jit_on_arrays(
     and merged into fresh nodes inside the trace (changes to them are not
     written back: a sweep is a measurement). Calls with equal `key` (which
     says everything `fn` closes over that shapes the program) and equal static
-    leaves share one compiled program: only the first traces and compiles,
+    leaves share one program in the table: only the first traces and compiles,
     later ones with the same shapes just run it. `key=None` compiles for this
     call only. `owner` is the function the warnings name.
     """
@@ -334,8 +403,7 @@ def jit_on_arrays(
         graph, state = apart  # a model's state goes straight to the traced arrays
     leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
     traced = array_flags(leaves)
-    statics = [l for l, a in zip(leaves, traced) if not a]
-    static = _Compiled(
+    static = _Hashed(
         (
             key,
             treedef,
@@ -346,32 +414,31 @@ def jit_on_arrays(
     )
     arrays = [*itertools.compress(leaves, traced), *state]
     rebuilt = functools.partial(_rebuilt, fn, treedef, leaves, traced)
-    try:
-        hash(static)
-        cached = key is not None
-    except TypeError:  # an unhashable static leaf
-        note_unhashable(owner, statics)
-        cached = False
-    if not cached:
+    entry = None if key is None else program("sweep", static, _sweep_jit)
+    if entry is None:
+        if key is not None:  # an unhashable static leaf
+            note_unhashable(owner, [l for l, a in zip(leaves, traced) if not a])
         return jax.jit(rebuilt)(arrays)
-    with _jits_lock:
-        entry = _sweeps.get(static)
-        if entry is None:
-            entry = _sweeps[static] = static
-            static.jitted = jax.jit(functools.partial(_run_compiled, static))
-            while len(_sweeps) > _settings["max_programs"]:
-                _sweeps.popitem(last=False)
-        else:
-            _sweeps.move_to_end(entry)  # the kept key: found by identity
-    entry.trace, entry.owner = rebuilt, owner
+    entry.current, entry.owner = rebuilt, owner
     try:
         out = entry.jitted(arrays)
         if config.check_stale:
-            run = functools.partial(_run_compiled, entry)
+            run = functools.partial(_run_sweep, entry)
             _check(entry, (arrays,), run, owner, lambda: Snapshot.of(owner, None, (), {}))
         return out
     finally:
-        entry.trace = entry.owner = None  # the cache keeps the key, not this call's data
+        entry.current = entry.owner = None  # the table keeps the key, not this call's data
+
+
+def _sweep_jit(entry: Program) -> Any:
+    return jax.jit(functools.partial(_run_sweep, entry))
+
+
+def _run_sweep(entry: Program, arrays: list[Any]) -> Any:
+    assert entry.current is not None
+    note_trace(entry.owner, arrays, entry.key[1].key[1])
+    forget_verified_splits()  # the trace runs user code: splits are checked again after it
+    return entry.current(arrays)
 
 
 def _rebuilt(
@@ -389,61 +456,23 @@ def _rebuilt(
         return fn(tree)
 
 
-class _Compiled:
-    """A sweep program's key, compared by `key` alone. `jitted` runs it; `trace`
-    is the current call's function and `owner` the user's, read only when JAX
-    traces (a new key or new shapes)."""
+class _Hashed:
+    """A key whose hash is computed once: a call hashes its key twice (the lookup,
+    then moving it to the end), and a sweep's key is deep."""
+
+    __slots__ = ("key", "_hash")
 
     def __init__(self, key: Any) -> None:
         self.key = key
-        self.jitted: Any = None
-        self.trace: Callable[[Any], Any] | None = None
-        self.owner: Any = None
-        self.snapshot: Any = None  # check mode: what the function read when it last checked
-        self.kept: dict[Any, Any] = {}  # and the kept program's fingerprint per shapes
         self._hash: int | None = None
 
     def __hash__(self) -> int:
-        if self._hash is None:  # a call hashes its key twice: whether it can, and the lookup
-            self._hash = hash(self.key)
+        if self._hash is None:
+            self._hash = hash(self.key)  # raises TypeError for an unhashable leaf
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Compiled) and self.key == other.key
-
-
-# The instrumented modules' eager programs (see `_eager_dispatch.EagerModuleDispatch`),
-# by (kind, policy, gives, walk, structure), the most recent last: a model switched
-# between training and evaluation keeps both programs, and a fresh transformed
-# function finds its own.
-_module_programs: collections.OrderedDict[Any, Any] = collections.OrderedDict()
-
-
-def module_program(key: Any, make: Callable[[], Any]) -> Any:
-    """The kept program for ``key`` (`make()` if there is none), most recent last;
-    ``key`` unhashable: made and not kept."""
-    with _jits_lock:
-        try:
-            program = _module_programs.pop(key, None)
-        except TypeError:  # a definition that cannot be hashed: not kept
-            return make()
-        if program is None:
-            program = make()
-        _module_programs[key] = program
-        while len(_module_programs) > _settings["max_programs"]:
-            _module_programs.popitem(last=False)
-    return program
-
-
-# The sweeps' programs, least recently used first.
-_sweeps: collections.OrderedDict[_Compiled, _Compiled] = collections.OrderedDict()
-
-
-def _run_compiled(static: _Compiled, arrays: list[Any]) -> Any:
-    assert static.trace is not None
-    note_trace(static.owner, arrays, static.key[1])
-    forget_verified_splits()  # the trace runs user code: splits are checked again after it
-    return static.trace(arrays)
+        return isinstance(other, _Hashed) and self.key == other.key
 
 
 @pytree_dataclass(data=("self",), meta=("func",))

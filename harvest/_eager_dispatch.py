@@ -16,8 +16,8 @@ the function closes over and the module-level values it reads, its arrays
 as children (traced) and its other values, by identity and value
 (`_free_variables.closure_of`, `globals_read`), in its structure, which is compared
 here at each call: a new structure (a value rebound) gets a jit of its own,
-replacing the last. The first call traces and compiles once, as harvest's
-own path would.
+kept in the compile table (`_compile_cache.program`) beside the others. The
+first call traces and compiles once, as harvest's own path would.
 
 An instrumented NNX module (`EagerModuleDispatch`) is not flattened as a
 pytree (NNX's Python flatten of every node and variable costs more than the
@@ -28,8 +28,8 @@ structural change re-splits), and the jit's arguments are the state's arrays
 as one flat tuple, the plants and the call's arguments. The split's graph
 and state definitions and the instrumented target's static part are the
 structure, compared by identity first (a kept split hands its definitions
-back), then by equality against the jits kept for every transformed function
-(`_compile_cache.module_program`, at most ``max_programs``): a model switched between training
+back), then by equality in the compile table, whose ``"module"`` programs
+every transformed function shares (`_compile_cache.program`): a model switched between training
 and evaluation keeps both programs, and ``reap(instrument(model))`` written
 afresh at each call, or for another model of the same structure, finds its own. Inside the trace, fresh nodes
 are merged from the traced state and walked; what the walk changed or added
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,7 @@ import jax
 import numpy as np
 
 from . import _jax, config
-from ._compile_cache import generation, module_program, note_trace
+from ._compile_cache import Program, note_trace, program, touch
 from ._leaves import array_flags, reveal_static
 from ._nnx_state import call_on_merged, split_of, write_back
 from ._paths import nested_dict
@@ -100,11 +101,10 @@ class EagerDispatch:
         # (a model's logits, say) if it is not.
         self.reap, self.out = gives != "out", gives != "reaps"
         self.served = True  # False once a call was found that this jit cannot serve
-        # The function's structure (what it closes over, but arrays) and the jit for it, as
-        # one pair, read once by a call: another thread may replace it meanwhile.
-        # One pair, read once by a call (another thread may replace it meanwhile), made
-        # at the compile cache's `generation` (`harvest.clear_caches()` drops it).
-        self.last: tuple[Any, Any, int] = (None, None, -1)
+        # The last call's structure and its program in the compile table (held weakly:
+        # the table owns it), so that a call like the last skips the table's lookup.
+        # One pair, read once by a call: another thread may replace it meanwhile.
+        self.last: tuple[Any, Any] = (None, _no_program)
 
     def _walk_staged(
         self,
@@ -150,12 +150,15 @@ class EagerDispatch:
             # The function is flattened and its structure compared here, not by JAX, whose
             # C++ path hashes and compares a Python node's data at some 50 µs a call more.
             children, structure = self.f.tree_flatten()
-            last, jitted, made = self.last
-            if jitted is None or made != generation() or structure != last:
-                # A value it closes over rebound: a jit of its own (the last one's programs go).
-                jitted = jax.jit(functools.partial(self._walk_staged, structure))
-                self.last = (structure, jitted, generation())
-            out, flat = jitted(children, plants, args, kwargs)
+            last, held = self.last
+            entry = held()
+            if entry is None or structure != last or not touch(entry):
+                # A value it closes over rebound: the program for that structure.
+                entry = program(self, structure, functools.partial(_function_jit, self, structure))
+                if entry is None:  # a structure that cannot be hashed: harvest's own path
+                    return NOT_TAKEN
+                self.last = (structure, weakref.ref(entry))
+            out, flat = entry.jitted(children, plants, args, kwargs)
         except Exception:
             # An error of the walk's own trace is raised again by harvest's path; any
             # other failure means this jit cannot serve such calls.
@@ -163,6 +166,24 @@ class EagerDispatch:
                 self.served = False
             return NOT_TAKEN
         return (reveal_static(out) if self.out else None), flat.reaps
+
+
+def _function_jit(dispatch: EagerDispatch, structure: Any, entry: Program) -> Any:
+    """The jit of ``dispatch``'s walk for ``structure``, holding ``dispatch`` weakly
+    (the table holds the jit, and drops it when ``dispatch`` is collected)."""
+    weak = weakref.ref(dispatch)
+
+    def staged(*parts: Any) -> Any:
+        alive = weak()
+        assert alive is not None, "traced after its transformed function was collected"
+        return alive._walk_staged(structure, *parts)
+
+    return jax.jit(staged)
+
+
+def _no_program() -> None:
+    """What `last` holds before a first call: a reference to no program."""
+    return None
 
 
 class _Reaped:
@@ -240,7 +261,7 @@ class EagerModuleDispatch(EagerDispatch):
     walked, and the state the walk changed or added comes out as data, written
     back to the caller's module after the call, as harvest's own path writes it.
     The jits are shared by every transformed function of the same kind, policy
-    and structure (`_compile_cache.module_program`), so ``reap(instrument(model))(x)`` written
+    and structure (the compile table's ``"module"`` programs), so ``reap(instrument(model))(x)`` written
     afresh at each call, or for another model of that structure, traces once.
     """
 
@@ -274,22 +295,25 @@ class EagerModuleDispatch(EagerDispatch):
     def _jit_for(self, shape: Any, aux: Any, module: Any) -> Any:
         """The jit for this structure: the last one's if the split is the one it was
         made for (by identity: a kept split gives its definitions back), else by equality."""
-        last, jitted, made = self.last
+        last, held = self.last
+        entry = held()
         if (
-            last is not None
-            and made == generation()
+            entry is not None
             and last[0].graphdef is shape.graphdef
             and last[0].statedef is shape.statedef
             and last[1] == aux
+            and touch(entry)
         ):
-            return jitted
+            return entry.jitted
         key = (*self.kind, shape, aux)
         code = type(module).__call__  # what a recompile warning names: the model's code
-        jitted = module_program(
-            key, lambda: jax.jit(functools.partial(_module_walk_staged, key, code))
+        entry = program(
+            "module", key, lambda _: jax.jit(functools.partial(_module_walk_staged, key, code))
         )
-        self.last = ((shape, aux), jitted, generation())
-        return jitted
+        if entry is None:  # a definition that cannot be hashed: compiled for this call
+            return jax.jit(functools.partial(_module_walk_staged, key, code))
+        self.last = ((shape, aux), weakref.ref(entry))
+        return entry.jitted
 
 
 def _module_walk_staged(

@@ -3,11 +3,11 @@
 `run_walk` takes a call apart (the function, what it binds, what it reads
 besides its arguments, the plants, NNX state), decides up front where it
 runs (in place under an outer trace, or through the function's compiled
-walks in `_compile_cache`), and `_walk` traces the function, validates its
+walks in `_compile_cache`'s table), and `_walk` traces the function, validates its
 sites against the policy and the plants, and runs the walk (`_interpreter`).
 
-The jit is made once per underlying Python function and held weakly by it:
-its compiled programs live as long as the function does, as `jax.jit(f)`'s
+The table keeps a jit per underlying Python function and key, holding the
+function weakly: its compiled programs live as long as the function does, as `jax.jit(f)`'s
 do, so harvesting fresh closures in a loop does not pile up programs. Bound
 methods and `functools.partial` are unwrapped to their function; what they
 bind (the object, the partial's arguments) is passed as data, its arrays
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _errors, _jax, config
-from ._compile_cache import jit_per_function, note_trace, note_unhashable
+from ._compile_cache import note_trace, note_unhashable, run_per_function
 from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
@@ -438,7 +438,7 @@ def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
             snapshot = (
                 (lambda: Snapshot.of(fn, bound, args, kwargs)) if config.check_stale else None
             )
-            out, flat, changes = jit_per_function(fn, _walk_weak)(dynamic, static, snapshot)
+            out, flat, changes = run_per_function(fn, _walk_weak, dynamic, static, snapshot)
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`

@@ -64,8 +64,9 @@ class Snapshot:
     """The contents of what a function reads besides its arguments, flat:
     ``{"cfg.inner.scale": "2.0", ...}``, each root named as the function names it."""
 
-    def __init__(self, fn: Any, roots: list[tuple[str, Any]]) -> None:
+    def __init__(self, fn: Any, roots: list[tuple[str, Any]], user: Any = None) -> None:
         self.fn = fn
+        self.user = fn if user is None else user  # the function an error names
         self.entries: dict[str, str] = {}
         code = getattr(fn, "__code__", None)
         self.names = set(names_used(code)) if code is not None else set()
@@ -84,10 +85,18 @@ class Snapshot:
             roots += [(n, space[n]) for n in names_used(code) if n in space]
             params = list(inspect.signature(fn).parameters)
             roots += [(params[i], a) for i, a in enumerate(args) if i < len(params)]
+        user = None
+        while bound is not None and bound[0] == "partial":  # what a partial binds
+            _, bound, bound_args, bound_kwargs = bound
+            roots += [(_arg_name(a, i), a) for i, a in enumerate(bound_args)]
+            roots += list(bound_kwargs.items())
+            if getattr(fn, "__module__", "").startswith("harvest."):
+                # harvest's own wrapper (harvest.ppl's): the error names the user's function.
+                user = next((a for a in bound_args if isinstance(a, types.FunctionType)), user)
         if bound is not None and bound[0] == "method":
             roots.append(("self", bound[1]))
         roots += list(kwargs.items())
-        return cls(fn, roots)
+        return cls(fn, roots, user)
 
     def _visit(self, path: str, value: Any, depth: int, seen: set[int]) -> None:
         if len(self.entries) >= _MAX_ENTRIES:
@@ -143,6 +152,14 @@ class Snapshot:
             if old != new:
                 out.append(f"{path}: {old} -> {new}{_where_read(self.fn, path)}")
         return out
+
+
+def _arg_name(value: Any, index: int) -> str:
+    """How a change under a partial's argument is named: a function by its name
+    (a model ``harvest.ppl`` binds, say), anything else by its place."""
+    if isinstance(value, types.FunctionType):
+        return value.__name__
+    return f"the bound argument {index}"
 
 
 def _items_hash(value: dict[Any, Any]) -> int:

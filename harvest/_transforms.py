@@ -278,6 +278,12 @@ def plant(
     ``scan``). Names under ``nest`` scopes are given as nested dicts or as dotted
     paths (``{"block.h": v}`` is ``{"block": {"h": v}}``).
 
+    Planting back what ``reap`` returned gives ``f``'s output wherever ``reap``
+    returned every occurrence of a name; not for a ``clobber`` or ``sow_cond``
+    name that fires more than once per call, of which ``reap`` keeps the last
+    and ``plant`` puts it at every occurrence (docs/semantics.md, "Planting
+    back what reap returned").
+
     Args:
         f: the function to run, as for ``reap``.
         tag: which sows may be replaced; sows of other tags pass through untouched.

@@ -267,30 +267,32 @@ def test_a_counter_f_updates_does_not_retrace():
     assert len(traces) == 1 and stats["calls"] == 1
 
 
-def test_the_sweep_and_attribution_read_contents_when_traced(check_stale):
+@pytest.mark.parametrize("sweep", [patching_sweep, attribution_patching])
+def test_the_sweeps_read_contents_when_traced_and_check_mode_names_them(sweep, check_stale):
     cfg = _Scale(2.0)
 
     def f(x):
-        return (sow(x * cfg.scale, name="h", mode="strict") ** 2).sum()
+        return (sow(x, name="h", mode="strict") * cfg.scale).sum()
 
-    x, corrupt = jnp.array([1.0, 1.0, 1.0]), jnp.zeros(3)
+    x, corrupt = jnp.array([1.0, 2.0, 4.0]), jnp.zeros(3)
     clean = reap(f)(x)
-    for sweep, want in ((patching_sweep, 4.0), (attribution_patching, 0.0)):
-        # patched: h = 2 at one position; attributed: d(sum h^2)/dh = 0 at the corrupted h
-        np.testing.assert_allclose(
-            sweep(f, clean, (corrupt,), lambda y: y, axis=0).values, [np.full(3, want)]
-        )
-    cfg.scale = 3.0  # read when the sweep's program was traced: the kept one answers
-    harvest.config.update("check_stale", False)
-    np.testing.assert_allclose(
-        patching_sweep(f, clean, (corrupt,), lambda y: y, axis=0).values, [np.full(3, 4.0)]
-    )
+    metric = lambda y: y  # noqa: E731  (one metric for every sweep: its code is in the key)
+
+    def fresh():
+        """The sweep's answer from ``f`` itself, with cfg as it is now: h is x, so
+        patching h at j is running f on the corrupted input with x[j] put in, and
+        attributing is f's gradient at the corrupted input times (clean - corrupted)."""
+        if sweep is patching_sweep:
+            return [[f(corrupt.at[j].set(x[j])) - f(corrupt) for j in range(3)]]
+        return [jax.grad(f)(corrupt) * (x - corrupt)]
+
+    np.testing.assert_allclose(sweep(f, clean, (corrupt,), metric, axis=0).values, fresh())
+    cfg.scale = 3.0  # a field of a closed-over dataclass: read when the program was traced
+    with pytest.raises(harvest.StaleValueError, match=r"cfg\.scale: 2\.0 -> 3\.0"):
+        sweep(f, clean, (corrupt,), metric, axis=0)
     harvest.clear_caches()
-    harvest.config.update("check_stale", False)
-    clean = reap(f)(x)
-    np.testing.assert_allclose(
-        patching_sweep(f, clean, (corrupt,), lambda y: y, axis=0).values, [np.full(3, 9.0)]
-    )
+    np.testing.assert_allclose(sweep(f, clean, (corrupt,), metric, axis=0).values, fresh())
+    np.testing.assert_allclose(fresh(), [x * 3.0])  # the reference itself moved with cfg
 
 
 def test_plant_and_an_instrumented_module_in_check_mode(check_stale):
@@ -358,3 +360,52 @@ def test_bad_config_updates():
         harvest.config.update("check_stal", True)
     with pytest.raises(TypeError, match="expected True or False"):
         harvest.config.update("check_stale", 1)
+
+
+def test_clear_caches_reaches_the_instrumented_dispatch():
+    # An instrumented module's eager calls run through `_eager_dispatch`'s programs,
+    # kept in the one compile table: clear_caches drops them as it drops the others.
+    nnx = pytest.importorskip("flax.nnx")
+    cfg = {"scale": 2.0}
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.lin(x) * cfg["scale"]
+
+    model = Model()
+    reaped = harvest.call_and_reap(harvest.instrument(model), tag="modules")
+    out, acts = reaped(X)
+    np.testing.assert_allclose(out, model(X), rtol=1e-6)
+    np.testing.assert_allclose(acts["lin"], model.lin(X), rtol=1e-6)
+    assert any(key[0] == "module" for key in harvest._compile_cache._table)  # the dispatch's
+    cfg["scale"] = 3.0  # read when the program was traced, as jax.jit(model) would
+    np.testing.assert_allclose(reaped(X)[0], model.lin(X) * 2.0, rtol=1e-6)
+    harvest.clear_caches()
+    np.testing.assert_allclose(reaped(X)[0], model(X), rtol=1e-6)
+
+
+def test_ppl_reads_contents_when_traced_and_check_mode_names_them(check_stale):
+    pytest.importorskip("tensorflow_probability", reason="harvest.ppl needs the ppl extra (TFP)")
+    import tensorflow_probability.substrates.jax as tfp
+
+    from harvest import ppl
+
+    prior = _Scale(0.0)  # its `scale` is the prior's mean here
+
+    def model(key):
+        return ppl.random_variable(tfp.distributions.Normal(prior.scale, 1.0), name="z")(key)
+
+    def normal_log_density(z, mean):  # by hand
+        return -0.5 * np.log(2 * np.pi) - 0.5 * (z - mean) ** 2
+
+    density = ppl.joint_log_prob(model)
+    np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 0.0), rtol=1e-6)
+    prior.scale = 1.0
+    with pytest.raises(harvest.StaleValueError, match=r"prior\.scale: 0\.0 -> 1\.0") as error:
+        density({"z": 0.5})
+    assert "program for test_ppl_reads" in str(error.value)  # names the model, not ppl's wrapper
+    harvest.clear_caches()
+    np.testing.assert_allclose(density({"z": 0.5}), normal_log_density(0.5, 1.0), rtol=1e-6)

@@ -121,17 +121,17 @@ def test_a_result_built_by_hand_is_unchanged():
 
 
 def test_a_repeated_sweep_keeps_its_plan_and_a_new_shape_makes_another(monkeypatch):
-    from harvest import _patching
+    from harvest import _sweep_plan
 
     made = [0]
-    real = _patching._chosen
+    real = _sweep_plan._chosen
 
     def counted(*args):
         made[0] += 1
         return real(*args)
 
-    monkeypatch.setattr(_patching, "_chosen", counted)
-    monkeypatch.setattr(_patching, "_plans", {})  # none kept from the tests before
+    monkeypatch.setattr(_sweep_plan, "_chosen", counted)
+    monkeypatch.setattr(_sweep_plan, "_plans", {})  # none kept from the tests before
     model = Net()
     x_clean, x_corrupt = data()
     for scale in (1.0, 2.0, 3.0):  # new data of the same shapes: one plan

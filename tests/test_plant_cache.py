@@ -301,7 +301,42 @@ def test_the_cache_keeps_at_most_max_programs(cache_settings):
     assert len(traces) == 4
     reap(g)(X, 3.0)  # still kept
     assert len(traces) == 4
-    assert len(_compile_cache._jits[g].jits) == 2
+    assert len(_compile_cache._table) == 2  # the bound counts every key, on every path
+
+
+def test_one_bound_over_every_path(cache_settings):
+    harvest.set_compile_cache(max_programs=1, warn_after=100)
+    f, traces = counted()
+    x_clean, x_corrupt = X, jnp.zeros(3)
+    np.testing.assert_allclose(reap(f)(x_clean)["h"], X * 2.0)
+    assert len(traces) == 1
+    clean = reap(f)(x_clean)  # kept: no trace
+    assert len(traces) == 1
+    # The sweep's program takes the one place; the reap's is dropped and traced again.
+    swept = patching_sweep(f, clean, (x_corrupt,), lambda y: y.sum(), axis=0)
+    np.testing.assert_allclose(swept.values, [[2.0 * X[j] for j in range(3)]])
+    assert len(_compile_cache._table) == 1
+    before = len(traces)
+    np.testing.assert_allclose(reap(f)(x_clean)["h"], X * 2.0)
+    assert len(traces) == before + 1
+
+
+def test_a_collected_function_takes_its_programs_out_of_the_table():
+    f, _ = counted()
+    np.testing.assert_allclose(reap(f)(X)["h"], X * 2.0)
+    assert any(not isinstance(key[0], str) and key[0]() is f for key in _compile_cache._table)
+    del f
+    gc.collect()
+    assert all(isinstance(key[0], str) or key[0]() is not None for key in _compile_cache._table)
+
+
+def test_clear_caches_drops_every_program():
+    f, traces = counted()
+    np.testing.assert_allclose(reap(f)(X)["h"], X * 2.0)
+    harvest.clear_caches()
+    assert len(_compile_cache._table) == 0
+    np.testing.assert_allclose(reap(f)(X)["h"], X * 2.0)
+    assert len(traces) == 2
 
 
 def test_bad_cache_settings():

@@ -435,3 +435,64 @@ def test_one_walk_of_several_tags_plants_and_reaps_each_by_tag_and_name():
     np.testing.assert_allclose(nested[1]["h"], reaps["b"]["h"])
     with pytest.raises(KeyError, match="Cannot plant 'nope': no sow site of tag 'a'.*'h'"):
         walk({"a": {"nope": 1.0}}, xs)
+
+
+# ---------------------------------------------------------------------------
+# Planting back what reap returned (docs/semantics.md, "Planting back what reap returned")
+
+
+def _looped(mode):
+    def f(x):
+        def body(c, _):
+            return c * 2.0 + sow(c, name="h", mode=mode), None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    return f
+
+
+def _sown_twice(mode):
+    def f(x):
+        first = sow(x, name="h", mode=mode)
+        return first + sow(first * 2.0, name="h", mode=mode)
+
+    return f
+
+
+def _fori(mode):
+    def f(x):
+        return lax.fori_loop(0, 3, lambda i, v: v * 2.0 + sow(v, name="h", mode=mode), x)
+
+    return f
+
+
+@pytest.mark.parametrize("make", [_looped, _sown_twice, _fori])
+@pytest.mark.parametrize("mode", ["collect", "append"])
+def test_planting_back_every_occurrence_gives_f(make, mode):
+    f = make(mode)
+    close(plant(f)(reap(f)(X), X), f(X))
+
+
+def test_planting_back_a_clobber_sown_once_gives_f():
+    def f(x):
+        return sow(x * 3.0, name="h", mode="clobber") + 1.0
+
+    close(plant(f)(reap(f)(X), X), f(X))
+
+
+@pytest.mark.parametrize("make", [_looped, _fori])
+def test_planting_back_a_clobber_in_a_loop_does_not_give_f(make):
+    # By hand: c <- 2c + h with h = c is c <- 3c, so f(x) = 27x; reap keeps the last
+    # occurrence, h = c2 = 9x; planted at every iteration, c <- 2c + 9x: 11x, 31x, 71x.
+    f, x = make("clobber"), np.asarray(X)
+    close(f(X), 27.0 * x)
+    close(reap(f)(X)["h"], 9.0 * x)
+    close(plant(f)(reap(f)(X), X), 71.0 * x)
+
+
+def test_planting_back_a_clobber_sown_twice_does_not_give_f():
+    # By hand: f(x) = x + 2x; reap keeps the last, 2x; planted at both: 2x + 2x.
+    f, x = _sown_twice("clobber"), np.asarray(X)
+    close(f(X), 3.0 * x)
+    close(reap(f)(X)["h"], 2.0 * x)
+    close(plant(f)(reap(f)(X), X), 4.0 * x)
