@@ -1343,6 +1343,14 @@ def penzai_layer_stack(path: str, inside: list[str]) -> NotImplementedError:
     )
 
 
+def view_needs_callable(f: Any) -> TypeError:
+    return TypeError(f"view(f, *args) needs a callable f, got {type(f).__name__}.")
+
+
+def view_values_not_a_dict(values: Any) -> TypeError:
+    return TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
+
+
 def view_values_unmatched(missing: list[str], names: list[str], tag: Any) -> ValueError:
     of = "" if tag is None else f" of tag {tag!r}"
     return ValueError(
