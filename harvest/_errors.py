@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 # -- the arguments of sow and of the transformations ------------------------
 
@@ -230,6 +231,27 @@ def plant_shape(site: Any, what: str, got: str, expected: str) -> ValueError:
     return ValueError(
         f"{what} for the sow site {site} is {got}, but the site expects {expected}. "
         "Plant a value of the sown shape and dtype (or a callable old -> new)."
+    )
+
+
+def plant_unheld(site: Any, what: str, value: Any, dtype: Any, why: str) -> ValueError:
+    if isinstance(value, (int, float, complex)):
+        shown = repr(value)
+    else:
+        shown = f"a {np.asarray(value).dtype}{list(np.shape(value))} array"
+    return ValueError(
+        f"{what} for the sow site {site} is {shown}, which its dtype {dtype} cannot hold "
+        f"({why}); nothing was planted. Plant a value {dtype} holds, or sow a wider dtype "
+        "at the site (64-bit ones need jax.config.update('jax_enable_x64', True))."
+    )
+
+
+def plant_complex_into_real(site: Any, what: str, dtype: Any) -> ValueError:
+    return ValueError(
+        f"{what} for the sow site {site} is a Python complex, and casting it to the site's "
+        f"dtype {dtype} would drop any imaginary part unseen (a planted number is traced, so "
+        "its value is not known where it is cast); nothing was planted. Plant a real number "
+        "(v.real), or sow a complex value at the site."
     )
 
 
