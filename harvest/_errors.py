@@ -1243,15 +1243,30 @@ def index_after_while_in(site: Any, where: str) -> ValueError:
     )
 
 
-def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
+def plant_differentiated_in_custom_vjp(site: Any, fn_name: str, reason: str) -> ValueError:
     where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
+    what, why, fix = {
+        "occurrence": (
+            "a plant per occurrence (rows, entries, or a callable taking the index)",
+            "its backward rule re-runs the body as often as it needs (not the body's occurrences)",
+            "Plant one value, or a callable old -> new, used at every occurrence",
+        ),
+        "value": (
+            "a planted value that is itself differentiated",
+            "its backward rule, re-run with the plant in place, gives no derivative for it",
+            "Plant a value that does not depend on what you differentiate (jax.lax.stop_gradient)",
+        ),
+        "rule": (
+            "a value planted",
+            "its backward rule does not re-run the planted sow (it was written for the "
+            "unplanted function)",
+            "Write the planted computation into the function the rule differentiates",
+        ),
+    }[reason]
     return ValueError(
-        f"Cannot differentiate through {where} with a value planted at {site} inside it: its "
-        "body holds a while_loop, which autodiff cannot reverse, and its backward rule "
-        "describes the unplanted function (it cannot see the plant), so the gradient would be "
-        "silently wrong. Plant outside the custom_vjp function, or write the planted "
-        "computation into the function its rule differentiates (odeint's vector field, say), "
-        "or wrap the call's inputs in jax.lax.stop_gradient."
+        f"Cannot differentiate through {where} with {what} at {site} inside it: its body holds "
+        f"a while_loop, which autodiff cannot reverse, and {why}, so the gradient would be "
+        f"silently wrong. {fix}, or plant outside the custom_vjp function."
     )
 
 

@@ -37,19 +37,25 @@ class Site:
     @classmethod
     def of(cls, eqn: Any) -> Site:
         assert eqn.primitive is sow_p
-        p = eqn.params
-        n = len(eqn.outvars)
-        path = p["scope"] + (p["name"],)
-        avals = tuple(v.aval for v in eqn.invars[:n])
-        vmapped = p.get("vmapped") or (0,) * n
+        avals = tuple(v.aval for v in eqn.invars[: len(eqn.outvars)])
+        return cls._from(eqn.params, avals, eqn.source_info)
+
+    @classmethod
+    def bound(cls, args: tuple[Any, ...], params: dict[str, Any]) -> Site:
+        """The site of a `sow_p.bind(*args, **params)` met outside a jaxpr."""
+        avals = tuple(jax.typeof(a) for a in args[: params["tree"].num_leaves])
+        return cls._from(params, avals, None)
+
+    @classmethod
+    def _from(cls, p: dict[str, Any], avals: tuple[Any, ...], source: Any) -> Site:
         return cls(
             p["tag"],
-            path,
+            p["scope"] + (p["name"],),
             MODES[p["mode"]],
             p["tree"],
             avals,
-            vmapped,
-            eqn.source_info,
+            p.get("vmapped") or (0,) * len(avals),
+            source,
             p.get("axes"),
         )
 
