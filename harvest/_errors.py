@@ -1270,6 +1270,16 @@ def plant_differentiated_in_custom_vjp(site: Any, fn_name: str, reason: str) -> 
     )
 
 
+def sown_in_loop_in_batched_lax_map(tag: Any, scope: tuple[str, ...], name: str) -> ValueError:
+    return ValueError(
+        f"The sow site tag={tag!r}, name={'.'.join((*scope, name))!r} runs in a loop (scan, "
+        "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
+        "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
+        "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
+        "jax.vmap) around this function while you harvest it."
+    )
+
+
 def sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
     what = {
         "reap": "reaping it would give batch-shaped occurrences",
