@@ -527,6 +527,25 @@ def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_l
     close(rows, jnp.stack([xs * 0.75, xs * 0.75**2], axis=1).ravel())
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: a cond whose predicate vmap batches, inside lax.map(batch_size=b), "
+    "records through _rules/batched_cond.py's record-only sows, which are neither sown per "
+    "element nor refused: batch-shaped rows, index plants off (loud only with a remainder)",
+)
+def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without():
+    def f(xs, batch_size):
+        branch = lambda y: sow(y * 2.0, name="a", mode="append")  # noqa: E731
+        g = lambda x: lax.cond(x > 1.0, branch, lambda y: y, x)  # noqa: E731
+        return lax.map(g, xs, batch_size=batch_size)
+
+    xs = jnp.arange(4.0)  # two batches of 2, no remainder
+    close(reap(f)(xs, None), {"a": jnp.array([0.0, 0.0, 4.0, 6.0])})  # by hand: 0 untaken
+    close(reap(f)(xs, 2), reap(f)(xs, None))
+    by_index = {"a": lambda old, i: old + 100.0 * i}
+    close(plant(f)(by_index, xs, 2), plant(f)(by_index, xs, None))
+
+
 def test_lax_map_with_batch_size_refuses_collect_and_names_append():
     # collect gives one entry stacked over lax.map's elements; sown once per
     # element it would give one entry each, so it is refused, naming the fix.

@@ -500,7 +500,8 @@ def test_random_programs_sites_fire_as_often_as_reap_returns_rows(program, x):
         # Known limits (never a silent answer): a loop inside lax.map(batch_size=b)
         # runs each step for the whole batch, so its sows cannot come element by
         # element (refused, naming lax.map); a cond there sows per batch, and the
-        # shorter remainder's rows do not stack with the batches'.
+        # shorter remainder's rows do not stack with the batches' (without a
+        # remainder that is silently wrong: see test_control_flow's xfail).
         with pytest.raises(ValueError, match="lax.map|cannot be stacked"):
             reap(f)(x)
         return
