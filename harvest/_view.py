@@ -468,15 +468,20 @@ def _avals(outs: list[Any]) -> str:
 
 def _summary(value: Any) -> dict[str, Any] | None:
     """The value's mean, standard deviation and a 12-bin histogram (its counts), over
-    its finite numbers, with how many are nan or infinite; a PRNG key shows its
-    dtype and shape (``key<fry>[3]``), as it has no numbers to summarise."""
-    keys, numbers = [], []
+    its finite numbers (a complex number by its magnitude, said so), with how many
+    are nan or infinite; a PRNG key shows its dtype and shape (``key<fry>[3]``), as
+    it has no numbers to summarise."""
+    keys, numbers, magnitudes = [], [], []
     for leaf in _leaves(value):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
             keys.append(f"{dtype}{list(np.shape(leaf))}")
-        else:
-            numbers.append(np.asarray(leaf, dtype=float).ravel())
+            continue
+        array = np.asarray(leaf)
+        if np.iscomplexobj(array):
+            magnitudes.append("complex values by |z|")
+            array = np.abs(array)
+        numbers.append(array.astype(float).ravel())
     data = np.concatenate(numbers) if numbers else np.zeros(0)
     finite = data[np.isfinite(data)]
     counts = [
@@ -489,7 +494,7 @@ def _summary(value: Any) -> dict[str, Any] | None:
         if n
     ]
     stats = [f"mean {finite.mean():.4g} · std {finite.std():.4g}"] if finite.size else []
-    text = " · ".join(stats + counts + keys)
+    text = " · ".join(stats + counts + magnitudes[:1] + keys)
     if not text:
         return None
     hist = np.histogram(finite, bins=12)[0].tolist() if finite.size else None

@@ -106,6 +106,17 @@ def test_nan_and_inf_are_counted_and_the_finite_values_summarised():
     assert entry["stats"] == {"text": "2 nan · 1 inf", "hist": None}
 
 
+def test_complex_values_are_summarised_by_their_magnitude_and_say_so():
+    def f(x):
+        return sow(x * (1.0 + 1.0j), name="z")
+
+    x = jnp.array([3.0, 4.0])
+    (entry,) = site_node(graph(view(f, x, values=reap(f)(x))), "z")["sites"]
+    size = np.abs(np.array([3.0, 4.0]) * (1 + 1j))  # by hand: 3 sqrt 2, 4 sqrt 2
+    want = f"mean {size.mean():.4g} · std {size.std():.4g} · complex values by |z|"
+    assert entry["stats"]["text"] == want
+
+
 def test_a_prng_key_value_shows_its_dtype_and_shape():
     def f(key, x):
         keys = sow(jax.random.split(key, 3), name="keys")
