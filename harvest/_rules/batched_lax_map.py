@@ -9,7 +9,9 @@ unrolled: each batch binds one sow per element, in element order, and stacks
 their values back into the batch. The walk then sees exactly the occurrences
 of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
 value (a callable plant sees one element). The unrolled program holds `b`
-sows per batch, one equation each.
+sows per batch, one equation each. A sow in a loop inside `f` (a scan, a
+while_loop, another lax.map) is refused: the loop runs each step for the whole
+batch, so its occurrences would come step by step, not element by element.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
         if tracing_a_harvest() and _jax.running_under_batched_lax_map():
             # Staged batched, as one sow per batch: marked, so that the walk
             # sees where (JAX keeps no `lax.map` frame for a sow nested in a
-            # scan or cond in `f`) and traces it again, once per element.
+            # body `f` traces, a jit's or a scan's) and traces it again, to
+            # sow it once per element (or refuse it, in a loop).
             with _jax.marking_batched_lax_map():
                 return jax_rule(axis_data, args, dims, **params)
         return jax_rule(axis_data, args, dims, **params)

@@ -58,8 +58,10 @@ def _call(walk, eqn, invals):
 # inside changes the function the rule describes, so the planted body is
 # inlined and differentiated by ordinary autodiff instead -- except in a
 # custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
-# cannot reverse: there the planted forward runs, and differentiating it is an
-# error (the user's rule cannot see the plant, so its gradient would be wrong).
+# cannot reverse: there the planted forward runs, and the user's backward rule
+# is re-run with the plants in place (`_PlantsInRule`), which is right for a
+# rule that re-runs the body's function (odeint's adjoint) and an error
+# otherwise (a rule written for the unplanted function cannot see the plant).
 
 
 def original_of(eqn):
