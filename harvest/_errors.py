@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 # -- the arguments of sow and of the transformations ------------------------
 
@@ -234,6 +235,27 @@ def plant_shape(site: Any, what: str, got: str, expected: str) -> ValueError:
     return ValueError(
         f"{what} for the sow site {site} is {got}, but the site expects {expected}. "
         "Plant a value of the sown shape and dtype (or a callable old -> new)."
+    )
+
+
+def plant_unheld(site: Any, what: str, value: Any, dtype: Any, why: str) -> ValueError:
+    if isinstance(value, (int, float, complex)):
+        shown = repr(value)
+    else:
+        shown = f"a {np.asarray(value).dtype}{list(np.shape(value))} array"
+    return ValueError(
+        f"{what} for the sow site {site} is {shown}, which its dtype {dtype} cannot hold "
+        f"({why}); nothing was planted. Plant a value {dtype} holds, or sow a wider dtype "
+        "at the site (64-bit ones need jax.config.update('jax_enable_x64', True))."
+    )
+
+
+def plant_complex_into_real(site: Any, what: str, dtype: Any) -> ValueError:
+    return ValueError(
+        f"{what} for the sow site {site} is a Python complex, and casting it to the site's "
+        f"dtype {dtype} would drop any imaginary part unseen (a planted number is traced, so "
+        "its value is not known where it is cast); nothing was planted. Plant a real number "
+        "(v.real), or sow a complex value at the site."
     )
 
 
@@ -1463,15 +1485,40 @@ def index_after_while_in(site: Any, where: str) -> ValueError:
     )
 
 
-def plant_differentiated_in_custom_vjp(site: Any, fn_name: str) -> ValueError:
+def plant_differentiated_in_custom_vjp(site: Any, fn_name: str, reason: str) -> ValueError:
     where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
+    what, why, fix = {
+        "occurrence": (
+            "a plant per occurrence (rows, entries, or a callable taking the index)",
+            "its backward rule re-runs the body as often as it needs (not the body's occurrences)",
+            "Plant one value, or a callable old -> new, used at every occurrence",
+        ),
+        "value": (
+            "a planted value that is itself differentiated",
+            "its backward rule, re-run with the plant in place, gives no derivative for it",
+            "Plant a value that does not depend on what you differentiate (jax.lax.stop_gradient)",
+        ),
+        "rule": (
+            "a value planted",
+            "its backward rule does not re-run the planted sow (it was written for the "
+            "unplanted function)",
+            "Write the planted computation into the function the rule differentiates",
+        ),
+    }[reason]
     return ValueError(
-        f"Cannot differentiate through {where} with a value planted at {site} inside it: its "
-        "body holds a while_loop, which autodiff cannot reverse, and its backward rule "
-        "describes the unplanted function (it cannot see the plant), so the gradient would be "
-        "silently wrong. Plant outside the custom_vjp function, or write the planted "
-        "computation into the function its rule differentiates (odeint's vector field, say), "
-        "or wrap the call's inputs in jax.lax.stop_gradient."
+        f"Cannot differentiate through {where} with {what} at {site} inside it: its body holds "
+        f"a while_loop, which autodiff cannot reverse, and {why}, so the gradient would be "
+        f"silently wrong. {fix}, or plant outside the custom_vjp function."
+    )
+
+
+def sown_in_loop_in_batched_lax_map(tag: Any, scope: tuple[str, ...], name: str) -> ValueError:
+    return ValueError(
+        f"The sow site tag={tag!r}, name={'.'.join((*scope, name))!r} runs in a loop (scan, "
+        "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
+        "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
+        "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
+        "jax.vmap) around this function while you harvest it."
     )
 
 
@@ -1583,6 +1630,14 @@ def penzai_layer_stack(path: str, inside: list[str]) -> NotImplementedError:
         f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
         f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
     )
+
+
+def view_needs_callable(f: Any) -> TypeError:
+    return TypeError(f"view(f, *args) needs a callable f, got {type(f).__name__}.")
+
+
+def view_values_not_a_dict(values: Any) -> TypeError:
+    return TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
 
 
 def view_values_unmatched(missing: list[str], names: list[str], tag: Any) -> ValueError:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _errors, _jax
@@ -33,7 +34,8 @@ class SiteInfo:
             or ``"cond_clobber"`` for ``sow_cond``).
         shape: the sown value's shape: a tuple for an array, the same pytree of
             tuples for a pytree.
-        dtype: the sown value's dtype, or the same pytree of dtypes.
+        dtype: the sown value's dtype (a NumPy dtype; a PRNG key's is JAX's, such as
+            ``key<fry>``), or the same pytree of dtypes.
         fires: how many times one call sows here (loop lengths and a
             ``shard_map``'s shards multiplied in, as reap returns one row per
             iteration or shard; per branch inside ``cond``, counted as if that
@@ -227,10 +229,10 @@ def _html_items(items: list[Any], cells: Callable[[SiteInfo], tuple[str, ...]]) 
 def _aval_str(info: SiteInfo) -> str:
     """`float32[2, 3]`, or that per leaf for a pytree value."""
     if isinstance(info.shape, tuple) and all(isinstance(d, int) for d in info.shape):
-        return f"{np.dtype(info.dtype).name}{list(info.shape)}"
+        return f"{info.dtype.name}{list(info.shape)}"
     shapes = jax.tree_util.tree_leaves(info.shape, is_leaf=lambda x: isinstance(x, tuple))
     dtypes = jax.tree_util.tree_leaves(info.dtype)
-    return "(" + ", ".join(f"{np.dtype(d).name}{list(s)}" for s, d in zip(shapes, dtypes)) + ")"
+    return "(" + ", ".join(f"{d.name}{list(s)}" for s, d in zip(shapes, dtypes)) + ")"
 
 
 def _html_view(found: Sites) -> str:
@@ -310,14 +312,19 @@ def _in_batched_lax_maps(jaxpr: Any) -> frozenset[tuple[Any, tuple[str, ...]]]:
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
-    dtype = jax.tree_util.tree_unflatten(site.tree, [np.dtype(a.dtype) for a in site.avals])
+    dtype = jax.tree_util.tree_unflatten(site.tree, [_dtype(a.dtype) for a in site.avals])
     mode = site.mode.shown
-    size = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in site.avals)
+    size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in site.avals)
     nbytes = None if fires is UNBOUNDED else size * fires
     axes = None if site.axes is None else jax.tree_util.tree_unflatten(site.tree, list(site.axes))
     return SiteInfo(
         site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes, axes
     )
+
+
+def _dtype(dtype: Any) -> Any:
+    """A NumPy dtype, or a PRNG key's dtype as JAX has it (``key<fry>``: NumPy has none)."""
+    return dtype if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype)
 
 
 def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:

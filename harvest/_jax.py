@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 from typing import Any
 
 import jax
@@ -179,10 +180,52 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
 
     Read from the traceback JAX keeps (innermost frame first): a frame of
     `jax.vmap`'s wrapper called straight from `lax.map` (JAX's own frames between
-    them, such as its traceback filter, are skipped)."""
+    them, such as its traceback filter, are skipped). JAX keeps only the frames
+    of the body being traced, so a sow nested in a scan or cond in `f` shows no
+    `lax.map`: those are marked on their name stack (`marking_batched_lax_map`)."""
+    if _BATCHED_LAX_MAP in str(getattr(source_info, "name_stack", "")).split("/"):
+        return True
     frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
+    return _under_batched_lax_map(frames)
+
+
+def running_under_batched_lax_map() -> str | None:
+    """As `staged_by_batched_lax_map`, from the live Python stack: whether what runs
+    now runs under the vmap of a batched `lax.map`, however deep inside `f`:
+    ``"loop"`` where a loop in `f` batches it (its steps run for the whole batch
+    at once), ``"map"`` elsewhere, None if not under one."""
+    frames = []
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        frames.append(_Frame(code.co_filename, getattr(code, "co_qualname", code.co_name)))
+        frame = frame.f_back
+    if not _under_batched_lax_map(frames):
+        return None
+    inner = frames[: next(i for i, f in enumerate(frames) if _frame_is(f, *_VMAP))]
+    loops = ("_scan_batching_rule", "_while_loop_batching_rule")
+    in_loop = any(_frame_is(f, "jax/_src/lax/control_flow/loops.py", loops) for f in inner)
+    return "loop" if in_loop else "map"
+
+
+def marking_batched_lax_map() -> Any:
+    """A context in which staged equations are marked as staged by a batched `lax.map`."""
+    return source_info_util.extend_name_stack(_BATCHED_LAX_MAP)
+
+
+_BATCHED_LAX_MAP = "harvest_batched_lax_map"
+_VMAP = ("jax/_src/api.py", ("vmap_f", "vmap.<locals>.vmap_f"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frame:
+    file_name: str
+    function_name: str
+
+
+def _under_batched_lax_map(frames: list[Any]) -> bool:
     for i, frame in enumerate(frames):
-        if not _frame_is(frame, "jax/_src/api.py", ("vmap_f", "vmap.<locals>.vmap_f")):
+        if not _frame_is(frame, *_VMAP):
             continue
         for outer in frames[i + 1 :]:
             if _frame_is(outer, "jax/_src/lax/control_flow/loops.py", ("map", "<lambda>")):

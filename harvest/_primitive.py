@@ -24,6 +24,7 @@ the site sows what does flow through it: the cotangent.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -97,7 +98,38 @@ def _batched_here(tag: Any, path: tuple) -> bool:
     return sites is not None and (tag, path) in sites
 
 
-sow_p = _jax.Primitive("sow")
+# A handler every `sow_p.bind` consults first, set while a custom_vjp's backward
+# rule re-runs a body with plants in it (see `_rules/calls`): the sows it
+# plants bind as the plant applied, before any transformation sees them, so
+# the rule differentiates the planted function. Part of jit's cache key, so
+# no jitted function inside the rule reuses a trace made without it.
+_bind_handler = _jax.trace_value(
+    "harvest_sow_bind_handler", "What harvest binds a sow as, inside a custom_vjp's rule."
+)
+
+# Whether this JAX lets harvest set one (else a plant there is refused, see `_rules/calls`).
+BIND_HANDLERS = _bind_handler is not None
+
+
+def sows_bound_by(handler: Callable[[tuple, dict], Any]) -> Any:
+    """A context in which each `sow_p.bind(*args, **params)` first asks
+    ``handler(args, params)`` for its outputs (None: bind as usual)."""
+    assert _bind_handler is not None
+    return _bind_handler(handler)
+
+
+class _SowPrimitive(_jax.Primitive):
+    def bind(self, *args: Any, **params: Any) -> Any:
+        handler = _bind_handler.value if _bind_handler is not None else None
+        if handler is not None:
+            with _bind_handler(None):  # what the handler binds is bound as usual
+                out = handler(args, params)
+            if out is not None:
+                return out
+        return super().bind(*args, **params)
+
+
+sow_p = _SowPrimitive("sow")
 sow_p.multiple_results = True
 
 

@@ -37,19 +37,25 @@ class Site:
     @classmethod
     def of(cls, eqn: Any) -> Site:
         assert eqn.primitive is sow_p
-        p = eqn.params
-        n = len(eqn.outvars)
-        path = p["scope"] + (p["name"],)
-        avals = tuple(v.aval for v in eqn.invars[:n])
-        vmapped = p.get("vmapped") or (0,) * n
+        avals = tuple(v.aval for v in eqn.invars[: len(eqn.outvars)])
+        return cls._from(eqn.params, avals, eqn.source_info)
+
+    @classmethod
+    def bound(cls, args: tuple[Any, ...], params: dict[str, Any]) -> Site:
+        """The site of a `sow_p.bind(*args, **params)` met outside a jaxpr."""
+        avals = tuple(jax.typeof(a) for a in args[: params["tree"].num_leaves])
+        return cls._from(params, avals, None)
+
+    @classmethod
+    def _from(cls, p: dict[str, Any], avals: tuple[Any, ...], source: Any) -> Site:
         return cls(
             p["tag"],
-            path,
+            p["scope"] + (p["name"],),
             MODES[p["mode"]],
             p["tree"],
             avals,
-            vmapped,
-            eqn.source_info,
+            p.get("vmapped") or (0,) * len(avals),
+            source,
             p.get("axes"),
         )
 
@@ -116,9 +122,22 @@ class Site:
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
             if not (array or isinstance(leaf, numbers.Number)):
                 raise _errors.plant_not_an_array(self, what, leaf)
+            if not isinstance(leaf, jax.Array) and getattr(leaf, "dtype", None) != aval.dtype:
+                # A host value JAX would cast: refused where the cast would change it.
+                why = _unheld(leaf, aval.dtype)
+                if why:
+                    raise _errors.plant_unheld(self, what, leaf, aval.dtype, why)
             if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
                 # A Python bool, or an int beyond int32 (no weak type holds them): the site's dtype.
                 leaf = jnp.asarray(leaf, aval.dtype)
+            if (
+                isinstance(leaf, jax.Array)
+                and _jax.is_weak(leaf)
+                and _complex_into_real(leaf, aval.dtype)
+            ):
+                # A Python complex traced as data: its value is unknown here, and
+                # the cast would drop any imaginary part unseen.
+                raise _errors.plant_complex_into_real(self, what, aval.dtype)
             if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
                 # A Python number takes the site's dtype, as JAX casts one in
                 # `x.at[i].set(15.0)` (oryx passes it through: 15.5 into an int site stays 15.5).
@@ -160,3 +179,57 @@ class Site:
             if batch
             else ""
         )
+
+
+def _complex_into_real(number: Any, dtype: Any) -> bool:
+    """Whether casting ``number`` to ``dtype`` can drop an imaginary part."""
+    complex_ = jnp.issubdtype(jnp.result_type(number), jnp.complexfloating)
+    return complex_ and not jnp.issubdtype(dtype, jnp.complexfloating)
+
+
+def _unheld(value: Any, dtype: Any) -> str | None:
+    """Why a site of ``dtype`` cannot hold ``value`` (a Python number or NumPy
+    data, cast to ``dtype`` when planted), or None when it can.
+
+    Refused: a number out of ``dtype``'s range (``2**40`` into int32, ``-1``
+    into uint8, ``1e39`` into float32), nan or infinity into an integer site and
+    an imaginary part into a real one, which the cast would change past
+    recognition. Kept, as JAX casts: a fraction into an integer site (15.5 is
+    15, as in ``x.at[i].set(15.5)``) and a float64 rounded to float32.
+    """
+    if isinstance(value, bool) or jnp.issubdtype(dtype, jnp.complexfloating):
+        return None
+    whole = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.bool_)
+    if isinstance(value, int):  # any size: NumPy holds none beyond 64 bits
+        lo = hi = value
+    else:
+        data = np.asarray(value)
+        if data.dtype.kind not in "iufc" or data.size == 0:
+            return None
+        if data.dtype.kind == "c":
+            bad = data[data.imag != 0]
+            if bad.size:
+                return f"{bad.flat[0]} has an imaginary part, which the cast would drop"
+            data = data.real
+        if data.dtype.kind == "f":
+            if whole and not np.isfinite(data).all():
+                return f"{data[~np.isfinite(data)].flat[0]} is no whole number"
+            data = data[np.isfinite(data)]
+            if data.size == 0:
+                return None
+        lo, hi = data.min().item(), data.max().item()
+    low: float
+    high: float
+    if jnp.issubdtype(dtype, jnp.bool_):
+        low, high = 0, 1
+    elif jnp.issubdtype(dtype, jnp.integer):
+        low, high = int(jnp.iinfo(dtype).min), int(jnp.iinfo(dtype).max)
+    elif jnp.issubdtype(dtype, jnp.floating):
+        high = float(jnp.finfo(dtype).max)
+        low = -high
+    else:
+        return None
+    out = lo if lo < low else hi if hi > high else None
+    if out is None:
+        return None
+    return f"{out} is outside {np.dtype(dtype).name}'s range, {low} to {high}"

@@ -54,6 +54,11 @@ SLOW = {
         "a recording process killed and resumed"
     ),
     "test_autodiff.py::test_grad_of_odeint_with_a_sow_in_the_vector_field": "an ODE solve under grad",
+    "test_autodiff.py::test_grad_of_a_plant_inside_odeint_is_the_hand_threaded_adjoint": (
+        "ODE solves under grad and jit(grad)"
+    ),
+    "test_autodiff.py::test_grad_of_a_plant_inside_odeint_of_a_number_or_a_callable_and_"
+    "under_harvest": "ODE solves under grad",
     "test_ppl_predictive.py": "predictive runs over many draws (its docstring examples stay)",
     "test_induction_model.py::test_the_shipped_weights_solve_the_task_and_are_small": (
         "a 200-sequence forward of the guide's model"

@@ -570,10 +570,10 @@ def test_grad_of_odeint_with_a_sow_in_the_vector_field():
     assert reaped["y"].shape == ()
 
 
-def test_grad_of_a_plant_inside_odeint_is_an_error_not_the_unplanted_adjoint():
-    # odeint's adjoint rule integrates the vector field it was given, which
-    # knows nothing of the plant: the truth, by hand-threading the plant into
-    # the field, differs from what that rule would give.
+def test_grad_of_a_plant_inside_odeint_is_the_hand_threaded_adjoint():
+    # odeint's adjoint rule re-runs the vector field; harvest re-runs it with
+    # the plant in place, so the rule differentiates the planted field. The
+    # truth: odeint with the planted value written into the field.
     from jax.experimental.ode import odeint
 
     ts = jnp.array([0.0, 1.0])
@@ -585,7 +585,41 @@ def test_grad_of_a_plant_inside_odeint_is_an_error_not_the_unplanted_adjoint():
         return odeint(lambda y, t, k: -k * (y * 0.5), 1.0, ts, k)[-1]
 
     planted = lambda k: plant(decay)({"y": lambda y: y * 0.5}, 1.0, k)  # noqa: E731
-    close(planted(0.5), by_hand(0.5))  # the forward is right
+    close(planted(0.5), by_hand(0.5))
     np.testing.assert_allclose(jax.grad(by_hand)(0.5), -0.5 * np.exp(-0.25), rtol=1e-4)
-    with pytest.raises(ValueError, match=r"'_odeint'.*name='y'.*silently wrong"):
-        jax.grad(planted)(0.5)
+    for grad in (jax.grad(planted), jax.jit(jax.grad(planted))):
+        np.testing.assert_allclose(grad(0.5), jax.grad(by_hand)(0.5), rtol=1e-5)
+
+
+def _rated(k):
+    from jax.experimental.ode import odeint
+
+    field = lambda y, t, k: -sow(k * 2.0, name="rate", mode="clobber") * k * y  # noqa: E731
+    return odeint(field, 1.0, jnp.array([0.0, 1.0]), k)[-1]
+
+
+def _rated_by_hand(k, rate):
+    from jax.experimental.ode import odeint
+
+    return odeint(lambda y, t, k: -rate(k) * k * y, 1.0, jnp.array([0.0, 1.0]), k)[-1]
+
+
+def test_grad_of_a_plant_inside_odeint_of_a_number_or_a_callable_and_under_harvest():
+    by_hand = jax.grad(lambda k: _rated_by_hand(k, lambda k: 3.0))(0.5)
+    number = jax.grad(lambda k: plant(_rated)({"rate": 3.0}, k))(0.5)  # traced as data
+    np.testing.assert_allclose(number, by_hand, rtol=1e-5)
+    both = jax.grad(lambda k: harvest(_rated)({"rate": 3.0}, k)[0])(0.5)
+    np.testing.assert_allclose(both, by_hand, rtol=1e-5)
+    squared = jax.grad(lambda k: plant(_rated)({"rate": lambda r: r * r}, k))(0.5)
+    by_hand = jax.grad(lambda k: _rated_by_hand(k, lambda k: (2.0 * k) ** 2))(0.5)
+    np.testing.assert_allclose(squared, by_hand, rtol=1e-5)
+
+
+def test_grad_inside_odeint_is_refused_where_the_adjoint_cannot_hold_the_plant():
+    # The planted value differentiated: odeint's rule gives no cotangent for it.
+    with pytest.raises(ValueError, match=r"'_odeint'.*itself differentiated.*name='rate'"):
+        jax.grad(lambda c: plant(_rated)({"rate": c}, 0.5))(3.0)
+    # A plant by occurrence index: the rule's occurrences are not the body's.
+    by_index = {"rate": lambda r, i: r * 0.0 + 3.0}
+    with pytest.raises(ValueError, match=r"'_odeint'.*per occurrence.*name='rate'"):
+        jax.grad(lambda k: plant(_rated)(by_index, k))(0.5)

@@ -501,6 +501,51 @@ def test_lax_map_with_batch_size_reaps_and_plants_per_element_as_without(mode, n
     )
 
 
+def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_loop_refused():
+    # JAX keeps no lax.map frame in the traceback of a sow nested in a body that
+    # f traces (a jit, a scan): harvest finds it from the running stack.
+    def f(xs, batch_size, inner):
+        return lax.map(lambda x: inner(x) + x, xs, batch_size=batch_size)
+
+    in_jit = jax.jit(lambda x: jnp.sin(sow(x * 2.0, name="h", mode="append")))
+    xs = jnp.arange(5.0) / 3.0
+    out, reaped = call_and_reap(f)(xs, 2, in_jit)
+    close((out, reaped), (jnp.sin(xs * 2.0) + xs, {"h": xs * 2.0}))  # by hand
+    by_index = {"h": lambda old, i: old + i}
+    close(plant(f)(by_index, xs, 2, in_jit), plant(f)(by_index, xs, None, in_jit))
+    # In a scan, each step runs for the whole batch: the rows would come step by
+    # step (they did, silently: [x0 s0, x1 s0, x0 s1, ...]), so it is refused.
+
+    def in_scan(x):
+        step = lambda c, _: (sow(c * 0.75, name="h", mode="append"), None)  # noqa: E731
+        return lax.scan(step, x, None, length=2)[0]
+
+    for run in (lambda: reap(f)(xs, 2, in_scan), lambda: plant(f)(by_index, xs, 2, in_scan)):
+        with pytest.raises(ValueError, match=r"name='h' runs in a loop.*batch_size=b.*without"):
+            run()
+    rows = reap(f)(xs, None, in_scan)["h"]  # without batch_size: element by element
+    close(rows, jnp.stack([xs * 0.75, xs * 0.75**2], axis=1).ravel())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug: a cond whose predicate vmap batches, inside lax.map(batch_size=b), "
+    "records through _rules/batched_cond.py's record-only sows, which are neither sown per "
+    "element nor refused: batch-shaped rows, index plants off (loud only with a remainder)",
+)
+def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without():
+    def f(xs, batch_size):
+        branch = lambda y: sow(y * 2.0, name="a", mode="append")  # noqa: E731
+        g = lambda x: lax.cond(x > 1.0, branch, lambda y: y, x)  # noqa: E731
+        return lax.map(g, xs, batch_size=batch_size)
+
+    xs = jnp.arange(4.0)  # two batches of 2, no remainder
+    close(reap(f)(xs, None), {"a": jnp.array([0.0, 0.0, 4.0, 6.0])})  # by hand: 0 untaken
+    close(reap(f)(xs, 2), reap(f)(xs, None))
+    by_index = {"a": lambda old, i: old + 100.0 * i}
+    close(plant(f)(by_index, xs, 2), plant(f)(by_index, xs, None))
+
+
 def test_lax_map_with_batch_size_refuses_collect_and_names_append():
     # collect gives one entry stacked over lax.map's elements; sown once per
     # element it would give one entry each, so it is refused, naming the fix.

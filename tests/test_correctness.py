@@ -436,7 +436,7 @@ def test_a_per_example_plant_batches_a_site_vmap_left_unbatched():
         plant(_vmapped_unbatched_site)({"c": jnp.ones((4, 2))}, xs)  # 4 is not the batch
 
 
-def test_grad_of_plant_in_odeint_is_an_error_not_the_unplanted_adjoint():
+def test_grad_of_plant_in_odeint_is_the_planted_adjoint():
     from jax.experimental.ode import odeint
 
     def decay(k):
@@ -446,7 +446,6 @@ def test_grad_of_plant_in_odeint_is_an_error_not_the_unplanted_adjoint():
     k = 0.5
     doubled = plant(decay)({"rate": lambda r: 2.0 * r}, k)
     np.testing.assert_allclose(doubled, np.exp(-2.0 * k), rtol=1e-4)  # y' = -2ky, by hand
-    # By hand the derivative is -2 exp(-2k); odeint's adjoint rule, which
-    # cannot see the plant, would give the unplanted -exp(-k): refused.
-    with pytest.raises(ValueError, match=r"'_odeint'.*name='rate'.*silently wrong"):
-        jax.grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
+    # By hand the derivative is -2 exp(-2k) (the unplanted adjoint gave -exp(-k)).
+    grad = jax.grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
+    np.testing.assert_allclose(grad, -2.0 * np.exp(-2.0 * k), rtol=1e-4)

@@ -8,6 +8,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import close
 from jax import lax
@@ -58,6 +59,35 @@ def test_plant_wrong_dtype_names_site_expected_and_got():
     pat = r"(?s)(?=.*beta)(?=.*float32\[3\])(?=.*int32\[3\])"
     with pytest.raises(ValueError, match=pat):
         plant(f, tag="t")({"beta": jnp.zeros(3, jnp.int32)}, X)
+    ok_after()
+
+
+def counts(tokens):
+    ids = sow(tokens.sum() * 2, name="ids", mode="strict", tag="t")
+    return ids + 1
+
+
+def test_a_number_out_of_the_sites_range_names_site_dtype_and_value():
+    tokens = jnp.array([1, 2], jnp.int32)
+    too_big = r"(?s)(?=.*'ids')(?=.*int32)(?=.*1099511627776)(?=.*range)(?=.*wider dtype)"
+    with pytest.raises(ValueError, match=too_big):  # was a bare OverflowError
+        plant(counts, tag="t")({"ids": 2**40}, tokens)
+    with pytest.raises(ValueError, match=too_big):  # a callable's number, checked as well
+        plant(counts, tag="t")({"ids": lambda old: 2**40}, tokens)
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'ids')(?=.*uint8)(?=.*-1 is outside)"):
+        plant(lambda v: sow(v, name="ids", mode="strict", tag="t"), tag="t")(
+            {"ids": lambda old: -1}, jnp.uint8(3)
+        )
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'alpha')(?=.*complex)(?=.*imaginary)"):
+        plant(f, tag="t")({"alpha": 1 + 2j}, X)
+    with pytest.raises(ValueError, match=r"(?s)(?=.*'alpha')(?=.*float32)(?=.*1e\+39 is outside)"):
+        plant(f, tag="t")({"alpha": lambda old: 1e39}, X)
+    # Nothing changed: what fits is planted as JAX casts it (a Python int, a float64
+    # NumPy array into a float32 site), against the function written out by hand.
+    by_hand = jnp.int32(2**31 - 1) + 1  # counts with the planted value written in
+    np.testing.assert_array_equal(plant(counts, tag="t")({"ids": 2**31 - 1}, tokens), by_hand)
+    x64 = np.array([0.1, 0.2, 0.3])
+    close(plant(f, tag="t")({"alpha": x64}, X), jnp.asarray(x64, jnp.float32) * 2.0 - 1.0)
     ok_after()
 
 

@@ -70,6 +70,24 @@ def test_sites_reports_pytree_shapes_and_runs_nothing():
     assert calls == []
 
 
+def test_sites_lists_prng_key_sites_with_jax_s_dtype():
+    def f(key, x):
+        keys = sow(jax.random.split(key, 4), name="keys")
+        pair = sow((key, x), name="pair")
+        return pair[1] + jax.random.normal(keys[0])
+
+    key = jax.random.key(0)
+    found = sites(f, key, 1.0)
+    keys, pair = found
+    reaped = reap(f)(key, 1.0)  # what reap returns, to check the listing against
+    (sown,) = reaped["keys"]  # collect: one occurrence
+    assert keys.dtype == sown.dtype and str(keys.dtype) == "key<fry>"
+    assert keys.shape == sown.shape == (4,)
+    assert keys.nbytes == 4 * jax.random.key_data(key).nbytes  # two uint32 words a key
+    assert pair.dtype == (key.dtype, np.dtype(np.float32))
+    assert "key<fry>" in str(found) and "key&lt;fry&gt;[4]" in found._repr_html_()  # escaped
+
+
 def test_sites_marks_sow_cond():
     (info,) = sites(lambda x: sow_cond(x, x > 0, name="pos"), 1.0)
     assert info.mode == "sow_cond"

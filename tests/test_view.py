@@ -85,6 +85,54 @@ def test_value_summaries_after_a_reap_are_the_values_statistics():
     np.testing.assert_array_equal(entry["stats"]["hist"], np.histogram(step, bins=12)[0])
 
 
+def test_nan_and_inf_are_counted_and_the_finite_values_summarised():
+    def f(x):
+        return sow(jnp.log(x), name="logs")
+
+    x = jnp.array([-1.0, 0.0, 1.0, 2.0, jnp.inf, 4.0])  # log: nan, -inf, 0, log 2, inf, log 4
+    logs = np.log(np.array([1.0, 2.0, 4.0]))  # the finite ones, by hand
+    (entry,) = site_node(graph(view(f, x, values=reap(f)(x))), "logs")["sites"]
+    found = re.fullmatch(
+        r"mean ([-\d.e+]+) · std ([-\d.e+]+) · 1 nan · 1 inf · 1 -inf", entry["stats"]["text"]
+    )
+    assert found, entry["stats"]["text"]
+    np.testing.assert_allclose(
+        list(map(float, found.groups())), [logs.mean(), logs.std()], rtol=1e-3
+    )
+    np.testing.assert_array_equal(entry["stats"]["hist"], np.histogram(logs, bins=12)[0])
+    # Nothing finite: the counts alone, and no histogram.
+    nothing = {"logs": jnp.array([jnp.nan, jnp.nan, jnp.inf])}
+    (entry,) = site_node(graph(view(f, x, values=nothing)), "logs")["sites"]
+    assert entry["stats"] == {"text": "2 nan · 1 inf", "hist": None}
+
+
+def test_complex_values_are_summarised_by_their_magnitude_and_say_so():
+    def f(x):
+        return sow(x * (1.0 + 1.0j), name="z")
+
+    x = jnp.array([3.0, 4.0])
+    (entry,) = site_node(graph(view(f, x, values=reap(f)(x))), "z")["sites"]
+    size = np.abs(np.array([3.0, 4.0]) * (1 + 1j))  # by hand: 3 sqrt 2, 4 sqrt 2
+    want = f"mean {size.mean():.4g} · std {size.std():.4g} · complex values by |z|"
+    assert entry["stats"]["text"] == want
+
+
+def test_a_prng_key_value_shows_its_dtype_and_shape():
+    def f(key, x):
+        keys = sow(jax.random.split(key, 3), name="keys")
+        return x + jax.random.normal(keys[0])
+
+    key = jax.random.key(0)
+    data = graph(view(f, key, 1.0, values=reap(f)(key, 1.0)))
+    (entry,) = site_node(data, "keys")["sites"]
+    assert entry["stats"] == {"text": "key<fry>[3]", "hist": None}
+    raw = jax.random.PRNGKey(0)  # a raw key is uint32 numbers: summarised as numbers
+    data = graph(view(f, raw, 1.0, values=reap(f)(raw, 1.0)))
+    (entry,) = site_node(data, "keys")["sites"]
+    words = np.asarray(jax.random.split(raw, 3), dtype=float)
+    assert entry["stats"]["text"] == f"mean {words.mean():.4g} · std {words.std():.4g}"
+
+
 def test_the_page_is_self_contained_with_the_layout_library_inlined():
     v = view(instrument(lambda x: jnp.sin(x) * 2.0, ops=True), jnp.ones(3))
     assert v.sites == 2  # sin and mul, each an op site

@@ -9,7 +9,9 @@ unrolled: each batch binds one sow per element, in element order, and stacks
 their values back into the batch. The walk then sees exactly the occurrences
 of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
 value (a callable plant sees one element). The unrolled program holds `b`
-sows per batch, one equation each.
+sows per batch, one equation each. A sow in a loop inside `f` (a scan, a
+while_loop, another lax.map) is refused: the loop runs each step for the whole
+batch, so its occurrences would come step by step, not element by element.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from .. import _jax
-from .._primitive import sow_p
+from .. import _errors, _jax
+from .._primitive import sow_p, tracing_a_harvest
 
 # The (tag, path) of the sites unrolled per element where a batched lax.map stages
 # them. Part of jit's cache key, so no trace is reused across.
@@ -45,11 +47,27 @@ def _unrolled_here(params: dict[str, Any]) -> bool:
     sites = _per_element.value if _per_element is not None else None
     if not sites or (params["tag"], params["scope"] + (params["name"],)) not in sites:
         return False
-    return _jax.staged_by_batched_lax_map(_jax.current_source_info())
+    where = _jax.running_under_batched_lax_map()
+    if where == "loop":
+        # A loop in `f` runs each step for the whole batch: sown once per element
+        # there, the occurrences would come step by step, not element by element.
+        raise _errors.sown_in_loop_in_batched_lax_map(
+            params["tag"], params["scope"], params["name"]
+        )
+    return where is not None
 
 
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
-    if all(d is None for d in dims) or not _unrolled_here(params):
+    if all(d is None for d in dims):
+        return jax_rule(axis_data, args, dims, **params)
+    if not _unrolled_here(params):
+        if tracing_a_harvest() and _jax.running_under_batched_lax_map():
+            # Staged batched, as one sow per batch: marked, so that the walk
+            # sees where (JAX keeps no `lax.map` frame for a sow nested in a
+            # body `f` traces, a jit's or a scan's) and traces it again, to
+            # sow it once per element (or refuse it, in a loop).
+            with _jax.marking_batched_lax_map():
+                return jax_rule(axis_data, args, dims, **params)
         return jax_rule(axis_data, args, dims, **params)
     per_element = []
     for j in range(axis_data.size):

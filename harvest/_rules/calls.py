@@ -28,8 +28,9 @@ from .._interpreter import (
     retrace,
     rule_sites,
 )
+from .._leaves import is_array
 from .._paths import path_str
-from .._primitive import sow_p, tracing_a_harvest
+from .._primitive import BIND_HANDLERS, sow_p, sows_bound_by, tracing_a_harvest
 from .._site import Site
 from .._sow_index import sites_in
 
@@ -57,8 +58,10 @@ def _call(walk, eqn, invals):
 # inside changes the function the rule describes, so the planted body is
 # inlined and differentiated by ordinary autodiff instead -- except in a
 # custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
-# cannot reverse: there the planted forward runs, and differentiating it is an
-# error (the user's rule cannot see the plant, so its gradient would be wrong).
+# cannot reverse: there the planted forward runs, and the user's backward rule
+# is re-run with the plants in place (`_PlantsInRule`), which is right for a
+# rule that re-runs the body's function (odeint's adjoint) and an error
+# otherwise (a rule written for the unplanted function cannot see the plant).
 
 
 def original_of(eqn):
@@ -93,7 +96,7 @@ def _keeping_the_rule(wrap):
             return interpret(walk, call.jaxpr, call.consts, invals)
         r = retrace(walk, call.jaxpr, call.consts, invals)
         body = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())
-        extra = () if not planted else (_refusal(walk, eqn, call.jaxpr),)
+        extra = () if not planted else (_PlantsInRule.of(walk, eqn, call.jaxpr, r),)
         wrapped = wrap(
             body, original_of(eqn), r.num_consts, r.num_outs, _jax.custom_num_consts(eqn), *extra
         )
@@ -102,9 +105,99 @@ def _keeping_the_rule(wrap):
     return rule
 
 
-def _refusal(walk: Walk, eqn: Any, jaxpr: Any) -> ValueError:
-    site = next(s for p, s in walk.handled_sites([jaxpr]).items() if p in walk.plants)
-    return _errors.plant_differentiated_in_custom_vjp(site, _jax.body_function_name(eqn))
+@dataclasses.dataclass(frozen=True)
+class _PlantsInRule:
+    """The plants inside a custom_vjp's body, for its backward rule to re-run.
+
+    A rule that re-runs the body's function (odeint's adjoint integrates the
+    vector field) meets its sows again: each one planted binds there as the
+    plant applied, before the rule differentiates it, so the rule describes
+    the planted function. The plants' arrays are among the re-traced body's
+    closed-over values (`at`: their positions there), so the rule gets them as
+    residuals, not as values of a trace that has ended.
+
+    Refused (`refusal`, an error reason): a plant per occurrence or by index
+    (the rule's occurrences are not the body's), a planted value that is itself
+    differentiated (the rule gives it no cotangent), and a rule that does not
+    re-run every planted sow (one written for the unplanted function).
+    """
+
+    policy: Policy
+    plants: dict[tuple, Any]
+    at: dict[tuple, list[int | None]]
+    site: Site
+    name: str
+    refusal: str | None  # why no plant can be re-run here; None: they can
+
+    @classmethod
+    def of(cls, walk: Walk, eqn: Any, jaxpr: Any, r: Any) -> _PlantsInRule:
+        sites = walk.handled_sites([jaxpr])
+        plants = {p: pl for p, pl in walk.plants.items() if p in sites}
+        consts = r.args[: r.num_consts]
+        at: dict[tuple, list[int | None]] = {}
+        refusal = None if BIND_HANDLERS else "rule"
+        for path, plant in plants.items():
+            if plant.per_occurrence() or plant.takes_index():
+                refusal = "occurrence"
+                continue
+            at[path] = [
+                next((i for i, c in enumerate(consts) if c is leaf), -1) if is_array(leaf) else None
+                for leaf in jax.tree_util.tree_leaves(plant.value)
+            ]
+            if -1 in at[path]:  # not passed to the body: the rule could not be given it
+                refusal = refusal or "value"
+        site = next(sites[p] for p in plants)
+        return cls(walk.policy, plants, at, site, _jax.body_function_name(eqn), refusal)
+
+    def error(self, reason: str) -> ValueError:
+        return _errors.plant_differentiated_in_custom_vjp(self.site, self.name, reason)
+
+    def check_differentiated(self, perturbed: list[bool]) -> None:
+        """Raises where an input the rule cannot differentiate planted is."""
+        if self.refusal is not None and any(perturbed):
+            raise self.error(self.refusal)
+        if any(perturbed[i] for at in self.at.values() for i in at if i is not None):
+            raise self.error("value")
+
+    def rerun(self, linearize: Any, consts: list[Any], cts: list[Any]) -> Any:
+        """``linearize() -> (out, vjp)`` and ``vjp(cts)`` run with the plants in
+        place, their arrays from ``consts``: the user's rule, planted."""
+        plants = {}
+        for path, plant in self.plants.items():
+            leaves, tree = jax.tree_util.tree_flatten(plant.value)
+            leaves = [l if i is None else consts[i] for l, i in zip(leaves, self.at[path])]
+            plants[path] = dataclasses.replace(
+                plant, value=jax.tree_util.tree_unflatten(tree, leaves)
+            )
+        handler = _Replant(self.policy, plants)
+        with sows_bound_by(handler):
+            _, vjp = linearize()
+            handler.fired.clear()  # the forward re-ran the planted body; does the backward?
+            out = vjp(cts)
+        if not handler.fired >= set(plants):
+            raise self.error("rule")
+        return out
+
+
+class _Replant:
+    """Binds each sow a plant targets as the plant applied (every firing alike),
+    and notes which were."""
+
+    def __init__(self, policy: Policy, plants: dict[tuple, Any]) -> None:
+        self.policy, self.plants = policy, plants
+        self.fired: set[tuple] = set()
+
+    def __call__(self, args: tuple, params: dict) -> Any:
+        site = Site.bound(args, params)
+        path = self.policy.key(site)
+        if not self.policy.handles(site) or path not in self.plants:
+            return None
+        self.fired.add(path)
+        n = site.tree.num_leaves
+        value = jax.tree_util.tree_unflatten(site.tree, args[:n])
+        pred = args[n] if len(args) > n else None
+        one = Walk(self.policy, self.plants, reap=False)
+        return jax.tree_util.tree_leaves(one.sow(site, value, pred, params.get("role")))
 
 
 def _holds_while(jaxpr: Any) -> bool:
@@ -132,19 +225,20 @@ def with_jvp(body, original, k, n, nconsts):
     return wrapped
 
 
-def with_vjp(body, original, k, n, nconsts, refusal=None):
+def with_vjp(body, original, k, n, nconsts, planted=None):
     """`body` (k closed-over inputs first, n outputs then records) under a custom_vjp.
 
-    `refusal`: raised where any input is differentiated: a value is planted into
-    the body, which the user's rule describes without it."""
+    `planted` (a `_PlantsInRule`): the plants inside the body, which the
+    user's rule re-runs planted, or whose error it raises where an input is
+    differentiated."""
 
     @jax.custom_vjp
     def wrapped(*xs):
         return body(*xs)
 
     def fwd(*xs):
-        if refusal is not None and any(x.perturbed for x in xs):
-            raise refusal
+        if planted is not None:
+            planted.check_differentiated([x.perturbed for x in xs])
         xs = [x.value for x in xs]
         return body(*xs), xs
 
@@ -158,8 +252,12 @@ def with_vjp(body, original, k, n, nconsts, refusal=None):
         if not _all_zero(cts[:n]):
             # Its closure-converted constants are not differentiated, as in JAX.
             consts, args = xs[k : k + nconsts], xs[k + nconsts :]
-            _, original_vjp = jax.vjp(lambda *ys: original(*consts, *ys), *args)
-            total[k + nconsts :] = original_vjp([_instantiate(ct) for ct in cts[:n]])
+            linearize = lambda: jax.vjp(lambda *ys: original(*consts, *ys), *args)  # noqa: E731
+            out_cts = [_instantiate(ct) for ct in cts[:n]]
+            if planted is None:
+                total[k + nconsts :] = linearize()[1](out_cts)
+            else:
+                total[k + nconsts :] = planted.rerun(linearize, xs[:k], out_cts)
         if not _all_zero(cts[n:]):
             _, records_vjp = jax.vjp(lambda *ys: body(*ys)[n:], *xs)
             from_recs = records_vjp([_instantiate(ct) for ct in cts[n:]])
