@@ -1141,6 +1141,13 @@ def ppl_bad_count(what: str, value: Any) -> ValueError:
     return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
 
 
+def ppl_bad_summary_digits(value: Any) -> ValueError:
+    return ValueError(
+        f"Posterior.summary needs `digits` to be a positive int (significant digits kept) or None "
+        f"(no rounding), got {value!r}."
+    )
+
+
 def ppl_predictive_count(value: Any) -> ValueError:
     return ValueError(
         "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
