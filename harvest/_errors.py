@@ -1351,6 +1351,31 @@ def custom_attention_fn(path: str, cls: str) -> TypeError:
     )
 
 
+def unknown_naming(names: Any, known: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"instrument: unknown names={names!r}. Use one of {', '.join(map(repr, known))}, or None "
+        "for harvest's own names (each part's dotted path)."
+    )
+
+
+def no_transformer_blocks(target: str, kind: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens') found no transformer block in {target} (a {kind} "
+        "target). It reads Flax NNX blocks (a module with one nnx.MultiHeadAttention and one "
+        "submodule named `mlp`) and Penzai blocks (a layer of two pz.nn.Residual, the first holding "
+        "the attention). Reap the block's own parts by their paths instead (names=None)."
+    )
+
+
+def residual_shapes(name: str, resid_pre: Any, attn_out: Any) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): {name} is the block's input plus its attention's "
+        f"output, but they have shapes {getattr(resid_pre, 'shape', None)} and "
+        f"{getattr(attn_out, 'shape', None)}, so this block does not add its attention's output to "
+        "its input. Leave the name out with `where`, or reap the block's parts by their paths."
+    )
+
+
 def penzai_attention_axes(path: str, hook: str, named_shape: Any) -> ValueError:
     return ValueError(
         f"instrument(attention=True): the Penzai attention at {path!r} gives {hook} the named axes "

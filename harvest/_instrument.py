@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import _errors
+from . import _errors, _transformer_lens
 from ._instrument_penzai import InstrumentedPenzai
 from ._instrumented import Instrumented
 from ._interpreter import NameFilter
-from ._module_paths import kind as target_kind
+from ._module_paths import describe, kind as target_kind
 from ._typing import NameSelect, P, R
 
 
@@ -34,6 +34,7 @@ def instrument(
     inputs: bool = False,
     where: NameSelect = None,
     attention: bool = False,
+    names: str | None = None,
 ) -> Callable[P, R]:
     """Returns ``target`` with its parts sown under ``tag``, for models nobody instrumented by hand.
 
@@ -119,4 +120,5 @@ def instrument(
     if isinstance(where, list):
         where = tuple(where)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
-    return cls(target, kind, tag, ops, inputs, select, where, attention)
+    _transformer_lens.check_naming(names, kind, describe(target))
+    return cls(target, kind, tag, ops, inputs, select, where, attention, names)

@@ -1,0 +1,196 @@
+"""TransformerLens's names for the residual stream (`instrument(..., names="transformer_lens")`).
+
+Each transformer block found in the model, numbered ``i`` in the model's order,
+gets TransformerLens's five residual-stream sites, beside the sites harvest
+already names by path:
+
+* ``blocks.{i}.hook_resid_pre``: the block's input (the stream it reads);
+* ``blocks.{i}.hook_attn_out``: what attention adds to the stream;
+* ``blocks.{i}.hook_resid_mid``: the stream after that addition;
+* ``blocks.{i}.hook_mlp_out``: what the MLP adds to the stream;
+* ``blocks.{i}.hook_resid_post``: the block's output.
+
+With ``attention=True``, the block's attention hooks are also
+``blocks.{i}.attn.hook_q`` (and ``_k``, ``_v``, ``_z``, ``_pattern``).
+
+Each is sown where the value is, so a plant there changes what the block
+computes with. Two kinds of block are read:
+
+* Penzai: a layer whose sublayers are two ``pz.nn.Residual``, the first holding
+  an attention layer (the llama-like, GPT-NeoX and Gemma blocks of
+  ``penzai.models.transformer``). Every name is a layer's input or output.
+* Flax NNX: a module with one attention submodule of a known kind and one
+  submodule named ``mlp`` (TransformerLens's own name), whose forward adds the
+  attention's output to its input, as GPT-2's ``x = x + attn(ln_1(x))`` does.
+  ``resid_mid`` is not a submodule's output there, so it is sown beside the
+  attention's output as ``resid_pre + attn_out``; a value planted there moves
+  the attention's output by the difference, so the block's own addition gives
+  the planted value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from . import _attention, _errors
+
+TRANSFORMER_LENS = "transformer_lens"
+NAMINGS = (TRANSFORMER_LENS,)
+RESIDUAL_HOOKS = (
+    "hook_resid_pre",
+    "hook_attn_out",
+    "hook_resid_mid",
+    "hook_mlp_out",
+    "hook_resid_post",
+)
+
+
+@dataclasses.dataclass
+class Names:
+    """One call's TransformerLens names: which site (by path) each is an alias of."""
+
+    inputs: dict[str, str]  # block path -> its resid_pre name
+    outputs: dict[str, list[str]]  # path of a part -> names of its output
+    mids: dict[str, tuple[str, str]]  # NNX: attention path -> (its block's path, resid_mid name)
+    hooks: dict[str, str]  # attention path -> "blocks.{i}.attn"
+    streams: dict[str, Any] = dataclasses.field(default_factory=dict)  # block path -> its input
+
+    def all_names(self, attention: bool) -> list[str]:
+        """Every name these give (the attention hooks' with attention=True)."""
+        names = [*self.inputs.values(), *(n for ns in self.outputs.values() for n in ns)]
+        names += [name for _, name in self.mids.values()]
+        if attention:
+            names += [f"{alias}.{h}" for alias in self.hooks.values() for h in _attention.HOOKS]
+        return names
+
+
+def check_naming(names: Any, kind: str, target: str) -> None:
+    """Raises unless `names` is None, or a naming this module knows for a target of `kind`."""
+    if names is None:
+        return
+    if names not in NAMINGS:
+        raise _errors.unknown_naming(names, NAMINGS)
+    if kind not in ("nnx", "penzai"):
+        raise _errors.no_transformer_blocks(target, kind)
+
+
+def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
+    """The TransformerLens names of the blocks among `parts` ((path, module), the
+    model's order); raises if there is none."""
+    blocks = _penzai_blocks(parts) if kind == "penzai" else _nnx_blocks(parts)
+    if not blocks:
+        raise _errors.no_transformer_blocks(target, kind)
+    table = Names({}, {}, {}, {})
+    for i, (path, attention, attn_out, mid, mlp_out) in enumerate(blocks):
+        name = f"blocks.{i}"
+        table.inputs[path] = f"{name}.hook_resid_pre"
+        for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
+            table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
+        if mid is None:
+            table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
+        else:
+            table.outputs.setdefault(mid, []).append(f"{name}.hook_resid_mid")
+        if attention != f"{name}.attn":
+            table.hooks[attention] = f"{name}.attn"
+    return table
+
+
+# (block, its attention, the part whose output is attn_out, the part whose output is
+# resid_mid or None where it is computed, the part whose output is mlp_out), by path.
+_Block = tuple[str, str, str, str | None, str]
+
+
+def _children(parts: list[tuple[str, Any]], path: str) -> list[tuple[str, Any]]:
+    return [(p, m) for p, m in parts if p.rpartition(".")[0] == path]
+
+
+def _nnx_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
+    """(block, attention, attn_out part, None, mlp_out part) of each NNX block."""
+    found: list[_Block] = []
+    for path, _ in parts:
+        children = _children(parts, path)
+        attention = [p for p, m in children if _attention.flax_kind(m) == "nnx"]
+        mlp = [p for p, _ in children if p.rpartition(".")[2] == "mlp"]
+        if len(attention) == 1 and len(mlp) == 1:
+            found.append((path, attention[0], attention[0], None, mlp[0]))
+    return found
+
+
+def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
+    """(block, attention, attn_out part, resid_mid part, mlp_out part) of each Penzai block."""
+    from penzai import pz
+
+    attentions = _attention.penzai_attention_paths(parts)
+    found: list[_Block] = []
+    for path, layer in parts:
+        sublayers = getattr(layer, "sublayers", None)
+        if not (
+            isinstance(sublayers, list)
+            and len(sublayers) == 2
+            and all(isinstance(s, pz.nn.Residual) for s in sublayers)
+        ):
+            continue
+        first, second = f"{path}.sublayers.0", f"{path}.sublayers.1"
+        inside = [a for a in sorted(attentions) if a.startswith(first + ".")]
+        if len(inside) == 1 and not any(a.startswith(second + ".") for a in attentions):
+            found.append((path, inside[0], f"{first}.delta", first, f"{second}.delta"))
+    return found
+
+
+# ---------------------------------------------------------------------------
+# Sowing the names, from `instrument`'s call of each part.
+
+
+def block_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` of the part at `path`, its first (the stream) sown as resid_pre if it is a block."""
+    table = call.residual
+    name = None if table is None else table.inputs.get(path)
+    if name is None or not args:
+        return args
+    stream = call.sow(name, args[0])
+    table.streams[path] = stream
+    return (stream, *args[1:])
+
+
+def part_output(call: Any, path: str, value: Any) -> Any:
+    """`value` (the output of the part at `path`, sown under `path`) sown under its
+    TransformerLens names too."""
+    table = call.residual
+    if table is None:
+        return value
+    for name in table.outputs.get(path, ()):
+        value = call.sow(name, value)
+    if path in table.mids:
+        block, name = table.mids[path]
+        value = _resid_mid(call, name, table.streams[block], value)
+    return value
+
+
+def _resid_mid(call: Any, name: str, resid_pre: Any, attn_out: Any) -> Any:
+    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way."""
+    if not call.select((name,)):
+        return attn_out
+    if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
+        raise _errors.residual_shapes(name, resid_pre, attn_out)
+    mid = resid_pre + attn_out
+    sown = call.sow(name, mid)
+    # Unplanted, `sown - mid` is exactly zero: the block computes bit for bit what it
+    # did. Planted, the block's own `resid_pre + attn_out` gives the planted value.
+    return attn_out + (sown - mid)
+
+
+def wanted(call: Any, name: str) -> bool:
+    """Whether the attention hook `name` is sown: selected under its own name or its alias."""
+    alias = hook_alias(call, name)
+    return bool(call.select((name,)) or (alias is not None and call.select((alias,))))
+
+
+def hook_alias(call: Any, name: str) -> str | None:
+    """`blocks.{i}.attn.hook_x` for the attention hook `name` (`<path>.hook_x`), if any."""
+    table = getattr(call, "residual", None)
+    if table is None:
+        return None
+    path, _, hook = name.rpartition(".")
+    alias = table.hooks.get(path)
+    return None if alias is None else f"{alias}.{hook}"
