@@ -40,7 +40,17 @@ class Instrumented:
     """
 
     def __init__(
-        self, target, kind, tag, ops, inputs, select, where, attention=False, names=None, leaves=None
+        self,
+        target,
+        kind,
+        tag,
+        ops,
+        inputs,
+        select,
+        where,
+        attention=False,
+        names=None,
+        leaves=None,
     ):
         self._target = target
         # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
