@@ -1367,6 +1367,24 @@ def no_transformer_blocks(target: str, kind: str) -> ValueError:
     )
 
 
+def attention_output_not_added(block: str, part: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): the block at {block!r} passes its attention's "
+        f"output to {part!r} before adding it to the stream (a norm after attention, as Gemma 2's), "
+        "so the attention's output is not what TransformerLens's hook_attn_out and hook_resid_mid "
+        "mean. Reap the block's parts by their paths instead (names=None)."
+    )
+
+
+def parallel_block(block: str, part: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): after its attention, the block at {block!r} "
+        f"gives {part!r} the block's input (or what the attention took), so its MLP does not read "
+        "the stream after attention: a parallel block has no hook_resid_mid. Leave it out, e.g. "
+        "where=lambda name: not name.endswith('hook_resid_mid')."
+    )
+
+
 def residual_shapes(name: str, resid_pre: Any, attn_out: Any) -> ValueError:
     return ValueError(
         f"instrument(names='transformer_lens'): {name} is the block's input plus its attention's "

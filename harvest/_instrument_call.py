@@ -95,7 +95,7 @@ class InstrumentCall:
 
     def run_module(self, path, module, method, args, kwargs):
         """Calls `method` of `module` (at `path`) and sows its output (and, with inputs=True, its inputs)."""
-        args = _transformer_lens.block_input(self, path, self.sow_inputs(path, args))
+        args = self.sow_inputs(path, _transformer_lens.part_input(self, path, args))
         self.inside.add(id(module))
         try:
             with self.scope(path):

@@ -25,7 +25,9 @@ computes with. Two kinds of block are read:
   ``resid_mid`` is not a submodule's output there, so it is sown beside the
   attention's output as ``resid_pre + attn_out``; a value planted there moves
   the attention's output by the difference, so the block's own addition gives
-  the planted value.
+  the planted value. A block seen computing otherwise is refused
+  (`_check_sequential`): one that hands its attention's output to another
+  submodule before adding it, or a parallel block whose MLP reads its input.
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Names:
     mids: dict[str, tuple[str, str]]  # NNX: attention path -> (its block's path, resid_mid name)
     hooks: dict[str, str]  # attention path -> "blocks.{i}.attn"
     streams: dict[str, Any] = dataclasses.field(default_factory=dict)  # block path -> its input
+    # NNX, for the structure check: block path -> what its attention received, and returned.
+    attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def all_names(self, attention: bool) -> list[str]:
         """Every name these give (the attention hooks' with attention=True)."""
@@ -142,15 +147,49 @@ def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
 # Sowing the names, from `instrument`'s call of each part.
 
 
-def block_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """`args` of the part at `path`, its first (the stream) sown as resid_pre if it is a block."""
+def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` of the part at `path`: a block's first (the stream) sown as resid_pre; an
+    NNX block's other parts checked to compute as the names assume (`_check_sequential`)."""
     table = call.residual
-    name = None if table is None else table.inputs.get(path)
+    if table is None:
+        return args
+    if table.mids:
+        _check_sequential(call, table, path, args)
+    name = table.inputs.get(path)
     if name is None or not args:
         return args
     stream = call.sow(name, args[0])
     table.streams[path] = stream
+    table.attention_args.pop(path, None)  # from the block's last call, if it runs again
+    table.attention_out.pop(path, None)
     return (stream, *args[1:])
+
+
+def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
+    """Raises where an NNX block is seen not to add its attention's output straight to its
+    input, then run its MLP on the sum, which `attn_out` and `resid_mid` assume: a part
+    that takes the attention's output (a norm after attention, as Gemma 2's), or, after
+    the attention, a part that takes the block's input or what the attention took (a
+    parallel block, GPT-J's, whose MLP does not read `resid_mid`)."""
+    if path in table.mids:
+        table.attention_args[table.mids[path][0]] = args
+        return
+    block = next((b for b in table.attention_out if path.startswith(b + ".")), None)
+    if block is None:
+        return
+    attention_out = table.attention_out[block]
+    earlier = (table.streams.get(block), *table.attention_args.get(block, ()))
+    for arg in args:
+        if arg is attention_out:
+            raise _errors.attention_output_not_added(block, path)
+        if any(arg is e for e in earlier if e is not None) and call.select(
+            (table.mids[_attention_of(table, block)][1],)
+        ):
+            raise _errors.parallel_block(block, path)
+
+
+def _attention_of(table: Names, block: str) -> str:
+    return next(a for a, (b, _) in table.mids.items() if b == block)
 
 
 def part_output(call: Any, path: str, value: Any) -> Any:
@@ -164,6 +203,7 @@ def part_output(call: Any, path: str, value: Any) -> Any:
     if path in table.mids:
         block, name = table.mids[path]
         value = _resid_mid(call, name, table.streams[block], value)
+        table.attention_out[block] = value
     return value
 
 

@@ -200,6 +200,69 @@ def test_a_block_that_does_not_add_its_attention_s_output_is_refused():
         reap(tl, tag="modules")(random((B, T, D), 1))
 
 
+class PostNormBlock(Block):
+    """Gemma 2's order: a norm on the attention's output before it is added."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.post_attn = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.post_attn(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class ParallelBlock(Block):
+    """GPT-J's and GPT-NeoX's parallel block: the MLP reads the block's input too."""
+
+    def __call__(self, x):
+        return x + self.attn(self.ln1(x)) + self.mlp(self.ln2(x))
+
+
+class Stack(nnx.Module):
+    def __init__(self, block):
+        self.blocks = nnx.List([block])
+
+    def __call__(self, x, times=1):
+        for _ in range(times):
+            x = self.blocks[0](x)
+        return x
+
+
+def test_blocks_that_do_not_compute_as_the_names_mean_are_refused():
+    x = random((B, T, D), 1)
+    post_norm = instrument(Stack(PostNormBlock(nnx.Rngs(0))), names="transformer_lens")
+    with pytest.raises(ValueError, match="passes its attention's output to 'blocks.0.post_attn'"):
+        reap(post_norm, tag="modules")(x)
+    parallel = Stack(ParallelBlock(nnx.Rngs(0)))
+    with pytest.raises(
+        ValueError, match="gives 'blocks.0.ln2' the block's input.*no hook_resid_mid"
+    ):
+        reap(instrument(parallel, names="transformer_lens"), tag="modules")(x)
+    # Without resid_mid, a parallel block's other names hold what TransformerLens's do.
+    no_mid = lambda name: not name.endswith("hook_resid_mid")
+    reaped = reap(instrument(parallel, names="transformer_lens", where=no_mid), tag="modules")(x)
+    block = parallel.blocks[0]
+    attn_out, mlp_out = block.attn(block.ln1(x)), block.mlp(block.ln2(x))
+    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_mlp_out"], mlp_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out + mlp_out, **TOL)
+    assert "blocks.0.hook_resid_mid" not in reaped
+
+
+def test_a_block_called_twice_is_checked_per_call():
+    # The second call's norm takes the block's new input: not a parallel block.
+    stack = Stack(Block(nnx.Rngs(0)))
+    x = random((B, T, D), 1)
+    reaped = reap(instrument(stack, names="transformer_lens"), tag="modules")(x, times=2)
+    # A site sown twice holds both values, stacked.
+    first = stack(x)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], [first, stack(first)], **TOL)
+    block = stack.blocks[0]
+    mids = [x + block.attn(block.ln1(x)), first + block.attn(block.ln1(first))]
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_mid"], mids, **TOL)
+
+
 # ---------------------------------------------------------------------------
 # Penzai: a llama-like transformer of two blocks, built by Penzai.
 
