@@ -106,17 +106,19 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
 _Block = tuple[str, str, str, str | None, str]
 
 
-def _children(parts: list[tuple[str, Any]], path: str) -> list[tuple[str, Any]]:
-    return [(p, m) for p, m in parts if p.rpartition(".")[0] == path]
-
-
 def _nnx_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
     """(block, attention, attn_out part, None, mlp_out part) of each NNX block."""
+    attentions: dict[str, list[str]] = {}  # parent path -> its attention submodules
+    mlps: dict[str, list[str]] = {}  # parent path -> its submodules named mlp
+    for path, module in parts:
+        parent, _, leaf = path.rpartition(".")
+        if _attention.flax_kind(module) == "nnx":
+            attentions.setdefault(parent, []).append(path)
+        if leaf == "mlp":
+            mlps.setdefault(parent, []).append(path)
     found: list[_Block] = []
     for path, _ in parts:
-        children = _children(parts, path)
-        attention = [p for p, m in children if _attention.flax_kind(m) == "nnx"]
-        mlp = [p for p, _ in children if p.rpartition(".")[2] == "mlp"]
+        attention, mlp = attentions.get(path, []), mlps.get(path, [])
         if len(attention) == 1 and len(mlp) == 1:
             found.append((path, attention[0], attention[0], None, mlp[0]))
     return found
