@@ -1362,8 +1362,9 @@ def no_transformer_blocks(target: str, kind: str) -> ValueError:
     return ValueError(
         f"instrument(names='transformer_lens') found no transformer block in {target} (a {kind} "
         "target). It reads Flax NNX blocks (a module with one nnx.MultiHeadAttention and one "
-        "submodule named `mlp`) and Penzai blocks (a layer of two pz.nn.Residual, the first holding "
-        "the attention). Reap the block's own parts by their paths instead (names=None)."
+        "submodule named `mlp`), Penzai blocks (a layer of two pz.nn.Residual, the first holding "
+        "the attention) and the gemma library's Block. Reap the block's own parts by their paths "
+        "instead (names=None)."
     )
 
 

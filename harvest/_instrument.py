@@ -94,8 +94,11 @@ def instrument(
             ``.hook_mlp_out`` (what attention and the MLP add to the stream),
             ``.hook_resid_mid`` (the stream between them) and
             ``.hook_resid_post`` (its output); with ``attention=True``, its
-            attention's hooks as ``"blocks.{i}.attn.hook_q"`` and so on. None:
-            harvest's own names only.
+            attention's hooks as ``"blocks.{i}.attn.hook_q"`` and so on. Gemma's
+            ``Block`` is read too, in a function target. Where ``resid_mid`` is
+            no part's output (NNX, gemma without post-attention norm), sowing it
+            can change the outputs in their last bits (leave it out with
+            ``where`` to keep them bit for bit). None: harvest's own names only.
 
     Returns:
         A callable with ``target``'s signature and outputs (a pytree, so it can

@@ -166,6 +166,8 @@ class Instrumented:
             attention=self._attention,
         )
         if self._kind == "function":
+            if self._names is not None:  # gemma's blocks, named as they run
+                call.residual = _transformer_lens.Names({}, {}, {}, {})
             run = functools.partial(run_linen, call, self.target)
         else:
             parts = submodules(self.target, self._kind)
@@ -198,6 +200,8 @@ class Instrumented:
             out = self._sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)
+        if call.residual is not None and not call.residual.inputs:
+            raise _errors.no_transformer_blocks(describe(self.target), self._kind)
         if not call.sown:
             raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
         return out

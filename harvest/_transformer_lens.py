@@ -14,20 +14,25 @@ With ``attention=True``, the block's attention hooks are also
 ``blocks.{i}.attn.hook_q`` (and ``_k``, ``_v``, ``_z``, ``_pattern``).
 
 Each is sown where the value is, so a plant there changes what the block
-computes with. Two kinds of block are read:
+computes with. Three kinds of block are read:
 
 * Penzai: a layer whose sublayers are two ``pz.nn.Residual``, the first holding
-  an attention layer (the llama-like, GPT-NeoX and Gemma blocks of
-  ``penzai.models.transformer``). Every name is a layer's input or output.
-* Flax NNX: a module with one attention submodule of a known kind and one
+  an attention layer (the llama-like blocks of ``penzai.models.transformer``,
+  its Gemma's among them). Every name is a layer's input or output.
+* Flax NNX: a module with one ``nnx.MultiHeadAttention`` submodule and one
   submodule named ``mlp`` (TransformerLens's own name), whose forward adds the
   attention's output to its input, as GPT-2's ``x = x + attn(ln_1(x))`` does.
   ``resid_mid`` is not a submodule's output there, so it is sown beside the
   attention's output as ``resid_pre + attn_out``; a value planted there moves
   the attention's output by the difference, so the block's own addition gives
-  the planted value. A block seen computing otherwise is refused
+  the planted value (up to rounding). That extra addition can change how XLA
+  compiles the attention's last product, and so the model's outputs in their
+  last bits; leaving ``resid_mid`` out (``where``) keeps them bit for bit. A
+  block seen computing otherwise is refused
   (`_check_sequential`): one that hands its attention's output to another
   submodule before adding it, or a parallel block whose MLP reads its input.
+* gemma's ``Block`` (Linen, in a function target), named as it starts to run:
+  its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class Names:
     # NNX, for the structure check: block path -> what its attention received, and returned.
     attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
 
     def all_names(self, attention: bool) -> list[str]:
         """Every name these give (the attention hooks' with attention=True)."""
@@ -76,7 +82,7 @@ def check_naming(names: Any, kind: str, target: str) -> None:
         return
     if names not in NAMINGS:
         raise _errors.unknown_naming(names, NAMINGS)
-    if kind not in ("nnx", "penzai"):
+    if kind not in ("nnx", "penzai", "function"):
         raise _errors.no_transformer_blocks(target, kind)
 
 
@@ -87,18 +93,44 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     if not blocks:
         raise _errors.no_transformer_blocks(target, kind)
     table = Names({}, {}, {}, {})
-    for i, (path, attention, attn_out, mid, mlp_out) in enumerate(blocks):
-        name = f"blocks.{i}"
-        table.inputs[path] = f"{name}.hook_resid_pre"
-        for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
-            table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
-        if mid is None:
-            table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
-        else:
-            table.outputs.setdefault(mid, []).append(f"{name}.hook_resid_mid")
-        if attention != f"{name}.attn":
-            table.hooks[attention] = f"{name}.attn"
+    for block in blocks:
+        _add(table, *block)
     return table
+
+
+def _add(
+    table: Names, path: str, attention: str, attn_out: str, mid: str | None, mlp_out: str
+) -> None:
+    """Names the next block of `table`: the block at `path`, the parts whose outputs are
+    attn_out, resid_mid (None: computed) and mlp_out, its attention at `attention`."""
+    name = f"blocks.{len(table.inputs)}"
+    table.inputs[path] = f"{name}.hook_resid_pre"
+    for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
+        table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
+    if mid is None:
+        table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
+    else:
+        table.outputs.setdefault(mid, []).append(f"{name}.hook_resid_mid")
+    if attention != f"{name}.attn":
+        table.hooks[attention] = f"{name}.attn"
+
+
+def gemma_block(call: Any, path: str, module: Any) -> None:
+    """Names the Linen module at `path` as the next block if it is gemma's `Block`, as it
+    starts to run (a function target's modules are known only then). Its forward (gemma
+    3's `Block.__call__`): `attn_out` is the attention's output after the optional
+    post-attention norm, added to the input; `mlp_out` the MLP's after the optional
+    post-MLP norm, added to that; the block and its attention return `(cache, x)`."""
+    table = call.residual
+    cls = type(module)
+    if table is None or path in table.inputs or cls.__name__ != "Block":
+        return
+    if not cls.__module__.startswith("gemma."):
+        return
+    attn_out = f"{path}.post_attention_norm" if module.use_post_attn_norm else f"{path}.attn"
+    mlp_out = f"{path}.post_ffw_norm" if module.use_post_ffw_norm else f"{path}.mlp"
+    _add(table, path, f"{path}.attn", attn_out, None, mlp_out)
+    table.pairs.update((path, f"{path}.attn"))
 
 
 # (block, its attention, the part whose output is attn_out, the part whose output is
@@ -200,6 +232,14 @@ def part_output(call: Any, path: str, value: Any) -> Any:
     table = call.residual
     if table is None:
         return value
+    if path in table.pairs and isinstance(value, tuple) and len(value) == 2:
+        cache, stream = value
+        return (cache, _stream_output(call, table, path, stream))
+    return _stream_output(call, table, path, value)
+
+
+def _stream_output(call: Any, table: Names, path: str, value: Any) -> Any:
+    """`value`, the stream's part that the part at `path` gives, sown under its names."""
     for name in table.outputs.get(path, ()):
         value = call.sow(name, value)
     if path in table.mids:
@@ -217,8 +257,10 @@ def _resid_mid(call: Any, name: str, resid_pre: Any, attn_out: Any) -> Any:
         raise _errors.residual_shapes(name, resid_pre, attn_out)
     mid = resid_pre + attn_out
     sown = call.sow(name, mid)
-    # Unplanted, `sown - mid` is exactly zero: the block computes bit for bit what it
-    # did. Planted, the block's own `resid_pre + attn_out` gives the planted value.
+    # Unplanted, `sown - mid` is exactly zero, so the block adds what it did (XLA may
+    # compile the attention's last product differently for the extra add: gemma's
+    # outputs then differ in their last bits). Planted, the block's own
+    # `resid_pre + attn_out` gives the planted value, up to rounding.
     return attn_out + (sown - mid)
 
 

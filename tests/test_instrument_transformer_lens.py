@@ -171,8 +171,13 @@ def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
         ValueError, match="found no transformer block in .*one submodule named `mlp`"
     ):
         instrument(MLP(nnx.Rngs(0)), names="transformer_lens")(jnp.ones(D))
-    with pytest.raises(ValueError, match="found no transformer block"):
-        instrument(lambda x: x, names="transformer_lens")
+    with pytest.raises(
+        ValueError, match="found no transformer block in .* \\(a function target\\)"
+    ):
+        instrument(lambda x: x, names="transformer_lens")(jnp.ones(D))
+    eqx = pytest.importorskip("equinox")
+    with pytest.raises(ValueError, match="found no transformer block in .* \\(a equinox target\\)"):
+        instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), names="transformer_lens")
 
 
 class Widening(nnx.Module):
@@ -357,3 +362,94 @@ def test_penzai_attention_hooks_are_named_per_block_too(llama):
         axis=2,
     )
     assert sweep.values.shape == (2, 2)  # [layer, head]
+
+
+# ---------------------------------------------------------------------------
+# gemma: DeepMind's library (Linen), a tiny Gemma 3 config with post-norms, random weights.
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from benchmarks.bench_models import import_gemma
+
+    try:
+        gm, config, modules = import_gemma()
+    except ImportError as error:  # not installed in the JAX matrix (see test_instrument_gemma)
+        pytest.skip(f"the gemma library does not import here: {error}")
+    settings = dict(num_embed=13, embed_dim=8, hidden_dim=16, num_heads=2, head_dim=4)
+    models = {}
+    for post_norms in (True, False):
+        transformer_config = config.TransformerConfig(
+            **settings,
+            num_kv_heads=2,
+            final_logit_softcap=None,
+            use_post_attn_norm=post_norms,
+            use_post_ffw_norm=post_norms,
+            attention_types=(modules.AttentionType.GLOBAL,) * 2,
+        )
+        model = gm.nn.Transformer(config=transformer_config, dtype=jnp.float32)
+        tokens = jnp.array([[2, 5, 7, 1, 3]])
+        models[post_norms] = (model, model.init(jax.random.key(0), tokens), tokens)
+    return models
+
+
+def gemma_forward(model, params, tokens, patch=None):
+    """Gemma's logits and stream, from `Block.__call__`: each block's norms, attention and
+    MLP called one by one, the residual additions written out."""
+    patch, values = patch or {}, {}
+
+    def at(name, value):
+        values[name] = patch.get(name, value)
+        return values[name]
+
+    inner = model.bind(params)
+    t = tokens.shape[1]
+    positions, mask = jnp.arange(t)[None], jnp.tril(jnp.ones((1, t, t), bool))
+    x = inner.embedder.encode(tokens)
+    for i, block in enumerate(inner.blocks):
+        n = f"blocks.{i}"
+        x = at(f"{n}.hook_resid_pre", x)
+        _, attn = block.attn(block.pre_attention_norm(x), positions, None, mask)
+        if block.post_attention_norm is not None:
+            attn = block.post_attention_norm(attn)
+        mid = at(f"{n}.hook_resid_mid", at(f"{n}.hook_attn_out", attn) + x)
+        mlp = block.mlp(block.pre_ffw_norm(mid))
+        if block.post_ffw_norm is not None:
+            mlp = block.post_ffw_norm(mlp)
+        x = at(f"{n}.hook_resid_post", at(f"{n}.hook_mlp_out", mlp) + mid)
+    return inner.embedder.decode(inner.final_norm(x)), values
+
+
+@pytest.mark.parametrize("post_norms", [True, False])
+def test_gemma_names_hold_the_stream_and_plants_patch_it(gemma, post_norms):
+    model, params, tokens = gemma[post_norms]
+    forward = lambda p, t: model.apply(p, t).logits
+    tl = instrument(forward, names="transformer_lens")
+    if post_norms:  # resid_mid is a part's output: every name costs no arithmetic
+        np.testing.assert_array_equal(tl(params, tokens), forward(params, tokens))
+    else:  # resid_mid is sown beside the attention's product, which XLA may compile anew
+        np.testing.assert_allclose(
+            tl(params, tokens), forward(params, tokens), rtol=1e-6, atol=1e-7
+        )
+        no_mid = instrument(forward, names="transformer_lens", where=lambda n: "mid" not in n)
+        np.testing.assert_array_equal(no_mid(params, tokens), forward(params, tokens))
+    logits, by_hand = gemma_forward(model, params, tokens)
+    np.testing.assert_allclose(logits, model.apply(params, tokens).logits, **TOL)
+    reaped = reap(tl, tag="modules")(params, tokens)
+    assert set(by_hand) == {f"blocks.{i}.{h}" for i in range(2) for h in STREAM}
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+    for seed, name in enumerate(by_hand):
+        value = random((1, 5, 8), seed)
+        planted = plant(tl, tag="modules")({name: value}, params, tokens)
+        patched = gemma_forward(model, params, tokens, {name: value})[0]
+        np.testing.assert_allclose(planted, patched, err_msg=name, **TOL)
+
+
+def test_a_function_without_gemma_blocks_is_refused():
+    linen = pytest.importorskip("flax.linen")
+    dense = linen.Dense(3)
+    variables = dense.init(jax.random.key(0), jnp.ones(2))
+    tl = instrument(lambda x: dense.apply(variables, x), names="transformer_lens")
+    with pytest.raises(ValueError, match="found no transformer block in"):
+        tl(jnp.ones(2))
