@@ -167,7 +167,7 @@ class Instrumented:
         )
         if self._kind == "function":
             if self._names is not None:  # gemma's blocks, named as they run
-                call.residual = _transformer_lens.Names({}, {}, {}, {})
+                call.residual = _transformer_lens.Names()
             run = functools.partial(run_linen, call, self.target)
         else:
             parts = submodules(self.target, self._kind)

@@ -42,27 +42,20 @@ from typing import Any
 
 from . import _attention, _errors
 
-TRANSFORMER_LENS = "transformer_lens"
-NAMINGS = (TRANSFORMER_LENS,)
-RESIDUAL_HOOKS = (
-    "hook_resid_pre",
-    "hook_attn_out",
-    "hook_resid_mid",
-    "hook_mlp_out",
-    "hook_resid_post",
-)
+NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
 
 
 @dataclasses.dataclass
 class Names:
     """One call's TransformerLens names: which site (by path) each is an alias of."""
 
-    inputs: dict[str, str]  # block path -> its resid_pre name
-    outputs: dict[str, list[str]]  # path of a part -> names of its output
-    mids: dict[str, tuple[str, str]]  # NNX: attention path -> (its block's path, resid_mid name)
-    hooks: dict[str, str]  # attention path -> "blocks.{i}.attn"
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # block -> its resid_pre
+    outputs: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # part -> names
+    # NNX and gemma, where resid_mid is computed: attn_out's part -> (block, resid_mid name).
+    mids: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    hooks: dict[str, str] = dataclasses.field(default_factory=dict)  # attention -> blocks.{i}.attn
     streams: dict[str, Any] = dataclasses.field(default_factory=dict)  # block path -> its input
-    # NNX, for the structure check: block path -> what its attention received, and returned.
+    # For the structure check: block path -> what its attn_out part received, and returned.
     attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
@@ -92,7 +85,7 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     blocks = _penzai_blocks(parts) if kind == "penzai" else _nnx_blocks(parts)
     if not blocks:
         raise _errors.no_transformer_blocks(target, kind)
-    table = Names({}, {}, {}, {})
+    table = Names()
     for block in blocks:
         _add(table, *block)
     return table
@@ -200,10 +193,11 @@ def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
-    """Raises where an NNX block is seen not to add its attention's output straight to its
-    input, then run its MLP on the sum, which `attn_out` and `resid_mid` assume: a part
-    that takes the attention's output (a norm after attention, as Gemma 2's), or, after
-    the attention, a part that takes the block's input or what the attention took (a
+    """Raises where a block whose resid_mid is computed (NNX, gemma) is seen not to add
+    its attention's output straight to its input, then run its MLP on the sum, which
+    `attn_out` and `resid_mid` assume: a part that takes the attention's output (a norm
+    after attention in an NNX block; gemma's Block names its own as attn_out), or, after the
+    attention, a part that takes the block's input or what the attention took (a
     parallel block, GPT-J's, whose MLP does not read `resid_mid`)."""
     if path in table.mids:
         table.attention_args[table.mids[path][0]] = args
@@ -272,7 +266,7 @@ def wanted(call: Any, name: str) -> bool:
 
 def hook_alias(call: Any, name: str) -> str | None:
     """`blocks.{i}.attn.hook_x` for the attention hook `name` (`<path>.hook_x`), if any."""
-    table = getattr(call, "residual", None)
+    table = call.residual
     if table is None:
         return None
     path, _, hook = name.rpartition(".")
