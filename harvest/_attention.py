@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors
+from . import _errors, _transformer_lens
 
 HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
 
@@ -47,11 +47,15 @@ def is_attention(module: Any) -> bool:
 
 
 def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
-    """`value`, sown as `name` in TransformerLens's layout (`to_view`) and brought back."""
-    if not call.select((name,)):
+    """`value`, sown as `name` in TransformerLens's layout (`to_view`) and brought back;
+    also as `blocks.{i}.attn.<hook>` with `names="transformer_lens"`."""
+    if not _transformer_lens.wanted(call, name):
         return value
     view = value if to_view is None else to_view(value)
     sown = call.sow(name, view)
+    alias = _transformer_lens.hook_alias(call, name)
+    if alias is not None:
+        sown = call.sow(alias, sown)
     return sown if from_view is None else from_view(sown)
 
 

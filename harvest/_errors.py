@@ -1164,6 +1164,13 @@ def ppl_bad_count(what: str, value: Any) -> ValueError:
     return ValueError(f"sample_posterior needs `{what}` to be a positive int, got {value!r}.")
 
 
+def ppl_bad_summary_digits(value: Any) -> ValueError:
+    return ValueError(
+        f"Posterior.summary needs `digits` to be a positive int (significant digits kept) or None "
+        f"(no rounding), got {value!r}."
+    )
+
+
 def ppl_predictive_count(value: Any) -> ValueError:
     return ValueError(
         "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
@@ -1364,6 +1371,50 @@ def custom_attention_fn(path: str, cls: str) -> TypeError:
         f"instrument(attention=True): the {cls} at {path!r} has a custom attention_fn, so harvest "
         "cannot say where its pattern is. Use Flax's default attention_fn there, or leave the "
         "hooks out (attention=False) and reap its submodules and ops (ops=True) instead."
+    )
+
+
+def unknown_naming(names: Any, known: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"instrument: unknown names={names!r}. Use one of {', '.join(map(repr, known))}, or None "
+        "for harvest's own names (each part's dotted path)."
+    )
+
+
+def no_transformer_blocks(target: str, kind: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens') found no transformer block in {target} (a {kind} "
+        "target). It reads Flax NNX blocks (a module with one nnx.MultiHeadAttention and one "
+        "submodule named `mlp`), Penzai blocks (a layer of two pz.nn.Residual, the first holding "
+        "the attention) and the gemma library's Block. Reap the block's own parts by their paths "
+        "instead (names=None)."
+    )
+
+
+def attention_output_not_added(block: str, part: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): the block at {block!r} passes its attention's "
+        f"output to {part!r} before adding it to the stream (a norm after attention, as Gemma 2's), "
+        "so the attention's output is not what TransformerLens's hook_attn_out and hook_resid_mid "
+        "mean. Reap the block's parts by their paths instead (names=None)."
+    )
+
+
+def parallel_block(block: str, part: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): after its attention, the block at {block!r} "
+        f"gives {part!r} the block's input (or what the attention took), so its MLP does not read "
+        "the stream after attention: a parallel block has no hook_resid_mid. Leave it out, e.g. "
+        "where=lambda name: not name.endswith('hook_resid_mid')."
+    )
+
+
+def residual_shapes(name: str, resid_pre: Any, attn_out: Any) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): {name} is the block's input plus its attention's "
+        f"output, but they have shapes {getattr(resid_pre, 'shape', None)} and "
+        f"{getattr(attn_out, 'shape', None)}, so this block does not add its attention's output to "
+        "its input. Leave the name out with `where`, or reap the block's parts by their paths."
     )
 
 

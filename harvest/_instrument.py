@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import _errors
+from . import _errors, _transformer_lens
 from ._instrument_penzai import InstrumentedPenzai
 from ._instrumented import Instrumented
 from ._interpreter import NameFilter
-from ._module_paths import kind as target_kind
+from ._module_paths import describe, kind as target_kind
 from ._typing import NameSelect, P, R
 
 
@@ -34,6 +34,7 @@ def instrument(
     inputs: bool = False,
     where: NameSelect = None,
     attention: bool = False,
+    names: str | None = None,
 ) -> Callable[P, R]:
     """Returns ``target`` with its parts sown under ``tag``, for models nobody instrumented by hand.
 
@@ -56,7 +57,9 @@ def instrument(
       several: a tuple of them; flags, None and PRNG keys are left out).
       Planting there replaces what the submodule receives.
     * with ``attention=True``: TransformerLens's hook sites on each attention
-      module of a known kind (below).
+      module of a known kind (below);
+    * with ``names="transformer_lens"``: also TransformerLens's names for each
+      transformer block's residual stream (below).
 
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
@@ -83,6 +86,19 @@ def instrument(
             TransformerLens's sites ``"<path>.hook_q"``, ``.hook_k``, ``.hook_v``,
             ``.hook_z`` (``[..., seq, heads, d_head]``) and ``.hook_pattern`` (the
             post-softmax weights, ``[..., heads, q_pos, k_pos]``).
+        names: ``"transformer_lens"`` also gives the ``i``-th transformer block
+            (an NNX module with one ``MultiHeadAttention`` and one submodule
+            named ``mlp`` whose forward adds the attention's output to its input,
+            or a Penzai layer of two ``pz.nn.Residual``) TransformerLens's sites
+            ``"blocks.{i}.hook_resid_pre"`` (its input), ``.hook_attn_out`` and
+            ``.hook_mlp_out`` (what attention and the MLP add to the stream),
+            ``.hook_resid_mid`` (the stream between them) and
+            ``.hook_resid_post`` (its output); with ``attention=True``, its
+            attention's hooks as ``"blocks.{i}.attn.hook_q"`` and so on. Gemma's
+            ``Block`` is read too, in a function target. Where ``resid_mid`` is
+            no part's output (NNX, gemma without post-attention norm), sowing it
+            can change the outputs in their last bits (leave it out with
+            ``where`` to keep them bit for bit). None: harvest's own names only.
 
     Returns:
         A callable with ``target``'s signature and outputs (a pytree, so it can
@@ -91,6 +107,8 @@ def instrument(
     Raises:
         TypeError: if ``target`` is none of the kinds above, ``tag`` is not a
             non-empty string, or ``ops``/``inputs``/``attention`` is not a bool.
+        ValueError: if ``names`` is not None or ``"transformer_lens"``, or the
+            model has no transformer block of the kinds above.
 
     Example:
         >>> import jax.numpy as jnp
@@ -119,4 +137,5 @@ def instrument(
     if isinstance(where, list):
         where = tuple(where)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
-    return cls(target, kind, tag, ops, inputs, select, where, attention)
+    _transformer_lens.check_naming(names, kind, describe(target))
+    return cls(target, kind, tag, ops, inputs, select, where, attention, names)

@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _attention, _errors
+from . import _attention, _errors, _transformer_lens
 from ._interpreter import NameFilter
 from ._leaves import is_array
 from ._module_paths import is_named_array
@@ -47,6 +47,7 @@ class InstrumentCall:
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
+    residual: Any = None  # TransformerLens's names (`_transformer_lens.Names`), if asked for
     input_axes: tuple = ()  # the named axes of the call's Penzai arguments, in their order
 
     def sow(self, path, value, axes=None):
@@ -94,14 +95,14 @@ class InstrumentCall:
 
     def run_module(self, path, module, method, args, kwargs):
         """Calls `method` of `module` (at `path`) and sows its output (and, with inputs=True, its inputs)."""
-        args = self.sow_inputs(path, args)
+        args = self.sow_inputs(path, _transformer_lens.part_input(self, path, args))
         self.inside.add(id(module))
         try:
             with self.scope(path):
                 out = self.run_attention(path, module, method, args, kwargs)
         finally:
             self.inside.discard(id(module))
-        return self.sow(path, out)
+        return _transformer_lens.part_output(self, path, self.sow(path, out))
 
     def run_attention(self, path, module, method, args, kwargs):
         """`method(module, *args, **kwargs)`; with attention=True, an attention module's hooks sown too."""

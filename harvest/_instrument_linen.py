@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _attention, _jax
+from . import _attention, _jax, _transformer_lens
 
 _salt: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "harvest_linen_jit_salt", default=None
@@ -57,12 +57,13 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         in_gemma = parent is not None and _attention.is_gemma_attention(parent)
         if in_gemma:
             a = _attention.gemma_input_hook(call, linen_path(parent), module.name, a)
-        a = call.sow_inputs(path, a)
+        _transformer_lens.gemma_block(call, path, module)
+        a = call.sow_inputs(path, _transformer_lens.part_input(call, path, a))
         with call.scope(path), _attention_fn_hooked(call, path, module):
             out = next_fun(*a, **k)
         if in_gemma:
             out = _attention.gemma_output_hook(call, linen_path(parent), module.name, out)
-        return call.sow(path, out)
+        return _transformer_lens.part_output(call, path, call.sow(path, out))
 
     salt = next(_salts)
     token = _salt.set(salt)

@@ -15,7 +15,7 @@ import inspect
 
 import jax
 
-from . import _attention, _errors
+from . import _attention, _errors, _transformer_lens
 from ._attention import HOOKS
 from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
 from ._free_variables import StaticValue, attributes_key, closure_of, globals_read, with_closure
@@ -39,7 +39,19 @@ class Instrumented:
     Linen function that would be two more walks of every argument's tree).
     """
 
-    def __init__(self, target, kind, tag, ops, inputs, select, where, attention=False, leaves=None):
+    def __init__(
+        self,
+        target,
+        kind,
+        tag,
+        ops,
+        inputs,
+        select,
+        where,
+        attention=False,
+        names=None,
+        leaves=None,
+    ):
         self._target = target
         # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
         self._leaves = leaves
@@ -49,6 +61,7 @@ class Instrumented:
         self._ops = ops
         self._inputs = inputs
         self._attention = attention
+        self._names = names  # a naming of `_transformer_lens`, or None
         self._select = select
         self._where = where
         # Penzai: (the variables, their values, the frozen model's arrays, its structure).
@@ -78,6 +91,7 @@ class Instrumented:
             self._select,
             self._where,
             self._attention,
+            self._names,
         )
 
     def tree_flatten(self):
@@ -131,7 +145,9 @@ class Instrumented:
     def __repr__(self):
         return (
             f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
-            f"inputs={self._inputs}, attention={self._attention})"
+            f"inputs={self._inputs}, attention={self._attention}"
+            + ("" if self._names is None else f", names={self._names!r}")
+            + ")"
         )
 
     def __call__(self, *args, **kwargs):
@@ -150,12 +166,17 @@ class Instrumented:
             attention=self._attention,
         )
         if self._kind == "function":
+            if self._names is not None:  # gemma's blocks, named as they run
+                call.residual = _transformer_lens.Names()
             run = functools.partial(run_linen, call, self.target)
         else:
             parts = submodules(self.target, self._kind)
             names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
             if self._attention:
                 names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
+            if self._names is not None:
+                call.residual = _transformer_lens.names_of(parts, self._kind, describe(self.target))
+                names += call.residual.all_names(self._attention)
             if (
                 self._where is not None
                 and not self._ops
@@ -179,6 +200,8 @@ class Instrumented:
             out = self._sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)
+        if call.residual is not None and not call.residual.inputs:
+            raise _errors.no_transformer_blocks(describe(self.target), self._kind)
         if not call.sown:
             raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
         return out

@@ -108,7 +108,8 @@ def test_summary_is_arviz_s_diagnostics_with_numpy_s_quantiles(under_do):
     ]
     z = np.asarray(under_do.samples["z"])
     np.testing.assert_allclose(table.loc["z", "mean"], z.mean(), atol=1e-3)
-    np.testing.assert_allclose(table.loc["z", "10%"], np.quantile(z, 0.1), rtol=1e-5)
+    # Four significant digits: within half a unit of the fourth.
+    np.testing.assert_allclose(table.loc["z", "10%"], np.quantile(z, 0.1), rtol=5e-4)
     np.testing.assert_allclose(table.loc["z", "r_hat"], az.rhat(z), atol=0.01)
     np.testing.assert_allclose(table.loc["z", "ess_bulk"], az.ess(z, method="bulk"), rtol=0.01)
     np.testing.assert_allclose(table.loc["z", "ess_tail"], az.ess(z, method="tail"), rtol=0.01)
@@ -206,3 +207,52 @@ def test_a_dirichlet_posterior_is_the_conjugate_dirichlet():
         assert abs(p[..., i].mean() - float(exact.mean()[i])) < 4 * _mcse(p[..., i]), i
         np.testing.assert_allclose(p[..., i].std(), exact.stddev()[i], rtol=0.15)
     assert int(posterior.diverging.sum()) == 0
+
+
+def _draws_on_many_scales():
+    """A Posterior made of draws written down (no sampler): a site on the scale 1e-5, one whose
+    fourth chain is shifted (R-hat about 1.005), and a vector site on the scales 1e-6 and 1e3."""
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    samples = {
+        "small": 3e-5 * jax.random.normal(k1, (4, 500)) + 2e-5,
+        "shift": jax.random.normal(k2, (4, 500)) + jnp.array([0.0, 0.0, 0.0, 0.25])[:, None],
+        "theta": jax.random.normal(k3, (4, 500, 2)) * jnp.array([1e-6, 1e3]),
+    }
+    zeros = jnp.zeros((4, 500))
+    return ppl.Posterior(samples, zeros, {}, zeros > 0, zeros, jnp.ones(4))
+
+
+def test_summary_keeps_four_significant_digits_of_arviz_s_numbers():
+    posterior = _draws_on_many_scales()
+    table = posterior.summary(quantiles=(0.05, 0.95))
+    raw = az.summary(posterior.to_arviz(), kind="all", round_to="none")
+    stacked = posterior.to_arviz().posterior.stack(sample=("chain", "draw"))
+    assert sorted(table.index) == ["shift", "small", "theta[0]", "theta[1]"]
+    for row in table.index:
+        name, _, index = row.partition("[")
+        values = stacked[name].values
+        values = values[int(index.rstrip("]"))] if index else values
+        reference = {
+            **{c: raw.loc[row, c] for c in ("mean", "sd", "r_hat", "mcse_mean")},
+            "5%": np.quantile(values, 0.05),
+            "95%": np.quantile(values, 0.95),
+        }
+        for column, value in reference.items():
+            expected = float(f"{value:.4g}")  # Python's own rounding to 4 significant digits
+            np.testing.assert_allclose(table.loc[row, column], expected, rtol=1e-12, err_msg=row)
+        for column in ("ess_bulk", "ess_tail"):
+            assert table.loc[row, column] == round(raw.loc[row, column])
+    # What ArviZ's own rounding (to decimals) loses, the table keeps.
+    shown = az.summary(posterior.to_arviz(), kind="all")
+    assert shown.loc["shift", "r_hat"] == 1.0 and table.loc["shift", "r_hat"] == 1.005
+    assert shown.loc["small", "mean"] == 0.0 and table.loc["small", "mean"] != 0.0
+
+
+def test_summary_digits_none_is_arviz_s_numbers_unrounded():
+    posterior = _draws_on_many_scales()
+    table = posterior.summary(quantiles=(0.5,), digits=None)
+    raw = az.summary(posterior.to_arviz(), kind="all", round_to="none")
+    for column in ("mean", "sd", "r_hat", "ess_bulk", "ess_tail", "mcse_mean"):
+        np.testing.assert_array_equal(table[column], raw.loc[table.index, column])
+    with pytest.raises(ValueError, match="`digits` to be a positive int"):
+        posterior.summary(digits=0)

@@ -94,7 +94,9 @@ class Posterior:
         }
         return az.from_dict(posterior=posterior, sample_stats=stats)
 
-    def summary(self, quantiles: Sequence[float] = (0.05, 0.5, 0.95)) -> Any:
+    def summary(
+        self, quantiles: Sequence[float] = (0.05, 0.5, 0.95), digits: int | None = 4
+    ) -> Any:
         """A table of each site's posterior: mean, sd, quantiles, R-hat, bulk and tail ESS.
 
         R-hat is ArviZ's rank-normalised split R-hat and the effective sample
@@ -102,8 +104,15 @@ class Posterior:
         an array-valued site is a row, named as ArviZ names it
         (``theta[0]``).
 
+        Every number is rounded to ``digits`` significant digits (the effective
+        sample sizes to whole draws), so a site on a small scale keeps its
+        digits and an R-hat of 1.0049 shows as 1.005. (ArviZ 0.x's
+        ``az.summary`` rounds to a fixed number of decimals instead: 3, and 2
+        for R-hat, which shows 1.0049 as 1.0.)
+
         Args:
             quantiles: the posterior quantiles to report, each in [0, 1].
+            digits: significant digits kept in each number; None keeps them all.
 
         Returns:
             A ``pandas.DataFrame``, one row per scalar element of each site,
@@ -112,10 +121,13 @@ class Posterior:
 
         Raises:
             ImportError: if ArviZ is not installed.
+            ValueError: if ``digits`` is not a positive int or None.
         """
         az = _require("arviz", "Posterior.summary")
+        if digits is not None and (type(digits) is not int or digits < 1):
+            raise _errors.ppl_bad_summary_digits(digits)
         data = self.to_arviz()
-        table = az.summary(data, kind="all", hdi_prob=0.9)
+        table = az.summary(data, kind="all", round_to="none")
         table = table[["mean", "sd", "mcse_mean", "ess_bulk", "ess_tail", "r_hat"]]
         stacked = data.posterior.stack(sample=("chain", "draw"))
         for q in quantiles:
@@ -125,7 +137,7 @@ class Posterior:
                 values = stacked[name].values
                 column.append(float(jnp.quantile(values[index] if index else values, q)))
             table[f"{100 * q:g}%"] = column
-        return table[
+        table = table[
             [
                 "mean",
                 "sd",
@@ -136,6 +148,27 @@ class Posterior:
                 "mcse_mean",
             ]
         ]
+        if digits is None:
+            return table
+        table = table.copy()
+        for column in table.columns:
+            whole = column in ("ess_bulk", "ess_tail")  # a count of draws
+            values = table[column].to_numpy()
+            table[column] = values.round() if whole else _significant(values, digits)
+        return table
+
+
+def _significant(values: Any, digits: int) -> Any:
+    """`values` rounded to `digits` significant digits (zeros, NaN and infinities kept)."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=float)
+    rounded = np.isfinite(x) & (x != 0)
+    magnitude = np.floor(np.log10(np.abs(np.where(rounded, x, 1.0))))
+    # Scaled so the digits kept are the integer part; a negative power where the
+    # number is bigger than its digits (12345 to 4 digits: 1234.5 * 10).
+    scale = 10.0 ** (digits - 1 - magnitude)
+    return np.where(rounded, np.round(x * scale) / scale, x)
 
 
 def _row_site(row: str) -> tuple[str, tuple[int, ...]]:

@@ -1,0 +1,455 @@
+"""instrument(model, names="transformer_lens"): TransformerLens's residual-stream names.
+
+The reference is each model's residual stream computed step by step by hand:
+its blocks' sublayers called one by one and the residual additions written
+out (for NNX, attention written out from its weights too), with a patched
+value put in place of a hook where a plant puts it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from harvest import harvest, instrument, patching_sweep, plant, reap, sites
+
+nnx = pytest.importorskip("flax.nnx")
+
+B, T, D, H, DH = 2, 5, 8, 2, 4
+TOL = dict(rtol=1e-5, atol=1e-5)
+STREAM = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(D, 16, rngs=rngs)
+        self.down = nnx.Linear(16, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """GPT-2's block, as TransformerLens's own: pre-norm, attention then MLP."""
+
+    def __init__(self, rngs):
+        self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(H, D, qkv_features=H * DH, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(D, rngs=rngs)
+        self.mlp = MLP(rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+    def __init__(self, rngs, layers=2):
+        self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+        self.head = nnx.Linear(D, 3, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def hand_attention(attn, x, z_patch=None):
+    """NNX's MultiHeadAttention from its weights: [B, T, D] -> (output, z [B, T, H, DH])."""
+    proj = lambda m: jnp.einsum("btd,dhk->bthk", x, m.kernel[...]) + m.bias[...]
+    q, k, v = proj(attn.query), proj(attn.key), proj(attn.value)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q / np.sqrt(DH), k)
+    z = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    z = z if z_patch is None else z_patch
+    out = jnp.einsum("bqhd,hdD->bqD", z, attn.out.kernel[...]) + attn.out.bias[...]
+    return out, z
+
+
+def hand_forward(model, x, patch=None):
+    """The logits and every TransformerLens value, the stream added up step by step;
+    `patch` ({name: value}) puts a value in place of the one computed there."""
+    patch, values = patch or {}, {}
+
+    def at(name, value):
+        values[name] = patch.get(name, value)
+        return values[name]
+
+    for i, block in enumerate(model.blocks):
+        n = f"blocks.{i}"
+        x = at(f"{n}.hook_resid_pre", x)
+        z_patch = patch.get(f"{n}.attn.hook_z")
+        attn_out, values[f"{n}.attn.hook_z"] = hand_attention(block.attn, block.ln1(x), z_patch)
+        attn_out = at(f"{n}.hook_attn_out", attn_out)
+        mid = at(f"{n}.hook_resid_mid", x + attn_out)
+        mlp_out = at(f"{n}.hook_mlp_out", block.mlp(block.ln2(mid)))
+        x = at(f"{n}.hook_resid_post", mid + mlp_out)
+    return model.head(x), values
+
+
+def random(shape, seed):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return GPT(nnx.Rngs(0))
+
+
+def test_nnx_names_hold_the_stream_added_up_by_hand(gpt):
+    x = random((B, T, D), 1)
+    tl = instrument(gpt, names="transformer_lens")
+    np.testing.assert_array_equal(tl(x), gpt(x))  # bit for bit: the names cost no arithmetic
+    np.testing.assert_array_equal(jax.jit(tl)(x), jax.jit(gpt)(x))
+    logits, by_hand = hand_forward(gpt, x)
+    np.testing.assert_allclose(logits, gpt(x), **TOL)  # the hand forward is the model's
+    reaped = reap(tl, tag="modules")(x)
+    for i in range(2):
+        for hook in STREAM:
+            name = f"blocks.{i}.{hook}"
+            np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
+    # harvest's own names are still there: resid_post is the block's output.
+    np.testing.assert_array_equal(reaped["blocks.1.hook_resid_post"], reaped["blocks.1"])
+    names = [s.name for s in sites(tl, x, tag="modules")]
+    assert names.index("blocks.0.hook_resid_pre") < names.index("blocks.0.hook_resid_mid")
+    assert names.index("blocks.0.hook_resid_post") < names.index("blocks.1.hook_resid_pre")
+
+
+@pytest.mark.parametrize("hook", STREAM)
+@pytest.mark.parametrize("layer", [0, 1])
+def test_nnx_planting_a_name_is_the_stream_patched_by_hand(gpt, layer, hook):
+    x = random((B, T, D), 1)
+    name = f"blocks.{layer}.{hook}"
+    value = random((B, T, D), 7)
+    tl = instrument(gpt, names="transformer_lens", where=name)
+    planted = plant(tl, tag="modules")({name: value}, x)
+    logits, by_hand = hand_forward(gpt, x, {name: value})
+    np.testing.assert_allclose(planted, logits, **TOL)
+    # Every other name, reaped in the same run, holds the stream patched by hand.
+    out, reaped = harvest(instrument(gpt, names="transformer_lens"), tag="modules")(
+        {name: value}, x
+    )
+    np.testing.assert_allclose(out, logits, **TOL)
+    for other in (f"blocks.{i}.{h}" for i in range(2) for h in STREAM):
+        if other != name:
+            np.testing.assert_allclose(reaped[other], by_hand[other], err_msg=other, **TOL)
+
+
+def test_nnx_sweeps_give_transformer_lens_s_layer_by_position_and_layer_by_head(gpt):
+    clean, corrupted = random((B, T, D), 1), random((B, T, D), 2)
+    tl = instrument(gpt, names="transformer_lens", attention=True)
+    cache = reap(tl, tag="modules")(clean)
+    metric = lambda logits: logits[..., 0].mean()
+    base, corrupted_values = hand_forward(gpt, corrupted)
+    _, clean_values = hand_forward(gpt, clean)
+
+    def effect(name, index):
+        value = corrupted_values[name].at[index].set(clean_values[name][index])
+        return metric(hand_forward(gpt, corrupted, {name: value})[0]) - metric(base)
+
+    by_position = patching_sweep(
+        tl, cache, (corrupted,), metric, tag="modules", names="blocks.*.hook_resid_pre", axis=1
+    )
+    assert by_position.names == ("blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre")
+    expected = [
+        [effect(f"blocks.{l}.hook_resid_pre", (slice(None), p)) for p in range(T)] for l in range(2)
+    ]
+    np.testing.assert_allclose(by_position.values, expected, **TOL)  # [layer, position]
+    by_head = patching_sweep(
+        tl, cache, (corrupted,), metric, tag="modules", names="blocks.*.attn.hook_z", axis=2
+    )
+    expected = [
+        [effect(f"blocks.{l}.attn.hook_z", (..., h, slice(None))) for h in range(H)]
+        for l in range(2)
+    ]
+    np.testing.assert_allclose(by_head.values, expected, **TOL)  # [layer, head]
+
+
+def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
+    with pytest.raises(ValueError, match="unknown names='tl'. Use one of 'transformer_lens'"):
+        instrument(gpt, names="tl")
+    with pytest.raises(
+        ValueError, match="found no transformer block in .*one submodule named `mlp`"
+    ):
+        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")(jnp.ones(D))
+    with pytest.raises(
+        ValueError, match="found no transformer block in .* \\(a function target\\)"
+    ):
+        instrument(lambda x: x, names="transformer_lens")(jnp.ones(D))
+    eqx = pytest.importorskip("equinox")
+    with pytest.raises(ValueError, match="found no transformer block in .* \\(a equinox target\\)"):
+        instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), names="transformer_lens")
+
+
+class Widening(nnx.Module):
+    """An attention whose output is wider than the block's input: nothing adds it to the input."""
+
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(H, D, out_features=2 * D, decode=False, rngs=rngs)
+        self.mlp = nnx.Linear(2 * D, D, rngs=rngs)
+
+    def __call__(self, x):
+        return self.mlp(self.attn(x))
+
+
+class WideningModel(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([Widening(rngs)])
+
+    def __call__(self, x):
+        return self.blocks[0](x)
+
+
+def test_a_block_that_does_not_add_its_attention_s_output_is_refused():
+    tl = instrument(WideningModel(nnx.Rngs(0)), names="transformer_lens")
+    with pytest.raises(ValueError, match="blocks.0.hook_resid_mid is the block's input plus"):
+        reap(tl, tag="modules")(random((B, T, D), 1))
+
+
+class PostNormBlock(Block):
+    """Gemma 2's order: a norm on the attention's output before it is added."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.post_attn = nnx.LayerNorm(D, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.post_attn(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class ParallelBlock(Block):
+    """GPT-J's and GPT-NeoX's parallel block: the MLP reads the block's input too."""
+
+    def __call__(self, x):
+        return x + self.attn(self.ln1(x)) + self.mlp(self.ln2(x))
+
+
+class Stack(nnx.Module):
+    def __init__(self, block):
+        self.blocks = nnx.List([block])
+
+    def __call__(self, x, times=1):
+        for _ in range(times):
+            x = self.blocks[0](x)
+        return x
+
+
+def test_blocks_that_do_not_compute_as_the_names_mean_are_refused():
+    x = random((B, T, D), 1)
+    post_norm = instrument(Stack(PostNormBlock(nnx.Rngs(0))), names="transformer_lens")
+    with pytest.raises(ValueError, match="passes its attention's output to 'blocks.0.post_attn'"):
+        reap(post_norm, tag="modules")(x)
+    parallel = Stack(ParallelBlock(nnx.Rngs(0)))
+    with pytest.raises(
+        ValueError, match="gives 'blocks.0.ln2' the block's input.*no hook_resid_mid"
+    ):
+        reap(instrument(parallel, names="transformer_lens"), tag="modules")(x)
+    # Without resid_mid, a parallel block's other names hold what TransformerLens's do.
+    no_mid = lambda name: not name.endswith("hook_resid_mid")
+    reaped = reap(instrument(parallel, names="transformer_lens", where=no_mid), tag="modules")(x)
+    block = parallel.blocks[0]
+    attn_out, mlp_out = block.attn(block.ln1(x)), block.mlp(block.ln2(x))
+    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_mlp_out"], mlp_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out + mlp_out, **TOL)
+    assert "blocks.0.hook_resid_mid" not in reaped
+
+
+def test_a_block_called_twice_is_checked_per_call():
+    # The second call's norm takes the block's new input: not a parallel block.
+    stack = Stack(Block(nnx.Rngs(0)))
+    x = random((B, T, D), 1)
+    reaped = reap(instrument(stack, names="transformer_lens"), tag="modules")(x, times=2)
+    # A site sown twice holds both values, stacked.
+    first = stack(x)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], [first, stack(first)], **TOL)
+    block = stack.blocks[0]
+    mids = [x + block.attn(block.ln1(x)), first + block.attn(block.ln1(first))]
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_mid"], mids, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# Penzai: a llama-like transformer of two blocks, built by Penzai.
+
+
+@pytest.fixture(scope="module")
+def llama():
+    pz = pytest.importorskip("penzai.pz")
+    pytest.importorskip("penzai.models.transformer.variants.llamalike_common")
+    from _penzai_models import tiny_config
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = tiny_config(num_decoder_blocks=2)
+    model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    return pz, model
+
+
+AXES = ("batch", "seq", "embedding")
+
+
+def penzai_forward(pz, model, tokens, patch=None):
+    """The llama-like model's logits and stream, its layers called one by one: the
+    embedding, each block's two residual branches added by hand, the final norm and head."""
+    patch, values = patch or {}, {}
+    positions = pz.nx.arange("seq", tokens.named_shape["seq"])
+
+    def at(name, value):
+        if name in patch:
+            value = pz.nx.wrap(patch[name], *AXES)
+        values[name] = value.order_as(*AXES).unwrap(*AXES)
+        return value
+
+    embed, *blocks, norm, head = model.body.sublayers
+    x = embed(tokens, token_positions=positions)
+    for i, block in enumerate(blocks):
+        n = f"blocks.{i}"
+        attention, feed_forward = block.sublayers
+        x = at(f"{n}.hook_resid_pre", x)
+        attn_out = at(f"{n}.hook_attn_out", attention.delta(x, token_positions=positions))
+        mid = at(f"{n}.hook_resid_mid", x + attn_out)
+        mlp_out = at(f"{n}.hook_mlp_out", feed_forward.delta(mid, token_positions=positions))
+        x = at(f"{n}.hook_resid_post", mid + mlp_out)
+    out = head(norm(x, token_positions=positions), token_positions=positions)
+    return out.order_as(*out.named_shape).unwrap(*out.named_shape), values
+
+
+def test_penzai_names_hold_the_stream_and_plants_patch_it(llama):
+    pz, model = llama
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
+    logits = lambda out: out.order_as(*out.named_shape).unwrap(*out.named_shape)
+    tl = instrument(model, names="transformer_lens")
+    np.testing.assert_array_equal(logits(tl(tokens)), logits(model(tokens)))
+    by_hand_logits, by_hand = penzai_forward(pz, model, tokens)
+    np.testing.assert_allclose(by_hand_logits, logits(model(tokens)), **TOL)
+    reaped = reap(tl, tag="modules")(tokens)
+    assert set(by_hand) == {f"blocks.{i}.{h}" for i in range(2) for h in STREAM}
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+    for seed, name in enumerate(by_hand):
+        value = random((1, 5, 8), seed)
+        planted = plant(tl, tag="modules")({name: value}, tokens)
+        patched = penzai_forward(pz, model, tokens, {name: value})[0]
+        np.testing.assert_allclose(logits(planted), patched, err_msg=name, **TOL)
+
+
+def test_penzai_attention_hooks_are_named_per_block_too(llama):
+    pz, model = llama
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
+    tl = instrument(model, names="transformer_lens", attention=True)
+    reaped = reap(tl, tag="modules")(tokens)
+    attention = "body.sublayers.2.sublayers.0.delta.sublayers.1"  # the second block's
+    for hook in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"):
+        np.testing.assert_array_equal(
+            reaped[f"blocks.1.attn.{hook}"], reaped[f"{attention}.{hook}"]
+        )
+    # Planting under the block's name is planting the hook (checked against hand edits in
+    # test_instrument_penzai.py).
+    z = random(reaped["blocks.1.attn.hook_z"].shape, 3)
+    by_alias = plant(tl, tag="modules")({"blocks.1.attn.hook_z": z}, tokens)
+    by_path = plant(instrument(model, attention=True), tag="modules")(
+        {f"{attention}.hook_z": z}, tokens
+    )
+    np.testing.assert_array_equal(
+        by_alias.unwrap(*by_alias.named_shape), by_path.unwrap(*by_path.named_shape)
+    )
+    sweep = patching_sweep(
+        tl,
+        reaped,
+        (tokens,),
+        lambda o: o.data_array.mean(),
+        tag="modules",
+        names="blocks.*.attn.hook_z",
+        axis=2,
+    )
+    assert sweep.values.shape == (2, 2)  # [layer, head]
+
+
+# ---------------------------------------------------------------------------
+# gemma: DeepMind's library (Linen), a tiny Gemma 3 config with post-norms, random weights.
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from benchmarks.bench_models import import_gemma
+
+    try:
+        gm, config, modules = import_gemma()
+    except ImportError as error:  # not installed in the JAX matrix (see test_instrument_gemma)
+        pytest.skip(f"the gemma library does not import here: {error}")
+    settings = dict(num_embed=13, embed_dim=8, hidden_dim=16, num_heads=2, head_dim=4)
+    models = {}
+    for post_norms in (True, False):
+        transformer_config = config.TransformerConfig(
+            **settings,
+            num_kv_heads=2,
+            final_logit_softcap=None,
+            use_post_attn_norm=post_norms,
+            use_post_ffw_norm=post_norms,
+            attention_types=(modules.AttentionType.GLOBAL,) * 2,
+        )
+        model = gm.nn.Transformer(config=transformer_config, dtype=jnp.float32)
+        tokens = jnp.array([[2, 5, 7, 1, 3]])
+        models[post_norms] = (model, model.init(jax.random.key(0), tokens), tokens)
+    return models
+
+
+def gemma_forward(model, params, tokens, patch=None):
+    """Gemma's logits and stream, from `Block.__call__`: each block's norms, attention and
+    MLP called one by one, the residual additions written out."""
+    patch, values = patch or {}, {}
+
+    def at(name, value):
+        values[name] = patch.get(name, value)
+        return values[name]
+
+    inner = model.bind(params)
+    t = tokens.shape[1]
+    positions, mask = jnp.arange(t)[None], jnp.tril(jnp.ones((1, t, t), bool))
+    x = inner.embedder.encode(tokens)
+    for i, block in enumerate(inner.blocks):
+        n = f"blocks.{i}"
+        x = at(f"{n}.hook_resid_pre", x)
+        _, attn = block.attn(block.pre_attention_norm(x), positions, None, mask)
+        if block.post_attention_norm is not None:
+            attn = block.post_attention_norm(attn)
+        mid = at(f"{n}.hook_resid_mid", at(f"{n}.hook_attn_out", attn) + x)
+        mlp = block.mlp(block.pre_ffw_norm(mid))
+        if block.post_ffw_norm is not None:
+            mlp = block.post_ffw_norm(mlp)
+        x = at(f"{n}.hook_resid_post", at(f"{n}.hook_mlp_out", mlp) + mid)
+    return inner.embedder.decode(inner.final_norm(x)), values
+
+
+@pytest.mark.parametrize("post_norms", [True, False])
+def test_gemma_names_hold_the_stream_and_plants_patch_it(gemma, post_norms):
+    model, params, tokens = gemma[post_norms]
+    forward = lambda p, t: model.apply(p, t).logits
+    tl = instrument(forward, names="transformer_lens")
+    if post_norms:  # resid_mid is a part's output: every name costs no arithmetic
+        np.testing.assert_array_equal(tl(params, tokens), forward(params, tokens))
+    else:  # resid_mid is sown beside the attention's product, which XLA may compile anew
+        np.testing.assert_allclose(
+            tl(params, tokens), forward(params, tokens), rtol=1e-6, atol=1e-7
+        )
+        no_mid = instrument(forward, names="transformer_lens", where=lambda n: "mid" not in n)
+        np.testing.assert_array_equal(no_mid(params, tokens), forward(params, tokens))
+    logits, by_hand = gemma_forward(model, params, tokens)
+    np.testing.assert_allclose(logits, model.apply(params, tokens).logits, **TOL)
+    reaped = reap(tl, tag="modules")(params, tokens)
+    assert set(by_hand) == {f"blocks.{i}.{h}" for i in range(2) for h in STREAM}
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+    for seed, name in enumerate(by_hand):
+        value = random((1, 5, 8), seed)
+        planted = plant(tl, tag="modules")({name: value}, params, tokens)
+        patched = gemma_forward(model, params, tokens, {name: value})[0]
+        np.testing.assert_allclose(planted, patched, err_msg=name, **TOL)
+
+
+def test_a_function_without_gemma_blocks_is_refused():
+    linen = pytest.importorskip("flax.linen")
+    dense = linen.Dense(3)
+    variables = dense.init(jax.random.key(0), jnp.ones(2))
+    tl = instrument(lambda x: dense.apply(variables, x), names="transformer_lens")
+    with pytest.raises(ValueError, match="found no transformer block in"):
+        tl(jnp.ones(2))
