@@ -347,7 +347,7 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
         inference = True if inference is None else inference
     process_heads = kwargs.pop("process_heads", None)
     if kwargs:
-        raise TypeError(f"MultiheadAttention got unexpected arguments {sorted(kwargs)}.")
+        raise _errors.equinox_attention_arguments(path, sorted(kwargs))
     seq = query.shape[0]
     q = _hook(call, f"{path}.hook_q", module._project(module.query_proj, query))
     k = _hook(call, f"{path}.hook_k", module._project(module.key_proj, key_))
@@ -356,7 +356,7 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
         shapes = (q.shape, k.shape, v.shape)
         q, k, v = process_heads(q, k, v)
         if (q.shape, k.shape, v.shape) != shapes:
-            raise ValueError("process_heads must not change the shape of the heads.")
+            raise _errors.equinox_process_heads_shape(path, shapes, (q.shape, k.shape, v.shape))
     mask_axis = 0 if mask is not None and mask.ndim == 3 else None
     weights = jax.vmap(dot_product_attention_weights, in_axes=(1, 1, mask_axis))(q, k, mask)
     weights = _hook(call, f"{path}.hook_pattern", weights)  # [heads, q_pos, k_pos]

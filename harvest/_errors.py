@@ -1374,6 +1374,21 @@ def custom_attention_fn(path: str, cls: str) -> TypeError:
     )
 
 
+def equinox_attention_arguments(path: str, unexpected: list[str]) -> TypeError:
+    return TypeError(
+        f"instrument(attention=True): the Equinox MultiheadAttention at {path!r} got arguments "
+        f"it does not take: {unexpected}. Call it with (query, key_, value, mask=None, *, key, "
+        "inference, deterministic, process_heads) as Equinox 0.13 defines it."
+    )
+
+
+def equinox_process_heads_shape(path: str, before: Any, after: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): process_heads at {path!r} changed the heads' shapes from "
+        f"{before} to {after}; it must keep each of q, k and v's shape (as Equinox requires)."
+    )
+
+
 def unknown_naming(names: Any, known: tuple[str, ...]) -> ValueError:
     return ValueError(
         f"instrument: unknown names={names!r}. Use one of {', '.join(map(repr, known))}, or None "

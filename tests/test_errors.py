@@ -375,8 +375,6 @@ def test_a_failing_reap_shows_only_the_users_frames():
 INLINE_LEFT = {
     # `AttributeError` from `__getattr__` is Python's protocol for a missing attribute.
     "harvest/_patching_result.py": 1,
-    # the attention hooks' module is being changed in parallel (issue 34).
-    "harvest/_attention.py": 2,
 }
 
 

@@ -199,6 +199,25 @@ def test_attention_flag_is_checked_and_custom_attention_fns_say_what_to_do():
     assert len(str(info.value)) < 600
 
 
+class HeadsHolder(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    process_heads: object = eqx.field(static=True)
+
+    def __call__(self, x):
+        return self.attn(x, x, x, process_heads=self.process_heads)
+
+
+def test_equinox_attention_process_heads_as_equinox_does_and_its_errors_name_the_site():
+    mha = eqx.nn.MultiheadAttention(H, D, qk_size=DH, vo_size=DH, key=jax.random.key(0))
+    x = new_value((T, D), 9)
+    halve = lambda q, k, v: (q / 2, k, v)
+    model = HeadsHolder(mha, halve)
+    np.testing.assert_allclose(instrument(model, attention=True)(x), model(x), **TOL)
+    shrink = HeadsHolder(mha, lambda q, k, v: (q[:, :1], k, v))
+    with pytest.raises(ValueError, match="process_heads at 'attn' changed the heads' shapes"):
+        instrument(shrink, attention=True)(x)
+
+
 def equinox_holder():
     mha = eqx.nn.MultiheadAttention(H, D, qk_size=DH, vo_size=DH, key=jax.random.key(0))
     model = Holder(mha)
