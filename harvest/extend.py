@@ -25,8 +25,8 @@ CONTRIBUTING.md).
 
 A re-traced body takes its closed-over values as its leading inputs, so a
 param that held a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``
-(``jax.extend.core.ClosedJaxpr``, no consts); ``Retraced.rebind`` does that for
-a call-like primitive.
+(JAX's ``ClosedJaxpr`` from its ``extend.core``, with no consts);
+``Retraced.rebind`` does that for a call-like primitive.
 
 **Inside a cond that vmap batches** (a ``cond`` or ``switch`` whose predicate
 differs per example), JAX runs every branch on every example, so a sow there
