@@ -183,7 +183,11 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     them, such as its traceback filter, are skipped). JAX keeps only the frames
     of the body being traced, so a sow nested in a scan or cond in `f` shows no
     `lax.map`: those are marked on their name stack (`marking_batched_lax_map`)."""
-    if _BATCHED_LAX_MAP in str(getattr(source_info, "name_stack", "")).split("/"):
+    # A part of the name stack, maybe wrapped in the transformations staged after
+    # it (a batched cond's branch shows ``vmap(harvest_batched_lax_map)``).
+    if re.search(
+        rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", str(getattr(source_info, "name_stack", ""))
+    ):
         return True
     frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
     return _under_batched_lax_map(frames)

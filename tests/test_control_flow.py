@@ -527,23 +527,31 @@ def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_l
     close(rows, jnp.stack([xs * 0.75, xs * 0.75**2], axis=1).ravel())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: a cond whose predicate vmap batches, inside lax.map(batch_size=b), "
-    "records through _rules/batched_cond.py's record-only sows, which are neither sown per "
-    "element nor refused: batch-shaped rows, index plants off (loud only with a remainder)",
-)
-def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without():
-    def f(xs, batch_size):
-        branch = lambda y: sow(y * 2.0, name="a", mode="append")  # noqa: E731
+@pytest.mark.parametrize("n", [4, 5])  # two batches of 2; and a remainder of 1
+def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without(n):
+    # vmap batches the cond's predicate, so it runs both branches; the taken
+    # one's sows are recorded per element, as lax.map(f, xs) records them.
+    def f(xs, batch_size, wrap=lambda g: g):
+        branch = lambda y: sow(y * 2.0, name="a", mode="append") + 1.0  # noqa: E731
         g = lambda x: lax.cond(x > 1.0, branch, lambda y: y, x)  # noqa: E731
-        return lax.map(g, xs, batch_size=batch_size)
+        return lax.map(wrap(g), xs, batch_size=batch_size)
 
-    xs = jnp.arange(4.0)  # two batches of 2, no remainder
-    close(reap(f)(xs, None), {"a": jnp.array([0.0, 0.0, 4.0, 6.0])})  # by hand: 0 untaken
-    close(reap(f)(xs, 2), reap(f)(xs, None))
-    by_index = {"a": lambda old, i: old + 100.0 * i}
-    close(plant(f)(by_index, xs, 2), plant(f)(by_index, xs, None))
+    xs = jnp.arange(float(n))
+    # By hand: 0 where the branch is not taken (a cond counts as its longest branch).
+    rows = jnp.where(xs > 1.0, xs * 2.0, 0.0)
+    close(call_and_reap(f)(xs, None), (jnp.where(xs > 1.0, xs * 2.0 + 1.0, xs), {"a": rows}))
+    for wrap in (lambda g: g, jax.jit):  # in a jit in f, JAX's traceback shows no lax.map
+        close(call_and_reap(f)(xs, 2, wrap), call_and_reap(f)(xs, None))
+        plants = [
+            {"a": lambda old, i: old + 100.0 * i},
+            {"a": lambda old: old * 10.0},
+            {"a": jnp.float32(7.0)},
+            {"a": jnp.arange(n) * 100.0},
+            {"a": rows},
+        ]
+        for p in plants:
+            close(plant(f)(p, xs, 2, wrap), plant(f)(p, xs, None))
+    close(plant(f)({"a": rows}, xs, 2), f(xs, None))  # reaped rows planted back: f itself
 
 
 def test_lax_map_with_batch_size_refuses_collect_and_names_append():

@@ -43,7 +43,9 @@ def per_element(sites: frozenset) -> Any:
     return _per_element(sites or None)
 
 
-def _unrolled_here(params: dict[str, Any]) -> bool:
+def unrolled_here(params: dict[str, Any]) -> bool:
+    """Whether a sow with `params`, batched now, is to be sown once per element
+    (refusing one in a loop inside `f`, whose steps run for the whole batch)."""
     sites = _per_element.value if _per_element is not None else None
     if not sites or (params["tag"], params["scope"] + (params["name"],)) not in sites:
         return False
@@ -60,15 +62,9 @@ def _unrolled_here(params: dict[str, Any]) -> bool:
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
     if all(d is None for d in dims):
         return jax_rule(axis_data, args, dims, **params)
-    if not _unrolled_here(params):
-        if tracing_a_harvest() and _jax.running_under_batched_lax_map():
-            # Staged batched, as one sow per batch: marked, so that the walk
-            # sees where (JAX keeps no `lax.map` frame for a sow nested in a
-            # body `f` traces, a jit's or a scan's) and traces it again, to
-            # sow it once per element (or refuse it, in a loop).
-            with _jax.marking_batched_lax_map():
-                return jax_rule(axis_data, args, dims, **params)
-        return jax_rule(axis_data, args, dims, **params)
+    if not unrolled_here(params):
+        with marking_batched():
+            return jax_rule(axis_data, args, dims, **params)
     per_element = []
     for j in range(axis_data.size):
         row = [
@@ -78,6 +74,17 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
         per_element.append(sow_p.bind(*row, **params))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
+
+
+def marking_batched() -> Any:
+    """A context for staging a sow batched, as one sow per batch: where a harvest
+    traces under a batched `lax.map`, it is marked, so that the walk sees where
+    (JAX keeps no `lax.map` frame for a sow nested in a body `f` traces, a jit's
+    or a scan's) and traces it again, to sow it once per element (or refuse it,
+    in a loop)."""
+    if tracing_a_harvest() and _jax.running_under_batched_lax_map():
+        return _jax.marking_batched_lax_map()
+    return contextlib.nullcontext()
 
 
 _jax.wrap_batching(sow_p, _batch)
