@@ -39,7 +39,7 @@ from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
 from ._leaves import array_flags, hide_static, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
-from ._occurrences import Plant, needs_batched_site, occurrences
+from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules import batched_lax_map
@@ -185,6 +185,8 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
+    if unrolled:
+        resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
     _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
@@ -347,15 +349,35 @@ def _per_example(plant):
 
 def _in_batched_lax_maps(jaxpr, policy):
     """`(tag, path)` of the handled sites a batched `lax.map` stages, to sow once per
-    element (see `_rules/batched_lax_map`). Not collect's: one entry per sow would
-    give one entry per element, where `lax.map(f, xs)` stacks them in one."""
+    element (see `_rules/batched_lax_map`; collect's entries, one per element, are
+    merged into the one `lax.map(f, xs)` stacks)."""
     return frozenset(
         (site.tag, site.path)
         for eqn, _, _ in sow_equations(jaxpr)
-        if policy.handles(site := Site.of(eqn))
-        and not site.mode.entries
-        and _jax.staged_by_batched_lax_map(eqn.source_info)
+        if policy.handles(site := Site.of(eqn)) and _jax.staged_by_batched_lax_map(eqn.source_info)
     )
+
+
+def _split_per_element(jaxpr, resolved, key, unrolled):
+    """`resolved` with each collect plant given entry by entry, as `lax.map(f, xs)`
+    reaps them, split into the entries of the sows a batched `lax.map` unrolls
+    once per element (see `_occurrences.split_elements`)."""
+    out = dict(resolved)
+    for path, planted in resolved.items():
+        site = planted.site
+        if (site.tag, site.path) not in unrolled or not site.mode.entries:
+            continue
+        if planted.takes_index():  # `lax.map(f, xs)` sows it in a scan: no single index
+            raise _errors.indexed_plant_of_collect_in_loop(site)
+        if not planted.per_occurrence():
+            continue
+        marks = [
+            eqn.params.get("element")
+            for eqn, _, _ in sow_equations(jaxpr)
+            if key(Site.of(eqn)) == path
+        ]
+        out[path] = Plant(site, split_elements(site, marks, planted.value))
+    return out
 
 
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):

@@ -554,19 +554,64 @@ def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without(n):
     close(plant(f)({"a": rows}, xs, 2), f(xs, None))  # reaped rows planted back: f itself
 
 
-def test_lax_map_with_batch_size_refuses_collect_and_names_append():
-    # collect gives one entry stacked over lax.map's elements; sown once per
-    # element it would give one entry each, so it is refused, naming the fix.
-    f = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs, batch_size=2)  # noqa: E731
-    xs = jnp.arange(5.0)
-    with pytest.raises(ValueError, match=r"name='h'.*batch_size=b.*mode='append'"):
-        reap(f)(xs)
-    with pytest.raises(ValueError, match=r"name='h'.*rows, or a callable.*mode='append'"):
-        plant(f)({"h": lambda old: old + 1.0}, xs)
-    close(plant(f)({"h": 7.0}, xs), jnp.full(5, 7.0))
-    # Without batch_size it is an ordinary scan: one entry stacked per element.
-    unbatched = lambda xs: lax.map(lambda x: sow(x * 2.0, name="h"), xs)  # noqa: E731
-    close(reap(unbatched)(xs)["h"], (xs * 2.0,))
+@pytest.mark.parametrize("n", [1, 4, 5])  # the remainder alone; no remainder; both
+def test_lax_map_with_batch_size_collects_one_entry_per_sow_as_without(n):
+    # lax.map(f, xs) is a scan: each collect sow in f gives one entry stacked over
+    # the elements. With batch_size, f's sows run once per element of each batch
+    # and of the remainder; their entries are merged into that one entry per sow.
+    def f(xs, batch_size):
+        def g(x):
+            y = sow(jnp.stack([x, -x]), name="h")
+            return sow(y * 3.0, name="h").sum() + sow(x + 1.0, name="k")
+
+        return lax.map(g, xs, batch_size=batch_size)
+
+    xs = jnp.arange(float(n)) / 3.0
+    pairs = jnp.stack([xs, -xs], axis=1)
+    by_hand = {"h": (pairs, pairs * 3.0), "k": (xs + 1.0,)}
+    out, reaped = call_and_reap(f)(xs, None)
+    close(reaped, by_hand)
+    close(call_and_reap(f)(xs, 2), (out, by_hand))
+    close(reap(f)(xs, 3), by_hand)
+    plants = [
+        {"h": jnp.ones(2), "k": jnp.float32(7.0)},  # one value for every element
+        {"h": lambda old: old * 10.0, "k": lambda old: old[::-1] if old.ndim else -old},
+        {"h": (pairs + 1.0, pairs * 0.0), "k": (xs * 100.0,)},  # entry by entry
+    ]
+    for p in plants:
+        close(plant(f)(p, xs, 2), plant(f)(p, xs, None))
+    close(plant(f)(reaped, xs, 2), f(xs, None))  # reaped entries planted back: f itself
+    # As without batch_size: an occurrence index means nothing in a scan's entry,
+    # and a plant needs as many entries as reap gives.
+    for batch_size in (None, 2):
+        with pytest.raises(ValueError, match=r"name='h'.*occurrence index"):
+            plant(f)({"h": lambda old, i: old + i}, xs, batch_size)
+        with pytest.raises(ValueError, match=r"name='k'.*has 2 entries.*returns 1"):
+            plant(f)({"k": (xs, xs)}, xs, batch_size)
+    # Inside a scan around the map, its rows stay behind the scan's axis.
+    twice = lambda xs, b: lax.scan(lambda c, _: (c, f(xs, b)), 0.0, None, length=2)[1]  # noqa: E731
+    close(reap(twice)(xs, 2), reap(twice)(xs, None))
+    close(reap(twice)(xs, None)["k"], (jnp.stack([xs + 1.0] * 2),))
+    # Two maps sowing one name: each map's entries merge apart (the second has
+    # fewer elements than a batch: its remainder alone).
+    two = lambda xs, b: (f(xs, b), f(xs[:1], b))  # noqa: E731
+    both = {"h": (pairs, pairs * 3.0, pairs[:1], pairs[:1] * 3.0), "k": (xs + 1.0, xs[:1] + 1.0)}
+    close(reap(two)(xs, 2), both)
+    entries = {"k": (xs * 100.0, xs[:1] - 5.0)}
+    close(plant(two)(entries, xs, 2), plant(two)(entries, xs, None))
+    # In a cond whose predicate vmap batches: the taken branch's value, 0 elsewhere.
+
+    def in_cond(xs, batch_size):
+        branch = lambda y: sow(y * 2.0, name="a") + 1.0  # noqa: E731
+        g = lambda x: lax.cond(x > 0.5, branch, lambda y: y, x)  # noqa: E731
+        return lax.map(g, xs, batch_size=batch_size)
+
+    for batch_size in (None, 2):
+        close(reap(in_cond)(xs, batch_size), {"a": (jnp.where(xs > 0.5, xs * 2.0, 0.0),)})
+        close(
+            plant(in_cond)({"a": (xs * 10.0,)}, xs, batch_size),
+            jnp.where(xs > 0.5, xs * 10.0 + 1.0, xs),
+        )
 
 
 def _while_per_example(x):

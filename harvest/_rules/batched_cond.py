@@ -250,7 +250,8 @@ def _record(occ: Occurrence, size: int) -> None:
         # lax.map(f, xs) sows them (the branch's own sows were sown so to take plants).
         for j in range(size):
             leaves = [leaf[j] for leaf in occ.leaves]
-            sow_p.bind(*leaves, occ.present[j], **dict(occ.params, role="record_only"))
+            params = batched_lax_map.element_params(occ.params, j, size)
+            sow_p.bind(*leaves, occ.present[j], **dict(params, role="record_only"))
         return
     k = len(occ.leaves)
     vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)

@@ -9,9 +9,13 @@ unrolled: each batch binds one sow per element, in element order, and stacks
 their values back into the batch. The walk then sees exactly the occurrences
 of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
 value (a callable plant sees one element). The unrolled program holds `b`
-sows per batch, one equation each. A sow in a loop inside `f` (a scan, a
-while_loop, another lax.map) is refused: the loop runs each step for the whole
-batch, so its occurrences would come step by step, not element by element.
+sows per batch, one equation each. A collect sow's entries, one per element,
+carry which element they are (the sow's `element` param), so that the walk
+merges them into the one entry per sow that `lax.map(f, xs)` stacks
+(`_occurrences.merged_elements`) and splits a plant given so back. A sow in a
+loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
+runs each step for the whole batch, so its occurrences would come step by
+step, not element by element.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
+from .._modes import MODES
 from .._primitive import sow_p, tracing_a_harvest
 
 # The (tag, path) of the sites unrolled per element where a batched lax.map stages
@@ -71,9 +76,19 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        per_element.append(sow_p.bind(*row, **params))
+        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size)))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
+
+
+def element_params(params: dict[str, Any], j: int, size: int) -> dict[str, Any]:
+    """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
+    collect sow's say which (its entries, one per element, are merged into the
+    one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`)."""
+    if not MODES[params["mode"]].entries:
+        return params
+    part = _jax.running_under_batched_lax_map()
+    return dict(params, element=(j, size, part, _jax.batched_lax_map_has_both_parts()))
 
 
 def marking_batched() -> Any:
