@@ -205,11 +205,13 @@ def _groups(marks: list[Any]) -> list[_Group]:
     each entry's mark: its `Element` params `(j, size, part, both)`, or None.
 
     Each sow in `f` gives a run of `size` elements per part, in element order; a
-    map's remainder runs follow its full batches' in the same sow order."""
+    map's remainder runs follow its full batches' in the same sow order. A run of
+    full batches after another of another size, or of a map that `both` tells
+    apart, starts a new map."""
     groups: list[_Group] = []
     open_: list[int] = []  # the groups of the current map's full batches, in sow order
     taken = 0  # how many of them a remainder run has completed
-    i, last = 0, None
+    i, last, shape = 0, None, None
     while i < len(marks):
         if marks[i] is None:
             groups.append(_Group(alone=i))
@@ -219,8 +221,8 @@ def _groups(marks: list[Any]) -> list[_Group]:
         run = tuple(range(i, i + size))
         i += size
         if part == "batches":
-            if last != "batches":  # a new map
-                open_, taken = [], 0
+            if last != "batches" or shape != (size, both):  # a new map
+                open_, taken, shape = [], 0, (size, both)
             open_.append(len(groups))
             groups.append(_Group(batches=run))
         elif both and last is not None and taken < len(open_):
