@@ -592,6 +592,15 @@ def test_lax_map_with_batch_size_collects_one_entry_per_sow_as_without(n):
     close(reaped, by_hand)
     close(call_and_reap(f)(xs, 2), (out, by_hand))
     close(reap(f)(xs, 3), by_hand)
+
+    # sites lists each element's sow of a batch apart; together they fire once per element.
+    def fires(batch_size):
+        counts = {}
+        for s in sites(f, xs, batch_size):
+            counts[s.name] = counts.get(s.name, 0) + s.fires
+        return counts
+
+    assert fires(2) == fires(None) == {"h": 2 * n, "k": n}
     plants = [
         {"h": jnp.ones(2), "k": jnp.float32(7.0)},  # one value for every element
         {"h": lambda old: old * 10.0, "k": lambda old: old[::-1] if old.ndim else -old},
