@@ -298,14 +298,14 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
 
 
 def _in_batched_lax_maps(jaxpr: Any) -> frozenset[tuple[Any, tuple[str, ...]]]:
-    """The sites a batched `lax.map` stages that reap sows once per element (see
-    `_rules/batched_lax_map`; collect's are refused by reap, listed per batch)."""
+    """The sites a batched `lax.map` stages, which reap sows once per element (see
+    `_rules/batched_lax_map`)."""
     if not batched_lax_map.SUPPORTED:
         return frozenset()
     found = set()
     for item in sow_index(jaxpr).listing:
         site = Site.of(item.eqn)
-        if not site.mode.entries and _jax.staged_by_batched_lax_map(item.eqn.source_info):
+        if _jax.staged_by_batched_lax_map(item.eqn.source_info):
             found.add((site.tag, site.path))
     return frozenset(found)
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from . import _errors, _jax
 from ._evaluator import evaluate
 from ._higher_order import describe
-from ._occurrences import Record, select_where
+from ._occurrences import Element, Record, select_where
 from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
@@ -268,7 +268,7 @@ class Walk:
         return {p: pl.shift(self.seen.get(p, 0)) for p, pl in self.plants.items()}
 
     # -- a sow fires -------------------------------------------------------
-    def sow(self, site: Site, value, pred=None, role=None):
+    def sow(self, site: Site, value, pred=None, role=None, element=None):
         """One sow fires: plants its value if there is a plant, else records it.
 
         Args:
@@ -278,6 +278,8 @@ class Walk:
             role: the sow's role from its params: ``"unplantable"``, ``"rule_replaced"``,
                 ``"record_only"``,
                 ``"plant_only"`` or None (an ordinary sow).
+            element: the sow's ``element`` param: which element of a batched
+                ``lax.map`` a collect sow sows (recorded so, to be merged), or None.
 
         Returns:
             The value the program goes on with: the planted one, or ``value``.
@@ -293,7 +295,7 @@ class Walk:
             raise _errors.planted_where_a_derivative_rule_ran(site)
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
             if path not in self.plants and self.reap:
-                self._record(site, value, pred)
+                self._record(site, value, pred, element)
             return value
         i = self.seen.get(path, 0)
         if site.mode.single and i:
@@ -306,10 +308,12 @@ class Walk:
             value = new
         self.seen[path] = i + 1
         if plant is None and self.reap and role != "plant_only":
-            self._record(site, value, pred)
+            self._record(site, value, pred, element)
         return value
 
-    def _record(self, site, value, pred):
+    def _record(self, site, value, pred, element=None):
+        if element is not None:  # kept apart, to be merged as lax.map(f, xs) stacks it
+            value = Element(value, *element)
         self.records.setdefault(self.policy.key(site), Record(site, [])).add(site, value, pred)
 
     # -- folding a child's records back -----------------------------------
@@ -479,7 +483,7 @@ def sow_rule(walk, eqn, invals):
         return sow_p.bind(*invals, **eqn.params)
     leaves, pred = invals[:n], (invals[n] if len(invals) > n else None)
     value = jax.tree_util.tree_unflatten(site.tree, leaves)
-    value = walk.sow(site, value, pred, eqn.params.get("role"))
+    value = walk.sow(site, value, pred, eqn.params.get("role"), eqn.params.get("element"))
     return jax.tree_util.tree_leaves(value)
 
 

@@ -183,29 +183,51 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     them, such as its traceback filter, are skipped). JAX keeps only the frames
     of the body being traced, so a sow nested in a scan or cond in `f` shows no
     `lax.map`: those are marked on their name stack (`marking_batched_lax_map`)."""
-    if _BATCHED_LAX_MAP in str(getattr(source_info, "name_stack", "")).split("/"):
+    # A part of the name stack, maybe wrapped in the transformations staged after
+    # it (a batched cond's branch shows ``vmap(harvest_batched_lax_map)``).
+    if re.search(
+        rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", str(getattr(source_info, "name_stack", ""))
+    ):
         return True
     frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
-    return _under_batched_lax_map(frames)
+    return _under_batched_lax_map(frames) is not None
 
 
 def running_under_batched_lax_map() -> str | None:
     """As `staged_by_batched_lax_map`, from the live Python stack: whether what runs
     now runs under the vmap of a batched `lax.map`, however deep inside `f`:
     ``"loop"`` where a loop in `f` batches it (its steps run for the whole batch
-    at once), ``"map"`` elsewhere, None if not under one."""
+    at once), else ``"batches"`` under the vmap of its scan over full batches or
+    ``"remainder"`` under that of the shorter remainder; None if not under one."""
     frames = []
     frame: Any = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         frames.append(_Frame(code.co_filename, getattr(code, "co_qualname", code.co_name)))
         frame = frame.f_back
-    if not _under_batched_lax_map(frames):
+    part = _under_batched_lax_map(frames)
+    if part is None:
         return None
     inner = frames[: next(i for i, f in enumerate(frames) if _frame_is(f, *_VMAP))]
     loops = ("_scan_batching_rule", "_while_loop_batching_rule")
     in_loop = any(_frame_is(f, "jax/_src/lax/control_flow/loops.py", loops) for f in inner)
-    return "loop" if in_loop else "map"
+    return "loop" if in_loop else part
+
+
+def batched_lax_map_has_both_parts() -> bool:
+    """Whether the batched `lax.map` running now (the innermost) runs both a scan
+    over full batches and a remainder, read from its frame's locals."""
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        here = _Frame(code.co_filename, getattr(code, "co_qualname", code.co_name))
+        if _frame_is(here, "jax/_src/lax/control_flow/loops.py", ("map",)) and (
+            code.co_name == "map" and frame.f_locals.get("batch_size") is not None
+        ):
+            found = frame.f_locals
+            return found.get("scan_xs") is not None and found.get("remainder_xs") is not None
+        frame = frame.f_back
+    return False
 
 
 def marking_batched_lax_map() -> Any:
@@ -223,16 +245,19 @@ class _Frame:
     function_name: str
 
 
-def _under_batched_lax_map(frames: list[Any]) -> bool:
+def _under_batched_lax_map(frames: list[Any]) -> str | None:
+    """``"batches"`` or ``"remainder"`` (see `running_under_batched_lax_map`) where
+    `frames` (innermost first) run under a batched `lax.map`'s vmap, else None:
+    `lax.map` vmaps `f` from the lambda its scan runs, and the remainder itself."""
     for i, frame in enumerate(frames):
         if not _frame_is(frame, *_VMAP):
             continue
         for outer in frames[i + 1 :]:
             if _frame_is(outer, "jax/_src/lax/control_flow/loops.py", ("map", "<lambda>")):
-                return True
+                return "batches" if outer.function_name.endswith("<lambda>") else "remainder"
             if "/jax/_src/" not in outer.file_name.replace(os.sep, "/"):
                 break
-    return False
+    return None
 
 
 def current_source_info() -> Any:

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -115,7 +115,7 @@ class Record:
             return self.values[0]
         mode = self.site.mode
         if mode.entries:
-            return tuple(self.values)
+            return tuple(merged_elements(self.site, self.values))
         if len(self.values) == 1 and self.site.one_occurrence(self.values[0]):
             return self.values[0]  # sown once, outside any loop: the value itself
         if mode.rows:
@@ -167,6 +167,143 @@ class Record:
         if self.site.mode.rows:
             return self.rows()
         return self.result()
+
+
+class Element(NamedTuple):
+    """A collect occurrence sown for one element of a batched `lax.map` (the sow's
+    `element` param): `value` for element `j` of a batch of `size`, in the map's
+    scan over full batches (`part` "batches": stacked over them by that scan) or
+    its remainder; `both`: whether that map runs both. A pytree: loops stack its
+    value, keeping which element."""
+
+    value: Any
+    j: int
+    size: int
+    part: str
+    both: bool
+
+
+jax.tree_util.register_pytree_node(
+    Element,
+    lambda e: ((e.value,), (e.j, e.size, e.part, e.both)),
+    lambda aux, v: Element(v[0], *aux),
+)
+
+
+class _Group(NamedTuple):
+    """One entry `lax.map(f, xs)` would give, made of the entries at `batches` (a
+    sow's elements in the map's full batches) and `remainder` (in its remainder),
+    or, for an entry sown elsewhere, the one at `alone`."""
+
+    batches: tuple[int, ...] = ()
+    remainder: tuple[int, ...] = ()
+    alone: int | None = None
+
+
+def _groups(marks: list[Any]) -> list[_Group]:
+    """The entries of a collect name grouped as `lax.map(f, xs)` gives them, from
+    each entry's mark: its `Element` params `(j, size, part, both)`, or None.
+
+    Each sow in `f` gives a run of `size` elements per part, in element order; a
+    map's remainder runs follow its full batches' in the same sow order. A run of
+    full batches after another of another size, or of a map that `both` tells
+    apart, starts a new map."""
+    groups: list[_Group] = []
+    open_: list[int] = []  # the groups of the current map's full batches, in sow order
+    taken = 0  # how many of them a remainder run has completed
+    i, last, shape = 0, None, None
+    while i < len(marks):
+        if marks[i] is None:
+            groups.append(_Group(alone=i))
+            i, last = i + 1, None
+            continue
+        _, size, part, both = marks[i]
+        run = tuple(range(i, i + size))
+        i += size
+        if part == "batches":
+            if last != "batches" or shape != (size, both):  # a new map
+                open_, taken, shape = [], 0, (size, both)
+            open_.append(len(groups))
+            groups.append(_Group(batches=run))
+        elif both and last is not None and taken < len(open_):
+            groups[open_[taken]] = groups[open_[taken]]._replace(remainder=run)
+            taken += 1
+        else:  # a map with fewer elements than one batch: its remainder alone
+            groups.append(_Group(remainder=run))
+        last = part
+    return groups
+
+
+def merged_elements(site: Site, entries: list[Any]) -> list[Any]:
+    """Collect `entries` with each batched `lax.map`'s per-element ones
+    (`Element`) merged into the one entry per sow that `lax.map(f, xs)` stacks:
+    element `j` of batch `t` is row `t * size + j`, the remainder's rows after
+    the full batches'. Axes in front of the map's (loops around it) stay in front."""
+    marks = [e[1:] if isinstance(e, Element) else None for e in entries]
+    out = []
+    for group in _groups(marks):
+        if group.alone is not None:
+            out.append(entries[group.alone])
+            continue
+        parts = [
+            _stacked_run(site, [entries[k].value for k in run], batches)
+            for run, batches in ((group.batches, True), (group.remainder, False))
+            if run
+        ]
+        out.append(parts[0] if len(parts) == 1 else _joined(site, *parts))
+    return out
+
+
+def split_elements(site: Site, marks: list[Any], entries: Any) -> tuple[Any, ...]:
+    """The inverse of `merged_elements`: `entries`, one per entry `lax.map(f, xs)`
+    gives, split into the entries of the sows a batched `lax.map` unrolls, whose
+    `marks` (see `_groups`) the program's sow equations carry, in order."""
+    groups = _groups(marks)
+    if len(entries) != len(groups):
+        raise _errors.plant_count(site, len(entries), len(groups), "entries")
+    out: list[Any] = [None] * len(marks)
+    for group, entry in zip(groups, entries):
+        if group.alone is not None:
+            out[group.alone] = entry
+            continue
+        leaves = jax.tree_util.tree_leaves(entry)
+        columns: dict[int, list[Any]] = {k: [] for k in (*group.batches, *group.remainder)}
+        for leaf, aval in zip(leaves, site.avals):
+            axis = jnp.ndim(leaf) - 1 - len(aval.shape)  # the rows' (loops around the map lead)
+            full = jnp.shape(leaf)[axis] - len(group.remainder)
+            size = len(group.batches)
+            for j, k in enumerate(group.batches):  # rows j, j + size, ...: element j of each batch
+                columns[k].append(lax.slice_in_dim(leaf, j, full, size, axis))
+            for j, k in enumerate(group.remainder):
+                columns[k].append(lax.index_in_dim(leaf, full + j, axis, keepdims=False))
+        for k, column in columns.items():
+            out[k] = jax.tree_util.tree_unflatten(site.tree, column)
+    return tuple(out)
+
+
+def _stacked_run(site: Site, run: list[Any], batches: bool) -> Any:
+    """One sow's per-element values as rows, element by element (with `batches`,
+    each value stacked over the full batches: rows batch by batch)."""
+    leaves = [jax.tree_util.tree_leaves(v) for v in run]
+    stacked = []
+    for k, aval in enumerate(site.avals):
+        column = [element[k] for element in leaves]
+        lead = jnp.ndim(column[0]) - len(aval.shape) - batches  # axes of loops around the map
+        rows = jnp.stack(column, axis=lead + batches)
+        if batches:  # [..., batch, element, ...] -> [..., row, ...]
+            rows = rows.reshape(*rows.shape[:lead], -1, *rows.shape[lead + 2 :])
+        stacked.append(rows)
+    return jax.tree_util.tree_unflatten(site.tree, stacked)
+
+
+def _joined(site: Site, rows: Any, more: Any) -> Any:
+    """`rows` followed by `more` (a remainder's), along the rows' axis."""
+    return jax.tree_util.tree_map(
+        lambda a, b, aval: jnp.concatenate([a, b], axis=jnp.ndim(a) - 1 - len(aval.shape)),
+        rows,
+        more,
+        jax.tree_util.tree_unflatten(site.tree, list(site.avals)),
+    )
 
 
 def select_where(pred: Any, a: Any, b: Any) -> Any:

@@ -42,6 +42,10 @@ from ._modes import MODES
 # branch sowed the value (for `sow_cond`, also whether `pred` held).
 # `axes` (absent: none) names, per leaf, each axis (a str, or None for an
 # unnamed one): Penzai's named axes, which `sites` shows.
+# `element` (absent: none) is `(j, size, part, both)` on a collect sow sown
+# once per element of a batched `lax.map` (see `_rules/batched_lax_map.py`):
+# element `j` of a batch of `size`, in its scan of full batches or its
+# remainder (`part`), and whether that map runs both parts (`both`).
 
 
 class SowEffect(_jax.Effect):
@@ -138,11 +142,13 @@ def _has_pred(mode, role=None):
     return MODES[mode].has_pred or role == "record_only"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
+def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
-def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
+def _sow_abstract_eval(
+    *avals, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None
+):
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
@@ -151,7 +157,9 @@ def _sow_abstract_eval(*avals, tag, name, scope, mode, tree, vmapped=(), role=No
     )
 
 
-def _sow_lowering(ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None):
+def _sow_lowering(
+    ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None
+):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 

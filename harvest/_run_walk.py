@@ -37,9 +37,9 @@ from ._free_variables import attributes_key, closure_of, globals_read, static_ke
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
-from ._leaves import array_flags, is_array, reveal_static
+from ._leaves import array_flags, hide_static, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
-from ._occurrences import Plant, needs_batched_site, occurrences
+from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from ._paths import nested_dict, path_str
 from ._primitive import batching_sites
 from ._rules import batched_lax_map
@@ -185,10 +185,45 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
+    if unrolled:
+        resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
     _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
-    return _run(traced, static, resolved, order)
+    numbers = _planted_numbers(dynamic, resolved) if staged else ()
+    return (*_run(traced, static, resolved, order), numbers)
+
+
+class _PlantedNumber(NamedTuple):
+    """A traced leaf of a compiled walk's `dynamic` that is planted at `site` as `dtype`."""
+
+    position: int  # in `dynamic`
+    site: Site
+    what: str
+    dtype: Any
+
+
+def _planted_numbers(dynamic, resolved) -> tuple[_PlantedNumber, ...]:
+    """The traced leaves of `dynamic` planted as they are, each with the dtype it is
+    cast to: a Python number among them is known only at call time, so a compiled
+    walk hands these back for `_check_planted_numbers` to check each call."""
+    at = {id(leaf): i for i, leaf in enumerate(dynamic)}  # tracers: distinct objects
+    return tuple(
+        _PlantedNumber(at[id(leaf)], planted.site, what, dtype)
+        for planted in resolved.values()
+        for leaf, what, dtype in planted.site.cast_leaves(planted.value)
+        if id(leaf) in at and jnp.ndim(leaf) == 0
+    )
+
+
+def _check_planted_numbers(dynamic, numbers_) -> None:
+    """Refuses a Python number planted where its site's dtype cannot hold it (-1
+    into uint8, 1e39 into float32), which the traced cast would wrap silently.
+    Cheap: the numbers are Python values on the host, no device is waited for."""
+    for planted in numbers_:
+        value = dynamic[planted.position]
+        if isinstance(value, numbers.Number):
+            planted.site.check_held(value, planted.what, planted.dtype)
 
 
 class _Traced(NamedTuple):
@@ -314,15 +349,35 @@ def _per_example(plant):
 
 def _in_batched_lax_maps(jaxpr, policy):
     """`(tag, path)` of the handled sites a batched `lax.map` stages, to sow once per
-    element (see `_rules/batched_lax_map`). Not collect's: one entry per sow would
-    give one entry per element, where `lax.map(f, xs)` stacks them in one."""
+    element (see `_rules/batched_lax_map`; collect's entries, one per element, are
+    merged into the one `lax.map(f, xs)` stacks)."""
     return frozenset(
         (site.tag, site.path)
         for eqn, _, _ in sow_equations(jaxpr)
-        if policy.handles(site := Site.of(eqn))
-        and not site.mode.entries
-        and _jax.staged_by_batched_lax_map(eqn.source_info)
+        if policy.handles(site := Site.of(eqn)) and _jax.staged_by_batched_lax_map(eqn.source_info)
     )
+
+
+def _split_per_element(jaxpr, resolved, key, unrolled):
+    """`resolved` with each collect plant given entry by entry, as `lax.map(f, xs)`
+    reaps them, split into the entries of the sows a batched `lax.map` unrolls
+    once per element (see `_occurrences.split_elements`)."""
+    out = dict(resolved)
+    for path, planted in resolved.items():
+        site = planted.site
+        if (site.tag, site.path) not in unrolled or not site.mode.entries:
+            continue
+        if planted.takes_index():  # `lax.map(f, xs)` sows it in a scan: no single index
+            raise _errors.indexed_plant_of_collect_in_loop(site)
+        if not planted.per_occurrence():
+            continue
+        marks = [
+            eqn.params.get("element")
+            for eqn, _, _ in sow_equations(jaxpr)
+            if key(Site.of(eqn)) == path
+        ]
+        out[path] = Plant(site, split_elements(site, marks, planted.value))
+    return out
 
 
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
@@ -421,7 +476,9 @@ def _walk_weak(fn_ref, dynamic, static):
         static.reap,
     )
     note_trace(fn_ref(), dynamic, alike)
-    return _walk(fn_ref(), dynamic, static, staged=True)
+    out, flat, changes, numbers_ = _walk(fn_ref(), dynamic, static, staged=True)
+    # The planted numbers' dtypes leave as structure, known to each call without a device sync.
+    return out, flat, changes, hide_static(numbers_)
 
 
 def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
@@ -438,7 +495,10 @@ def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
             snapshot = (
                 (lambda: Snapshot.of(fn, bound, args, kwargs)) if config.check_stale else None
             )
-            out, flat, changes = run_per_function(fn, _walk_weak, dynamic, static, snapshot)
+            out, flat, changes, planted = run_per_function(
+                fn, _walk_weak, dynamic, static, snapshot
+            )
+            _check_planted_numbers(dynamic, reveal_static(planted))
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`
@@ -449,7 +509,7 @@ def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
             _rule_walks.add(fn)
             place = _IN_PLACE
     if place is _IN_PLACE:
-        out, flat, changes = _walk(fn, dynamic, static)
+        out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
     write_back(nodes, changes, stateful)
     if not finish:
         return out, flat

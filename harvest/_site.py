@@ -102,6 +102,33 @@ class Site:
             lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading)
         )
 
+    def check_held(self, value: Any, what: str, dtype: Any) -> None:
+        """Refuses a host value (a Python number, NumPy data) that casting to the
+        leaf's ``dtype`` would change past recognition (see `_unheld`)."""
+        why = _unheld(value, dtype)
+        if why:
+            raise _errors.plant_unheld(self, what, value, dtype, why)
+
+    def cast_leaves(self, value: Any) -> list[tuple[Any, str, Any]]:
+        """``(leaf, what, dtype)`` for each leaf of a planted ``value`` laid out as
+        the site's (one value, or collect's tuple of one per occurrence): the
+        dtype the leaf is cast to when planted. Other layouts (rows, a callable)
+        give none."""
+        if callable(value):
+            return []
+        if jax.tree_util.tree_structure(value) == self.tree:
+            entries = [("the planted value", value)]
+        elif self.mode.entries and isinstance(value, tuple):
+            entries = [(f"occurrence {i} of the planted value", v) for i, v in enumerate(value)]
+        else:
+            return []
+        return [
+            (leaf, what, aval.dtype)
+            for what, entry in entries
+            if jax.tree_util.tree_structure(entry) == self.tree
+            for leaf, aval in zip(jax.tree_util.tree_leaves(entry), self.avals)
+        ]
+
     def check(self, value: Any, what: str, leading: tuple[int, ...] = ()) -> list[Any]:
         """Flattens `value`, or says exactly how it differs from this site."""
         leaves, tree = jax.tree_util.tree_flatten(value)
@@ -124,9 +151,7 @@ class Site:
                 raise _errors.plant_not_an_array(self, what, leaf)
             if not isinstance(leaf, jax.Array) and getattr(leaf, "dtype", None) != aval.dtype:
                 # A host value JAX would cast: refused where the cast would change it.
-                why = _unheld(leaf, aval.dtype)
-                if why:
-                    raise _errors.plant_unheld(self, what, leaf, aval.dtype, why)
+                self.check_held(leaf, what, aval.dtype)
             if isinstance(leaf, bool) or (isinstance(leaf, int) and not -(2**31) <= leaf < 2**31):
                 # A Python bool, or an int beyond int32 (no weak type holds them): the site's dtype.
                 leaf = jnp.asarray(leaf, aval.dtype)

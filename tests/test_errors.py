@@ -91,6 +91,37 @@ def test_a_number_out_of_the_sites_range_names_site_dtype_and_value():
     ok_after()
 
 
+def test_a_planted_number_is_checked_against_the_sites_dtype_at_every_call():
+    # A Python number is traced (a new one does not retrace), so its value is known
+    # only when the call is made: each call checks it against the dtype the site
+    # had when traced. Before, -1 into uint8 gave 255, 1e39 into float32 inf.
+    traces = []
+
+    def small(v):
+        traces.append(1)
+        return sow(v, name="ids", mode="strict", tag="t") + 1
+
+    planted = plant(small, tag="t")
+    u8 = jnp.uint8(3)
+    np.testing.assert_array_equal(planted({"ids": 7}, u8), jnp.uint8(8))  # by hand: 7 + 1
+    for value in (-1, 256):
+        with pytest.raises(ValueError, match=rf"(?s)'ids'.*{value} is outside uint8's range"):
+            planted({"ids": value}, u8)
+    np.testing.assert_array_equal(planted({"ids": 255}, u8), jnp.uint8(0))  # 255 + 1 wraps, as JAX
+    assert len(traces) == 1  # one program: every int above ran (or was refused) through it
+    with pytest.raises(ValueError, match=r"(?s)'ids'.*uint8.*nan is no whole number"):
+        planted({"ids": float("nan")}, u8)
+    with pytest.raises(ValueError, match=r"(?s)'ids'.*float32.*1e\+39 is outside"):
+        planted({"ids": 1e39}, jnp.float32(1.0))
+    np.testing.assert_array_equal(planted({"ids": -3e38}, jnp.float32(1.0)), jnp.float32(-3e38))
+    # collect's entries, each checked against its occurrence.
+    twice = lambda v: sow(v, name="c", tag="t") + sow(v, name="c", tag="t")  # noqa: E731
+    with pytest.raises(ValueError, match=r"(?s)occurrence 1 of the planted value.*-2 is outside"):
+        plant(twice, tag="t")({"c": (1, -2)}, u8)
+    np.testing.assert_array_equal(plant(twice, tag="t")({"c": (1, 2)}, u8), jnp.uint8(3))
+    ok_after()
+
+
 def test_plant_callable_returning_wrong_shape():
     with pytest.raises(ValueError, match=r"(?s)(?=.*alpha)(?=.*float32\[3\])(?=.*float32\[1\])"):
         plant(f, tag="t")({"alpha": lambda a: a[:1]}, X)

@@ -12,7 +12,9 @@ harvest traces, this module wraps that batching rule:
   sowed it, zeros and False in a branch that sows it fewer times. JAX's rule
   selects these per example along with the branch outputs;
 * after the select, each slot is sown again with `role="record_only"`: it
-  records the taken branch's value per example and takes no plant.
+  records the taken branch's value per example and takes no plant. Inside
+  `lax.map(f, xs, batch_size=b)`, whose batches are such a vmap, it is sown
+  once per element instead, as `lax.map(f, xs)` sows it (see `batched_lax_map`).
 
 Markers (`branch_p`) before each branch and after the last tell the walk where
 the alternatives start, so every branch counts occurrences from the same
@@ -43,6 +45,7 @@ from .._paths import path_str
 from .._primitive import sow_effect, sow_p, tracing_a_harvest
 from .._site import Site
 from .._sow_index import sites_in
+from . import batched_lax_map
 
 LAST = -1  # the `branch` of the marker after the last branch
 
@@ -236,12 +239,26 @@ def _batch_cond(
     branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
     extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
     for occ in unpack(slots, extra):
-        k = len(occ.leaves)
-        vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
-        # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
-        leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
-        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+        _record(occ, axis_data.size)
     return outs[:n], out_dims[:n]
+
+
+def _record(occ: Occurrence, size: int) -> None:
+    """Sows `occ`, selected per example (the batch axis in front), record-only."""
+    if batched_lax_map.unrolled_here(occ.params):
+        # Inside lax.map(f, xs, batch_size=b): one record per element, as
+        # lax.map(f, xs) sows them (the branch's own sows were sown so to take plants).
+        for j in range(size):
+            leaves = [leaf[j] for leaf in occ.leaves]
+            params = batched_lax_map.element_params(occ.params, j, size)
+            sow_p.bind(*leaves, occ.present[j], **dict(params, role="record_only"))
+        return
+    k = len(occ.leaves)
+    vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
+    # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
+    leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
+    with batched_lax_map.marking_batched():
+        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
 
 
 _jax.wrap_batching(_jax.cond_p, _batch_cond)

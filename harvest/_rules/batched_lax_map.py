@@ -9,9 +9,13 @@ unrolled: each batch binds one sow per element, in element order, and stacks
 their values back into the batch. The walk then sees exactly the occurrences
 of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
 value (a callable plant sees one element). The unrolled program holds `b`
-sows per batch, one equation each. A sow in a loop inside `f` (a scan, a
-while_loop, another lax.map) is refused: the loop runs each step for the whole
-batch, so its occurrences would come step by step, not element by element.
+sows per batch, one equation each. A collect sow's entries, one per element,
+carry which element they are (the sow's `element` param), so that the walk
+merges them into the one entry per sow that `lax.map(f, xs)` stacks
+(`_occurrences.merged_elements`) and splits a plant given so back. A sow in a
+loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
+runs each step for the whole batch, so its occurrences would come step by
+step, not element by element.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors, _jax
+from .._modes import MODES
 from .._primitive import sow_p, tracing_a_harvest
 
 # The (tag, path) of the sites unrolled per element where a batched lax.map stages
@@ -43,7 +48,9 @@ def per_element(sites: frozenset) -> Any:
     return _per_element(sites or None)
 
 
-def _unrolled_here(params: dict[str, Any]) -> bool:
+def unrolled_here(params: dict[str, Any]) -> bool:
+    """Whether a sow with `params`, batched now, is to be sown once per element
+    (refusing one in a loop inside `f`, whose steps run for the whole batch)."""
     sites = _per_element.value if _per_element is not None else None
     if not sites or (params["tag"], params["scope"] + (params["name"],)) not in sites:
         return False
@@ -60,24 +67,39 @@ def _unrolled_here(params: dict[str, Any]) -> bool:
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
     if all(d is None for d in dims):
         return jax_rule(axis_data, args, dims, **params)
-    if not _unrolled_here(params):
-        if tracing_a_harvest() and _jax.running_under_batched_lax_map():
-            # Staged batched, as one sow per batch: marked, so that the walk
-            # sees where (JAX keeps no `lax.map` frame for a sow nested in a
-            # body `f` traces, a jit's or a scan's) and traces it again, to
-            # sow it once per element (or refuse it, in a loop).
-            with _jax.marking_batched_lax_map():
-                return jax_rule(axis_data, args, dims, **params)
-        return jax_rule(axis_data, args, dims, **params)
+    if not unrolled_here(params):
+        with marking_batched():
+            return jax_rule(axis_data, args, dims, **params)
     per_element = []
     for j in range(axis_data.size):
         row = [
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        per_element.append(sow_p.bind(*row, **params))
+        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size)))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
+
+
+def element_params(params: dict[str, Any], j: int, size: int) -> dict[str, Any]:
+    """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
+    collect sow's say which (its entries, one per element, are merged into the
+    one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`)."""
+    if not MODES[params["mode"]].entries:
+        return params
+    part = _jax.running_under_batched_lax_map()
+    return dict(params, element=(j, size, part, _jax.batched_lax_map_has_both_parts()))
+
+
+def marking_batched() -> Any:
+    """A context for staging a sow batched, as one sow per batch: where a harvest
+    traces under a batched `lax.map`, it is marked, so that the walk sees where
+    (JAX keeps no `lax.map` frame for a sow nested in a body `f` traces, a jit's
+    or a scan's) and traces it again, to sow it once per element (or refuse it,
+    in a loop)."""
+    if tracing_a_harvest() and _jax.running_under_batched_lax_map():
+        return _jax.marking_batched_lax_map()
+    return contextlib.nullcontext()
 
 
 _jax.wrap_batching(sow_p, _batch)
