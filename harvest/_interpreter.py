@@ -279,7 +279,8 @@ class Walk:
                 ``"record_only"``,
                 ``"plant_only"`` or None (an ordinary sow).
             element: the sow's ``element`` param: which element of a batched
-                ``lax.map`` a collect sow sows (recorded so, to be merged), or None.
+                ``lax.map`` a collect sow sows (recorded so, to be merged), or None
+                (a rows sow's is only checked before the walk, see `_run_walk`).
 
         Returns:
             The value the program goes on with: the planted one, or ``value``.
@@ -312,7 +313,9 @@ class Walk:
         return value
 
     def _record(self, site, value, pred, element=None):
-        if element is not None:  # kept apart, to be merged as lax.map(f, xs) stacks it
+        if (
+            element is not None and site.mode.entries
+        ):  # kept apart, merged as lax.map(f, xs) stacks it
             value = Element(value, *element)
         self.records.setdefault(self.policy.key(site), Record(site, [])).add(site, value, pred)
 

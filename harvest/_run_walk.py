@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from . import _errors, _jax, config
 from ._compile_cache import note_trace, note_unhashable, run_per_function
 from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
+from ._higher_order import bodies
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
@@ -41,7 +42,7 @@ from ._leaves import array_flags, hide_static, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from ._paths import nested_dict, path_str
-from ._primitive import batching_sites
+from ._primitive import batching_sites, sow_p
 from ._rules import batched_lax_map
 from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
@@ -186,6 +187,7 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
     if unrolled:
+        _refuse_sown_twice_per_element(traced.closed.jaxpr, unrolled)
         resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
     for planted in resolved.values():
         planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
@@ -356,6 +358,32 @@ def _in_batched_lax_maps(jaxpr, policy):
         for eqn, _, _ in sow_equations(jaxpr)
         if policy.handles(site := Site.of(eqn)) and _jax.staged_by_batched_lax_map(eqn.source_info)
     )
+
+
+def _refuse_sown_twice_per_element(jaxpr, unrolled):
+    """Refuses a name of a rows mode that a batched `lax.map` unrolled twice per
+    element: its rows would come sow by sow within a batch, not element by element
+    as `lax.map(f, xs)` gives them (see `batched_lax_map.sown_twice_per_element`)."""
+    found: dict[Site, list[Any]] = {}
+    _rows_elements(jaxpr, unrolled, found)
+    for site, marks in found.items():
+        if batched_lax_map.sown_twice_per_element(marks):
+            raise _errors.sown_twice_per_element_in_batched_lax_map(site)
+
+
+def _rows_elements(jaxpr, unrolled, found):
+    """Adds to `found` the `element` params of `jaxpr`'s rows sows of `unrolled`
+    sites, per site, through every body that runs in a call. Unlike reap's
+    listing, a batched cond's record-only copies count, its branch sows not."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            site = Site.of(eqn)
+            if (site.tag, site.path) in unrolled and site.mode.rows:
+                found.setdefault(site, []).append(eqn.params.get("element"))
+            continue
+        for body in bodies(eqn):
+            if body.runs != 0 or body.stacked_loop:  # else runs only where JAX differentiates
+                _rows_elements(body.jaxpr, unrolled, found)
 
 
 def _split_per_element(jaxpr, resolved, key, unrolled):

@@ -15,12 +15,15 @@ merges them into the one entry per sow that `lax.map(f, xs)` stacks
 (`_occurrences.merged_elements`) and splits a plant given so back. A sow in a
 loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
 runs each step for the whole batch, so its occurrences would come step by
-step, not element by element.
+step, not element by element. So is a name of a rows mode sown more than once
+per element (`sown_twice_per_element`): its rows would come sow by sow within
+a batch. Its unrolled sows carry which vmap of `f` unrolled them for that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 
 import jax.numpy as jnp
@@ -40,19 +43,38 @@ _per_element = _jax.trace_value(
 SUPPORTED = _per_element is not None
 
 
+# Which vmap of `f` unrolled a rows sow: a number per AxisData (one per vmap call,
+# not weakly referable), kept alive while a `per_element` context traces so that
+# no id is reused; the numbers never repeat, as jit may reuse an earlier trace.
+_vmaps: dict[int, tuple[Any, int]] = {}
+_numbers = itertools.count()
+# The number of the vmap that last unrolled a batched cond's branch sow of each
+# (tag, path): that cond's record-only copy after it (see `_rules/batched_cond`),
+# one per name and cond whichever branch sows it, counts in its stead.
+_in_branch: dict[tuple[Any, ...], int] = {}
+
+
+@contextlib.contextmanager
 def per_element(sites: frozenset) -> Any:
     """A context in which traced sows of `sites`, ``{(tag, path)}``, staged under a
     batched `lax.map`'s vmap, fire once per element of the batch."""
+    global _vmaps, _in_branch
     if _per_element is None:
-        return contextlib.nullcontext()
-    return _per_element(sites or None)
+        yield
+        return
+    outer, _vmaps, _in_branch = (_vmaps, _in_branch), {}, {}
+    try:
+        with _per_element(sites or None):
+            yield
+    finally:
+        _vmaps, _in_branch = outer
 
 
 def unrolled_here(params: dict[str, Any]) -> bool:
     """Whether a sow with `params`, batched now, is to be sown once per element
     (refusing one in a loop inside `f`, whose steps run for the whole batch)."""
     sites = _per_element.value if _per_element is not None else None
-    if not sites or (params["tag"], params["scope"] + (params["name"],)) not in sites:
+    if not sites or _site_key(params) not in sites:
         return False
     where = _jax.running_under_batched_lax_map()
     if where == "loop":
@@ -70,25 +92,56 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
     if not unrolled_here(params):
         with marking_batched():
             return jax_rule(axis_data, args, dims, **params)
+    vmap: int | None = _vmap_number(axis_data)
+    if params.get("role") == "plant_only":
+        _in_branch[_site_key(params)], vmap = vmap, None
     per_element = []
     for j in range(axis_data.size):
         row = [
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size)))
+        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size, vmap)))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
 
 
-def element_params(params: dict[str, Any], j: int, size: int) -> dict[str, Any]:
+def element_params(
+    params: dict[str, Any], j: int, size: int, vmap: int | None = None
+) -> dict[str, Any]:
     """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
     collect sow's say which (its entries, one per element, are merged into the
-    one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`)."""
-    if not MODES[params["mode"]].entries:
-        return params
-    part = _jax.running_under_batched_lax_map()
-    return dict(params, element=(j, size, part, _jax.batched_lax_map_has_both_parts()))
+    one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`); a
+    rows sow's, which `vmap` of `f` unrolled it (see `sown_twice_per_element`;
+    a batched cond's record-only copy: the vmap of the branch sow it copies)."""
+    mode = MODES[params["mode"]]
+    if mode.entries:
+        part = _jax.running_under_batched_lax_map()
+        return dict(params, element=(j, size, part, _jax.batched_lax_map_has_both_parts()))
+    if mode.rows and params.get("role") != "plant_only":
+        vmap = _in_branch.get(_site_key(params)) if vmap is None else vmap
+    if mode.rows and vmap is not None:
+        return dict(params, element=(j, vmap))
+    return params
+
+
+def _site_key(params: dict[str, Any]) -> tuple[Any, ...]:
+    return (params["tag"], params["scope"] + (params["name"],))
+
+
+def _vmap_number(axis_data: Any) -> int:
+    if id(axis_data) not in _vmaps:
+        _vmaps[id(axis_data)] = (axis_data, next(_numbers))
+    return _vmaps[id(axis_data)][1]
+
+
+def sown_twice_per_element(elements: list[Any]) -> bool:
+    """Whether the `element` params of one rows name's sow equations, in program
+    order, show it unrolled twice by one vmap of `f`: sown twice per element, so
+    its rows would come sow by sow within a batch, where `lax.map(f, xs)` gives
+    them element by element. Each branch of a cond counts."""
+    firsts = [e[1] for e in elements if e is not None and e[0] == 0]
+    return len(firsts) != len(set(firsts))
 
 
 def marking_batched() -> Any:
