@@ -527,23 +527,62 @@ def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_l
     close(rows, jnp.stack([xs * 0.75, xs * 0.75**2], axis=1).ravel())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug: an append name sown twice in f inside lax.map(batch_size=b) is unrolled "
-    "sow by sow, so a batch's rows come [s1 e0, s1 e1, s2 e0, s2 e1], not element by element "
-    "as lax.map(f, xs) gives them (_rules/batched_lax_map.py unrolls each sow equation apart)",
-)
-def test_lax_map_with_batch_size_a_name_sown_twice_per_element_keeps_element_order():
-    def f(xs, batch_size):
-        def g(x):
-            y = sow(x * 2.0, name="h", mode="append")
-            return sow(y + 1.0, name="h", mode="append")
+@pytest.mark.parametrize("n", [4, 5])  # two batches of 2; and a remainder of 1
+def test_lax_map_with_batch_size_refuses_a_rows_name_sown_twice_per_element(n):
+    # JAX runs g vmapped over a batch, so each sow fires for the whole batch before
+    # the next: the rows would come sow by sow within a batch, not element by
+    # element as lax.map(g, xs) gives them. Refused rather than silently reordered.
+    def twice(x):
+        y = sow(x * 2.0, name="h", mode="append")
+        return sow(y + 1.0, name="h", mode="append")
 
-        return lax.map(g, xs, batch_size=batch_size)
-
-    xs = jnp.arange(4.0)
-    close(reap(f)(xs, None), {"h": jnp.stack([xs * 2.0, xs * 2.0 + 1.0], axis=1).ravel()})
-    close(reap(f)(xs, 2), reap(f)(xs, None))
+    helper = jax.jit(lambda x: sow(x * 2.0, name="h", mode="append"))
+    bodies = {
+        "twice": twice,
+        "twice, jitted": jax.jit(twice),
+        "a jitted helper called twice": lambda x: helper(helper(x)),
+        "twice in a cond's branch": lambda x: lax.cond(x > 1.0, twice, lambda y: y, x),
+        "once, then once in a cond": lambda x: lax.cond(
+            x > 1.0,
+            lambda y: sow(y, name="h", mode="append"),
+            lambda y: y,
+            sow(x, name="h", mode="append"),
+        ),
+    }
+    xs = jnp.arange(float(n))
+    by_hand = jnp.stack([xs * 2.0, xs * 2.0 + 1.0], axis=1).ravel()  # element by element
+    close(reap(lambda xs: lax.map(twice, xs))(xs), {"h": by_hand})
+    plants = [
+        {"h": by_hand},
+        {"h": lambda old, i: old + 100.0 * i},
+        {"h": lambda old: old * 10.0},
+    ]
+    for g in bodies.values():
+        f = lambda xs, g=g: lax.map(g, xs, batch_size=2)  # noqa: E731
+        message = r"(?s)name='h'.*more than once per element.*batch_size.*own name"
+        with pytest.raises(ValueError, match=message):
+            reap(f)(xs)
+        for p in plants:
+            with pytest.raises(ValueError, match=message):
+                plant(f)(p, xs)
+    # Once per element still works, and so does a name sown once in each branch
+    # of a cond (one occurrence per element, whichever branch runs).
+    once = lambda x: sow(x * 2.0, name="h", mode="append") + 1.0  # noqa: E731
+    close(reap(lambda xs: lax.map(once, xs, batch_size=2))(xs), {"h": xs * 2.0})
+    close(
+        plant(lambda xs: lax.map(once, xs, batch_size=2))({"h": lambda old, i: 10.0 * i}, xs),
+        jnp.arange(n) * 10.0 + 1.0,
+    )
+    branches = lambda x: lax.cond(  # noqa: E731
+        x > 1.0,
+        lambda y: sow(y, name="h", mode="append"),
+        lambda y: sow(-y, name="h", mode="append"),
+        x,
+    )
+    close(
+        reap(lambda xs: lax.map(branches, xs, batch_size=2))(xs),
+        {"h": jnp.where(xs > 1.0, xs, -xs)},
+    )
 
 
 @pytest.mark.parametrize("n", [4, 5])  # two batches of 2; and a remainder of 1

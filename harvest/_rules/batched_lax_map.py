@@ -93,8 +93,9 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
         with marking_batched():
             return jax_rule(axis_data, args, dims, **params)
     vmap: int | None = _vmap_number(axis_data)
-    if params.get("role") == "plant_only":
-        _in_branch[_site_key(params)], vmap = vmap, None
+    if params.get("role") == "plant_only":  # a batched cond's branch: its copy counts
+        _in_branch[_site_key(params)] = _vmap_number(axis_data)
+        vmap = None
     per_element = []
     for j in range(axis_data.size):
         row = [
