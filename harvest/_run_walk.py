@@ -17,6 +17,7 @@ data are split into a static graph and traced state (see `_nnx_state`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 from . import _errors, _jax, config
 from ._compile_cache import note_trace, note_unhashable, run_per_function
 from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
-from ._higher_order import bodies
+from ._higher_order import bodies, describe
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
 from ._interventions import code_as_data
@@ -363,27 +364,36 @@ def _in_batched_lax_maps(jaxpr, policy):
 def _refuse_sown_twice_per_element(jaxpr, unrolled):
     """Refuses a name of a rows mode that a batched `lax.map` unrolled twice per
     element: its rows would come sow by sow within a batch, not element by element
-    as `lax.map(f, xs)` gives them (see `batched_lax_map.sown_twice_per_element`)."""
-    found: dict[Site, list[Any]] = {}
-    _rows_elements(jaxpr, unrolled, found)
-    for site, marks in found.items():
-        if batched_lax_map.sown_twice_per_element(marks):
+    as `lax.map(f, xs)` gives them."""
+    for (site, _), n in _unrolled_per_element(jaxpr, unrolled).items():
+        if n > 1:
             raise _errors.sown_twice_per_element_in_batched_lax_map(site)
 
 
-def _rows_elements(jaxpr, unrolled, found):
-    """Adds to `found` the `element` params of `jaxpr`'s rows sows of `unrolled`
-    sites, per site, through every body that runs in a call. Unlike reap's
-    listing, a batched cond's record-only copies count, its branch sows not."""
+def _unrolled_per_element(jaxpr, unrolled) -> collections.Counter:
+    """How often each vmap of `f` unrolled each rows sow of `unrolled` sites in a
+    run of `jaxpr`, per `(site, vmap)` (the `vmap` its `element` params name, see
+    `batched_lax_map.element_params`): once per sow equation of its first element;
+    a cond as its busiest branch; a batched cond's record-only copies count, its
+    branch sows (which carry no vmap) not; bodies that run only where JAX
+    differentiates not."""
+    counts: collections.Counter = collections.Counter()
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            site = Site.of(eqn)
-            if (site.tag, site.path) in unrolled and site.mode.rows:
-                found.setdefault(site, []).append(eqn.params.get("element"))
+            site, element = Site.of(eqn), eqn.params.get("element")
+            if (site.tag, site.path) in unrolled and site.mode.rows and element and not element[0]:
+                counts[site, element[1]] += 1
             continue
-        for body in bodies(eqn):
-            if body.runs != 0 or body.stacked_loop:  # else runs only where JAX differentiates
-                _rows_elements(body.jaxpr, unrolled, found)
+        inner = [
+            _unrolled_per_element(body.jaxpr, unrolled)
+            for body in bodies(eqn)
+            if body.runs != 0 or body.stacked_loop
+        ]
+        if describe(eqn).alternatives:
+            counts.update(functools.reduce(operator.or_, inner, collections.Counter()))
+        else:
+            counts.update(sum(inner, collections.Counter()))
+    return counts
 
 
 def _split_per_element(jaxpr, resolved, key, unrolled):

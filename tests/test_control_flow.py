@@ -584,6 +584,14 @@ def test_lax_map_with_batch_size_refuses_a_rows_name_sown_twice_per_element(n):
         {"h": jnp.where(xs > 1.0, xs, -xs)},
     )
 
+    # The same with a predicate the vmap does not batch (not per element): still a cond.
+    def unbatched(xs):
+        up = lambda y: sow(y, name="h", mode="append")  # noqa: E731
+        down = lambda y: sow(-y, name="h", mode="append")  # noqa: E731
+        return lax.map(lambda x: lax.cond(xs.sum() < 0.0, up, down, x), xs, batch_size=2)
+
+    close(reap(unbatched)(xs), {"h": -xs})
+
 
 @pytest.mark.parametrize("n", [4, 5])  # two batches of 2; and a remainder of 1
 def test_lax_map_with_batch_size_a_sow_in_a_cond_is_per_element_as_without(n):

@@ -16,7 +16,7 @@ merges them into the one entry per sow that `lax.map(f, xs)` stacks
 loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
 runs each step for the whole batch, so its occurrences would come step by
 step, not element by element. So is a name of a rows mode sown more than once
-per element (`sown_twice_per_element`): its rows would come sow by sow within
+per element: its rows would come sow by sow within
 a batch. Its unrolled sows carry which vmap of `f` unrolled them for that.
 """
 
@@ -113,7 +113,7 @@ def element_params(
     """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
     collect sow's say which (its entries, one per element, are merged into the
     one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`); a
-    rows sow's, which `vmap` of `f` unrolled it (see `sown_twice_per_element`;
+    rows sow's, which `vmap` of `f` unrolled it (see `_run_walk._refuse_sown_twice_per_element`;
     a batched cond's record-only copy: the vmap of the branch sow it copies)."""
     mode = MODES[params["mode"]]
     if mode.entries:
@@ -134,15 +134,6 @@ def _vmap_number(axis_data: Any) -> int:
     if id(axis_data) not in _vmaps:
         _vmaps[id(axis_data)] = (axis_data, next(_numbers))
     return _vmaps[id(axis_data)][1]
-
-
-def sown_twice_per_element(elements: list[Any]) -> bool:
-    """Whether the `element` params of one rows name's sow equations, in program
-    order, show it unrolled twice by one vmap of `f`: sown twice per element, so
-    its rows would come sow by sow within a batch, where `lax.map(f, xs)` gives
-    them element by element. Each branch of a cond counts."""
-    firsts = [e[1] for e in elements if e is not None and e[0] == 0]
-    return len(firsts) != len(set(firsts))
 
 
 def marking_batched() -> Any:
