@@ -1591,8 +1591,8 @@ def sown_in_loop_in_batched_lax_map(tag: Any, scope: tuple[str, ...], name: str)
 def sown_twice_per_element_in_batched_lax_map(site: Any) -> ValueError:
     return ValueError(
         f"The sow site {site} (mode {site.mode.name!r}) is sown more than once per element of "
-        "xs inside lax.map(f, xs, batch_size=b) (a cond counts each branch). JAX runs f vmapped "
-        "over a batch, so each sow fires for the whole batch before the next: its rows would "
+        "xs inside lax.map(f, xs, batch_size=b). JAX runs f vmapped over a batch, so each "
+        "sow fires for the whole batch before the next: its rows would "
         "come sow by sow, not element by element as lax.map(f, xs) gives them. Harvest "
         "lax.map(f, xs) without batch_size, or give each sow its own name."
     )

@@ -313,10 +313,8 @@ class Walk:
         return value
 
     def _record(self, site, value, pred, element=None):
-        if (
-            element is not None and site.mode.entries
-        ):  # kept apart, merged as lax.map(f, xs) stacks it
-            value = Element(value, *element)
+        if element is not None and site.mode.entries:
+            value = Element(value, *element)  # kept apart, merged as lax.map(f, xs) stacks it
         self.records.setdefault(self.policy.key(site), Record(site, [])).add(site, value, pred)
 
     # -- folding a child's records back -----------------------------------

@@ -365,14 +365,19 @@ def _refuse_sown_twice_per_element(jaxpr, unrolled):
     """Refuses a name of a rows mode that a batched `lax.map` unrolled twice per
     element: its rows would come sow by sow within a batch, not element by element
     as `lax.map(f, xs)` gives them."""
-    for (site, _), n in _unrolled_per_element(jaxpr, unrolled).items():
+    for (tag, path, _), n in _unrolled_per_element(jaxpr, unrolled).items():
         if n > 1:
+            site = next(
+                site
+                for eqn, _, _ in sow_equations(jaxpr)
+                if ((site := Site.of(eqn)).tag, site.path) == (tag, path)
+            )
             raise _errors.sown_twice_per_element_in_batched_lax_map(site)
 
 
 def _unrolled_per_element(jaxpr, unrolled) -> collections.Counter:
     """How often each vmap of `f` unrolled each rows sow of `unrolled` sites in a
-    run of `jaxpr`, per `(site, vmap)` (the `vmap` its `element` params name, see
+    run of `jaxpr`, per `(tag, path, vmap)` (the `vmap` its `element` params name, see
     `batched_lax_map.element_params`): once per sow equation of its first element;
     a cond as its busiest branch; a batched cond's record-only copies count, its
     branch sows (which carry no vmap) not; bodies that run only where JAX
@@ -382,7 +387,7 @@ def _unrolled_per_element(jaxpr, unrolled) -> collections.Counter:
         if eqn.primitive is sow_p:
             site, element = Site.of(eqn), eqn.params.get("element")
             if (site.tag, site.path) in unrolled and site.mode.rows and element and not element[0]:
-                counts[site, element[1]] += 1
+                counts[site.tag, site.path, element[1]] += 1
             continue
         inner = [
             _unrolled_per_element(body.jaxpr, unrolled)

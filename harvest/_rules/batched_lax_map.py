@@ -16,8 +16,8 @@ merges them into the one entry per sow that `lax.map(f, xs)` stacks
 loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
 runs each step for the whole batch, so its occurrences would come step by
 step, not element by element. So is a name of a rows mode sown more than once
-per element: its rows would come sow by sow within
-a batch. Its unrolled sows carry which vmap of `f` unrolled them for that.
+per element: its rows would come sow by sow within a batch. Its unrolled sows
+carry which vmap of `f` unrolled them, for the walk to count them.
 """
 
 from __future__ import annotations
