@@ -45,7 +45,9 @@ from ._modes import MODES
 # `element` (absent: none) is `(j, size, part, both)` on a collect sow sown
 # once per element of a batched `lax.map` (see `_rules/batched_lax_map.py`):
 # element `j` of a batch of `size`, in its scan of full batches or its
-# remainder (`part`), and whether that map runs both parts (`both`).
+# remainder (`part`), and whether that map runs both parts (`both`); and
+# `(j, vmap)` on an `append` sow unrolled there: element `j` of the `jax.vmap`
+# call numbered `vmap`, counted to refuse a name sown twice per element.
 
 
 class SowEffect(_jax.Effect):
