@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors, _jax
+from . import _errors
 from ._higher_order import UNBOUNDED
 from ._paths import path_str
 from ._rules import batched_lax_map
@@ -284,7 +284,7 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
         raise _errors.sites_bad_tag(tag)
     found, blocks = Sites(), []
     jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
-    unrolled = _in_batched_lax_maps(jaxpr)
+    unrolled = batched_lax_map.staged_per_batch(jaxpr) if batched_lax_map.SUPPORTED else None
     if unrolled:  # listed once per element, as reap returns them
         with per_element(unrolled):
             jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
@@ -295,19 +295,6 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
             blocks.append(item.blocks)
     found._blocks = blocks
     return found
-
-
-def _in_batched_lax_maps(jaxpr: Any) -> frozenset[tuple[Any, tuple[str, ...]]]:
-    """The sites a batched `lax.map` stages, which reap sows once per element (see
-    `_rules/batched_lax_map`)."""
-    if not batched_lax_map.SUPPORTED:
-        return frozenset()
-    found = set()
-    for item in sow_index(jaxpr).listing:
-        site = Site.of(item.eqn)
-        if _jax.staged_by_batched_lax_map(item.eqn.source_info):
-            found.add((site.tag, site.path))
-    return frozenset(found)
 
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:

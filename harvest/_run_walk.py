@@ -183,7 +183,7 @@ def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unro
         # input), planted one value per example, and callables planted at sites
         # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
-    in_maps = _in_batched_lax_maps(traced.closed.jaxpr, static.policy)
+    in_maps = batched_lax_map.staged_per_batch(traced.closed.jaxpr, static.policy.handles)
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
@@ -348,17 +348,6 @@ def _per_example(plant):
     except (ValueError, TypeError):
         return True
     return False
-
-
-def _in_batched_lax_maps(jaxpr, policy):
-    """`(tag, path)` of the handled sites a batched `lax.map` stages, to sow once per
-    element (see `_rules/batched_lax_map`; collect's entries, one per element, are
-    merged into the one `lax.map(f, xs)` stacks)."""
-    return frozenset(
-        (site.tag, site.path)
-        for eqn, _, _ in sow_equations(jaxpr)
-        if policy.handles(site := Site.of(eqn)) and _jax.staged_by_batched_lax_map(eqn.source_info)
-    )
 
 
 def _refuse_sown_twice_per_element(jaxpr, unrolled):

@@ -32,6 +32,8 @@ from jax import lax
 from .. import _errors, _jax
 from .._modes import MODES
 from .._primitive import sow_p, tracing_a_harvest
+from .._site import Site
+from .._sow_index import sow_index
 
 # The (tag, path) of the sites unrolled per element where a batched lax.map stages
 # them. Part of jit's cache key, so no trace is reused across.
@@ -52,6 +54,20 @@ _numbers = itertools.count()
 # (tag, path): that cond's record-only copy after it (see `_rules/batched_cond`),
 # one per name and cond whichever branch sows it, counts in its stead.
 _in_branch: dict[tuple[Any, ...], int] = {}
+
+
+def staged_per_batch(jaxpr: Any, handles: Any = None) -> frozenset[tuple[Any, tuple[str, ...]]]:
+    """`(tag, path)` of the sites (those ``handles(site)`` accepts; every one for None)
+    a batched `lax.map` stages once per batch in `jaxpr`: the ones to sow once per
+    element (reap, plant and `sites` alike)."""
+    found: set[tuple[Any, tuple[str, ...]]] = set()
+    for item in sow_index(jaxpr).listing:
+        site = Site.of(item.eqn)
+        if (handles is None or handles(site)) and _jax.staged_by_batched_lax_map(
+            item.eqn.source_info
+        ):
+            found.add((site.tag, site.path))
+    return frozenset(found)
 
 
 @contextlib.contextmanager
