@@ -41,7 +41,7 @@ chromium:
 test: $(STAMP) lint chromium
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
-# For development (about 3 minutes on 2 idle cores): the suite without the
+# For development (4 minutes on 2 idle cores, measured): the suite without the
 # notebooks, the docs build, the long end-to-end files, the golden comparison
 # against oryx and the benchmarks (markers in pyproject.toml; files and tests in
 # tests/conftest.py's SLOW), with one example per property test and
