@@ -8,11 +8,8 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 _restore_tfp_alias()
 from . import config as config, extend as extend, store as store
 from ._capture import capture as capture
-from ._compile_cache import (
-    clear_caches as clear_caches,
-    set_compile_cache as set_compile_cache,
-)
-from ._errors import RecompileWarning as RecompileWarning, StaleValueError as StaleValueError
+from ._calling import clear_caches as clear_caches
+from ._errors import RecompileWarning as RecompileWarning
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument
 from ._interventions import (

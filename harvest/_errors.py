@@ -1480,45 +1480,20 @@ class RecompileWarning(UserWarning):
 
 def recompiles(where: str, n: int) -> RecompileWarning:
     return RecompileWarning(
-        f"harvest has traced and compiled {where} {n} times. Something that is part of the "
-        "compile-cache key changes between calls: a new Python number or other non-array argument "
-        "(pass it as an array to trace it), a new shape, or a fresh function each call (harvest it "
-        "once, outside the loop). Shown once per function."
+        f"harvest has traced and compiled {where} {n} times for the same shapes. A static "
+        "argument changes between calls (a new Python number or other non-array argument: pass it "
+        "as an array to trace it), or a fresh function each call (harvest it once, outside the "
+        "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
+        "'warn_after', n) sets when."
     )
 
 
 def unhashable_argument(where: str, leaf: Any) -> RecompileWarning:
     return RecompileWarning(
-        f"harvest traces and compiles {where} at every call: a non-array argument or closed-over "
-        f"value of type {type(leaf).__name__} cannot be hashed, so no compiled program can be kept "
-        "for it. Make it hashable (a tuple instead of a list, a frozen dataclass) or pass its "
-        "numbers as arrays. Shown once per function."
-    )
-
-
-def bad_cache_setting(name: str, value: Any) -> ValueError:
-    return ValueError(f"set_compile_cache({name}={value!r}): expected a positive int, or None.")
-
-
-class StaleValueError(ValueError):
-    """A kept compiled program would answer otherwise than the function traced afresh
-    (raised only with ``harvest.config.update("check_stale", True)``)."""
-
-
-def stale_value(where: str, changes: list[str]) -> StaleValueError:
-    if changes:
-        named = "; ".join(changes[:4]) + ("; ..." if len(changes) > 4 else "")
-        what = f"a value it reads at trace time changed since its program was kept: {named}"
-    else:
-        what = (
-            "a value it reads at trace time changed since its program was kept (the contents of "
-            "a dict, list or object it closes over or reads from its module, a helper's globals)"
-        )
-    return StaleValueError(
-        f"harvest's compiled program for {where} is stale: {what}. harvest reads which object "
-        "each name refers to at every call, but an object's contents only when it traces (as "
-        "jax.jit does; see docs/semantics.md). Pass the value as an argument (an array, or a "
-        "hashable static value), or call harvest.clear_caches() after changing it."
+        f"harvest traces and compiles {where} at every call: a non-array argument of type "
+        f"{type(leaf).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
+        "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
+        "frozen dataclass) or pass its numbers as arrays. Shown once per function."
     )
 
 
@@ -1527,7 +1502,7 @@ def bad_config_name(name: Any, known: list[str]) -> ValueError:
 
 
 def bad_config_value(name: str, value: Any) -> TypeError:
-    return TypeError(f"harvest.config.update({name!r}, {value!r}): expected True or False.")
+    return TypeError(f"harvest.config.update({name!r}, {value!r}): expected a positive int.")
 
 
 def ppl_enumeration_unfactored(

@@ -17,8 +17,6 @@ import jax
 
 from . import _attention, _errors, _transformer_lens
 from ._attention import HOOKS
-from ._eager_dispatch import EagerDispatch, EagerModuleDispatch
-from ._free_variables import StaticValue, attributes_key, closure_of, globals_read, with_closure
 from ._instrument_call import INPUTS, InstrumentCall
 from ._instrument_classes import with_modules
 from ._instrument_linen import run_linen
@@ -30,13 +28,12 @@ class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
     A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays; for a
-    function, its children are what the function closes over and reads from
-    its module, as a harvested function's are (`_closure_flat`), so a
-    closed-over `variables` dict is traced and an NNX module there split. Only a
-    Penzai model can hold state of its own (`InstrumentedPenzai`); any other
-    target is not `Stateful`, so a harvest call looks for no state in it (for a
-    Linen function that would be two more walks of every argument's tree).
+    take it as an argument or bound object trace the model's arrays; a function
+    target is static, by identity (what it closes over is read when it is
+    traced, as `jax.jit(f)` reads it), but a ``functools.partial``'s arguments,
+    which are the call's. Only a Penzai model can hold state of its own
+    (`InstrumentedPenzai`); any other target is not `Stateful`, so a harvest call
+    looks for no state in it.
     """
 
     def __init__(
@@ -66,8 +63,6 @@ class Instrumented:
         self._where = where
         # Penzai: (the variables, their values, the frozen model's arrays, its structure).
         self._frozen = None
-        # A function rebuilt from its closure's flatten: (the function, layout, children).
-        self._closed = None
         if leaves is None:
             functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
 
@@ -80,7 +75,7 @@ class Instrumented:
 
     @target.setter
     def target(self, value):
-        self._target, self._leaves, self._frozen, self._closed = value, None, None, None
+        self._target, self._leaves, self._frozen = value, None, None
 
     def _static(self):
         return (
@@ -96,13 +91,6 @@ class Instrumented:
 
     def tree_flatten(self):
         if self._kind == "function":
-            if self._closed is not None:  # a copy made from a flatten: flattens as that did
-                source, layout, children = self._closed
-                return list(children), ("closure", source, self._static(), layout)
-            closure = _closure_flat(self._target)
-            if closure is not None:
-                children, layout = closure
-                return children, ("closure", self._target, self._static(), layout)
             if type(self._target) is functools.partial:
                 # Its arguments are the call's, as harvest takes a partial's: arrays traced.
                 target = self._target
@@ -112,7 +100,7 @@ class Instrumented:
                     self._static(),
                     None,
                 )
-            return (), ("function", self.target, self._static(), _object_key(self.target))
+            return (), ("function", _Identity(self.target), self._static(), None)
         return self._children(), ("tree", None, self._static(), None)
 
     def tree_flatten_with_keys(self):
@@ -129,15 +117,9 @@ class Instrumented:
     def tree_unflatten(cls, aux, children):
         form, data, static, layout = aux
         if form == "function":
-            return cls(data, *static)
+            return cls(data.value, *static)
         if form == "partial":
             return cls(functools.partial(data, *children[0], **children[1]), *static)
-        if form == "closure":
-            copy = cls(_closure_filled(data, layout, children), *static)
-            # Its children may be stand-ins (NNX nodes split, tracers): flattened again,
-            # it gives them back as children, rather than what its copy's cells hold.
-            copy._closed = (data, layout, tuple(children))
-            return copy
         if form == "leaves":
             return cls(None, *static, leaves=(data, list(children)))
         return cls(children[0], *static)
@@ -151,8 +133,6 @@ class Instrumented:
         )
 
     def __call__(self, *args, **kwargs):
-        # One name read: harvest keys each call by the module globals this method's own
-        # code reads (so a rebound one is seen), which costs a check per name.
         return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
@@ -213,15 +193,6 @@ class Instrumented:
     def _sow_ops(self, run, call, args, kwargs):
         return sow_ops(run, call, args, kwargs)
 
-    def harvest_eager_dispatch(self, policy, gives, run_walk):
-        """How a transformation of this target is called eagerly: a function's
-        calls through one `jax.jit` (`_eager_dispatch`); None: harvest's own way."""
-        if self._kind == "function":
-            return EagerDispatch(self, policy, gives, run_walk)
-        if self._kind == "nnx":
-            return EagerModuleDispatch(self, policy, gives, run_walk)
-        return None
-
 
 def register(cls: type[Instrumented]) -> None:
     """Registers `cls` (`Instrumented` or a subclass) as a pytree."""
@@ -233,37 +204,17 @@ def register(cls: type[Instrumented]) -> None:
 register(Instrumented)
 
 
-_CHILD = object()  # in a closure's layout: the value is a child, not held in the structure
+class _Identity:
+    """A function target in a pytree's structure: compared and hashed by identity, as
+    `jax.jit` keys the function it is given (a bound method's object may be unhashable)."""
 
+    __slots__ = ("value",)
 
-def _closure_flat(target):
-    """(children, layout) of what a function target closes over and reads from its
-    module, as harvest takes a plain function's (`closure_of`, `globals_read`): arrays,
-    containers of them and NNX nodes as children, every other value `StaticValue` in the
-    layout, so the compile-cache key sees a value rebound; None for a target that
-    is not a plain function or reads nothing (a bound method's object is the key)."""
-    if not inspect.isfunction(target):
-        return None
-    cells, reads = closure_of(target), globals_read(target)
-    if not cells and not reads:
-        return None
-    values = (*cells, *(value for _, value in reads))
-    held = tuple(v if isinstance(v, StaticValue) else _CHILD for v in values)
-    children = [v for v in values if not isinstance(v, StaticValue)]
-    return children, (len(cells), tuple(name for name, _ in reads), held)
+    def __init__(self, value):
+        self.value = value
 
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and self.value is other.value
 
-def _object_key(target):
-    """What a target that is not a plain function is compared by beside itself: the
-    object of a bound method, or a callable object, by which object each of its
-    attributes is (`_free_variables.attributes_key`), so an attribute rebound (a
-    new weight array) re-traces."""
-    return attributes_key(target.__self__ if inspect.ismethod(target) else target)
-
-
-def _closure_filled(target, layout, children):
-    """`target` closing over and reading the values a `_closure_flat` layout and its children give."""
-    n, names, held = layout
-    given = iter(children)
-    values = [next(given) if h is _CHILD else h for h in held]
-    return with_closure(target, tuple(values[:n]), tuple(zip(names, values[n:])))
+    def __hash__(self):
+        return id(self.value)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import types
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
-from ._free_variables import (
-    EMPTY_CELL,
-    StaticValue,
-    closure_of,
-    globals_read,
-    read_part,
-    static_key,
-)
 from ._leaves import is_array, is_graph_node
 from ._typing import T, dataclass_transform
 
@@ -533,150 +524,3 @@ def axis_size(value: Any, axis: Any, what: str) -> int:
 
 def normalize_axis(value: Any, axis: int) -> int:
     return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])
-
-
-# ---------------------------------------------------------------------------
-# A plain function as data: its code static, the arrays it closes over traced.
-
-
-_DEPTH = 2  # how deep closed-over functions are themselves taken apart
-
-
-class TracedCode:
-    """A plain Python function as a pytree: its code, and what it reads besides
-    its arguments taken as harvest takes a harvested function's (see
-    `_free_variables`): closed-over cells, defaults and the module-level names
-    its code uses.
-
-    Arrays (and NNX graph nodes, and containers of arrays) among them are its
-    leaves, so a fresh lambda of the same code over a new array is the same
-    program with new data; immutable values are static, keyed by value (a
-    float by its repr); anything else by identity. Closed-over and default
-    plain functions are taken apart the same way, two levels deep (a plant
-    built from a helper is data too). Calling it calls the function rebuilt
-    around its current leaves.
-    """
-
-    def __init__(self, fn: Any, shape: _CodeShape, leaves: Sequence[Any]) -> None:
-        self._fn = fn
-        self._shape = shape
-        self._leaves = tuple(leaves)
-
-    @classmethod
-    def of(cls, fn: Any, depth: int = _DEPTH) -> TracedCode:
-        """``fn`` (a plain function) as a ``TracedCode``."""
-        parts = (
-            tuple(_nested(v, depth) for v in closure_of(fn)),
-            tuple(_nested(read_part(v), depth) for v in fn.__defaults__ or ()),
-            {k: _nested(read_part(v), depth) for k, v in (fn.__kwdefaults__ or {}).items()},
-            # Module-level values: arrays traced too (a loop at a notebook's top
-            # level), functions and modules by identity.
-            dict(globals_read(fn, defaults=False)),
-        )
-        leaves, treedef = jax.tree_util.tree_flatten(parts, is_leaf=is_graph_node)
-        dynamic = [is_array(leaf) or is_graph_node(leaf) for leaf in leaves]
-        statics = tuple((i, leaf) for i, (leaf, d) in enumerate(zip(leaves, dynamic)) if not d)
-        # Unless something is traced, the function itself is called, so that its
-        # `nonlocal` writes still reach its cells.
-        shape = _CodeShape(fn, not any(dynamic), treedef, statics)
-        return cls(fn, shape, [leaf for leaf, d in zip(leaves, dynamic) if d])
-
-    def function(self) -> Any:
-        """The function, closing over this pytree's leaves (perhaps tracers)."""
-        if self._fn is None:
-            self._fn = self._shape.rebuild(self._leaves)
-        return self._fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function()(*args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.function())
-
-    def __repr__(self) -> str:
-        return repr(self.function())
-
-    def tree_flatten(self) -> tuple[tuple[Any, ...], _CodeShape]:
-        return self._leaves, self._shape
-
-    @classmethod
-    def tree_unflatten(cls, shape: _CodeShape, leaves: Any) -> TracedCode:
-        return cls(None, shape, leaves)
-
-
-jax.tree_util.register_pytree_node_class(TracedCode)
-
-
-def _nested(part: Any, depth: int) -> Any:
-    """A `read_part`, with a plain function among static values taken apart itself."""
-    if depth > 0 and isinstance(part, StaticValue) and inspect.isfunction(part.value):
-        return TracedCode.of(part.value, depth - 1)
-    return part
-
-
-class _CodeShape:
-    """``TracedCode``'s static part: compared by the code and the keys of every
-    static value; it holds the values themselves only to rebuild the function,
-    and the function weakly (a compile cache keyed by this must not keep it
-    alive: only a call, which holds the function, traces)."""
-
-    def __init__(
-        self, fn: Any, keep: bool, treedef: Any, statics: tuple[tuple[int, Any], ...]
-    ) -> None:
-        self.template = weakref.ref(fn)
-        self.keep = keep
-        self.treedef = treedef
-        self.statics = statics
-        self.key = (fn.__code__, treedef, tuple((i, type(v), static_key(v)) for i, v in statics))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _CodeShape) and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def rebuild(self, dynamic: Sequence[Any]) -> Any:
-        fn = self.template()
-        assert fn is not None, "traced after the function was collected"
-        if self.keep:
-            return fn
-        it, at = iter(dynamic), dict(self.statics)
-        leaves = [at[i] if i in at else next(it) for i in range(self.treedef.num_leaves)]
-        cells, defaults, kwdefaults, read = self.treedef.unflatten(leaves)
-        space = fn.__globals__
-        changed = {name: _value(v) for name, v in read.items()}
-        changed = {name: v for name, v in changed.items() if v is not space.get(name)}
-        if changed:  # a copy of the module's namespace, holding the traced values
-            space = {**space, **changed}
-        rebuilt = types.FunctionType(
-            fn.__code__,
-            space,
-            fn.__name__,
-            tuple(_value(v) for v in defaults) or None,
-            tuple(
-                types.CellType() if v is EMPTY_CELL else types.CellType(_value(v)) for v in cells
-            ),
-        )
-        rebuilt.__kwdefaults__ = {k: _value(v) for k, v in kwdefaults.items()} or None
-        rebuilt.__qualname__ = fn.__qualname__
-        rebuilt.__dict__.update(fn.__dict__)
-        return rebuilt
-
-
-def _value(part: Any) -> Any:
-    """What ``read_part`` or ``_nested`` made of a value, back as the value."""
-    if isinstance(part, StaticValue):
-        return part.value
-    if isinstance(part, TracedCode):
-        return part.function()
-    return part
-
-
-def code_as_data(plants: Any) -> Any:
-    """``plants`` with each plain function in it a ``TracedCode``."""
-    if not plants:  # no plants: the common call of ``reap``
-        return plants
-    return jax.tree_util.tree_map(
-        lambda v: TracedCode.of(v) if inspect.isfunction(v) else v, plants
-    )

@@ -1,9 +1,8 @@
 """Flax NNX graph nodes: split before the trace, merged inside it, written back after.
 
-The one split/merge path: harvest's walk (`_transforms.run_walk`), the
-instrumented module's dispatch (`_eager_dispatch`) and the sweeps
-(`_compile_cache.jit_on_arrays`) all split through `split_nodes` /
-`split_of` (the kept split, `_SplitCache`) and merge through `call_merged`.
+The one split/merge path: harvest's walk (`_run_walk.run_walk`) and the sweeps
+(`_calling.compiled_on_arrays`) both split through `split_nodes` (the kept
+split, `_SplitCache`) and merge through `call_merged`.
 """
 
 from __future__ import annotations
@@ -395,20 +394,6 @@ def call_merged(
     return out, changes, [before.get(p) for p in changes.paths]
 
 
-def split_of(nodes: tuple[Any, ...]) -> Graph:
-    """The split of ``nodes`` (NNX graph nodes), the kept one while their structure holds
-    (as `split_nodes` gives it for a call holding exactly these nodes)."""
-    return _split_cache.graph(nnx_module(), nodes)
-
-
-def call_on_merged(f: Any, graph: Graph, count: int) -> tuple[Any, Changes]:
-    """``f(*nodes)`` on fresh nodes merged from ``graph`` (a split of ``count`` nodes);
-    returns its output and the state it changed or added in them, as `call_merged`."""
-    out, changes, _ = call_merged(f, tuple(map(_Node, range(count))), {}, graph)
-    assert changes is not None  # a graph was merged: its changes are told
-    return out, changes
-
-
 _measuring = threading.local()
 
 
@@ -446,12 +431,3 @@ def write_back(nodes: tuple[Any, ...], changes: Changes | None, stateful: tuple 
         names = ", ".join(".".join(map(str, p[len(nodes) == 1 :])) for p in changes.paths[:4])
         more = ", ..." if len(changes.paths) > 4 else ""
         raise _errors.nnx_state_from_another_trace(TraceContextError, names + more) from e
-
-
-def holds_graph_nodes(tree: Any) -> bool:
-    """Whether `split_nodes` would find NNX graph nodes in ``tree`` (without splitting them)."""
-    return any(
-        is_graph_node(leaf.__self__ if inspect.ismethod(leaf) else leaf)
-        for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_graph_node)
-        if type(leaf) not in ARRAY_TYPES
-    )

@@ -4,12 +4,13 @@ Both find the sites to patch from one trace of the corrupted run (`sites`'
 view of the program, so a site in a loop or inside a shard_map is swept once
 per occurrence as reap stacks it; which ones, and with which clean values, is
 `_sweep_plan`'s), patch through `plant`, and run as one compiled program per
-configuration (`_compile_cache`).
+configuration, through the function's one `jax.jit` (`_calling`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
-from ._compile_cache import compile_program
+from ._calling import compiled_on_arrays, rewrap, unwrap
 from ._interventions import AddRow, AddVector, PatchOccurrence, PatchWhere
 from ._nnx_state import splits_verified_once
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._sow import DEFAULT_TAG
+from ._traced_code import TracedCode
 from ._sweep_plan import Plan, batch_cleans, planned, site_value
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
@@ -120,21 +122,15 @@ def patching_sweep(
     The compiled program is kept and reused by later calls with the same
     ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
     argument shapes (and equal non-array arguments): a repeated sweep on new
-    data only runs. A plain function ``f`` is keyed by its code and what it
-    reads, by the rule for Python state every harvest call follows
-    (docs/semantics.md, "What harvest reads at each call"): the arrays it
-    closes over (or reads from its module) are traced, so a sweep after such
-    an array changes reads the new one, and a fresh closure of the same code
-    does not compile again; the contents of a dict or object it reads are read
-    when it is traced (``harvest.config.update("check_stale", True)`` names one
-    that changed). A module (NNX or Equinox) or a bound method of one is data:
-    weights changed in place are read at every call, without compiling again.
-    The program is kept in harvest's one compile table, which holds ``f``
-    weakly, is bounded by ``set_compile_cache``'s ``max_programs`` and is
-    emptied by ``harvest.clear_caches()``. The sites to patch are found once per key as well
-    (``f``, argument shapes and dtypes, an NNX module's graph definition,
-    non-array values, what ``f`` closes over), so a repeated sweep does not
-    trace ``f`` again.
+    data only runs. ``f`` is read as ``jax.jit(f)`` reads it: a module (NNX
+    or Equinox) or a bound method of one is data, so weights changed in place
+    are read at every call without compiling again; what a plain function
+    closes over is read when it is traced. The metric is keyed by its code and
+    what it closes over, so a fresh lambda each sweep does not recompile. The
+    program is ``f``'s one ``jax.jit``'s (emptied by ``harvest.clear_caches()``),
+    and the sites to patch are found once per ``f``, argument shapes and dtypes,
+    an NNX module's graph definition and non-array values, so a repeated sweep
+    does not trace ``f`` again.
 
     A sweep is a measurement: an NNX module that changes its own state when
     called (a counter, a ``BatchNorm`` in training mode, an RNG stream) has
@@ -405,6 +401,30 @@ def attribution_patching(
         effects.append([(values, len(values))])
         baselines.append(baseline)
     return _result(plan, axis, effects, baselines, wait=_waits(len(batches), baselines[0]))
+
+
+def compile_program(
+    program: Callable[[Any, Any, Any], Any],
+    f: Callable[..., Any],
+    metric: Callable[..., Any],
+    operands: Any,
+    spec: tuple[Any, ...],
+) -> Any:
+    """``program(f, metric, operands)`` through ``f``'s one `jax.jit` (`_calling`),
+    compiled once per ``spec`` (which determines ``program``) and shapes.
+
+    ``f`` is keyed as `jax.jit` keys it (what a method or partial binds is an
+    argument: a module's arrays traced). A plain function ``metric`` is data, a
+    `TracedCode` keyed by its code and what it closes over (arrays traced), so a
+    metric written as a fresh lambda at each sweep does not recompile."""
+    fn, bound = unwrap(f)
+    measure = TracedCode.of(metric) if inspect.isfunction(metric) else metric
+    return compiled_on_arrays(fn, _run_program, (bound, measure, operands), spec, program)
+
+
+def _run_program(fn: Any, tree: Any, program: Callable[[Any, Any, Any], Any]) -> Any:
+    bound, measure, operands = tree
+    return program(rewrap(fn, bound), measure, operands)
 
 
 def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None) -> jax.Array:

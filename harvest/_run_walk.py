@@ -1,18 +1,14 @@
 """One call of a harvested function: its parts, its key, and the walk that runs it.
 
-`run_walk` takes a call apart (the function, what it binds, what it reads
-besides its arguments, the plants, NNX state), decides up front where it
-runs (in place under an outer trace, or through the function's compiled
-walks in `_compile_cache`'s table), and `_walk` traces the function, validates its
-sites against the policy and the plants, and runs the walk (`_interpreter`).
-
-The table keeps a jit per underlying Python function and key, holding the
-function weakly: its compiled programs live as long as the function does, as `jax.jit(f)`'s
-do, so harvesting fresh closures in a loop does not pile up programs. Bound
-methods and `functools.partial` are unwrapped to their function; what they
-bind (the object, the partial's arguments) is passed as data, its arrays
-traced and the rest part of the cache key. Flax NNX graph nodes among that
-data are split into a static graph and traced state (see `_nnx_state`).
+`run_walk` takes a call apart (the function, what it binds, the plants, the
+arguments, NNX state), decides up front where it runs (in place under an
+outer trace, or through the function's one `jax.jit`, `_calling`), and `_walk`
+traces the function, validates its sites against the policy and the plants,
+and runs the walk (`_interpreter`). What the call binds (a method's object, a
+partial's arguments) is passed as data, its arrays traced and the rest static;
+Flax NNX graph nodes among it are split into a static graph and traced state
+(see `_nnx_state`). What the function reads besides its arguments is read when
+JAX traces it, as `jax.jit(f)` reads it.
 """
 
 from __future__ import annotations
@@ -32,13 +28,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import _errors, _jax, config
-from ._compile_cache import note_trace, note_unhashable, run_per_function
-from ._free_variables import attributes_key, closure_of, globals_read, static_key, with_closure
+from . import _errors, _jax
+from ._calling import Key, compiled, rewrap, static_key, unwrap
 from ._higher_order import bodies, describe
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
-from ._interventions import code_as_data
+from ._traced_code import code_as_data
 from ._leaves import array_flags, hide_static, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
@@ -49,7 +44,6 @@ from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow_index import sites_in
-from ._stale import Snapshot
 from ._stateful import flattening_call, holds_no_nodes, stateful_objects
 from ._tracing import make_jaxpr
 
@@ -69,78 +63,25 @@ def _traceable(number):
     return not isinstance(number, int) or -(2**31) <= number < 2**31
 
 
-class _CallKey:
-    """Everything about a call that is not an array: the jit cache key, hashed
-    once (a call looks it up twice: whether it can be cached, and its program)."""
+class _Static(NamedTuple):
+    """Everything about a call that is not an array (a `Key`'s fields)."""
 
-    __slots__ = (
-        "treedef",
-        "static_leaves",
-        "policy",
-        "reap",
-        "differentiating",
-        "_fields",
-        "_hash",
-    )
-
-    def __init__(
-        self,
-        treedef: Any,
-        static_leaves: tuple,  # (index, type, leaf, its `static_key`) for each leaf not traced;
-        # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0 and a mutated config
-        policy: Policy,
-        reap: bool,
-        differentiating: bool = False,  # a jvp/linearize outside the call (see `_RunsRules`)
-    ) -> None:
-        self.treedef, self.static_leaves, self.policy = treedef, static_leaves, policy
-        self.reap, self.differentiating = reap, differentiating
-        self._fields = (treedef, static_leaves, policy, reap, differentiating)
-        self._hash: int | None = None
-
-    def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(self._fields)  # raises TypeError for an unhashable leaf
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _CallKey) and self._fields == other._fields
-
-
-# -- the callable, split into a plain function and the data bound to it ------
-
-
-def _unwrap(f: Any) -> tuple[Any, Any]:
-    """(function, bound data) such that `_rewrap(function, data)` behaves as `f`."""
-    if isinstance(f, functools.partial):
-        fn, inner = _unwrap(f.func)
-        return fn, ("partial", inner, f.args, f.keywords)
-    if inspect.ismethod(f):
-        return f.__func__, ("method", f.__self__, attributes_key(f.__self__))
-    if inspect.isfunction(f):
-        return f, None
-    # Any other callable object (a module, say): its class's __call__ plus itself.
-    return type(f).__call__, ("method", f, attributes_key(f))
-
-
-def _rewrap(fn, data):
-    if data is None:
-        return fn
-    if data[0] == "method":
-        return functools.partial(fn, data[1])
-    _, inner, args, keywords = data
-    return functools.partial(_rewrap(fn, inner), *args, **keywords)
+    treedef: Any
+    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
+    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0
+    policy: Policy
+    reap: bool
+    differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
 
 
 class _Call(NamedTuple):
     """What one call of a harvested function is given, in parts."""
 
-    bound: Any  # what the callable binds (see `_unwrap`)
+    bound: Any  # what the callable binds (see `_calling.unwrap`)
     plants: Any
     args: tuple
     kwargs: dict
     graph: Any  # the NNX graph nodes' split state (see `_tracing`)
-    cells: tuple  # what the function closes over (see `_free_variables.closure_of`)
-    globals: tuple  # the module-level values it reads, keyed (see `_free_variables.globals_read`)
 
 
 # The parts whose numbers are data, traced rather than static.
@@ -163,7 +104,7 @@ def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
     return traced
 
 
-def _walk(fn, dynamic, static: _CallKey, staged=False, batched=frozenset(), unrolled=frozenset()):
+def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
     """The walk of one call: traced, its sites and plants validated, then run.
     Returns (out, reaps in program order, changed NNX state)."""
     traced = _trace_call(fn, dynamic, static, batched, unrolled)
@@ -240,19 +181,19 @@ class _Traced(NamedTuple):
     inner_tags: set
 
 
-def _trace_call(fn, dynamic, static: _CallKey, batched, unrolled) -> _Traced:
+def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
     leaves, dyn = [], iter(dynamic)
     static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
     for i in range(static.treedef.num_leaves):
         leaves.append(static_at[i] if i in static_at else next(dyn))
     call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    bound, plants, args, kwargs, graph, cells, reads = call_parts
+    bound, plants, args, kwargs, graph = call_parts
     if isinstance(graph, GraphShape):
         graph = graph.filled(dyn)  # the state's leaves come last
 
-    def call(bound, cells, reads, /, *args, **kwargs):
-        # `cells` and `reads` are passed, not closed over, so that NNX nodes among them are merged.
-        return _rewrap(with_closure(fn, cells, reads), bound)(*args, **kwargs)
+    def call(bound, /, *args, **kwargs):
+        # `bound` is passed, not closed over, so that NNX nodes among it are merged.
+        return rewrap(fn, bound)(*args, **kwargs)
 
     called = bound[1] if bound is not None and bound[0] == "method" else None
     # Errors name the user's function (a model called: the method that runs it).
@@ -263,12 +204,12 @@ def _trace_call(fn, dynamic, static: _CallKey, batched, unrolled) -> _Traced:
     # strings) closed over, as jit's static arguments would be.
     with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
         closed, arrays, out_shape = make_jaxpr(
-            call, (bound, cells, reads, *args), kwargs, graph, return_shape=True
+            call, (bound, *args), kwargs, graph, return_shape=True
         )
     return _Traced(closed, arrays, out_shape, plants, inner_tags)
 
 
-def _check_stageable(jaxpr, static: _CallKey) -> None:
+def _check_stageable(jaxpr, static: _Static) -> None:
     """Raises what sends a staged walk back to `run_walk` to be walked in place."""
     if not _lowerable(jaxpr):
         raise _Unlowerable
@@ -276,7 +217,7 @@ def _check_stageable(jaxpr, static: _CallKey) -> None:
         raise _RunsRules
 
 
-def _checked_sites(traced: _Traced, static: _CallKey):
+def _checked_sites(traced: _Traced, static: _Static):
     """(each site key's rank in program order, the sites the policy handles, the keys
     of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
     jaxpr, policy = traced.closed.jaxpr, static.policy
@@ -318,7 +259,7 @@ def _checked_sites(traced: _Traced, static: _CallKey):
     return first, handled, filtered
 
 
-def _run(traced: _Traced, static: _CallKey, resolved, order):
+def _run(traced: _Traced, static: _Static, resolved, order):
     walk = Walk(static.policy, resolved, static.reap)
     outs = interpret(walk, traced.closed.jaxpr, traced.closed.consts, traced.arrays)
     out_tree = jax.tree_util.tree_structure(traced.out_shape)
@@ -499,77 +440,57 @@ jax.tree_util.register_pytree_node(
 )
 
 
-def _walk_weak(fn_ref, dynamic, static):
-    # Traces alike but for Python values (a new number, a fresh closure) count together.
-    alike = (
-        static.treedef,
-        tuple(kind for _, kind, _, _ in static.static_leaves),
-        static.policy,
-        static.reap,
-    )
-    note_trace(fn_ref(), dynamic, alike)
-    out, flat, changes, numbers_ = _walk(fn_ref(), dynamic, static, staged=True)
+def _walk_staged(fn, dynamic, key: Key):
+    """The body of ``fn``'s `jax.jit` for a walk (see `_calling.compiled`)."""
+    out, flat, changes, numbers_ = _walk(fn, dynamic, key.fields, staged=True)
     # The planted numbers' dtypes leave as structure, known to each call without a device sync.
     return out, flat, changes, hide_static(numbers_)
 
 
-def run_walk(f, policy, reap, plants, args, kwargs, finish=True):
-    """Runs the walk of `f` under `policy`; returns (out, reaps). With `finish=False`,
-    as the compiled walk gives them: `out` with its static leaves wrapped, the reaps
-    flat and in program order (pytrees a `jax.jit` can return; see `_eager_dispatch`)."""
+def run_walk(f, policy, reap, plants, args, kwargs):
+    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
     for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
         _note_walked(tag)
-    fn, bound = _unwrap(f)
+    fn, bound = unwrap(f)
     dynamic, static, nodes, stateful = _taken_apart(fn, bound, policy, reap, plants, args, kwargs)
-    place = _placement(fn, static)
-    if place is _COMPILED:
+    if _in_place(fn, static):
+        out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
+    else:
+        alike = (static.treedef, tuple(k for _, k, _, _ in static.static_leaves), policy, reap)
         try:
-            snapshot = (
-                (lambda: Snapshot.of(fn, bound, args, kwargs)) if config.check_stale else None
-            )
-            out, flat, changes, planted = run_per_function(
-                fn, _walk_weak, dynamic, static, snapshot
-            )
+            out, flat, changes, planted = compiled(fn, dynamic, Key(_walk_staged, static, alike))
             _check_planted_numbers(dynamic, reveal_static(planted))
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`
             # itself outside `jit`, and remember not to try compiling it again.
             _eager_only.add(fn)
-            place = _IN_PLACE
+            out, flat, changes, _ = _walk(fn, dynamic, static)
         except _RunsRules:
             _rule_walks.add(fn)
-            place = _IN_PLACE
-    if place is _IN_PLACE:
-        out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
+            out, flat, changes, _ = _walk(fn, dynamic, static)
     write_back(nodes, changes, stateful)
-    if not finish:
-        return out, flat
     return reveal_static(out), nested_dict(flat)
 
 
 def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
-    """(the traced leaves, the `_CallKey`, the NNX nodes split, the `Stateful` objects)
+    """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
     of one call of `fn` binding `bound`."""
     with flattening_call():
-        cells, reads = closure_of(fn), globals_read(fn)
-        if holds_no_nodes((bound, args, kwargs, cells, reads)):
+        if holds_no_nodes((bound, args, kwargs)):
             stateful, graph, nodes = (), None, ()
         else:
             stateful = stateful_objects((bound, args, kwargs))
-            # NNX nodes the function closes over or reads from its module are split as arguments are.
-            (bound, args, kwargs, cells, reads), graph, nodes = split_nodes(
-                (bound, args, kwargs, cells, reads)
-            )
+            (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
         state: tuple[Any, ...] = ()
         apart = None if graph is None else graph.apart()
         if apart is not None:
             graph, state = apart  # a model's state goes straight to the traced leaves
-        call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph, cells, reads)
+        call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph)
         leaves, treedef = jax.tree_util.tree_flatten(call_parts)
         traced = _traced_leaves(leaves, treedef)
     dynamic = [*itertools.compress(leaves, traced), *state]
-    static = _CallKey(
+    static = _Static(
         treedef,
         tuple(
             (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
@@ -582,29 +503,17 @@ def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
     return dynamic, static, nodes, stateful
 
 
-# Where a call's walk runs.
-_IN_PLACE = "in place"  # traced and walked now, into the trace around it (or op by op)
-_COMPILED = "compiled"  # through the function's compiled walks (`_compile_cache`)
-
-
-def _placement(fn, static: _CallKey) -> str:
-    if _jax.staged_beneath() or (static.differentiating and fn in _rule_walks):
-        # Already being staged (under jit, scan, ..., or a vmap or grad inside one):
-        # the outer trace is the cache, and walking in place saves a nested jit for
-        # XLA to inline (and, under vmap, batching the walk's jaxpr after the fact).
-        return _IN_PLACE
-    if fn in _eager_only:
-        return _IN_PLACE
-    try:
-        hash(static)
-        weakref.ref(fn)
-    except TypeError:
-        # An unhashable non-array argument (a mutable config object, say), or
-        # a function that cannot be weakly referenced: still correct, just
-        # traced at every call, with nothing cached that could go stale.
-        note_unhashable(fn, [leaf for _, _, leaf, _ in static.static_leaves])
-        return _IN_PLACE
-    return _COMPILED
+def _in_place(fn, static: _Static) -> bool:
+    """Whether the call's walk runs in place: traced and walked now, into the trace
+    around it (or op by op), rather than through `fn`'s `jax.jit`."""
+    # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
+    # outer trace is the cache, and walking in place saves a nested jit for XLA to
+    # inline (and, under vmap, batching the walk's jaxpr after the fact).
+    return (
+        _jax.staged_beneath()
+        or (static.differentiating and fn in _rule_walks)
+        or fn in _eager_only
+    )
 
 
 # Functions whose walk cannot be compiled, because they bind a primitive

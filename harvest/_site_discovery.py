@@ -7,9 +7,9 @@ keyed as `jax.jit` keys its traces: by the function (held weakly, so its
 entries go with it), by the shapes and dtypes of the traced leaves of what it
 is given and binds (an NNX module's state included, so weights changed in
 place find the same entry), and by every other leaf's value (its
-`static_key`), the NNX graph definition among them, and what the function
-closes over and the module-level values it reads. A new shape, a flag, a
-replaced layer or a rebound closure is a new key, and traces again.
+`static_key`), the NNX graph definition among them. A new shape, a flag or a
+replaced layer is a new key, and traces again; what the function closes over
+is read when it is traced, as `jax.jit` reads it.
 `jax.clear_caches()` clears the sites too.
 """
 
@@ -24,11 +24,10 @@ from typing import Any
 import jax
 
 from . import _jax
-from ._free_variables import closure_of, globals_read, static_key
+from ._calling import static_key, unwrap
 from ._inspect import sow_firings
 from ._leaves import is_array
 from ._nnx_state import GraphShape, forget_verified_splits, split_nodes
-from ._run_walk import _unwrap
 from ._site import Site
 from ._tracing import make_jaxpr
 
@@ -65,7 +64,7 @@ clear_sites = _clearer.cache_clear  # and `harvest.clear_caches()`
 def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...]:
     """Every sow of ``f(*args)``'s program, in program order, as `sow_firings` gives
     them (each equation as its `Site`); traced only for a signature not seen before."""
-    fn, bound = _unwrap(f)
+    fn, bound = unwrap(f)
     key = _signature(fn, bound, args)
     table = None
     if key is not None:
@@ -95,11 +94,7 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
-    # NNX modules the function closes over or reads from its module are split with the
-    # arguments' (see `closure_of`), so a layer replaced deep inside one is a new key.
-    (bound, args, cells, reads), graph, _ = split_nodes(
-        (bound, args, closure_of(fn), globals_read(fn))
-    )
+    (bound, args), graph, _ = split_nodes((bound, args))
     state: Any = ()
     shape: GraphShape | None = None
     if graph is not None:  # a model's state is keyed apart, by its arrays' identity
@@ -107,7 +102,7 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     # The graph goes into the tree structure, which hashes without hashing the
     # graph definition (a deep walk, ~ms on a transformer) and compares the same
     # definition, as the split cache hands it back, by identity first.
-    leaves, tree = jax.tree_util.tree_flatten((bound, args, cells, reads, shape))
+    leaves, tree = jax.tree_util.tree_flatten((bound, args, shape))
     key = (tree, tuple(map(_abstract, leaves)), _state_abstract(fn, state))
     try:
         hash(key)

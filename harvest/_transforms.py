@@ -1,11 +1,11 @@
 """reap, plant, harvest, call_and_reap and nest: one walk, four faces.
 
 Each is `transform` with a different policy and plants, and a choice of
-what the transformed function returns. `run_walk` stages the whole
-walk inside a `jax.jit`, so a harvested function called again with the same
-shapes is neither re-traced nor re-compiled, and under an outer `jit` it costs
-what the hand-written function returning the same values costs (see
-`_run_walk`, which runs one call).
+what the transformed function returns. An eager call runs the walk through
+the function's one `jax.jit` (`_calling`), so a harvested function called
+again with the same shapes and static arguments is neither re-traced nor
+re-compiled, and under an outer `jit` it costs what the hand-written function
+returning the same values costs (see `_run_walk`, which runs one call).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, Concatenate
 import jax
 
 from . import _errors, _jax
-from ._eager_dispatch import NOT_TAKEN
 from ._interpreter import NameFilter, Policy, Tags
 from ._leaves import is_array
 from ._run_walk import code_of, layer_tag as layer_tag, run_walk
@@ -89,16 +88,10 @@ def transform(
     """
     _check_callable(f, fn_name)
     reap, pick = gives != "out", _GIVES[gives]
-    # A target that JAX's own dispatch can call eagerly (an instrumented function) says so.
-    dispatcher = getattr(type(f), "harvest_eager_dispatch", None)
-    dispatch = None if dispatcher is None else dispatcher(f, policy, gives, run_walk)
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            result = NOT_TAKEN if dispatch is None else dispatch(plants, args, kwargs)
-            if result is NOT_TAKEN:
-                result = run_walk(f, policy, reap, plants, args, kwargs)
-            return pick(result)
+            return pick(run_walk(f, policy, reap, plants, args, kwargs))
         except ValueError as error:
             better = reword(error) if reword is not None else None
             if better is None:
@@ -163,13 +156,12 @@ def reap(
     shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
     iterations that ran.
 
-    Arguments are taken as ``equinox.filter_jit`` takes them, here and in every
-    other transformation: JAX and NumPy arrays are traced; every other leaf
-    (Python numbers, bools, None, strings, callables, enums, configs) reaches
-    ``f`` as itself and is part of the compile-cache key, so a new value
-    re-traces (a loop over many distinct Python floats compiles once per float;
-    pass such a number as an array to trace it). Flax NNX modules, as ``f``,
-    its ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
+    An eager call reads what ``jax.jit(f)`` reads, here and in every other
+    transformation: the arguments at every call (JAX and NumPy arrays traced;
+    every other leaf -- a Python number, bool, string, config -- static, so a
+    new value re-traces), and everything else ``f`` reads (closures, globals,
+    an object's attributes) when it is traced. Flax NNX modules, as ``f``, its
+    ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
     call leaves their state (batch statistics, RNG counters, intermediates)
     as a direct call would.
 

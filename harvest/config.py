@@ -1,53 +1,53 @@
 """harvest's settings, read and set as `jax.config`'s are.
 
-``harvest.config.update("check_stale", True)`` (or the environment variable
-``HARVEST_CHECK_STALE=1``, read at import) makes each eager call of a
-harvested function also trace it afresh and compare that program, bit for
-bit, with the compiled one harvest kept; where they differ it raises
-``harvest.StaleValueError`` naming the value that changed and where the
-function reads it. Like ``jax_check_tracer_leaks``, it is a debugging aid:
-each call traces again (the function's Python side effects run twice).
+There is one: ``warn_after``, how many times one function's code may be traced
+for the same shapes and structure before a ``harvest.RecompileWarning`` says
+so (a new Python number or a fresh closure at every call; default 32). The
+compiled programs themselves are JAX's, in ``jax.jit``'s cache: JAX bounds it,
+and ``harvest.clear_caches()`` clears it.
 
 Example:
     >>> import harvest
-    >>> harvest.config.check_stale
-    False
-    >>> harvest.config.update("check_stale", True)
-    >>> harvest.config.check_stale
-    True
-    >>> harvest.config.update("check_stale", False)
+    >>> harvest.config.warn_after
+    32
+    >>> harvest.config.update("warn_after", 100)
+    >>> harvest.config.warn_after
+    100
+    >>> harvest.config.update("warn_after", 32)
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from . import _errors
 
-_FALSE = frozenset({"", "0", "false", "no", "off"})
+__all__ = ["update", "warn_after"]
 
-check_stale: bool = os.environ.get("HARVEST_CHECK_STALE", "").strip().lower() not in _FALSE
+warn_after: int = 32
 
 
 def update(name: str, value: Any) -> None:
     """Sets one of harvest's settings.
 
     Args:
-        name: The setting: ``"check_stale"``.
-        value: Its new value (``True`` or ``False``).
+        name: The setting: ``"warn_after"``.
+        value: Its new value (a positive int).
+
+    Returns:
+        None.
 
     Raises:
         ValueError: ``name`` is not a setting.
-        TypeError: ``value`` is not a bool.
+        TypeError: ``value`` is not a positive int.
 
     Example:
         >>> import harvest
-        >>> harvest.config.update("check_stale", False)
+        >>> harvest.config.update("warn_after", 32)
     """
-    global check_stale
-    if name != "check_stale":
-        raise _errors.bad_config_name(name, ["check_stale"])
-    if not isinstance(value, bool):
+    global warn_after
+    if name != "warn_after":
+        raise _errors.bad_config_name(name, ["warn_after"])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise _errors.bad_config_value(name, value)
-    check_stale = value
+    warn_after = value
