@@ -7,8 +7,8 @@ from ._jax import restore_tfp_alias as _restore_tfp_alias
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
 from . import config as config, extend as extend, store as store
-from ._capture import capture as capture
 from ._calling import clear_caches as clear_caches
+from ._capture import capture as capture
 from ._errors import RecompileWarning as RecompileWarning
 from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._instrument import instrument as instrument

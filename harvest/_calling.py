@@ -55,7 +55,7 @@ def unwrap(f: Any) -> tuple[Any, Any]:
         return f.__func__, ("method", f.__self__)
     if inspect.isfunction(f):
         return f, None
-    call = getattr(type(f), "__call__", None)
+    call = next((vars(k)["__call__"] for k in type(f).__mro__ if "__call__" in vars(k)), None)
     if inspect.isfunction(call):  # a module, an instrumented model: its class's code plus itself
         return call, ("method", f)
     return f, None
@@ -247,7 +247,8 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
     if code is None:
         return
     shapes = tuple(
-        (getattr(a, "shape", ()), str(getattr(a, "dtype", ""))) for a in jax.tree_util.tree_leaves(dynamic)
+        (getattr(a, "shape", ()), str(getattr(a, "dtype", "")))
+        for a in jax.tree_util.tree_leaves(dynamic)
     )
     counted = (code, shapes, key.run, key.alike)
     try:

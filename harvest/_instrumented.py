@@ -11,7 +11,6 @@ with the sites it selects: a module target with its submodule classes wrapped
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 

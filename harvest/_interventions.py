@@ -10,8 +10,6 @@ selection.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _errors
-from ._leaves import is_array, is_graph_node
 from ._typing import T, dataclass_transform
 
 if TYPE_CHECKING:

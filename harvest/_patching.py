@@ -10,7 +10,6 @@ configuration, through the function's one `jax.jit` (`_calling`).
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,8 +25,8 @@ from ._nnx_state import splits_verified_once
 from ._patching_result import PatchingResult
 from ._paths import nested_dict, path_str
 from ._sow import DEFAULT_TAG
-from ._traced_code import TracedCode
 from ._sweep_plan import Plan, batch_cleans, planned, site_value
+from ._traced_code import TracedCode, can_be_data
 from ._transforms import plant, reap
 from ._typing import NameSelect, Reaped
 
@@ -418,7 +417,7 @@ def compile_program(
     `TracedCode` keyed by its code and what it closes over (arrays traced), so a
     metric written as a fresh lambda at each sweep does not recompile."""
     fn, bound = unwrap(f)
-    measure = TracedCode.of(metric) if inspect.isfunction(metric) else metric
+    measure = TracedCode.of(metric) if can_be_data(metric) else metric
     return compiled_on_arrays(fn, _run_program, (bound, measure, operands), spec, program)
 
 

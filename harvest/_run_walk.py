@@ -33,7 +33,6 @@ from ._calling import Key, compiled, rewrap, static_key, unwrap
 from ._higher_order import bodies, describe
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
-from ._traced_code import code_as_data
 from ._leaves import array_flags, hide_static, is_array, reveal_static
 from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
@@ -45,6 +44,7 @@ from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow_index import sites_in
 from ._stateful import flattening_call, holds_no_nodes, stateful_objects
+from ._traced_code import code_as_data
 from ._tracing import make_jaxpr
 
 
@@ -510,9 +510,7 @@ def _in_place(fn, static: _Static) -> bool:
     # outer trace is the cache, and walking in place saves a nested jit for XLA to
     # inline (and, under vmap, batching the walk's jaxpr after the fact).
     return (
-        _jax.staged_beneath()
-        or (static.differentiating and fn in _rule_walks)
-        or fn in _eager_only
+        _jax.staged_beneath() or (static.differentiating and fn in _rule_walks) or fn in _eager_only
     )
 
 

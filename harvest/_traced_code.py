@@ -1,15 +1,19 @@
 """A plain function as data: a callable plant or a sweep's metric, keyed by its
 code and what it closes over, so a fresh lambda of the same code does not recompile.
+Only a function whose code names no module-level value is taken so (`can_be_data`):
+one that reads a global is keyed by identity, as `jax.jit` keys a function, since
+nothing in its closure would show the global rebound.
 
 Arrays (and NNX graph nodes, and containers of arrays) it closes over or has as
 defaults are traced leaves; an immutable value is static, keyed by value (a float
-by its repr); anything else by identity. Its module's globals are read when it is
-traced, as `jax.jit` reads them.
+by its repr); anything else by identity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import dis
+import functools
 import inspect
 import types
 import weakref
@@ -150,8 +154,7 @@ _DEPTH = 2  # how deep closed-over functions are themselves taken apart
 
 class TracedCode:
     """A plain Python function as a pytree: its code, and its closed-over cells
-    and defaults (its module's globals are read when it is traced, as `jax.jit`
-    reads them).
+    and defaults (its code names no module-level value, see `can_be_data`).
 
     Arrays (and NNX graph nodes, and containers of arrays) among them are its
     leaves, so a fresh lambda of the same code over a new array is the same
@@ -212,7 +215,7 @@ jax.tree_util.register_pytree_node_class(TracedCode)
 
 def _nested(part: Any, depth: int) -> Any:
     """A `read_part`, with a plain function among static values taken apart itself."""
-    if depth > 0 and isinstance(part, StaticValue) and inspect.isfunction(part.value):
+    if depth > 0 and isinstance(part, StaticValue) and can_be_data(part.value):
         return TracedCode.of(part.value, depth - 1)
     return part
 
@@ -271,9 +274,26 @@ def _value(part: Any) -> Any:
 
 
 def code_as_data(plants: Any) -> Any:
-    """``plants`` with each plain function in it a ``TracedCode``."""
+    """``plants`` with each plain function in it that `can_be_data` a ``TracedCode``."""
     if not plants:  # no plants: the common call of ``reap``
         return plants
-    return jax.tree_util.tree_map(
-        lambda v: TracedCode.of(v) if inspect.isfunction(v) else v, plants
-    )
+    return jax.tree_util.tree_map(lambda v: TracedCode.of(v) if can_be_data(v) else v, plants)
+
+
+def can_be_data(fn: Any) -> bool:
+    """Whether ``fn`` can be keyed by its code and what it closes over: a plain function
+    whose code names no global (a module-level value could change with nothing in the
+    key to show it). One that does is keyed as `jax.jit` keys a function, by identity."""
+    return inspect.isfunction(fn) and not _loads_globals(fn.__code__)
+
+
+@functools.lru_cache(maxsize=4096)
+def _loads_globals(code: types.CodeType) -> bool:
+    """Whether ``code`` or a code object inside it (a comprehension, a nested lambda)
+    looks a name up in its module (read from the bytecode, not from the module)."""
+    if any(i.opname in _GLOBAL_LOADS for i in dis.get_instructions(code)):
+        return True
+    return any(_loads_globals(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME"})

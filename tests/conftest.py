@@ -110,15 +110,3 @@ def close(a, b, rtol=1e-5, atol=1e-6):
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         assert jnp.shape(x) == jnp.shape(y), (jnp.shape(x), jnp.shape(y))
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
-
-
-@pytest.fixture
-def check_stale():
-    """harvest's check mode (`harvest.config.update("check_stale", True)`) on for one test."""
-    import harvest
-
-    harvest.config.update("check_stale", True)
-    try:
-        yield
-    finally:
-        harvest.config.update("check_stale", False)

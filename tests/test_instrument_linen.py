@@ -173,7 +173,7 @@ def test_eager_calls_read_new_weights_and_see_a_new_structure(setup):
     np.testing.assert_allclose(reaped["layer_2"], wide.apply(wide_variables, x), rtol=1e-6)
 
 
-# -- eager calls through JAX's own dispatch (`harvest/_eager_dispatch.py`) ----------
+# -- eager calls: one jax.jit per function, reading what it is given -------------
 
 traces = []  # one entry per trace of `Counted` (Python runs only while tracing)
 
@@ -185,27 +185,20 @@ class Counted(nn.Module):
         return Block(name="layer_0")(None, x)[1]
 
 
-def _no_own_path(*args, **kwargs):
-    raise AssertionError("harvest's own eager path ran")
-
-
-def test_eager_calls_run_through_one_jit_and_read_what_they_are_given(setup, monkeypatch):
-    """After the first call, eager calls do not go harvest's own way (it is made to
-    fail here), yet see new weights, a new shape (traced once more), a rebound
-    closed-over dict and a rebound global, each against the forward by hand."""
-    import harvest._transforms as transforms
-
-    _, variables, x = setup
+def test_eager_calls_trace_once_and_read_the_variables_they_are_given(setup):
+    """Eager calls of an instrumented `apply` trace once per shape, yet read new
+    weights each call (they are an argument), each against the forward by hand; a
+    Python flag among the arguments is static; a callable plant is data."""
+    _, _, x = setup
     model = Counted()
     weights = model.init(jax.random.key(0), x)
     other = model.init(jax.random.key(5), x)
-    net, held = model, weights
 
-    def apply(v, a):
-        return model.apply(v, a) * SCALE
+    def apply(v, a, double=False):
+        out = model.apply(v, a)
+        return 2 * out if double else out  # Python control flow on the flag
 
-    closed = instrument(lambda a: net.apply(held, a))
-    capture, capture_closed = reap(instrument(apply), tag="modules"), reap(closed, tag="modules")
+    capture = reap(instrument(apply), tag="modules")
     both = call_and_reap(instrument(apply), tag="modules")
     planted = plant(instrument(apply), tag="modules")
 
@@ -216,55 +209,25 @@ def test_eager_calls_run_through_one_jit_and_read_what_they_are_given(setup, mon
     traces.clear()
     first = capture(weights, x)
     assert list(first) == ["layer_0.mlp.Proj_0", "layer_0.mlp.Proj_1", "layer_0.mlp", "layer_0"]
-    capture_closed(x)
     np.testing.assert_allclose(both(weights, x)[0], expected(weights, x), rtol=1e-6)
     ones = {"layer_0": jnp.ones((2, D))}
     np.testing.assert_allclose(planted(ones, weights, x), jnp.ones((2, D)))
-    monkeypatch.setattr(transforms, "run_walk", _no_own_path)
     np.testing.assert_allclose(capture(other, x)["layer_0"], expected(other, x), rtol=1e-6)
     mutated = jax.tree_util.tree_map(lambda a: a, weights)
     mutated["params"]["layer_0"]["mlp"]["linear"] = other["params"]["layer_0"]["mlp"]["linear"]
     np.testing.assert_allclose(capture(mutated, x)["layer_0"], expected(mutated, x), rtol=1e-6)
-    assert len(traces) == 4  # once for each transformed function
+    assert len(traces) == 2  # reap and call_and_reap share one program; plant has its own
     wide = jnp.ones((5, D))
     for _ in range(2):
         np.testing.assert_allclose(capture(weights, wide)["layer_0"], expected(weights, wide))
-    assert traces[4:] == [(5, D)]  # the new shape traced once
-    held = other  # a closed-over dict of arrays rebound: its new arrays are read
-    np.testing.assert_allclose(capture_closed(x)["layer_0"], expected(other, x), rtol=1e-6)
-    net, held = Wide(), Wide().init(jax.random.key(3), x)  # another structure, closed over
-    assert len(capture_closed(x)) == 12
-    global SCALE
-    SCALE = 3.0  # a module-level number the function reads, rebound
-    try:
-        np.testing.assert_allclose(both(weights, x)[0], 3.0 * expected(weights, x), rtol=1e-6)
-        np.testing.assert_allclose(planted(ones, weights, x), 3.0 * jnp.ones((2, D)))
-    finally:
-        SCALE = 1.0
-
-
-SCALE = 1.0
-
-
-def test_eager_calls_jit_would_take_otherwise_go_harvests_own_way(setup, monkeypatch):
-    """A Python bool (static to harvest, traced by `jax.jit`) and a callable plant go
-    harvest's own way; errors are harvest's own short ones."""
-    import harvest._transforms as transforms
-
-    model, variables, x = setup
-
-    def apply(v, a, double):
-        out = model.apply(v, a)
-        return 2 * out if double else out  # Python control flow on the flag
-
-    f = instrument(apply)
-    out, reaped = call_and_reap(f, tag="modules")(variables, x, True)
-    np.testing.assert_allclose(out, 2 * by_hand(variables, x)[0], rtol=1e-6)
-    np.testing.assert_allclose(reaped["layer_1"], by_hand(variables, x)[0], rtol=1e-6)
+    assert traces[2:] == [(5, D)]  # the new shape traced once
+    out, reaped = both(weights, x, True)
+    np.testing.assert_allclose(out, 2 * expected(weights, x), rtol=1e-6)
+    np.testing.assert_allclose(reaped["layer_0"], expected(weights, x), rtol=1e-6)
+    doubled = {"layer_0": lambda o: 2 * o}
+    for _ in range(2):
+        np.testing.assert_allclose(planted(doubled, weights, x), 2 * expected(weights, x), rtol=1e-6)
+    assert len(traces) == 5  # the flag and the callable plant: one trace each
     with pytest.raises(ValueError, match="matches no sow site") as error:
-        reap(f, tag="modules", allowlist="nope")(variables, x, False)
+        reap(instrument(apply), tag="modules", allowlist="nope")(weights, x)
     assert len(str(error.value)) < 600
-    called = []
-    monkeypatch.setattr(transforms, "run_walk", lambda *a, **k: called.append(1) or ({}, {}))
-    plant(instrument(model.apply), tag="modules")({"layer_0": lambda o: 2 * o}, variables, x)
-    assert called  # a callable plant: harvest's own path

@@ -500,7 +500,6 @@ def test_the_same_model_twice_or_two_models_are_told_apart():
         close(reaped["b_out"], hand_forward(b.w1[...], b.w2[...], x)[0])
 
 
-
 class Grown(nnx.Module):
     """A model whose structure the tests below change between calls of one capture."""
 
