@@ -11,10 +11,8 @@ each pair timed interleaved in one run:
 * steady: the eager capture called again and again (cached), vs the jitted forward
   with the weights as arguments (Penzai: `pz.freeze_variables(model)`, as the capture
   traces them);
-* steady, harvest's own path (Gemma): the same capture of a function taking a Python
-  flag too, which `jax.jit` would trace and harvest keeps static, so the call is
-  flattened and keyed by harvest in Python rather than dispatched by JAX's own
-  `jax.jit` (`harvest/_eager_dispatch.py`), vs the same jitted forward;
+* steady, with a flag (Gemma): the same capture of a function taking a Python
+  flag too, a static argument of its one `jax.jit`, vs the same jitted forward;
 * steady, inside `jax.jit`: the capture jitted, vs the jitted forward taking the weights
   as the capture does (Penzai: closed over, as constants);
 * steady, inside `jax.jit`, against the same forward also returning one array per
@@ -237,7 +235,7 @@ def render(rows: list[dict]) -> list[str]:
         "block output and every attention hook (`hook_q/k/v/z/pattern`), against the model's forward",
         "under `jax.jit`. Ratios of medians, ours over the jitted forward, timed interleaved.",
         "",
-        "| model | sites (hooks) | steady | steady, harvest's own path | steady, inside `jax.jit` "
+        "| model | sites (hooks) | steady | steady, with a Python flag | steady, inside `jax.jit` "
         "| inside `jax.jit`, vs the forward returning as many arrays | first call |",
         "|---|---|---|---|---|---|---|",
     ]

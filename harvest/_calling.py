@@ -74,6 +74,7 @@ class Key:
     """The static argument of a function's one `jax.jit`: which body runs
     (``run(fn, dynamic, key)``) and everything else, but arrays, that shapes its
     program (``fields``: equal fields, equal programs). Its hash is computed once.
+    ``alike(fields)`` gives the fields but Python values (for the recompile warning).
     ``payload`` is this call's, read only if JAX traces (a new key or new shapes):
     something the fields determine (a sweep's program), not compared."""
 
@@ -83,7 +84,7 @@ class Key:
         self, run: Callable[..., Any], fields: Any, alike: Any = None, payload: Any = None
     ) -> None:
         self.run, self.fields = run, fields
-        self.alike = alike  # the fields but Python values: what the recompile warning compares
+        self.alike = alike
         self.payload = payload
         self._hash: int | None = None
 
@@ -93,7 +94,7 @@ class Key:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return (
+        return self is other or (
             isinstance(other, Key)
             and self.run is other.run
             and (self.fields is other.fields or self.fields == other.fields)
@@ -166,9 +167,13 @@ def compiled_on_arrays(
         if not t
     )
     arrays = [*itertools.compress(leaves, traced), *state]
-    alike = (run, treedef, tuple(kind for _, kind, _, _ in static))
-    key = Key(_on_arrays, (run, spec, treedef, static), alike, payload)
+    key = Key(_on_arrays, (run, spec, treedef, static), _alike_on_arrays, payload)
     return compiled(fn, arrays, key)
+
+
+def _alike_on_arrays(fields: tuple[Any, ...]) -> Any:
+    run, spec, treedef, static = fields
+    return (run, treedef, tuple(kind for _, kind, _, _ in static))
 
 
 def _on_arrays(fn: Any, arrays: list[Any], key: Key) -> Any:
@@ -250,7 +255,7 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
         (getattr(a, "shape", ()), str(getattr(a, "dtype", "")))
         for a in jax.tree_util.tree_leaves(dynamic)
     )
-    counted = (code, shapes, key.run, key.alike)
+    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike and key.alike(key.fields))
     try:
         hash(counted)
     except TypeError:

@@ -165,6 +165,15 @@ class Policy:
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
     max_steps: int | None = None  # record this many iterations of each while_loop (`Steps`)
 
+    def __hash__(self):
+        # Hashed once: an eager call's key holds the policy, and JAX hashes the key.
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+            object.__setattr__(self, "_hash", hash(fields))
+            return self.__dict__["_hash"]
+
     def covers(self, tag):
         """Whether sows of `tag` are this walk's (one of them, for a `Tags` walk)."""
         return tag in self.tag.tags if isinstance(self.tag, Tags) else tag == self.tag

@@ -43,7 +43,7 @@ from ._rules.batched_lax_map import per_element
 from ._rules.calls import holds_rule_sows
 from ._site import Site
 from ._sow_index import sites_in
-from ._stateful import flattening_call, holds_no_nodes, stateful_objects
+from ._stateful import flattening_call, has_state_of_its_own, stateful_objects
 from ._traced_code import code_as_data
 from ._tracing import make_jaxpr
 
@@ -440,6 +440,12 @@ jax.tree_util.register_pytree_node(
 )
 
 
+def _alike(static: _Static) -> Any:
+    """A walk's key but its Python values (what the recompile warning compares)."""
+    kinds = tuple(kind for _, kind, _, _ in static.static_leaves)
+    return (static.treedef, kinds, static.policy, static.reap)
+
+
 def _walk_staged(fn, dynamic, key: Key):
     """The body of ``fn``'s `jax.jit` for a walk (see `_calling.compiled`)."""
     out, flat, changes, numbers_ = _walk(fn, dynamic, key.fields, staged=True)
@@ -456,10 +462,10 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     if _in_place(fn, static):
         out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
     else:
-        alike = (static.treedef, tuple(k for _, k, _, _ in static.static_leaves), policy, reap)
         try:
-            out, flat, changes, planted = compiled(fn, dynamic, Key(_walk_staged, static, alike))
-            _check_planted_numbers(dynamic, reveal_static(planted))
+            out, flat, changes, planted = compiled(fn, dynamic, Key(_walk_staged, static, _alike))
+            if planted:
+                _check_planted_numbers(dynamic, reveal_static(planted))
         except _Unlowerable:
             # `f` binds a primitive that has an implementation but no XLA lowering
             # (oryx's tests define one): run the walk op by op, as JAX runs `f`
@@ -477,28 +483,35 @@ def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
     """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
     of one call of `fn` binding `bound`."""
     with flattening_call():
-        if holds_no_nodes((bound, args, kwargs)):
-            stateful, graph, nodes = (), None, ()
-        else:
+        call_parts = _Call(bound, code_as_data(plants), args, kwargs, None)
+        # One flatten that stops at NNX nodes and `Stateful` objects: none, the common case.
+        leaves, treedef = jax.tree_util.tree_flatten(call_parts, is_leaf=has_state_of_its_own)
+        stateful, nodes, state = (), (), ()
+        if any(map(has_state_of_its_own, leaves)):
             stateful = stateful_objects((bound, args, kwargs))
             (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-        state: tuple[Any, ...] = ()
-        apart = None if graph is None else graph.apart()
-        if apart is not None:
-            graph, state = apart  # a model's state goes straight to the traced leaves
-        call_parts = _Call(bound, code_as_data(plants), args, kwargs, graph)
-        leaves, treedef = jax.tree_util.tree_flatten(call_parts)
+            apart = None if graph is None else graph.apart()
+            if apart is not None:
+                graph, state = apart  # a model's state goes straight to the traced leaves
+            call_parts = call_parts._replace(bound=bound, args=args, kwargs=kwargs, graph=graph)
+            leaves, treedef = jax.tree_util.tree_flatten(call_parts)
         traced = _traced_leaves(leaves, treedef)
-    dynamic = [*itertools.compress(leaves, traced), *state]
+    dynamic = (
+        [*itertools.compress(leaves, traced), *state]
+        if state
+        else [*itertools.compress(leaves, traced)]
+    )
     static = _Static(
         treedef,
-        tuple(
+        ()
+        if all(traced)
+        else tuple(
             (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
             for i in itertools.compress(range(len(leaves)), map(operator.not_, traced))
         ),
         policy,
         reap,
-        _jax.differentiating(),
+        not _jax.is_eager() and _jax.differentiating(),
     )
     return dynamic, static, nodes, stateful
 

@@ -5,10 +5,8 @@ is an output, given to the caller's object afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import inspect
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -33,16 +31,18 @@ _flattening_call: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def flattening_call() -> Iterator[None]:
+class flattening_call:  # noqa: N801  (used as a context manager, like a function)
     """While harvest flattens one call's parts: a `Stateful` object may flatten to
     a form that is cheaper to flatten again (an instrumented Penzai model gives its
     arrays as direct children), which only harvest's own walk unflattens."""
-    token = _flattening_call.set(True)
-    try:
-        yield
-    finally:
-        _flattening_call.reset(token)
+
+    __slots__ = ("token",)
+
+    def __enter__(self) -> None:
+        self.token = _flattening_call.set(True)
+
+    def __exit__(self, *exc: object) -> None:
+        _flattening_call.reset(self.token)
 
 
 def in_flattening_call() -> bool:
@@ -52,20 +52,11 @@ def in_flattening_call() -> bool:
 def stateful_objects(tree: Any) -> tuple[Stateful, ...]:
     """The `Stateful` objects in `tree`, in flattening order (not looking inside NNX
     graph nodes, which hold none and can be large)."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_has_state_of_its_own)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=has_state_of_its_own)
     return tuple(x for x in leaves if isinstance(x, Stateful))
 
 
-def holds_no_nodes(tree: Any) -> bool:
-    """Whether ``tree`` holds no NNX graph node (nor a bound method of one) and no
-    `Stateful` object, so that `split_nodes` and `stateful_objects` would find
-    nothing: one flatten, telling the common leaves apart by type alone."""
-    return not any(
-        map(_has_state_of_its_own, jax.tree_util.tree_leaves(tree, is_leaf=_has_state_of_its_own))
-    )
-
-
-def _has_state_of_its_own(x: Any) -> bool:
+def has_state_of_its_own(x: Any) -> bool:
     """A `Stateful` object, an NNX graph node or a bound method of either."""
     if type(x) in NEVER_NODES or type(x) in ARRAY_TYPES:
         return False  # the common nodes and leaves, without the ABC and NNX checks

@@ -19,7 +19,6 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from hypothesis import settings
 
 settings.register_profile("deterministic", database=None, derandomize=True)

@@ -226,7 +226,9 @@ def test_eager_calls_trace_once_and_read_the_variables_they_are_given(setup):
     np.testing.assert_allclose(reaped["layer_0"], expected(weights, x), rtol=1e-6)
     doubled = {"layer_0": lambda o: 2 * o}
     for _ in range(2):
-        np.testing.assert_allclose(planted(doubled, weights, x), 2 * expected(weights, x), rtol=1e-6)
+        np.testing.assert_allclose(
+            planted(doubled, weights, x), 2 * expected(weights, x), rtol=1e-6
+        )
     assert len(traces) == 5  # the flag and the callable plant: one trace each
     with pytest.raises(ValueError, match="matches no sow site") as error:
         reap(instrument(apply), tag="modules", allowlist="nope")(weights, x)

@@ -347,3 +347,19 @@ def test_bad_config_updates():
     with pytest.raises(TypeError, match="positive int"):
         harvest.config.update("warn_after", 0)
     assert harvest.config.warn_after == 32
+
+
+@pytest.mark.parametrize("sweep", ["patching_sweep", "attribution_patching"])
+def test_a_jax_jit_wrapped_function_sweeps_as_the_unwrapped_one(sweep):
+    """Issue 44 item 5: a `jax.jit`-wrapped function is its own function (no Python
+    `__call__` to unwrap), keyed as jit keys it; it sweeps as the plain one."""
+    run = getattr(harvest, sweep)
+
+    def f(x):
+        return (sow(x * 2.0, name="h", mode="strict") * jnp.array([1.0, 2.0, 3.0])).sum()
+
+    clean = reap(f)(X)
+    want = run(f, clean, (jnp.zeros(3),), lambda o: o, axis=0).values
+    close(want, [[1.0, -4.0, 12.0]])  # patching h_i adds 2 * x_i * (i + 1)
+    for _ in range(2):
+        close(run(jax.jit(f), clean, (jnp.zeros(3),), lambda o: o, axis=0).values, want)
