@@ -168,8 +168,9 @@ def patching_sweep(
         A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
         metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
         ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
-        returned while the program runs (in one step; several steps wait for
-        each): ``values`` and ``baseline`` are converted to NumPy when first read.
+        returned while the program runs (each step is sent before the last is
+        waited for, and only a progress bar waits at all): ``values`` and
+        ``baseline`` are converted to NumPy when first read.
 
     Raises:
         TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
@@ -245,24 +246,41 @@ def patching_sweep(
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
     cleans: list[Any] = []
-    for b, start in _steps(steps, progress, caller):
+    shown = _Shown(_steps(steps, progress, caller), steps)
+    for b, start in shown:
         if start == 0:
             cleans = batch_cleans(targets, batches[b][0], axes, size, caller, batches[0][0])
         ks = np.minimum(
             np.arange(start, start + chunk), total - 1
         )  # the last chunk repeats the last patch
         values, baseline = compile_program(program, f, metric, (ks, cleans, batches[b][1]), spec)
-        if _waits(len(steps), baseline):
-            values, baseline = np.asarray(values), np.asarray(baseline)
+        shown.sent(values)
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
-    return _result(plan, axis, effects, baselines, wait=_waits(len(steps), baselines[0]))
+    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
 
 
-def _waits(steps: int, baseline: Any) -> bool:
-    """Whether a sweep converts each step's output at once: for several steps (so a
-    progress bar shows the work done), or inside a trace (refused there, as before)."""
-    return steps > 1 or isinstance(baseline, jax.core.Tracer)
+def _traced(baseline: Any) -> bool:
+    """Whether the sweep runs inside a trace: its values are read at once (and refused)."""
+    return isinstance(baseline, jax.core.Tracer)
+
+
+class _Shown:
+    """A sweep's steps, under a progress bar or not (`_steps`). Each step's program is
+    sent before the last one's result is waited for, and only a bar waits at all (so
+    it shows work done); without one, nothing waits until the values are read."""
+
+    def __init__(self, steps: Any, items: list[Any]) -> None:
+        self.steps, self.bar = steps, steps is not items
+        self.last: Any = None
+
+    def __iter__(self) -> Any:
+        return iter(self.steps)
+
+    def sent(self, values: Any) -> None:
+        if self.bar and self.last is not None and not _traced(values):
+            jax.block_until_ready(self.last)
+        self.last = values
 
 
 def _on_host(
@@ -392,14 +410,14 @@ def attribution_patching(
     spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes))
     effects: list[list[tuple[Any, int]]] = []
     baselines: list[Any] = []
-    for c, args in _steps(batches, progress, caller):
+    shown = _Shown(_steps(batches, progress, caller), batches)
+    for c, args in shown:
         cleans = batch_cleans(targets, c, axes, size, caller, batches[0][0])
         values, baseline = compile_program(program, f, metric, (cleans, args), spec)
-        if _waits(len(batches), baseline):
-            values, baseline = np.asarray(values), np.asarray(baseline)
+        shown.sent(values)
         effects.append([(values, len(values))])
         baselines.append(baseline)
-    return _result(plan, axis, effects, baselines, wait=_waits(len(batches), baselines[0]))
+    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
 
 
 def compile_program(
