@@ -1,11 +1,16 @@
 # Two commands do all set-up: `make demo` and `make test`. Both build .venv from
-# pyproject.toml, so a fresh machine needs only python3 and make.
+# pyproject.toml, so a fresh machine needs only python3 and make. Each target
+# installs only what it needs (a stamp per install): `make demo` harvest and JAX,
+# `make docs` the docs extra, `make test` every extra; none installs a browser
+# (`make chromium` does, for the tests that need one; they skip without it).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The demo needs harvest and JAX alone: `make demo` installs only those.
 CORE_STAMP := $(VENV)/.installed-core
+# The docs build needs the docs extra alone (Sphinx and what its notebooks import).
+DOCS_STAMP := $(VENV)/.installed-docs
 # DeepMind's gemma library, without its declared dependencies (see the `models`
 # extra in pyproject.toml for the ones it imports).
 GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
@@ -25,20 +30,30 @@ $(CORE_STAMP): pyproject.toml setup.cfg
 	$(PY) -m pip install --quiet -e .
 	touch $(CORE_STAMP)
 
+$(DOCS_STAMP): pyproject.toml setup.cfg
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 install: $(STAMP)
 
 demo: $(CORE_STAMP)
 	$(PY) -m harvest demo
 
-# Two workers: the suite is CPU-bound and the tests share no files (CI has 2 cores).
-# Headless Chromium for the view and docs tests (Debian's package); where it cannot be
-# installed those tests are skipped, saying so.
+# Headless Chromium (Debian's package, as root) for the tests that draw pages in a
+# browser (tests/test_view.py, tests/test_docs.py) and for `make docs-check`. Not
+# part of `make test`: without it those tests are skipped, saying so. CI runs
+# `make chromium` first (.ci/run).
 chromium:
 	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
 		echo "chromium could not be installed: the browser tests will be skipped"
 
-test: $(STAMP) lint chromium
+# Two workers: the suite is CPU-bound and the tests share no files (CI has 2 cores).
+test: $(STAMP) lint
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+		echo "No Chromium: the browser tests will be skipped (make chromium installs it)."
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist worksteal
 
 # For development (4 minutes on 2 idle cores, measured): the suite without the
@@ -65,13 +80,13 @@ lint: $(STAMP)
 test-matrix:
 	$(PYTHON) tests/matrix/run.py
 
-docs: $(STAMP)
+docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
 
 # Builds the docs, screenshots pages in headless Chromium and checks that no
 # code or table is clipped, no figure is wider than the column and no test marker
-# shows (docs/_static/docs_check.py). Needs Chromium (Debian: apt-get install chromium);
-# not part of `make test`.
+# shows (docs/_static/docs_check.py). Needs Chromium (`make chromium`); not part of
+# `make test`.
 docs-check: docs
 	$(PY) docs/_static/docs_check.py docs/_build/html
 

@@ -1,5 +1,8 @@
 """harvest: tag any value inside any JAX function, then reap it out or plant a replacement in."""
 
+from . import _cli
+
+_cli.answer_early()  # `python -m harvest --help` answers here, before JAX is imported
 from . import _rules  # noqa: F401  (registers the interpreter's rules)
 from ._jax import restore_tfp_alias as _restore_tfp_alias
 

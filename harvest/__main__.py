@@ -8,17 +8,18 @@ can move it away from the clean value (measured with `plant`, too).
 
 The command line is argparse's: ``--help``/``-h`` and ``--version`` exit 0,
 an unknown flag or command exits 2, and ``demo`` (the default) runs the demo.
+The parser lives in ``_cli.py``, which answers all but the demo before JAX is
+imported.
 """
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from harvest import __version__, nest, plant, reap, sow
+from harvest import _cli, nest, plant, reap, sow
 
 
 def make_model(key, width=16, depth=3):
@@ -93,26 +94,8 @@ def _explain(model, clean, corrupted):
     )
 
 
-def parser():
-    cli = argparse.ArgumentParser(
-        prog="python -m harvest",
-        description="harvest: tag any value inside any JAX function, then reap it out or "
-        "plant a replacement in. With no command, runs the demo.",
-    )
-    cli.add_argument("--version", action="version", version=f"harvest {__version__}")
-    cli.add_argument(
-        "command",
-        nargs="?",
-        default="demo",
-        choices=["demo"],
-        help="demo (the default): read a small residual MLP's intermediates with reap, "
-        "then patch one layer at a time with plant",
-    )
-    return cli
-
-
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    args = _cli.parser().parse_args(argv)
     if args.command == "demo":
         demo()
 

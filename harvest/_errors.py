@@ -755,6 +755,23 @@ def store_needs_tensorstore() -> ImportError:
     )
 
 
+def store_tensorstore_unimportable(cause: ImportError, unreadable: list[str]) -> ImportError:
+    if unreadable:
+        where = ", ".join(repr(p) for p in unreadable)
+        return ImportError(
+            f"harvest.store could not import TensorStore ({cause}): this process may not "
+            f"read {where} on its module path (permission denied), where it may be "
+            "installed. Run it as a user who can read them, or install TensorStore where "
+            "this user can."
+        )
+    return ImportError(
+        "harvest.store could not import TensorStore, which is installed: "
+        f"{type(cause).__name__}: {cause}. That is TensorStore's own failure (the "
+        "traceback above shows where); reinstalling it may mend it: "
+        "pip install --force-reinstall 'jax-harvest[store]'."
+    )
+
+
 def store_path_is_file(path: Any) -> ValueError:
     return ValueError(
         f"record(..., path={str(path)!r}): that path is a file. A store is a directory: "

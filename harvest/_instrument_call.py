@@ -116,9 +116,10 @@ class InstrumentCall:
         return method(module, *args, **kwargs)
 
     def scope(self, path):
-        """With ops=True, a named scope that gives the ops inside the module's path."""
+        """With ops=True (or while `view` traces), a named scope that gives the ops
+        inside the module's path."""
         if not self.ops:
-            return contextlib.nullcontext()
+            return jax.named_scope(path) if scoped.get() else contextlib.nullcontext()
         self.scopes.add(path)
         return jax.named_scope(path)
 
@@ -136,4 +137,9 @@ def _sowable_input(arg: Any) -> bool:
 
 active: contextvars.ContextVar[InstrumentCall | None] = contextvars.ContextVar(
     "harvest_instrument", default=None
+)
+# Set while `view` traces: each module call is a named scope even without ops=True,
+# so the page can group a module's ops in its box (the scopes change no value).
+scoped: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "harvest_instrument_scoped", default=False
 )

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _errors
+from . import _errors, _instrument_call
 from ._higher_order import bodies as _descriptor_bodies, operands_of
 from ._jax import CLOSED_CALLS
 from ._nnx_state import split_nodes
@@ -95,12 +95,16 @@ def view(
     and dtypes and the sow sites on its output (name, tag, mode), and its
     inputs, named by their path in the arguments (``attn.query.kernel`` for a
     model's parameter); edges are data dependencies, laid out top to bottom
-    in layers. The sites of an ``instrument``-ed model are grouped by module
-    path, and the bodies of ``scan``, ``while_loop``, ``cond``, ``jit``,
-    ``checkpoint`` and custom derivatives are groups too; each opens and
-    closes on a click (a named call such as ``relu`` starts closed, as one
-    node; a large graph starts with its deeper groups closed). Hovering a
-    node lights its inputs and outputs; the search box finds nodes by name.
+    in layers. The ops of an ``instrument``-ed model are grouped by the module
+    that ran them (with or without ``ops=True``), and the bodies of ``scan``,
+    ``while_loop``, ``cond``, ``jit``, ``checkpoint`` and custom derivatives
+    are groups too; each opens and closes on a click (a named call such as
+    ``relu`` starts closed, as one node). A model opens on its top-level
+    structure (the top-level modules that hold others open, every other
+    module closed); a program without modules opens as many levels of groups
+    as stay small. The graph opens fitted to the pane's width (never below
+    half size: then scrolled to the first input), in a pane as tall as it is.
+    Hovering a node lights its inputs and outputs; the search box finds nodes by name.
     Nothing runs: ``f`` is only traced. Given ``values`` -- what ``reap``
     returned -- each site it names shows the value's mean, standard deviation
     and a histogram: on the sites of ``tag`` (the tag the values were reaped
@@ -143,7 +147,11 @@ def view(
         raise _errors.view_values_not_a_dict(values)
     params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
     (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
-    closed, arrays = make_jaxpr(f, args, kwargs, graph=graph_nodes)
+    token = _instrument_call.scoped.set(True)  # module boxes with or without ops=True
+    try:
+        closed, arrays = make_jaxpr(f, args, kwargs, graph=graph_nodes)
+    finally:
+        _instrument_call.scoped.reset(token)
     names = _input_names(params, (f, args, kwargs), graph_nodes, arrays)
     graph = _Graph(_flat(values or {}), tag, *_module_paths(closed.jaxpr))
     graph.top(closed.jaxpr, names)
@@ -239,13 +247,14 @@ def _keys(path: Any) -> list[str]:
 
 
 def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
-    """The paths ``instrument(..., ops=True)`` named, and which are modules.
+    """The paths ``instrument`` named, and which are modules.
 
     Each op site's name begins with a path (``attn.query/dot_general:0``): a
     module's, which is also a named scope of the ops (``instrument`` scopes
-    each module call), or a named call's it inlined (``log_softmax/exp:0``).
-    Without ``ops``, a module's ops are not told apart from its caller's, so
-    no groups are drawn.
+    each module call, and ``view`` has it do so without ``ops`` too), or a
+    named call's it inlined (``log_softmax/exp:0``). Without ``ops``, a
+    module's output site is named by its path (``attn.query``), the scope its
+    ops ran in.
     """
     names: set[str] = set()
     scopes: set[str] = set()
@@ -259,7 +268,7 @@ def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
                 walk(body.jaxpr)
 
     walk(jaxpr)
-    paths = {n.split("/")[0] for n in names if "/" in n}
+    paths = {n.split("/")[0] for n in names if "/" in n} | (names & scopes)
     return paths, paths & scopes
 
 
@@ -332,11 +341,12 @@ class _Graph:
         return group is not None and "path" in self.groups_[int(group[1:])]
 
     def _module_of(self, eqn: Any) -> str:
-        """The module an equation runs in: ``instrument``'s named scope, else its
-        site's module."""
+        """The module an equation runs in: ``instrument``'s innermost named scope,
+        else its site's module."""
         scopes = str(eqn.source_info.name_stack).split("/")
-        if scopes[-1] in self.modules_named:
-            return scopes[-1]
+        inner = [s for s in scopes if s in self.modules_named]  # not einsum's `vmap(...)`
+        if inner:
+            return inner[-1]
         if eqn.primitive is sow_p:
             name = path_str(Site.of(eqn).path)
             if "/" in name:

@@ -6,6 +6,9 @@ earlier run happened to find. `HYPOTHESIS_PROFILE=explore` draws fresh random
 examples (and remembers failures in .hypothesis/, which git ignores) for
 hunting bugs locally.
 
+On a TPU, float32 matmuls run at full precision (`jax_default_matmul_precision`
+"highest"), so the suite's CPU tolerances hold on CPU, GPU and TPU alike.
+
 `make test-fast` sets two caps: `HARVEST_MAX_EXAMPLES=N` runs every property
 test with at most N examples (including those that set their own count), and
 `HARVEST_MAX_CASES=N` keeps at most N cases of each parametrized test (the
@@ -63,6 +66,14 @@ SLOW = {
         "a 200-sequence forward of the guide's model"
     ),
 }
+
+
+def pytest_configure(config):
+    # A TPU multiplies float32 matrices in reduced precision by default (bfloat16
+    # passes); the suite compares against float32 references computed on the CPU,
+    # so on a TPU it asks for full precision, as CPUs and GPUs compute by default.
+    if jax.default_backend() == "tpu":
+        jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_itemcollected(item):

@@ -410,3 +410,13 @@ def test_grad_of_plant_in_odeint_is_the_planted_adjoint():
     # By hand the derivative is -2 exp(-2k) (the unplanted adjoint gave -exp(-k)).
     grad = jax.grad(lambda k: plant(decay)({"rate": lambda r: 2.0 * r}, k))(k)
     np.testing.assert_allclose(grad, -2.0 * np.exp(-2.0 * k), rtol=1e-4)
+
+
+def test_float32_matmuls_are_full_precision_on_every_backend():
+    # A TPU multiplies float32 matrices in bfloat16 passes unless asked; tests/conftest.py
+    # asks for full precision there, so a reaped product matches NumPy's in float64.
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((2, 128, 128)).astype(np.float32)
+    product = reap(lambda a, b: sow(a @ b, name="p", mode="clobber"))(a, b)["p"]
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(product), exact, rtol=1e-5, atol=1e-4)

@@ -1,5 +1,7 @@
 """`python -m harvest`: the README's demo runs and prints both tables; the CLI's flags behave."""
 
+import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -44,6 +46,32 @@ def test_help_and_version_exit_0_without_running_the_demo(capsys):
         assert "What reap" not in out
     code, out, _ = cli(capsys, "--version")
     assert (code, out.strip()) == (0, f"harvest {harvest.__version__}")
+
+
+def test_help_version_and_bad_arguments_answer_without_importing_jax(tmp_path):
+    # A `jax` on the path first that refuses to be imported: what answers with it
+    # there never imported JAX.
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("raise ImportError('jax was imported')\n")
+    here = pathlib.Path(harvest.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(here)])}
+
+    def run_poisoned(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", "harvest", *argv],
+            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path,
+        )  # fmt: skip
+
+    answered = run_poisoned("--help")
+    assert answered.returncode == 0, answered.stderr[-2000:]
+    assert answered.stdout.startswith("usage: python -m harvest") and "demo" in answered.stdout
+    version = run_poisoned("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"harvest {harvest.__version__}")
+    bad = run_poisoned("nonsense")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    # The demo needs JAX: with the refusing one first, it fails on importing it.
+    demo = run_poisoned("demo")
+    assert demo.returncode == 1 and "jax was imported" in demo.stderr
 
 
 @pytest.mark.single_release  # argument parsing; the JAX matrix skips it

@@ -732,20 +732,42 @@ def test_a_path_through_a_file_is_an_os_error_naming_the_store(tmp_path):
     assert (tmp_path / "file").read_text() == "mine"
 
 
-READ_ONLY = """
-import importlib.metadata, os, sys  # importlib.metadata: JAX imports it lazily, from /root
+def read_then_extend(path):
+    """Reads the store at `path`, then tries to extend it: the lines a read-only
+    store's test expects (what was read, then the error's kind, errno and message)."""
+    lines = ["read " + str(store.open(path)["h"][:].tolist())]
+    data = [np.full((2, 3), float(i), np.float32) for i in range(4)]
+    try:
+        store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, path, progress=False)
+    except OSError as e:
+        lines.append("|".join(map(str, (type(e).__name__, e.errno, e))))
+    return lines
+
+
+# Root is not bound by file modes: a child process becomes nobody to meet them. It
+# first records, reads, extends and fails to write a scratch store, so that all it
+# imports (TensorStore, JAX's compiler, the standard library) is imported while it
+# can still read them wherever they live (a clone in a folder only its owner may
+# enter, a Python under /root).
+AS_NOBODY = """
+import os, sys, tempfile
 import numpy as np
+sys.path.insert(0, sys.argv[2])
+from test_store import read_then_extend
 from harvest import sow, store
-if os.getuid() == 0:  # file modes do not bind root: become nobody, after the imports
-    os.setgid(65534)
-    os.setuid(65534)
-data = [np.full((2, 3), float(i), np.float32) for i in range(4)]
-print("read", store.open(sys.argv[1])["h"][:].tolist(), flush=True)
+scratch = tempfile.mkdtemp()
+store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), [np.ones((2, 3), np.float32)],
+             scratch + "/s", progress=False)
+read_then_extend(scratch + "/s")
+open(scratch + "/file", "w").close()
 try:
-    store.record(lambda x: sow(x * 2.0, name="h", mode="strict"), data, sys.argv[1],
+    store.record(lambda x: sow(x, name="h", mode="strict"), [np.ones((2, 3))], scratch + "/file/s",
                  progress=False)
-except OSError as e:
-    print(type(e).__name__, e.errno, e, sep="|")
+except OSError:
+    pass
+os.setgid(65534)
+os.setuid(65534)
+print("\\n".join(read_then_extend(sys.argv[1])), flush=True)
 """
 
 
@@ -761,14 +783,17 @@ def test_a_store_that_cannot_be_written_is_read_and_a_clear_error_to_extend():
         for p in [path, *path.rglob("*")]:
             p.chmod(0o555 if p.is_dir() else 0o444)
         root.chmod(0o755)
-        child = subprocess.run(
-            [sys.executable, "-c", READ_ONLY, str(path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            env={**os.environ, "JAX_PLATFORMS": "cpu"},
-        )
-        lines = child.stdout.strip().splitlines()
+        if os.getuid() != 0:
+            lines = read_then_extend(path)
+        else:
+            here = str(pathlib.Path(__file__).resolve().parent)
+            child = subprocess.run(
+                [sys.executable, "-c", AS_NOBODY, str(path), here],
+                capture_output=True, text=True, timeout=300,
+                env={**os.environ, "JAX_PLATFORMS": "cpu"},
+            )  # fmt: skip
+            lines = child.stdout.strip().splitlines()
+            assert len(lines) == 2, child.stderr[-3000:]
         assert lines[0] == "read " + str((np.concatenate(data) * 2.0).tolist())
         kind, code, message = lines[-1].split("|")
         assert kind == "PermissionError" and int(code) == 13
@@ -779,3 +804,58 @@ def test_a_store_that_cannot_be_written_is_read_and_a_clear_error_to_extend():
         for p in [root, *root.rglob("*")]:
             p.chmod(0o755)
         shutil.rmtree(root)
+
+
+def test_the_import_guard_says_install_only_where_tensorstore_is_missing(tmp_path, monkeypatch):
+    from harvest.store import _arrays
+
+    # Missing (None in sys.modules: Python's "cannot be imported"): how to install it.
+    monkeypatch.setitem(sys.modules, "tensorstore", None)
+    with pytest.raises(ImportError, match=r"pip install 'jax-harvest\[store\]'"):
+        _arrays.tensorstore()
+    # Installed, but its import fails: that failure, chained, and no "install it".
+    (tmp_path / "tensorstore").mkdir()
+    (tmp_path / "tensorstore" / "__init__.py").write_text(
+        "raise ImportError('libtensorstore.so: cannot open shared object file')\n"
+    )
+    monkeypatch.delitem(sys.modules, "tensorstore")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="which is installed: ImportError: libtensorstore") as e:
+        _arrays.tensorstore()
+    assert "pip install 'jax-harvest[store]'" not in str(e.value)  # only a reinstall
+    assert "cannot open shared object" in str(e.value.__cause__)
+
+
+# After its imports, as nobody (root reads every folder), with `tensorstore` unimportable
+# and a folder it may not read first on its module path.
+LOCKED_PATH = """
+import os, sys
+from harvest.store import _arrays
+sys.modules["tensorstore"] = None
+sys.path.insert(0, sys.argv[1])
+if os.getuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+try:
+    _arrays.tensorstore()
+except ImportError as e:
+    print(e, flush=True)
+"""
+
+
+def test_the_import_guard_names_a_folder_of_the_module_path_it_may_not_read(tmp_path):
+    locked = tmp_path / "locked"  # pytest's folders: only their owner may enter them
+    locked.mkdir(mode=0o700)
+    if os.getuid() != 0:
+        locked.chmod(0)
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", LOCKED_PATH, str(locked)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    finally:
+        locked.chmod(0o700)
+    message = child.stdout
+    assert f"this process may not read {str(locked)!r}" in message, child.stderr[-3000:]
+    assert message.startswith("harvest.store could not import TensorStore (import of")
+    assert "pip install" not in message

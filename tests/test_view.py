@@ -232,6 +232,47 @@ class Stack(nnx.Module):
         return jax.nn.log_softmax(x)
 
 
+class MLP(nnx.Module):
+    def __init__(self, d, rngs):
+        self.up = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.down = nnx.Linear(4 * d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.up(x)))
+
+
+class TransformerBlock(nnx.Module):
+    def __init__(self, d, rngs):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(2, d, decode=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.mlp = MLP(d, rngs)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nnx.Module):
+    """embed -> blocks.i (ln1, attn, ln2, mlp) -> ln_f -> unembed, on tokens."""
+
+    def __init__(self, layers, d=16, vocab=50):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([TransformerBlock(d, rngs) for _ in range(layers)])
+        self.ln_f = nnx.LayerNorm(d, rngs=rngs)
+        self.unembed = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.ln_f(x))
+
+
+TOKENS = jnp.arange(8) % 50
+
+
 def submodule_paths(model):
     return {
         ".".join(map(str, path))
@@ -297,6 +338,43 @@ def test_a_twelve_layer_model_names_its_calls_and_groups_every_block():
     assert calls["relu"] == 12 and calls["log_softmax"] == 1
 
 
+def module_of(data, group):
+    """The path of the innermost module group holding ``group`` ("" for none)."""
+    while group is not None and data["group"][group]["kind"] != "module":
+        group = data["group"][group]["parent"]
+    return data["group"][group]["path"] if group else ""
+
+
+def test_without_ops_each_module_is_a_box_holding_the_ops_it_ran():
+    model = Transformer(2)
+    plain = view(instrument(model), TOKENS)
+    data = graph(plain)
+    modules = {g["path"] for g in data["groups"] if g["kind"] == "module"}
+    assert modules == submodule_paths(model) and plain.modules == len(modules) == 25
+    # Each op lies in the module that ran it, as instrument(ops=True) names its op
+    # site (`blocks.0.attn/dot_general:0`, einsum's `vmap(...)` scope inside included);
+    # a call's result (embed's `_take`) is one node there, its ops inlined in op sites.
+    calls = {g["id"]: g["label"] for g in data["groups"] if g["kind"] == "call"}
+    placed = collections.Counter(
+        (n.get("op", n["label"]), module_of(data, n["group"]))
+        for n in data["nodes"]
+        if n["kind"] in ("op", "site") and n.get("op", "") != calls.get(n["group"])
+    )
+    op_sites = [s.name for s in sites(instrument(model, ops=True), TOKENS) if "/" in s.name]
+    named = collections.Counter((s.split("/")[-1].split(":")[0], s.split("/")[0]) for s in op_sites)
+    assert placed == named and sum(placed.values()) > 190
+    # A module's output is a node in its box, named by its path; attn returns what its
+    # `out` projection returned: one node with both sites, in the innermost box.
+    assert module_of(data, site_node(data, "blocks.1.ln1")["group"]) == "blocks.1.ln1"
+    out = site_node(data, "blocks.1.attn")
+    assert [e["name"] for e in out["sites"]] == ["blocks.1.attn.out", "blocks.1.attn"]
+    assert module_of(data, out["group"]) == "blocks.1.attn.out"
+    # The scopes were the view's alone: the model traced afterwards has none.
+    traced = jax.make_jaxpr(instrument(model))(TOKENS).eqns
+    scopes = {s for e in traced for s in str(e.source_info.name_stack).split("/")}
+    assert not scopes & modules and "" in scopes, scopes
+
+
 # --- in headless Chromium ----------------------------------------------------
 
 
@@ -314,12 +392,14 @@ PROBE = """
 <script>
 (function () {
   var root = document.querySelector(".harvest-view");
-  if (OPEN_ALL) root.harvestOpen(true);
+  var OPEN = OPEN_ALL;  // true: every group; "module": every module group
+  if (OPEN) root.harvestOpen(true, OPEN === true ? null : OPEN);
   function layout() {
     var nodes = {}, edges = [];
     root.querySelectorAll("g.hv-node").forEach(function (g) {
+      var r = g.getBoundingClientRect();  // where it is on the screen
       nodes[g.dataset.node] = {x: +g.dataset.x, y: +g.dataset.y, cls: g.getAttribute("class"),
-                               text: g.textContent};
+                               text: g.textContent, screen: [r.left, r.top, r.right, r.bottom]};
     });
     root.querySelectorAll("path.hv-edge").forEach(function (p) {
       edges.push([p.dataset.from, p.dataset.to]);
@@ -328,7 +408,12 @@ PROBE = """
     root.querySelectorAll("g.hv-cluster").forEach(function (c) { clusters.push(c.dataset.group); });
     return {nodes: nodes, edges: edges, clusters: clusters};
   }
-  var out = {layout: layout()};
+  var pane = root.querySelector(".hv-scroll"), canvas = root.querySelector("svg.hv-canvas");
+  var out = {layout: layout(), window: [window.innerWidth, window.innerHeight], pane: {
+    width: pane.clientWidth, height: pane.clientHeight, scrollWidth: pane.scrollWidth,
+    scrollHeight: pane.scrollHeight, scrollLeft: pane.scrollLeft,
+    svg: [+canvas.getAttribute("width"), +canvas.getAttribute("height")],
+    graph: [canvas.viewBox.baseVal.width, canvas.viewBox.baseVal.height]}};
   var hover = root.querySelector('g.hv-node[data-node="HOVER"]');
   if (hover) {
     hover.dispatchEvent(new MouseEvent("mouseenter"));
@@ -418,10 +503,10 @@ def test_chromium_lays_out_an_nnx_block_hovers_and_searches(tmp_path):
     v = view(model, x)
     data = graph(v)
     query = site_node(data, "attn.query")
-    seen = render(tmp_path, v, hover=query["id"], search="kernel")
+    seen = render(tmp_path, v, hover=query["id"], search="kernel", open_all="module")
     layout = seen["layout"]
-    # A drawn node per node of the graph but those inside the closed `relu`; a box
-    # per submodule.
+    # Every module opened: a drawn node per node of the graph but those inside the
+    # closed `relu`; a box per submodule.
     (relu,) = [g["id"] for g in data["groups"] if g["label"] == "relu"]
     inside_relu = [n["id"] for n in data["nodes"] if n["group"] in (relu, *[
         g["id"] for g in data["groups"] if g["parent"] == relu])]  # fmt: skip
@@ -474,3 +559,58 @@ def test_chromium_lays_out_a_twelve_layer_model_closed_and_open(tmp_path):
     total, least, longest, longest_there = edge_lengths(opened)
     print("12 open: ranks spanned", total, "least", least, "longest", longest, longest_there)
     assert total <= 1.05 * least and longest <= longest_there + 2
+
+
+def first_screen(seen, data):
+    """What the first view draws: the module paths of the open boxes and of the
+    closed ones, and where each drawn node is on the screen, by name."""
+    layout = seen["layout"]
+    name = lambda k: data["group"][k].get("path", data["group"][k]["label"])  # noqa: E731
+    opened = {name(g) for g in layout["clusters"]}
+    closed = {name(k) for k, n in layout["nodes"].items() if "hv-closed" in n["cls"]}
+    screen = {
+        name(k) if k in data["group"] else data["by_id"][k]["label"]: n["screen"]
+        for k, n in layout["nodes"].items()
+    }
+    return opened, closed, screen
+
+
+@needs_chromium
+@pytest.mark.parametrize("layers, ops", [(2, False), (2, True), (12, False)])
+def test_chromium_opens_a_transformer_on_its_map_fitted_on_the_input(tmp_path, layers, ops):
+    v = view(instrument(Transformer(layers), ops=ops), TOKENS)
+    seen = render(tmp_path, v)
+    opened, closed, screen = first_screen(seen, graph(v))
+    # The top-level structure: the blocks open, each of their parts and the modules
+    # at the top that hold no others (embed, ln_f, unembed) one closed box each,
+    # with or without ops=True.
+    parts = {f"blocks.{i}.{p}" for i in range(layers) for p in ("ln1", "attn", "ln2", "mlp")}
+    assert opened == {f"blocks.{i}" for i in range(layers)}
+    assert closed == parts | {"embed", "ln_f", "unembed"}
+    # Fitted to the pane: nothing to scroll sideways, the canvas at a readable size,
+    # and the pane as tall as the graph (no scrolling inside it, no blank below).
+    pane = seen["pane"]
+    assert pane["scrollWidth"] <= pane["width"] and pane["svg"][0] <= pane["width"]
+    assert pane["svg"][0] / pane["graph"][0] >= 0.5
+    assert pane["scrollHeight"] <= pane["height"] and abs(pane["height"] - pane["svg"][1]) <= 2
+    # On the input: every drawn node within the window's width, and the tokens, the
+    # embedding and the first block's first parts on the first screen.
+    width, height = seen["window"]
+    assert all(0 <= r[0] and r[2] <= width for r in screen.values()), screen
+    for name in ("tokens", "embed", "blocks.0.ln1", "blocks.0.attn"):
+        assert 0 <= screen[name][1] and screen[name][3] <= height, (name, screen[name])
+
+
+@needs_chromium
+def test_chromium_opens_a_wide_program_readable_and_scrolled_to_its_first_input(tmp_path):
+    def f(x, ws):  # x meets each of 60 weights: a row of 61 inputs, wider than any pane
+        return sum(sow(x * w, name=f"h{i}") for i, w in enumerate(ws))
+
+    v = view(f, jnp.ones(3), [jnp.full(3, float(i)) for i in range(60)])
+    seen = render(tmp_path, v)
+    _, _, screen = first_screen(seen, graph(v))
+    pane, (width, _) = seen["pane"], seen["window"]
+    # Too wide to fit readably: drawn at half size, the pane scrolled to `x`.
+    assert pane["svg"][0] / pane["graph"][0] == pytest.approx(0.5, abs=0.01)
+    assert pane["scrollWidth"] > pane["width"] and pane["scrollLeft"] > 0
+    assert 0 <= screen["x"][0] and screen["x"][2] <= width, screen["x"]

@@ -3,7 +3,7 @@
     python docs/_static/view_block.py
 
 Saves the page `view` writes for a pre-norm block (layer norms, attention, an
-MLP) instrumented with ``ops=True``, hovers the output of ``attn.query`` (its
+MLP) instrumented with ``ops=True``, opens every module, hovers the output of ``attn.query`` (its
 inputs light up red, its readers blue) and searches for ``kernel``, then
 screenshots it in headless Chromium (``make chromium`` installs it) and crops
 the picture around that node to a width that fits the docs' content column.
@@ -29,11 +29,12 @@ HERE = pathlib.Path(__file__).resolve().parent
 WINDOW = "2200,2000"  # the whole graph at full size, then cropped
 CROP = (880, 700)  # px: narrower than the docs' 900-pixel content column
 
-# After the view has drawn itself: hover one node, search, scroll to the attention.
+# After the view has drawn itself: open every module (a model opens on its top-level
+# structure), hover one node, search, scroll to the attention.
 ACT = """
 <script>
 var root = document.querySelector(".harvest-view");
-root.querySelector(".hv-scroll").style.maxHeight = "none";
+root.harvestOpen(true, "module");
 var target = Array.from(root.querySelectorAll("g.hv-node")).filter(function (g) {
   return g.textContent.indexOf("attn.queryadd") === 0;
 })[0];

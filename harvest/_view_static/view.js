@@ -26,7 +26,28 @@ function shownCount() {
   data.nodes.forEach(function (n) { seen[rep(n.id, n.group)] = 1; });
   return Object.keys(seen).length;
 }
-(function () {  // the first view: whole levels of groups open while small enough
+function moduleAbove(g) {  // the nearest module group holding group g, or null
+  for (var p = groups[g].parent; p; p = groups[p].parent) if (groups[p].kind === "module") return p;
+  return null;
+}
+(function () {  // the first view
+  var modules = data.groups.filter(function (g) { return g.kind === "module" && members[g.id] > 0; });
+  if (modules.length) {
+    // A model: its top-level modules are the map. Those that hold modules open (their
+    // parts show as closed boxes, a click away); the rest stay closed, unless no
+    // top-level module holds any (then each opens on its ops). Loops and branches
+    // open as they are met, named calls stay closed.
+    var holds = {};
+    modules.forEach(function (g) { var p = moduleAbove(g.id); if (p) holds[p] = true; });
+    var top = modules.filter(function (g) { return !moduleAbove(g.id); });
+    var any = top.some(function (g) { return holds[g.id]; });
+    top.forEach(function (g) { open[g.id] = !any || !!holds[g.id]; });
+    data.groups.forEach(function (g) {
+      if (g.kind !== "module" && !g.closed && members[g.id] > 0) open[g.id] = true;
+    });
+    return;
+  }
+  // A program without modules: whole levels of groups open while small enough.
   var levels = [];
   data.groups.forEach(function (g) {
     var d = depth(g.id);
@@ -176,13 +197,26 @@ function draw() {
   }
   find();
 }
-var scale = 1;
-function zoom(by) {  // by: a factor, or "fit" (the whole graph in the box's width)
+var scale = 1, READABLE = 0.5;
+function zoom(by) {  // by: a factor, "fit" (the whole graph in the pane's width) or
+  // "first" (fit, but never below a readable size); the pane is as tall as the graph
   var box = svg.viewBox.baseVal, pane = root.querySelector(".hv-scroll");
-  if (by === "fit") scale = Math.min(1, (pane.clientWidth - 4) / box.width);
-  else scale = Math.max(0.05, Math.min(4, scale * by));
+  if (by === "fit" || by === "first") {
+    var room = pane.clientWidth - 4;
+    scale = room > 0 ? Math.min(1, room / box.width) : 1;
+    if (by === "first") scale = Math.max(scale, READABLE);
+  } else scale = Math.max(0.05, Math.min(4, scale * by));
   svg.setAttribute("width", Math.ceil(box.width * scale));
   svg.setAttribute("height", Math.ceil(box.height * scale));
+}
+function onInput() {  // scrolls the pane sideways to the program's first input
+  var pane = root.querySelector(".hv-scroll"), first = null;
+  data.nodes.forEach(function (n) {
+    if (!first && n.kind === "input" && !n.group) first = n;
+  });
+  var shape = first && root.querySelector('[data-node="' + first.id + '"]');
+  if (!shape) return;
+  pane.scrollLeft = Math.max(0, +shape.dataset.x * scale - pane.clientWidth / 2);
 }
 root.querySelectorAll(".hv-zoom").forEach(function (b) {
   b.addEventListener("click", function () {
@@ -218,8 +252,12 @@ search.addEventListener("keydown", function (ev) {
   var s = root.querySelector('[data-node="' + hits[at] + '"]');
   if (s) s.scrollIntoView({block: "center", inline: "center"});
 });
-root.harvestOpen = function (all) {  // every group open (true) or closed (false), for tests
-  data.groups.forEach(function (g) { open[g.id] = all && members[g.id] > 0; });
+root.harvestOpen = function (all, kind) {  // every group (of `kind`) open or closed, for tests
+  data.groups.forEach(function (g) {
+    if (!kind || g.kind === kind) open[g.id] = all && members[g.id] > 0;
+  });
   draw();
 };
 draw();
+zoom("first");
+onInput();

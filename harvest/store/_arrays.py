@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import pathlib
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +28,32 @@ CAPACITY = 2**48
 
 
 def tensorstore() -> Any:
+    """The ``tensorstore`` module. Where it cannot be imported: "install it" only
+    where it is missing, else why (a folder of the module path this process may
+    not read, or TensorStore's own import error, chained)."""
     try:
         import tensorstore as ts
-    except ImportError:
-        raise _errors.store_needs_tensorstore() from None
+    except ImportError as e:
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "tensorstore"
+        unreadable = _unreadable_path_entries() if missing else []
+        if missing and not unreadable:
+            raise _errors.store_needs_tensorstore() from None
+        raise _errors.store_tensorstore_unimportable(e, unreadable) from e
     return ts
+
+
+def _unreadable_path_entries() -> list[str]:
+    """The folders on ``sys.path`` this process may not list (a package there is
+    invisible to it, so it looks missing)."""
+    out = []
+    for entry in sys.path:
+        try:
+            os.listdir(entry or ".")
+        except PermissionError:
+            out.append(entry or os.getcwd())
+        except OSError:  # absent, or a zip file: nothing hidden by permissions
+            continue
+    return out
 
 
 def _spec(path: pathlib.Path, site: SiteSpec, every_chunk: bool = True) -> dict[str, Any]:
