@@ -178,19 +178,14 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     """Whether an equation was staged by the vmap that `lax.map(f, xs, batch_size=b)`
     runs `f` under (a scan over batches of `b`, then the remainder, each vmapped).
 
-    Read from the traceback JAX keeps (innermost frame first): a frame of
-    `jax.vmap`'s wrapper called straight from `lax.map` (JAX's own frames between
-    them, such as its traceback filter, are skipped). JAX keeps only the frames
-    of the body being traced, so a sow nested in a scan or cond in `f` shows no
-    `lax.map`: those are marked on their name stack (`marking_batched_lax_map`)."""
+    Read from the equation's name stack alone, where harvest's batching rule for
+    `sow` put its mark (`marking_batched_lax_map`) while it ran under such a vmap:
+    not from the traceback JAX keeps, which lacks `lax.map` for a sow nested in a
+    body `f` traces (a jit's, a scan's), and which a vmap of `f` stages alike."""
     # A part of the name stack, maybe wrapped in the transformations staged after
     # it (a batched cond's branch shows ``vmap(harvest_batched_lax_map)``).
-    if re.search(
-        rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", str(getattr(source_info, "name_stack", ""))
-    ):
-        return True
-    frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
-    return _under_batched_lax_map(frames) is not None
+    name_stack = str(getattr(source_info, "name_stack", ""))
+    return re.search(rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", name_stack) is not None
 
 
 def running_under_batched_lax_map() -> str | None:
