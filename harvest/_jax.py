@@ -178,19 +178,14 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     """Whether an equation was staged by the vmap that `lax.map(f, xs, batch_size=b)`
     runs `f` under (a scan over batches of `b`, then the remainder, each vmapped).
 
-    Read from the traceback JAX keeps (innermost frame first): a frame of
-    `jax.vmap`'s wrapper called straight from `lax.map` (JAX's own frames between
-    them, such as its traceback filter, are skipped). JAX keeps only the frames
-    of the body being traced, so a sow nested in a scan or cond in `f` shows no
-    `lax.map`: those are marked on their name stack (`marking_batched_lax_map`)."""
+    Read from the equation's name stack alone, where harvest's batching rule for
+    `sow` put its mark (`marking_batched_lax_map`) while it ran under such a vmap:
+    not from the traceback JAX keeps, which lacks `lax.map` for a sow nested in a
+    body `f` traces (a jit's, a scan's), and which a vmap of `f` stages alike."""
     # A part of the name stack, maybe wrapped in the transformations staged after
     # it (a batched cond's branch shows ``vmap(harvest_batched_lax_map)``).
-    if re.search(
-        rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", str(getattr(source_info, "name_stack", ""))
-    ):
-        return True
-    frames = list(getattr(getattr(source_info, "traceback", None), "frames", None) or ())
-    return _under_batched_lax_map(frames) is not None
+    name_stack = str(getattr(source_info, "name_stack", ""))
+    return re.search(rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", name_stack) is not None
 
 
 def running_under_batched_lax_map() -> str | None:
@@ -216,16 +211,24 @@ def running_under_batched_lax_map() -> str | None:
 
 def batched_lax_map_has_both_parts() -> bool:
     """Whether the batched `lax.map` running now (the innermost) runs both a scan
-    over full batches and a remainder, read from its frame's locals."""
+    over full batches and a remainder: from the arguments of its public signature
+    ``lax.map(f, xs, *, batch_size)`` (the length of `xs`'s leaves and
+    `batch_size`, as JAX splits them), never from `lax.map`'s internal locals.
+
+    This alone needs a value of the running call: its vmap of the full batches
+    traces before the remainder exists, and marks that say which map they come
+    from would not survive JAX reusing a batched body across maps."""
     frame: Any = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        here = _Frame(code.co_filename, getattr(code, "co_qualname", code.co_name))
-        if _frame_is(here, "jax/_src/lax/control_flow/loops.py", ("map",)) and (
-            code.co_name == "map" and frame.f_locals.get("batch_size") is not None
-        ):
-            found = frame.f_locals
-            return found.get("scan_xs") is not None and found.get("remainder_xs") is not None
+        here = _Frame(code.co_filename, code.co_name)
+        if _frame_is(here, "jax/_src/lax/control_flow/loops.py", ("map",)):
+            arguments = frame.f_locals
+            batch_size = arguments.get("batch_size")
+            if batch_size is not None:
+                leaves = jax.tree_util.tree_leaves(arguments.get("xs"))
+                n = int(leaves[0].shape[0]) if leaves else 0
+                return 0 < batch_size <= n and n % batch_size != 0
         frame = frame.f_back
     return False
 
