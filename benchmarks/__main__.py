@@ -19,6 +19,7 @@ import time
 
 from . import (
     _timing,
+    bench_accelerator,
     bench_core,
     bench_devices,
     bench_memory,
@@ -35,6 +36,7 @@ DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 
 # Sections that can run alone (`--only`): module with run(cfg), render(rows), Config, QUICK.
 SECTIONS = {
+    "accelerator": bench_accelerator,
     "samplers": bench_samplers,
     "unharvested": bench_unharvested,
     "store": bench_store,
@@ -341,6 +343,15 @@ def splice(page, lines):
     return page[:start] + section + page[end:]
 
 
+def section(page, heading):
+    """The lines of `page`'s section under `heading` (up to the next `## `), or []."""
+    start = page.find(heading + "\n")
+    if start < 0:
+        return []
+    end = page.find("\n## ", start + len(heading)) + 1 or len(page)
+    return page[start:end].rstrip("\n").split("\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks", description=__doc__.splitlines()[0]
@@ -368,6 +379,9 @@ def main(argv=None):
     if results["oryx"] is None:
         print("The oryx venv is missing (bash compat/oryx_venv.sh builds it): oryx not measured.")
     page = render(results)
+    if opts.output.exists():  # the accelerator's section comes from its own run (`--only`)
+        kept = section(opts.output.read_text(), bench_accelerator.HEADING)
+        page = splice(page, kept) if kept else page
     opts.output.write_text(page)
     print(page)
     print(f"Wrote {opts.output}")

@@ -186,9 +186,8 @@ def eager(width, cfg, first=False):
         kept_d = jnp.full((width,), 0.5)
         kept = {"blocks.0": lambda h: h + kept_d}
 
-        def fresh():
-            d = jnp.full((width,), 0.5)
-            return planted({"blocks.0": lambda h: h + d}, x)
+        def fresh():  # the same array, a new function object each call
+            return planted({"blocks.0": lambda h: h + kept_d}, x)
 
         np.testing.assert_allclose(fresh(), planted(kept, x), rtol=1e-6)
         rows.append(
