@@ -268,6 +268,16 @@ def plant_count(site: Any, got: int, n: int, what: str) -> ValueError:
     )
 
 
+def plant_runs(site: Any, got: int, n: int, where: str) -> ValueError:
+    per = "shard" if where in ("shard_map", "pmap") else "iteration"
+    return ValueError(
+        f"The plant for the sow site {site} is stacked with {got} rows, but the "
+        f"{where} around it has {n} {per}s and reap returns one row per {per}. Plant "
+        f"{n} rows, as reap returns them, or a single value (or callable) used at every "
+        f"{per}."
+    )
+
+
 def too_few_entries(site: Any, have: int, needed: int) -> ValueError:
     return ValueError(
         f"The plant for the sow site {site} has {have} entries, but the site is sown at "

@@ -102,8 +102,27 @@ def unrolled_here(params: dict[str, Any]) -> bool:
     return where is not None
 
 
+# Set while one element's sow, unrolled here, is bound: a batching rule run
+# meanwhile is that of a transformation around the map's vmap.
+_binding_element = False
+
+
+@contextlib.contextmanager
+def _element_bound() -> Any:
+    global _binding_element
+    outer, _binding_element = _binding_element, True
+    try:
+        yield
+    finally:
+        _binding_element = outer
+
+
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
     if all(d is None for d in dims):
+        return jax_rule(axis_data, args, dims, **params)
+    if _binding_element:
+        # One element's sow, batched by a vmap around the map (it runs under the
+        # map's frames, in the remainder): batched as any sow, never unrolled again.
         return jax_rule(axis_data, args, dims, **params)
     if not unrolled_here(params):
         with marking_batched():
@@ -118,7 +137,8 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size, vmap)))
+        with _element_bound():
+            per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size, vmap)))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
 
