@@ -534,6 +534,21 @@ def test_reap_and_plant_of_vmap_over_a_lax_map_with_batch_size(mode, n):
         close(plant(f)({"s": planted}, xs), jnp.moveaxis(new, 0, 1) + 1.0)
 
 
+@pytest.mark.parametrize("mode", ["append", "clobber"])
+def test_a_batched_lax_map_around_one_whose_elements_fit_its_remainder(mode):
+    # The inner map runs only its remainder, under the outer map's vmap: each vmap
+    # unrolls its own elements (only a vmap the user put around a map leaves them),
+    # so the sows are reaped and planted as lax.map without batch_size, by hand.
+    g = lambda x: sow(jnp.sin(x) * 2.0, name="s", mode=mode) + 1.0  # noqa: E731
+    f = lambda xs: lax.map(lambda x: lax.map(g, x, batch_size=2), xs, batch_size=2)  # noqa: E731
+    xs = jnp.arange(3.0).reshape(3, 1) / 5.0
+    sown = (jnp.sin(xs) * 2.0).reshape(3)  # element (i, 0) sows row i
+    close(reap(f)(xs), {"s": sown if mode == "append" else sown[-1]})
+    new = jnp.array([10.0, 20.0, 30.0])
+    planted = new if mode == "append" else new[0]
+    close(plant(f)({"s": planted}, xs), jnp.broadcast_to(planted, (3,)).reshape(3, 1) + 1.0)
+
+
 def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_loop_refused():
     # JAX keeps no lax.map frame in the traceback of a sow nested in a body that
     # f traces (a jit, a scan): harvest finds it from the running stack.
