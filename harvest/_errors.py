@@ -268,6 +268,16 @@ def plant_count(site: Any, got: int, n: int, what: str) -> ValueError:
     )
 
 
+def plant_runs(site: Any, got: int, n: int, where: str) -> ValueError:
+    per = "shard" if where in ("shard_map", "pmap") else "iteration"
+    return ValueError(
+        f"The plant for the sow site {site} is stacked with {got} rows, but the "
+        f"{where} around it has {n} {per}s and reap returns one row per {per}. Plant "
+        f"{n} rows, as reap returns them, or a single value (or callable) used at every "
+        f"{per}."
+    )
+
+
 def too_few_entries(site: Any, have: int, needed: int) -> ValueError:
     return ValueError(
         f"The plant for the sow site {site} has {have} entries, but the site is sown at "
@@ -688,6 +698,17 @@ def tag_matches_no_site(tag: Any, tags: list[Any], caller: str = "reap") -> Valu
     return ValueError(
         f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
         f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); {why}."
+    )
+
+
+def never_instrumented(tag: Any, caller: str = "reap") -> ValueError:
+    why = "rather than returning {}" if caller == "reap" else "as it would change nothing"
+    return ValueError(
+        f"{caller}(tag={tag!r}): the function sows nothing, of any tag; refused {why}. "
+        f"{tag!r} is the tag instrument sows a model's parts under: pass what instrument "
+        f"returns, not the model itself (model = harvest.instrument(model), then "
+        f"{caller}(model, tag={tag!r}); for Linen, instrument the function that calls "
+        "model.apply)."
     )
 
 
@@ -1334,6 +1355,31 @@ def instrument_bad_target(target: Any) -> TypeError:
     )
 
 
+def instrument_module_class(target: Any, library: str) -> TypeError:
+    name = getattr(target, "__name__", repr(target))
+    if library == "Flax Linen":
+        what = (
+            f"instrument the function that applies one: instrument(lambda x: "
+            f"{name}(...).apply(variables, x))"
+        )
+    else:
+        what = f"build the model, then instrument it: instrument({name}(...))"
+    return TypeError(
+        f"instrument got the {library} class {name}, not a model: {what}, passing the "
+        "arguments the class takes."
+    )
+
+
+def instrument_unbound_linen(target: Any) -> TypeError:
+    name = type(target).__name__
+    return TypeError(
+        f"instrument got an unbound Flax Linen module ({name}), which runs only through "
+        "model.apply with its variables. Instrument the function that applies it: "
+        "instrument(lambda x: model.apply(variables, x)), or the bound module "
+        "instrument(model.bind(variables))."
+    )
+
+
 def instrument_bad_tag(tag: Any) -> TypeError:
     return TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
 
@@ -1362,7 +1408,8 @@ def instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
     if kind == "function":
         return ValueError(
             f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
-            "Pass ops=True to make every primitive's output a site, or instrument the model itself."
+            "For an NNX, Equinox or Penzai model, instrument the model object itself, not a "
+            "function that calls it; or pass ops=True to make every primitive's output a site."
         )
     return ValueError(
         f"instrument: {target} called none of its submodules, so it has no sites. "

@@ -22,7 +22,7 @@ from . import _errors, _transformer_lens
 from ._instrument_penzai import InstrumentedPenzai
 from ._instrumented import Instrumented
 from ._interpreter import NameFilter
-from ._module_paths import describe, kind as target_kind
+from ._module_paths import describe, kind as target_kind, module_class, unbound_linen
 from ._typing import NameSelect, P, R
 
 
@@ -105,8 +105,10 @@ def instrument(
         be passed through ``jax.jit``) whose parts are sites of ``tag``.
 
     Raises:
-        TypeError: if ``target`` is none of the kinds above, ``tag`` is not a
-            non-empty string, or ``ops``/``inputs``/``attention`` is not a bool.
+        TypeError: if ``target`` is none of the kinds above (a module class rather
+            than a model built from it, or a Linen module not bound to its
+            variables, included), ``tag`` is not a non-empty string, or
+            ``ops``/``inputs``/``attention`` is not a bool.
         ValueError: if ``names`` is not None or ``"transformer_lens"``, or the
             model has no transformer block of the kinds above.
 
@@ -128,6 +130,11 @@ def instrument(
     kind = target_kind(target)
     if kind is None:
         raise _errors.instrument_bad_target(target)
+    library = module_class(target)
+    if library is not None:  # callable, but calling it builds a model
+        raise _errors.instrument_module_class(target, library)
+    if unbound_linen(target):  # callable, but only inside model.apply
+        raise _errors.instrument_unbound_linen(target)
     if not isinstance(tag, str) or not tag:
         raise _errors.instrument_bad_tag(tag)
     for flag, value in (("ops", ops), ("inputs", inputs), ("attention", attention)):

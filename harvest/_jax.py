@@ -188,49 +188,71 @@ def staged_by_batched_lax_map(source_info: Any) -> bool:
     return re.search(rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", name_stack) is not None
 
 
-def running_under_batched_lax_map() -> str | None:
+def running_under_batched_lax_map(axis_data: Any = None) -> str | None:
     """As `staged_by_batched_lax_map`, from the live Python stack: whether what runs
     now runs under the vmap of a batched `lax.map`, however deep inside `f`:
     ``"loop"`` where a loop in `f` batches it (its steps run for the whole batch
     at once), else ``"batches"`` under the vmap of its scan over full batches or
-    ``"remainder"`` under that of the shorter remainder; None if not under one."""
-    frames = []
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        frames.append(_Frame(code.co_filename, getattr(code, "co_qualname", code.co_name)))
-        frame = frame.f_back
-    part = _under_batched_lax_map(frames)
-    if part is None:
-        return None
-    inner = frames[: next(i for i, f in enumerate(frames) if _frame_is(f, *_VMAP))]
+    ``"remainder"`` under that of the shorter remainder; None if not under one.
+    With ``axis_data``, that of the vmap whose batching rule runs now: where its
+    `jax.vmap` call is on the stack, only that vmap is asked about (a vmap the
+    user put around the map runs under the map's frames too, in its remainder)."""
+    live = _live_frames(sys._getframe(1))
+    frames = [f for f, _ in live]
+    own = None if axis_data is None else _vmap_of(live, axis_data)
+    if own is None:
+        part = _under_batched_lax_map(frames)
+        if part is None:
+            return None
+        own = next(i for i, f in enumerate(frames) if _frame_is(f, *_VMAP))
+    else:
+        part = _under_batched_lax_map(frames[own:], first=True)
+        if part is None:
+            return None
     loops = ("_scan_batching_rule", "_while_loop_batching_rule")
-    in_loop = any(_frame_is(f, "jax/_src/lax/control_flow/loops.py", loops) for f in inner)
+    in_loop = any(_frame_is(f, "jax/_src/lax/control_flow/loops.py", loops) for f in frames[:own])
     return "loop" if in_loop else part
 
 
-def batched_lax_map_has_both_parts() -> bool:
-    """Whether the batched `lax.map` running now (the innermost) runs both a scan
-    over full batches and a remainder: from the arguments of its public signature
-    ``lax.map(f, xs, *, batch_size)`` (the length of `xs`'s leaves and
-    `batch_size`, as JAX splits them), never from `lax.map`'s internal locals.
+def batched_lax_map_has_both_parts(axis_data: Any = None) -> bool:
+    """Whether the batched `lax.map` running now (the innermost, or the one whose
+    vmap batches with ``axis_data``) runs both a scan over full batches and a
+    remainder: from the arguments of its public signature ``lax.map(f, xs, *,
+    batch_size)`` (the length of `xs`'s leaves and `batch_size`, as JAX splits
+    them), never from `lax.map`'s internal locals.
 
-    This alone needs a value of the running call: its vmap of the full batches
-    traces before the remainder exists, and marks that say which map they come
-    from would not survive JAX reusing a batched body across maps."""
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        here = _Frame(code.co_filename, code.co_name)
+    This needs a value of the running call: its vmap of the full batches traces
+    before the remainder exists, and marks saying which map they come from would
+    not survive JAX reusing a batched body across maps."""
+    live = _live_frames(sys._getframe(1))
+    own = None if axis_data is None else _vmap_of(live, axis_data)
+    for here, frame in live[own or 0 :]:
         if _frame_is(here, "jax/_src/lax/control_flow/loops.py", ("map",)):
             arguments = frame.f_locals
             batch_size = arguments.get("batch_size")
-            if batch_size is not None:
+            if frame.f_code.co_name == "map" and batch_size is not None:
                 leaves = jax.tree_util.tree_leaves(arguments.get("xs"))
                 n = int(leaves[0].shape[0]) if leaves else 0
                 return 0 < batch_size <= n and n % batch_size != 0
-        frame = frame.f_back
     return False
+
+
+def _live_frames(frame: Any) -> list[tuple[_Frame, Any]]:
+    """The stack from `frame` outwards: each frame's name, and the frame."""
+    out = []
+    while frame is not None:
+        code = frame.f_code
+        out.append((_Frame(code.co_filename, getattr(code, "co_qualname", code.co_name)), frame))
+        frame = frame.f_back
+    return out
+
+
+def _vmap_of(live: list[tuple[_Frame, Any]], axis_data: Any) -> int | None:
+    """The position in `live` of the `jax.vmap` call that batches with `axis_data`, if any."""
+    for i, (here, frame) in enumerate(live):
+        if _frame_is(here, *_VMAP) and frame.f_locals.get("axis_data") is axis_data:
+            return i
+    return None
 
 
 def marking_batched_lax_map() -> Any:
@@ -248,10 +270,11 @@ class _Frame:
     function_name: str
 
 
-def _under_batched_lax_map(frames: list[Any]) -> str | None:
+def _under_batched_lax_map(frames: list[Any], first: bool = False) -> str | None:
     """``"batches"`` or ``"remainder"`` (see `running_under_batched_lax_map`) where
     `frames` (innermost first) run under a batched `lax.map`'s vmap, else None:
-    `lax.map` vmaps `f` from the lambda its scan runs, and the remainder itself."""
+    `lax.map` vmaps `f` from the lambda its scan runs, and the remainder itself.
+    With `first`, only the first vmap call in `frames` is asked about."""
     for i, frame in enumerate(frames):
         if not _frame_is(frame, *_VMAP):
             continue
@@ -260,6 +283,8 @@ def _under_batched_lax_map(frames: list[Any]) -> str | None:
                 return "batches" if outer.function_name.endswith("<lambda>") else "remainder"
             if "/jax/_src/" not in outer.file_name.replace(os.sep, "/"):
                 break
+        if first:
+            return None
     return None
 
 

@@ -9,6 +9,7 @@ walked by their key paths, so a Penzai layer's path is the key path
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -101,6 +102,32 @@ def kind(target: Any) -> str | None:
     if callable(target):
         return "function"
     return None
+
+
+def module_class(target: Any) -> str | None:
+    """The library of a module class passed where a model (an instance) belongs:
+    "Flax NNX", "Equinox", "Penzai" or "Flax Linen"; None for anything else."""
+    if not isinstance(target, type):
+        return None
+    linen = sys.modules.get("flax.linen")  # no Linen class exists before it is imported
+    nnx, eqx, layer = _nnx(), _eqx(), penzai_layer()
+    bases: list[tuple[str, Any]] = [
+        ("Flax NNX", nnx and nnx.Module),
+        ("Equinox", eqx and eqx.Module),
+        ("Penzai", layer),
+        ("Flax Linen", linen and linen.Module),
+    ]
+    for library, base in bases:
+        if base is not None and issubclass(target, base):
+            return library
+    return None
+
+
+def unbound_linen(target: Any) -> bool:
+    """Whether `target` is a Flax Linen module not bound to variables (`model`,
+    not `model.bind(variables)`): it runs only through `model.apply`."""
+    linen = sys.modules.get("flax.linen")
+    return linen is not None and isinstance(target, linen.Module) and target.scope is None
 
 
 def submodules(target: Any, of_kind: str) -> list[tuple[str, Any]]:

@@ -413,23 +413,31 @@ class Plant:
         leaves = site.check(new, what)
         return jax.tree_util.tree_unflatten(site.tree, leaves)
 
-    def peel(self, idx: Any) -> Plant:
+    def peel(self, idx: Any, runs: Any = None, where: str = "") -> Plant:
         """Row `idx` of a plant stacked along a leading axis; other plants as they
-        are, but a callable taking the occurrence index counts from row `idx`."""
+        are, but a callable taking the occurrence index counts from row `idx`.
+        `runs`, where known, is how many rows the stack must have (one per
+        iteration or shard of `where`): a traced index past the end would read
+        the last row, so another count is refused here."""
         if callable(self.value):
             return self.starting_at(self.start + idx)
         ndim = [len(a.shape) for a in self.site.avals]
-        if all(jnp.ndim(l) > d for l, d in zip(jax.tree_util.tree_leaves(self.value), ndim)):
+        leaves = jax.tree_util.tree_leaves(self.value)
+        if all(jnp.ndim(l) > d for l, d in zip(leaves, ndim)):
+            check_runs(self.site, leaves, runs, where)
             return Plant(self.site, jax.tree_util.tree_map(lambda l: l[idx], self.value))
         return self
 
-    def per_iteration(self, idx: Any, body_jaxpr: Any, body_site: Site) -> Plant:
+    def per_iteration(
+        self, idx: Any, body_jaxpr: Any, body_site: Site, runs: Any = None, where: str = ""
+    ) -> Plant:
         """The part of this plant that one iteration (number `idx`) of a loop over
         `body_jaxpr` sees; `body_site` is the name's site in the body (its shape
-        may differ from other sites')."""
+        may differ from other sites'); `runs`, where known, how many iterations
+        (or shards) of `where` a value stacked per iteration must have rows for."""
         site = self.site
         if site.mode.stacks_per_loop:
-            return self.peel(idx)
+            return self.peel(idx, runs, where)
         if self.takes_index():
             if site.mode.entries:
                 raise _errors.indexed_plant_of_collect_in_loop(site)
@@ -448,6 +456,7 @@ class Plant:
                 stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
                 if not all(stacked):
                     return e
+                check_runs(site, leaves, runs, where)
                 # A stack of 0 rows: a loop of length 0, whose body never runs.
                 return jax.tree_util.tree_map(
                     lambda l: l[idx] if l.shape[0] else jnp.zeros(l.shape[1:], l.dtype), e
@@ -463,6 +472,18 @@ class Plant:
             return lax.dynamic_slice_in_dim(l, idx * n, n)
 
         return Plant(site, jax.tree_util.tree_map(rows, self.value))
+
+
+def check_runs(site: Site, leaves: list[Any], runs: Any, where: str) -> None:
+    """Refuses `leaves` of a plant stacked one row per run of `where` (an
+    iteration of a scan, a shard of a shard_map) whose rows are not `runs`:
+    each run reads its row at a traced index, which past the end would read
+    the last row, and rows past `runs` would be dropped."""
+    if runs is None or runs is UNBOUNDED:
+        return
+    for leaf in leaves:
+        if jnp.shape(leaf)[0] != runs:
+            raise _errors.plant_runs(site, jnp.shape(leaf)[0], runs, where)
 
 
 def _called(fn: Callable[..., Any], old: Any, index: Any, site: Site) -> Any:

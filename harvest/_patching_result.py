@@ -163,6 +163,9 @@ class PatchingResult:
         A sweep over two axes is drawn as one panel per site (first swept axis
         × second), all on one colour scale; then the list of axes is returned.
         Use ``PatchingResult.plot_many`` to put several results on one scale.
+        A notebook shows the figure by itself; from a script, call
+        ``matplotlib.pyplot.show()`` after ``plot`` to open it, or save it with
+        ``ax.figure.savefig(path)``.
 
         Args:
             ax: The matplotlib axes to draw on (``None``: a new figure).
@@ -177,7 +180,8 @@ class PatchingResult:
             **imshow_kwargs: Passed to ``imshow``.
 
         Returns:
-            The axes drawn on (a list of them, one per site, for two swept axes).
+            The axes drawn on (a list of them, one per site, for two swept axes);
+            ``.figure`` is the figure, to show or save.
 
         Example:
             >>> import matplotlib; matplotlib.use("Agg")
@@ -253,6 +257,8 @@ class PatchingResult:
         """Draws several results side by side on one colour scale with one colourbar; returns the axes.
 
         The figure is laid out so no label overlaps a neighbouring panel or the colourbar.
+        From a script, call ``matplotlib.pyplot.show()`` to open it (a notebook
+        shows it by itself), or save it with ``axes[0].figure.savefig(path)``.
 
         Args:
             results: Results with the same rows (sites) and columns, each of

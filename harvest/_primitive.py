@@ -185,7 +185,19 @@ def _sow_jet(primals, series, **params):
 
 
 def _sow_batch(
-    axis_data, args, dims, *, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None
+    axis_data,
+    args,
+    dims,
+    *,
+    tag,
+    name,
+    scope,
+    mode,
+    tree,
+    vmapped=(),
+    role=None,
+    axes=None,
+    element=None,
 ):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
@@ -201,6 +213,10 @@ def _sow_batch(
     n = tree.num_leaves
     vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
     extra = {} if role is None else {"role": role}
+    if element is not None:
+        # A sow a batched `lax.map` unrolled, batched again by a vmap around the
+        # map: still that element's (the vmap's axis leads, as around any loop).
+        extra["element"] = element
     if axes is not None:  # the batch axis in front has no name
         extra["axes"] = tuple(
             names if d is None else (None, *names) for names, d in zip(axes, dims)

@@ -250,9 +250,12 @@ def _checked_sites(traced: _Traced, static: _Static):
         and not multi
     ):
         tags = {site.tag for site in every}
+        caller = "reap" if static.reap else "plant"
         if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
-            caller = "reap" if static.reap else "plant"
             raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
+        if not tags and policy.tag == "modules" and policy.tag not in traced.inner_tags:
+            # instrument's tag, and no sow at all: most often a model never passed to instrument.
+            raise _errors.never_instrumented(policy.tag, caller)
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)

@@ -165,7 +165,8 @@ class Site:
                 raise _errors.plant_complex_into_real(self, what, aval.dtype)
             if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
                 # A Python number takes the site's dtype, as JAX casts one in
-                # `x.at[i].set(15.0)` (oryx passes it through: 15.5 into an int site stays 15.5).
+                # `x.at[i].set(15.0)` (oryx passes it through: 15.0 into an int site
+                # stays a float; a fraction, which the cast would truncate, is refused above).
                 leaf = _jax.cast_like(leaf, aval)
             shape = tuple(leading) + aval.shape
             got = jnp.shape(leaf), jnp.result_type(leaf)
@@ -217,10 +218,10 @@ def _unheld(value: Any, dtype: Any) -> str | None:
     data, cast to ``dtype`` when planted), or None when it can.
 
     Refused: a number out of ``dtype``'s range (``2**40`` into int32, ``-1``
-    into uint8, ``1e39`` into float32), nan or infinity into an integer site and
-    an imaginary part into a real one, which the cast would change past
-    recognition. Kept, as JAX casts: a fraction into an integer site (15.5 is
-    15, as in ``x.at[i].set(15.5)``) and a float64 rounded to float32.
+    into uint8, ``1e39`` into float32), nan, infinity or a fraction into an
+    integer site (the cast would truncate 1.5 to 1 unseen; 2.0 is 2) and an
+    imaginary part into a real one, which the cast would change past
+    recognition. Kept, as JAX casts: a float64 rounded to float32.
     """
     if isinstance(value, bool) or jnp.issubdtype(dtype, jnp.complexfloating):
         return None
@@ -239,6 +240,8 @@ def _unheld(value: Any, dtype: Any) -> str | None:
         if data.dtype.kind == "f":
             if whole and not np.isfinite(data).all():
                 return f"{data[~np.isfinite(data)].flat[0]} is no whole number"
+            if whole and (data != np.trunc(data)).any():
+                return f"{data[data != np.trunc(data)].flat[0]} is no whole number"
             data = data[np.isfinite(data)]
             if data.size == 0:
                 return None

@@ -57,6 +57,13 @@ class View:
     def _repr_html_(self) -> str:
         return self.html
 
+    def __repr__(self) -> str:
+        # Outside a notebook (a script, a REPL) the graph cannot draw itself: say how to see it.
+        return (
+            f"View(sites={self.sites}, groups={self.groups}, modules={self.modules}): "
+            "shown in a notebook; .save(path) writes an HTML page"
+        )
+
     def page(self) -> str:
         """The graph as a whole HTML page.
 
@@ -140,6 +147,8 @@ def view(
         >>> v = view(f, jnp.arange(3.0), values=reap(f)(jnp.arange(3.0)))
         >>> v.sites, v.groups, "scan[3]" in v.html, "mean" in v.html
         (2, 1, True, True)
+        >>> v  # outside a notebook
+        View(sites=2, groups=1, modules=0): shown in a notebook; .save(path) writes an HTML page
     """
     if not callable(f):
         raise _errors.view_needs_callable(f)

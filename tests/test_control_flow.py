@@ -94,6 +94,17 @@ def test_scan_plant_per_iteration_single_and_callable(reverse):
         close(plant(make_scan(mode, reverse))({"a": lambda old: old * -3.0}, C0, XS), (c, ys))
 
 
+@pytest.mark.parametrize("rows", [2, 5])
+def test_scan_collect_plant_with_another_count_of_rows_is_refused(rows):
+    # 4 iterations: 2 rows would have iterations 2 and 3 read row 1, 5 drop row 4.
+    f = make_scan("collect")
+    with pytest.raises(ValueError, match=rf"name='a'.* {rows} rows.* 4 iterations.*Plant 4 rows"):
+        plant(f)({"a": (jnp.zeros((rows, 2)),)}, C0, XS)
+    new = jnp.arange(8.0).reshape(4, 2) / 8.0
+    c, ys, *_ = ref_scan(C0, XS, plant_a=lambda i, old: new[i])
+    close(plant(f)({"a": (new,)}, C0, XS), (c, ys))
+
+
 @pytest.mark.parametrize("mode", ["collect", "append"])
 def test_scan_round_trip(mode):
     f = make_scan(mode)
@@ -499,6 +510,43 @@ def test_lax_map_with_batch_size_reaps_and_plants_per_element_as_without(mode, n
         jax.grad(lambda xs: call_and_reap(batched)(xs)[1]["h"].sum())(xs),
         jax.grad(lambda xs: call_and_reap(unbatched)(xs)[1]["h"].sum())(xs),
     )
+
+
+@pytest.mark.parametrize("mode", ["collect", "append", "clobber"])
+@pytest.mark.parametrize("n", [1, 4, 5])
+def test_reap_and_plant_of_vmap_over_a_lax_map_with_batch_size(mode, n):
+    # The vmap around the map batches each element's sow (in its scan of full
+    # batches, and in the remainder, which runs under the map's frames) as any sow:
+    # hand-threaded, element i of example e sows sin(xs[e, i]) * 2 and returns it + 1.
+    g = lambda x: sow(jnp.sin(x) * 2.0, name="s", mode=mode) + 1.0  # noqa: E731
+    f = jax.vmap(lambda xs: lax.map(g, xs, batch_size=2))
+    xs = jnp.arange(3.0 * n * 2).reshape(3, n, 2) / 7.0
+    sown = jnp.moveaxis(jnp.sin(xs) * 2.0, 0, 1)  # [element, example, 2], as lax.map stacks
+    rows = {"collect": (sown,), "append": sown, "clobber": sown[-1]}[mode]
+    out, reaped = call_and_reap(f)(xs)
+    close(out, jnp.sin(xs) * 2.0 + 1.0)
+    close(reaped, {"s": rows})
+    new = jnp.arange(sown.size, dtype=jnp.float32).reshape(sown.shape)
+    if mode == "clobber":  # one value, planted at every element of every example
+        close(plant(f)({"s": new[0]}, xs), jnp.broadcast_to(new[0][:, None], xs.shape) + 1.0)
+    else:
+        planted = (new,) if mode == "collect" else new
+        close(plant(f)({"s": planted}, xs), jnp.moveaxis(new, 0, 1) + 1.0)
+
+
+@pytest.mark.parametrize("mode", ["append", "clobber"])
+def test_a_batched_lax_map_around_one_whose_elements_fit_its_remainder(mode):
+    # The inner map runs only its remainder, under the outer map's vmap: each vmap
+    # unrolls its own elements (only a vmap the user put around a map leaves them),
+    # so the sows are reaped and planted as lax.map without batch_size, by hand.
+    g = lambda x: sow(jnp.sin(x) * 2.0, name="s", mode=mode) + 1.0  # noqa: E731
+    f = lambda xs: lax.map(lambda x: lax.map(g, x, batch_size=2), xs, batch_size=2)  # noqa: E731
+    xs = jnp.arange(3.0).reshape(3, 1) / 5.0
+    sown = (jnp.sin(xs) * 2.0).reshape(3)  # element (i, 0) sows row i
+    close(reap(f)(xs), {"s": sown if mode == "append" else sown[-1]})
+    new = jnp.array([10.0, 20.0, 30.0])
+    planted = new if mode == "append" else new[0]
+    close(plant(f)({"s": planted}, xs), jnp.broadcast_to(planted, (3,)).reshape(3, 1) + 1.0)
 
 
 def test_lax_map_with_batch_size_a_sow_nested_in_a_jit_is_per_element_one_in_a_loop_refused():

@@ -122,6 +122,28 @@ def test_a_planted_number_is_checked_against_the_sites_dtype_at_every_call():
     ok_after()
 
 
+def test_a_fraction_planted_into_an_int_site_is_refused_a_whole_float_is_not():
+    # The cast would truncate it unseen (1.5 -> 1, -0.5 -> 0, 2.7 -> 2): refused as
+    # nan is, at every call of the one program; 2.0 is the whole number 2.
+    planted = plant(counts, tag="t")
+    tokens = jnp.array([1, 2], jnp.int32)
+    np.testing.assert_array_equal(planted({"ids": 2.0}, tokens), jnp.int32(3))  # by hand: 2 + 1
+    for value in (1.5, -0.5, 2.7):
+        with pytest.raises(ValueError, match=rf"(?s)'ids'.*int32.*{value} is no whole number"):
+            planted({"ids": value}, tokens)
+    with pytest.raises(ValueError, match=r"(?s)'ids'.*int32.*0\.5 is no whole number"):
+        planted({"ids": lambda old: 0.5}, tokens)  # a callable's number as well
+    flag = lambda x: sow(x > 0, name="on", mode="strict", tag="t") * 3.0  # noqa: E731
+    with pytest.raises(ValueError, match=r"(?s)'on'.*bool.*0\.5 is no whole number"):
+        plant(flag, tag="t")({"on": 0.5}, 1.0)
+    np.testing.assert_array_equal(plant(flag, tag="t")({"on": 0.0}, 1.0), 0.0)
+    # A number traced by an outer jit is unknown here: converted as
+    # lax.convert_element_type converts it (docs/semantics.md, "What plant does").
+    under_jit = jax.jit(lambda v: planted({"ids": v}, tokens))(2.7)
+    np.testing.assert_array_equal(under_jit, jax.lax.convert_element_type(2.7, jnp.int32) + 1)
+    ok_after()
+
+
 def test_plant_callable_returning_wrong_shape():
     with pytest.raises(ValueError, match=r"(?s)(?=.*alpha)(?=.*float32\[3\])(?=.*float32\[1\])"):
         plant(f, tag="t")({"alpha": lambda a: a[:1]}, X)

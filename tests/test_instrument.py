@@ -739,6 +739,27 @@ def test_reap_and_plant_without_the_modules_tag_say_to_pass_it(transformer):
     np.testing.assert_allclose(plant(model)({}, X), transformer(X), rtol=1e-5, atol=1e-6)
 
 
+def test_reap_and_plant_of_a_model_never_instrumented_say_to_instrument_it(transformer):
+    # The README names both `mlp` and `model`: reaping the one never passed to
+    # instrument was {} (NNX and Equinox alike), planting it "Names sown: none".
+    mlp = eqx.nn.MLP(D, 3, 4, 1, key=jax.random.key(2))
+    for plain, name, x in ((transformer, "head", X), (mlp, "layers.1", X[0])):
+        with pytest.raises(ValueError, match=r"reap\(tag='modules'\).*sows nothing.*instrument"):
+            reap(plain, tag="modules")(x)
+        with pytest.raises(ValueError, match=r"plant\(tag='modules'\).*instrument\(model\)"):
+            plant(plain, tag="modules")({name: jnp.zeros(plain(x).shape)}, x)
+        # Instrumented, the same call reaps the sites the hand-written forward has.
+        recorder = Recorder()
+        if plain is transformer:
+            hand_transformer(transformer, X, recorder)
+            assert set(reap(instrument(plain), tag="modules")(X)) == set(recorder.values)
+        else:
+            reaped = reap(instrument(plain), tag="modules")(X[0])
+            np.testing.assert_allclose(reaped["layers.1"], mlp(X[0]), **TOL)
+    # A function that sows nothing, reaped under another tag, is still {}.
+    assert reap(lambda x: x * 2.0)(1.0) == {}
+
+
 # ---------------------------------------------------------------------------
 # Linen, through its own method interception.
 
@@ -814,6 +835,34 @@ def test_linen_modules_applied_in_a_function():
 def test_function_without_linen_modules_needs_ops():
     with pytest.raises(ValueError, match="applies no Flax Linen module.*ops=True"):
         instrument(jnp.sin)(X)
+    # A function calling an NNX model: the message says to pass the model itself.
+    model = Transformer(D, 1, nnx.Rngs(3))
+    with pytest.raises(ValueError, match="instrument the model object itself"):
+        instrument(lambda x: model(x))(X)
+
+
+def test_a_module_class_or_an_unbound_linen_module_is_refused_at_instrument_time():
+    # Each was accepted and failed at the first call in another library's words
+    # (Flax's CallCompactUnboundModuleError, a missing __init__ argument).
+    module = LinenModel()
+    variables = module.init(jax.random.key(8), X)
+    with pytest.raises(TypeError, match=r"unbound Flax Linen module \(LinenModel\).*model\.apply"):
+        instrument(module)
+    for cls, library in ((eqx.nn.MLP, "Equinox"), (nnx.Linear, "Flax NNX")):
+        with pytest.raises(
+            TypeError, match=rf"{library} class {cls.__name__}, not a model.*\(\.\.\.\)"
+        ):
+            instrument(cls)
+    with pytest.raises(TypeError, match=r"Linen class LinenModel.*\.apply\(variables, x\)"):
+        instrument(LinenModel)
+    # What the messages say to pass works, against the function without harvest.
+    bound = instrument(module.bind(variables))
+    np.testing.assert_array_equal(bound(X), module.apply(variables, X))
+    rec = Recorder()
+    hand_linen(variables["params"], X, rec)
+    np.testing.assert_allclose(reap(bound, tag="modules")(X)["head"], rec.values["head"], **TOL)
+    mlp = eqx.nn.MLP(D, 3, 4, 1, key=jax.random.key(2))
+    np.testing.assert_allclose(reap(instrument(mlp), tag="modules")(X[0])["layers.1"], mlp(X[0]))
 
 
 # ---------------------------------------------------------------------------

@@ -28,6 +28,20 @@ def result(values, names=None):
     return PatchingResult(values, names, np.arange(values.shape[1]), axis=1, baseline=0.5)
 
 
+def test_plot_from_a_script_says_to_show_the_figure_it_returns(tmp_path):
+    # Under a non-interactive backend (a script's), plot draws and shows nothing:
+    # its docstring says to call plt.show(), and the figure it returns is saved whole.
+    for method in (PatchingResult.plot, PatchingResult.plot_many):
+        assert "matplotlib.pyplot.show()" in " ".join(method.__doc__.split())
+    r = result([[1.0, -1.0], [0.5, 0.0]])
+    ax = r.plot()
+    assert ax.figure is plt.gcf()
+    path = tmp_path / "sweep.png"
+    ax.figure.savefig(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    np.testing.assert_array_equal(ax.images[0].get_array(), r.values)
+
+
 def test_normalized_divides_by_the_clean_corrupt_gap_of_a_real_sweep():
     def f(x):
         h = sow(2.0 * x, name="h", mode="strict")

@@ -365,14 +365,16 @@ def test_plant_one_value_for_every_example_of_a_vmap_inside_f():
 
 def test_a_python_number_planted_into_a_site_of_another_dtype_takes_its_dtype():
     """As oryx's test_should_plant_constant: a Python float into a site sown from a
-    Python int. It is cast as JAX casts in `x.at[i].set(15.5)`, and keeps the site's
-    weak type, so loop carries keep their types (vmap of a while loop included)."""
+    Python int. It is cast as JAX casts in `x.at[i].set(15.0)`, and keeps the site's
+    weak type, so loop carries keep their types (vmap of a while loop included).
+    A fraction, which the cast would truncate, is refused (tests/test_errors.py)."""
 
     def f(x):
         return sow(x, name="x", mode="strict") + sow(717, name="y", mode="strict")
 
     assert float(plant(f)({"x": 2.0, "y": 15.0}, 1.0)) == 17.0
-    assert float(plant(f)({"y": 15.5}, 1.0)) == 16.0  # 15.5 -> int32 15, as jnp.asarray(15.5, int)
+    with pytest.raises(ValueError, match=r"(?s)'y'.*15\.5 is no whole number"):
+        plant(f)({"y": 15.5}, 1.0)  # oryx kept 15.5; the cast would give int32 15
 
     def loop(x, n):
         def body(c):

@@ -133,6 +133,20 @@ def test_a_prng_key_value_shows_its_dtype_and_shape():
     assert entry["stats"]["text"] == f"mean {words.mean():.4g} · std {words.std():.4g}"
 
 
+def test_a_view_printed_outside_a_notebook_says_what_it_holds_and_how_to_save_it(tmp_path):
+    def f(xs):
+        body = lambda c, x: (c + sow(x * c, name="step", mode="append"), None)  # noqa: E731
+        return sow(jax.lax.scan(body, 1.0, xs)[0], name="total", mode="strict")
+
+    v = view(f, jnp.arange(3.0))
+    # What it holds, counted from the program by hand: two sites, one scan body.
+    assert repr(v) == (
+        "View(sites=2, groups=1, modules=0): shown in a notebook; .save(path) writes an HTML page"
+    )
+    assert "object at 0x" not in str(v)
+    assert v.save(tmp_path / "g.html").read_text(encoding="utf-8") == v.page()
+
+
 def test_the_page_is_self_contained_with_the_layout_library_inlined():
     v = view(instrument(lambda x: jnp.sin(x) * 2.0, ops=True), jnp.ones(3))
     assert v.sites == 2  # sin and mul, each an op site

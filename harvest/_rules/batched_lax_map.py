@@ -86,13 +86,15 @@ def per_element(sites: frozenset) -> Any:
         _vmaps, _in_branch = outer
 
 
-def unrolled_here(params: dict[str, Any]) -> bool:
-    """Whether a sow with `params`, batched now, is to be sown once per element
-    (refusing one in a loop inside `f`, whose steps run for the whole batch)."""
+def unrolled_here(params: dict[str, Any], axis_data: Any = None) -> bool:
+    """Whether a sow with `params`, batched now (by the vmap of `axis_data`, where
+    known), is to be sown once per element (refusing one in a loop inside `f`,
+    whose steps run for the whole batch). A vmap around the map batches it as any
+    sow, though in the map's remainder it runs under the map's frames too."""
     sites = _per_element.value if _per_element is not None else None
     if not sites or _site_key(params) not in sites:
         return False
-    where = _jax.running_under_batched_lax_map()
+    where = _jax.running_under_batched_lax_map(axis_data)
     if where == "loop":
         # A loop in `f` runs each step for the whole batch: sown once per element
         # there, the occurrences would come step by step, not element by element.
@@ -105,8 +107,8 @@ def unrolled_here(params: dict[str, Any]) -> bool:
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
     if all(d is None for d in dims):
         return jax_rule(axis_data, args, dims, **params)
-    if not unrolled_here(params):
-        with marking_batched():
+    if not unrolled_here(params, axis_data):
+        with marking_batched(axis_data):
             return jax_rule(axis_data, args, dims, **params)
     vmap: int | None = _vmap_number(axis_data)
     if params.get("role") == "plant_only":  # a batched cond's branch: its copy counts
@@ -118,13 +120,14 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        per_element.append(sow_p.bind(*row, **element_params(params, j, axis_data.size, vmap)))
+        params_j = element_params(params, j, axis_data.size, vmap, axis_data)
+        per_element.append(sow_p.bind(*row, **params_j))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
 
 
 def element_params(
-    params: dict[str, Any], j: int, size: int, vmap: int | None = None
+    params: dict[str, Any], j: int, size: int, vmap: int | None = None, axis_data: Any = None
 ) -> dict[str, Any]:
     """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
     collect sow's say which (its entries, one per element, are merged into the
@@ -133,8 +136,9 @@ def element_params(
     a batched cond's record-only copy: the vmap of the branch sow it copies)."""
     mode = MODES[params["mode"]]
     if mode.entries:
-        part = _jax.running_under_batched_lax_map()
-        return dict(params, element=(j, size, part, _jax.batched_lax_map_has_both_parts()))
+        part = _jax.running_under_batched_lax_map(axis_data)
+        both = _jax.batched_lax_map_has_both_parts(axis_data)
+        return dict(params, element=(j, size, part, both))
     if mode.rows and params.get("role") != "plant_only":
         vmap = _in_branch.get(_site_key(params)) if vmap is None else vmap
     if mode.rows and vmap is not None:
@@ -152,13 +156,13 @@ def _vmap_number(axis_data: Any) -> int:
     return _vmaps[id(axis_data)][1]
 
 
-def marking_batched() -> Any:
+def marking_batched(axis_data: Any = None) -> Any:
     """A context for staging a sow batched, as one sow per batch: where a harvest
     traces under a batched `lax.map`, it is marked, so that the walk sees where
     (JAX keeps no `lax.map` frame for a sow nested in a body `f` traces, a jit's
     or a scan's) and traces it again, to sow it once per element (or refuse it,
     in a loop)."""
-    if tracing_a_harvest() and _jax.running_under_batched_lax_map():
+    if tracing_a_harvest() and _jax.running_under_batched_lax_map(axis_data):
         return _jax.marking_batched_lax_map()
     return contextlib.nullcontext()
 

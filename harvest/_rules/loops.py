@@ -54,7 +54,11 @@ def _scan(walk, eqn, invals):
         c, rec, n = carry
         idx, x = x
         body_plants = {
-            path: pl.shift(n[path]) if path in n else pl.per_iteration(idx, body.jaxpr, sites[path])
+            path: (
+                pl.shift(n[path])
+                if path in n
+                else pl.per_iteration(idx, body.jaxpr, sites[path], length, "scan")
+            )
             for path, pl in plants.items()
             if path in sites
         }

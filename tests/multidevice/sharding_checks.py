@@ -86,6 +86,17 @@ def test_sharded_jit_keeps_output_sharding():
     np.testing.assert_allclose(plant(f)({"double": jnp.zeros((8, 8))}, xs), np.ones((8, 8)))
 
 
+@pytest.mark.parametrize("mode", ["strict", "clobber", "collect"])
+def test_a_pmap_plant_with_another_count_of_rows_is_refused(mode):
+    f = jax.pmap(lambda x: sow(x**2, name="sq", mode=mode).sum())
+    xs = jnp.arange(24.0).reshape(8, 3)
+    wrap = (lambda v: (v,)) if mode == "collect" else (lambda v: v)
+    with pytest.raises(ValueError, match=r"name='sq'.* 3 rows.* 8 shards"):
+        plant(f)({"sq": wrap(jnp.ones((3, 3)))}, xs)
+    rows = jnp.arange(24.0).reshape(8, 3) * 2.0
+    np.testing.assert_allclose(plant(f)({"sq": wrap(rows)}, xs), np.asarray(rows).sum(1))
+
+
 def test_pmap_reaps_one_row_per_device():
     f = jax.pmap(lambda x: sow(x**2, name="sq", mode="strict").sum())
     xs = jnp.arange(24.0).reshape(8, 3)
@@ -131,6 +142,18 @@ def per_shard_sum(mode):
 def shard_blocks(a):
     """`a` [8, 8] as reap lays out shard_map's rows: shard (i, j) holds a[2i:2i+2, 4j:4j+4]."""
     return np.stack([a[2 * i : 2 * i + 2, 4 * j : 4 * j + 4] for i in range(4) for j in range(2)])
+
+
+@pytest.mark.parametrize("mode", ["strict", "clobber", "collect", "append"])
+def test_a_per_shard_plant_with_another_count_of_rows_is_refused(mode):
+    f = per_shard_sum(mode)
+    wrap = (lambda v: (v,)) if mode == "collect" else (lambda v: v)
+    # 8 shards: with 3 rows, shards 3..7 would all read row 2.
+    with pytest.raises(ValueError, match=r"name='h'.* 3 rows.* 8"):
+        plant(f)({"h": wrap(jnp.ones((3, 2, 4)))}, X)
+    rows = jnp.arange(8.0)[:, None, None] * jnp.ones((8, 2, 4))
+    got = shard_blocks(np.asarray(plant(f)({"h": wrap(rows)}, X)))
+    np.testing.assert_allclose(got, np.asarray(rows) ** 2)  # shard k squares its own row
 
 
 @pytest.mark.parametrize("mode", ["strict", "append", "collect"])
