@@ -1231,6 +1231,15 @@ def ppl_observed_not_finite(name: str, bad: int, size: int, first: Any) -> Value
     )
 
 
+def ppl_observed_outside_support(name: str, bad: int, size: int, first: Any) -> ValueError:
+    return ValueError(
+        f"sample_posterior: the observed value of {name!r} has {bad} element(s) of {size} "
+        f"outside the support of its distribution (the first at index {first}). TFP may "
+        "still give such a value a finite density, so the posterior would be silently wrong. "
+        "Correct the data, or draw the site from a distribution whose support holds it."
+    )
+
+
 def ppl_start_not_finite(
     chain: int, attempts: int, init: str, what: str, sites: dict[str, float]
 ) -> ValueError:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from .. import _errors
 from .._typing import Reaped
+from ._support import check_observed_support
 from ._unconstrained import site_log_densities, unconstrained
 from ._warmup import stan_warmup
 
@@ -286,6 +287,7 @@ def sample_posterior(
         if not isinstance(n, int) or n < 1:
             raise _errors.ppl_bad_count(what, n)
     density = unconstrained(model, observed)
+    check_observed_support(model, dict(observed or {}), key, args, {})
     if not jax.eval_shape(density.init, key, *args):
         raise _errors.ppl_nothing_to_sample()
 

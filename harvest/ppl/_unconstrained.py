@@ -208,9 +208,52 @@ def _check_finite(observed: Reaped) -> None:
             raise _errors.ppl_observed_not_finite(name, len(bad), value.size, first)
 
 
+# How many prior draws `init` makes before giving up on a finite density (NumPyro's 100).
+INIT_ATTEMPTS = 100
+
+
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
-    free, sites = _draws_and_sites(f, observed, key, *args, **kwargs)
-    return restricted(sites, set(leaf_paths(free)))
+    """A prior draw of the free draws' `u` where the log density is finite: the first of
+    up to `INIT_ATTEMPTS` (keys folded from `key`), or the last tried."""
+    _check_movable(f, observed, key, args, kwargs)
+
+    def draw(k: Any) -> Reaped:
+        free, sites = _draws_and_sites(f, observed, k, *args, **kwargs)
+        return restricted(sites, set(leaf_paths(free)))
+
+    first = draw(key)
+    if not first:
+        return first
+
+    def finite(u: Reaped) -> jax.Array:
+        return jnp.isfinite(_density(f, observed, False, u, args, kwargs))
+
+    def looking(carry: tuple[Any, Reaped, jax.Array]) -> jax.Array:
+        attempt, _, ok = carry
+        return (attempt < INIT_ATTEMPTS) & ~ok
+
+    def another(carry: tuple[Any, Reaped, jax.Array]) -> tuple[Any, Reaped, jax.Array]:
+        attempt, _, _ = carry
+        u = draw(jax.random.fold_in(key, attempt))
+        return attempt + 1, u, finite(u)
+
+    start: Reaped = jax.lax.while_loop(looking, another, (1, first, finite(first)))[1]
+    return start
+
+
+def _check_movable(
+    f: Callable[..., Any], observed: Reaped, key: Any, args: Any, kwargs: Any
+) -> None:
+    """Raises, naming them, if a free draw cannot be moved to R^n: drawn by a plain
+    sampling function (no density), or discrete and not enumerated."""
+    tags = (RANDOM_VARIABLE, UNCONSTRAINED, ENUMERATED, LOG_DENSITY)
+    reaped = jax.eval_shape(lambda k: _walked(f, tags, observed, {}, k, args, kwargs), key)
+    free, sites, markers, densities = (set(leaf_paths(reaped.get(t, {}))) for t in tags)
+    stuck = free - sites - markers
+    if stuck - densities:
+        raise _errors.ppl_drawn_without_density("unconstrained", stuck - densities)
+    if stuck:
+        raise _errors.ppl_discrete_free(sorted(stuck))
 
 
 def _draws_and_sites(
@@ -229,13 +272,15 @@ class Unconstrained:
     each variable's map onto its support. `constrain(u, *args)`: the model's
     values `{name: value}` for `u`: the free variables and every
     `deterministic` site (observed and fixed ones are not random).
-    `init(key, *args)`: a `u` drawn from the prior, to start a chain.
+    `init(key, *args)`: a `u` drawn from the prior, to start a chain (redrawn, up to
+    100 times, until the log density there is finite).
 
     Attributes:
         log_density: ``log_density(u, *args) -> scalar``, the Jacobian included.
         constrain: ``constrain(u, *args) -> {name: value}``, the free draws and
             ``deterministic`` sites.
-        init: ``init(key, *args) -> u``, drawn from the prior.
+        init: ``init(key, *args) -> u``, drawn from the prior where the log density is
+            finite; raises, naming it, for a free draw that cannot be moved to R^n.
 
     Example:
         >>> import jax
