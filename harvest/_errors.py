@@ -1207,6 +1207,14 @@ def ppl_enumeration_mixed(names: Iterable[str]) -> ValueError:
     )
 
 
+def ppl_enumeration_in_scan(names: Iterable[str], why: str) -> ValueError:
+    return ValueError(
+        f"cannot sum out {', '.join(names)}, enumerated inside a scan: {why}. A scan sums "
+        "out one enumerated draw per step (mode='append', a scalar Bernoulli or Categorical), "
+        "its state carried from step to step; marginalise anything else by hand."
+    )
+
+
 def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
     return TypeError(
         f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "

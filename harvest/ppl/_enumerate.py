@@ -9,6 +9,9 @@ once under `vmap`, and sums the draw out with a log-sum-exp:
 
 * scalar enumerated draws (any number of them) are enumerated jointly, over
   the product of their supports;
+* one enumerated draw per step of a `lax.scan` (`mode="append"`) is summed
+  out by a forward pass over the steps, linear in the scan's length
+  (`_markov.py`);
 * one enumerated draw with a batch shape `B` (a per-point assignment, as in a
   mixture) is enumerated element by element: the elements are independent
   draws, each density of shape `B` is taken as the factor of the matching
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +36,7 @@ from .. import _errors
 from .._sow import sow
 from .._typing import Reaped
 from ._names import leaf_paths, nested
-from ._tags import ENUMERATED
+from ._tags import ENUMERATED, ENUMERATED_IN_SCAN
 
 ENUMERABLE = ("Bernoulli", "Categorical")
 # The joint support of scalar enumerated draws is enumerated at once; beyond this many
@@ -41,21 +44,31 @@ ENUMERABLE = ("Bernoulli", "Categorical")
 MAX_ASSIGNMENTS = 4096
 
 
-def sow_support(dist: Any, name: str) -> None:
-    """Files the marker of an enumerated draw: shape `batch shape + (support size,)`."""
+def sow_support(dist: Any, name: str, mode: str = "strict") -> None:
+    """Files the marker of an enumerated draw: shape `batch shape + (support size,)`. A
+    draw in a scan (`mode="append"`) files it under `ENUMERATED_IN_SCAN` too, stacked
+    over the steps: that draw is summed out by a forward pass (`_markov.py`)."""
     size = 2 if type(dist).__name__ == "Bernoulli" else dist.probs_parameter().shape[-1]
     marker = jnp.zeros((*dist.batch_shape, size), dist.dtype)  # carries the draw's dtype
-    sow(marker, tag=ENUMERATED, name=name, mode="strict")
+    sow(marker, tag=ENUMERATED, name=name, mode=mode)
+    if mode == "append":
+        sow(marker, tag=ENUMERATED_IN_SCAN, name=name, mode=mode)
 
 
-Support = tuple[int, tuple[int, ...], Any]  # (size, batch shape, dtype)
+class Support(NamedTuple):
+    size: int
+    batch: tuple[int, ...]
+    dtype: Any
+    in_scan: bool = False
 
 
-def supports(markers: Reaped, names: set[str]) -> dict[str, Support]:
-    """`{name: (support size, batch shape, dtype)}` for the enumerated draws among `names`."""
+def supports(markers: Reaped, names: set[str], in_scan: Reaped | None = None) -> dict[str, Support]:
+    """`{name: Support}` for the enumerated draws among `names`; `in_scan`: the markers
+    reaped from `ENUMERATED_IN_SCAN` (the draws made one per step of a scan)."""
     flat = dict(zip(leaf_paths(markers), jax.tree_util.tree_leaves(markers)))
+    scanned = set(leaf_paths(in_scan or {}))
     return {
-        n: (flat[n].shape[-1], tuple(flat[n].shape[:-1]), flat[n].dtype)
+        n: Support(flat[n].shape[-1], tuple(flat[n].shape[:-1]), flat[n].dtype, n in scanned)
         for n in sorted(names & set(flat))
     }
 
@@ -78,6 +91,8 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
     """The log of the sum, over every value of the `enumerated` draws, of the exp of
     the densities `densities(values of the enumerated draws)` (a reap of them)."""
     names = list(enumerated)
+    if any(enumerated[n].in_scan for n in names):
+        return chain_marginal(densities, enumerated)
     batched = [n for n in names if enumerated[n][1]]
     if not batched:
         grid = list(itertools.product(*(range(enumerated[n][0]) for n in names)))
@@ -94,7 +109,7 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
     if len(names) > 1:
         raise _errors.ppl_enumeration_mixed(names)
     name = names[0]
-    size, batch, dtype = enumerated[name]
+    size, batch, dtype, _ = enumerated[name]
 
     def per_value(k: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
@@ -136,3 +151,25 @@ def _varying(
         except ValueError:
             varying.append(site)
     return varying
+
+
+def chain_marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]) -> Any:
+    """The marginal over a draw enumerated at each step of a scan (`_markov.py`)."""
+    from ._markov import chain_factors, forward  # noqa: PLC0415 (it imports this module)
+
+    name = chain_name(enumerated)
+    start, steps, rest = chain_factors(densities, name, enumerated[name])
+    return jax.nn.logsumexp(forward(start, steps)[-1]) + rest
+
+
+def chain_name(enumerated: dict[str, Support]) -> str:
+    """The one draw enumerated in a scan, or the error saying why there is not one."""
+    names = list(enumerated)
+    if len(names) > 1:
+        raise _errors.ppl_enumeration_in_scan(names, "only one enumerated draw is summed out")
+    name = names[0]
+    if len(enumerated[name].batch) != 1:
+        raise _errors.ppl_enumeration_in_scan(
+            [name], f"each step draws a batch of shape {enumerated[name].batch[1:]}"
+        )
+    return name

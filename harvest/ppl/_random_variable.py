@@ -147,7 +147,7 @@ def random_variable(
             sample = _through_unconstrained(dist, key, name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             if enumerate:
-                sow_support(dist, name)
+                sow_support(dist, name, mode)
             if is_checking_support():
                 sow_outside(dist, value, name, mode)
             sow_density(log_prob(dist, value), value, name)

@@ -44,6 +44,7 @@ BLOCKED = layer_tag("random_variable_blocked")
 NOISE = layer_tag("random_variable_noise")
 ABDUCED = layer_tag("random_variable_abduced_noise")
 ENUMERATED = layer_tag("random_variable_enumerated")
+ENUMERATED_IN_SCAN = layer_tag("random_variable_enumerated_in_scan")
 TOTAL = layer_tag("random_variable_total_log_density")
 OUTSIDE_SUPPORT = layer_tag("random_variable_outside_support")
 

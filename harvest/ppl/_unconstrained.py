@@ -33,12 +33,13 @@ from .._sow import sow
 from .._transforms import harvest_tags, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
-from ._enumerate import marginal, supports
+from ._enumerate import Support, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
 from ._tags import (
     BLOCKED,
     DETERMINISTIC,
     ENUMERATED,
+    ENUMERATED_IN_SCAN,
     JACOBIAN,
     LOG_DENSITY,
     RANDOM_VARIABLE,
@@ -77,7 +78,7 @@ def _walked(
 
 # What `_run` reaps: the free draws, their `u` sites left unplanted (continuous draws
 # without a value), their Jacobians and the markers of enumerated draws.
-_RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED)
+_RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED, ENUMERATED_IN_SCAN)
 
 
 def _run(
@@ -88,9 +89,9 @@ def _run(
     u: Reaped,
     *args: Any,
     **kwargs: Any,
-) -> tuple[Reaped, jax.Array, Reaped, Reaped]:
+) -> tuple[Reaped, jax.Array, dict[str, Support], Reaped]:
     """`f` with the observed values planted and every free draw made from `u`, in one
-    walk: `(the free draws, the log-Jacobian of the free draws, the markers of the
+    walk: `(the free draws, the log-Jacobian of the free draws, the supports of the
     enumerated draws to sum out, the reaps of the tags `also`)`. With `check`, also
     the check for blocked draws; the core traces the caller once per signature, so
     the checks cost nothing on later calls. Without `check` the blocked draws stay in
@@ -107,7 +108,7 @@ def _run(
         if discrete:
             raise _errors.ppl_discrete_free(sorted(discrete)) from error
         raise _errors.ppl_not_free(sorted(unknown)) from error
-    free, unplanted, jacobians, markers = (reaped.get(tag, {}) for tag in _RUN_TAGS)
+    free, unplanted, jacobians, markers, in_scan = (reaped.get(tag, {}) for tag in _RUN_TAGS)
     if check and reaped.get(BLOCKED):
         score = Partial(_log_density, f, observed, False)
         check_blocked_unscored(score, (u, *args), kwargs, "unconstrained")
@@ -119,13 +120,13 @@ def _run(
     continuous = set(leaf_paths(unplanted))
     if missing & continuous:
         raise _errors.ppl_no_unconstrained_value(sorted(missing & continuous))
-    enumerated = supports(markers, missing)
+    enumerated = supports(markers, missing, in_scan)
     if missing - set(enumerated):
         raise _errors.ppl_discrete_free(sorted(missing - set(enumerated)))
     log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
     kept = restricted(free, free_names - set(enumerated))
-    to_sum = restricted(markers, set(enumerated))
-    return kept, jnp.asarray(log_det, jnp.float32), to_sum, {t: reaped.get(t, {}) for t in also}
+    found = {t: reaped.get(t, {}) for t in also}
+    return kept, jnp.asarray(log_det, jnp.float32), enumerated, found
 
 
 def _log_density(
@@ -155,8 +156,7 @@ def _density(
 def _scored(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
 ) -> Any:
-    _, log_det, to_sum, found = _run(f, observed, check, (LOG_DENSITY,), u, *args, **kwargs)
-    enumerated = supports(to_sum, set(leaf_paths(to_sum)))
+    _, log_det, enumerated, found = _run(f, observed, check, (LOG_DENSITY,), u, *args, **kwargs)
     if enumerated:
 
         def densities_at(values: Reaped) -> Reaped:
