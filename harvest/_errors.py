@@ -1171,6 +1171,13 @@ def ppl_bad_summary_digits(value: Any) -> ValueError:
     )
 
 
+def ppl_predictive_infer_discrete_prior() -> ValueError:
+    return ValueError(
+        "predictive: infer_discrete=True draws the enumerated draws from their posterior, "
+        "so it needs a Posterior; with posterior=None every draw is from the prior already."
+    )
+
+
 def ppl_predictive_count(value: Any) -> ValueError:
     return ValueError(
         "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
@@ -1212,6 +1219,20 @@ def ppl_enumeration_in_scan(names: Iterable[str], why: str) -> ValueError:
         f"cannot sum out {', '.join(names)}, enumerated inside a scan: {why}. A scan sums "
         "out one enumerated draw per step (mode='append', a scalar Bernoulli or Categorical), "
         "its state carried from step to step; marginalise anything else by hand."
+    )
+
+
+def ppl_nothing_enumerated() -> ValueError:
+    return ValueError(
+        "infer_discrete: the program has no free enumerated draw to infer. Mark a discrete "
+        "draw with random_variable(..., enumerate=True) (and leave it out of `observed`)."
+    )
+
+
+def ppl_infer_discrete_posterior(posterior: Any) -> TypeError:
+    return TypeError(
+        f"infer_discrete: `posterior` must be a Posterior (sample_posterior's), got a "
+        f"{type(posterior).__name__}."
     )
 
 

@@ -93,19 +93,61 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
     names = list(enumerated)
     if any(enumerated[n].in_scan for n in names):
         return chain_marginal(densities, enumerated)
-    batched = [n for n in names if enumerated[n][1]]
-    if not batched:
-        grid = list(itertools.product(*(range(enumerated[n][0]) for n in names)))
-        if len(grid) > MAX_ASSIGNMENTS:
-            raise _errors.ppl_enumeration_too_large(names, len(grid), MAX_ASSIGNMENTS)
-        assignments = jnp.asarray(grid, jnp.int32)
+    if not any(enumerated[n].batch for n in names):
+        _, totals = _joint(densities, enumerated)
+        return jax.nn.logsumexp(totals)
+    aligned, rest = _by_element(densities, enumerated)
+    return jnp.sum(jax.nn.logsumexp(aligned, axis=0)) + rest
 
-        def total(assignment: jax.Array) -> jax.Array:
-            dtypes = [enumerated[n][2] for n in names]
-            values = nested(names, [a.astype(t) for a, t in zip(assignment, dtypes)])
-            return sum((jnp.sum(d) for _, d in _leaves(densities(values))), jnp.zeros(()))
 
-        return jax.nn.logsumexp(jax.vmap(total)(assignments))
+def draw(
+    densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support], key: jax.Array
+) -> Reaped:
+    """Values of the `enumerated` draws from their conditional posterior, the densities
+    `densities(values)` being their joint with everything else: exactly, over a joint
+    enumeration or element by element; by forward filtering, backward sampling in a scan."""
+    names = list(enumerated)
+    if any(enumerated[n].in_scan for n in names):
+        from ._markov import backward_sample, chain_factors, forward  # noqa: PLC0415
+
+        name = chain_name(enumerated)
+        start, steps, _ = chain_factors(densities, name, enumerated[name])
+        path = backward_sample(key, forward(start, steps), steps)
+        return nested([name], [path.astype(enumerated[name].dtype)])
+    if not any(enumerated[n].batch for n in names):
+        assignments, totals = _joint(densities, enumerated)
+        chosen = assignments[jax.random.categorical(key, totals)]
+        return nested(names, [chosen[i].astype(enumerated[n].dtype) for i, n in enumerate(names)])
+    aligned, _ = _by_element(densities, enumerated)
+    name = names[0]
+    values = jax.random.categorical(key, aligned, axis=0)
+    return nested([name], [values.astype(enumerated[name].dtype)])
+
+
+def _joint(
+    densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]
+) -> tuple[jax.Array, jax.Array]:
+    """`(assignments [A, n], log joint [A])` over the product of scalar draws' supports."""
+    names = list(enumerated)
+    grid = list(itertools.product(*(range(enumerated[n].size) for n in names)))
+    if len(grid) > MAX_ASSIGNMENTS:
+        raise _errors.ppl_enumeration_too_large(names, len(grid), MAX_ASSIGNMENTS)
+    assignments = jnp.asarray(grid, jnp.int32)
+
+    def total(assignment: jax.Array) -> jax.Array:
+        dtypes = [enumerated[n].dtype for n in names]
+        values = nested(names, [a.astype(t) for a, t in zip(assignment, dtypes)])
+        return sum((jnp.sum(d) for _, d in _leaves(densities(values))), jnp.zeros(()))
+
+    return assignments, jax.vmap(total)(assignments)
+
+
+def _by_element(
+    densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]
+) -> tuple[jax.Array, jax.Array]:
+    """`(aligned [K, *B], rest)`: each element's log factor at each value of one batched
+    draw, and the densities that do not depend on it."""
+    names = list(enumerated)
     if len(names) > 1:
         raise _errors.ppl_enumeration_mixed(names)
     name = names[0]
@@ -125,7 +167,7 @@ def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Suppor
         if not varying:
             raise  # an error of the model's own
         raise _errors.ppl_enumeration_unfactored(name, batch, varying) from None
-    return jnp.sum(jax.nn.logsumexp(aligned, axis=0)) + sum(rest, jnp.zeros(()))
+    return aligned, sum(rest, jnp.zeros(()))
 
 
 def _varying(

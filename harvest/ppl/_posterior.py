@@ -53,6 +53,8 @@ class Posterior:
         diverging: ``[chains, draws]``: whether the transition diverged.
         acceptance_rate: ``[chains, draws]``: the transition's mean acceptance.
         step_size: ``[chains]``: each chain's step size after warmup.
+        observed: ``{name: value}``: the observations the posterior is conditioned on
+            (``infer_discrete`` and ``predictive(..., infer_discrete=True)`` read them).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -74,6 +76,7 @@ class Posterior:
     diverging: jax.Array
     acceptance_rate: jax.Array
     step_size: jax.Array
+    observed: Reaped = dataclasses.field(default_factory=dict)
 
     def to_arviz(self) -> Any:
         """The draws as an ``arviz.InferenceData`` (``posterior`` and ``sample_stats`` groups).
@@ -369,7 +372,7 @@ def sample_posterior(
 
     run = jax.jit(jax.vmap(one_chain))
     values, u, lp, diverging, accept, step_size = run(chain_keys, starts)
-    return Posterior(values, lp, u, diverging, accept, step_size)
+    return Posterior(values, lp, u, diverging, accept, step_size, dict(observed or {}))
 
 
 def _check_start(

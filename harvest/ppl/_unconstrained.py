@@ -33,7 +33,7 @@ from .._sow import sow
 from .._transforms import harvest_tags, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
-from ._enumerate import Support, marginal, supports
+from ._enumerate import Support, draw, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
 from ._tags import (
     BLOCKED,
@@ -168,6 +168,24 @@ def _scored(
     else:
         total = sum(densities_of(found[LOG_DENSITY])) + log_det
     return total
+
+
+def discrete_draw(
+    f: Callable[..., Any], observed: Reaped, u: Reaped, key: Any, *args: Any, **kwargs: Any
+) -> Reaped:
+    """The enumerated draws of `f`, drawn from their posterior given `observed` and the
+    free continuous draws at `u` (`infer_discrete`)."""
+    with scoring():
+        _, _, enumerated, _ = _run(f, observed, True, (), u, *args, **kwargs)
+        if not enumerated:
+            raise _errors.ppl_nothing_enumerated()
+
+        def densities_at(values: Reaped) -> Reaped:
+            at = merged(observed, values)
+            _, log_det, _, found = _run(f, at, False, (LOG_DENSITY,), u, *args, **kwargs)
+            return {**found[LOG_DENSITY], TOTAL: log_det}
+
+        return draw(densities_at, enumerated, key)
 
 
 def _constrain(
