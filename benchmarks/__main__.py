@@ -19,6 +19,7 @@ import time
 
 from . import (
     _timing,
+    bench_chains,
     bench_core,
     bench_devices,
     bench_memory,
@@ -41,6 +42,7 @@ SECTIONS = {
     "models": bench_models,
     "memory": bench_memory,
     "ppl": bench_ppl,
+    "chains": bench_chains,
     "retrace": bench_retrace,
     "devices": bench_devices,
 }
@@ -257,6 +259,8 @@ def render(results):
             "",
             *bench_ppl.render(results["ppl"]),
             "",
+            *bench_chains.render(results["chains"]),
+            "",
             "## Reading the numbers",
             "",
             *ANALYSIS,
@@ -312,6 +316,7 @@ def run(quick=False, large=False):
     results["memory"] = _run_section(bench_memory, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
     results["ppl"] = _run_section(bench_ppl, quick)
+    results["chains"] = _run_section(bench_chains, quick)
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

@@ -1148,6 +1148,13 @@ def ppl_needs_extra(module: str, what: str) -> ImportError:
     )
 
 
+def ppl_unknown_chain_method(method: Any, known: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown chain_method {method!r}; use one of "
+        f"{', '.join(repr(m) for m in known)}."
+    )
+
+
 def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
     return ValueError(
         f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, kernels))}."

@@ -4,7 +4,7 @@ harvest owns the program side (which draws are free under `observed`,
 `intervene`, `conditional`, `block`; the map onto each support; the
 deterministic sites); BlackJAX owns the sampler and its warmup (Stan's window
 adaptation of the step size and a diagonal mass matrix), ArviZ the
-diagnostics. Chains run side by side under `vmap`, each with its own warmup,
+diagnostics. Chains run side by side under `vmap` (or in turn, or a device each: `chain_method`), each with its own warmup,
 and warmup, sampling and the map back to the model's values are one compiled
 program.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from ._unconstrained import site_log_densities, unconstrained
 from ._warmup import stan_warmup
 
 KERNELS = ("nuts", "hmc")
+CHAIN_METHODS = ("vectorized", "sequential", "parallel")
 INITS = ("uniform", "prior")
 # How many starts a chain draws before giving up on a finite density (NumPyro's 100).
 START_ATTEMPTS = 100
@@ -215,6 +217,7 @@ def sample_posterior(
     dense_mass: bool = False,
     max_tree_depth: int = 10,
     progress: bool = False,
+    chain_method: str = "vectorized",
 ) -> Posterior:
     """Samples the posterior of the program ``model`` given ``observed``, with BlackJAX.
 
@@ -235,7 +238,7 @@ def sample_posterior(
         observed: ``{name: value}``: the observed random variables.
         num_samples: draws kept per chain.
         num_warmup: adaptation steps per chain (discarded).
-        num_chains: independent chains, run side by side under ``vmap``.
+        num_chains: independent chains, run as ``chain_method`` says.
         kernel: ``"nuts"`` (``blackjax.nuts``) or ``"hmc"`` (``blackjax.hmc``,
             with ``num_integration_steps`` leapfrog steps per transition).
         num_integration_steps: HMC's trajectory length in steps (ignored by NUTS).
@@ -247,6 +250,13 @@ def sample_posterior(
         max_tree_depth: NUTS's largest trajectory, ``2**max_tree_depth`` leapfrog steps.
         progress: print when warmup and sampling start and how far sampling got
             (ten reports per run, from inside the compiled program).
+        chain_method: how the chains share the machine, as NumPyro's:
+            ``"vectorized"`` (one program, the chains side by side under ``vmap``: NUTS
+            steps them in lockstep, each step as long as the longest tree of any
+            chain), ``"sequential"`` (one program, the chains one after another under
+            ``lax.map``: no waiting, no parallelism) or ``"parallel"`` (one chain per
+            device under ``pmap``; with fewer devices than chains, sequential, with a
+            warning, as in NumPyro).
 
     Returns:
         A ``Posterior``: ``samples`` (constrained, deterministic sites
@@ -279,6 +289,8 @@ def sample_posterior(
     blackjax = _require("blackjax", "sample_posterior")
     if kernel not in KERNELS:
         raise _errors.ppl_unknown_kernel(kernel, KERNELS)
+    if chain_method not in CHAIN_METHODS:
+        raise _errors.ppl_unknown_chain_method(chain_method, CHAIN_METHODS)
     if init not in INITS:
         raise _errors.ppl_unknown_init(init, INITS)
     for what, n in (
@@ -370,9 +382,27 @@ def sample_posterior(
         values = jax.vmap(lambda v: density.constrain(v, *args))(u)
         return values, u, lp, diverging, accept, parameters["step_size"]
 
-    run = jax.jit(jax.vmap(one_chain))
-    values, u, lp, diverging, accept, step_size = run(chain_keys, starts)
+    values, u, lp, diverging, accept, step_size = _chains(
+        one_chain, chain_method, chain_keys, starts
+    )
     return Posterior(values, lp, u, diverging, accept, step_size, dict(observed or {}))
+
+
+def _chains(one_chain: Callable[..., Any], method: str, keys: jax.Array, starts: Reaped) -> Any:
+    """Every chain's `one_chain(key, start)`, stacked on a leading axis, run by `method`."""
+    if method == "parallel":
+        if len(keys) <= jax.local_device_count():
+            return jax.pmap(one_chain)(keys, starts)
+        warnings.warn(
+            f"sample_posterior: chain_method='parallel' needs a device per chain: "
+            f"{len(keys)} chains, {jax.local_device_count()} device(s); running them "
+            "sequentially.",
+            stacklevel=3,
+        )
+        method = "sequential"
+    if method == "sequential":
+        return jax.jit(lambda k, s: jax.lax.map(lambda ks: one_chain(*ks), (k, s)))(keys, starts)
+    return jax.jit(jax.vmap(one_chain))(keys, starts)
 
 
 def _check_start(
