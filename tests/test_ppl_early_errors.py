@@ -90,6 +90,7 @@ def normal_mean(key):
     return ppl.random_variable(tfd.Sample(tfd.Normal(mu, 1.0), 3), name="y")(k2)
 
 
+@pytest.mark.slow  # a compile of warmup and sampling, ~10 s on an idle machine
 def test_sequential_chains_sample_the_exact_posterior():
     pytest.importorskip("blackjax")
     y = jnp.array([1.0, 2.0, 3.0])  # exact posterior of mu: N(1.5, 1/4)
@@ -109,6 +110,7 @@ def test_sequential_chains_sample_the_exact_posterior():
         ppl.sample_posterior(normal_mean, jax.random.key(0), observed={"y": y}, chain_method="pmap")
 
 
+@pytest.mark.slow
 def test_parallel_chains_without_a_device_each_run_in_turn():
     pytest.importorskip("blackjax")
     chains = jax.local_device_count() + 1
