@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from .. import _errors
 from .._sow import sow
-from .._typing import Reaped
+from .._typing import Reaped, SowMode
 from ._names import leaf_paths, nested
 from ._tags import ENUMERATED, ENUMERATED_IN_SCAN
 
@@ -44,7 +44,7 @@ ENUMERABLE = ("Bernoulli", "Categorical")
 MAX_ASSIGNMENTS = 4096
 
 
-def sow_support(dist: Any, name: str, mode: str = "strict") -> None:
+def sow_support(dist: Any, name: str, mode: SowMode = "strict") -> None:
     """Files the marker of an enumerated draw: shape `batch shape + (support size,)`. A
     draw in a scan (`mode="append"`) files it under `ENUMERATED_IN_SCAN` too, stacked
     over the steps: that draw is summed out by a forward pass (`_markov.py`)."""
@@ -195,13 +195,16 @@ def _varying(
     return varying
 
 
-def chain_marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]) -> Any:
+def chain_marginal(
+    densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]
+) -> jax.Array:
     """The marginal over a draw enumerated at each step of a scan (`_markov.py`)."""
     from ._markov import chain_factors, forward  # noqa: PLC0415 (it imports this module)
 
     name = chain_name(enumerated)
     start, steps, rest = chain_factors(densities, name, enumerated[name])
-    return jax.nn.logsumexp(forward(start, steps)[-1]) + rest
+    total: jax.Array = jax.nn.logsumexp(forward(start, steps)[-1]) + rest
+    return total
 
 
 def chain_name(enumerated: dict[str, Support]) -> str:

@@ -4,9 +4,9 @@ harvest owns the program side (which draws are free under `observed`,
 `intervene`, `conditional`, `block`; the map onto each support; the
 deterministic sites); BlackJAX owns the sampler and its warmup (Stan's window
 adaptation of the step size and a diagonal mass matrix), ArviZ the
-diagnostics. Chains run side by side under `vmap` (or in turn, or a device each: `chain_method`), each with its own warmup,
-and warmup, sampling and the map back to the model's values are one compiled
-program.
+diagnostics. Chains run side by side under `vmap` (or in turn, or a device
+each: `chain_method`), each with its own warmup, and warmup, sampling and the
+map back to the model's values are one compiled program.
 """
 
 from __future__ import annotations

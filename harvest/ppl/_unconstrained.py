@@ -244,11 +244,13 @@ def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwarg
         return first
 
     def finite(u: Reaped) -> jax.Array:
-        return jnp.isfinite(_density(f, observed, False, u, args, kwargs))
+        ok: jax.Array = jnp.isfinite(_density(f, observed, False, u, args, kwargs))
+        return ok
 
     def looking(carry: tuple[Any, Reaped, jax.Array]) -> jax.Array:
         attempt, _, ok = carry
-        return (attempt < INIT_ATTEMPTS) & ~ok
+        more: jax.Array = (attempt < INIT_ATTEMPTS) & ~ok
+        return more
 
     def another(carry: tuple[Any, Reaped, jax.Array]) -> tuple[Any, Reaped, jax.Array]:
         attempt, _, _ = carry
