@@ -91,7 +91,7 @@ def normal_mean(key):
 
 
 @pytest.mark.slow  # a compile of warmup and sampling, ~10 s on an idle machine
-def test_sequential_chains_sample_the_exact_posterior():
+def test_vectorized_chains_sample_the_exact_posterior():  # the default is sequential
     pytest.importorskip("blackjax")
     y = jnp.array([1.0, 2.0, 3.0])  # exact posterior of mu: N(1.5, 1/4)
     posterior = ppl.sample_posterior(
@@ -101,7 +101,7 @@ def test_sequential_chains_sample_the_exact_posterior():
         num_samples=300,
         num_warmup=200,
         num_chains=2,
-        chain_method="sequential",
+        chain_method="vectorized",
     )
     mu = np.asarray(posterior.samples["mu"])
     assert mu.shape == (2, 300)
