@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import harvest.ppl as ppl
-from harvest.ppl._support import outside
+from harvest.ppl._support import check_observed_support, outside
 from harvest.ppl._tfp_shim import import_tfp
 
 tfp = import_tfp()  # a statement, so the import sorter keeps it after harvest's shim
@@ -73,15 +73,8 @@ def test_which_elements_are_outside_the_support(dist, value, expected):
     np.testing.assert_array_equal(outside(dist, jnp.asarray(value)), expected)
 
 
-def test_values_inside_the_support_sample_as_before():
-    pytest.importorskip("blackjax")
+def test_values_inside_the_support_pass_the_check():
     waits = jnp.array([1.0, 0.0, 0.5])  # 0 is on the boundary: in the support
-    posterior = ppl.sample_posterior(
-        waits_model,
-        jax.random.key(0),
-        observed={"waits": waits},
-        num_samples=50,
-        num_warmup=50,
-        num_chains=1,
-    )
-    assert posterior.samples["rate"].shape == (1, 50)
+    check_observed_support(waits_model, {"waits": waits}, jax.random.key(0), (), {})
+    scoped = ppl.nest(waits_model, scope="s")
+    check_observed_support(scoped, {"s": {"waits": waits}}, jax.random.key(0), (), {})
