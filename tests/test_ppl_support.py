@@ -78,3 +78,8 @@ def test_values_inside_the_support_pass_the_check():
     check_observed_support(waits_model, {"waits": waits}, jax.random.key(0), (), {})
     scoped = ppl.nest(waits_model, scope="s")
     check_observed_support(scoped, {"s": {"waits": waits}}, jax.random.key(0), (), {})
+
+
+def test_an_unknown_observed_name_is_named_in_the_program_s_terms():
+    with pytest.raises(KeyError, match="not random variables of the program: wait"):
+        check_observed_support(waits_model, {"wait": jnp.ones(3)}, jax.random.key(0), (), {})

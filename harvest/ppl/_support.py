@@ -28,7 +28,7 @@ from .. import _errors
 from .._sow import sow
 from .._transforms import harvest_tags
 from .._typing import Reaped, SowMode
-from ._names import at_paths, leaf_paths
+from ._names import at_paths, check_drawn, leaf_paths
 from ._tags import OUTSIDE_SUPPORT, RANDOM_VARIABLE, checking_support
 
 # Relative distance beyond which a value mapped into R^n and back is another point.
@@ -100,7 +100,11 @@ def check_observed_support(
             )[1].get(OUTSIDE_SUPPORT, {})
         return found
 
-    found = jax.jit(run)(key, observed)
+    try:
+        found = jax.jit(run)(key, observed)
+    except KeyError:  # a name that is no random variable: say so in the program's terms
+        check_drawn("sample_posterior", f, names, (key, *args), kwargs)
+        raise
     for name in names:
         flags = at_paths(found, {name})
         if not flags:
