@@ -20,6 +20,7 @@ import time
 from . import (
     _timing,
     bench_accelerator,
+    bench_chains,
     bench_core,
     bench_devices,
     bench_memory,
@@ -43,6 +44,7 @@ SECTIONS = {
     "models": bench_models,
     "memory": bench_memory,
     "ppl": bench_ppl,
+    "chains": bench_chains,
     "retrace": bench_retrace,
     "devices": bench_devices,
 }
@@ -264,6 +266,8 @@ def render(results):
             "",
             *bench_ppl.render(results["ppl"]),
             "",
+            *bench_chains.render(results["chains"]),
+            "",
             "## Reading the numbers",
             "",
             *ANALYSIS,
@@ -319,6 +323,7 @@ def run(quick=False, large=False):
     results["memory"] = _run_section(bench_memory, quick)
     results["store"] = _run_section(bench_store, quick) if _has("tensorstore") else None
     results["ppl"] = _run_section(bench_ppl, quick)
+    results["chains"] = _run_section(bench_chains, quick)
     results["oryx"] = bench_oryx.run(
         cfg.layers, cfg.repeats, cfg.calls, cfg.width, cfg.batch, eager_repeats=1 if quick else 3
     )

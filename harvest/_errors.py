@@ -1186,6 +1186,13 @@ def ppl_needs_extra(module: str, what: str) -> ImportError:
     )
 
 
+def ppl_unknown_chain_method(method: Any, known: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"sample_posterior: unknown chain_method {method!r}; use one of "
+        f"{', '.join(repr(m) for m in known)}."
+    )
+
+
 def ppl_unknown_kernel(kernel: Any, kernels: Iterable[str]) -> ValueError:
     return ValueError(
         f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, kernels))}."
@@ -1206,6 +1213,13 @@ def ppl_bad_summary_digits(value: Any) -> ValueError:
     return ValueError(
         f"Posterior.summary needs `digits` to be a positive int (significant digits kept) or None "
         f"(no rounding), got {value!r}."
+    )
+
+
+def ppl_predictive_infer_discrete_prior() -> ValueError:
+    return ValueError(
+        "predictive: infer_discrete=True draws the enumerated draws from their posterior, "
+        "so it needs a Posterior; with posterior=None every draw is from the prior already."
     )
 
 
@@ -1245,6 +1259,28 @@ def ppl_enumeration_mixed(names: Iterable[str]) -> ValueError:
     )
 
 
+def ppl_enumeration_in_scan(names: Iterable[str], why: str) -> ValueError:
+    return ValueError(
+        f"cannot sum out {', '.join(names)}, enumerated inside a scan: {why}. A scan sums "
+        "out one enumerated draw per step (mode='append', a scalar Bernoulli or Categorical), "
+        "its state carried from step to step; marginalise anything else by hand."
+    )
+
+
+def ppl_nothing_enumerated() -> ValueError:
+    return ValueError(
+        "infer_discrete: the program has no free enumerated draw to infer. Mark a discrete "
+        "draw with random_variable(..., enumerate=True) (and leave it out of `observed`)."
+    )
+
+
+def ppl_infer_discrete_posterior(posterior: Any) -> TypeError:
+    return TypeError(
+        f"infer_discrete: `posterior` must be a Posterior (sample_posterior's), got a "
+        f"{type(posterior).__name__}."
+    )
+
+
 def ppl_not_enumerable(name: str, type_name: str) -> TypeError:
     return TypeError(
         f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
@@ -1266,6 +1302,15 @@ def ppl_observed_not_finite(name: str, bad: int, size: int, first: Any) -> Value
         f"{size} (the first at index {first}). A NaN or infinite observation makes the log "
         "density NaN everywhere, so a sampler cannot move. Leave missing observations out of "
         "the observed site (observe only the entries you have), or model them as free draws."
+    )
+
+
+def ppl_observed_outside_support(name: str, bad: int, size: int, first: Any) -> ValueError:
+    return ValueError(
+        f"sample_posterior: the observed value of {name!r} has {bad} element(s) of {size} "
+        f"outside the support of its distribution (the first at index {first}). TFP may "
+        "still give such a value a finite density, so the posterior would be silently wrong. "
+        "Correct the data, or draw the site from a distribution whose support holds it."
     )
 
 

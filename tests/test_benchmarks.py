@@ -57,6 +57,13 @@ def test_quick_run_writes_the_page(tmp_path):
             ("eight schools", m) for m in bench_ppl.MEASURES[:-1]
         ]
         assert all(r["ratio"] > 0 for r in results["ppl"])
+    assert "## harvest.ppl's NUTS chains against NumPyro's" in text
+    if results["chains"]:  # NumPyro, BlackJAX and ArviZ are installed
+        assert [(r["model"], r["method"]) for r in results["chains"]] == [
+            ("eight schools", "vectorized"),
+            ("eight schools", "sequential"),
+        ]
+        assert all(r["ratio"] > 0 for r in results["chains"])
     if bench_oryx.venv_python() is not None:  # the oryx side ran too
         assert [(r["model"], r["layers"]) for r in results["oryx"]["rows"]] == [
             ("unrolled", 2),

@@ -72,6 +72,27 @@ def test_untagged_and_value_forms():
         ppl.random_variable(jnp.ones(2), name="w", plate="p")
 
 
+def test_an_unnamed_draw_is_scored_by_its_distribution_as_oryx_does():
+    # oryx 0.2.9 scores an unnamed draw by dist.log_prob wherever the output determines it.
+    standard = tfd.Normal(0.0, 1.0)
+    unnamed = ppl.random_variable(standard)
+    np.testing.assert_allclose(ppl.log_prob(lambda k: unnamed(k))(0.3), standard.log_prob(0.3))
+    lognormal = ppl.log_prob(lambda k: jnp.exp(unnamed(k)))(2.0)
+    np.testing.assert_allclose(lognormal, standard.log_prob(jnp.log(2.0)) - jnp.log(2.0), rtol=1e-6)
+    # Under a plate every index reports the whole plate's density.
+    plated = ppl.random_variable(standard, plate="p")
+    xs = jnp.array([0.0, 1.0, -2.0])
+    out = jax.vmap(ppl.log_prob(plated), axis_name="p")(xs)
+    np.testing.assert_allclose(out, np.full(3, standard.log_prob(xs).sum()), rtol=1e-6)
+
+    def with_latent(key):  # the output does not determine the first draw: an error in oryx
+        k1, k2 = jax.random.split(key)
+        return ppl.random_variable(tfd.Normal(unnamed(k1), 1.0))(k2)
+
+    with pytest.raises(ValueError, match="cannot be recovered"):
+        ppl.log_prob(with_latent)(0.1)
+
+
 def test_plate_draws_per_index_and_sums_density_over_the_named_axis():
     @ppl.plate(name="foo")
     @ppl.plate(name="bar")

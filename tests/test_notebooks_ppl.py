@@ -4,7 +4,7 @@ After the notebook's own cells, one more cell (added here, not to the notebook) 
 its results in the same kernel against references computed without harvest: the
 do-runs against the model's analytic answers, the conditional difference against
 the confounder's effect integrated numerically, `joint_log_prob` against TFP's
-densities written out, and the Metropolis posterior against the exact posterior
+densities written out, and the NUTS posterior against the exact posterior
 (the model is linear-Gaussian in `beta` and `gamma` given `u` and `t`).
 """
 
@@ -61,7 +61,8 @@ mean = covariance @ X.T @ np.asarray(data["y"], np.float64)
 sd = np.sqrt(np.diag(covariance))
 np.testing.assert_allclose(posterior.mean(0), mean, atol=0.3 * sd.min())
 np.testing.assert_allclose(posterior.std(0), sd, rtol=0.2)
-assert 0.2 < float(acceptance) < 0.8
+assert 0.6 < float(acceptance) < 1.0  # NUTS's warmup aims at 0.8
+assert int(fit.diverging.sum()) == 0
 print("checks passed")
 """
 

@@ -188,5 +188,13 @@ def test_a_start_with_a_non_finite_density_is_refused_naming_the_site():
     # y = 1.5 lies outside the Beta's support: its log density is NaN at every start.
     assert np.isnan(tfd.Beta(1.0, 2.0).log_prob(1.5))
     pytest.importorskip("blackjax")  # sample_posterior's sampler (the `infer` extra)
-    with pytest.raises(ValueError, match=r"log density of chain 0 is not finite.*'y': nan"):
+    with pytest.raises(ValueError, match=r"'y' has 1 element\(s\) of 1 outside the support"):
         ppl.sample_posterior(beta_model, jax.random.key(0), observed={"y": 1.5})
+
+    def nan_weight(key):  # a density that is NaN at every start, with data in the support
+        a = beta_model(key)
+        ppl.factor(jnp.log(-jnp.abs(a) - 1.0), name="w")
+        return a
+
+    with pytest.raises(ValueError, match=r"log density of chain 0 is not finite.*'w': nan"):
+        ppl.sample_posterior(nan_weight, jax.random.key(0), observed={"y": 0.5})

@@ -8,7 +8,8 @@ inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
 HMC/NUTS need, `sample_posterior` samples it with BlackJAX (a `Posterior`),
 `predictive` draws prior and posterior predictives, `counterfactual` answers
 twin-world queries with shared noise, and `random_variable(...,
-enumerate=True)` sums a discrete draw out. `make_effect_handler` builds custom
+enumerate=True)` sums a discrete draw out (by a forward pass over a scan for
+one drawn per step); `infer_discrete` samples such draws from their posterior. `make_effect_handler` builds custom
 interpreters; `plate` draws independent copies of a block and `nest` scopes
 its names. Importing this module first makes TFP 0.25's JAX substrate
 importable on current JAX (see `_tfp_shim.py`).
@@ -25,6 +26,7 @@ from ._counterfactual import (  # noqa: E402
     counterfactual as counterfactual,
 )
 from ._effect_handler import make_effect_handler as make_effect_handler  # noqa: E402
+from ._infer_discrete import infer_discrete as infer_discrete  # noqa: E402
 from ._plate import plate as plate  # noqa: E402
 from ._posterior import Posterior as Posterior, sample_posterior as sample_posterior  # noqa: E402
 from ._predictive import predictive as predictive  # noqa: E402

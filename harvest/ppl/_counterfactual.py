@@ -28,7 +28,7 @@ from jax.tree_util import Partial
 from .. import _errors
 from .._transforms import call_and_reap, plant
 from .._typing import Reaped
-from ._names import leaf_paths, restricted
+from ._names import check_drawn, leaf_paths, restricted
 from ._posterior import sample_posterior
 from ._tags import ABDUCED, DETERMINISTIC, NOISE, RANDOM_VARIABLE, noise_explicit
 from ._transforms import intervene
@@ -100,7 +100,7 @@ def counterfactual(
     do: Mapping[str, Any],
     num_samples: int = 1000,
     num_warmup: int = 1000,
-    num_chains: int = 2,
+    num_chains: int = 4,
     kernel: str = "nuts",
 ) -> Counterfactual:
     """Answers "what would the draws have been under ``do``, given ``observed``?".
@@ -119,7 +119,7 @@ def counterfactual(
         num_samples: posterior draws per chain (or, when every draw is
             observed, abductions of the discrete draws' noise).
         num_warmup: warmup steps per chain for the posterior of the latents.
-        num_chains: chains for the posterior of the latents.
+        num_chains: chains for the posterior of the latents (4, as in ``sample_posterior``).
         kernel: ``"nuts"`` or ``"hmc"``, as in ``sample_posterior``.
 
     Returns:
@@ -127,7 +127,8 @@ def counterfactual(
         each ``{name: [n, ...]}``.
 
     Raises:
-        ValueError: if ``do`` is empty or a draw has no noise mechanism
+        ValueError: if ``do`` is empty or names a variable the model does not draw
+            (checked before anything is sampled), or a draw has no noise mechanism
             (``_mechanisms.py`` lists the distributions that have one).
         ImportError: if latents must be sampled and BlackJAX is not installed.
 
@@ -150,6 +151,8 @@ def counterfactual(
     if not do:
         raise _errors.ppl_counterfactual_do(do)
     k_posterior, k_worlds = jax.random.split(key)
+    # Names first: a typo would otherwise surface only after the whole abduction run.
+    check_drawn("counterfactual", model, list(do), (k_posterior, *args), {})
     if unconstrained(model, observed).init(k_posterior, *args):
         posterior = sample_posterior(
             model,

@@ -20,7 +20,8 @@ import jax
 
 from .. import _errors
 from .._typing import Reaped
-from ._names import leaf_paths, random_variables_of, restricted
+from ._infer_discrete import infer_discrete as _infer_discrete
+from ._names import leaf_paths, merged, random_variables_of, restricted
 from ._posterior import Posterior
 from ._transforms import intervene, trace
 
@@ -35,6 +36,7 @@ def predictive(
     key: jax.Array,
     *args: Any,
     num_samples: int | None = None,
+    infer_discrete: bool = False,
 ) -> Reaped:
     """Draws every site of ``model`` from its prior, or from its posterior predictive.
 
@@ -47,18 +49,28 @@ def predictive(
     be the posterior's program under an ``intervene``: latents it fixes keep
     their intervened values.
 
+    An enumerated draw (``random_variable(..., enumerate=True)``) is summed
+    out by the sampler, so the posterior holds no value of it: by default
+    each run draws it afresh from its *prior* given the continuous draws,
+    not from its posterior given the data. ``infer_discrete=True`` plants,
+    instead, a draw from its conditional posterior given the continuous draws
+    and the observations the posterior was sampled with (``infer_discrete``).
+
     Args:
         model: the program ``model(key, *args)``.
         posterior: the ``Posterior`` to predict from, or ``None`` for the prior.
         key: the PRNG key; each run gets its own split of it.
         *args: the program's own arguments.
         num_samples: how many prior runs (only with ``posterior=None``).
+        infer_discrete: draw the enumerated draws from their posterior (see above)
+            rather than their prior; needs ``posterior``.
 
     Returns:
         ``{name: array}`` for every site (scoped names as nested dicts).
 
     Raises:
-        ValueError: without a posterior, if ``num_samples`` is not a positive int.
+        ValueError: without a posterior, if ``num_samples`` is not a positive int or
+            ``infer_discrete`` is asked.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -77,6 +89,8 @@ def predictive(
         True
     """
     if posterior is None:
+        if infer_discrete:
+            raise _errors.ppl_predictive_infer_discrete_prior()
         if not isinstance(num_samples, int) or num_samples < 1:
             raise _errors.ppl_predictive_count(num_samples)
         keys = jax.random.split(key, num_samples)
@@ -86,6 +100,9 @@ def predictive(
     still_random = set(random_variables_of(model, (key, *args), {}))
     latents = set(leaf_paths(posterior.unconstrained)) & still_random
     values = restricted(posterior.samples, latents)
+    if infer_discrete:
+        key, k_discrete = jax.random.split(key)
+        values = merged(values, _infer_discrete(model, posterior, k_discrete, *args))
     keys = jax.random.split(key, lead[0] * lead[1]).reshape(lead)
 
     def one(k: jax.Array, draw: Reaped) -> Reaped:

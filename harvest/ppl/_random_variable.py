@@ -25,6 +25,7 @@ from .._sow import sow
 from .._typing import P, R, SowMode, T
 from ._enumerate import ENUMERABLE, sow_support
 from ._mechanisms import mechanism
+from ._support import sow_outside
 from ._tags import (
     ABDUCED,
     DETERMINISTIC,
@@ -32,6 +33,7 @@ from ._tags import (
     NOISE,
     RANDOM_VARIABLE,
     UNCONSTRAINED,
+    is_checking_support,
     is_noise_explicit,
     is_scoring,
     is_unconstraining,
@@ -145,7 +147,9 @@ def random_variable(
             sample = _through_unconstrained(dist, key, name, mode)
             value = sow(sample, tag=RANDOM_VARIABLE, name=name, mode=mode)
             if enumerate:
-                sow_support(dist, name)
+                sow_support(dist, name, mode)
+            if is_checking_support():
+                sow_outside(dist, value, name, mode)
             sow_density(log_prob(dist, value), value, name)
             return value
 

@@ -44,7 +44,9 @@ BLOCKED = layer_tag("random_variable_blocked")
 NOISE = layer_tag("random_variable_noise")
 ABDUCED = layer_tag("random_variable_abduced_noise")
 ENUMERATED = layer_tag("random_variable_enumerated")
+ENUMERATED_IN_SCAN = layer_tag("random_variable_enumerated_in_scan")
 TOTAL = layer_tag("random_variable_total_log_density")
+OUTSIDE_SUPPORT = layer_tag("random_variable_outside_support")
 
 _unconstraining = _jax.trace_flag(
     "harvest_ppl_unconstraining",
@@ -76,6 +78,23 @@ def noise_explicit() -> Any:
 def is_noise_explicit() -> bool:
     """Whether the noise-explicit switch is on (inside `noise_explicit()`)."""
     return bool(_noise_explicit.value)
+
+
+_checking_support = _jax.trace_flag(
+    "harvest_ppl_checking_support",
+    "Set by sample_posterior while it checks the observed values: each draw sows, under "
+    "OUTSIDE_SUPPORT, where its value lies outside its distribution's support.",
+)
+
+
+def checking_support() -> Any:
+    """A context in which `random_variable` sows where its value is outside the support."""
+    return _checking_support(True)
+
+
+def is_checking_support() -> bool:
+    """Whether the support-checking switch is on (inside `checking_support()`)."""
+    return bool(_checking_support.value)
 
 
 _scoring = _jax.trace_flag(

@@ -44,6 +44,7 @@ from ._tags import (
     BLOCKED,
     DETERMINISTIC,
     ENUMERATED,
+    ENUMERATED_IN_SCAN,
     LOG_DENSITY,
     RANDOM_VARIABLE,
     TOTAL,
@@ -133,14 +134,13 @@ def _density(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> A
 def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> Any:
     # One walk plants the values and finds the densities, the draws without a value,
     # the enumerated and the blocked.
-    reaped = walked(f, (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED), values, args, kwargs)
-    unplanted, densities, markers, blocked = (
-        reaped.get(tag, {}) for tag in (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED)
-    )
+    tags = (RANDOM_VARIABLE, LOG_DENSITY, ENUMERATED, BLOCKED, ENUMERATED_IN_SCAN)
+    reaped = walked(f, tags, values, args, kwargs)
+    unplanted, densities, markers, blocked, in_scan = (reaped.get(tag, {}) for tag in tags)
     if blocked:
         check_blocked_unscored(Partial(_score, f), (values, *args), kwargs, "joint_log_prob")
     missing = set(leaf_paths(unplanted))
-    enumerated = supports(markers, missing)
+    enumerated = supports(markers, missing, in_scan)
     if missing - set(enumerated):
         raise _errors.ppl_missing_values(missing - set(enumerated))
     if enumerated:

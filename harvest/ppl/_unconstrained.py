@@ -33,12 +33,13 @@ from .._sow import sow
 from .._transforms import harvest_tags, reap
 from .._typing import Reaped
 from ._block import check_blocked_unscored
-from ._enumerate import marginal, supports
+from ._enumerate import Support, draw, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
 from ._tags import (
     BLOCKED,
     DETERMINISTIC,
     ENUMERATED,
+    ENUMERATED_IN_SCAN,
     JACOBIAN,
     LOG_DENSITY,
     RANDOM_VARIABLE,
@@ -77,7 +78,7 @@ def _walked(
 
 # What `_run` reaps: the free draws, their `u` sites left unplanted (continuous draws
 # without a value), their Jacobians and the markers of enumerated draws.
-_RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED)
+_RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED, ENUMERATED_IN_SCAN)
 
 
 def _run(
@@ -88,9 +89,9 @@ def _run(
     u: Reaped,
     *args: Any,
     **kwargs: Any,
-) -> tuple[Reaped, jax.Array, Reaped, Reaped]:
+) -> tuple[Reaped, jax.Array, dict[str, Support], Reaped]:
     """`f` with the observed values planted and every free draw made from `u`, in one
-    walk: `(the free draws, the log-Jacobian of the free draws, the markers of the
+    walk: `(the free draws, the log-Jacobian of the free draws, the supports of the
     enumerated draws to sum out, the reaps of the tags `also`)`. With `check`, also
     the check for blocked draws; the core traces the caller once per signature, so
     the checks cost nothing on later calls. Without `check` the blocked draws stay in
@@ -107,7 +108,7 @@ def _run(
         if discrete:
             raise _errors.ppl_discrete_free(sorted(discrete)) from error
         raise _errors.ppl_not_free(sorted(unknown)) from error
-    free, unplanted, jacobians, markers = (reaped.get(tag, {}) for tag in _RUN_TAGS)
+    free, unplanted, jacobians, markers, in_scan = (reaped.get(tag, {}) for tag in _RUN_TAGS)
     if check and reaped.get(BLOCKED):
         score = Partial(_log_density, f, observed, False)
         check_blocked_unscored(score, (u, *args), kwargs, "unconstrained")
@@ -119,13 +120,13 @@ def _run(
     continuous = set(leaf_paths(unplanted))
     if missing & continuous:
         raise _errors.ppl_no_unconstrained_value(sorted(missing & continuous))
-    enumerated = supports(markers, missing)
+    enumerated = supports(markers, missing, in_scan)
     if missing - set(enumerated):
         raise _errors.ppl_discrete_free(sorted(missing - set(enumerated)))
     log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
     kept = restricted(free, free_names - set(enumerated))
-    to_sum = restricted(markers, set(enumerated))
-    return kept, jnp.asarray(log_det, jnp.float32), to_sum, {t: reaped.get(t, {}) for t in also}
+    found = {t: reaped.get(t, {}) for t in also}
+    return kept, jnp.asarray(log_det, jnp.float32), enumerated, found
 
 
 def _log_density(
@@ -155,8 +156,7 @@ def _density(
 def _scored(
     f: Callable[..., Any], observed: Reaped, check: bool, u: Reaped, args: Any, kwargs: Any
 ) -> Any:
-    _, log_det, to_sum, found = _run(f, observed, check, (LOG_DENSITY,), u, *args, **kwargs)
-    enumerated = supports(to_sum, set(leaf_paths(to_sum)))
+    _, log_det, enumerated, found = _run(f, observed, check, (LOG_DENSITY,), u, *args, **kwargs)
     if enumerated:
 
         def densities_at(values: Reaped) -> Reaped:
@@ -168,6 +168,24 @@ def _scored(
     else:
         total = sum(densities_of(found[LOG_DENSITY])) + log_det
     return total
+
+
+def discrete_draw(
+    f: Callable[..., Any], observed: Reaped, u: Reaped, key: Any, *args: Any, **kwargs: Any
+) -> Reaped:
+    """The enumerated draws of `f`, drawn from their posterior given `observed` and the
+    free continuous draws at `u` (`infer_discrete`)."""
+    with scoring():
+        _, _, enumerated, _ = _run(f, observed, True, (), u, *args, **kwargs)
+        if not enumerated:
+            raise _errors.ppl_nothing_enumerated()
+
+        def densities_at(values: Reaped) -> Reaped:
+            at = merged(observed, values)
+            _, log_det, _, found = _run(f, at, False, (LOG_DENSITY,), u, *args, **kwargs)
+            return {**found[LOG_DENSITY], TOTAL: log_det}
+
+        return draw(densities_at, enumerated, key)
 
 
 def _constrain(
@@ -208,9 +226,54 @@ def _check_finite(observed: Reaped) -> None:
             raise _errors.ppl_observed_not_finite(name, len(bad), value.size, first)
 
 
+# How many prior draws `init` makes before giving up on a finite density (NumPyro's 100).
+INIT_ATTEMPTS = 100
+
+
 def _init(f: Callable[..., Any], observed: Reaped, key: Any, *args: Any, **kwargs: Any) -> Reaped:
-    free, sites = _draws_and_sites(f, observed, key, *args, **kwargs)
-    return restricted(sites, set(leaf_paths(free)))
+    """A prior draw of the free draws' `u` where the log density is finite: the first of
+    up to `INIT_ATTEMPTS` (keys folded from `key`), or the last tried."""
+    _check_movable(f, observed, key, args, kwargs)
+
+    def draw(k: Any) -> Reaped:
+        free, sites = _draws_and_sites(f, observed, k, *args, **kwargs)
+        return restricted(sites, set(leaf_paths(free)))
+
+    first = draw(key)
+    if not first:
+        return first
+
+    def finite(u: Reaped) -> jax.Array:
+        ok: jax.Array = jnp.isfinite(_density(f, observed, False, u, args, kwargs))
+        return ok
+
+    def looking(carry: tuple[Any, Reaped, jax.Array]) -> jax.Array:
+        attempt, _, ok = carry
+        more: jax.Array = (attempt < INIT_ATTEMPTS) & ~ok
+        return more
+
+    def another(carry: tuple[Any, Reaped, jax.Array]) -> tuple[Any, Reaped, jax.Array]:
+        attempt, _, _ = carry
+        u = draw(jax.random.fold_in(key, attempt))
+        return attempt + 1, u, finite(u)
+
+    start: Reaped = jax.lax.while_loop(looking, another, (1, first, finite(first)))[1]
+    return start
+
+
+def _check_movable(
+    f: Callable[..., Any], observed: Reaped, key: Any, args: Any, kwargs: Any
+) -> None:
+    """Raises, naming them, if a free draw cannot be moved to R^n: drawn by a plain
+    sampling function (no density), or discrete and not enumerated."""
+    tags = (RANDOM_VARIABLE, UNCONSTRAINED, ENUMERATED, LOG_DENSITY)
+    reaped = jax.eval_shape(lambda k: _walked(f, tags, observed, {}, k, args, kwargs), key)
+    free, sites, markers, densities = (set(leaf_paths(reaped.get(t, {}))) for t in tags)
+    stuck = free - sites - markers
+    if stuck - densities:
+        raise _errors.ppl_drawn_without_density("unconstrained", stuck - densities)
+    if stuck:
+        raise _errors.ppl_discrete_free(sorted(stuck))
 
 
 def _draws_and_sites(
@@ -229,13 +292,15 @@ class Unconstrained:
     each variable's map onto its support. `constrain(u, *args)`: the model's
     values `{name: value}` for `u`: the free variables and every
     `deterministic` site (observed and fixed ones are not random).
-    `init(key, *args)`: a `u` drawn from the prior, to start a chain.
+    `init(key, *args)`: a `u` drawn from the prior, to start a chain (redrawn, up to
+    100 times, until the log density there is finite).
 
     Attributes:
         log_density: ``log_density(u, *args) -> scalar``, the Jacobian included.
         constrain: ``constrain(u, *args) -> {name: value}``, the free draws and
             ``deterministic`` sites.
-        init: ``init(key, *args) -> u``, drawn from the prior.
+        init: ``init(key, *args) -> u``, drawn from the prior where the log density is
+            finite; raises, naming it, for a free draw that cannot be moved to R^n.
 
     Example:
         >>> import jax

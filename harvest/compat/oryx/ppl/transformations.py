@@ -8,7 +8,9 @@ Written against oryx 0.2.9's documented semantics:
   distribution becomes a sampler `key -> sample`, a function `f(key, *args)`
   a program whose output is the random variable `name` (its own draws are
   nested under `name`), and an array is tagged as is. Without a name,
-  distributions and functions are returned as untagged samplers.
+  distributions and functions are returned as untagged samplers; an unnamed
+  distribution's draw is still scored by `log_prob` (by `dist.log_prob`, as
+  oryx scores its `random_variable_p`).
 * `log_prob(f)(sample, *args)` inverts `f` (harvest.ppl's inverse walk) and
   scores draws of TFP distributions and of the primitives registered in
   `harvest.compat.oryx.log_prob.log_prob_registry`, as oryx does;
@@ -45,6 +47,7 @@ from ...._typing import P, R, Reaped
 from ....ppl._log_prob import PLATE_SCOPE, log_density
 from ....ppl._random_variable import is_distribution
 from ....ppl._tags import LOG_DENSITY, sow_density
+from ....ppl._tfp_traces import log_prob as _tfp_log_prob
 from .. import log_prob as _lp
 
 Program = Callable[..., Any]
@@ -286,9 +289,7 @@ def random_variable(obj: Any, *, name: str | None = None, plate: str | None = No
         Array([1., 1.], dtype=float32)
     """
     if is_distribution(obj):
-        if name is None:
-            return lambda key: obj.sample(seed=key)
-        sampler = _ppl.random_variable(obj, name=name)
+        sampler = _unnamed_sampler(obj) if name is None else _ppl.random_variable(obj, name=name)
         return sampler if plate is None else _plated(sampler, plate)
     if callable(obj):
         return _function_random_variable(obj, name, plate)
@@ -300,6 +301,21 @@ def random_variable(obj: Any, *, name: str | None = None, plate: str | None = No
 
 
 rv = random_variable
+
+# The site under which an unnamed draw files its density: not a random variable (no
+# value to reap or plant), but scored by `log_prob` wherever the output determines it.
+UNNAMED = "oryx_unnamed_draw"
+
+
+def _unnamed_sampler(dist: Any) -> Program:
+    """oryx's unnamed draw: untagged, but scored by ``dist.log_prob`` like a named one."""
+
+    def sample(key: Any) -> Any:
+        value = dist.sample(seed=key)
+        sow_density(_tfp_log_prob(dist, value), value, UNNAMED)
+        return value
+
+    return sample
 
 
 def graph_replace(

@@ -1,0 +1,81 @@
+"""`infer_discrete`: the enumerated draws, sampled from their posterior.
+
+`sample_posterior` samples the continuous latents of a program whose
+discrete draws are summed out (`random_variable(..., enumerate=True)`); the
+sum hides which assignment explains the data. For each posterior draw of the
+continuous latents, `infer_discrete` draws the enumerated ones from their
+conditional posterior given it and the observations: exactly, from the
+normalised joint over every assignment (scalar draws) or element by element
+(a per-point assignment), and by forward filtering, backward sampling for a
+draw made at each step of a scan (`_markov.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from .. import _errors
+from .._typing import Reaped
+from ._posterior import Posterior
+from ._unconstrained import discrete_draw
+
+
+def infer_discrete(
+    model: Callable[..., Any],
+    posterior: Posterior,
+    key: jax.Array,
+    *args: Any,
+    observed: Mapping[str, Any] | None = None,
+) -> Reaped:
+    """Draws the enumerated random variables of ``model`` from their posterior.
+
+    One draw per posterior draw, from the conditional posterior of the
+    enumerated draws given that draw's continuous latents and ``observed``:
+    exact for scalar draws (over every joint assignment) and per-point ones
+    (element by element), and by forward filtering, backward sampling for a
+    draw enumerated at each step of a ``lax.scan``.
+
+    Args:
+        model: the program ``model(key, *args)`` the posterior was sampled from.
+        posterior: the ``Posterior`` (``sample_posterior``'s) of its continuous latents.
+        key: the PRNG key; each posterior draw gets its own split of it.
+        *args: the program's own arguments.
+        observed: ``{name: value}``; None: the observations ``posterior`` was sampled with.
+
+    Returns:
+        ``{name: array [chains, draws, ...]}`` for each enumerated draw.
+
+    Raises:
+        ValueError: if the program has no free enumerated draw.
+        TypeError: if ``posterior`` is not a ``Posterior``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> import harvest.ppl as ppl
+        >>> import tensorflow_probability.substrates.jax as tfp
+        >>> tfd = tfp.distributions
+        >>> def mixture(key):
+        ...     k1, k2, k3 = jax.random.split(key, 3)
+        ...     scale = ppl.random_variable(tfd.HalfNormal(1.0), name="scale")(k1)
+        ...     z = ppl.random_variable(tfd.Bernoulli(probs=0.5), name="z", enumerate=True)(k2)
+        ...     return ppl.random_variable(tfd.Normal(10.0 * z - 5.0, scale), name="y")(k3)
+        >>> posterior = ppl.sample_posterior(mixture, jax.random.key(0), observed={"y": 5.0},
+        ...                                  num_samples=100, num_warmup=100, num_chains=1)
+        >>> z = ppl.infer_discrete(mixture, posterior, jax.random.key(1))["z"]
+        >>> z.shape, bool(z.mean() > 0.99)  # y = 5 sits on the component at +5
+        ((1, 100), True)
+    """
+    if not isinstance(posterior, Posterior):
+        raise _errors.ppl_infer_discrete_posterior(posterior)
+    given = dict(posterior.observed if observed is None else observed)
+    lead = posterior.log_density.shape
+    keys = jax.random.split(key, lead[0] * lead[1]).reshape(lead)
+
+    def one(k: jax.Array, u: Reaped) -> Reaped:
+        return discrete_draw(model, given, u, k, *args)
+
+    drawn: Reaped = jax.jit(jax.vmap(jax.vmap(one)))(keys, posterior.unconstrained)
+    return drawn
