@@ -22,7 +22,7 @@ from . import _errors, _transformer_lens
 from ._instrument_penzai import InstrumentedPenzai
 from ._instrumented import Instrumented
 from ._interpreter import NameFilter
-from ._module_paths import describe, kind as target_kind
+from ._module_paths import describe, kind as target_kind, submodules
 from ._typing import NameSelect, P, R
 
 
@@ -137,5 +137,7 @@ def instrument(
     if isinstance(where, list):
         where = tuple(where)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
-    _transformer_lens.check_naming(names, kind, describe(target))
+    _transformer_lens.check_naming(names, kind, describe(target), inputs)
+    if names is not None and kind != "function":  # a model's blocks are known now
+        _transformer_lens.names_of(submodules(target, kind), kind, describe(target))
     return cls(target, kind, tag, ops, inputs, select, where, attention, names)

@@ -81,7 +81,8 @@ def hand_forward(model, x, patch=None):
         attn_out, values[f"{n}.attn.hook_z"] = hand_attention(block.attn, block.ln1(x), z_patch)
         attn_out = at(f"{n}.hook_attn_out", attn_out)
         mid = at(f"{n}.hook_resid_mid", x + attn_out)
-        mlp_out = at(f"{n}.hook_mlp_out", block.mlp(block.ln2(mid)))
+        pre = at(f"{n}.mlp.hook_pre", block.mlp.up(block.ln2(mid)))
+        mlp_out = at(f"{n}.hook_mlp_out", block.mlp.down(at(f"{n}.mlp.hook_post", nnx.gelu(pre))))
         x = at(f"{n}.hook_resid_post", mid + mlp_out)
     return model.head(x), values
 
@@ -107,8 +108,11 @@ def test_nnx_names_hold_the_stream_added_up_by_hand(gpt):
         for hook in STREAM:
             name = f"blocks.{i}.{hook}"
             np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
-    # harvest's own names are still there: resid_post is the block's output.
-    np.testing.assert_array_equal(reaped["blocks.1.hook_resid_post"], reaped["blocks.1"])
+    # TransformerLens's names only (its ActivationCache's keys), each with its value.
+    assert set(reaped) == {k for k in by_hand if ".attn." not in k}  # no attention=True
+    for name in ("blocks.0.mlp.hook_pre", "blocks.1.mlp.hook_post"):
+        np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
+    assert set(reap(instrument(gpt), tag="modules")(x)).isdisjoint(by_hand)  # paths without
     names = [s.name for s in sites(tl, x, tag="modules")]
     assert names.index("blocks.0.hook_resid_pre") < names.index("blocks.0.hook_resid_mid")
     assert names.index("blocks.0.hook_resid_post") < names.index("blocks.1.hook_resid_pre")
@@ -170,13 +174,13 @@ def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
     with pytest.raises(
         ValueError, match="found no transformer block in .*one submodule named `mlp`"
     ):
-        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")(jnp.ones(D))
+        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")  # refused before any call
     with pytest.raises(
         ValueError, match="found no transformer block in .* \\(a function target\\)"
     ):
         instrument(lambda x: x, names="transformer_lens")(jnp.ones(D))
     eqx = pytest.importorskip("equinox")
-    with pytest.raises(ValueError, match="found no transformer block in .* \\(a equinox target\\)"):
+    with pytest.raises(ValueError, match="found no transformer block in .* \\(an Equinox model\\)"):
         instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), names="transformer_lens")
 
 
@@ -337,20 +341,30 @@ def test_penzai_attention_hooks_are_named_per_block_too(llama):
     tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
     tl = instrument(model, names="transformer_lens", attention=True)
     reaped = reap(tl, tag="modules")(tokens)
+    by_path = reap(instrument(model, attention=True), tag="modules")(tokens)
     attention = "body.sublayers.2.sublayers.0.delta.sublayers.1"  # the second block's
-    for hook in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"):
+    for hook in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
         np.testing.assert_array_equal(
-            reaped[f"blocks.1.attn.{hook}"], reaped[f"{attention}.{hook}"]
+            reaped[f"blocks.1.attn.{hook}"], by_path[f"{attention}.{hook}"]
         )
+        assert f"{attention}.{hook}" not in reaped  # TransformerLens's names only
+    # The scores are what the softmax takes: the pattern is their softmax over keys.
+    np.testing.assert_allclose(
+        jax.nn.softmax(reaped["blocks.1.attn.hook_attn_scores"], axis=-1),
+        reaped["blocks.1.attn.hook_pattern"],
+        **TOL,
+    )
+    # hook_embed is the embedding layer's output: layer 0's resid_pre (no positions here).
+    np.testing.assert_array_equal(reaped["hook_embed"], reaped["blocks.0.hook_resid_pre"])
     # Planting under the block's name is planting the hook (checked against hand edits in
     # test_instrument_penzai.py).
     z = random(reaped["blocks.1.attn.hook_z"].shape, 3)
     by_alias = plant(tl, tag="modules")({"blocks.1.attn.hook_z": z}, tokens)
-    by_path = plant(instrument(model, attention=True), tag="modules")(
+    planted = plant(instrument(model, attention=True), tag="modules")(
         {f"{attention}.hook_z": z}, tokens
     )
     np.testing.assert_array_equal(
-        by_alias.unwrap(*by_alias.named_shape), by_path.unwrap(*by_path.named_shape)
+        by_alias.unwrap(*by_alias.named_shape), planted.unwrap(*planted.named_shape)
     )
     sweep = patching_sweep(
         tl,
