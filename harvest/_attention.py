@@ -560,6 +560,18 @@ _HEAD_SHAPED = {"hook_q", "hook_k", "hook_v", "hook_z"}  # [..., seq, heads, d_h
 _LABELS = {
     "head_shaped": {-3: "position", -2: "head", -1: "d_head"},
     "hook_pattern": {-3: "head", -2: "query position", -1: "key position"},
+    "stream": {-2: "position", -1: "d_model"},  # [..., pos, d_model]
+    "neurons": {-2: "position", -1: "neuron"},  # an MLP's hidden layer: [..., pos, d_mlp]
+}
+# TransformerLens's names of the residual stream and what is added to it.
+_STREAM = {
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "hook_embed",
+    "hook_pos_embed",
 }
 # Equinox's MultiheadAttention projects to, and from, every head's features merged.
 _MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
@@ -570,7 +582,11 @@ def _family(name: str) -> str | None:
     leaf = name.rpartition(".")[2]
     if leaf in _HEAD_SHAPED:
         return "head_shaped"
-    return "hook_pattern" if leaf == "hook_pattern" else None
+    if leaf in _STREAM:
+        return "stream"
+    if name.endswith((".mlp.hook_pre", ".mlp.hook_post")):
+        return "neurons"
+    return "hook_pattern" if leaf in ("hook_pattern", "hook_attn_scores") else None
 
 
 def _ndim(value: Any) -> int:

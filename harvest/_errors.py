@@ -534,6 +534,20 @@ def corrupted_args_not_a_tuple(caller: str, corrupted_args: Any) -> TypeError:
     )
 
 
+def ablation_args_not_a_tuple(args: Any) -> TypeError:
+    return TypeError(
+        "ablation_sweep: args must be the tuple of f's positional arguments, e.g. (tokens,), "
+        f"got {type(args).__name__}."
+    )
+
+
+def unknown_ablation(how: Any, hows: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"ablation_sweep: unknown how={how!r}. Use one of {', '.join(map(repr, hows))}; for "
+        "another replacement, pass its values as the clean run's to patching_sweep."
+    )
+
+
 def clean_not_a_dict(caller: str, clean: Any) -> TypeError:
     return TypeError(
         f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "

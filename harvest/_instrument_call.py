@@ -47,7 +47,9 @@ class InstrumentCall:
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
-    score_paths: dict = dataclasses.field(default_factory=dict)  # Penzai: scores' layer -> attention
+    score_paths: dict = dataclasses.field(
+        default_factory=dict
+    )  # Penzai: scores' layer -> attention
     residual: Any = None  # TransformerLens's names (`_transformer_lens.Names`), if asked for
     input_axes: tuple = ()  # the named axes of the call's Penzai arguments, in their order
 

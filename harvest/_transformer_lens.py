@@ -132,9 +132,10 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     outside = [(p, m) for p, m in parts if not p.startswith(inside) and p not in table.inputs]
     for path, name in _embeddings(outside, kind).items():
         table.outputs.setdefault(path, []).append(name)
-    for block, *_, mlp in blocks:
+    for found in blocks:
+        mlp = found[4]
         if mlp is not None and kind != "penzai":
-            _add_mlp(table, parts, table.inputs[block].rpartition(".")[0], mlp)
+            _add_mlp(table, parts, table.inputs[found[0]].rpartition(".")[0], mlp)
     return table
 
 
@@ -275,7 +276,11 @@ def _embeddings(outside: list[tuple[str, Any]], kind: str) -> dict[str, str]:
     blocks: one is the token embedding; of two, the one whose name has "pos" (or is
     GPT-2's "wpe") is the positional one. Any other number names none."""
     found = [p for p, m in outside if _is_embedding(m, kind)]
-    positional = lambda p: "pos" in p.rpartition(".")[2].lower() or p.endswith("wpe")
+
+    def positional(path: str) -> bool:
+        leaf = path.rpartition(".")[2].lower()
+        return "pos" in leaf or leaf == "wpe"
+
     if len(found) == 1 and not positional(found[0]):
         return {found[0]: "hook_embed"}
     if len(found) == 2 and positional(found[0]) != positional(found[1]):
