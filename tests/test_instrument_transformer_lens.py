@@ -467,3 +467,121 @@ def test_a_function_without_gemma_blocks_is_refused():
     tl = instrument(lambda x: dense.apply(variables, x), names="transformer_lens")
     with pytest.raises(ValueError, match="found no transformer block in"):
         tl(jnp.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# Attention-only blocks, Equinox blocks, attention scores, and refusals at instrument time.
+
+
+class AttnOnlyBlock(nnx.Module):
+    """TransformerLens's `attn_only` block, with a dropout rate so NNX takes its unfused path."""
+
+    def __init__(self, rngs, dropout=0.0):
+        self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            H, D, qkv_features=H * DH, dropout_rate=dropout, decode=False, rngs=rngs
+        )
+
+    def __call__(self, x):
+        return x + self.attn(self.ln1(x), deterministic=True)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])  # NNX's fused attention, then its unfused path
+def test_attention_only_blocks_get_their_names_and_scores(dropout):
+    model = Stack(AttnOnlyBlock(nnx.Rngs(0), dropout))
+    x = random((B, T, D), 1)
+    tl = instrument(model, names="transformer_lens", attention=True)
+    reaped = reap(tl, tag="modules")(x)
+    hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+    want = {"blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.hook_resid_post"}
+    assert set(reaped) == want | {f"blocks.0.attn.{h}" for h in hooks}
+    block = model.blocks[0]
+    attn_out, z = hand_attention(block.attn, block.ln1(x))
+    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.hook_z"], z, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out, **TOL)
+    q, k = reaped["blocks.0.attn.hook_q"], reaped["blocks.0.attn.hook_k"]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(DH)
+    np.testing.assert_allclose(reaped["blocks.0.attn.hook_attn_scores"], scores, **TOL)
+    # Planting scores changes the pattern as the softmax of the planted scores.
+    planted = random(scores.shape, 5)
+    _, after = harvest(tl, tag="modules")({"blocks.0.attn.hook_attn_scores": planted}, x)
+    np.testing.assert_allclose(
+        after["blocks.0.attn.hook_pattern"], jax.nn.softmax(planted, axis=-1), **TOL
+    )
+    np.testing.assert_array_equal(tl(x), model(x))  # unharvested, the same numbers
+
+
+class CrossAttentionBlock(Block):
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x), x)  # keys and values from another stream
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(H, D, decode=False, rngs=rngs)
+        self.cross = nnx.MultiHeadAttention(H, D, decode=False, rngs=rngs)
+
+    def __call__(self, x, memory):
+        return x + self.cross(x + self.attn(x), memory)
+
+
+def test_blocks_names_do_not_describe_are_refused_naming_the_block():
+    x = random((B, T, D), 1)
+    with pytest.raises(ValueError, match="block at 'blocks.0' holds 2 attention modules"):
+        instrument(Stack(DecoderBlock(nnx.Rngs(0))), names="transformer_lens")  # no call needed
+    cross = instrument(Stack(CrossAttentionBlock(nnx.Rngs(0))), names="transformer_lens")
+    with pytest.raises(ValueError, match="'blocks.0.attn' in the block at 'blocks.0' is given"):
+        cross(x)
+    with pytest.raises(ValueError, match="inputs=True has nothing to add"):
+        instrument(Stack(Block(nnx.Rngs(0))), names="transformer_lens", inputs=True)
+
+
+def test_equinox_blocks_with_an_mlp_get_every_name():
+    eqx = pytest.importorskip("equinox")
+    keys = jax.random.split(jax.random.key(0), 4)
+
+    class EqxBlock(eqx.Module):  # one sequence: [T, D]
+        ln1: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        ln2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            h = jax.vmap(self.ln1)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+    class EqxGPT(eqx.Module):
+        blocks: list
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    def block(key):
+        a, m = jax.random.split(key)
+        mlp = eqx.nn.MLP(D, D, 16, depth=1, activation=jax.nn.gelu, key=m)
+        attn = eqx.nn.MultiheadAttention(H, D, key=a)
+        return EqxBlock(eqx.nn.LayerNorm(D), attn, eqx.nn.LayerNorm(D), mlp)
+
+    model = EqxGPT([block(k) for k in keys[:2]])
+    x = random((T, D), 1)
+    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(x)
+    by_hand = {}
+    for i, b in enumerate(model.blocks):
+        n = f"blocks.{i}"
+        by_hand[f"{n}.hook_resid_pre"] = x
+        h = jax.vmap(b.ln1)(x)
+        attn_out = by_hand[f"{n}.hook_attn_out"] = b.attn(h, h, h)
+        mid = by_hand[f"{n}.hook_resid_mid"] = x + attn_out
+        up, down = b.mlp.layers
+        pre = by_hand[f"{n}.mlp.hook_pre"] = jax.vmap(up)(jax.vmap(b.ln2)(mid))
+        post = by_hand[f"{n}.mlp.hook_post"] = jax.nn.gelu(pre)
+        mlp_out = by_hand[f"{n}.hook_mlp_out"] = jax.vmap(down)(post)
+        x = by_hand[f"{n}.hook_resid_post"] = mid + mlp_out
+    assert set(reaped) == set(by_hand)
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
