@@ -11,7 +11,8 @@ the model, numbered ``i`` in the model's order, gets
 * ``blocks.{i}.hook_mlp_out``: what the MLP adds to the stream;
 * ``blocks.{i}.hook_resid_post``: the block's output;
 * ``blocks.{i}.mlp.hook_pre`` / ``hook_post``: the MLP's first linear map's output
-  and its last one's input (`mlp_hooks`);
+  and its last one's input (`mlp_hooks`; Penzai's gated feed-forward layers:
+  the gate's output, ``hook_pre_linear`` the other branch's, `_add_penzai_mlp`);
 
 and the model ``hook_embed`` and ``hook_pos_embed`` (the outputs of its embedding
 modules outside the blocks, `_embeddings`). With ``attention=True``, the
@@ -133,10 +134,47 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     for path, name in _embeddings(outside, kind).items():
         table.outputs.setdefault(path, []).append(name)
     for found in blocks:
-        mlp = found[4]
-        if mlp is not None and kind != "penzai":
-            _add_mlp(table, parts, table.inputs[found[0]].rpartition(".")[0], mlp)
+        mlp, name = found[4], table.inputs[found[0]].rpartition(".")[0]
+        if mlp is not None and kind == "penzai":
+            _add_penzai_mlp(table, parts, f"{name}.mlp", mlp)
+        elif mlp is not None:
+            _add_mlp(table, parts, name, mlp)
     return table
+
+
+def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, delta: str) -> None:
+    """Names the MLP hooks of the Penzai feed-forward layer under `delta` (a block's second
+    residual branch): ``hook_post`` the output of the sublayer before its last ``Linear``;
+    ``hook_pre`` its first ``Linear``'s output, or a gated one's (``BranchAndMultiplyTogether``
+    of a group named "gate" and a linear branch) the gate's, ``hook_pre_linear`` the other's."""
+    from penzai import pz
+
+    found = [(p, m) for p, m in parts if p.startswith(delta + ".") and _is_feed_forward(m)]
+    if len(found) != 1:
+        return
+    path, layer = found[0]
+    sublayers = layer.sublayers
+    if len(sublayers) < 2 or not isinstance(sublayers[-1], pz.nn.Linear):
+        return
+    hooks = {f"{path}.sublayers.{len(sublayers) - 2}": "hook_post"}
+    first = sublayers[0]
+    if isinstance(first, pz.nn.Linear):
+        hooks[f"{path}.sublayers.0"] = "hook_pre"
+    elif isinstance(first, pz.nn.BranchAndMultiplyTogether) and len(first.branches) == 2:
+        gates = [getattr(b, "name", None) == "gate" for b in first.branches]
+        for i, branch in enumerate(first.branches):
+            at = f"{path}.sublayers.0.branches.{i}"
+            if isinstance(getattr(branch, "sublayers", None), list) and branch.sublayers:
+                branch, at = branch.sublayers[0], f"{at}.sublayers.0"
+            if sum(gates) == 1 and isinstance(branch, pz.nn.Linear):
+                hooks[at] = "hook_pre" if gates[i] else "hook_pre_linear"
+    for part, hook in hooks.items():
+        table.outputs.setdefault(part, []).append(f"{prefix}.{hook}")
+
+
+def _is_feed_forward(layer: Any) -> bool:
+    cls = type(layer)
+    return cls.__name__ == "TransformerFeedForward" and cls.__module__.startswith("penzai.")
 
 
 def _add(

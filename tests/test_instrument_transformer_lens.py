@@ -356,6 +356,21 @@ def test_penzai_attention_hooks_are_named_per_block_too(llama):
     )
     # hook_embed is the embedding layer's output: layer 0's resid_pre (no positions here).
     np.testing.assert_array_equal(reaped["hook_embed"], reaped["blocks.0.hook_resid_pre"])
+    # The gated MLP's hooks, from its layers called by hand on resid_mid.
+    _, stream = penzai_forward(pz, model, tokens)
+    mid = pz.nx.wrap(stream["blocks.1.hook_resid_mid"], *AXES)
+    norm, feed_forward = model.body.sublayers[2].sublayers[1].delta.sublayers
+    (gate, linear), out = feed_forward.sublayers[0].branches, feed_forward.sublayers[1]
+    h = norm(mid)
+    pre, pre_linear = gate.sublayers[0](h), linear(h)
+    post = gate.sublayers[1](pre) * pre_linear
+    unwrap = lambda a: a.order_as("batch", "seq", "neurons").unwrap("batch", "seq", "neurons")
+    for hook, value in (("hook_pre", pre), ("hook_pre_linear", pre_linear), ("hook_post", post)):
+        np.testing.assert_allclose(
+            reaped[f"blocks.1.mlp.{hook}"], unwrap(value), err_msg=hook, **TOL
+        )
+    mlp_out = out(post).order_as(*AXES).unwrap(*AXES)
+    np.testing.assert_allclose(mlp_out, stream["blocks.1.hook_mlp_out"], **TOL)
     # Planting under the block's name is planting the hook (checked against hand edits in
     # test_instrument_penzai.py).
     z = random(reaped["blocks.1.attn.hook_z"].shape, 3)
