@@ -3,9 +3,9 @@
 Each attention module at `path` gets five sites, whatever library it comes from:
 
 * `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
-  `[..., seq, heads, d_head]`, as the attention product receives them
-  (before any rotary embedding, for the libraries that apply it inside the
-  module: Gemma's and Penzai's llama-like layers);
+  `[..., seq, heads, d_head]`, as their projections give them (before any
+  rotary embedding or rescaling, as TransformerLens's: Penzai's llama-like
+  layers apply both after, in the same sublayer);
 * `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
   entries hold the library's large negative number where TransformerLens has -inf),
   `[..., heads, q_pos, k_pos]`: NNX, Equinox and Penzai attentions (not Linen's, not
@@ -463,38 +463,45 @@ def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
     return frozenset(p for p, m in parts if type(m) in (Attention, KVCachingAttention))
 
 
-def penzai_score_paths(parts: list[tuple[str, Any]], attentions: frozenset[str]) -> dict[str, str]:
-    """{path of the layer whose output is the scores: its attention's path}: in each
-    attention's ``query_key_to_attn``, the sublayer before its closing ``Softmax``
-    (after the mask and any soft cap)."""
+def penzai_hook_paths(
+    parts: list[tuple[str, Any]], attentions: frozenset[str]
+) -> dict[str, tuple[str, str]]:
+    """{path of the layer whose output a hook is: (its attention's path, the hook)} for
+    each Penzai attention: queries and keys at their projection's output (the first
+    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear``: before
+    the rotary embedding and the query's rescaling, as TransformerLens's ``hook_q`` and
+    ``hook_k``), values at ``input_to_value``'s, the scores at the output of the sublayer
+    before ``query_key_to_attn``'s closing ``Softmax`` (after the mask and any soft
+    cap), the pattern at ``query_key_to_attn``'s, z at the first sublayer of
+    ``attn_value_to_output``."""
     from penzai import pz
 
-    found = {}
+    found: dict[str, tuple[str, str]] = {}
     for path, layer in parts:
         if path not in attentions:
             continue
+        for part, hook in (("input_to_query", "hook_q"), ("input_to_key", "hook_k")):
+            sublayers = getattr(getattr(layer, part), "sublayers", None)
+            linear = isinstance(sublayers, list) and bool(sublayers)
+            linear = linear and isinstance(sublayers[0], pz.nn.Linear)  # type: ignore[index]
+            at = ".sublayers.0" if linear else ""
+            found[f"{path}.{part}{at}"] = (path, hook)
+        found[f"{path}.input_to_value"] = (path, "hook_v")
+        found[f"{path}.query_key_to_attn"] = (path, "hook_pattern")
+        found[f"{path}.attn_value_to_output.sublayers.0"] = (path, "hook_z")
         sublayers = getattr(layer.query_key_to_attn, "sublayers", None)
         if isinstance(sublayers, list) and len(sublayers) > 1:
             if isinstance(sublayers[-1], pz.nn.Softmax):
-                found[f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"] = path
+                scores = f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"
+                found[scores] = (path, "hook_attn_scores")
     return found
 
 
 def penzai_hook(call: Any, path: str, value: Any) -> Any:
     """`value` (the output of the sublayer at `path`), hooked if `path` is one of an attention's parts."""
-    parent, _, leaf = path.rpartition(".")
-    which = {
-        "input_to_query": "hook_q",
-        "input_to_key": "hook_k",
-        "input_to_value": "hook_v",
-        "query_key_to_attn": "hook_pattern",
-    }.get(leaf)
-    if which is None and path.endswith(".attn_value_to_output.sublayers.0"):
-        parent, which = path[: -len(".attn_value_to_output.sublayers.0")], "hook_z"
-    if which is None and path in call.score_paths:
-        parent, which = call.score_paths[path], "hook_attn_scores"
-    if which is None or parent not in call.attention_paths:
+    if path not in call.penzai_hooks:
         return value
+    parent, which = call.penzai_hooks[path]
     from penzai import pz
 
     names = list(value.named_shape)

@@ -29,7 +29,7 @@ transformer_lens = pytest.importorskip(
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-D, HEADS, LAYERS, VOCAB, CTX, MLP = 16, 2, 2, 50, 16, 32
+D, HEADS, LAYERS, VOCAB, CTX, D_MLP = 16, 2, 2, 50, 16, 32
 TOKENS = np.array([[3, 17, 5, 42, 9, 3, 17, 5, 8, 1], [7, 7, 2, 30, 11, 4, 0, 25, 13, 6]])
 
 
@@ -93,7 +93,10 @@ def gpt2_nnx(hf):
 
     class MLP(nnx.Module):
         def __init__(self, i):
-            self.c_fc, self.c_proj = nnx.Linear(D, MLP, rngs=rngs), nnx.Linear(MLP, D, rngs=rngs)
+            self.c_fc, self.c_proj = (
+                nnx.Linear(D, D_MLP, rngs=rngs),
+                nnx.Linear(D_MLP, D, rngs=rngs),
+            )
             for name in ("c_fc", "c_proj"):
                 param(getattr(self, name), "kernel", sd[f"transformer.h.{i}.mlp.{name}.weight"])
                 param(getattr(self, name), "bias", sd[f"transformer.h.{i}.mlp.{name}.bias"])
@@ -150,14 +153,21 @@ def test_gpt2_in_nnx_gives_transformer_lens_s_hooks():
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=CTX, n_embd=D, n_layer=LAYERS, n_head=HEADS, n_inner=MLP
+        vocab_size=VOCAB,
+        n_positions=CTX,
+        n_embd=D,
+        n_layer=LAYERS,
+        n_head=HEADS,
+        n_inner=D_MLP,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     hf = transformers.GPT2LMHeadModel(config).eval()
     cfg = HookedTransformerConfig(
         d_model=D,
         d_head=D // HEADS,
         n_heads=HEADS,
-        d_mlp=MLP,
+        d_mlp=D_MLP,
         n_layers=LAYERS,
         n_ctx=CTX,
         d_vocab=VOCAB,
@@ -192,7 +202,7 @@ def test_llama_in_penzai_gives_transformer_lens_s_hooks():
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=D,
-        intermediate_size=MLP,
+        intermediate_size=D_MLP,
         num_hidden_layers=LAYERS,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
@@ -201,11 +211,13 @@ def test_llama_in_penzai_gives_transformer_lens_s_hooks():
         tie_word_embeddings=False,
     )
     hf = transformers.LlamaForCausalLM(config).eval()
+    if not hasattr(config, "rope_theta"):  # transformers 5 keeps it in rope_parameters
+        config.rope_theta = config.rope_parameters["rope_theta"]  # where Penzai reads it
     cfg = HookedTransformerConfig(
         d_model=D,
         d_head=D // HEADS,
         n_heads=HEADS,
-        d_mlp=MLP,
+        d_mlp=D_MLP,
         n_layers=LAYERS,
         n_ctx=CTX,
         d_vocab=VOCAB,
