@@ -468,7 +468,8 @@ def penzai_hook_paths(
 ) -> dict[str, tuple[str, str]]:
     """{path of the layer whose output a hook is: (its attention's path, the hook)} for
     each Penzai attention: queries and keys at their projection's output (the first
-    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear``: before
+    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear`` or
+    ``Affine``: before
     the rotary embedding and the query's rescaling, as TransformerLens's ``hook_q`` and
     ``hook_k``), values at ``input_to_value``'s, the scores at the output of the sublayer
     before ``query_key_to_attn``'s closing ``Softmax`` (after the mask and any soft
@@ -483,7 +484,8 @@ def penzai_hook_paths(
         for part, hook in (("input_to_query", "hook_q"), ("input_to_key", "hook_k")):
             sublayers = getattr(getattr(layer, part), "sublayers", None)
             linear = isinstance(sublayers, list) and bool(sublayers)
-            linear = linear and isinstance(sublayers[0], pz.nn.Linear)  # type: ignore[index]
+            first = sublayers[0] if linear else None  # type: ignore[index]
+            linear = isinstance(first, (pz.nn.Linear, pz.nn.Affine))  # Affine: with its bias
             at = ".sublayers.0" if linear else ""
             found[f"{path}.{part}{at}"] = (path, hook)
         found[f"{path}.input_to_value"] = (path, "hook_v")

@@ -24,8 +24,10 @@ computes with. Three kinds of block are read:
 
 * Penzai: a layer whose sublayers are two ``pz.nn.Residual``, the first holding
   an attention layer (the llama-like blocks of ``penzai.models.transformer``,
-  its Gemma's among them), or one (attention only). Every name is a layer's
-  input or output.
+  its Gemma's among them), or one (attention only); or a parallel block, one
+  ``BranchAndAddTogether`` of the identity, the attention's branch and the MLP's
+  (GPT-NeoX's: TransformerLens's ``parallel_attn_mlp``, no ``resid_mid``). Every
+  name is a layer's input or output.
 * Flax NNX and Equinox: a module with one attention submodule
   (``nnx.MultiHeadAttention``, ``eqx.nn.MultiheadAttention``) and one submodule
   named ``mlp`` (TransformerLens's own name), whose forward adds the attention's
@@ -59,6 +61,7 @@ NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
 # What a TransformerLens name looks like: every other site is left out of a call with names.
 _TL_NAME = re.compile(r"(hook_embed|hook_pos_embed|blocks\.\d+\.((attn|mlp)\.)?hook_\w+)")
 MLP_HOOKS = ("hook_pre", "hook_post")
+PARALLEL = "<parallel>"  # a block's resid_mid part where it has none (attention beside the MLP)
 
 
 def is_tl_name(name: str) -> bool:
@@ -143,9 +146,9 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
 
 
 def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, delta: str) -> None:
-    """Names the MLP hooks of the Penzai feed-forward layer under `delta` (a block's second
-    residual branch): ``hook_post`` the output of the sublayer before its last ``Linear``;
-    ``hook_pre`` its first ``Linear``'s output, or a gated one's (``BranchAndMultiplyTogether``
+    """Names the MLP hooks of the Penzai feed-forward layer under `delta` (a block's MLP
+    branch): ``hook_post`` the output of the sublayer before its last ``Linear`` (or
+    ``Affine``); ``hook_pre`` its first one's output, or a gated one's (``BranchAndMultiplyTogether``
     of a group named "gate" and a linear branch) the gate's, ``hook_pre_linear`` the other's."""
     from penzai import pz
 
@@ -154,11 +157,12 @@ def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, del
         return
     path, layer = found[0]
     sublayers = layer.sublayers
-    if len(sublayers) < 2 or not isinstance(sublayers[-1], pz.nn.Linear):
+    linear = (pz.nn.Linear, pz.nn.Affine)  # Affine: a Linear and its bias (GPT-NeoX's)
+    if len(sublayers) < 2 or not isinstance(sublayers[-1], linear):
         return
     hooks = {f"{path}.sublayers.{len(sublayers) - 2}": "hook_post"}
     first = sublayers[0]
-    if isinstance(first, pz.nn.Linear):
+    if isinstance(first, linear):
         hooks[f"{path}.sublayers.0"] = "hook_pre"
     elif isinstance(first, pz.nn.BranchAndMultiplyTogether) and len(first.branches) == 2:
         gates = [getattr(b, "name", None) == "gate" for b in first.branches]
@@ -186,15 +190,15 @@ def _add(
     mlp_out: str | None,
 ) -> None:
     """Names the next block of `table`: the block at `path`, the parts whose outputs are
-    attn_out, resid_mid (None: computed) and mlp_out (None: attention only), its
-    attention at `attention`."""
+    attn_out, resid_mid (None: computed; PARALLEL: none, a parallel block's) and mlp_out
+    (None: attention only), its attention at `attention`."""
     name = f"blocks.{len(table.inputs)}"
     table.inputs[path] = f"{name}.hook_resid_pre"
     for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
         if part is not None:
             table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
-    if mlp_out is None:  # attention only: TransformerLens's `attn_only` has no resid_mid
-        pass
+    if mlp_out is None or mid == PARALLEL:  # TransformerLens's `attn_only` and
+        pass  # `parallel_attn_mlp` blocks have no resid_mid
     elif mid is None:
         table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
     else:
@@ -248,7 +252,8 @@ def gemma_block(call: Any, path: str, module: Any) -> None:
 
 
 # (block, its attention, the part whose output is attn_out, the part whose output is
-# resid_mid or None where it is computed, the part whose output is mlp_out or None), by path.
+# resid_mid or None where it is computed (PARALLEL: none), the part whose output is mlp_out
+# or None), by path.
 _Block = tuple[str, str, str, str | None, str | None]
 
 
@@ -290,6 +295,10 @@ def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
     found: list[_Block] = []
     for path, layer in parts:
         sublayers = getattr(layer, "sublayers", None)
+        parallel = _penzai_parallel(path, layer, attentions)
+        if parallel is not None:
+            found.append(parallel)
+            continue
         if not (
             isinstance(sublayers, list)
             and len(sublayers) in (1, 2)
@@ -307,6 +316,27 @@ def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
         if not any(a.startswith(second + ".") for a in attentions):
             found.append((path, inside[0], f"{first}.delta", first, f"{second}.delta"))
     return found
+
+
+def _penzai_parallel(path: str, layer: Any, attentions: frozenset[str]) -> _Block | None:
+    """A Penzai parallel block (GPT-NeoX's, TransformerLens's `parallel_attn_mlp`): one
+    ``BranchAndAddTogether`` of the identity, a branch holding the attention and one
+    holding none, so ``x + attn(...) + mlp(...)``; None for any other layer."""
+    from penzai import pz
+
+    sublayers = getattr(layer, "sublayers", None)
+    if not (isinstance(sublayers, list) and len(sublayers) == 1):
+        return None
+    add = sublayers[0]
+    if not isinstance(add, pz.nn.BranchAndAddTogether) or len(add.branches) != 3:
+        return None
+    if not isinstance(add.branches[0], pz.nn.Identity):
+        return None
+    at = f"{path}.sublayers.0.branches"
+    attn = [a for a in sorted(attentions) if a.startswith(f"{at}.1.")]
+    if len(attn) != 1 or any(a.startswith(f"{at}.2.") for a in attentions):
+        return None
+    return (path, attn[0], f"{at}.1", PARALLEL, f"{at}.2")
 
 
 def _embeddings(outside: list[tuple[str, Any]], kind: str) -> dict[str, str]:

@@ -600,3 +600,45 @@ def test_equinox_blocks_with_an_mlp_get_every_name():
     assert set(reaped) == set(by_hand)
     for name, value in by_hand.items():
         np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+
+
+def test_penzai_parallel_blocks_have_no_resid_mid():
+    pytest.importorskip("penzai.models.transformer.variants.gpt_neox")
+    from penzai import pz
+    from penzai.models.transformer.variants import gpt_neox
+
+    config = gpt_neox.GPTNeoXTransformerConfig(
+        num_attention_heads=2,
+        embedding_dim=8,
+        projection_dim=4,
+        mlp_hidden_dim=16,
+        num_decoder_blocks=2,
+        vocab_size=11,
+        activation_fn="gelu_exact",
+        rope_subset_size=2,
+        rope_wavelength=10_000,
+        layernorm_epsilon=1e-5,
+        parameter_dtype=jnp.float32,
+        activation_dtype=jnp.float32,
+    )
+    model = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=jax.random.key(0))
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
+    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(tokens)
+    positions = pz.nx.arange("seq", 5)
+    unwrap = lambda a: a.order_as(*AXES).unwrap(*AXES)
+    embed, *blocks = model.body.sublayers[:3]
+    x = embed(tokens, token_positions=positions)
+    for i, block in enumerate(blocks):
+        _, attention, mlp = block.sublayers[0].branches
+        attn_out = attention(x, token_positions=positions)
+        mlp_out = mlp(x, token_positions=positions)
+        for hook, value in (
+            ("hook_resid_pre", x),
+            ("hook_attn_out", attn_out),
+            ("hook_mlp_out", mlp_out),
+            ("hook_resid_post", x + attn_out + mlp_out),
+        ):
+            np.testing.assert_allclose(reaped[f"blocks.{i}.{hook}"], unwrap(value), **TOL)
+        x = x + attn_out + mlp_out
+        assert f"blocks.{i}.hook_resid_mid" not in reaped  # as TransformerLens's parallel_attn_mlp
+        assert {f"blocks.{i}.mlp.hook_pre", f"blocks.{i}.mlp.hook_post"} <= set(reaped)

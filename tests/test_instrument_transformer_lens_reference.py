@@ -243,3 +243,64 @@ def test_llama_in_penzai_gives_transformer_lens_s_hooks():
     _, ours = call_and_reap(tl, tag="modules")(tokens)
     expected = ["hook_embed", *block_names(("hook_pre", "hook_pre_linear", "hook_post"))]
     assert_hooks_equal(ours, theirs, expected)
+
+
+# ---------------------------------------------------------------------------
+# GPT-NeoX (parallel blocks): Hugging Face's model, converted by Penzai.
+
+
+def test_gpt_neox_in_penzai_gives_transformer_lens_s_hooks():
+    pytest.importorskip("penzai.models.transformer.variants.gpt_neox")
+    from penzai import pz
+    from penzai.models.transformer.variants import gpt_neox
+    from transformer_lens import HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_neox_weights
+
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=D,
+        intermediate_size=D_MLP,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        max_position_embeddings=CTX,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    hf = transformers.GPTNeoXForCausalLM(config).eval()
+    rope = getattr(config, "rope_parameters", None) or {}
+    for name, key in (("rotary_emb_base", "rope_theta"), ("rotary_pct", "partial_rotary_factor")):
+        if not hasattr(config, name):  # transformers 5 keeps them in rope_parameters
+            setattr(config, name, rope[key])  # where Penzai reads them
+    d_head = D // HEADS
+    cfg = HookedTransformerConfig(
+        d_model=D,
+        d_head=d_head,
+        n_heads=HEADS,
+        d_mlp=D_MLP,
+        n_layers=LAYERS,
+        n_ctx=CTX,
+        d_vocab=VOCAB,
+        act_fn="gelu",
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        rotary_dim=int(config.rotary_pct * d_head),
+        rotary_base=int(config.rotary_emb_base),
+        rotary_adjacent_pairs=False,
+        parallel_attn_mlp=True,
+        original_architecture="GPTNeoXForCausalLM",
+        eps=config.layer_norm_eps,
+    )
+    if not hasattr(hf, "embed_out"):  # transformers 5 renamed it lm_head; TransformerLens
+        hf.__dict__["embed_out"] = hf.lm_head  # 2.18 and Penzai read it by its old name
+        weights = hf.state_dict
+        hf.state_dict = lambda: {**weights(), "embed_out.weight": hf.lm_head.weight.detach()}
+    theirs = tl_cache(cfg, convert_neox_weights(hf, cfg))
+    model = gpt_neox.gpt_neox_from_huggingface_model(hf)
+    tokens = pz.nx.wrap(jnp.asarray(TOKENS), "batch", "seq")
+    tl = instrument(model, names="transformer_lens", attention=True)
+    _, ours = call_and_reap(tl, tag="modules")(tokens)
+    expected = [
+        n for n in ["hook_embed", *block_names(("hook_pre", "hook_post"))] if "resid_mid" not in n
+    ]
+    assert_hooks_equal(ours, theirs, expected)
