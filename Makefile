@@ -15,7 +15,7 @@ DOCS_STAMP := $(VENV)/.installed-docs
 # extra in pyproject.toml for the ones it imports).
 GEMMA := gemma==3.3.0 kauldron==1.3.0 typeguard==4.4.1 clu==0.0.12
 
-.PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean chromium
+.PHONY: demo test test-fast lint test-matrix install docs docs-check bench conformance dist clean chromium transformer-lens
 
 $(STAMP): pyproject.toml setup.cfg
 	$(PYTHON) -m venv $(VENV)
@@ -92,6 +92,19 @@ docs-check: docs
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# TransformerLens beside JAX, for tests/test_instrument_transformer_lens_reference.py (which
+# skips without it): torch's CPU wheel (a plain `torch` is the multi-GB CUDA build),
+# transformers, and transformer-lens 2.18 without its declared dependencies (it pins
+# numpy<2 and pandas<2.1, which JAX's releases do not allow; it runs on numpy 2), then
+# the ones it imports.
+TRANSFORMER_LENS := transformer-lens==2.18.0 fancy-einsum==0.0.3 better-abc==0.0.3 \
+	"beartype>=0.14.1,<0.15" transformers-stream-generator==0.0.5
+transformer-lens: $(STAMP)
+	$(PY) -m pip install --quiet "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install --quiet "transformers>=4.57" datasets accelerate sentencepiece
+	$(PY) -m pip install --quiet --no-deps $(TRANSFORMER_LENS)
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_instrument_transformer_lens_reference.py
 
 conformance: $(STAMP)
 	$(PY) compat/conformance.py

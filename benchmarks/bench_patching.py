@@ -2,6 +2,9 @@
 
     python -m benchmarks.bench_patching [tiny|small|full]
 
+`ablation_sweep` is timed against the same zero-ablations written by hand as one
+`jax.jit(jax.vmap(...))` over one-hot selections.
+
 Both loops patch one (layer, position) per `plant` call, on the same model and
 data as the sweep. The "naive" loop plants a fresh lambda each time, as one
 would write it by hand, so every call traces and compiles; the "cached" loop
@@ -18,7 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harvest import attribution_patching, patch_positions, patching_sweep, plant, reap, sow
+from harvest import (
+    ablation_sweep,
+    attribution_patching,
+    patch_positions,
+    patching_sweep,
+    plant,
+    reap,
+    sow,
+)
 
 SIZES = {  # layers, positions, width, batch
     "tiny": (2, 3, 8, 2),
@@ -27,13 +38,17 @@ SIZES = {  # layers, positions, width, batch
 }
 
 
-def make_model(layers, positions, width):
+def _weights(layers, positions, width):
     keys = jax.random.split(jax.random.key(0), 2 * layers + 1)
     mixes = [
         jnp.tril(jax.random.normal(k, (positions, positions))) / positions for k in keys[:layers]
     ]
     weights = [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in keys[layers:-1]]
-    readout = jax.random.normal(keys[-1], (width,))
+    return mixes, weights, jax.random.normal(keys[-1], (width,))
+
+
+def make_model(layers, positions, width):
+    mixes, weights, readout = _weights(layers, positions, width)
 
     def model(x):  # [batch, positions, width] -> [batch]
         for i, (mix, w) in enumerate(zip(mixes, weights)):
@@ -121,6 +136,7 @@ def run(size="small"):
         again = min(_repeat(call) for _ in range(3))
         ratios[f"{name}_first_call_vs_second"] = first / again
     ratios["nnx_module_sweep_first_call_vs_second"] = _module_reuse(layers, positions, width, batch)
+    ratios.update(_ablation(layers, positions, width, x_corrupt))
     print(
         f"patching sweep, {layers} layers x {positions} positions ({size}): "
         + ", ".join(f"{k} {v:.2f}s" for k, v in seconds.items())
@@ -128,6 +144,42 @@ def run(size="small"):
         + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items())
     )
     return ratios
+
+
+def _ablation(layers, positions, width, x):
+    """`ablation_sweep` (zero, every (layer, position)) against the same ablations written
+    by hand as one `jit(vmap)` over one-hot selections: a first call (compile included)
+    and a repeated one on new data, each the hand-written time over harvest's."""
+    mixes, weights, readout = _weights(layers, positions, width)
+    model = make_model(layers, positions, width)
+    names = [f"layer{i}" for i in range(layers)]
+
+    @jax.jit
+    def by_hand(x):
+        def ablated(k):  # zero layer k // positions's output at position k % positions
+            h = x
+            for i, (mix, w) in enumerate(zip(mixes, weights)):
+                h = h + jnp.tanh(jnp.einsum("qk,bkd,de->bqe", mix, h, w))
+                hit = (k // positions == i) & (jnp.arange(positions) == k % positions)
+                h = jnp.where(hit[None, :, None], 0.0, h)
+            return metric(h[:, -1] @ readout)
+
+        return jax.vmap(ablated)(jnp.arange(layers * positions)) - metric(model(x))
+
+    def sweep():
+        return ablation_sweep(model, (x,), metric, names=names, axis=1).values
+
+    np.testing.assert_allclose(sweep().ravel(), by_hand(x), rtol=1e-4, atol=1e-5)
+    first = {"hand": _timed(lambda: by_hand(x)), "harvest": _timed(sweep)}
+    x = x * 0.5  # new data: both only run
+    again = {
+        "hand": min(_repeat(lambda: by_hand(x)) for _ in range(3)),
+        "harvest": min(_repeat(sweep) for _ in range(3)),
+    }
+    return {
+        "hand_jit_vmap_ablation_vs_ablation_sweep_first_call": first["hand"] / first["harvest"],
+        "hand_jit_vmap_ablation_vs_ablation_sweep_repeated": again["hand"] / again["harvest"],
+    }
 
 
 def _module_reuse(layers, positions, width, batch):

@@ -27,6 +27,7 @@ from ._patching import (
     attribution_patching as attribution_patching,
     patching_sweep as patching_sweep,
 )
+from ._patching_ablation import ablation_sweep as ablation_sweep
 from ._patching_result import PatchingResult as PatchingResult
 from ._path_patching import path_patching as path_patching
 from ._perturb import perturb as perturb

@@ -3,9 +3,13 @@
 Each attention module at `path` gets five sites, whatever library it comes from:
 
 * `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
-  `[..., seq, heads, d_head]`, as the attention product receives them
-  (before any rotary embedding, for the libraries that apply it inside the
-  module: Gemma's and Penzai's llama-like layers);
+  `[..., seq, heads, d_head]`, as their projections give them (before any
+  rotary embedding or rescaling, as TransformerLens's: Penzai's llama-like
+  layers apply both after, in the same sublayer);
+* `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
+  entries hold the library's large negative number where TransformerLens has -inf),
+  `[..., heads, q_pos, k_pos]`: NNX, Equinox and Penzai attentions (not Linen's, not
+  Gemma's, whose scores are no sublayer's output);
 * `path.hook_pattern`: the attention weights after softmax (before dropout),
   `[..., heads, q_pos, k_pos]`;
 * `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -34,7 +39,7 @@ import numpy as np
 
 from . import _errors, _transformer_lens
 
-HOOKS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z")
+HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
 
 
 def is_attention(module: Any) -> bool:
@@ -47,16 +52,19 @@ def is_attention(module: Any) -> bool:
 
 
 def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
-    """`value`, sown as `name` in TransformerLens's layout (`to_view`) and brought back;
-    also as `blocks.{i}.attn.<hook>` with `names="transformer_lens"`."""
-    if not _transformer_lens.wanted(call, name):
+    """`value`, sown in TransformerLens's layout (`to_view`) and brought back: as `name`,
+    or as `blocks.{i}.attn.<hook>` with `names="transformer_lens"`."""
+    if not wanted(call, name):
         return value
     view = value if to_view is None else to_view(value)
-    sown = call.sow(name, view)
-    alias = _transformer_lens.hook_alias(call, name)
-    if alias is not None:
-        sown = call.sow(alias, sown)
+    sown = call.sow(_transformer_lens.hook_name(call, name), view)
     return sown if from_view is None else from_view(sown)
+
+
+def wanted(call: Any, name: str) -> bool:
+    """Whether the attention hook `name` (`<path>.hook_x`) is sown in this call."""
+    sown = _transformer_lens.hook_name(call, name)
+    return sown is not None and bool(call.select((sown,)))
 
 
 # ---------------------------------------------------------------------------
@@ -197,6 +205,7 @@ def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
 
 
 def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
+    from flax import nnx
     from flax.nnx.nn import attention as nnx_attention, dtypes
 
     def attention_fn(
@@ -220,21 +229,28 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
         if dropout_rate == 0.0 and module is None:  # where Flax calls the fused attention
             return _fused_attention(call, path, query, key, value, bias, mask, is_causal)
         # Flax's unfused path.
-        weights = nnx_attention.dot_product_attention_weights(
-            query,
-            key,
-            bias,
-            mask,
-            broadcast_dropout,
-            dropout_rng,
-            0.0,
-            True,
-            query.dtype,
-            precision,
-            module,
-            promote_dtype,
-            is_causal,
-        )
+        if wanted(call, f"{path}.hook_attn_scores"):
+            logits = _nnx_scores(query, key, bias, mask, is_causal, query.dtype, precision)
+            logits = _hook(call, f"{path}.hook_attn_scores", logits)
+            weights = jax.nn.softmax(logits).astype(query.dtype)
+            if module:
+                module.sow(nnx.Intermediate, "attention_weights", weights)
+        else:
+            weights = nnx_attention.dot_product_attention_weights(
+                query,
+                key,
+                bias,
+                mask,
+                broadcast_dropout,
+                dropout_rng,
+                0.0,
+                True,
+                query.dtype,
+                precision,
+                module,
+                promote_dtype,
+                is_causal,
+            )
         weights = _hooked_pattern(
             call,
             path,
@@ -261,6 +277,32 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
     return attention_fn
 
 
+def _nnx_scores(query, key, bias, mask, is_causal, dtype, precision):
+    """The scaled, masked scores NNX's ``dot_product_attention_weights`` takes the softmax
+    of, ``[..., heads, q_pos, k_pos]`` (grouped-query heads merged, as there)."""
+    from flax.nnx.nn.attention import combine_masks
+
+    q_heads, k_heads = query.shape[-2], key.shape[-2]
+    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+    if q_heads != k_heads:
+        grouped = query.reshape(query.shape[:-2] + (k_heads, q_heads // k_heads, query.shape[-1]))
+        logits = jnp.einsum(
+            "...qhgd,...kh1d->...hgqk", grouped, key[..., None, :], precision=precision
+        )
+        logits = logits.reshape(logits.shape[:-4] + (q_heads, *logits.shape[-2:]))
+    else:
+        logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None or is_causal:
+        masks = [m for m in [mask] if m is not None]
+        if is_causal:
+            causal = jnp.tril(jnp.ones(logits.shape[-2:], dtype=dtype))
+            masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else logits.shape))
+        logits = jnp.where(combine_masks(*masks, dtype=dtype), logits, jnp.finfo(dtype).min)
+    return logits
+
+
 def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
     """What NNX's ``dot_product_attention`` computes through ``jax.nn.dot_product_attention``
     (its XLA implementation) when no weights are asked for: the same ops in the same order,
@@ -282,7 +324,7 @@ def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
             return jnp.broadcast_to(a[:, :, None], (a.shape[0], 1, g, *a.shape[2:]))
         return a.reshape(a.shape[0], k_heads, g, *a.shape[2:])
 
-    def weights(q, bias, mask):  # one query head of each group: [B, T, K, H] -> [B, K, T, S]
+    def scores(q, bias, mask):  # one query head of each group: [B, T, K, H] -> [B, K, T, S]
         logits = jnp.einsum(
             "BTNH,BSNH->BNTS",
             q,
@@ -300,13 +342,26 @@ def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
         if keep is not None:
             big = min(jnp.finfo(logits.dtype).max, jnp.finfo(jnp.float32).max)
             logits = jnp.where(keep, logits, jnp.asarray(-0.7 * big, dtype=logits.dtype))
-        return jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(key.dtype)
+        return logits
 
+    softmax = lambda logits: jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(key.dtype)
     q = query.reshape(b, t, k_heads, g, h)
-    probs = jax.vmap(weights, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
     # The hooks see the caller's batch axes: [B, K, G, T, S] -> [..., N, T, S].
     lead = shape[:-3]
     pattern_view = lambda p: p.reshape(*lead, n, *p.shape[-2:])
+    if wanted(call, f"{path}.hook_attn_scores"):
+        logits = jax.vmap(scores, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
+        logits = _hook(
+            call,
+            f"{path}.hook_attn_scores",
+            logits,
+            pattern_view,
+            lambda p: p.reshape(logits.shape),
+        )
+        probs = softmax(logits)
+    else:  # as Flax computes it, softmax inside the map over groups: bit for bit
+        weights = lambda q, bias, mask: softmax(scores(q, bias, mask))
+        probs = jax.vmap(weights, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
     pattern = _hook(
         call, f"{path}.hook_pattern", probs, pattern_view, lambda p: p.reshape(probs.shape)
     )
@@ -358,7 +413,14 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
         if (q.shape, k.shape, v.shape) != shapes:
             raise _errors.equinox_process_heads_shape(path, shapes, (q.shape, k.shape, v.shape))
     mask_axis = 0 if mask is not None and mask.ndim == 3 else None
-    weights = jax.vmap(dot_product_attention_weights, in_axes=(1, 1, mask_axis))(q, k, mask)
+    if wanted(call, f"{path}.hook_attn_scores"):
+        logits = jax.vmap(_equinox_scores, in_axes=(1, 1, mask_axis))(q, k, mask)
+        logits = _hook(call, f"{path}.hook_attn_scores", logits)  # [heads, q_pos, k_pos]
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(logits.dtype, jnp.float32)
+        weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+    else:
+        weights = jax.vmap(dot_product_attention_weights, in_axes=(1, 1, mask_axis))(q, k, mask)
     weights = _hook(call, f"{path}.hook_pattern", weights)  # [heads, q_pos, k_pos]
     if module.dropout is not None:
         keys = None if key is None else jax.random.split(key, q.shape[1])
@@ -368,6 +430,17 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
     z = jax.vmap(per_head, in_axes=(0, 1), out_axes=1)(weights, v)
     z = _hook(call, f"{path}.hook_z", z)
     return jax.vmap(module.output_proj)(z.reshape(seq, -1))
+
+
+def _equinox_scores(query: Any, key: Any, mask: Any) -> Any:
+    """The scaled, masked scores Equinox's ``dot_product_attention_weights`` takes the
+    softmax of, for one head: ``[q_seq, kv_seq]``."""
+    logits = jnp.einsum("sd,Sd->sS", query / math.sqrt(query.shape[-1]), key)
+    if mask is not None:
+        if mask.shape != logits.shape:
+            raise _errors.equinox_mask_shape(mask.shape, logits.shape)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    return logits
 
 
 # ---------------------------------------------------------------------------
@@ -390,32 +463,59 @@ def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
     return frozenset(p for p, m in parts if type(m) in (Attention, KVCachingAttention))
 
 
+def penzai_hook_paths(
+    parts: list[tuple[str, Any]], attentions: frozenset[str]
+) -> dict[str, tuple[str, str]]:
+    """{path of the layer whose output a hook is: (its attention's path, the hook)} for
+    each Penzai attention: queries and keys at their projection's output (the first
+    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear`` or
+    ``Affine``: before
+    the rotary embedding and the query's rescaling, as TransformerLens's ``hook_q`` and
+    ``hook_k``), values at ``input_to_value``'s, the scores at the output of the sublayer
+    before ``query_key_to_attn``'s closing ``Softmax`` (after the mask and any soft
+    cap), the pattern at ``query_key_to_attn``'s, z at the first sublayer of
+    ``attn_value_to_output``."""
+    from penzai import pz
+
+    found: dict[str, tuple[str, str]] = {}
+    for path, layer in parts:
+        if path not in attentions:
+            continue
+        for part, hook in (("input_to_query", "hook_q"), ("input_to_key", "hook_k")):
+            sublayers = getattr(getattr(layer, part), "sublayers", None)
+            linear = isinstance(sublayers, list) and bool(sublayers)
+            first = sublayers[0] if linear else None  # type: ignore[index]
+            linear = isinstance(first, (pz.nn.Linear, pz.nn.Affine))  # Affine: with its bias
+            at = ".sublayers.0" if linear else ""
+            found[f"{path}.{part}{at}"] = (path, hook)
+        found[f"{path}.input_to_value"] = (path, "hook_v")
+        found[f"{path}.query_key_to_attn"] = (path, "hook_pattern")
+        found[f"{path}.attn_value_to_output.sublayers.0"] = (path, "hook_z")
+        sublayers = getattr(layer.query_key_to_attn, "sublayers", None)
+        if isinstance(sublayers, list) and len(sublayers) > 1:
+            if isinstance(sublayers[-1], pz.nn.Softmax):
+                scores = f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"
+                found[scores] = (path, "hook_attn_scores")
+    return found
+
+
 def penzai_hook(call: Any, path: str, value: Any) -> Any:
     """`value` (the output of the sublayer at `path`), hooked if `path` is one of an attention's parts."""
-    parent, _, leaf = path.rpartition(".")
-    which = {
-        "input_to_query": "hook_q",
-        "input_to_key": "hook_k",
-        "input_to_value": "hook_v",
-        "query_key_to_attn": "hook_pattern",
-    }.get(leaf)
-    if which is None and path.endswith(".attn_value_to_output.sublayers.0"):
-        parent, which = path[: -len(".attn_value_to_output.sublayers.0")], "hook_z"
-    if which is None or parent not in call.attention_paths:
+    if path not in call.penzai_hooks:
         return value
+    parent, which = call.penzai_hooks[path]
     from penzai import pz
 
     names = list(value.named_shape)
     heads = [n for n in _HEAD_AXES if n in names]
-    inner = [_SEQ, _KV_SEQ] if which == "hook_pattern" else [_SEQ, _PROJECTION]
+    per_key = which in ("hook_pattern", "hook_attn_scores")  # [..., heads, q_pos, k_pos]
+    inner = [_SEQ, _KV_SEQ] if per_key else [_SEQ, _PROJECTION]
     shared = which in ("hook_k", "hook_v")  # keys and values may be shared by every head
     if (not heads and not shared) or any(n not in names for n in inner):
         raise _errors.penzai_attention_axes(parent, which, value.named_shape)
     batch = [n for n in names if n not in heads and n not in inner]
-    order = (
-        [*batch, *heads, *inner] if which == "hook_pattern" else [*batch, _SEQ, *heads, _PROJECTION]
-    )
-    at = len(batch) + (0 if which == "hook_pattern" else 1)
+    order = [*batch, *heads, *inner] if per_key else [*batch, _SEQ, *heads, _PROJECTION]
+    at = len(batch) + (0 if per_key else 1)
     head_sizes = [value.named_shape[n] for n in heads]
 
     def to_view(named):
@@ -469,6 +569,18 @@ _HEAD_SHAPED = {"hook_q", "hook_k", "hook_v", "hook_z"}  # [..., seq, heads, d_h
 _LABELS = {
     "head_shaped": {-3: "position", -2: "head", -1: "d_head"},
     "hook_pattern": {-3: "head", -2: "query position", -1: "key position"},
+    "stream": {-2: "position", -1: "d_model"},  # [..., pos, d_model]
+    "neurons": {-2: "position", -1: "neuron"},  # an MLP's hidden layer: [..., pos, d_mlp]
+}
+# TransformerLens's names of the residual stream and what is added to it.
+_STREAM = {
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "hook_embed",
+    "hook_pos_embed",
 }
 # Equinox's MultiheadAttention projects to, and from, every head's features merged.
 _MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
@@ -479,7 +591,11 @@ def _family(name: str) -> str | None:
     leaf = name.rpartition(".")[2]
     if leaf in _HEAD_SHAPED:
         return "head_shaped"
-    return "hook_pattern" if leaf == "hook_pattern" else None
+    if leaf in _STREAM:
+        return "stream"
+    if name.endswith((".mlp.hook_pre", ".mlp.hook_post")):
+        return "neurons"
+    return "hook_pattern" if leaf in ("hook_pattern", "hook_attn_scores") else None
 
 
 def _ndim(value: Any) -> int:

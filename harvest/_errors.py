@@ -544,6 +544,20 @@ def corrupted_args_not_a_tuple(caller: str, corrupted_args: Any) -> TypeError:
     )
 
 
+def ablation_args_not_a_tuple(args: Any) -> TypeError:
+    return TypeError(
+        "ablation_sweep: args must be the tuple of f's positional arguments, e.g. (tokens,), "
+        f"got {type(args).__name__}."
+    )
+
+
+def unknown_ablation(how: Any, hows: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"ablation_sweep: unknown how={how!r}. Use one of {', '.join(map(repr, hows))}; for "
+        "another replacement, pass its values as the clean run's to patching_sweep."
+    )
+
+
 def clean_not_a_dict(caller: str, clean: Any) -> TypeError:
     return TypeError(
         f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
@@ -1491,6 +1505,13 @@ def equinox_attention_arguments(path: str, unexpected: list[str]) -> TypeError:
     )
 
 
+def equinox_mask_shape(mask: Any, logits: Any) -> ValueError:
+    return ValueError(
+        f"instrument(attention=True): an Equinox attention's mask has shape {tuple(mask)}; it "
+        f"must be (query_seq_length, kv_seq_length) = {tuple(logits)}, as Equinox requires."
+    )
+
+
 def equinox_process_heads_shape(path: str, before: Any, after: Any) -> ValueError:
     return ValueError(
         f"instrument(attention=True): process_heads at {path!r} changed the heads' shapes from "
@@ -1505,12 +1526,47 @@ def unknown_naming(names: Any, known: tuple[str, ...]) -> ValueError:
     )
 
 
+_KINDS = {
+    "nnx": "a Flax NNX model",
+    "equinox": "an Equinox model",
+    "penzai": "a Penzai model",
+    "function": "a function target",
+}
+
+
 def no_transformer_blocks(target: str, kind: str) -> ValueError:
     return ValueError(
-        f"instrument(names='transformer_lens') found no transformer block in {target} (a {kind} "
-        "target). It reads Flax NNX blocks (a module with one nnx.MultiHeadAttention and one "
-        "submodule named `mlp`), Penzai blocks (a layer of two pz.nn.Residual, the first holding "
-        "the attention) and the gemma library's Block. Reap the block's own parts by their paths "
+        f"instrument(names='transformer_lens') found no transformer block in {target} "
+        f"({_KINDS.get(kind, kind)}). It reads Flax NNX and Equinox blocks (a module with one attention submodule, "
+        "nnx.MultiHeadAttention or eqx.nn.MultiheadAttention, and one submodule named `mlp`; or, "
+        "attention only, an element of a list with one attention submodule), Penzai blocks (a "
+        "layer of one or two pz.nn.Residual, the first holding the attention) and the gemma "
+        "library's Block. Reap the block's own parts by their paths instead (names=None)."
+    )
+
+
+def transformer_lens_inputs() -> ValueError:
+    return ValueError(
+        "instrument(names='transformer_lens') sows TransformerLens's names only, so inputs=True "
+        "has nothing to add: each block's input is blocks.{i}.hook_resid_pre. Pass one of them, "
+        "or names=None for the parts' inputs by their paths."
+    )
+
+
+def transformer_lens_two_attentions(block: str, attentions: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): the block at {block!r} holds "
+        f"{len(attentions)} attention modules ({', '.join(map(repr, attentions))}), as a "
+        "decoder's self- and cross-attention do; TransformerLens's block names describe one. "
+        "Reap the block's parts by their paths instead (names=None)."
+    )
+
+
+def transformer_lens_cross_attention(block: str, attention: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens'): the attention at {attention!r} in the block at "
+        f"{block!r} is given keys or values other than its queries (cross-attention), which "
+        "TransformerLens's block names do not describe. Reap the block's parts by their paths "
         "instead (names=None)."
     )
 

@@ -22,7 +22,7 @@ from . import _errors, _transformer_lens
 from ._instrument_penzai import InstrumentedPenzai
 from ._instrumented import Instrumented
 from ._interpreter import NameFilter
-from ._module_paths import describe, kind as target_kind, module_class, unbound_linen
+from ._module_paths import describe, kind as target_kind, module_class, submodules, unbound_linen
 from ._typing import NameSelect, P, R
 
 
@@ -58,8 +58,8 @@ def instrument(
       Planting there replaces what the submodule receives.
     * with ``attention=True``: TransformerLens's hook sites on each attention
       module of a known kind (below);
-    * with ``names="transformer_lens"``: also TransformerLens's names for each
-      transformer block's residual stream (below).
+    * with ``names="transformer_lens"``: TransformerLens's hook names instead
+      (below).
 
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
@@ -84,21 +84,28 @@ def instrument(
             ``MultiHeadAttention``, Linen ``MultiHeadDotProductAttention``, Equinox
             ``MultiheadAttention``, Penzai ``pz.nn.Attention``, Gemma's ``Attention``)
             TransformerLens's sites ``"<path>.hook_q"``, ``.hook_k``, ``.hook_v``,
-            ``.hook_z`` (``[..., seq, heads, d_head]``) and ``.hook_pattern`` (the
-            post-softmax weights, ``[..., heads, q_pos, k_pos]``).
-        names: ``"transformer_lens"`` also gives the ``i``-th transformer block
-            (an NNX module with one ``MultiHeadAttention`` and one submodule
-            named ``mlp`` whose forward adds the attention's output to its input,
-            or a Penzai layer of two ``pz.nn.Residual``) TransformerLens's sites
+            ``.hook_z`` (``[..., seq, heads, d_head]``), ``.hook_attn_scores`` (the
+            scaled, masked scores; not Linen's or Gemma's) and ``.hook_pattern``
+            (the post-softmax weights, ``[..., heads, q_pos, k_pos]``).
+        names: ``"transformer_lens"``: TransformerLens's hook names instead of the
+            paths (the keys of its ``ActivationCache``, nothing else). The ``i``-th
+            transformer block (an NNX or Equinox module with one attention
+            submodule and one submodule named ``mlp`` whose forward adds the
+            attention's output to its input; attention only, an element of a list
+            with one attention submodule; a Penzai layer of one or two
+            ``pz.nn.Residual``; gemma's ``Block`` in a function target) gets
             ``"blocks.{i}.hook_resid_pre"`` (its input), ``.hook_attn_out`` and
             ``.hook_mlp_out`` (what attention and the MLP add to the stream),
-            ``.hook_resid_mid`` (the stream between them) and
-            ``.hook_resid_post`` (its output); with ``attention=True``, its
-            attention's hooks as ``"blocks.{i}.attn.hook_q"`` and so on. Gemma's
-            ``Block`` is read too, in a function target. Where ``resid_mid`` is
-            no part's output (NNX, gemma without post-attention norm), sowing it
-            can change the outputs in their last bits (leave it out with
-            ``where`` to keep them bit for bit). None: harvest's own names only.
+            ``.hook_resid_mid`` (the stream between them, with an MLP),
+            ``.hook_resid_post`` (its output) and ``.mlp.hook_pre`` /
+            ``.mlp.hook_post`` (its MLP's hidden layer); the model
+            ``"hook_embed"`` and ``"hook_pos_embed"``; with ``attention=True``,
+            each block's attention hooks as ``"blocks.{i}.attn.hook_q"`` and so
+            on (``hook_attn_scores`` too). A module target's blocks are found,
+            or refused, here. Where ``resid_mid`` is no part's output (NNX,
+            Equinox, gemma without post-attention norm), sowing it can change the
+            outputs in their last bits (leave it out with ``where`` to keep them
+            bit for bit). None: harvest's own names.
 
     Returns:
         A callable with ``target``'s signature and outputs (a pytree, so it can
@@ -109,8 +116,9 @@ def instrument(
             than a model built from it, or a Linen module not bound to its
             variables, included), ``tag`` is not a non-empty string, or
             ``ops``/``inputs``/``attention`` is not a bool.
-        ValueError: if ``names`` is not None or ``"transformer_lens"``, or the
-            model has no transformer block of the kinds above.
+        ValueError: if ``names`` is not None or ``"transformer_lens"``, the
+            model has no transformer block of the kinds above, a block holds two
+            attention modules, or ``names`` is given with ``inputs=True``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -144,5 +152,7 @@ def instrument(
     if isinstance(where, list):
         where = tuple(where)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
-    _transformer_lens.check_naming(names, kind, describe(target))
+    _transformer_lens.check_naming(names, kind, describe(target), inputs)
+    if names is not None and kind != "function":  # a model's blocks are known now
+        _transformer_lens.names_of(submodules(target, kind), kind, describe(target))
     return cls(target, kind, tag, ops, inputs, select, where, attention, names)

@@ -47,6 +47,9 @@ class InstrumentCall:
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
     attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
+    score_paths: dict = dataclasses.field(
+        default_factory=dict
+    )  # Penzai: scores' layer -> attention
     residual: Any = None  # TransformerLens's names (`_transformer_lens.Names`), if asked for
     input_axes: tuple = ()  # the named axes of the call's Penzai arguments, in their order
 
@@ -55,6 +58,8 @@ class InstrumentCall:
             value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
             return value
+        if self.residual is not None and not _transformer_lens.is_tl_name(path):
+            return value  # with TransformerLens's names, only theirs
         bad = non_array(value)
         if bad is not None:
             raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])

@@ -72,6 +72,7 @@ class InstrumentedPenzai(Instrumented, Stateful):
         _refuse_layer_stacks(parts, names, self._select, self._ops)
         if self._attention:
             call.attention_paths = _attention.penzai_attention_paths(parts)
+            call.penzai_hooks = _attention.penzai_hook_paths(parts, call.attention_paths)
         named = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named_array)
         call.input_axes = tuple(
             dict.fromkeys(n for a in named if is_named_array(a) for n in a.named_shape)

@@ -150,12 +150,13 @@ class Instrumented:
             run = functools.partial(run_linen, call, self.target)
         else:
             parts = submodules(self.target, self._kind)
-            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
-            if self._attention:
-                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
-            if self._names is not None:
+            if self._names is not None:  # TransformerLens's names only
                 call.residual = _transformer_lens.names_of(parts, self._kind, describe(self.target))
-                names += call.residual.all_names(self._attention)
+                names = call.residual.all_names(self._attention)
+            else:
+                names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._attention and self._names is None:
+                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
             if (
                 self._where is not None
                 and not self._ops

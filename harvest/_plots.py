@@ -72,7 +72,9 @@ def heatmaps(
         _, grid_of_axes = plt.subplots(
             down,
             across,
-            figsize=(width, down * (1.4 + 0.35 * rows)),
+            # Tall enough for the colourbar's label, written along it (a sweep of two
+            # layers is a short figure; "fraction of clean-corrupt gap" is not short).
+            figsize=(width, max(down * (1.4 + 0.35 * rows), 0.4 + 0.075 * len(cbar_label))),
             squeeze=False,
             layout="constrained",
         )

@@ -51,6 +51,7 @@ PAGES = [
     "guides/activation_patching.md",
     "guides/many_devices.md",
     "guides/unmodified_models.md",
+    "guides/transformer_lens.md",
     "guides/probabilistic_intervention.md",
     "guides/activation_store.md",
 ]

@@ -233,7 +233,9 @@ def test_attention_hooks_match_hand_edits(model):
     assert reaped[ATTN + ".hook_pattern"].shape == (1, 2, 5, 5)
     np.testing.assert_allclose(reaped[ATTN + ".hook_pattern"].sum(-1), 1.0, rtol=1e-5)
     where = {
-        "hook_q": ("input_to_query", ("batch", "seq", "heads", "projection")),
+        # Before the rotary embedding and the query's rescaling, as TransformerLens's.
+        "hook_q": ("input_to_query.sublayers.0", ("batch", "seq", "heads", "projection")),
+        "hook_k": ("input_to_key.sublayers.0", ("batch", "seq", "heads", "projection")),
         "hook_v": ("input_to_value", ("batch", "seq", "heads", "projection")),
         "hook_pattern": ("query_key_to_attn", ("batch", "heads", "seq", "kv_seq")),
         "hook_z": ("attn_value_to_output.sublayers.0", ("batch", "seq", "heads", "projection")),

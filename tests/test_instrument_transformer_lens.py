@@ -81,7 +81,8 @@ def hand_forward(model, x, patch=None):
         attn_out, values[f"{n}.attn.hook_z"] = hand_attention(block.attn, block.ln1(x), z_patch)
         attn_out = at(f"{n}.hook_attn_out", attn_out)
         mid = at(f"{n}.hook_resid_mid", x + attn_out)
-        mlp_out = at(f"{n}.hook_mlp_out", block.mlp(block.ln2(mid)))
+        pre = at(f"{n}.mlp.hook_pre", block.mlp.up(block.ln2(mid)))
+        mlp_out = at(f"{n}.hook_mlp_out", block.mlp.down(at(f"{n}.mlp.hook_post", nnx.gelu(pre))))
         x = at(f"{n}.hook_resid_post", mid + mlp_out)
     return model.head(x), values
 
@@ -107,8 +108,11 @@ def test_nnx_names_hold_the_stream_added_up_by_hand(gpt):
         for hook in STREAM:
             name = f"blocks.{i}.{hook}"
             np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
-    # harvest's own names are still there: resid_post is the block's output.
-    np.testing.assert_array_equal(reaped["blocks.1.hook_resid_post"], reaped["blocks.1"])
+    # TransformerLens's names only (its ActivationCache's keys), each with its value.
+    assert set(reaped) == {k for k in by_hand if ".attn." not in k}  # no attention=True
+    for name in ("blocks.0.mlp.hook_pre", "blocks.1.mlp.hook_post"):
+        np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
+    assert set(reap(instrument(gpt), tag="modules")(x)).isdisjoint(by_hand)  # paths without
     names = [s.name for s in sites(tl, x, tag="modules")]
     assert names.index("blocks.0.hook_resid_pre") < names.index("blocks.0.hook_resid_mid")
     assert names.index("blocks.0.hook_resid_post") < names.index("blocks.1.hook_resid_pre")
@@ -170,13 +174,13 @@ def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
     with pytest.raises(
         ValueError, match="found no transformer block in .*one submodule named `mlp`"
     ):
-        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")(jnp.ones(D))
+        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")  # refused before any call
     with pytest.raises(
         ValueError, match="found no transformer block in .* \\(a function target\\)"
     ):
         instrument(lambda x: x, names="transformer_lens")(jnp.ones(D))
     eqx = pytest.importorskip("equinox")
-    with pytest.raises(ValueError, match="found no transformer block in .* \\(a equinox target\\)"):
+    with pytest.raises(ValueError, match="found no transformer block in .* \\(an Equinox model\\)"):
         instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), names="transformer_lens")
 
 
@@ -337,20 +341,45 @@ def test_penzai_attention_hooks_are_named_per_block_too(llama):
     tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
     tl = instrument(model, names="transformer_lens", attention=True)
     reaped = reap(tl, tag="modules")(tokens)
+    by_path = reap(instrument(model, attention=True), tag="modules")(tokens)
     attention = "body.sublayers.2.sublayers.0.delta.sublayers.1"  # the second block's
-    for hook in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z"):
+    for hook in ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z"):
         np.testing.assert_array_equal(
-            reaped[f"blocks.1.attn.{hook}"], reaped[f"{attention}.{hook}"]
+            reaped[f"blocks.1.attn.{hook}"], by_path[f"{attention}.{hook}"]
         )
+        assert f"{attention}.{hook}" not in reaped  # TransformerLens's names only
+    # The scores are what the softmax takes: the pattern is their softmax over keys.
+    np.testing.assert_allclose(
+        jax.nn.softmax(reaped["blocks.1.attn.hook_attn_scores"], axis=-1),
+        reaped["blocks.1.attn.hook_pattern"],
+        **TOL,
+    )
+    # hook_embed is the embedding layer's output: layer 0's resid_pre (no positions here).
+    np.testing.assert_array_equal(reaped["hook_embed"], reaped["blocks.0.hook_resid_pre"])
+    # The gated MLP's hooks, from its layers called by hand on resid_mid.
+    _, stream = penzai_forward(pz, model, tokens)
+    mid = pz.nx.wrap(stream["blocks.1.hook_resid_mid"], *AXES)
+    norm, feed_forward = model.body.sublayers[2].sublayers[1].delta.sublayers
+    (gate, linear), out = feed_forward.sublayers[0].branches, feed_forward.sublayers[1]
+    h = norm(mid)
+    pre, pre_linear = gate.sublayers[0](h), linear(h)
+    post = gate.sublayers[1](pre) * pre_linear
+    unwrap = lambda a: a.order_as("batch", "seq", "neurons").unwrap("batch", "seq", "neurons")
+    for hook, value in (("hook_pre", pre), ("hook_pre_linear", pre_linear), ("hook_post", post)):
+        np.testing.assert_allclose(
+            reaped[f"blocks.1.mlp.{hook}"], unwrap(value), err_msg=hook, **TOL
+        )
+    mlp_out = out(post).order_as(*AXES).unwrap(*AXES)
+    np.testing.assert_allclose(mlp_out, stream["blocks.1.hook_mlp_out"], **TOL)
     # Planting under the block's name is planting the hook (checked against hand edits in
     # test_instrument_penzai.py).
     z = random(reaped["blocks.1.attn.hook_z"].shape, 3)
     by_alias = plant(tl, tag="modules")({"blocks.1.attn.hook_z": z}, tokens)
-    by_path = plant(instrument(model, attention=True), tag="modules")(
+    planted = plant(instrument(model, attention=True), tag="modules")(
         {f"{attention}.hook_z": z}, tokens
     )
     np.testing.assert_array_equal(
-        by_alias.unwrap(*by_alias.named_shape), by_path.unwrap(*by_path.named_shape)
+        by_alias.unwrap(*by_alias.named_shape), planted.unwrap(*planted.named_shape)
     )
     sweep = patching_sweep(
         tl,
@@ -453,3 +482,163 @@ def test_a_function_without_gemma_blocks_is_refused():
     tl = instrument(lambda x: dense.apply(variables, x), names="transformer_lens")
     with pytest.raises(ValueError, match="found no transformer block in"):
         tl(jnp.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# Attention-only blocks, Equinox blocks, attention scores, and refusals at instrument time.
+
+
+class AttnOnlyBlock(nnx.Module):
+    """TransformerLens's `attn_only` block, with a dropout rate so NNX takes its unfused path."""
+
+    def __init__(self, rngs, dropout=0.0):
+        self.ln1 = nnx.LayerNorm(D, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            H, D, qkv_features=H * DH, dropout_rate=dropout, decode=False, rngs=rngs
+        )
+
+    def __call__(self, x):
+        return x + self.attn(self.ln1(x), deterministic=True)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.5])  # NNX's fused attention, then its unfused path
+def test_attention_only_blocks_get_their_names_and_scores(dropout):
+    model = Stack(AttnOnlyBlock(nnx.Rngs(0), dropout))
+    x = random((B, T, D), 1)
+    tl = instrument(model, names="transformer_lens", attention=True)
+    reaped = reap(tl, tag="modules")(x)
+    hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+    want = {"blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.hook_resid_post"}
+    assert set(reaped) == want | {f"blocks.0.attn.{h}" for h in hooks}
+    block = model.blocks[0]
+    attn_out, z = hand_attention(block.attn, block.ln1(x))
+    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.attn.hook_z"], z, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out, **TOL)
+    q, k = reaped["blocks.0.attn.hook_q"], reaped["blocks.0.attn.hook_k"]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(DH)
+    np.testing.assert_allclose(reaped["blocks.0.attn.hook_attn_scores"], scores, **TOL)
+    # Planting scores changes the pattern as the softmax of the planted scores.
+    planted = random(scores.shape, 5)
+    _, after = harvest(tl, tag="modules")({"blocks.0.attn.hook_attn_scores": planted}, x)
+    np.testing.assert_allclose(
+        after["blocks.0.attn.hook_pattern"], jax.nn.softmax(planted, axis=-1), **TOL
+    )
+    np.testing.assert_array_equal(tl(x), model(x))  # unharvested, the same numbers
+
+
+class CrossAttentionBlock(Block):
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x), x)  # keys and values from another stream
+        return x + self.mlp(self.ln2(x))
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.MultiHeadAttention(H, D, decode=False, rngs=rngs)
+        self.cross = nnx.MultiHeadAttention(H, D, decode=False, rngs=rngs)
+
+    def __call__(self, x, memory):
+        return x + self.cross(x + self.attn(x), memory)
+
+
+def test_blocks_names_do_not_describe_are_refused_naming_the_block():
+    x = random((B, T, D), 1)
+    with pytest.raises(ValueError, match="block at 'blocks.0' holds 2 attention modules"):
+        instrument(Stack(DecoderBlock(nnx.Rngs(0))), names="transformer_lens")  # no call needed
+    cross = instrument(Stack(CrossAttentionBlock(nnx.Rngs(0))), names="transformer_lens")
+    with pytest.raises(ValueError, match="'blocks.0.attn' in the block at 'blocks.0' is given"):
+        cross(x)
+    with pytest.raises(ValueError, match="inputs=True has nothing to add"):
+        instrument(Stack(Block(nnx.Rngs(0))), names="transformer_lens", inputs=True)
+
+
+def test_equinox_blocks_with_an_mlp_get_every_name():
+    eqx = pytest.importorskip("equinox")
+    keys = jax.random.split(jax.random.key(0), 4)
+
+    class EqxBlock(eqx.Module):  # one sequence: [T, D]
+        ln1: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        ln2: eqx.nn.LayerNorm
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            h = jax.vmap(self.ln1)(x)
+            x = x + self.attn(h, h, h)
+            return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+    class EqxGPT(eqx.Module):
+        blocks: list
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    def block(key):
+        a, m = jax.random.split(key)
+        mlp = eqx.nn.MLP(D, D, 16, depth=1, activation=jax.nn.gelu, key=m)
+        attn = eqx.nn.MultiheadAttention(H, D, key=a)
+        return EqxBlock(eqx.nn.LayerNorm(D), attn, eqx.nn.LayerNorm(D), mlp)
+
+    model = EqxGPT([block(k) for k in keys[:2]])
+    x = random((T, D), 1)
+    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(x)
+    by_hand = {}
+    for i, b in enumerate(model.blocks):
+        n = f"blocks.{i}"
+        by_hand[f"{n}.hook_resid_pre"] = x
+        h = jax.vmap(b.ln1)(x)
+        attn_out = by_hand[f"{n}.hook_attn_out"] = b.attn(h, h, h)
+        mid = by_hand[f"{n}.hook_resid_mid"] = x + attn_out
+        up, down = b.mlp.layers
+        pre = by_hand[f"{n}.mlp.hook_pre"] = jax.vmap(up)(jax.vmap(b.ln2)(mid))
+        post = by_hand[f"{n}.mlp.hook_post"] = jax.nn.gelu(pre)
+        mlp_out = by_hand[f"{n}.hook_mlp_out"] = jax.vmap(down)(post)
+        x = by_hand[f"{n}.hook_resid_post"] = mid + mlp_out
+    assert set(reaped) == set(by_hand)
+    for name, value in by_hand.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+
+
+def test_penzai_parallel_blocks_have_no_resid_mid():
+    pytest.importorskip("penzai.models.transformer.variants.gpt_neox")
+    from penzai import pz
+    from penzai.models.transformer.variants import gpt_neox
+
+    config = gpt_neox.GPTNeoXTransformerConfig(
+        num_attention_heads=2,
+        embedding_dim=8,
+        projection_dim=4,
+        mlp_hidden_dim=16,
+        num_decoder_blocks=2,
+        vocab_size=11,
+        activation_fn="gelu_exact",
+        rope_subset_size=2,
+        rope_wavelength=10_000,
+        layernorm_epsilon=1e-5,
+        parameter_dtype=jnp.float32,
+        activation_dtype=jnp.float32,
+    )
+    model = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=jax.random.key(0))
+    tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
+    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(tokens)
+    positions = pz.nx.arange("seq", 5)
+    unwrap = lambda a: a.order_as(*AXES).unwrap(*AXES)
+    embed, *blocks = model.body.sublayers[:3]
+    x = embed(tokens, token_positions=positions)
+    for i, block in enumerate(blocks):
+        _, attention, mlp = block.sublayers[0].branches
+        attn_out = attention(x, token_positions=positions)
+        mlp_out = mlp(x, token_positions=positions)
+        for hook, value in (
+            ("hook_resid_pre", x),
+            ("hook_attn_out", attn_out),
+            ("hook_mlp_out", mlp_out),
+            ("hook_resid_post", x + attn_out + mlp_out),
+        ):
+            np.testing.assert_allclose(reaped[f"blocks.{i}.{hook}"], unwrap(value), **TOL)
+        x = x + attn_out + mlp_out
+        assert f"blocks.{i}.hook_resid_mid" not in reaped  # as TransformerLens's parallel_attn_mlp
+        assert {f"blocks.{i}.mlp.hook_pre", f"blocks.{i}.mlp.hook_post"} <= set(reaped)

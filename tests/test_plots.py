@@ -97,6 +97,20 @@ def assert_no_overlaps(fig):
         assert fig.bbox.x0 - 1 <= box.x0 and box.x1 <= fig.bbox.x1 + 1
 
 
+@pytest.mark.parametrize("measure", ["effect on metric", "fraction of clean-corrupt gap"])
+def test_a_two_layer_sweep_s_colourbar_label_fits_in_the_figure(measure):
+    # [layer, position] of a two-layer model: a short, wide figure.
+    r = result(np.linspace(-1.0, 1.0, 2 * 65).reshape(2, 65))
+    r = r if measure == "effect on metric" else r.normalized(-0.5)
+    fig = r.plot().figure
+    fig.canvas.draw()
+    label = fig.axes[-1].yaxis.label
+    assert label.get_text() == measure
+    box = label.get_window_extent(fig.canvas.get_renderer())
+    assert fig.bbox.y0 - 1 <= box.y0 and box.y1 <= fig.bbox.y1 + 1, (box, fig.bbox)
+    assert_no_overlaps(fig)
+
+
 @pytest.mark.parametrize("positions,panels", [(3, 1), (20, 2), (40, 3)])
 def test_no_label_overlaps_another_panel_or_the_colourbar(positions, panels):
     rng = np.random.default_rng(0)
