@@ -48,7 +48,7 @@ def test_quick_run_writes_the_page(tmp_path):
     assert bench_models.HEADING in text
     if importlib.util.find_spec("penzai") is not None:
         penzai = models[0]
-        assert penzai["skipped"] is None and penzai["hooks"] == 5 and penzai["steady"] > 0
+        assert penzai["skipped"] is None and penzai["hooks"] == 6 and penzai["steady"] > 0
 
     assert "## harvest.ppl against NumPyro" in text
     if results["ppl"]:  # NumPyro is installed: the ratios for the quick run's model

@@ -185,10 +185,12 @@ def test_penzai_multi_query_attention_gets_its_hooks():
         "sublayers.0.hook_q": (1, 5, 2, 4),
         "sublayers.0.hook_k": (1, 5, 1, 4),
         "sublayers.0.hook_v": (1, 5, 1, 4),
+        "sublayers.0.hook_attn_scores": (1, 2, 5, 5),
         "sublayers.0.hook_pattern": (1, 2, 5, 5),
         "sublayers.0.hook_z": (1, 5, 2, 4),
     }
-    # Planting the shared keys is the layer edited by hand to put them after input_to_key.
+    # Planting the shared keys (the projection's output, before RoPE, as TransformerLens's
+    # hook_k) is the layer edited by hand to put them after input_to_key's projection.
     keys = jax.random.normal(jax.random.key(1), (1, 5, 1, 4))
     plants = {"sublayers.0.hook_k": keys}
     planted = plant(hooked, tag="modules")(plants, x, token_positions=positions)
@@ -203,13 +205,15 @@ def test_penzai_multi_query_attention_gets_its_hooks():
     shared = Const(pz.nx.wrap(keys[:, :, 0], "batch", "seq", "projection"))
     by_hand = (
         pz.select(model)
-        .at(lambda m: m.sublayers[0].input_to_key)
+        .at(lambda m: m.sublayers[0].input_to_key.sublayers[0])
         .apply(lambda sub: pz.nn.Sequential([sub, shared]))
     )
     expected = jax.jit(lambda x: by_hand(x, token_positions=positions).data_array)(x)
     np.testing.assert_allclose(planted.data_array, expected, rtol=1e-5, atol=1e-6)
     # A Penzai user plants a named array: it is matched by axis names, whatever its order
     # (it was a structure error printing the NamedArray's tree).
-    transposed = {"sublayers.0.input_to_key": shared.value.order_as("projection", "seq", "batch")}
+    transposed = {
+        "sublayers.0.input_to_key.sublayers.0": shared.value.order_as("projection", "seq", "batch")
+    }
     named = plant(hooked, tag="modules")(transposed, x, token_positions=positions)
     np.testing.assert_allclose(named.data_array, expected, rtol=1e-5, atol=1e-6)
