@@ -499,11 +499,7 @@ def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
             call_parts = call_parts._replace(bound=bound, args=args, kwargs=kwargs, graph=graph)
             leaves, treedef = jax.tree_util.tree_flatten(call_parts)
         traced = _traced_leaves(leaves, treedef)
-    dynamic = (
-        [*itertools.compress(leaves, traced), *state]
-        if state
-        else [*itertools.compress(leaves, traced)]
-    )
+    dynamic = [*itertools.compress(leaves, traced), *state]
     static = _Static(
         treedef,
         ()
