@@ -31,7 +31,7 @@ from typing import Any
 import jax
 
 from . import _errors, config
-from ._leaves import array_flags
+from ._leaves import array_flags, static_leaves
 from ._nnx_state import (
     GraphShape,
     call_merged,
@@ -135,15 +135,6 @@ def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
     return wrapper.jitted(dynamic, key)
 
 
-def static_key(leaf: Any) -> Any:
-    """What a static leaf is keyed by: itself (by hash and ``==``, as `jax.jit` keys
-    a static argument), a float or complex also by its repr (``-0.0 == 0.0``, yet
-    ``copysign`` tells them apart; ``nan != nan``)."""
-    if type(leaf) in (float, complex):
-        return (leaf, repr(leaf))
-    return leaf
-
-
 def compiled_on_arrays(
     fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any = None
 ) -> Any:
@@ -161,11 +152,7 @@ def compiled_on_arrays(
         graph, state = apart  # a model's state goes straight to the traced arrays
     leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
     traced = array_flags(leaves)
-    static = tuple(
-        (i, type(leaf), leaf, static_key(leaf))
-        for i, (leaf, t) in enumerate(zip(leaves, traced))
-        if not t
-    )
+    static = static_leaves(leaves, traced)
     arrays = [*itertools.compress(leaves, traced), *state]
     key = Key(_on_arrays, (run, spec, treedef, static), _alike_on_arrays, payload)
     return compiled(fn, arrays, key)

@@ -174,3 +174,21 @@ def _is_static_output(leaf: Any) -> bool:
 # The output structures (as compiled walks give them) seen to hold no `_StaticOutput`, so
 # that they hold none of the caller's values; the most recent last.
 _without_static: dict[Any, None] = {}
+
+
+def static_key(leaf: Any) -> Any:
+    """What a static leaf is keyed by: itself (by hash and ``==``, as `jax.jit` keys
+    a static argument), a float or complex also by its repr (``-0.0 == 0.0``, yet
+    ``copysign`` tells them apart; ``nan != nan``)."""
+    if type(leaf) in (float, complex):
+        return (leaf, repr(leaf))
+    return leaf
+
+
+def static_leaves(leaves: list[Any], traced: list[bool]) -> tuple[Any, ...]:
+    """``(index, type, leaf, static_key)`` of each leaf not traced: the type keeps 1,
+    1.0 and True apart, the key -0.0 and 0.0."""
+    return tuple(
+        (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
+        for i in itertools.compress(range(len(leaves)), map(operator.not_, traced))
+    )

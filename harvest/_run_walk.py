@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from . import _errors, _jax
-from ._calling import Key, compiled, rewrap, static_key, unwrap
+from ._calling import Key, compiled, rewrap, unwrap
 from ._higher_order import bodies, describe
 from ._inspect import sow_equations
 from ._interpreter import Policy, Tags, Walk, interpret, program_sites
-from ._leaves import array_flags, hide_static, is_array, reveal_static
+from ._leaves import array_flags, hide_static, is_array, reveal_static, static_leaves
 from ._nnx_state import GraphShape, split_nodes, write_back
 from ._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from ._paths import nested_dict, path_str
@@ -502,12 +502,7 @@ def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
     dynamic = [*itertools.compress(leaves, traced), *state]
     static = _Static(
         treedef,
-        ()
-        if all(traced)
-        else tuple(
-            (i, type(leaves[i]), leaves[i], static_key(leaves[i]))
-            for i in itertools.compress(range(len(leaves)), map(operator.not_, traced))
-        ),
+        () if all(traced) else static_leaves(leaves, traced),
         policy,
         reap,
         not _jax.is_eager() and _jax.differentiating(),

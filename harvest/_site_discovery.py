@@ -24,9 +24,9 @@ from typing import Any
 import jax
 
 from . import _jax
-from ._calling import static_key, unwrap
+from ._calling import unwrap
 from ._inspect import sow_firings
-from ._leaves import is_array
+from ._leaves import is_array, static_key
 from ._nnx_state import GraphShape, forget_verified_splits, split_nodes
 from ._site import Site
 from ._tracing import make_jaxpr

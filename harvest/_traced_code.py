@@ -22,7 +22,7 @@ from typing import Any
 
 import jax
 
-from ._leaves import is_array, is_graph_node
+from ._leaves import is_array, is_graph_node, static_key
 
 # How many items a tuple may hold to be keyed by them: a larger one is keyed by
 # identity (a tuple cannot change; a new one re-traces).
@@ -30,13 +30,6 @@ _KEYED_ITEMS = 1024
 
 _IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
 _INEXACT = (float, complex)
-
-
-def _static_key(leaf: Any) -> Any:
-    """A static value keyed as a static argument, a float also by its bits (its repr)."""
-    if type(leaf) in _INEXACT:
-        return (leaf, repr(leaf))
-    return leaf
 
 
 def value_key(value: Any) -> Any:
@@ -233,7 +226,7 @@ class _CodeShape:
         self.keep = keep
         self.treedef = treedef
         self.statics = statics
-        self.key = (fn.__code__, treedef, tuple((i, type(v), _static_key(v)) for i, v in statics))
+        self.key = (fn.__code__, treedef, tuple((i, type(v), static_key(v)) for i, v in statics))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _CodeShape) and self.key == other.key
