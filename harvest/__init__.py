@@ -3,19 +3,28 @@
 from . import _cli
 
 _cli.answer_early()  # `python -m harvest --help` answers here, before JAX is imported
-from . import _rules  # noqa: F401  (registers the interpreter's rules)
 from ._jax import restore_tfp_alias as _restore_tfp_alias
+from ._walk import _rules  # noqa: F401  (registers the interpreter's rules)
 
 # Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
 # JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
 _restore_tfp_alias()
 from . import config as config, extend as extend, store as store
-from ._calling import clear_caches as clear_caches
+from ._calling._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
+from ._calling._jit import clear_caches as clear_caches
+from ._calling._transforms import (
+    call_and_reap as call_and_reap,
+    harvest as harvest,
+    nest as nest,
+    plant as plant,
+    reap as reap,
+)
 from ._capture import capture as capture
 from ._errors import RecompileWarning as RecompileWarning
-from ._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
-from ._instrument import instrument as instrument
-from ._interventions import (
+from ._models._instrument import instrument as instrument
+from ._perturb import perturb as perturb
+from ._tools._ablation import ablation_sweep as ablation_sweep
+from ._tools._interventions import (
     ablate_head as ablate_head,
     ablate_mean as ablate_mean,
     ablate_zero as ablate_zero,
@@ -23,25 +32,16 @@ from ._interventions import (
     patch_head as patch_head,
     patch_positions as patch_positions,
 )
-from ._patching import (
+from ._tools._patching import (
     attribution_patching as attribution_patching,
     patching_sweep as patching_sweep,
 )
-from ._patching_ablation import ablation_sweep as ablation_sweep
-from ._patching_result import PatchingResult as PatchingResult
-from ._path_patching import path_patching as path_patching
-from ._perturb import perturb as perturb
-from ._plots import plot_attention as plot_attention
-from ._primitive import sow_p as sow_p
-from ._sow import sow as sow, sow_cond as sow_cond
-from ._steps import Steps as Steps
-from ._stream import stream as stream
-from ._transforms import (
-    call_and_reap as call_and_reap,
-    harvest as harvest,
-    nest as nest,
-    plant as plant,
-    reap as reap,
-)
+from ._tools._path_patching import path_patching as path_patching
+from ._tools._plots import plot_attention as plot_attention
+from ._tools._result import PatchingResult as PatchingResult
+from ._tools._stream import stream as stream
+from ._tools._view import View as View, view as view
 from ._version import __version__ as __version__
-from ._view import View as View, view as view
+from ._walk._primitive import sow_p as sow_p
+from ._walk._sow import sow as sow, sow_cond as sow_cond
+from ._walk._steps import Steps as Steps

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ._sow import DEFAULT_TAG
-from ._transforms import call_and_reap
+from ._calling._transforms import call_and_reap
 from ._typing import NameSelect, P, R, Reaped
+from ._walk._sow import DEFAULT_TAG
 
 
 def capture(

@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 
-from ._sow import DEFAULT_TAG, _check_name, sow
 from ._typing import T
+from ._walk._sow import DEFAULT_TAG, _check_name, sow
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))

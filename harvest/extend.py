@@ -18,9 +18,9 @@ Without them, a sow there raises an error naming the primitive.
 ``retrace`` and ``Retraced.rebind`` fit **call-like** primitives: one body that
 runs once on the equation's inputs and gives its outputs, and no other param
 that counts them. A loop, a branch or a body with another calling convention
-needs a rule of its own (see ``harvest/_rules/loops.py`` for scan's), or
+needs a rule of its own (see ``harvest/_walk/_rules/loops.py`` for scan's), or
 ``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap`` is supported through this
-module (``harvest/_rules/custom_vmap.py``, the worked example in
+module (``harvest/_walk/_rules/custom_vmap.py``, the worked example in
 CONTRIBUTING.md).
 
 A re-traced body takes its closed-over values as its leading inputs, so a
@@ -47,14 +47,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _errors, _jax
-from ._higher_order import (
+from ._walk._higher_order import (
     UNBOUNDED as UNBOUNDED,
     Body as Body,
     HigherOrder as HigherOrder,
     register as _register,
 )
-from ._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
-from ._rules.batched_cond import rewrite as _rewrite
+from ._walk._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
+from ._walk._rules.batched_cond import rewrite as _rewrite
 
 Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 

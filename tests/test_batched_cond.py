@@ -1,4 +1,4 @@
-"""cond/switch with a batched predicate under vmap (harvest/_rules/batched_cond.py).
+"""cond/switch with a batched predicate under vmap (harvest/_walk/_rules/batched_cond.py).
 
 `reap(vmap(f))` must record, per example, only the branch that example took,
 and `plant(vmap(f))` must plant into it; each is checked against a

@@ -16,11 +16,11 @@ pytestmark = pytest.mark.single_release  # the API reference's examples; the JAX
 
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 REQUIRED = [
-    "harvest._sow",
-    "harvest._transforms",
+    "harvest._walk._sow",
+    "harvest._calling._transforms",
     "harvest._perturb",
     "harvest._capture",
-    "harvest._instrument",
+    "harvest._models._instrument",
 ]
 
 # Modules whose examples need an optional dependency that the JAX matrix venvs

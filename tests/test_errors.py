@@ -427,7 +427,7 @@ def test_a_failing_reap_shows_only_the_users_frames():
 # left: another part of issue 34 moves them. A new inline message anywhere fails the test below.
 INLINE_LEFT = {
     # `AttributeError` from `__getattr__` is Python's protocol for a missing attribute.
-    "harvest/_patching_result.py": 1,
+    "harvest/_tools/_result.py": 1,
 }
 
 

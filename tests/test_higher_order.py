@@ -1,5 +1,5 @@
-"""One description per higher-order primitive (harvest/_higher_order.py), one evaluator
-(harvest/_evaluator.py): the tools that read them agree with each other and with
+"""One description per higher-order primitive (harvest/_walk/_higher_order.py), one evaluator
+(harvest/_walk/_evaluator.py): the tools that read them agree with each other and with
 the hand-written function."""
 
 from __future__ import annotations

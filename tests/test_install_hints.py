@@ -39,7 +39,7 @@ def test_the_tfp_message_names_jax_harvest_ppl():
 
 
 def test_plots_without_matplotlib_name_the_patching_extra(monkeypatch):
-    from harvest import _plots
+    from harvest._tools import _plots
 
     monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)  # import fails
     with pytest.raises(ImportError, match=re.escape("pip install 'jax-harvest[patching]'")):

@@ -151,7 +151,7 @@ def test_eager_calls_read_new_weights_and_see_a_new_structure(setup):
     """An instrumented function holds no state of its own (so an eager call walks its
     arguments only to flatten them), yet each call reads the weights it is given: a new
     `variables` dict, a leaf replaced in the same dict, and another model's structure."""
-    from harvest._stateful import Stateful
+    from harvest._calling._stateful import Stateful
 
     model, variables, x = setup
     f = instrument(model.apply)

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from harvest import _nnx_state, call_and_reap, harvest, instrument, nest, plant, reap
+from harvest import call_and_reap, harvest, instrument, nest, plant, reap
+from harvest._calling import _nnx_state
 
 nnx = pytest.importorskip("flax.nnx")
 

@@ -19,7 +19,7 @@ from harvest import (
     reap,
     sites,
 )
-from harvest._stateful import flattening_call
+from harvest._calling._stateful import flattening_call
 
 pz = pytest.importorskip("penzai.pz")
 pytest.importorskip("penzai.models.transformer.variants.llamalike_common")

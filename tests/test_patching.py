@@ -478,7 +478,9 @@ def test_sweep_over_a_scanned_site_with_other_sites_and_batching():
 # Docstrings and the benchmark
 
 
-@pytest.mark.parametrize("module", ["harvest._inspect", "harvest._stream", "harvest._patching"])
+@pytest.mark.parametrize(
+    "module", ["harvest._calling._inspect", "harvest._tools._stream", "harvest._tools._patching"]
+)
 def test_docstring_examples_run(module):
     pytest.importorskip("matplotlib").use("Agg")
     result = doctest.testmod(
@@ -975,7 +977,7 @@ def test_a_dataset_sweep_is_the_mean_of_per_batch_hand_results():
 
 def test_progress_bar_over_chunks(capsys, monkeypatch):
     pytest.importorskip("tqdm")
-    import harvest._patching as patching
+    import harvest._tools._patching as patching
 
     model = make_model(jax.random.key(0))
     x_clean, x_corrupt = inputs(jax.random.key(1))

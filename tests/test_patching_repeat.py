@@ -121,7 +121,7 @@ def test_a_result_built_by_hand_is_unchanged():
 
 
 def test_a_repeated_sweep_keeps_its_plan_and_a_new_shape_makes_another(monkeypatch):
-    from harvest import _sweep_plan
+    from harvest._tools import _sweep_plan
 
     made = [0]
     real = _sweep_plan._chosen

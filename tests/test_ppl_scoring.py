@@ -131,7 +131,7 @@ def test_a_distribution_without_static_shapes_is_sampled():
 @pytest.fixture
 def walks(monkeypatch):
     """Counts the core's walks (each interprets one traced program)."""
-    from harvest import _run_walk as _transforms
+    from harvest._calling import _run_walk as _transforms
 
     count = []
     interpret = _transforms.interpret

@@ -406,7 +406,7 @@ def test_random_programs_with_a_batched_cond(program, x):
 
 # ---------------------------------------------------------------------------
 # sites(f) against reap(f): both read one description per primitive
-# (harvest/_higher_order.py), so how often sites says a sow fires is how many
+# (harvest/_walk/_higher_order.py), so how often sites says a sow fires is how many
 # rows reap returns. Every family of higher-order primitive (jit, closed_call,
 # remat, scan, cond, custom_jvp, custom_vjp, custom_linear_solve; shard_map in
 # tests/multidevice) wraps the sows, all in mode "append"; so do a scan of

@@ -1,4 +1,4 @@
-"""custom_linear_solve holding sows (harvest/_rules/solves.py), checked against
+"""custom_linear_solve holding sows (harvest/_walk/_rules/solves.py), checked against
 hand-written solves."""
 
 import conftest

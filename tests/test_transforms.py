@@ -413,7 +413,7 @@ def test_a_python_number_planted_into_a_site_of_another_dtype_takes_its_dtype():
 
 
 def test_one_walk_of_several_tags_plants_and_reaps_each_by_tag_and_name():
-    from harvest._transforms import harvest_tags
+    from harvest._calling._transforms import harvest_tags
 
     def f(xs):
         def step(c, x):

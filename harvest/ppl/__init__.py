@@ -19,7 +19,7 @@ from ._tfp_shim import import_tfp as _import_tfp
 
 _import_tfp()  # fail here, with the versions that work, rather than at first use
 
-from .._transforms import nest as nest  # noqa: E402
+from .._calling._transforms import nest as nest  # noqa: E402
 from ._block import block as block  # noqa: E402
 from ._counterfactual import (  # noqa: E402
     Counterfactual as Counterfactual,

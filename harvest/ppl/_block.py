@@ -24,15 +24,15 @@ from typing import Any
 import jax
 
 from .. import _errors
+from .._calling._tracing import make_jaxpr
+from .._calling._transforms import harvest_tags
 from .._jax import sub_jaxprs
-from .._paths import path_str
-from .._primitive import sow_p
-from .._site import Site
-from .._sow import sow
-from .._sow_index import sites_in
-from .._tracing import make_jaxpr
-from .._transforms import harvest_tags
 from .._typing import P, R
+from .._walk._paths import path_str
+from .._walk._primitive import sow_p
+from .._walk._site import Site
+from .._walk._sow import sow
+from .._walk._sow_index import sites_in
 from ._inverse import inline_calls, live_vars
 from ._names import Among, AmongUnderAnyTag, check_drawn
 from ._tags import BLOCKED, LOG_DENSITY, RANDOM_VARIABLE

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from .. import _errors
-from .._transforms import call_and_reap, plant
+from .._calling._transforms import call_and_reap, plant
 from .._typing import Reaped
 from ._names import check_drawn, leaf_paths, restricted
 from ._posterior import sample_posterior

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors, _jax
-from .._evaluator import bind, evaluate
-from .._higher_order import Body, HigherOrder, describe, split_extra
 from .._jax import sub_jaxprs
-from .._leaves import reveal_static
-from .._rules.calls import with_vjp
 from .._typing import P, R
+from .._walk._evaluator import bind, evaluate
+from .._walk._higher_order import Body, HigherOrder, describe, split_extra
+from .._walk._leaves import reveal_static
+from .._walk._rules.calls import with_vjp
 from ._inverse import trace_program
 
 # handler(state, *inputs, **params) -> (outputs, new state)

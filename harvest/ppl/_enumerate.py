@@ -33,9 +33,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors
-from .._sow import sow
 from .._typing import Reaped, SowMode
-from ._names import leaf_paths, nested
+from .._walk._sow import sow
+from ._markov import backward_sample, chain_factors, forward
+from ._names import density_leaves, leaf_paths, nested
 from ._tags import ENUMERATED, ENUMERATED_IN_SCAN
 
 ENUMERABLE = ("Bernoulli", "Categorical")
@@ -73,20 +74,6 @@ def supports(markers: Reaped, names: set[str], in_scan: Reaped | None = None) ->
     }
 
 
-def _leaves(densities: Reaped, prefix: str = "") -> list[tuple[str, jax.Array]]:
-    """`(dotted name, log density)` of every density in a reap of `LOG_DENSITY`."""
-    out: list[tuple[str, jax.Array]] = []
-    for key, value in densities.items():
-        name = prefix + key
-        if isinstance(value, dict):
-            out += _leaves(value, name + ".")
-        elif isinstance(value, tuple):
-            out += [(name, jnp.asarray(density)) for density, _ in value]
-        else:
-            out.append((name, jnp.asarray(value)))
-    return out
-
-
 def marginal(densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]) -> jax.Array:
     """The log of the sum, over every value of the `enumerated` draws, of the exp of
     the densities `densities(values of the enumerated draws)` (a reap of them)."""
@@ -108,8 +95,6 @@ def draw(
     enumeration or element by element; by forward filtering, backward sampling in a scan."""
     names = list(enumerated)
     if any(enumerated[n].in_scan for n in names):
-        from ._markov import backward_sample, chain_factors, forward  # noqa: PLC0415
-
         name = chain_name(enumerated)
         start, steps, _ = chain_factors(densities, name, enumerated[name])
         path = backward_sample(key, forward(start, steps), steps)
@@ -137,7 +122,7 @@ def _joint(
     def total(assignment: jax.Array) -> jax.Array:
         dtypes = [enumerated[n].dtype for n in names]
         values = nested(names, [a.astype(t) for a, t in zip(assignment, dtypes)])
-        return sum((jnp.sum(d) for _, d in _leaves(densities(values))), jnp.zeros(()))
+        return sum((jnp.sum(d) for _, d in density_leaves(densities(values))), jnp.zeros(()))
 
     return assignments, jax.vmap(total)(assignments)
 
@@ -154,7 +139,7 @@ def _by_element(
     size, batch, dtype, _ = enumerated[name]
 
     def per_value(k: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
-        found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
+        found = density_leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
         aligned = sum((d for _, d in found if d.shape == batch), jnp.zeros(batch))
         return aligned, [jnp.sum(d) for _, d in found if d.shape != batch]
 
@@ -181,7 +166,7 @@ def _varying(
     sites: list[tuple[str, tuple[int, ...]]] = []
 
     def others(k: jax.Array) -> list[jax.Array]:
-        found = _leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
+        found = density_leaves(densities(nested([name], [jnp.full(batch, k, dtype)])))
         sites[:] = [(n, tuple(d.shape)) for n, d in found if d.shape != batch]
         return [d for _, d in found if d.shape != batch]
 
@@ -199,7 +184,6 @@ def chain_marginal(
     densities: Callable[[Reaped], Reaped], enumerated: dict[str, Support]
 ) -> jax.Array:
     """The marginal over a draw enumerated at each step of a scan (`_markov.py`)."""
-    from ._markov import chain_factors, forward  # noqa: PLC0415 (it imports this module)
 
     name = chain_name(enumerated)
     start, steps, rest = chain_factors(densities, name, enumerated[name])

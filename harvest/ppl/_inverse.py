@@ -52,10 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _jax
-from .._evaluator import bind, evaluate
-from .._higher_order import describe
-from .._primitive import sow_p, tracing_for_harvest
-from .._tracing import make_jaxpr
+from .._calling._tracing import make_jaxpr
+from .._walk._evaluator import bind, evaluate
+from .._walk._higher_order import describe
+from .._walk._primitive import sow_p, tracing_for_harvest
 
 
 class NotInvertible(Exception):

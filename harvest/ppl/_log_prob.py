@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors, _jax
+from .._calling._transforms import call_and_reap
 from .._jax import sub_jaxprs
-from .._paths import path_str
-from .._primitive import sow_p
-from .._site import Site
-from .._sow_index import sites_in
-from .._transforms import call_and_reap
+from .._walk._paths import path_str
+from .._walk._primitive import sow_p
+from .._walk._site import Site
+from .._walk._sow_index import sites_in
 from ._inverse import (
     INVERSES,
     INVERTIBLE_CALLS,

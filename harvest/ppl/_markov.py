@@ -23,15 +23,17 @@ factors: linear in the length, under `jit`, `grad` and `vmap`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from .. import _errors
 from .._typing import Reaped
-from ._enumerate import Support, _leaves
-from ._names import nested
+from ._names import density_leaves, nested
+
+if TYPE_CHECKING:
+    from ._enumerate import Support
 
 
 def chain_factors(
@@ -45,7 +47,7 @@ def chain_factors(
 
     def run(j: jax.Array, k: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         path = jnp.where(odd, k, j).astype(dtype)
-        found = _leaves(densities(nested([name], [path])))
+        found = density_leaves(densities(nested([name], [path])))
         per_step = [d for _, d in found if d.shape[:1] == (length,)]
         step = sum((jnp.sum(d.reshape(length, -1), axis=1) for d in per_step), jnp.zeros(length))
         return step, [jnp.sum(d) for _, d in found if d.shape[:1] != (length,)]

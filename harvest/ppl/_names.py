@@ -7,9 +7,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from .. import _errors
-from .._transforms import reap
+from .._calling._transforms import reap
 from .._typing import Reaped
 from ._tags import RANDOM_VARIABLE
 
@@ -118,3 +119,17 @@ def check_drawn(
     unknown = sorted(set(requested) - set(known))
     if unknown:
         raise _errors.ppl_unknown_names(caller, unknown, known)
+
+
+def density_leaves(densities: Reaped, prefix: str = "") -> list[tuple[str, jax.Array]]:
+    """`(dotted name, log density)` of every density in a reap of `LOG_DENSITY`."""
+    out: list[tuple[str, jax.Array]] = []
+    for key, value in densities.items():
+        name = prefix + key
+        if isinstance(value, dict):
+            out += density_leaves(value, name + ".")
+        elif isinstance(value, tuple):
+            out += [(name, jnp.asarray(density)) for density, _ in value]
+        else:
+            out.append((name, jnp.asarray(value)))
+    return out

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors
-from .._modes import APPEND, STRICT
-from .._sow import sow
 from .._typing import P, R, SowMode, T
+from .._walk._modes import APPEND, STRICT
+from .._walk._sow import sow
 from ._enumerate import ENUMERABLE, sow_support
 from ._mechanisms import mechanism
 from ._support import sow_outside

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _errors
-from .._sow import sow
-from .._transforms import harvest_tags
+from .._calling._transforms import harvest_tags
 from .._typing import Reaped, SowMode
+from .._walk._sow import sow
 from ._names import at_paths, check_drawn, leaf_paths
 from ._tags import OUTSIDE_SUPPORT, RANDOM_VARIABLE, checking_support
 

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from .. import _jax
-from .._sow import sow
-from .._transforms import layer_tag
+from .._calling._transforms import layer_tag
+from .._walk._sow import sow
 
 RANDOM_VARIABLE = layer_tag("random_variable")
 LOG_DENSITY = layer_tag("random_variable_log_density")

@@ -25,20 +25,13 @@ import jax.numpy as jnp
 from jax.tree_util import Partial
 
 from .. import _errors, _jax
-from .._sow import sow
-from .._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
+from .._calling._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
+from .._walk._sow import sow
 from ._block import check_blocked_unscored, with_draws_replaced
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
-from ._names import (
-    Among,
-    check_drawn,
-    dotted_paths,
-    leaf_paths,
-    merged,
-    nested,
-)
+from ._names import Among, check_drawn, dotted_paths, leaf_paths, merged, nested
 from ._random_variable import is_distribution
 from ._tags import (
     BLOCKED,

@@ -29,9 +29,9 @@ import numpy as np
 from jax.tree_util import Partial
 
 from .. import _errors, _jax
-from .._sow import sow
-from .._transforms import harvest_tags, reap
+from .._calling._transforms import harvest_tags, reap
 from .._typing import Reaped
+from .._walk._sow import sow
 from ._block import check_blocked_unscored
 from ._enumerate import Support, draw, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted

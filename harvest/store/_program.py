@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors
-from .._inspect import sow_equations
-from .._paths import path_str
-from .._site import Site
-from .._tracing import make_jaxpr
-from .._transforms import call_and_reap, layer_tag, reap
+from .._calling._inspect import sow_equations
+from .._calling._tracing import make_jaxpr
+from .._calling._transforms import call_and_reap, layer_tag, reap
 from .._typing import NameSelect
+from .._walk._paths import path_str
+from .._walk._site import Site
 
 # The tag of the outer harvest transformation that compiles the program; no
 # site uses it. Going through harvest (not `jax.jit`) gives `fn` harvest's

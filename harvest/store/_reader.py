@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .. import _errors
-from .._interpreter import NameFilter
 from .._typing import NameSelect
+from .._walk._interpreter import NameFilter
 from . import _arrays, _manifest, _progress
 from ._manifest import Manifest
 

@@ -16,9 +16,9 @@ import jax
 import numpy as np
 
 from .. import _errors
-from .._sow import DEFAULT_TAG
 from .._typing import NameSelect
 from .._version import __version__
+from .._walk._sow import DEFAULT_TAG
 from . import _arrays, _manifest, _processes, _progress
 from ._manifest import Manifest, SiteSpec
 from ._program import program

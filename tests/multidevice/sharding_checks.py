@@ -125,7 +125,7 @@ def test_modes_inside_shard_map(mode):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), got, expected)
 
 
-# sites, the sweeps and reap read one description of shard_map (harvest/_rules/sharding.py):
+# sites, the sweeps and reap read one description of shard_map (harvest/_walk/_rules/sharding.py):
 # a body that runs once per shard, each shard's value reaped as one row.
 
 

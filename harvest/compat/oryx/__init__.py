@@ -25,12 +25,12 @@ from typing import Any, Concatenate
 import jax
 
 from ... import _errors
-from ..._interpreter import NameFilter, Policy
-from ..._modes import COND_CLOBBER, ORYX_MODES
-from ..._primitive import sow_p as sow_p
-from ..._sow import bind_sow
-from ..._transforms import nest as nest, transform
+from ..._calling._transforms import nest as nest, transform
 from ..._typing import P, Plants, R, Reaped, T
+from ..._walk._interpreter import NameFilter, Policy
+from ..._walk._modes import COND_CLOBBER, ORYX_MODES
+from ..._walk._primitive import sow_p as sow_p
+from ..._walk._sow import bind_sow
 
 __all__ = ["sow", "sow_cond", "reap", "plant", "harvest", "call_and_reap", "nest", "sow_p"]
 # oryx.core.ppl lives at harvest.compat.oryx.ppl (imported on demand: it needs TFP).

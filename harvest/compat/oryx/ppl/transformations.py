@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 
 from .... import _errors, ppl as _ppl
-from ...._sow import sow
-from ...._transforms import call_and_reap, nest
+from ...._calling._transforms import call_and_reap, nest
 from ...._typing import P, R, Reaped
+from ...._walk._sow import sow
 from ....ppl._log_prob import PLATE_SCOPE, log_density
 from ....ppl._random_variable import is_distribution
 from ....ppl._tags import LOG_DENSITY, sow_density

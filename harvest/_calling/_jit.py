@@ -1,0 +1,285 @@
+"""How a harvested function is called eagerly: one `jax.jit` per function, JAX's cache the only cache.
+
+The contract is `jax.jit(f)`'s. A call's arguments are read at every call:
+arrays are traced, every other leaf is a static argument of that jit, keyed as
+`jax.jit` keys static arguments (by hash and ``==``; a float also by its bits,
+so ``0.0`` and ``-0.0`` are two keys). Whatever the function reads that is not
+an argument -- what it closes over, its module's globals, an object's
+attributes -- is read when JAX traces it, and not looked at again until JAX
+traces it anew. harvest keeps no table of its own: each function gets one
+wrapper, held in a weak dictionary (it goes when the function goes), holding
+one `jax.jit` whose static argument says which body to run (a walk, a
+sweep's program) and with what; JAX's cache keeps the compiled programs.
+
+A bound method, a ``functools.partial`` or a callable pytree (an Equinox or
+instrumented module) is split into its function, which owns the wrapper, and
+what it binds, which is passed as an argument (its arrays traced, NNX nodes
+split, the rest static), as ``equinox.filter_jit`` takes a bound module.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from .. import _errors, config
+from .._walk._leaves import array_flags, static_leaves
+from ._nnx_state import (
+    GraphShape,
+    call_merged,
+    changes_discarded,
+    forget_verified_splits,
+    split_nodes,
+)
+
+
+def unwrap(f: Any) -> tuple[Any, Any]:
+    """(function, bound data) such that `rewrap(function, data)` behaves as `f`.
+
+    The function owns the wrapper (a plain function, or a method's); the bound
+    data is the call's (a method's object, a partial's arguments). A callable
+    object whose class's ``__call__`` is not Python code (a ``jax.jit``-wrapped
+    function) is its own function."""
+    if isinstance(f, functools.partial):
+        fn, inner = unwrap(f.func)
+        return fn, ("partial", inner, f.args, f.keywords)
+    if inspect.ismethod(f):
+        return f.__func__, ("method", f.__self__)
+    if inspect.isfunction(f):
+        return f, None
+    call = next((vars(k)["__call__"] for k in type(f).__mro__ if "__call__" in vars(k)), None)
+    if inspect.isfunction(call):  # a module, an instrumented model: its class's code plus itself
+        return call, ("method", f)
+    return f, None
+
+
+def rewrap(fn: Any, data: Any) -> Any:
+    if data is None:
+        return fn
+    if data[0] == "method":
+        return functools.partial(fn, data[1])
+    _, inner, args, keywords = data
+    return functools.partial(rewrap(fn, inner), *args, **keywords)
+
+
+class Key:
+    """The static argument of a function's one `jax.jit`: which body runs
+    (``run(fn, dynamic, key)``) and everything else, but arrays, that shapes its
+    program (``fields``: equal fields, equal programs). Its hash is computed once.
+    ``alike(fields)`` gives the fields but Python values (for the recompile warning).
+    ``payload`` is this call's, read only if JAX traces (a new key or new shapes):
+    something the fields determine (a sweep's program), not compared."""
+
+    __slots__ = ("run", "fields", "alike", "payload", "_hash")
+
+    def __init__(
+        self, run: Callable[..., Any], fields: Any, alike: Any = None, payload: Any = None
+    ) -> None:
+        self.run, self.fields = run, fields
+        self.alike = alike
+        self.payload = payload
+        self._hash: int | None = None
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash((self.run, self.fields))  # TypeError for an unhashable leaf
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, Key)
+            and self.run is other.run
+            and (self.fields is other.fields or self.fields == other.fields)
+        )
+
+
+class _Wrapper:
+    """One function's `jax.jit`, holding the function weakly (see the module's docstring)."""
+
+    __slots__ = ("ref", "jitted", "__weakref__")
+
+    def __init__(self, fn: Any) -> None:
+        self.ref = weakref.ref(fn)
+        self.jitted = jax.jit(self._staged, static_argnums=1)
+
+    def _staged(self, dynamic: Any, key: Key) -> Any:
+        fn = self.ref()
+        assert fn is not None, "traced after its function was collected"
+        _note_trace(fn, dynamic, key)
+        return key.run(fn, dynamic, key)
+
+
+_wrappers: weakref.WeakKeyDictionary[Any, _Wrapper] = weakref.WeakKeyDictionary()
+
+
+def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
+    """``key.run(fn, dynamic, key)`` through ``fn``'s one `jax.jit`, ``key`` its static
+    argument; run now, uncompiled, for a key that cannot be hashed or a function
+    that cannot be held weakly (warned once per function: every call traces)."""
+    try:
+        hash(key)
+        wrapper = _wrappers.get(fn)
+        if wrapper is None:
+            wrapper = _wrappers[fn] = _Wrapper(fn)
+    except TypeError:
+        _note_unhashable(fn, key)
+        return jax.jit(lambda d: key.run(fn, d, key))(dynamic)
+    return wrapper.jitted(dynamic, key)
+
+
+def compiled_on_arrays(
+    fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any = None
+) -> Any:
+    """``run(fn, tree, payload)`` through ``fn``'s one `jax.jit`, ``tree``'s arrays traced
+    and its other leaves static; ``spec`` says what else shapes the program (hashable),
+    ``payload`` is what ``spec`` determines (see `Key`).
+
+    NNX graph nodes in ``tree`` are split first, so their state is traced too,
+    and merged into fresh nodes inside the trace; what the program changes in
+    them is dropped (a sweep is a measurement)."""
+    tree, graph, _ = split_nodes(tree)
+    state: tuple[Any, ...] = ()
+    apart = None if graph is None else graph.apart()
+    if apart is not None:
+        graph, state = apart  # a model's state goes straight to the traced arrays
+    leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
+    traced = array_flags(leaves)
+    static = static_leaves(leaves, traced)
+    arrays = [*itertools.compress(leaves, traced), *state]
+    key = Key(_on_arrays, (run, spec, treedef, static), _alike_on_arrays, payload)
+    return compiled(fn, arrays, key)
+
+
+def _alike_on_arrays(fields: tuple[Any, ...]) -> Any:
+    run, spec, treedef, static = fields
+    return (run, treedef, tuple(kind for _, kind, _, _ in static))
+
+
+def _on_arrays(fn: Any, arrays: list[Any], key: Key) -> Any:
+    run, spec, treedef, static = key.fields
+    it, at = iter(arrays), {i: leaf for i, _, leaf, _ in static}
+    tree, graph = treedef.unflatten(
+        [at[i] if i in at else next(it) for i in range(treedef.num_leaves)]
+    )
+    forget_verified_splits()  # the trace runs user code: splits are checked again after it
+    if isinstance(graph, GraphShape):
+        graph = graph.filled(it)  # the state's arrays come last
+    if graph is None:
+        return run(fn, tree, key.payload)
+    # Fresh NNX nodes holding the traced state; what the program changes in them is dropped.
+    tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
+    with changes_discarded():
+        return run(fn, tree, key.payload)
+
+
+def clear_caches() -> None:
+    """Drops every compiled program harvest's transformations hold, and JAX's caches.
+
+    Each harvested function has one ``jax.jit``, so its programs are JAX's:
+    this forgets the wrappers and calls ``jax.clear_caches()``. The next call of
+    each function traces afresh, reading what it closes over or reads from its
+    module as it is now -- as ``jax.jit(f)`` does after ``jax.clear_caches()``.
+
+    Returns:
+        None.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import harvest
+        >>> config = {"scale": 2.0}
+        >>> f = lambda x: harvest.sow(x * config["scale"], name="y", mode="strict")
+        >>> reaped = harvest.reap(f)
+        >>> reaped(jnp.ones(2))["y"]
+        Array([2., 2.], dtype=float32)
+        >>> config["scale"] = 3.0  # read when f is traced, as jax.jit reads it
+        >>> harvest.clear_caches()
+        >>> reaped(jnp.ones(2))["y"]
+        Array([3., 3.], dtype=float32)
+    """
+    _wrappers.clear()
+    _traced.clear()
+    jax.clear_caches()
+
+
+# -- the one warning: a function traced again and again ---------------------
+
+# Traces per (code, shapes, what else but Python values shapes the program), the most
+# recent kept: a long process tracing many shapes forgets the oldest counts.
+_traced: collections.OrderedDict[Any, int] = collections.OrderedDict()
+_TRACED_KEPT = 4096
+_warned: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _code(fn: Any) -> Any:
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:  # a cycle of __wrapped__
+        pass
+    return getattr(fn, "__code__", None)
+
+
+def _where(fn: Any) -> str:
+    code = _code(fn)
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    return name if code is None else f"{name} ({code.co_filename}:{code.co_firstlineno})"
+
+
+def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
+    """Counts a trace that a kept program could have served had only a Python value
+    not changed (a fresh closure, a new number); warns once past ``warn_after``."""
+    code = _code(fn)
+    if code is None:
+        return
+    shapes = tuple(
+        (getattr(a, "shape", ()), str(getattr(a, "dtype", "")))
+        for a in jax.tree_util.tree_leaves(dynamic)
+    )
+    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike and key.alike(key.fields))
+    try:
+        hash(counted)
+    except TypeError:
+        counted = (code, shapes, key.run)
+    n = _traced[counted] = _traced.pop(counted, 0) + 1
+    if len(_traced) > _TRACED_KEPT:
+        _traced.popitem(last=False)
+    if n > config.warn_after and code not in _warned:
+        _warned.add(code)
+        _warn(fn, _errors.recompiles(_where(fn), n))
+
+
+def _note_unhashable(fn: Any, key: Key) -> None:
+    code = _code(fn)
+    if code is None or code in _warned:
+        return
+    culprit = _unhashable_in(key.fields)
+    if culprit is None:  # a function that cannot be held weakly
+        return
+    _warned.add(code)
+    _warn(fn, _errors.unhashable_argument(_where(fn), culprit))
+
+
+def _unhashable_in(x: Any) -> Any:
+    """The innermost value of ``x`` (through tuples) that cannot be hashed; None if it can."""
+    try:
+        hash(x)
+    except TypeError:
+        for item in x if isinstance(x, tuple) else ():
+            found = _unhashable_in(item)
+            if found is not None:
+                return found
+        return x
+    return None
+
+
+def _warn(fn: Any, message: Warning) -> None:
+    """Warns at the line that defines ``fn`` (the function the message names)."""
+    code = _code(fn)
+    warnings.warn_explicit(message, type(message), code.co_filename, code.co_firstlineno)

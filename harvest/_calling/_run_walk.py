@@ -1,0 +1,594 @@
+"""One call of a harvested function: its parts, its key, and the walk that runs it.
+
+`run_walk` takes a call apart (the function, what it binds, the plants, the
+arguments, NNX state), decides up front where it runs (in place under an
+outer trace, or through the function's one `jax.jit`, `_calling`), and `_walk`
+traces the function, validates its sites against the policy and the plants,
+and runs the walk (`_interpreter`). What the call binds (a method's object, a
+partial's arguments) is passed as data, its arrays traced and the rest static;
+Flax NNX graph nodes among it are split into a static graph and traced state
+(see `_nnx_state`). What the function reads besides its arguments is read when
+JAX traces it, as `jax.jit(f)` reads it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import inspect
+import itertools
+import numbers
+import operator
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import _errors, _jax
+from .._walk._higher_order import bodies, describe
+from .._walk._interpreter import Policy, Tags, Walk, interpret, program_sites
+from .._walk._leaves import array_flags, hide_static, is_array, reveal_static, static_leaves
+from .._walk._occurrences import Plant, needs_batched_site, occurrences, split_elements
+from .._walk._paths import nested_dict, path_str
+from .._walk._primitive import batching_sites, sow_p
+from .._walk._rules import batched_lax_map
+from .._walk._rules.batched_lax_map import per_element
+from .._walk._rules.calls import holds_rule_sows
+from .._walk._site import Site
+from .._walk._sow_index import sites_in
+from ._inspect import sow_equations
+from ._jit import Key, compiled, rewrap, unwrap
+from ._nnx_state import GraphShape, split_nodes, write_back
+from ._stateful import flattening_call, has_state_of_its_own, stateful_objects
+from ._traced_code import code_as_data
+from ._tracing import make_jaxpr
+
+
+def _is_traced(leaf, data):
+    """Arrays are traced (see `_tracing`); so are numbers given as planted values
+    or held in NNX state, which are data, not configuration: sweeping them does
+    not recompile."""
+    return is_array(leaf) or (data and isinstance(leaf, numbers.Number) and _traceable(leaf))
+
+
+def _traceable(number):
+    """Whether a Python number traced keeps its value for any site: not a bool
+    (it would trace as bool, not the site's dtype) nor an int beyond int32."""
+    if isinstance(number, bool):
+        return False
+    return not isinstance(number, int) or -(2**31) <= number < 2**31
+
+
+class _Static(NamedTuple):
+    """Everything about a call that is not an array (a `Key`'s fields)."""
+
+    treedef: Any
+    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
+    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0
+    policy: Policy
+    reap: bool
+    differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
+
+
+class _Call(NamedTuple):
+    """What one call of a harvested function is given, in parts."""
+
+    bound: Any  # what the callable binds (see `_calling.unwrap`)
+    plants: Any
+    args: tuple
+    kwargs: dict
+    graph: Any  # the NNX graph nodes' split state (see `_tracing`)
+
+
+# The parts whose numbers are data, traced rather than static.
+_DATA_PARTS = frozenset({"plants", "graph"})
+
+
+def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
+    """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
+    traced = array_flags(leaves)
+    if all(traced):
+        return traced
+    start = 0
+    for part, child in zip(_Call._fields, treedef.children()):
+        end = start + child.num_leaves
+        if part in _DATA_PARTS and not all(traced[start:end]):
+            traced[start:end] = [
+                t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
+            ]
+        start = end
+    return traced
+
+
+def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
+    """The walk of one call: traced, its sites and plants validated, then run.
+    Returns (out, reaps in program order, changed NNX state)."""
+    traced = _trace_call(fn, dynamic, static, batched, unrolled)
+    if staged:
+        _check_stageable(traced.closed.jaxpr, static)
+    order, handled, filtered = _checked_sites(traced, static)
+    resolved = _resolve_plants(traced.plants, handled, static.policy, filtered)
+    per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
+    key = static.policy.key
+    per_example |= {
+        (site.tag, site.path)
+        for site in sites_in(traced.closed.jaxpr)
+        if key(site) in resolved and needs_batched_site(resolved[key(site)], site)
+    }
+    if per_example and not batched:
+        # Sites vmap left unbatched (their value does not depend on the batched
+        # input), planted one value per example, and callables planted at sites
+        # whose leaves vmap batched apart: traced again with them batched.
+        return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
+    in_maps = batched_lax_map.staged_per_batch(traced.closed.jaxpr, static.policy.handles)
+    if in_maps and not unrolled and batched_lax_map.SUPPORTED:
+        # Sows a batched lax.map stages once per batch: traced again, once per element.
+        return _walk(fn, dynamic, static, staged, batched, in_maps)
+    if unrolled:
+        _refuse_sown_twice_per_element(traced.closed.jaxpr, unrolled)
+        resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
+    for planted in resolved.values():
+        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
+    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
+    numbers = _planted_numbers(dynamic, resolved) if staged else ()
+    return (*_run(traced, static, resolved, order), numbers)
+
+
+class _PlantedNumber(NamedTuple):
+    """A traced leaf of a compiled walk's `dynamic` that is planted at `site` as `dtype`."""
+
+    position: int  # in `dynamic`
+    site: Site
+    what: str
+    dtype: Any
+
+
+def _planted_numbers(dynamic, resolved) -> tuple[_PlantedNumber, ...]:
+    """The traced leaves of `dynamic` planted as they are, each with the dtype it is
+    cast to: a Python number among them is known only at call time, so a compiled
+    walk hands these back for `_check_planted_numbers` to check each call."""
+    at = {id(leaf): i for i, leaf in enumerate(dynamic)}  # tracers: distinct objects
+    return tuple(
+        _PlantedNumber(at[id(leaf)], planted.site, what, dtype)
+        for planted in resolved.values()
+        for leaf, what, dtype in planted.site.cast_leaves(planted.value)
+        if id(leaf) in at and jnp.ndim(leaf) == 0
+    )
+
+
+def _check_planted_numbers(dynamic, numbers_) -> None:
+    """Refuses a Python number planted where its site's dtype cannot hold it (-1
+    into uint8, 1e39 into float32), which the traced cast would wrap silently.
+    Cheap: the numbers are Python values on the host, no device is waited for."""
+    for planted in numbers_:
+        value = dynamic[planted.position]
+        if isinstance(value, numbers.Number):
+            planted.site.check_held(value, planted.what, planted.dtype)
+
+
+class _Traced(NamedTuple):
+    """A call traced: its closed jaxpr, the arrays it takes, its output's shape, the
+    call's plants, and the tags inner harvest walks consumed while it was traced."""
+
+    closed: Any
+    arrays: list
+    out_shape: Any
+    plants: Any
+    inner_tags: set
+
+
+def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
+    leaves, dyn = [], iter(dynamic)
+    static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
+    for i in range(static.treedef.num_leaves):
+        leaves.append(static_at[i] if i in static_at else next(dyn))
+    call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
+    bound, plants, args, kwargs, graph = call_parts
+    if isinstance(graph, GraphShape):
+        graph = graph.filled(dyn)  # the state's leaves come last
+
+    def call(bound, /, *args, **kwargs):
+        # `bound` is passed, not closed over, so that NNX nodes among it are merged.
+        return rewrap(fn, bound)(*args, **kwargs)
+
+    called = bound[1] if bound is not None and bound[0] == "method" else None
+    # Errors name the user's function (a model called: the method that runs it).
+    model = callable(called) and fn is type(called).__call__
+    call.__wrapped__ = code_of(called) if model else fn  # type: ignore[attr-defined]
+
+    # Trace with the arrays as inputs and everything else (numbers, flags,
+    # strings) closed over, as jit's static arguments would be.
+    with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
+        closed, arrays, out_shape = make_jaxpr(
+            call, (bound, *args), kwargs, graph, return_shape=True
+        )
+    return _Traced(closed, arrays, out_shape, plants, inner_tags)
+
+
+def _check_stageable(jaxpr, static: _Static) -> None:
+    """Raises what sends a staged walk back to `run_walk` to be walked in place."""
+    if not _lowerable(jaxpr):
+        raise _Unlowerable
+    if static.differentiating and holds_rule_sows(jaxpr, static.policy):
+        raise _RunsRules
+
+
+def _checked_sites(traced: _Traced, static: _Static):
+    """(each site key's rank in program order, the sites the policy handles, the keys
+    of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
+    jaxpr, policy = traced.closed.jaxpr, static.policy
+    key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
+    first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
+    for eqn, _, _ in sow_equations(jaxpr):
+        first.setdefault(key(Site.of(eqn)), len(first))
+    every = program_sites(jaxpr, static.differentiating)
+    for path in sorted({key(site) for site in every} - first.keys()):
+        first[path] = len(first)  # sown only in a custom_jvp rule: after the others
+    handled: dict[tuple, Site] = {}
+    filtered = set()
+    for site in every:
+        if policy.covers(site.tag) and not policy.handles(site):
+            filtered.add(key(site))
+        if policy.handles(site):
+            known = handled.setdefault(key(site), site)
+            if known.mode is not site.mode:
+                raise _errors.modes_differ(site, known)
+    handled = dict(
+        sorted(handled.items(), key=lambda item: first[item[0]])
+    )  # program order, for messages
+    _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
+    multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
+    if (
+        (static.reap or traced.plants)
+        and policy.strict_names
+        and not handled
+        and not filtered
+        and not multi
+    ):
+        tags = {site.tag for site in every}
+        caller = "reap" if static.reap else "plant"
+        if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
+            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
+        if not tags and policy.tag == "modules" and policy.tag not in traced.inner_tags:
+            # instrument's tag, and no sow at all: most often a model never passed to instrument.
+            raise _errors.never_instrumented(policy.tag, caller)
+    if policy.strict_names:
+        tagged = sorted(filtered.union(handled), key=first.__getitem__)
+        policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
+    return first, handled, filtered
+
+
+def _run(traced: _Traced, static: _Static, resolved, order):
+    walk = Walk(static.policy, resolved, static.reap)
+    outs = interpret(walk, traced.closed.jaxpr, traced.closed.consts, traced.arrays)
+    out_tree = jax.tree_util.tree_structure(traced.out_shape)
+    out, changes = jax.tree_util.tree_unflatten(out_tree, outs)
+    results = walk.results()
+    return (
+        out,
+        _InOrder({path: results[path] for path in sorted(results, key=order.__getitem__)}),
+        changes,
+    )
+
+
+def _per_example(plant):
+    """Whether `plant` is one value per example of a vmap that left its site
+    unbatched: it does not fit the site, but would with one more leading axis."""
+    value, site = plant.value, plant.site
+    if callable(value) or plant.per_occurrence():
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    if tree != site.tree or not any(
+        jnp.ndim(leaf) == len(aval.shape) + 1 and jnp.shape(leaf)[1:] == aval.shape
+        for leaf, aval in zip(leaves, site.avals)
+    ):
+        return False
+    try:
+        site.check(value, "the planted value")
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+def _refuse_sown_twice_per_element(jaxpr, unrolled):
+    """Refuses a name of a rows mode that a batched `lax.map` unrolled twice per
+    element: its rows would come sow by sow within a batch, not element by element
+    as `lax.map(f, xs)` gives them."""
+    for (tag, path, _), n in _unrolled_per_element(jaxpr, unrolled).items():
+        if n > 1:
+            site = next(
+                site
+                for eqn, _, _ in sow_equations(jaxpr)
+                if ((site := Site.of(eqn)).tag, site.path) == (tag, path)
+            )
+            raise _errors.sown_twice_per_element_in_batched_lax_map(site)
+
+
+def _unrolled_per_element(jaxpr, unrolled) -> collections.Counter:
+    """How often each vmap of `f` unrolled each rows sow of `unrolled` sites in a
+    run of `jaxpr`, per `(tag, path, vmap)` (the `vmap` its `element` params name, see
+    `batched_lax_map.element_params`): once per sow equation of its first element;
+    a cond as its busiest branch; a batched cond's record-only copies count, its
+    branch sows (which carry no vmap) not; bodies that run only where JAX
+    differentiates not."""
+    counts: collections.Counter = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            site, element = Site.of(eqn), eqn.params.get("element")
+            if (site.tag, site.path) in unrolled and site.mode.rows and element and not element[0]:
+                counts[site.tag, site.path, element[1]] += 1
+            continue
+        inner = [
+            _unrolled_per_element(body.jaxpr, unrolled)
+            for body in bodies(eqn)
+            if body.runs != 0 or body.stacked_loop
+        ]
+        if describe(eqn).alternatives:
+            counts.update(functools.reduce(operator.or_, inner, collections.Counter()))
+        else:
+            counts.update(sum(inner, collections.Counter()))
+    return counts
+
+
+def _split_per_element(jaxpr, resolved, key, unrolled):
+    """`resolved` with each collect plant given entry by entry, as `lax.map(f, xs)`
+    reaps them, split into the entries of the sows a batched `lax.map` unrolls
+    once per element (see `_occurrences.split_elements`)."""
+    out = dict(resolved)
+    for path, planted in resolved.items():
+        site = planted.site
+        if (site.tag, site.path) not in unrolled or not site.mode.entries:
+            continue
+        if planted.takes_index():  # `lax.map(f, xs)` sows it in a scan: no single index
+            raise _errors.indexed_plant_of_collect_in_loop(site)
+        if not planted.per_occurrence():
+            continue
+        marks = [
+            eqn.params.get("element")
+            for eqn, _, _ in sow_equations(jaxpr)
+            if key(Site.of(eqn)) == path
+        ]
+        out[path] = Plant(site, split_elements(site, marks, planted.value))
+    return out
+
+
+def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
+    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
+    there not sown once per element (`unrolled`: collect's, or on a JAX without
+    trace values) fires once per batch with a `[b, ...]` value, so what would be
+    reaped, or which plant row goes where, depends on `b`. Only a plant that
+    means the same for every element (one value, broadcast to each) is allowed."""
+    for eqn, _, _ in sow_equations(jaxpr):
+        site = Site.of(eqn)
+        if (
+            not policy.handles(site)
+            or (site.tag, site.path) in unrolled
+            or not _jax.staged_by_batched_lax_map(eqn.source_info)
+        ):
+            continue
+        plant = plants.get(policy.key(site))
+        if plant is None and reaping:
+            raise _errors.sown_in_batched_lax_map(site, "reap")
+        if plant is not None and not _one_value_per_element(plant.value, site):
+            raise _errors.sown_in_batched_lax_map(site, "plant")
+
+
+def _one_value_per_element(value, site):
+    """Whether `value` is one value shaped as the site's per-element value (its vmap axes left out)."""
+    if callable(value):
+        return False
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree == site.tree and all(
+        jnp.shape(leaf) == aval.shape[batch:]
+        for leaf, aval, batch in zip(leaves, site.avals, site.vmapped or (0,) * len(leaves))
+    )
+
+
+# Tags that harvest's own layers reap whether or not a program sows them
+# (harvest.ppl asks every model for its deterministic sites, say): reaping
+# them finds {} quietly. Each layer declares its own with `layer_tag`.
+_LAYER_TAGS: set[str] = set()
+
+
+def layer_tag(tag: str) -> str:
+    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    program sowing other tags but not this one reaps ``{}`` rather than an error."""
+    _LAYER_TAGS.add(tag)
+    return tag
+
+
+_walking = threading.local()
+
+
+@contextlib.contextmanager
+def _tags_walked_inside():
+    """Collects the tags of the harvest walks run while tracing a function: a
+    tag an inner ``plant`` or ``reap`` consumed has no sites left, not a typo."""
+    stack = _walking.__dict__.setdefault("stack", [])
+    stack.append(set())
+    try:
+        yield stack[-1]
+    finally:
+        stack.pop()
+
+
+def _note_walked(tag):
+    for tags in getattr(_walking, "stack", ()):
+        tags.add(tag)
+
+
+def _check_paths_distinct(paths):
+    """Every dotted path names one site: no two sites spell the same (a name
+    ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
+    spelled = {}
+    for path in paths:
+        other = spelled.setdefault(path_str(path), path)
+        if other != path:
+            raise _errors.paths_collide(other, path)
+
+
+class _InOrder(dict):
+    """Reaped values by path, in program order: a pytree whose key order is
+    static data, so it survives the jit (which would sort a dict's keys)."""
+
+
+jax.tree_util.register_pytree_node(
+    _InOrder,
+    lambda d: (list(d.values()), tuple(d)),
+    lambda keys, values: _InOrder(zip(keys, values)),
+)
+
+
+def _alike(static: _Static) -> Any:
+    """A walk's key but its Python values (what the recompile warning compares)."""
+    kinds = tuple(kind for _, kind, _, _ in static.static_leaves)
+    return (static.treedef, kinds, static.policy, static.reap)
+
+
+def _walk_staged(fn, dynamic, key: Key):
+    """The body of ``fn``'s `jax.jit` for a walk (see `_calling.compiled`)."""
+    out, flat, changes, numbers_ = _walk(fn, dynamic, key.fields, staged=True)
+    # The planted numbers' dtypes leave as structure, known to each call without a device sync.
+    return out, flat, changes, hide_static(numbers_)
+
+
+def run_walk(f, policy, reap, plants, args, kwargs):
+    """Runs the walk of `f` under `policy`; returns (out, reaps)."""
+    for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
+        _note_walked(tag)
+    fn, bound = unwrap(f)
+    dynamic, static, nodes, stateful = _taken_apart(fn, bound, policy, reap, plants, args, kwargs)
+    if _in_place(fn, static):
+        out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
+    else:
+        try:
+            out, flat, changes, planted = compiled(fn, dynamic, Key(_walk_staged, static, _alike))
+            if planted:
+                _check_planted_numbers(dynamic, reveal_static(planted))
+        except _Unlowerable:
+            # `f` binds a primitive that has an implementation but no XLA lowering
+            # (oryx's tests define one): run the walk op by op, as JAX runs `f`
+            # itself outside `jit`, and remember not to try compiling it again.
+            _eager_only.add(fn)
+            out, flat, changes, _ = _walk(fn, dynamic, static)
+        except _RunsRules:
+            _rule_walks.add(fn)
+            out, flat, changes, _ = _walk(fn, dynamic, static)
+    write_back(nodes, changes, stateful)
+    return reveal_static(out), nested_dict(flat)
+
+
+def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
+    """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
+    of one call of `fn` binding `bound`."""
+    with flattening_call():
+        call_parts = _Call(bound, code_as_data(plants), args, kwargs, None)
+        # One flatten that stops at NNX nodes and `Stateful` objects: none, the common case.
+        leaves, treedef = jax.tree_util.tree_flatten(call_parts, is_leaf=has_state_of_its_own)
+        stateful, nodes, state = (), (), ()
+        if any(map(has_state_of_its_own, leaves)):
+            stateful = stateful_objects((bound, args, kwargs))
+            (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
+            apart = None if graph is None else graph.apart()
+            if apart is not None:
+                graph, state = apart  # a model's state goes straight to the traced leaves
+            call_parts = call_parts._replace(bound=bound, args=args, kwargs=kwargs, graph=graph)
+            leaves, treedef = jax.tree_util.tree_flatten(call_parts)
+        traced = _traced_leaves(leaves, treedef)
+    dynamic = [*itertools.compress(leaves, traced), *state]
+    static = _Static(
+        treedef,
+        () if all(traced) else static_leaves(leaves, traced),
+        policy,
+        reap,
+        not _jax.is_eager() and _jax.differentiating(),
+    )
+    return dynamic, static, nodes, stateful
+
+
+def _in_place(fn, static: _Static) -> bool:
+    """Whether the call's walk runs in place: traced and walked now, into the trace
+    around it (or op by op), rather than through `fn`'s `jax.jit`."""
+    # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
+    # outer trace is the cache, and walking in place saves a nested jit for XLA to
+    # inline (and, under vmap, batching the walk's jaxpr after the fact).
+    return (
+        _jax.staged_beneath() or (static.differentiating and fn in _rule_walks) or fn in _eager_only
+    )
+
+
+# Functions whose walk cannot be compiled, because they bind a primitive
+# without a lowering; they are walked eagerly.
+_eager_only: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+class _Unlowerable(Exception):
+    """Raised while staging the walk of a function that cannot be compiled."""
+
+
+# Functions holding a custom_jvp whose JVP rule sows: differentiated from
+# outside, they are walked in place, where JAX calls the rules (see `_rules/calls`).
+_rule_walks: weakref.WeakSet[Callable] = weakref.WeakSet()
+
+
+class _RunsRules(Exception):
+    """Raised while staging, under a jvp or grad of the call, the walk of a function
+    whose custom_jvp rules sow: a staged walk sees only primals, so no rule runs."""
+
+
+def _lowerable(jaxpr):
+    return all(
+        _jax.has_lowering(eqn.primitive) and all(_lowerable(j) for j in _jax.sub_jaxprs(eqn))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _resolve_plants(plants, sites, policy, filtered):
+    """Matches a nested {name: value} dict to the sites it plants into.
+
+    `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
+    if plants is None:
+        return {}
+    resolved = {}
+    # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
+    dotted = {path_str(p): p for p in sites}
+    left_out = {path_str(p) for p in filtered}
+
+    def visit(d, prefix):
+        for key, value in d.items():
+            name = f"{prefix}.{key}" if prefix else str(key)
+            if name in dotted:
+                path = dotted[name]
+                if path in resolved:
+                    raise _errors.planted_twice(name)
+                resolved[path] = Plant(sites[path], value)
+            elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
+                visit(value, name)
+            elif policy.strict_names and name in left_out:
+                name, tag, _ = _as_sown(name, policy, ())
+                raise _errors.planted_but_filtered(name, tag)
+            elif policy.strict_names:
+                raise _errors.planted_unknown(*_as_sown(name, policy, dotted))
+
+    visit(plants, ())
+    return resolved
+
+
+def _as_sown(name, policy, names):
+    """(name, tag, the tag's names) for a message about planting `name`: under a
+    `Tags` walk, names are dotted with their tag in front."""
+    if not isinstance(policy.tag, Tags):
+        return name, policy.tag, names
+    tag, _, rest = name.partition(".")
+    return rest, tag, [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
+
+
+def code_of(f: Any) -> Any:
+    """What runs when `f` is called, to name it: the function `inspect.unwrap(f)` ends
+    at, or the `__call__` of the object it ends at (a model, an instrumented one's target)."""
+    end = inspect.unwrap(f)
+    return end if inspect.isroutine(end) else type(end).__call__

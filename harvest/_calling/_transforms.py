@@ -1,0 +1,408 @@
+"""reap, plant, harvest, call_and_reap and nest: one walk, four faces.
+
+Each is `transform` with a different policy and plants, and a choice of
+what the transformed function returns. An eager call runs the walk through
+the function's one `jax.jit` (`_calling`), so a harvested function called
+again with the same shapes and static arguments is neither re-traced nor
+re-compiled, and under an outer `jit` it costs what the hand-written function
+returning the same values costs (see `_run_walk`, which runs one call).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, Concatenate
+
+import jax
+
+from .. import _errors, _jax
+from .._typing import NameSelect, P, Plants, R, Reaped
+from .._walk._interpreter import NameFilter, Policy, Tags
+from .._walk._leaves import is_array
+from .._walk._sow import DEFAULT_TAG
+from ._run_walk import code_of, layer_tag as layer_tag, run_walk
+
+
+def _check_callable(f, fn_name):
+    if not callable(f):
+        raise _errors.not_callable(f, fn_name)
+
+
+def _policy(tag, allowlist, blocklist, max_steps=None):
+    if not isinstance(tag, str) or not tag:
+        raise _errors.bad_tag(tag)
+    if max_steps is not None and (
+        isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
+    ):
+        raise _errors.bad_max_steps(max_steps)
+    return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
+
+
+def _check_plants_arg(plants, fn_name):
+    if not isinstance(plants, dict):
+        raise _errors.plants_not_a_dict(plants, fn_name)
+
+
+def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
+    """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
+    in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
+    arguments the user means (functools.wraps alone would report `f`'s)."""
+    try:
+        sig = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to report
+        return g
+    taken = set(sig.parameters)
+    name = "plants"
+    while name in taken:
+        name = "_" + name
+    first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
+    g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
+    return g
+
+
+# What a transformed function returns, from the walk's (out, reaps).
+_GIVES: dict[str, Callable[[tuple[Any, Any]], Any]] = {
+    "out": lambda result: result[0],
+    "reaps": lambda result: result[1],
+    "both": lambda result: result,
+}
+
+
+def transform(
+    f: Callable,
+    fn_name: str,
+    policy: Policy,
+    *,
+    takes_plants: bool,
+    gives: str,
+    reword: Callable[[ValueError], ValueError | None] | None = None,
+) -> Callable:
+    """`f` walked under `policy`: the function the transformation `fn_name` returns.
+
+    With `takes_plants` it is called as `g(plants, *args, **kwargs)`, else as
+    `g(*args, **kwargs)`. It returns `gives` of the walk: `"out"`, `"reaps"` or
+    `"both"` (`(out, reaps)`); the walk reaps only if the reaps are returned.
+    `reword` maps an error of the walk to the one to raise instead (None: as is).
+    """
+    _check_callable(f, fn_name)
+    reap, pick = gives != "out", _GIVES[gives]
+
+    def run(plants: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+        except ValueError as error:
+            better = reword(error) if reword is not None else None
+            if better is None:
+                raise
+            raise better from error
+
+    if not takes_plants:
+
+        @functools.wraps(f)
+        def transformed(*args: Any, **kwargs: Any) -> Any:
+            return run({}, args, kwargs)
+
+        return _jax.api_boundary(_unwrapped_to_code(transformed, f))
+
+    @functools.wraps(f)
+    def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
+        _check_plants_arg(plants, fn_name)
+        return run(plants, args, kwargs)
+
+    return _plants_first(_jax.api_boundary(_unwrapped_to_code(transformed_with_plants, f)), f)
+
+
+def _unwrapped_to_code(g: Any, f: Any) -> Any:
+    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model -- a callable
+    pytree holding arrays, such as an instrumented or Equinox module -- to the method
+    that runs it: `inspect.unwrap`, which names the traced function in JAX's errors,
+    still ends at the user's code, and Equinox does not take `g` for a transformed
+    callable hiding parameters (`eqx.filter_jit(reap(model))` warned). The signature
+    shown stays `f`'s."""
+    if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
+        return g
+    try:
+        g.__signature__ = inspect.signature(f)
+    except (TypeError, ValueError):  # no signature to show
+        pass
+    g.__wrapped__ = code_of(f)
+    return g
+
+
+def reap(
+    f: Callable[P, Any],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
+    max_steps: int | None = None,
+) -> Callable[P, Reaped]:
+    """Returns a function with ``f``'s signature that returns ``{name: value}`` of ``f``'s sows.
+
+    How occurrences accumulate is decided by each site's mode (see ``sow``):
+    under the default ``"collect"``, each value is a tuple of occurrences, so
+    sow with ``mode="strict"`` to reap a site sown once as a plain array.
+    Nested ``nest`` scopes come back as nested dicts. Names come in program
+    order (by first occurrence), at every level; under an outer ``jax.jit``,
+    JAX returns any dict with its keys sorted.
+
+    Inside a ``lax.while_loop``, whose trip count is known only when it runs,
+    ``instrument``'s sites give the last iteration's value, as ``clobber`` does;
+    ``max_steps=N`` records the first ``N`` iterations instead: each name sown
+    in the loop's body with a stacking mode (``collect``, ``append``,
+    ``instrument``'s) comes back as ``harvest.Steps(values, count)``, ``values``
+    shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
+    iterations that ran.
+
+    An eager call reads what ``jax.jit(f)`` reads, here and in every other
+    transformation: the arguments at every call (JAX and NumPy arrays traced;
+    every other leaf -- a Python number, bool, string, config -- static, so a
+    new value re-traces), and everything else ``f`` reads (closures, globals,
+    an object's attributes) when it is traced. Flax NNX modules, as ``f``, its
+    ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
+    call leaves their state (batch statistics, RNG counters, intermediates)
+    as a direct call would.
+
+    Args:
+        f: the function to run: any JAX-traceable callable (a function, a bound
+            method, an NNX or Equinox module, an ``instrument``-ed model).
+        tag: which sows to read; sows of other tags pass through untouched.
+        allowlist: if given, read only these names: exact names, glob patterns
+            (``"blocks.*"``) or predicates on names. A string that matches no site
+            of ``tag`` is an error listing the names there are (a predicate may
+            match nothing).
+        blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: if given (a positive int), record the first ``max_steps``
+            iterations of each ``while_loop`` as ``harvest.Steps``; ``None`` keeps
+            each while_loop's last iteration of ``instrument``'s sites.
+
+    Returns:
+        A function taking ``f``'s arguments and returning the dict of reaped
+        values (``f``'s own output is discarded; see ``call_and_reap``).
+
+    Raises:
+        ValueError: when the returned function is called: a name in
+            ``allowlist`` that no site has, a ``strict`` site sown twice, or a sow
+            where its mode cannot be honoured (e.g. ``append`` in a ``while_loop``
+            without ``max_steps``); at once, a ``max_steps`` that is not a positive int.
+        TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import sow, reap
+        >>> def f(x):
+        ...     h = sow(jnp.tanh(x), name="h", mode="strict")
+        ...     return 2.0 * h
+        >>> reap(f)(jnp.zeros(2))
+        {'h': Array([0., 0.], dtype=float32)}
+        >>> jax.jit(reap(f))(jnp.zeros(2))["h"].shape
+        (2,)
+        >>> def g(x, n, training=False):  # Python values stay Python values
+        ...     for i in range(n):
+        ...         x = sow(x + 1.0, name=f"step{i}", mode="strict")
+        ...     return x * 0.5 if training else x
+        >>> sorted(reap(g)(jnp.zeros(2), 3, training=True))
+        ['step0', 'step1', 'step2']
+    """
+    return transform(
+        f, "reap", _policy(tag, allowlist, blocklist, max_steps), takes_plants=False, gives="reaps"
+    )
+
+
+def call_and_reap(
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
+    max_steps: int | None = None,
+) -> Callable[P, tuple[R, Reaped]]:
+    """Like ``reap``, but the function returns ``(f's output, {name: value})``.
+
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows to read; sows of other tags pass through untouched.
+        allowlist: if given, read only these names (exact names, glob patterns or
+            predicates on names), as for ``reap``.
+        blocklist: names never to read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
+
+    Returns:
+        A function taking ``f``'s arguments and returning ``(output, reaped)``.
+
+    Raises:
+        ValueError: when the returned function is called, as for ``reap``.
+        TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
+
+    Example:
+        >>> from harvest import sow, call_and_reap
+        >>> f = lambda x: sow(x + 1.0, name="y", mode="strict") * 3.0
+        >>> call_and_reap(f)(1.0)
+        (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
+    """
+    return transform(
+        f,
+        "call_and_reap",
+        _policy(tag, allowlist, blocklist, max_steps),
+        takes_plants=False,
+        gives="both",
+    )
+
+
+def plant(
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
+) -> Callable[Concatenate[Plants, P], R]:
+    """Returns ``g(plants, *args, **kwargs)``: ``f`` with the planted sows replaced.
+
+    ``plants`` maps names to replacement values, shaped as ``reap`` returns them
+    (a tuple per ``collect`` name, a stacked array per ``append`` name), or to a
+    single value used at every occurrence, or to a callable ``old -> new`` (an
+    intervention: ablate, add a vector, patch a slice). A callable that
+    requires a second positional argument is called as ``fn(old, index)``, with
+    the occurrence's row in what ``reap`` returns for the name (traced inside a
+    ``scan``). Names under ``nest`` scopes are given as nested dicts or as dotted
+    paths (``{"block.h": v}`` is ``{"block": {"h": v}}``).
+
+    Planting back what ``reap`` returned gives ``f``'s output wherever ``reap``
+    returned every occurrence of a name; not for a ``clobber`` or ``sow_cond``
+    name that fires more than once per call, of which ``reap`` keeps the last
+    and ``plant`` puts it at every occurrence (docs/semantics.md, "Planting
+    back what reap returned").
+
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows may be replaced; sows of other tags pass through untouched.
+        allowlist: if given, only these names may be planted (exact names, glob
+            patterns or predicates on names).
+        blocklist: names never to plant, in the same forms as ``allowlist``.
+
+    Returns:
+        A function taking ``plants`` first, then ``f``'s arguments, and returning
+        ``f``'s output with the plants in place.
+
+    Raises:
+        ValueError: when the returned function is called: planting a name no
+            site of ``tag`` has (the message lists the names there are), or a
+            replacement whose shape does not match the site.
+        TypeError: if ``f`` is not callable, ``tag`` is not a non-empty string,
+            or ``plants`` is not a dict.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import sow, plant
+        >>> def f(x):
+        ...     h = sow(x + 1.0, name="h", mode="strict")
+        ...     return h * 10.0
+        >>> plant(f)({"h": 0.5}, 1.0)
+        Array(5., dtype=float32, weak_type=True)
+        >>> plant(f)({"h": lambda h: -h}, 1.0)
+        Array(-20., dtype=float32, weak_type=True)
+        >>> def g(xs):  # a callable taking a second argument sees the occurrence index
+        ...     step = lambda c, x: (c + sow(x, name="x", mode="append"), None)
+        ...     return jax.lax.scan(step, 0.0, xs)[0]
+        >>> plant(g)({"x": lambda old, i: jnp.where(i == 2, 0.0, old)}, jnp.ones(4))
+        Array(3., dtype=float32)
+    """
+    return transform(f, "plant", _policy(tag, allowlist, blocklist), takes_plants=True, gives="out")
+
+
+def harvest(
+    f: Callable[P, R],
+    *,
+    tag: str = DEFAULT_TAG,
+    allowlist: NameSelect = None,
+    blocklist: NameSelect = None,
+    max_steps: int | None = None,
+) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
+    """Returns ``g(plants, *args, **kwargs) -> (out, reaps)``: plant and reap in one walk.
+
+    Args:
+        f: the function to run, as for ``reap``.
+        tag: which sows to plant and read; sows of other tags pass through.
+        allowlist: if given, only these names are planted or read (exact names,
+            glob patterns or predicates on names).
+        blocklist: names never planted or read, in the same forms as ``allowlist``.
+        max_steps: how many iterations of each ``while_loop`` to record, as for
+            ``reap``.
+
+    Returns:
+        A function taking ``plants`` first (as for ``plant``), then ``f``'s
+        arguments, and returning ``(output, reaps)``, where ``reaps`` holds the
+        names of ``tag`` that were not planted.
+
+    Raises:
+        ValueError: when the returned function is called, as for ``reap`` and
+            ``plant``.
+        TypeError: if ``f`` is not callable, ``tag`` is not a non-empty string,
+            or ``plants`` is not a dict.
+
+    Example:
+        >>> from harvest import sow, harvest
+        >>> def f(x):
+        ...     a = sow(x + 1.0, name="a", mode="strict")
+        ...     b = sow(a * 2.0, name="b", mode="strict")
+        ...     return b
+        >>> out, reaps = harvest(f)({"a": 10.0}, 1.0)
+        >>> out, reaps["b"]
+        (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
+    """
+    return transform(
+        f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
+    )
+
+
+def harvest_tags(
+    f: Callable[P, R], tags: Any, allowlist: NameSelect = None
+) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
+    """``harvest`` of several tags in one walk (for harvest's layers, not public):
+    ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
+    ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
+    one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
+    ``allowlist`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
+    pass through."""
+    policy = Policy(Tags(frozenset(tags)), NameFilter.make(allowlist))
+    return transform(f, "harvest", policy, takes_plants=True, gives="both")
+
+
+def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
+    """Puts every name sown inside ``f`` (of any tag) under ``scope``.
+
+    Reaped values come back as ``{scope: {name: value}}``, and plants are given
+    the same way. Nesting ``nest`` nests the dicts.
+
+    Args:
+        f: the function whose sows to scope.
+        scope: the key the names go under (a non-empty string).
+
+    Returns:
+        A function with ``f``'s signature and output, whose sites are named
+        ``scope.name``.
+
+    Raises:
+        TypeError: if ``f`` is not callable, or ``scope`` is not a non-empty string.
+
+    Example:
+        >>> from harvest import sow, reap, nest
+        >>> def layer(x):
+        ...     return sow(x * 2.0, name="out", mode="strict")
+        >>> def f(x):
+        ...     return nest(layer, scope="l2")(nest(layer, scope="l1")(x))
+        >>> reaped = reap(f)(1.0)
+        >>> reaped["l1"]
+        {'out': Array(2., dtype=float32, weak_type=True)}
+        >>> reaped["l2"]
+        {'out': Array(4., dtype=float32, weak_type=True)}
+    """
+    _check_callable(f, "nest")
+    if not isinstance(scope, str) or not scope:
+        raise _errors.bad_nest_scope(scope)
+    if "." in scope:
+        raise _errors.dotted_nest_scope(scope)
+    return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")

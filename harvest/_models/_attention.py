@@ -1,0 +1,648 @@
+"""TransformerLens's hook names on attention modules of known kinds (`instrument(..., attention=True)`).
+
+Each attention module at `path` gets five sites, whatever library it comes from:
+
+* `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
+  `[..., seq, heads, d_head]`, as their projections give them (before any
+  rotary embedding or rescaling, as TransformerLens's: Penzai's llama-like
+  layers apply both after, in the same sublayer);
+* `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
+  entries hold the library's large negative number where TransformerLens has -inf),
+  `[..., heads, q_pos, k_pos]`: NNX, Equinox and Penzai attentions (not Linen's, not
+  Gemma's, whose scores are no sublayer's output);
+* `path.hook_pattern`: the attention weights after softmax (before dropout),
+  `[..., heads, q_pos, k_pos]`;
+* `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
+  before the output projection.
+
+A hook is sown in that layout and converted back to the library's own layout
+after (a transpose or reshape: no arithmetic), so a plant there changes
+exactly what the module computes with. Flax's attentions (NNX, Linen) get
+their `attention_fn` replaced for the length of the call by one that computes
+the same product in the open; Equinox's `MultiheadAttention` is run by the
+forward below, written from its definition; Penzai's `pz.nn.Attention` and
+Gemma's `Attention` are read at their sublayers' outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _errors
+
+HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
+
+
+def is_attention(module: Any) -> bool:
+    """Whether `instrument(attention=True)` hooks `module` (a submodule of a module target)."""
+    return (
+        flax_kind(module) is not None
+        or is_equinox_attention(module)
+        or bool(penzai_attention_paths([("", module)]))
+    )
+
+
+def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
+    """`value`, sown in TransformerLens's layout (`to_view`) and brought back: as `name`,
+    or as `blocks.{i}.attn.<hook>` with `names="transformer_lens"`."""
+    if not wanted(call, name):
+        return value
+    view = value if to_view is None else to_view(value)
+    sown = call.sow(hook_name(call, name), view)
+    return sown if from_view is None else from_view(sown)
+
+
+def wanted(call: Any, name: str) -> bool:
+    """Whether the attention hook `name` (`<path>.hook_x`) is sown in this call."""
+    sown = hook_name(call, name)
+    return sown is not None and bool(call.select((sown,)))
+
+
+def hook_name(call: Any, name: str) -> str | None:
+    """The name the attention hook `name` (`<path>.hook_x`) is sown under: itself without
+    TransformerLens's names; with them, `blocks.{i}.attn.hook_x` for an attention in a
+    block, None (not sown) for any other."""
+    table = call.residual
+    if table is None:
+        return name
+    path, _, hook = name.rpartition(".")
+    alias = table.hooks.get(path)
+    return None if alias is None else f"{alias}.{hook}"
+
+
+# ---------------------------------------------------------------------------
+# Flax: NNX `MultiHeadAttention`, Linen `MultiHeadDotProductAttention`.
+
+
+def flax_kind(module: Any) -> str | None:
+    """ "nnx" or "linen" for Flax's attention modules, else None."""
+    try:
+        from flax import linen, nnx
+    except ImportError:  # Flax is optional
+        return None
+    if isinstance(module, nnx.MultiHeadAttention):
+        return "nnx"
+    if isinstance(module, linen.MultiHeadDotProductAttention):
+        return "linen"
+    return None
+
+
+@contextlib.contextmanager
+def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
+    """For the length of the block, `module.attention_fn` sows the five hooks."""
+    from flax import linen
+    from flax.nnx.nn import attention as nnx_attention
+
+    default = (
+        linen.dot_product_attention if kind == "linen" else nnx_attention.dot_product_attention
+    )
+    original = module.attention_fn
+    if getattr(original, "__wrapped__", None) is default:  # already hooked (a nested call)
+        yield
+        return
+    if original is not default:
+        raise _errors.custom_attention_fn(path, type(module).__name__)
+    hooked = _linen_attention(call, path) if kind == "linen" else _nnx_attention(call, path)
+    thread = threading.get_ident()
+
+    @functools.wraps(original)
+    def attention_fn(*args, **kwargs):
+        # An NNX module is shared: another thread calling it meanwhile gets Flax's own.
+        run = hooked if threading.get_ident() == thread else original
+        return run(*args, **kwargs)
+
+    # A Flax module is frozen (Linen) or checks its attributes (NNX): set past both, and put back.
+    object.__setattr__(module, "attention_fn", attention_fn)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "attention_fn", original)
+
+
+def _qkv(call: Any, path: str, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
+    return (
+        _hook(call, f"{path}.hook_q", query),
+        _hook(call, f"{path}.hook_k", key),
+        _hook(call, f"{path}.hook_v", value),
+    )
+
+
+def _dropout(weights, rng, rate, broadcast, ndim, dtype):
+    """Flax's attention dropout, as `dot_product_attention_weights` applies it."""
+    keep_prob = 1.0 - rate
+    shape = tuple([1] * (ndim - 2)) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, keep_prob, shape)
+    return weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
+
+
+def _hooked_pattern(
+    call, path, weights, deterministic, dropout_rate, dropout_rng, broadcast_dropout, query, key
+):
+    """The post-softmax weights through the pattern hook, then Flax's dropout (after the hook,
+    so the hook sees the pattern itself)."""
+    weights = _hook(call, f"{path}.hook_pattern", weights)
+    if not deterministic and dropout_rate > 0.0:
+        weights = _dropout(
+            weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
+        )
+    return weights
+
+
+def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
+    from flax import linen
+    from flax.linen.dtypes import promote_dtype
+
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        force_fp32_for_softmax=False,
+        einsum_dot_general=None,
+        qk_attn_weights_einsum=None,
+        attn_weights_value_einsum=None,
+    ):
+        query, key, value = promote_dtype(query, key, value, dtype=dtype)
+        query, key, value = _qkv(call, path, query, key, value)
+        weights = linen.dot_product_attention_weights(
+            query,
+            key,
+            bias,
+            mask,
+            broadcast_dropout,
+            dropout_rng,
+            0.0,  # dropout comes after the pattern hook
+            True,
+            query.dtype,
+            precision,
+            module,
+            force_fp32_for_softmax,
+            einsum_dot_general=einsum_dot_general,
+            einsum=qk_attn_weights_einsum,
+        )
+        weights = _hooked_pattern(
+            call,
+            path,
+            weights,
+            deterministic,
+            dropout_rate,
+            dropout_rng,
+            broadcast_dropout,
+            query,
+            key,
+        )
+        einsum = attn_weights_value_einsum or functools.partial(
+            jnp.einsum, precision=precision, _dot_general=einsum_dot_general or jax.lax.dot_general
+        )
+        return _hook(call, f"{path}.hook_z", einsum("...hqk,...khd->...qhd", weights, value))
+
+    return attention_fn
+
+
+def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
+    from flax import nnx
+    from flax.nnx.nn import attention as nnx_attention, dtypes
+
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        promote_dtype=dtypes.promote_dtype,
+        is_causal=False,
+    ):
+        query, key, value = promote_dtype((query, key, value), dtype=dtype)
+        query, key, value = _qkv(call, path, query, key, value)
+        if dropout_rate == 0.0 and module is None:  # where Flax calls the fused attention
+            return _fused_attention(call, path, query, key, value, bias, mask, is_causal)
+        # Flax's unfused path.
+        if wanted(call, f"{path}.hook_attn_scores"):
+            logits = _nnx_scores(query, key, bias, mask, is_causal, query.dtype, precision)
+            logits = _hook(call, f"{path}.hook_attn_scores", logits)
+            weights = jax.nn.softmax(logits).astype(query.dtype)
+            if module:
+                module.sow(nnx.Intermediate, "attention_weights", weights)
+        else:
+            weights = nnx_attention.dot_product_attention_weights(
+                query,
+                key,
+                bias,
+                mask,
+                broadcast_dropout,
+                dropout_rng,
+                0.0,
+                True,
+                query.dtype,
+                precision,
+                module,
+                promote_dtype,
+                is_causal,
+            )
+        weights = _hooked_pattern(
+            call,
+            path,
+            weights,
+            deterministic,
+            dropout_rate,
+            dropout_rng,
+            broadcast_dropout,
+            query,
+            key,
+        )
+        q_heads, v_heads = weights.shape[-3], value.shape[-2]
+        if q_heads == v_heads:
+            z = jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+            return _hook(call, f"{path}.hook_z", z)
+        # Grouped-query attention, contracted per group of query heads as Flax does.
+        grouped = weights.reshape(*weights.shape[:-3], v_heads, -1, *weights.shape[-2:])
+        z = jnp.einsum(
+            "...hgqk,...kh1d->...qhgd", grouped, value[..., None, :], precision=precision
+        )
+        merged = lambda a: a.reshape(*a.shape[:-3], q_heads, a.shape[-1])
+        return merged(_hook(call, f"{path}.hook_z", z, merged, lambda a: a.reshape(z.shape)))
+
+    return attention_fn
+
+
+def _nnx_scores(query, key, bias, mask, is_causal, dtype, precision):
+    """The scaled, masked scores NNX's ``dot_product_attention_weights`` takes the softmax
+    of, ``[..., heads, q_pos, k_pos]`` (grouped-query heads merged, as there)."""
+    from flax.nnx.nn.attention import combine_masks
+
+    q_heads, k_heads = query.shape[-2], key.shape[-2]
+    query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+    if q_heads != k_heads:
+        grouped = query.reshape(query.shape[:-2] + (k_heads, q_heads // k_heads, query.shape[-1]))
+        logits = jnp.einsum(
+            "...qhgd,...kh1d->...hgqk", grouped, key[..., None, :], precision=precision
+        )
+        logits = logits.reshape(logits.shape[:-4] + (q_heads, *logits.shape[-2:]))
+    else:
+        logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+    if bias is not None:
+        logits = logits + bias
+    if mask is not None or is_causal:
+        masks = [m for m in [mask] if m is not None]
+        if is_causal:
+            causal = jnp.tril(jnp.ones(logits.shape[-2:], dtype=dtype))
+            masks.append(jnp.broadcast_to(causal, mask.shape if mask is not None else logits.shape))
+        logits = jnp.where(combine_masks(*masks, dtype=dtype), logits, jnp.finfo(dtype).min)
+    return logits
+
+
+def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
+    """What NNX's ``dot_product_attention`` computes through ``jax.nn.dot_product_attention``
+    (its XLA implementation) when no weights are asked for: the same ops in the same order,
+    so the outputs are bit-identical, with the pattern and z hooked between them."""
+    shape = query.shape
+    if query.ndim > 4:  # Flax folds every batch axis into one, as the fused kernel wants
+        fold = lambda a: None if a is None else a.reshape((-1, *a.shape[-3:]))
+        query, key, value, bias, mask = map(fold, (query, key, value, bias, mask))
+    four = lambda a: None if a is None else jnp.expand_dims(a, tuple(range(4 - a.ndim)))
+    query, key, value, bias = map(four, (query, key, value, bias))
+    mask = None if mask is None else four(mask.astype(bool))
+    b, t, n, h = query.shape
+    k_heads, g = key.shape[-2], query.shape[-2] // key.shape[-2]
+
+    def grouped(a):  # [B, N or 1, T, S] -> [B, K, G, T, S], as JAX groups query heads
+        if a is None:
+            return None
+        if a.shape[1] == 1:
+            return jnp.broadcast_to(a[:, :, None], (a.shape[0], 1, g, *a.shape[2:]))
+        return a.reshape(a.shape[0], k_heads, g, *a.shape[2:])
+
+    def scores(q, bias, mask):  # one query head of each group: [B, T, K, H] -> [B, K, T, S]
+        logits = jnp.einsum(
+            "BTNH,BSNH->BNTS",
+            q,
+            key,
+            precision=_SOFTMAX_INPUT_PRECISION.get(q.dtype),
+            preferred_element_type=jnp.promote_types(q.dtype, jnp.float32),
+        )
+        logits *= jnp.array(1.0 / np.sqrt(h), dtype=logits.dtype)
+        if bias is not None:
+            logits = (logits + bias).astype(logits.dtype)
+        keep = None if mask is None else jnp.ones_like(logits, dtype=bool) & mask
+        if is_causal:
+            causal = jnp.tril(jnp.ones(logits.shape[-2:], dtype=bool))[None, None]
+            keep = causal & (True if keep is None else keep)
+        if keep is not None:
+            big = min(jnp.finfo(logits.dtype).max, jnp.finfo(jnp.float32).max)
+            logits = jnp.where(keep, logits, jnp.asarray(-0.7 * big, dtype=logits.dtype))
+        return logits
+
+    softmax = lambda logits: jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(key.dtype)
+    q = query.reshape(b, t, k_heads, g, h)
+    # The hooks see the caller's batch axes: [B, K, G, T, S] -> [..., N, T, S].
+    lead = shape[:-3]
+    pattern_view = lambda p: p.reshape(*lead, n, *p.shape[-2:])
+    if wanted(call, f"{path}.hook_attn_scores"):
+        logits = jax.vmap(scores, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
+        logits = _hook(
+            call,
+            f"{path}.hook_attn_scores",
+            logits,
+            pattern_view,
+            lambda p: p.reshape(logits.shape),
+        )
+        probs = softmax(logits)
+    else:  # as Flax computes it, softmax inside the map over groups: bit for bit
+        weights = lambda q, bias, mask: softmax(scores(q, bias, mask))
+        probs = jax.vmap(weights, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
+    pattern = _hook(
+        call, f"{path}.hook_pattern", probs, pattern_view, lambda p: p.reshape(probs.shape)
+    )
+    z = jax.vmap(lambda p: jnp.einsum("BNTS,BSNH->BTNH", p, value), in_axes=2, out_axes=3)(pattern)
+    z = _hook(call, f"{path}.hook_z", z, lambda z: z.reshape(shape))
+    return z.reshape(shape)
+
+
+# The einsum precision JAX's attention gives half-precision queries (float32 accumulation).
+_SOFTMAX_INPUT_PRECISION = {
+    jnp.dtype(jnp.bfloat16): jax.lax.DotAlgorithmPreset.BF16_BF16_F32,
+    jnp.dtype(jnp.float16): jax.lax.DotAlgorithmPreset.F16_F16_F32,
+}
+
+
+# ---------------------------------------------------------------------------
+# Equinox `MultiheadAttention`: its forward, with the hooks.
+
+
+def is_equinox_attention(module: Any) -> bool:
+    try:
+        import equinox
+    except ImportError:  # Equinox is optional
+        return False
+    return isinstance(module, equinox.nn.MultiheadAttention)
+
+
+def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict) -> Any:
+    """`module(*args, **kwargs)` computed as Equinox 0.13's `MultiheadAttention.__call__` does,
+    with the hooks sown on the way (per-head work vmapped over heads, as there)."""
+    from equinox.nn._attention import dot_product_attention_weights
+
+    query, key_, value, mask = (*args, None)[:4] if len(args) < 4 else args[:4]
+    mask = kwargs.pop("mask", mask)
+    key = kwargs.pop("key", None)
+    inference = kwargs.pop("inference", None)
+    if kwargs.pop("deterministic", None) is not None:
+        inference = True if inference is None else inference
+    process_heads = kwargs.pop("process_heads", None)
+    if kwargs:
+        raise _errors.equinox_attention_arguments(path, sorted(kwargs))
+    seq = query.shape[0]
+    q = _hook(call, f"{path}.hook_q", module._project(module.query_proj, query))
+    k = _hook(call, f"{path}.hook_k", module._project(module.key_proj, key_))
+    v = _hook(call, f"{path}.hook_v", module._project(module.value_proj, value))
+    if process_heads is not None:
+        shapes = (q.shape, k.shape, v.shape)
+        q, k, v = process_heads(q, k, v)
+        if (q.shape, k.shape, v.shape) != shapes:
+            raise _errors.equinox_process_heads_shape(path, shapes, (q.shape, k.shape, v.shape))
+    mask_axis = 0 if mask is not None and mask.ndim == 3 else None
+    if wanted(call, f"{path}.hook_attn_scores"):
+        logits = jax.vmap(_equinox_scores, in_axes=(1, 1, mask_axis))(q, k, mask)
+        logits = _hook(call, f"{path}.hook_attn_scores", logits)  # [heads, q_pos, k_pos]
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(logits.dtype, jnp.float32)
+        weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+    else:
+        weights = jax.vmap(dot_product_attention_weights, in_axes=(1, 1, mask_axis))(q, k, mask)
+    weights = _hook(call, f"{path}.hook_pattern", weights)  # [heads, q_pos, k_pos]
+    if module.dropout is not None:
+        keys = None if key is None else jax.random.split(key, q.shape[1])
+        drop = lambda w, k_: module.dropout(w, key=k_, inference=inference)
+        weights = jax.vmap(drop, in_axes=(0, None if keys is None else 0))(weights, keys)
+    per_head = lambda w, v_: jnp.einsum("sS,Sd->sd", w, v_)
+    z = jax.vmap(per_head, in_axes=(0, 1), out_axes=1)(weights, v)
+    z = _hook(call, f"{path}.hook_z", z)
+    return jax.vmap(module.output_proj)(z.reshape(seq, -1))
+
+
+def _equinox_scores(query: Any, key: Any, mask: Any) -> Any:
+    """The scaled, masked scores Equinox's ``dot_product_attention_weights`` takes the
+    softmax of, for one head: ``[q_seq, kv_seq]``."""
+    logits = jnp.einsum("sd,Sd->sS", query / math.sqrt(query.shape[-1]), key)
+    if mask is not None:
+        if mask.shape != logits.shape:
+            raise _errors.equinox_mask_shape(mask.shape, logits.shape)
+        logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+    return logits
+
+
+# ---------------------------------------------------------------------------
+# Penzai `pz.nn.Attention`: hooks at its sublayers' outputs (named axes).
+
+_SEQ, _KV_SEQ, _PROJECTION = "seq", "kv_seq", "projection"
+# Penzai's own names; "query_heads" is multi-query attention's (num_kv_heads=1), whose
+# keys and values have no head axis: their hooks get one of size 1, as one KV head.
+_HEAD_AXES = ("heads", "head_groups", "query_heads_per_group", "query_heads")
+
+
+def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
+    """The paths of Penzai's attention layers: `pz.nn.Attention`, and `KVCachingAttention`
+    (sampling mode), whose sublayers are the same; its keys and values are the new
+    tokens', its pattern over every position of the cache."""
+    try:
+        from penzai.nn.attention import Attention, KVCachingAttention
+    except ImportError:  # Penzai is optional
+        return frozenset()
+    return frozenset(p for p, m in parts if type(m) in (Attention, KVCachingAttention))
+
+
+def penzai_hook_paths(
+    parts: list[tuple[str, Any]], attentions: frozenset[str]
+) -> dict[str, tuple[str, str]]:
+    """{path of the layer whose output a hook is: (its attention's path, the hook)} for
+    each Penzai attention: queries and keys at their projection's output (the first
+    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear`` or
+    ``Affine``: before
+    the rotary embedding and the query's rescaling, as TransformerLens's ``hook_q`` and
+    ``hook_k``), values at ``input_to_value``'s, the scores at the output of the sublayer
+    before ``query_key_to_attn``'s closing ``Softmax`` (after the mask and any soft
+    cap), the pattern at ``query_key_to_attn``'s, z at the first sublayer of
+    ``attn_value_to_output``."""
+    from penzai import pz
+
+    found: dict[str, tuple[str, str]] = {}
+    for path, layer in parts:
+        if path not in attentions:
+            continue
+        for part, hook in (("input_to_query", "hook_q"), ("input_to_key", "hook_k")):
+            sublayers = getattr(getattr(layer, part), "sublayers", None)
+            linear = isinstance(sublayers, list) and bool(sublayers)
+            first = sublayers[0] if linear else None  # type: ignore[index]
+            linear = isinstance(first, (pz.nn.Linear, pz.nn.Affine))  # Affine: with its bias
+            at = ".sublayers.0" if linear else ""
+            found[f"{path}.{part}{at}"] = (path, hook)
+        found[f"{path}.input_to_value"] = (path, "hook_v")
+        found[f"{path}.query_key_to_attn"] = (path, "hook_pattern")
+        found[f"{path}.attn_value_to_output.sublayers.0"] = (path, "hook_z")
+        sublayers = getattr(layer.query_key_to_attn, "sublayers", None)
+        if isinstance(sublayers, list) and len(sublayers) > 1:
+            if isinstance(sublayers[-1], pz.nn.Softmax):
+                scores = f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"
+                found[scores] = (path, "hook_attn_scores")
+    return found
+
+
+def penzai_hook(call: Any, path: str, value: Any) -> Any:
+    """`value` (the output of the sublayer at `path`), hooked if `path` is one of an attention's parts."""
+    if path not in call.penzai_hooks:
+        return value
+    parent, which = call.penzai_hooks[path]
+    from penzai import pz
+
+    names = list(value.named_shape)
+    heads = [n for n in _HEAD_AXES if n in names]
+    per_key = which in ("hook_pattern", "hook_attn_scores")  # [..., heads, q_pos, k_pos]
+    inner = [_SEQ, _KV_SEQ] if per_key else [_SEQ, _PROJECTION]
+    shared = which in ("hook_k", "hook_v")  # keys and values may be shared by every head
+    if (not heads and not shared) or any(n not in names for n in inner):
+        raise _errors.penzai_attention_axes(parent, which, value.named_shape)
+    batch = [n for n in names if n not in heads and n not in inner]
+    order = [*batch, *heads, *inner] if per_key else [*batch, _SEQ, *heads, _PROJECTION]
+    at = len(batch) + (0 if per_key else 1)
+    head_sizes = [value.named_shape[n] for n in heads]
+
+    def to_view(named):
+        data = named.order_as(*order).unwrap(*order)
+        return data.reshape(data.shape[:at] + (-1,) + data.shape[at + len(heads) :])
+
+    def from_view(data):
+        split = data.reshape(data.shape[:at] + tuple(head_sizes) + data.shape[at + 1 :])
+        return pz.nx.wrap(split, *order)
+
+    return _hook(call, f"{parent}.{which}", value, to_view, from_view)
+
+
+# ---------------------------------------------------------------------------
+# Gemma's `Attention` (Linen): hooks at its submodules' inputs and outputs.
+
+
+def is_gemma_attention(module: Any) -> bool:
+    cls = type(module)
+    return cls.__name__ == "Attention" and cls.__module__.startswith("gemma.")
+
+
+def gemma_output_hook(call: Any, path: str, name: str, out: Any) -> Any:
+    """The output of the submodule `name` of the Gemma attention at `path`, hooked."""
+    if name == "qkv_einsum":  # [3, B, T, N, H]
+        q, k, v = (_hook(call, f"{path}.hook_{n}", out[i]) for i, n in enumerate("qkv"))
+        return jnp.stack([q, k, v])
+    if name == "q_einsum":
+        return _hook(call, f"{path}.hook_q", out)
+    if name == "kv_einsum":  # [2, B, S, K, H]
+        k, v = _hook(call, f"{path}.hook_k", out[0]), _hook(call, f"{path}.hook_v", out[1])
+        return jnp.stack([k, v])
+    if name == "attention_weights":  # [B, T, N, S]: the pattern wants [B, N, T, S]
+        swap = lambda a: jnp.swapaxes(a, -3, -2)
+        return _hook(call, f"{path}.hook_pattern", out, swap, swap)
+    return out
+
+
+def gemma_input_hook(call: Any, path: str, name: str, args: tuple) -> tuple:
+    """The arguments of the submodule `name` of the Gemma attention at `path`, hooked:
+    `attn_vec_einsum(eqn, z)` receives z, [B, T, N, H]."""
+    if name != "attn_vec_einsum" or len(args) < 2:
+        return args
+    return (args[0], _hook(call, f"{path}.hook_z", args[1]), *args[2:])
+
+
+# ---------------------------------------------------------------------------
+# Sweeps over heads: which axis is which, and axes that would sweep features.
+
+_HEAD_SHAPED = {"hook_q", "hook_k", "hook_v", "hook_z"}  # [..., seq, heads, d_head]
+_LABELS = {
+    "head_shaped": {-3: "position", -2: "head", -1: "d_head"},
+    "hook_pattern": {-3: "head", -2: "query position", -1: "key position"},
+    "stream": {-2: "position", -1: "d_model"},  # [..., pos, d_model]
+    "neurons": {-2: "position", -1: "neuron"},  # an MLP's hidden layer: [..., pos, d_mlp]
+}
+# TransformerLens's names of the residual stream and what is added to it.
+_STREAM = {
+    "hook_resid_pre",
+    "hook_resid_mid",
+    "hook_resid_post",
+    "hook_attn_out",
+    "hook_mlp_out",
+    "hook_embed",
+    "hook_pos_embed",
+}
+# Equinox's MultiheadAttention projects to, and from, every head's features merged.
+_MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
+_MERGED_IN = {".output_proj:in": "hook_z"}
+
+
+def _family(name: str) -> str | None:
+    leaf = name.rpartition(".")[2]
+    if leaf in _HEAD_SHAPED:
+        return "head_shaped"
+    if leaf in _STREAM:
+        return "stream"
+    if name.endswith((".mlp.hook_pre", ".mlp.hook_post")):
+        return "neurons"
+    return "hook_pattern" if leaf in ("hook_pattern", "hook_attn_scores") else None
+
+
+def _ndim(value: Any) -> int:
+    return int(jnp.ndim(jax.tree_util.tree_leaves(value)[0]))
+
+
+def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None) -> None:
+    """Raises if a sweep's `axes` would index merged head features, or a hook's d_head axis.
+
+    `swept` holds (name, one occurrence's value) for each swept site.
+    """
+    if axes is None:
+        return
+    for name, value in swept:
+        ndim = _ndim(value)
+        negative = {a - ndim if a >= 0 else a for a in axes}
+        hook = next((h for s, h in {**_MERGED, **_MERGED_IN}.items() if name.endswith(s)), None)
+        if hook is not None and -1 in negative:
+            base = name.removesuffix(":in").rpartition(".")[0]
+            raise _errors.merged_head_axis(name, axes, f"{base}.{hook}")
+        if _family(name) == "head_shaped" and -1 in negative:
+            raise _errors.d_head_axis(name, axes)
+
+
+def axis_labels(
+    swept: list[tuple[str, Any]], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """What each swept axis is ("head", "position", ...) when every swept site is one kind of
+    hook, else None."""
+    if axes is None or not swept:
+        return None
+    families = {_family(n) for n, _ in swept}
+    ndims = {_ndim(v) for _, v in swept}
+    if len(families) != 1 or None in families or len(ndims) != 1:
+        return None
+    table, ndim = _LABELS[families.pop() or ""], ndims.pop()
+    labels = [table.get(a - ndim if a >= 0 else a) for a in axes]
+    return None if None in labels else tuple(str(label) for label in labels)

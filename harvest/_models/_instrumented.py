@@ -1,0 +1,221 @@
+"""`Instrumented`: the callable `instrument` returns, and how it flattens as a pytree.
+
+A call makes one `InstrumentCall` (`_call.py`) and runs the target
+with the sites it selects: a module target with its submodule classes wrapped
+(`_classes.py`), a function through Linen's interceptor
+(`_linen.py`), and with ops=True through the op sites' trace
+(`_op_sites.py`). A Penzai model, which can hold state, is an
+`InstrumentedPenzai` (`_penzai.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from .. import _errors
+from . import _attention, _transformer_lens
+from ._attention import HOOKS
+from ._call import INPUTS, InstrumentCall
+from ._classes import with_modules
+from ._linen import run_linen
+from ._module_paths import describe, submodules
+from ._op_sites import sow_ops
+
+
+class Instrumented:
+    """`target`, callable as before, with its parts sown under `tag`.
+
+    A pytree whose child is the target (for a module), so transformations that
+    take it as an argument or bound object trace the model's arrays; a function
+    target is static, by identity (what it closes over is read when it is
+    traced, as `jax.jit(f)` reads it), but a ``functools.partial``'s arguments,
+    which are the call's. Only a Penzai model can hold state of its own
+    (`InstrumentedPenzai`); any other target is not `Stateful`, so a harvest call
+    looks for no state in it.
+    """
+
+    def __init__(
+        self,
+        target,
+        kind,
+        tag,
+        ops,
+        inputs,
+        select,
+        where,
+        attention=False,
+        names=None,
+        leaves=None,
+    ):
+        self._target = target
+        # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
+        self._leaves = leaves
+        self._rebuilt = False  # whether `target` was rebuilt from `_leaves`
+        self._kind = kind
+        self._tag = tag
+        self._ops = ops
+        self._inputs = inputs
+        self._attention = attention
+        self._names = names  # a naming of `_transformer_lens`, or None
+        self._select = select
+        self._where = where
+        # Penzai: (the variables, their values, the frozen model's arrays, its structure).
+        self._frozen = None
+        if leaves is None:
+            functools.update_wrapper(self, target, updated=())  # `inspect.signature` shows target's
+
+    @property
+    def target(self):
+        if self._leaves is not None:
+            tree, leaves = self._leaves
+            self._target, self._leaves, self._rebuilt = tree.unflatten(leaves), None, True
+        return self._target
+
+    @target.setter
+    def target(self, value):
+        self._target, self._leaves, self._frozen = value, None, None
+
+    def _static(self):
+        return (
+            self._kind,
+            self._tag,
+            self._ops,
+            self._inputs,
+            self._select,
+            self._where,
+            self._attention,
+            self._names,
+        )
+
+    def tree_flatten(self):
+        if self._kind == "function":
+            if type(self._target) is functools.partial:
+                # Its arguments are the call's, as harvest takes a partial's: arrays traced.
+                target = self._target
+                return [target.args, target.keywords], (
+                    "partial",
+                    target.func,
+                    self._static(),
+                    None,
+                )
+            return (), ("function", _Identity(self.target), self._static(), None)
+        return self._children(), ("tree", None, self._static(), None)
+
+    def tree_flatten_with_keys(self):
+        if self._kind == "function":
+            children, aux = self.tree_flatten()
+        else:
+            children, aux = self._children(), ("tree", None, self._static(), None)
+        return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
+
+    def _children(self):
+        return (self.target,)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        form, data, static, layout = aux
+        if form == "function":
+            return cls(data.value, *static)
+        if form == "partial":
+            return cls(functools.partial(data, *children[0], **children[1]), *static)
+        if form == "leaves":
+            return cls(None, *static, leaves=(data, list(children)))
+        return cls(children[0], *static)
+
+    def __repr__(self):
+        return (
+            f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
+            f"inputs={self._inputs}, attention={self._attention}"
+            + ("" if self._names is None else f", names={self._names!r}")
+            + ")"
+        )
+
+    def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
+        call = InstrumentCall(
+            self._tag,
+            self._select,
+            self._ops,
+            self._inputs,
+            {},
+            kind=self._kind,
+            attention=self._attention,
+        )
+        if self._kind == "function":
+            if self._names is not None:  # gemma's blocks, named as they run
+                call.residual = _transformer_lens.Names()
+            run = functools.partial(run_linen, call, self.target)
+        else:
+            parts = submodules(self.target, self._kind)
+            if self._names is not None:  # TransformerLens's names only
+                call.residual = _transformer_lens.names_of(parts, self._kind, describe(self.target))
+                names = call.residual.all_names(self._attention)
+            else:
+                names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+            if self._attention and self._names is None:
+                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
+            if (
+                self._where is not None
+                and not self._ops
+                and not any(self._select((n,)) for n in names)
+            ):
+                raise _errors.instrument_where_selects_no_submodule(self._where, names)
+            # Every module is wrapped (with ops=True its path names the ops inside,
+            # whatever `where` selects); `sow` keeps to the selected ones.
+            call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
+            call.known = frozenset(call.paths.values())
+            self._prepare(call, parts, names, args, kwargs)
+            marked = (
+                [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+            )
+            if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
+                call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
+            run = functools.partial(
+                with_modules, call, {type(m) for _, m in parts}, marked, self.target
+            )
+        if self._ops:
+            out = self._sow_ops(run, call, args, kwargs)
+        else:
+            out = run(*args, **kwargs)
+        if call.residual is not None and not call.residual.inputs:
+            raise _errors.no_transformer_blocks(describe(self.target), self._kind)
+        if not call.sown:
+            raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
+        return out
+
+    def _prepare(self, call, parts, names, args, kwargs):
+        """Fills in what `call` needs beyond the paths of `parts` before the model runs
+        (nothing here; a Penzai model's call more, `InstrumentedPenzai`)."""
+
+    def _sow_ops(self, run, call, args, kwargs):
+        return sow_ops(run, call, args, kwargs)
+
+
+def register(cls: type[Instrumented]) -> None:
+    """Registers `cls` (`Instrumented` or a subclass) as a pytree."""
+    jax.tree_util.register_pytree_with_keys(
+        cls, cls.tree_flatten_with_keys, cls.tree_unflatten, flatten_func=cls.tree_flatten
+    )
+
+
+register(Instrumented)
+
+
+class _Identity:
+    """A function target in a pytree's structure: compared and hashed by identity, as
+    `jax.jit` keys the function it is given (a bound method's object may be unhashable)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and self.value is other.value
+
+    def __hash__(self):
+        return id(self.value)

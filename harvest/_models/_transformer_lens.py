@@ -1,0 +1,484 @@
+"""TransformerLens's hook names (`instrument(..., names="transformer_lens")`).
+
+With the naming asked for, a call sows TransformerLens's names only (the keys of
+its ``ActivationCache``), not the module paths: each transformer block found in
+the model, numbered ``i`` in the model's order, gets
+
+* ``blocks.{i}.hook_resid_pre``: the block's input (the stream it reads; layer 0's
+  is the embeddings' sum, whatever computed it);
+* ``blocks.{i}.hook_attn_out``: what attention adds to the stream;
+* ``blocks.{i}.hook_resid_mid``: the stream after that addition (blocks with an MLP);
+* ``blocks.{i}.hook_mlp_out``: what the MLP adds to the stream;
+* ``blocks.{i}.hook_resid_post``: the block's output;
+* ``blocks.{i}.mlp.hook_pre`` / ``hook_post``: the MLP's first linear map's output
+  and its last one's input (`mlp_hooks`; Penzai's gated feed-forward layers:
+  the gate's output, ``hook_pre_linear`` the other branch's, `_add_penzai_mlp`);
+
+and the model ``hook_embed`` and ``hook_pos_embed`` (the outputs of its embedding
+modules outside the blocks, `_embeddings`). With ``attention=True``, the
+block's attention hooks are ``blocks.{i}.attn.hook_q`` (and ``_k``, ``_v``,
+``_z``, ``_attn_scores``, ``_pattern``, `_attention.py`).
+
+Each is sown where the value is, so a plant there changes what the block
+computes with. Three kinds of block are read:
+
+* Penzai: a layer whose sublayers are two ``pz.nn.Residual``, the first holding
+  an attention layer (the llama-like blocks of ``penzai.models.transformer``,
+  its Gemma's among them), or one (attention only); or a parallel block, one
+  ``BranchAndAddTogether`` of the identity, the attention's branch and the MLP's
+  (GPT-NeoX's: TransformerLens's ``parallel_attn_mlp``, no ``resid_mid``). Every
+  name is a layer's input or output.
+* Flax NNX and Equinox: a module with one attention submodule
+  (``nnx.MultiHeadAttention``, ``eqx.nn.MultiheadAttention``) and one submodule
+  named ``mlp`` (TransformerLens's own name), whose forward adds the attention's
+  output to its input, as GPT-2's ``x = x + attn(ln_1(x))`` does; or, attention
+  only (TransformerLens's ``attn_only``), an element of a list with one attention
+  submodule and no ``mlp``. ``resid_mid`` is not a submodule's output there, so
+  it is sown beside the attention's output as ``resid_pre + attn_out``; a value
+  planted there moves the attention's output by the difference, so the block's
+  own addition gives the planted value (up to rounding). That extra addition can
+  change how XLA compiles the attention's last product, and so the model's
+  outputs in their last bits; leaving ``resid_mid`` out (``where``) keeps them
+  bit for bit. A block seen computing otherwise is refused (`_check_sequential`):
+  one that hands its attention's output to another submodule before adding it,
+  a parallel block whose MLP reads its input, an attention given keys or values
+  other than its queries. A list element with two attention submodules (a
+  decoder's self- and cross-attention) is refused when the model is instrumented.
+* gemma's ``Block`` (Linen, in a function target), named as it starts to run:
+  its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from .. import _errors
+from . import _attention
+
+NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
+
+# What a TransformerLens name looks like: every other site is left out of a call with names.
+_TL_NAME = re.compile(r"(hook_embed|hook_pos_embed|blocks\.\d+\.((attn|mlp)\.)?hook_\w+)")
+MLP_HOOKS = ("hook_pre", "hook_post")
+PARALLEL = "<parallel>"  # a block's resid_mid part where it has none (attention beside the MLP)
+
+
+def is_tl_name(name: str) -> bool:
+    """Whether `name` is one of TransformerLens's hook names (an `ActivationCache` key)."""
+    return _TL_NAME.fullmatch(name) is not None
+
+
+@dataclasses.dataclass
+class Names:
+    """One call's TransformerLens names: which part (by path) each is sown at."""
+
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)  # block -> its resid_pre
+    outputs: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # part -> names
+    # NNX, Equinox and gemma, where resid_mid is computed: attn_out's part -> (block, name).
+    mids: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    hooks: dict[str, str] = dataclasses.field(default_factory=dict)  # attention -> blocks.{i}.attn
+    # NNX and Equinox: attention -> its block, for the self-attention check.
+    blocks: dict[str, str] = dataclasses.field(default_factory=dict)
+    # An MLP's linear maps: mlp path -> (blocks.{i}.mlp, its linear parts' paths).
+    mlps: dict[str, tuple[str, tuple[str, ...]]] = dataclasses.field(default_factory=dict)
+    linears: dict[str, str] = dataclasses.field(default_factory=dict)  # linear part -> its mlp
+    called: dict[str, int] = dataclasses.field(default_factory=dict)  # mlp -> linears run so far
+    streams: dict[str, Any] = dataclasses.field(default_factory=dict)  # block path -> its input
+    # For the structure check: block path -> what its attn_out part received, and returned.
+    attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
+
+    def all_names(self, attention: bool) -> list[str]:
+        """Every name these give (the attention hooks' with attention=True)."""
+        names = [*self.inputs.values(), *(n for ns in self.outputs.values() for n in ns)]
+        names += [name for _, name in self.mids.values()]
+        for prefix, linears in self.mlps.values():
+            names += [f"{prefix}.{h}" for h in mlp_hooks(len(linears))]
+        if attention:
+            names += [f"{alias}.{h}" for alias in self.hooks.values() for h in _attention.HOOKS]
+        return names
+
+
+def mlp_hooks(linears: int) -> tuple[str, ...]:
+    """The MLP hooks an MLP of `linears` linear maps gets: ``hook_post`` (its last map's
+    input) from two on, ``hook_pre`` (its first map's output) with exactly two (with three,
+    a gated MLP's, which map is the gate is not known)."""
+    return MLP_HOOKS if linears == 2 else MLP_HOOKS[1:] if linears > 2 else ()
+
+
+def check_naming(names: Any, kind: str, target: str, inputs: bool) -> None:
+    """Raises unless `names` is None, or a naming this module knows for a target of `kind`."""
+    if names is None:
+        return
+    if names not in NAMINGS:
+        raise _errors.unknown_naming(names, NAMINGS)
+    if kind not in ("nnx", "equinox", "penzai", "function"):
+        raise _errors.no_transformer_blocks(target, kind)
+    if inputs:
+        raise _errors.transformer_lens_inputs()
+
+
+def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
+    """The TransformerLens names of the blocks among `parts` ((path, module), the
+    model's order); raises if there is none, or a block TransformerLens's names
+    do not describe."""
+    blocks = _penzai_blocks(parts) if kind == "penzai" else _module_blocks(parts, kind)
+    if not blocks:
+        raise _errors.no_transformer_blocks(target, kind)
+    table = Names()
+    for block in blocks:
+        _add(table, *block)
+        if kind != "penzai":  # (query, key, value) arguments: checked to be one array
+            table.blocks[block[1]] = block[0]
+    inside = tuple(b[0] + "." for b in blocks)
+    outside = [(p, m) for p, m in parts if not p.startswith(inside) and p not in table.inputs]
+    for path, name in _embeddings(outside, kind).items():
+        table.outputs.setdefault(path, []).append(name)
+    for found in blocks:
+        mlp, name = found[4], table.inputs[found[0]].rpartition(".")[0]
+        if mlp is not None and kind == "penzai":
+            _add_penzai_mlp(table, parts, f"{name}.mlp", mlp)
+        elif mlp is not None:
+            _add_mlp(table, parts, name, mlp)
+    return table
+
+
+def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, delta: str) -> None:
+    """Names the MLP hooks of the Penzai feed-forward layer under `delta` (a block's MLP
+    branch): ``hook_post`` the output of the sublayer before its last ``Linear`` (or
+    ``Affine``); ``hook_pre`` its first one's output, or a gated one's (``BranchAndMultiplyTogether``
+    of a group named "gate" and a linear branch) the gate's, ``hook_pre_linear`` the other's."""
+    from penzai import pz
+
+    found = [(p, m) for p, m in parts if p.startswith(delta + ".") and _is_feed_forward(m)]
+    if len(found) != 1:
+        return
+    path, layer = found[0]
+    sublayers = layer.sublayers
+    linear = (pz.nn.Linear, pz.nn.Affine)  # Affine: a Linear and its bias (GPT-NeoX's)
+    if len(sublayers) < 2 or not isinstance(sublayers[-1], linear):
+        return
+    hooks = {f"{path}.sublayers.{len(sublayers) - 2}": "hook_post"}
+    first = sublayers[0]
+    if isinstance(first, linear):
+        hooks[f"{path}.sublayers.0"] = "hook_pre"
+    elif isinstance(first, pz.nn.BranchAndMultiplyTogether) and len(first.branches) == 2:
+        gates = [getattr(b, "name", None) == "gate" for b in first.branches]
+        for i, branch in enumerate(first.branches):
+            at = f"{path}.sublayers.0.branches.{i}"
+            if isinstance(getattr(branch, "sublayers", None), list) and branch.sublayers:
+                branch, at = branch.sublayers[0], f"{at}.sublayers.0"
+            if sum(gates) == 1 and isinstance(branch, pz.nn.Linear):
+                hooks[at] = "hook_pre" if gates[i] else "hook_pre_linear"
+    for part, hook in hooks.items():
+        table.outputs.setdefault(part, []).append(f"{prefix}.{hook}")
+
+
+def _is_feed_forward(layer: Any) -> bool:
+    cls = type(layer)
+    return cls.__name__ == "TransformerFeedForward" and cls.__module__.startswith("penzai.")
+
+
+def _add(
+    table: Names,
+    path: str,
+    attention: str,
+    attn_out: str,
+    mid: str | None,
+    mlp_out: str | None,
+) -> None:
+    """Names the next block of `table`: the block at `path`, the parts whose outputs are
+    attn_out, resid_mid (None: computed; PARALLEL: none, a parallel block's) and mlp_out
+    (None: attention only), its attention at `attention`."""
+    name = f"blocks.{len(table.inputs)}"
+    table.inputs[path] = f"{name}.hook_resid_pre"
+    for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
+        if part is not None:
+            table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
+    if mlp_out is None or mid == PARALLEL:  # TransformerLens's `attn_only` and
+        pass  # `parallel_attn_mlp` blocks have no resid_mid
+    elif mid is None:
+        table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
+    else:
+        table.outputs.setdefault(mid, []).append(f"{name}.hook_resid_mid")
+    table.hooks[attention] = f"{name}.attn"
+
+
+def _add_mlp(table: Names, parts: list[tuple[str, Any]], block: str, mlp: str) -> None:
+    """Notes the linear maps of the MLP at `mlp` (of the block named `block`), for its hooks."""
+    linears = tuple(p for p, m in parts if p.startswith(mlp + ".") and _is_linear(m))
+    if len(linears) < 2:
+        return
+    table.mlps[mlp] = (f"{block}.mlp", linears)
+    for path in linears:
+        table.linears[path] = mlp
+
+
+def _is_linear(module: Any) -> bool:
+    """A linear map an MLP is built of: NNX's ``Linear``, ``LinearGeneral``, ``Einsum``,
+    Equinox's ``Linear``."""
+    try:
+        from flax import nnx
+
+        if isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
+            return True
+    except ImportError:  # Flax is optional
+        pass
+    try:
+        import equinox
+    except ImportError:  # Equinox is optional
+        return False
+    return isinstance(module, equinox.nn.Linear)
+
+
+def gemma_block(call: Any, path: str, module: Any) -> None:
+    """Names the Linen module at `path` as the next block if it is gemma's `Block`, as it
+    starts to run (a function target's modules are known only then). Its forward (gemma
+    3's `Block.__call__`): `attn_out` is the attention's output after the optional
+    post-attention norm, added to the input; `mlp_out` the MLP's after the optional
+    post-MLP norm, added to that; the block and its attention return `(cache, x)`."""
+    table = call.residual
+    cls = type(module)
+    if table is None or path in table.inputs or cls.__name__ != "Block":
+        return
+    if not cls.__module__.startswith("gemma."):
+        return
+    attn_out = f"{path}.post_attention_norm" if module.use_post_attn_norm else f"{path}.attn"
+    mlp_out = f"{path}.post_ffw_norm" if module.use_post_ffw_norm else f"{path}.mlp"
+    _add(table, path, f"{path}.attn", attn_out, None, mlp_out)
+    table.pairs.update((path, f"{path}.attn"))
+
+
+# (block, its attention, the part whose output is attn_out, the part whose output is
+# resid_mid or None where it is computed (PARALLEL: none), the part whose output is mlp_out
+# or None), by path.
+_Block = tuple[str, str, str, str | None, str | None]
+
+
+def _is_attention(module: Any, kind: str) -> bool:
+    if kind == "equinox":
+        return _attention.is_equinox_attention(module)
+    return _attention.flax_kind(module) == "nnx"
+
+
+def _module_blocks(parts: list[tuple[str, Any]], kind: str) -> list[_Block]:
+    """(block, attention, attn_out part, None, mlp_out part or None) of each NNX or Equinox
+    block; raises for a list element with more than one attention submodule."""
+    attentions: dict[str, list[str]] = {}  # parent path -> its attention submodules
+    mlps: dict[str, list[str]] = {}  # parent path -> its submodules named mlp
+    for path, module in parts:
+        parent, _, leaf = path.rpartition(".")
+        if _is_attention(module, kind):
+            attentions.setdefault(parent, []).append(path)
+        if leaf == "mlp":
+            mlps.setdefault(parent, []).append(path)
+    found: list[_Block] = []
+    for path, _ in parts:
+        attention, mlp = attentions.get(path, []), mlps.get(path, [])
+        listed = path.rpartition(".")[2].isdigit()  # an element of a list of blocks
+        if len(attention) > 1 and listed:
+            raise _errors.transformer_lens_two_attentions(path, attention)
+        if len(attention) == 1 and len(mlp) == 1:
+            found.append((path, attention[0], attention[0], None, mlp[0]))
+        elif len(attention) == 1 and not mlp and listed:
+            found.append((path, attention[0], attention[0], None, None))
+    return found
+
+
+def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
+    """(block, attention, attn_out part, resid_mid part, mlp_out part) of each Penzai block."""
+    from penzai import pz
+
+    attentions = _attention.penzai_attention_paths(parts)
+    found: list[_Block] = []
+    for path, layer in parts:
+        sublayers = getattr(layer, "sublayers", None)
+        parallel = _penzai_parallel(path, layer, attentions)
+        if parallel is not None:
+            found.append(parallel)
+            continue
+        if not (
+            isinstance(sublayers, list)
+            and len(sublayers) in (1, 2)
+            and all(isinstance(s, pz.nn.Residual) for s in sublayers)
+        ):
+            continue
+        first = f"{path}.sublayers.0"
+        inside = [a for a in sorted(attentions) if a.startswith(first + ".")]
+        if len(inside) != 1:
+            continue
+        if len(sublayers) == 1:  # attention only
+            found.append((path, inside[0], f"{first}.delta", None, None))
+            continue
+        second = f"{path}.sublayers.1"
+        if not any(a.startswith(second + ".") for a in attentions):
+            found.append((path, inside[0], f"{first}.delta", first, f"{second}.delta"))
+    return found
+
+
+def _penzai_parallel(path: str, layer: Any, attentions: frozenset[str]) -> _Block | None:
+    """A Penzai parallel block (GPT-NeoX's, TransformerLens's `parallel_attn_mlp`): one
+    ``BranchAndAddTogether`` of the identity, a branch holding the attention and one
+    holding none, so ``x + attn(...) + mlp(...)``; None for any other layer."""
+    from penzai import pz
+
+    sublayers = getattr(layer, "sublayers", None)
+    if not (isinstance(sublayers, list) and len(sublayers) == 1):
+        return None
+    add = sublayers[0]
+    if not isinstance(add, pz.nn.BranchAndAddTogether) or len(add.branches) != 3:
+        return None
+    if not isinstance(add.branches[0], pz.nn.Identity):
+        return None
+    at = f"{path}.sublayers.0.branches"
+    attn = [a for a in sorted(attentions) if a.startswith(f"{at}.1.")]
+    if len(attn) != 1 or any(a.startswith(f"{at}.2.") for a in attentions):
+        return None
+    return (path, attn[0], f"{at}.1", PARALLEL, f"{at}.2")
+
+
+def _embeddings(outside: list[tuple[str, Any]], kind: str) -> dict[str, str]:
+    """{path: "hook_embed" or "hook_pos_embed"} for the embedding modules outside the
+    blocks: one is the token embedding; of two, the one whose name has "pos" (or is
+    GPT-2's "wpe") is the positional one. Any other number names none."""
+    found = [p for p, m in outside if _is_embedding(m, kind)]
+
+    def positional(path: str) -> bool:
+        leaf = path.rpartition(".")[2].lower()
+        return "pos" in leaf or leaf == "wpe"
+
+    if len(found) == 1 and not positional(found[0]):
+        return {found[0]: "hook_embed"}
+    if len(found) == 2 and positional(found[0]) != positional(found[1]):
+        return {p: "hook_pos_embed" if positional(p) else "hook_embed" for p in found}
+    return {}
+
+
+def _is_embedding(module: Any, kind: str) -> bool:
+    cls = type(module)
+    if kind == "penzai":
+        return cls.__name__ == "EmbeddingLookup" and cls.__module__.startswith("penzai.")
+    if kind == "equinox":
+        return cls.__name__ == "Embedding" and cls.__module__.startswith("equinox.")
+    return cls.__name__ == "Embed" and cls.__module__.startswith("flax.nnx")
+
+
+# ---------------------------------------------------------------------------
+# Sowing the names, from `instrument`'s call of each part.
+
+
+def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` of the part at `path`: a block's first (the stream) sown as resid_pre, the
+    last linear map of an MLP's first as its hook_post; a block's other parts checked to
+    compute as the names assume (`_check_sequential`)."""
+    table = call.residual
+    if table is None:
+        return args
+    if path in table.blocks:
+        _check_self_attention(table, path, args)
+    if table.mids:
+        _check_sequential(call, table, path, args)
+    if path in table.mlps:
+        table.called[path] = 0
+    elif path in table.linears and args:
+        return _linear_input(call, table, path, args)
+    name = table.inputs.get(path)
+    if name is None or not args:
+        return args
+    stream = call.sow(name, args[0])
+    table.streams[path] = stream
+    table.attention_args.pop(path, None)  # from the block's last call, if it runs again
+    table.attention_out.pop(path, None)
+    return (stream, *args[1:])
+
+
+def _linear_input(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` of an MLP's linear map: the last one's input sown as the MLP's hook_post."""
+    mlp = table.linears[path]
+    prefix, linears = table.mlps[mlp]
+    index = table.called.get(mlp, 0)
+    table.called[mlp] = index + 1
+    if index != len(linears) - 1:
+        return args
+    return (call.sow(f"{prefix}.hook_post", args[0]), *args[1:])
+
+
+def _check_self_attention(table: Names, path: str, args: tuple[Any, ...]) -> None:
+    """Raises where a block's attention is given keys or values other than its queries
+    (cross-attention), which TransformerLens's block hooks do not describe."""
+    given = [a for a in args[:3] if getattr(a, "shape", None) is not None]
+    if any(a is not given[0] for a in given[1:]):
+        raise _errors.transformer_lens_cross_attention(table.blocks[path], path)
+
+
+def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
+    """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not
+    to add its attention's output straight to its input, then run its MLP on the sum,
+    which `attn_out` and `resid_mid` assume: a part that takes the attention's output (a
+    norm after attention in an NNX block; gemma's Block names its own as attn_out), or,
+    after the attention, a part that takes the block's input or what the attention took
+    (a parallel block, GPT-J's, whose MLP does not read `resid_mid`)."""
+    if path in table.mids:
+        table.attention_args[table.mids[path][0]] = args
+        return
+    block = next((b for b in table.attention_out if path.startswith(b + ".")), None)
+    if block is None:
+        return
+    attention_out = table.attention_out[block]
+    earlier = (table.streams.get(block), *table.attention_args.get(block, ()))
+    for arg in args:
+        if arg is attention_out:
+            raise _errors.attention_output_not_added(block, path)
+        if any(arg is e for e in earlier if e is not None) and call.select(
+            (table.mids[_attention_of(table, block)][1],)
+        ):
+            raise _errors.parallel_block(block, path)
+
+
+def _attention_of(table: Names, block: str) -> str:
+    return next(a for a, (b, _) in table.mids.items() if b == block)
+
+
+def part_output(call: Any, path: str, value: Any) -> Any:
+    """`value` (the output of the part at `path`) sown under its TransformerLens names."""
+    table = call.residual
+    if table is None:
+        return value
+    if path in table.pairs and isinstance(value, tuple) and len(value) == 2:
+        cache, stream = value
+        return (cache, _stream_output(call, table, path, stream))
+    if path in table.linears:
+        mlp = table.linears[path]
+        prefix, linears = table.mlps[mlp]
+        if len(linears) == 2 and table.called.get(mlp) == 1:  # the first map's output
+            value = call.sow(f"{prefix}.hook_pre", value)
+    return _stream_output(call, table, path, value)
+
+
+def _stream_output(call: Any, table: Names, path: str, value: Any) -> Any:
+    """`value`, the stream's part that the part at `path` gives, sown under its names."""
+    for name in table.outputs.get(path, ()):
+        value = call.sow(name, value)
+    if path in table.mids:
+        block, name = table.mids[path]
+        value = _resid_mid(call, name, table.streams[block], value)
+        table.attention_out[block] = value
+    return value
+
+
+def _resid_mid(call: Any, name: str, resid_pre: Any, attn_out: Any) -> Any:
+    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way."""
+    if not call.select((name,)):
+        return attn_out
+    if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
+        raise _errors.residual_shapes(name, resid_pre, attn_out)
+    mid = resid_pre + attn_out
+    sown = call.sow(name, mid)
+    # Unplanted, `sown - mid` is exactly zero, so the block adds what it did (XLA may
+    # compile the attention's last product differently for the extra add: gemma's
+    # outputs then differ in their last bits). Planted, the block's own
+    # `resid_pre + attn_out` gives the planted value, up to rounding.
+    return attn_out + (sown - mid)

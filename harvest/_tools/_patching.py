@@ -1,0 +1,459 @@
+"""The sweeps: `patching_sweep` (every patch, compiled and vmapped) and `attribution_patching`.
+
+Both find the sites to patch from one trace of the corrupted run (`sites`'
+view of the program, so a site in a loop or inside a shard_map is swept once
+per occurrence as reap stacks it; which ones, and with which clean values, is
+`_sweep_plan`'s), patch through `plant`, and run as one compiled program per
+configuration, through the function's one `jax.jit` (`_calling`).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _errors
+from .._calling._jit import compiled_on_arrays, rewrap, unwrap
+from .._calling._nnx_state import splits_verified_once
+from .._calling._traced_code import TracedCode, can_be_data
+from .._calling._transforms import plant, reap
+from .._typing import NameSelect, Reaped
+from .._walk._paths import nested_dict, path_str
+from .._walk._sow import DEFAULT_TAG
+from ._interventions import AddRow, AddVector, PatchOccurrence, PatchWhere
+from ._result import PatchingResult
+from ._sweep_plan import Plan, batch_cleans, planned, site_value
+
+if TYPE_CHECKING:
+    from jax.typing import ArrayLike
+
+
+def _scalar(m):
+    if jnp.shape(m) != ():
+        raise _errors.metric_not_scalar(jnp.shape(m))
+    return m
+
+
+def _positions(size: tuple[int, ...] | None, axis: Any) -> Any:
+    """The indices along the swept axis (a tuple of them, one per axis, for several
+    axes): fresh arrays each call, as the result's own."""
+    if size is None:
+        return None
+    labels = tuple(np.arange(n) for n in size)
+    return labels if isinstance(axis, (tuple, list)) else labels[0]
+
+
+def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
+    """`items`, under a tqdm progress bar if `progress` (None: only for several
+    steps in a terminal or notebook, and only once the run has taken a second)."""
+    auto = progress is None
+    if auto:
+        progress = len(items) > 1 and _interactive()
+    if not progress:
+        return items
+    try:
+        from tqdm.auto import tqdm  # type: ignore[import-untyped]
+    except ImportError:
+        if auto:
+            return items
+        raise _errors.needs_extra(f"{caller}(progress=True)", "tqdm", "patching") from None
+    return tqdm(items, desc=caller, unit="chunk", delay=1.0 if auto else 0.0, leave=not auto)
+
+
+def _interactive() -> bool:
+    """Whether a person is watching: a terminal on stderr, or a Jupyter kernel."""
+    ipython = sys.modules.get("IPython")
+    shell = (
+        ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    )
+    if getattr(shell, "kernel", None) is not None:
+        return True
+    return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+
+
+# ---------------------------------------------------------------------------
+# The sweep.
+
+
+def _splits_checked_once(sweep: Callable[..., PatchingResult]) -> Callable[..., PatchingResult]:
+    """``sweep`` checking each NNX split once per call: finding the sites and
+    running the program both split the model, with no user code between."""
+
+    @functools.wraps(sweep)
+    def checked_once(*args: Any, **kwargs: Any) -> PatchingResult:
+        with splits_verified_once():
+            return sweep(*args, **kwargs)
+
+    return checked_once
+
+
+@_splits_checked_once
+def patching_sweep(
+    f: Callable[..., Any],
+    clean: Reaped | list[Reaped],
+    corrupted_args: tuple[Any, ...] | list[tuple[Any, ...]],
+    metric: Callable[[Any], ArrayLike],
+    *,
+    tag: str = DEFAULT_TAG,
+    names: NameSelect = None,
+    axis: int | tuple[int, ...] | None = None,
+    batch_size: int | None = None,
+    progress: bool | None = None,
+) -> PatchingResult:
+    """Patches each clean activation into the corrupted run, one at a time, and measures the effect.
+
+    For every chosen site, and every index along ``axis`` of its sown value if
+    ``axis`` is given (e.g. token position), the corrupted run
+    ``f(*corrupted_args)`` gets the clean value there and keeps its own
+    everywhere else. A site that fires ``k`` times per call (mode ``append`` in
+    a ``scan``, e.g. scan-over-layers; any mode once per shard of a
+    ``shard_map``, as ``sites`` counts it) gives ``k`` rows, ``name[0]`` ...
+    ``name[k-1]``, each patching that occurrence alone; ``axis`` counts the
+    axes of one occurrence's value. All patches run as one compiled, vmapped
+    computation over one-hot selections.
+
+    The compiled program is kept and reused by later calls with the same
+    ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
+    argument shapes (and equal non-array arguments): a repeated sweep on new
+    data only runs. ``f`` is read as ``jax.jit(f)`` reads it: a module (NNX
+    or Equinox) or a bound method of one is data, so weights changed in place
+    are read at every call without compiling again; what a plain function
+    closes over is read when it is traced. The metric is keyed by its code and
+    what it closes over, so a fresh lambda each sweep does not recompile. The
+    program is ``f``'s one ``jax.jit``'s (emptied by ``harvest.clear_caches()``),
+    and the sites to patch are found once per ``f``, argument shapes and dtypes,
+    an NNX module's graph definition and non-array values, so a repeated sweep
+    does not trace ``f`` again.
+
+    A sweep is a measurement: an NNX module that changes its own state when
+    called (a counter, a ``BatchNorm`` in training mode, an RNG stream) has
+    the baseline and every patched run start from the state it has, and
+    nothing they change is written back to it.
+
+    Args:
+        f: The model: a function, an NNX or Equinox module, or a bound method
+            of one, whose sows of ``tag`` are the sites.
+        clean: ``reap(f, tag=tag)(*clean_args)``, the clean run's values. For a
+            dataset, the list of one such dict per batch.
+        corrupted_args: The tuple of ``f``'s positional arguments for the
+            corrupted run, e.g. ``(tokens,)``. For a dataset, a list of such
+            tuples, one per batch: the result is the mean over batches.
+        metric: Maps ``f``'s output to a scalar (reduce a batch, e.g. with
+            ``jnp.mean``).
+        tag: The tag whose sows are the sites.
+        names: Which sites to sweep: exact names, glob patterns such as
+            ``"blocks.*.attn"``, predicates on names, or a list of them (each
+            string must match a site). ``None``: every site of ``tag`` with a
+            value in ``clean``; then sites whose sizes along ``axis`` differ
+            from the most common ones (attention patterns beside the residual
+            stream, say) are left out and listed in the result's ``skipped``.
+        axis: The axis of each site's value to sweep index by index, a tuple
+            of axes (``axis=(2, 1)`` on a per-head output ``[batch, positions,
+            heads, d_head]`` patches every (head, position) pair, giving values
+            of shape ``(sites, heads, positions)``), or ``None`` to patch whole
+            sites.
+        batch_size: How many patches run at once (the rest follow in chunks
+            through the same compiled program); ``None``: all at once.
+        progress: ``True`` shows a tqdm bar over chunks and batches; ``None``
+            (the default) shows one for a run of several chunks in a terminal
+            or notebook that is still going after a second; ``False`` never.
+
+    Returns:
+        A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
+        metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
+        ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
+        returned while the program runs (each step is sent before the last is
+        waited for, and only a progress bar waits at all): ``values`` and
+        ``baseline`` are converted to NumPy when first read.
+
+    Raises:
+        TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
+            a list of them), ``clean`` is not a dict (or a matching list),
+            ``axis`` or ``batch_size`` is malformed, or ``metric`` does not
+            return a scalar.
+        ValueError: nothing to patch, a string in ``names`` matches no site,
+            the chosen sites differ in size along ``axis``, or a site fires
+            several times in a way a sweep cannot patch one by one (mode
+            ``collect`` in a loop, or any site in a ``while_loop``).
+        KeyError: ``clean`` lacks a value for a chosen site.
+        ImportError: ``progress=True`` without tqdm installed.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from harvest import patching_sweep, reap, sow
+        >>> def f(x):
+        ...     h = sow(2.0 * x, name="h", mode="strict")
+        ...     return sow(h + 1.0, name="g", mode="strict")
+        >>> clean = reap(f)(jnp.array([1.0, 2.0, 3.0]))
+        >>> r = patching_sweep(f, clean, (jnp.zeros(3),), jnp.sum, axis=0)
+        >>> r.names, r.baseline
+        (('h', 'g'), 3.0)
+        >>> r.values  # patching h or g at position i adds 2 * (i + 1) to the sum
+        array([[2., 4., 6.],
+               [2., 4., 6.]], dtype=float32)
+        >>> def heads(z):  # z: [positions, heads]; head 1 counts double
+        ...     return (sow(z, name="z", mode="strict") * jnp.array([1.0, 2.0])).sum()
+        >>> r = patching_sweep(heads, reap(heads)(jnp.ones((3, 2))), (jnp.zeros((3, 2)),), lambda o: o, axis=(1, 0))
+        >>> r.values  # (sites, heads, positions)
+        array([[[1., 1., 1.],
+                [2., 2., 2.]]], dtype=float32)
+        >>> def layers(x):  # the same site in each of 2 scanned layers
+        ...     step = lambda c, _: (sow(c * 2.0, name="h", mode="append"), None)
+        ...     return jax.lax.scan(step, x, None, length=2)[0]
+        >>> r = patching_sweep(layers, reap(layers)(jnp.ones(3)), (jnp.zeros(3),), jnp.sum, axis=0)
+        >>> r.names, r.values.shape
+        (('h[0]', 'h[1]'), (2, 3))
+    """
+    caller = "patching_sweep"
+    axes, batches, targets, plan = planned(f, clean, corrupted_args, tag, names, axis, caller)
+    size, site_axes = plan.size, plan.site_axes
+    if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+        raise _errors.bad_batch_size(caller, batch_size)
+    cells = 1 if size is None else int(np.prod(size))  # patches per row
+    firsts = plan.firsts  # each target's first row
+    total = int(firsts[-1]) * cells
+    chunk = total if batch_size is None else min(int(batch_size), total)
+
+    def program(
+        f: Callable, metric: Callable, operands: tuple[Any, list[Any], tuple]
+    ) -> tuple[jax.Array, jax.Array]:
+        ks, cleans, args = operands
+        planted = plant(f, tag=tag)
+
+        def patched_metric(k: jax.Array) -> jax.Array:
+            row, cell = k // cells, k % cells
+            here = jnp.ones((), bool) if size is None else (jnp.arange(cells) == cell).reshape(size)
+            plants: dict[Any, Callable[..., Any]] = {}
+            for t, c, ax, first in zip(targets, cleans, site_axes, firsts):
+                if t.count is None:
+                    plants[t.site.path] = PatchWhere(c, here & (row == first), ax)
+                else:  # row `first + j` patches occurrence j
+                    plants[t.site.path] = PatchOccurrence(c, here, row - first, ax)
+            return _scalar(metric(planted(nested_dict(plants), *args)))
+
+        # Through the calling convention, as the patched runs: NNX modules are split and merged.
+        baseline = _scalar(metric(planted({}, *args)))
+        return jax.vmap(patched_metric)(ks) - baseline, baseline
+
+    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes), size)
+    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
+    effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
+    baselines: list[Any] = []
+    cleans: list[Any] = []
+    shown = _Shown(_steps(steps, progress, caller), steps)
+    for b, start in shown:
+        if start == 0:
+            cleans = batch_cleans(targets, batches[b][0], axes, size, caller, batches[0][0])
+        ks = np.minimum(
+            np.arange(start, start + chunk), total - 1
+        )  # the last chunk repeats the last patch
+        values, baseline = compile_program(program, f, metric, (ks, cleans, batches[b][1]), spec)
+        shown.sent(values)
+        effects[b].append((values, total - start))
+        baselines += [baseline] if start == 0 else []
+    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
+
+
+def _traced(baseline: Any) -> bool:
+    """Whether the sweep runs inside a trace: its values are read at once (and refused)."""
+    return isinstance(baseline, jax.core.Tracer)
+
+
+class _Shown:
+    """A sweep's steps, under a progress bar or not (`_steps`). Each step's program is
+    sent before the last one's result is waited for, and only a bar waits at all (so
+    it shows work done); without one, nothing waits until the values are read."""
+
+    def __init__(self, steps: Any, items: list[Any]) -> None:
+        self.steps, self.bar = steps, steps is not items
+        self.last: Any = None
+
+    def __iter__(self) -> Any:
+        return iter(self.steps)
+
+    def sent(self, values: Any) -> None:
+        if self.bar and self.last is not None and not _traced(values):
+            jax.block_until_ready(self.last)
+        self.last = values
+
+
+def _on_host(
+    effects: list[list[tuple[Any, int]]], baselines: list[Any], shape: tuple[int, ...]
+) -> tuple[np.ndarray, float]:
+    """The values (each batch's chunks joined, each cut to its patches; the mean over
+    batches) shaped ``shape``, and the mean baseline, as NumPy: the caller owns them."""
+    joined = [np.concatenate([np.asarray(v)[:n] for v, n in chunks]) for chunks in effects]
+    mean = joined[0] if len(joined) == 1 else np.mean(joined, 0).astype(joined[0].dtype)
+    baseline = np.asarray(baselines[0]) if len(baselines) == 1 else np.mean(baselines)
+    return mean.reshape(shape), float(baseline)
+
+
+def _result(
+    plan: Plan, axis: Any, effects: list[list[tuple[Any, int]]], baselines: list[Any], wait: bool
+) -> PatchingResult:
+    """A sweep's result, its values those of ``effects`` and ``baselines`` (see
+    `_on_host`): read when first needed (the program still running), or now if ``wait``."""
+    size = plan.size
+    shape = (len(plan.rows),) + (() if size is None else size)
+    finish = functools.partial(_on_host, effects, baselines, shape)
+    result = PatchingResult._computing(
+        finish,
+        plan.rows,
+        _positions(size, axis),
+        axis,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
+    )
+    return result.block_until_ready() if wait else result
+
+
+# ---------------------------------------------------------------------------
+# Attribution patching.
+
+
+@_splits_checked_once
+def attribution_patching(
+    f: Callable[..., Any],
+    clean: Reaped | list[Reaped],
+    corrupted_args: tuple[Any, ...] | list[tuple[Any, ...]],
+    metric: Callable[[Any], ArrayLike],
+    *,
+    tag: str = DEFAULT_TAG,
+    names: NameSelect = None,
+    axis: int | tuple[int, ...] | None = None,
+    progress: bool | None = None,
+) -> PatchingResult:
+    """The first-order estimate of every patch ``patching_sweep`` would make, from one backward pass.
+
+    The effect of patching site ``s`` (at position ``p``) is estimated as
+    ``sum((clean_s - corrupt_s) * d metric / d s)`` over the patched entries,
+    with the gradient taken on the corrupted run. It is exact when ``metric ∘
+    f`` is linear in the activation, and a first-order Taylor approximation
+    otherwise. The corrupted activations and the gradients come from one
+    compiled function; the gradient is taken with respect to zero offsets
+    planted at every site (``old + delta``), which is exactly ``d metric / d
+    activation`` including every downstream path. The compile cache is
+    ``patching_sweep``'s, and so is the handling of NNX state: the run starts
+    from the module's state, and what it changes is not written back.
+
+    Args:
+        f: The model, as for ``patching_sweep``.
+        clean: ``reap(f, tag=tag)(*clean_args)``, or a list of them (one per batch).
+        corrupted_args: The corrupted run's positional arguments, or a list of
+            such tuples (one per batch: the result is the mean over batches).
+        metric: Maps ``f``'s output to a scalar.
+        tag: The tag whose sows are the sites.
+        names: Which sites, as for ``patching_sweep``.
+        axis: The axis (or tuple of axes) of each site's value to estimate
+            index by index, or ``None`` for whole sites.
+        progress: A tqdm bar over batches, as for ``patching_sweep``.
+
+    Returns:
+        A ``PatchingResult`` of the estimated effects, shaped as
+        ``patching_sweep``'s, with ``baseline`` the corrupted run's metric
+        (returned while the program runs, as ``patching_sweep``'s).
+
+    Raises:
+        TypeError: malformed ``f``, ``clean``, ``corrupted_args`` or ``axis``,
+            or a ``metric`` that does not return a scalar.
+        ValueError: nothing to patch, or sites a sweep cannot patch one by one
+            (as for ``patching_sweep``).
+        KeyError: ``clean`` lacks a value for a chosen site.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from harvest import attribution_patching, reap, sow
+        >>> def f(x):
+        ...     h = sow(2.0 * x, name="h", mode="strict")
+        ...     return sow(h + 1.0, name="g", mode="strict")
+        >>> clean = reap(f)(jnp.array([1.0, 2.0, 3.0]))
+        >>> attribution_patching(f, clean, (jnp.zeros(3),), jnp.sum, axis=0).values
+        array([[2., 4., 6.],
+               [2., 4., 6.]], dtype=float32)
+    """
+    caller = "attribution_patching"
+    axes, batches, targets, plan = planned(f, clean, corrupted_args, tag, names, axis, caller)
+    size, site_axes = plan.size, plan.site_axes
+    patched = frozenset(path_str(t.site.path) for t in targets)
+
+    def program(
+        f: Callable, metric: Callable, operands: tuple[list[Any], tuple]
+    ) -> tuple[jax.Array, jax.Array]:
+        cleans, args = operands
+        planted = plant(f, tag=tag)
+        reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
+        corrupts = [site_value(reaped, t.site, "corrupted", t.count) for t in targets]
+
+        def metric_of(offsets: list[Any]) -> jax.Array:
+            plants = {
+                t.site.path: AddVector(d, jnp.ones(())) if t.count is None else AddRow(d)
+                for t, d in zip(targets, offsets)
+            }
+            return _scalar(metric(planted(nested_dict(plants), *args)))
+
+        zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
+        baseline, grads = jax.value_and_grad(metric_of)(zeros)
+        effects = []
+        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, site_axes):
+            if t.count is None:
+                effects.append(_contract(c, k, g, ax)[None])
+            else:  # one row per occurrence
+                effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
+        return jnp.concatenate(effects), baseline
+
+    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes))
+    effects: list[list[tuple[Any, int]]] = []
+    baselines: list[Any] = []
+    shown = _Shown(_steps(batches, progress, caller), batches)
+    for c, args in shown:
+        cleans = batch_cleans(targets, c, axes, size, caller, batches[0][0])
+        values, baseline = compile_program(program, f, metric, (cleans, args), spec)
+        shown.sent(values)
+        effects.append([(values, len(values))])
+        baselines.append(baseline)
+    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
+
+
+def compile_program(
+    program: Callable[[Any, Any, Any], Any],
+    f: Callable[..., Any],
+    metric: Callable[..., Any],
+    operands: Any,
+    spec: tuple[Any, ...],
+) -> Any:
+    """``program(f, metric, operands)`` through ``f``'s one `jax.jit` (`_calling`),
+    compiled once per ``spec`` (which determines ``program``) and shapes.
+
+    ``f`` is keyed as `jax.jit` keys it (what a method or partial binds is an
+    argument: a module's arrays traced). A plain function ``metric`` is data, a
+    `TracedCode` keyed by its code and what it closes over (arrays traced), so a
+    metric written as a fresh lambda at each sweep does not recompile."""
+    fn, bound = unwrap(f)
+    measure = TracedCode.of(metric) if can_be_data(metric) else metric
+    return compiled_on_arrays(fn, _run_program, (bound, measure, operands), spec, program)
+
+
+def _run_program(fn: Any, tree: Any, program: Callable[[Any, Any, Any], Any]) -> Any:
+    bound, measure, operands = tree
+    return program(rewrap(fn, bound), measure, operands)
+
+
+def _contract(clean: Any, corrupt: Any, grad: Any, axes: tuple[int, ...] | None) -> jax.Array:
+    """sum((clean - corrupt) * grad) over every axis but `axes` (kept, in that order), and over leaves."""
+
+    def leaf(c: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
+        product = (c - k) * g
+        if axes is None:
+            return jnp.sum(product)
+        moved = jnp.moveaxis(product, axes, tuple(range(len(axes))))
+        return jnp.sum(moved.reshape(moved.shape[: len(axes)] + (-1,)), -1)
+
+    return jnp.asarray(
+        sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(leaf, clean, corrupt, grad)))
+    )

@@ -1,0 +1,404 @@
+"""Which sites a sweep patches, and the clean value at each: a sweep's plan.
+
+`patching_sweep` and `attribution_patching` (`_patching`) find the sites of
+the corrupted run once (`_site_discovery.sow_sites`), choose among them the
+names, the occurrences of a looped site and the indices along ``axis`` to
+patch, and check each clean value against them. The plan depends on the
+sites found, the names and axes asked for and the clean values' shapes
+alone, so a repeated sweep keeps it (`_plans`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _errors
+from .._models import _attention
+from .._walk._interpreter import NameFilter
+from .._walk._leaves import ARRAY_TYPES
+from .._walk._paths import path_str
+from .._walk._site import Site
+from ._interventions import axis_size
+from ._site_discovery import _abstract, sow_sites
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    site: Site
+    clean: Any  # one occurrence's value; for a looped site, every occurrence's, stacked
+    count: int | None = None  # occurrences of a looped site (None: it fires once)
+
+    @property
+    def one(self):
+        """The value of one occurrence (the first), the site's shape."""
+        return (
+            self.clean if self.count is None else jax.tree_util.tree_map(lambda l: l[0], self.clean)
+        )
+
+    @property
+    def rows(self):
+        return 1 if self.count is None else self.count
+
+
+def site_value(reaps, site, what, count=None, checked=False):
+    """One occurrence's value of `site` from a dict shaped as `reap` returns it
+    (all `count` of them, stacked, for a looped site); `checked`: known to fit."""
+    node = _lookup(reaps, site, what)
+    if count is not None:
+        if not checked:
+            site.check(node, f"the {what} value", leading=(count,))
+        return node
+    if site.mode.entries:
+        node = node[0] if isinstance(node, tuple) and len(node) == 1 else node
+    elif site.mode.rows and not site.mode.unstacked_once:
+        node = jax.tree_util.tree_map(lambda l: l[0], node)
+    if not checked:
+        site.check(node, f"the {what} value")
+    return node
+
+
+def _lookup(reaps, site, what):
+    """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
+    node = _lookup_dotted(reaps, path_str(site.path))
+    if node is _MISSING:
+        raise _errors.no_value_for_site(what, path_str(site.path), site.tag)
+    return node
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a sweep patches, decided by the sites found and the clean values' shapes alone."""
+
+    found: tuple[Any, ...]  # the sites found (`sow_sites`), held: the key holds its identity
+    sites: tuple[tuple[Site, int | None], ...]  # each target's site and occurrences (`_Target`)
+    size: tuple[int, ...] | None  # the sizes along the swept axes
+    skipped: tuple[str, ...]  # the sites left out, each with the reason
+    axis_labels: tuple[str, ...] | None  # what each swept axis is
+    site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
+    rows: tuple[str, ...]  # one name per row of the result
+    firsts: np.ndarray  # each target's first row, and the number of rows last
+
+
+def planned(f, clean, corrupted_args, tag, names, axis, caller):
+    """A sweep's swept axes, its batches of (clean, corrupted arguments), and the
+    targets and `Plan` of its first batch."""
+    axes = _swept_axes(axis, caller)
+    batches = _dataset(clean, corrupted_args, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    return axes, batches, targets, plan
+
+
+def _targets(f, clean, corrupted_args, tag, names, axes, caller):
+    """The sites to patch with their clean values, and the `Plan` they follow.
+
+    The plan is kept, keyed by everything it is decided from: the sites found
+    (the very tuple `sow_sites` keeps for the model's signature), the tag, the
+    names chosen and whether they were chosen by the sweep, the axes, and the
+    structure, types, shapes and dtypes of the chosen clean values (a number's
+    value too). So a repeated sweep does not check the clean values again."""
+    if not callable(f):
+        raise _errors.needs_callable(caller, f)
+    if not isinstance(corrupted_args, tuple):
+        raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
+    if not isinstance(clean, dict):
+        raise _errors.clean_not_a_dict(caller, clean)
+    found = sow_sites(f, corrupted_args)
+    by_name = _by_name(found, tag)
+    if not by_name:  # most often instrument's sites swept without tag="modules"
+        tags = {site.tag for site, *_ in found}
+        if tags:
+            raise _errors.sweep_tag_absent(caller, tag, sorted(tags, key=str))
+    chosen = names
+    if names is None:
+        names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
+    else:
+        names = _select_names(names, list(by_name), tag, caller)
+    if not names:
+        raise _errors.nothing_to_patch(caller, tag, list(by_name))
+    key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
+    plan = None if key is None else _plans.get(key)
+    if plan is not None and plan.found is found:
+        values = [site_value(clean, s, "clean", count, checked=True) for s, count in plan.sites]
+        return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
+    targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
+    axis_labels, site_axes = _swept(targets, axes, caller)
+    sites = tuple((t.site, t.count) for t in targets)
+    firsts = np.cumsum([0] + [t.rows for t in targets])
+    plan = Plan(
+        found, sites, size, skipped, axis_labels, tuple(site_axes), _row_names(targets), firsts
+    )
+    if key is not None:
+        _plans[key] = plan
+        while len(_plans) > 64:
+            _plans.pop(next(iter(_plans)))
+    return targets, plan
+
+
+_plans: dict[Any, Plan] = {}  # the plans of the last sweeps, oldest first
+
+
+def _plan_key(found, tag, auto, names, axes, caller, clean):
+    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be."""
+    shapes = tuple(_value_shape(_lookup_dotted(clean, name)) for name in names)
+    key = (id(found), tag, auto, tuple(names), axes, caller, shapes)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any) or static leaf
+        return None
+    return key
+
+
+def _value_shape(value: Any) -> Any:
+    """What the checks of a clean value look at: its structure and each leaf's
+    type and, for an array, shape and dtype (else the leaf's value)."""
+    if type(value) in ARRAY_TYPES:  # the common case, one array: no flatten
+        return type(value), _abstract(value)
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree, tuple((type(leaf), _abstract(leaf)) for leaf in leaves)
+
+
+def _chosen(by_name, names, chosen, clean, tag, axes, caller):
+    """The targets of `names` with their clean values, checked, their sizes along
+    `axes`, and the sites skipped (only when the sweep chose the names)."""
+    targets = [_target(by_name, name, clean, tag, caller) for name in names]
+    if axes is None:
+        return targets, None, ()
+    sizes = {path_str(t.site.path): _sizes_along(t.one, axes) for t in targets}
+    where = "axis " + str(axes[0]) if len(axes) == 1 else f"axes {axes}"
+    skipped: tuple[str, ...] = ()
+    if chosen is None:
+        # Sweep the sites of the most common size; say which were left out.
+        counts = collections.Counter(n for n in sizes.values() if n is not None)
+        if not counts:
+            raise _errors.no_site_has_axes(caller, where, len(axes), sizes)
+        size = counts.most_common(1)[0][0]
+        skipped = tuple(
+            f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}"
+            if n is not None
+            else f"{name}: no {where}"
+            for name, n in sizes.items()
+            if n != size
+        )
+        targets = [t for t in targets if sizes[path_str(t.site.path)] == size]
+    else:
+        for t in targets if None in sizes.values() else ():
+            # The full message for a bad axis, mismatched leaves or an axis given twice.
+            for a in axes:
+                axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
+            _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
+        if len(set(sizes.values())) != 1:
+            raise _errors.sizes_differ_along_axes(
+                caller, where, {n: _size_str(z) for n, z in sizes.items()}
+            )
+        size = next(iter(sizes.values()))
+    return targets, size, skipped
+
+
+def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
+    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted name.
+
+    A repeated sweep is handed the very tuple `sow_sites` kept, so this is
+    remembered for it (held, so that its identity is not reused)."""
+    kept = _by_name_kept.get((id(found), tag))
+    if kept is not None and kept[0] is found:
+        return kept[1]
+    by_name: dict[str, list[Any]] = {}
+    for site, where, fires, stacked in found:
+        if site.tag == tag:
+            by_name.setdefault(path_str(site.path), []).append((site, where, fires, stacked))
+    try:
+        _by_name_kept[(id(found), tag)] = (found, by_name)
+    except TypeError:  # an unhashable tag (harvest.compat.oryx allows any): not kept
+        return by_name
+    while len(_by_name_kept) > 16:
+        _by_name_kept.pop(next(iter(_by_name_kept)))
+    return by_name
+
+
+_by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
+
+
+def _swept(
+    targets: list[_Target], axes: tuple[int, ...] | None, caller: str
+) -> tuple[tuple[str, ...] | None, list[tuple[int, ...] | None]]:
+    """(what each swept axis is, each target's `axes` counted from the front), after
+    the head-axis check: both come from the sites' names and ranks alone."""
+    if axes is None:
+        return _checked_axes((), None), [None] * len(targets)
+    # A looped site's clean value stacks its occurrences: one axis more than one of them.
+    ndims = tuple(
+        (
+            path_str(t.site.path),
+            np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
+        )
+        for t in targets
+    )
+    return _checked_axes(ndims, axes), [_axes_counted(n, axes, caller) for _, n in ndims]
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_axes(
+    ndims: tuple[tuple[str, int], ...], axes: tuple[int, ...] | None
+) -> tuple[str, ...] | None:
+    """Raises if ``axes`` would index merged head features (see `_attention`); else what each
+    swept axis is. Both depend on the names and ranks alone: a repeated sweep asks once."""
+    swept = [(name, np.empty((0,) * ndim)) for name, ndim in ndims]
+    _attention.check_swept_axes(swept, axes)
+    return _attention.axis_labels(swept, axes)
+
+
+def _size_str(sizes: tuple[int, ...]) -> str:
+    return str(sizes[0]) if len(sizes) == 1 else str(sizes)
+
+
+def _sizes_along(value: Any, axes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The size of every leaf along each of `axes`, or None if the leaves differ,
+    lack one of the axes, or two of `axes` are the same axis."""
+    sizes = set()
+    for leaf in jax.tree_util.tree_leaves(value):
+        shape = np.shape(leaf)  # numpy's reads the attribute; jnp's goes through its dtype rules
+        ndim = len(shape)
+        if not all(-ndim <= a < ndim for a in axes) or len({a % ndim for a in axes}) != len(axes):
+            return None
+        sizes.add(tuple(shape[a] for a in axes))
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _select_names(names, sown, tag, caller):
+    """The names `names=` selects (exact names, globs, predicates, or a list of
+    them), in the order of its entries, each entry's matches in program order."""
+    entries = tuple(names) if isinstance(names, (list, tuple)) else (names,)
+    try:
+        return list(_selected(entries, tuple(sown), tag, caller))
+    except TypeError:  # an unhashable entry: matched afresh
+        return _matched(entries, sown, tag, caller)
+
+
+@functools.lru_cache(maxsize=64)
+def _selected(entries, sown, tag, caller):
+    # A repeated sweep selects the same names among the same sites: matched once.
+    return tuple(_matched(entries, sown, tag, caller))
+
+
+def _matched(entries, sown, tag, caller):
+    picked = {}
+    for entry in entries:
+        select = NameFilter.make(entry)
+        picked.update(dict.fromkeys(n for n in sown if select((n,))))
+    NameFilter.make(list(entries)).check_allowlist(sown, f"{caller}: names=", tag)
+    return list(picked)
+
+
+_MISSING = object()
+
+
+def _lookup_dotted(tree, name):
+    """`tree`'s value for the dotted `name`, its keys dotted paths or nested dicts alike."""
+    if not isinstance(tree, dict):
+        return _MISSING
+    if name in tree:
+        return tree[name]
+    for key, value in tree.items():
+        if isinstance(key, str) and name.startswith(key + "."):
+            found = _lookup_dotted(value, name[len(key) + 1 :])
+            if found is not _MISSING:
+                return found
+    return _MISSING
+
+
+def _target(by_name, name, clean, tag, caller):
+    occurrences = by_name[name]
+    (site, where, fires, stacked), *others = occurrences
+    if not others and fires == 1:
+        return _Target(site, site_value(clean, site, "clean"))
+    if not others and fires == stacked and not site.mode.entries:
+        # Once per shard of a shard_map: reap stacks one row per shard whatever the mode.
+        return _Target(site, site_value(clean, site, "clean", stacked), stacked)
+    if site.mode.rows and all(o[2] is not None for o in occurrences):
+        # Fires several times (in a scan, say): one row per occurrence, as reap stacks them.
+        count = int(np.shape(jax.tree_util.tree_leaves(_lookup(clean, site, "clean"))[0])[0])
+        return _Target(site, site_value(clean, site, "clean", count), count)
+    total = sum(o[2] or 0 for o in occurrences)
+    count = "an unbounded number of" if fires is None else str(total)
+    raise _errors.sweep_site_fires_often(
+        caller, name, site.mode.label, count, _where_str(occurrences)
+    )
+
+
+def _where_str(occurrences):
+    return ", ".join(" › ".join(w) or "top level" for _, w, _, _ in occurrences)
+
+
+def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
+    """A sweep's `axis` argument as a tuple of axes (None: whole sites)."""
+    if axis is None:
+        return None
+    axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
+    if not axes or any(not isinstance(a, (int, np.integer)) or isinstance(a, bool) for a in axes):
+        raise _errors.bad_sweep_axis(caller, axis)
+    return tuple(int(a) for a in axes)
+
+
+def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
+    if axes is None:
+        return None
+    return _axes_counted(np.ndim(jax.tree_util.tree_leaves(value)[0]), axes, what)
+
+
+def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+    """`axes`, each counted from the front of a value with ``ndim`` axes; no axis twice."""
+    if axes is None:
+        return None
+    normal = tuple(a % ndim for a in axes)
+    if len(set(normal)) != len(normal):
+        raise _errors.same_axis_twice(what, axes)
+    return normal
+
+
+def _row_names(targets: list[_Target]) -> tuple[str, ...]:
+    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`)."""
+    names: list[str] = []
+    for t in targets:
+        name = path_str(t.site.path)
+        names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
+    return tuple(names)
+
+
+def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:
+    """The (clean, corrupted args) pairs a sweep averages over: one, or one per batch of a dataset."""
+    if not isinstance(corrupted_args, list):
+        return [(clean, corrupted_args)]
+    if not isinstance(clean, list) or len(clean) != len(corrupted_args) or not clean:
+        raise _errors.bad_dataset(caller, clean, corrupted_args)
+    return list(zip(clean, corrupted_args))
+
+
+def batch_cleans(
+    targets: list[_Target],
+    batch_clean: Any,
+    axes: tuple[int, ...] | None,
+    size: Any,
+    caller: str,
+    checked: Any = None,
+) -> list[Any]:
+    """Each target's clean value in one batch of a dataset, checked against the first batch's
+    sizes (the first batch's own, `_targets` took and checked already)."""
+    if batch_clean is checked:
+        return [t.clean for t in targets]
+    cleans = []
+    for t in targets:
+        value = site_value(batch_clean, t.site, "clean", t.count)
+        one = value if t.count is None else jax.tree_util.tree_map(lambda l: l[0], value)
+        if axes is not None and _sizes_along(one, axes) != size:
+            raise _errors.batch_sizes_differ(
+                caller, path_str(t.site.path), _sizes_along(one, axes), axes, size
+            )
+        cleans.append(value)
+    return cleans

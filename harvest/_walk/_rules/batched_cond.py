@@ -1,0 +1,320 @@
+"""Branches that vmap runs side by side: `cond`/`switch` with a batched predicate.
+
+Under `vmap`, a `cond` whose predicate differs per example cannot pick one
+branch: JAX runs every branch on every example and selects each output per
+example. Left alone, every branch's sows would fire for every example. While a
+harvest traces, this module wraps that batching rule:
+
+* each sow stays where it is but only takes plants (`role="plant_only"`), so a
+  planted value still flows on through the branch that computed it;
+* each branch also returns its sows' (post-plant) values in slots: slot `j` of
+  a name holds its `j`-th occurrence and a flag saying whether the branch
+  sowed it, zeros and False in a branch that sows it fewer times. JAX's rule
+  selects these per example along with the branch outputs;
+* after the select, each slot is sown again with `role="record_only"`: it
+  records the taken branch's value per example and takes no plant. Inside
+  `lax.map(f, xs, batch_size=b)`, whose batches are such a vmap, it is sown
+  once per element instead, as `lax.map(f, xs)` sows it (see `batched_lax_map`).
+
+Markers (`branch_p`) before each branch and after the last tell the walk where
+the alternatives start, so every branch counts occurrences from the same
+point, and the `cond` counts as its longest branch, as an unbatched one does.
+A scan's values leave it stacked, as reap stacks them. Sows inside a
+`while_loop` or a custom derivative within such a branch cannot leave it as
+slots; they still take plants, and a walk that would record one says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ... import _errors, _jax
+from .._evaluator import evaluate
+from .._higher_order import HigherOrder, describe, register
+from .._interpreter import Walk
+from .._occurrences import most_count
+from .._paths import path_str
+from .._primitive import sow_effect, sow_p, tracing_a_harvest
+from .._site import Site
+from .._sow_index import sites_in
+from . import batched_lax_map
+
+LAST = -1  # the `branch` of the marker after the last branch
+
+branch_p = _jax.Primitive("harvest_branch")
+branch_p.multiple_results = True
+branch_p.def_impl(lambda **params: [])
+# The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
+branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
+_jax.register_lowering(branch_p, lambda ctx, **params: [])
+_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
+_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
+_jax.register_batching(
+    branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), [])
+)
+
+_groups = itertools.count()
+
+# ---------------------------------------------------------------------------
+# Rewriting a branch: sows take plants in place, their values leave as outputs.
+
+
+@dataclasses.dataclass
+class Occurrence:
+    params: dict[str, Any]  # the sow's params, without a role
+    leaves: list[Any]
+    present: Any  # whether it was sown (for sow_cond: and its pred held)
+    loops: int = 0  # leading axes the leaves gained from scans (collect entries)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        p = self.params
+        return (p["tag"], p["scope"], p["name"], p["mode"])
+
+
+def rewrite(
+    jaxpr: _jax.Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    found: list[Occurrence],
+    stuck: set[tuple[Site, str]],
+) -> list[Any]:
+    """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
+    the sites it cannot bring out (inside while loops, custom derivatives), each with
+    the name of the primitive it sits in, go to `stuck`."""
+
+    def step(eqn: Any, invals: list[Any]) -> Any:
+        if eqn.primitive is sow_p and eqn.params.get("role") == "unplantable":
+            # A custom_vmap body's sow, shown where its batching rule ran (see
+            # `_rules/custom_vmap`): it cannot leave the branch as a slot.
+            stuck.add((Site.of(eqn), "custom_vmap_call"))
+            return sow_p.bind(*invals, **eqn.params)
+        if eqn.primitive is sow_p:
+            return _rewrite_sow(eqn, invals, found)
+        subs = _jax.sub_jaxprs(eqn)
+        if not any(sites_in(j) for j in subs):
+            return _jax.rebind(eqn, invals)
+        how = describe(eqn)
+        if how.batched_branch is not None:
+            return how.batched_branch(eqn, invals, found, stuck)
+        if how.inlinable:  # as if inlined: a jit's boundary, a checkpoint's policy dropped here
+            (body,) = how.bodies(eqn)
+            return rewrite(body.jaxpr, body.consts, invals, found, stuck)
+        stuck.update((site, eqn.primitive.name) for j in subs for site in sites_in(j))
+        return _jax.rebind(eqn, invals)
+
+    return evaluate(jaxpr, consts, args, step)
+
+
+def _rewrite_sow(eqn: Any, invals: list[Any], found: list[Occurrence]) -> list[Any]:
+    params = dict(eqn.params)
+    role = params.pop("role", None)
+    n = len(eqn.outvars)
+    if role == "plant_only":  # an inner batched cond's, already brought out by it
+        return list(sow_p.bind(*invals, **eqn.params))
+    if role == "record_only":  # records of a vmap inside this branch: they leave as slots
+        found.append(Occurrence(params, invals[:n], invals[n]))
+        return invals[:n]
+    outs = list(sow_p.bind(*invals, **params, role="plant_only"))
+    found.append(Occurrence(params, outs, invals[n] if len(invals) > n else True))
+    return outs
+
+
+# ---------------------------------------------------------------------------
+# Uniting branches: every one returns the same slots.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    params: dict[str, Any]  # of the sow that first fills it
+    avals: tuple[Any, ...]  # the value's leaves, then its flag
+    loops: int  # as its occurrences'
+
+
+def united(
+    branches: tuple[Any, ...], group: int | None
+) -> tuple[list[Any], list[_Slot], set[tuple[Site, str]]]:
+    """Each branch rewritten to also return the slots of every branch; with a
+    `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
+    specs = [
+        jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in branches[0].in_avals
+    ]
+    n_outs = len(branches[0].out_avals)
+    traced: list[tuple[Any, dict[Any, _Slot]]] = []
+    stuck: set[tuple[Site, str]] = set()
+    for b, br in enumerate(branches):
+        found: list[Occurrence] = []
+
+        def walk(*ops: Any, br: Any = br, found: list[Occurrence] = found, b: int = b) -> list[Any]:
+            if group is not None:
+                branch_p.bind(group=group, branch=b, stuck=())
+            outs = rewrite(br.jaxpr, list(br.consts), list(ops), found, stuck)
+            return [*outs, *(x for o in found for x in (*o.leaves, jnp.asarray(o.present, bool)))]
+
+        closed = jax.make_jaxpr(walk)(*specs)
+        # Slot (name, j): the j-th occurrence of the name in this branch.
+        mine: dict[Any, _Slot] = {}
+        avals = closed.out_avals[n_outs:]
+        for occ in found:
+            j = sum(key[0] == occ.key for key in mine)
+            k = len(occ.leaves) + 1
+            mine[(occ.key, j)], avals = _Slot(occ.params, tuple(avals[:k]), occ.loops), avals[k:]
+        traced.append((closed, mine))
+
+    slots: dict[Any, _Slot] = {}  # in the order names first occur
+    for _, mine in traced:
+        for key, slot in mine.items():
+            known = slots.setdefault(key, slot)
+            if known.params["tree"] != slot.params["tree"] or [
+                (a.shape, a.dtype) for a in known.avals[:-1]
+            ] + [known.loops] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
+                p = slot.params
+                raise _errors.batched_branch_shapes_differ(
+                    p["tag"], path_str((*p["scope"], p["name"]))
+                )
+            flag = jax.ShapeDtypeStruct(
+                np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool
+            )
+            slots[key] = dataclasses.replace(known, avals=(*known.avals[:-1], flag))
+
+    def padded(closed: Any, mine: dict[Any, _Slot]) -> Any:
+        def fn(*ops: Any) -> list[Any]:
+            flat = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *ops)
+            outs, rest = flat[:n_outs], flat[n_outs:]
+            have = {}
+            for key, slot in mine.items():  # in the order this branch sowed them
+                k = len(slot.avals)
+                have[key], rest = rest[:k], rest[k:]
+            extra: list[Any] = []
+            for key, slot in slots.items():
+                values = have.get(key) or [
+                    jnp.zeros(a.shape, a.dtype) for a in slot.avals
+                ]  # zeros, and False
+                extra.extend(values[:-1])
+                extra.append(jnp.broadcast_to(values[-1], slot.avals[-1].shape))
+            return [*outs, *extra]
+
+        return fn
+
+    new = [jax.make_jaxpr(padded(closed, mine))(*specs) for closed, mine in traced]
+    return new, list(slots.values()), stuck
+
+
+def unpack(slots: list[_Slot], flat: list[Any]) -> list[Occurrence]:
+    """The occurrences that slots hold, from their flattened values."""
+    found = []
+    for slot in slots:
+        k = len(slot.avals)
+        found.append(Occurrence(slot.params, list(flat[: k - 1]), flat[k - 1], slot.loops))
+        flat = flat[k:]
+    return found
+
+
+# ---------------------------------------------------------------------------
+# The batching rule.
+
+
+def _batch_cond(
+    jax_rule: Any, axis_data: Any, args: Any, dims: Any, *, branches: Any, **params: Any
+) -> Any:
+    if (
+        dims[0] is None
+        or "branches_platforms" in params
+        or not tracing_a_harvest()
+        or not any(sites_in(b.jaxpr) for b in branches)
+    ):
+        return jax_rule(axis_data, args, dims, branches=branches, **params)
+    group = next(_groups)
+    new, slots, stuck = united(tuple(branches), group)
+    outs, out_dims = jax_rule(axis_data, args, dims, branches=tuple(new), **params)
+    n = len(branches[0].out_avals)
+    branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
+    extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
+    for occ in unpack(slots, extra):
+        _record(occ, axis_data.size)
+    return outs[:n], out_dims[:n]
+
+
+def _record(occ: Occurrence, size: int) -> None:
+    """Sows `occ`, selected per example (the batch axis in front), record-only."""
+    if batched_lax_map.unrolled_here(occ.params):
+        # Inside lax.map(f, xs, batch_size=b): one record per element, as
+        # lax.map(f, xs) sows them (the branch's own sows were sown so to take plants).
+        for j in range(size):
+            leaves = [leaf[j] for leaf in occ.leaves]
+            params = batched_lax_map.element_params(occ.params, j, size)
+            sow_p.bind(*leaves, occ.present[j], **dict(params, role="record_only"))
+        return
+    k = len(occ.leaves)
+    vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
+    # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
+    leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
+    with batched_lax_map.marking_batched():
+        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+
+
+_jax.wrap_batching(_jax.cond_p, _batch_cond)
+
+
+# ---------------------------------------------------------------------------
+# The walk at a marker.
+
+
+def recount(eqn: Any, n: int, groups: dict[int, tuple[int, int]]) -> int:
+    """The occurrences of a name counted so far, `n`, after a marker: each
+    branch counts from where the first began, and the cond as its longest."""
+    p = eqn.params
+    if p["branch"] == 0:
+        groups[p["group"]] = (n, n)
+    start, most = groups[p["group"]]
+    groups[p["group"]] = (start, max(most, n))
+    return max(most, n) if p["branch"] == LAST else start
+
+
+_counts: weakref.WeakKeyDictionary[Walk, dict[int, tuple[dict[Any, int], dict[Any, int]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
+    p = eqn.params
+    groups = _counts.setdefault(walk, {})
+    if p["branch"] == 0:
+        groups[p["group"]] = (dict(walk.seen), {})
+    start, most = groups[p["group"]]
+    for path, n in walk.seen.items():
+        most[path] = most_count(most.get(path, 0), n)
+    walk.seen.clear()
+    walk.seen.update(most if p["branch"] == LAST else start)
+    stuck = p["stuck"]
+    if p["branch"] == LAST:
+        del groups[p["group"]]
+        stuck = tuple(pair for pair in stuck if not _harvested(walk, *pair))
+    # What is left goes to an outer harvest, its names as it will see them.
+    stuck = tuple(
+        (dataclasses.replace(s, path=walk.policy.prefix + s.path), where) for s, where in stuck
+    )
+    return list(branch_p.bind(**dict(p, stuck=stuck)))
+
+
+def _harvested(walk: Walk, site: Site, where: str) -> bool:
+    """Whether this walk has planted a stuck site (in every branch, as it should);
+    one it would record instead is an error, one it leaves alone is not."""
+    key = walk.policy.key(site)
+    if not walk.policy.handles(site) or (not walk.reap and key not in walk.plants):
+        return False
+    if key in walk.plants:
+        return True
+    raise _errors.stuck_in_batched_branch(site, where)
+
+
+# A marker: no bodies, a rule the walk runs at each one, and how it moves counts.
+register(branch_p, HigherOrder(lambda eqn: [], rule=_marker, recount=recount))
