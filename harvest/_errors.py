@@ -1239,7 +1239,7 @@ def ppl_predictive_infer_discrete_prior() -> ValueError:
 
 def ppl_predictive_count(value: Any) -> ValueError:
     return ValueError(
-        "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
+        "predictive(model, key, num_samples=n) draws n runs from the prior and needs "
         f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
     )
 
