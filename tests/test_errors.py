@@ -430,6 +430,8 @@ INLINE_LEFT = {
     "harvest/_tools/_result.py": 1,
     # The ImportError for TFP imported before harvest.ppl, written beside its one check.
     "harvest/_jax.py": 1,
+    # The refusal of a posterior given both before the key and as posterior=, beside its check.
+    "harvest/ppl/_old_spellings.py": 1,
 }
 
 
