@@ -3,12 +3,13 @@
 from . import _cli
 
 _cli.answer_early()  # `python -m harvest --help` answers here, before JAX is imported
-from ._jax import restore_tfp_alias as _restore_tfp_alias
+from ._jax import explain_tfp_import_order as _explain_tfp_import_order
 from ._walk import _rules  # noqa: F401  (registers the interpreter's rules)
 
-# Cheap (no TFP import): lets TFP's JAX substrate be imported after harvest on a
-# JAX that dropped the alias TFP 0.25 writes to (see harvest/ppl/_tfp_shim.py).
-_restore_tfp_alias()
+# JAX is left as it is: harvest.ppl restores the alias TFP 0.25 needs (see
+# harvest/ppl/_tfp_shim.py). This only makes TFP, imported before harvest.ppl on a
+# JAX without that alias, fail with an ImportError that says so.
+_explain_tfp_import_order()
 from . import config as config, extend as extend, store as store
 from ._calling._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._calling._jit import clear_caches as clear_caches

@@ -1179,10 +1179,10 @@ def ppl_tfp_import_failed(
     order = ""
     if imported_before:
         order = (
-            " TFP's JAX substrate was imported before harvest, on a JAX that needs "
+            " TFP's JAX substrate was imported before harvest.ppl, on a JAX that needs "
             "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
             "importing it again did not recover. Restart the interpreter and import "
-            "harvest (or harvest.ppl) before tensorflow_probability."
+            "harvest.ppl before tensorflow_probability."
         )
     return ImportError(
         f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({module}): "
@@ -1239,7 +1239,7 @@ def ppl_predictive_infer_discrete_prior() -> ValueError:
 
 def ppl_predictive_count(value: Any) -> ValueError:
     return ValueError(
-        "predictive(model, None, key, num_samples=n) draws n runs from the prior and needs "
+        "predictive(model, key, num_samples=n) draws n runs from the prior and needs "
         f"`num_samples` to be a positive int, got {value!r}; or give a Posterior to predict from."
     )
 

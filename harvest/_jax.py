@@ -817,6 +817,64 @@ def restore_tfp_alias() -> None:
         xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
 
 
+# TFP's JAX substrate, whose import fails on a JAX without the alias.
+TFP_SUBSTRATE = "tensorflow_probability.substrates.jax"
+
+
+class _TfpImportOrder:
+    """An import finder that only speaks for TFP's JAX substrate, and only on a JAX
+    without the alias: it lets the import run, and turns its AttributeError (from deep
+    inside TFP) into an ImportError that says to import harvest.ppl first."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != TFP_SUBSTRATE or not tfp_needs_alias():
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ExplainedTfpLoader(spec.loader)
+                return spec
+        return None
+
+
+class _ExplainedTfpLoader:
+    """TFP's own loader, with its failure for lack of the alias explained."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: TFP's loader's
+        return getattr(self.loader, name)
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:
+            self.loader.exec_module(module)
+        except AttributeError as cause:
+            if "pytype_aval_mappings" not in str(cause):
+                raise
+            raise ImportError(
+                f"{TFP_SUBSTRATE} (TFP 0.25) writes to jax.interpreters.xla."
+                f"pytype_aval_mappings, which this JAX ({jax.__version__}) no longer has. "
+                "Import harvest.ppl before TensorFlow Probability: it puts that alias back "
+                "(only where it is missing); in this interpreter, `import harvest.ppl` now "
+                "recovers (it retries TFP's import). Without harvest.ppl, restore it yourself before importing "
+                "TFP: jax.interpreters.xla.pytype_aval_mappings = "
+                "jax._src.core.pytype_aval_mappings."
+            ) from cause
+
+
+def explain_tfp_import_order() -> None:
+    """Has a failed import of TFP's JAX substrate, for lack of the alias, say what to
+    do (import harvest.ppl first). Nothing of JAX's is touched."""
+    if not any(isinstance(finder, _TfpImportOrder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _TfpImportOrder())
+
+
 # ---------------------------------------------------------------------------
 # A context in every `jax.jit`'s cache key (`jax.make_user_context`, where it exists).
 

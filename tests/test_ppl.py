@@ -418,51 +418,57 @@ def test_a_tfp_import_that_failed_before_harvest_is_named(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", broken)
     monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: True)
     monkeypatch.setitem(sys.modules, "tensorflow_probability.python.internal.backend.jax.nest", sys)
-    with pytest.raises(
-        ImportError, match="imported before harvest.*import harvest \\(or harvest.ppl\\) before"
-    ):
+    with pytest.raises(ImportError, match="imported before harvest.ppl.*import harvest.ppl before"):
         _tfp_shim.import_tfp()
-    monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: False)  # restored by `import harvest`...
+    monkeypatch.setattr(_jax, "tfp_needs_alias", lambda: False)  # restored by harvest.ppl...
     monkeypatch.setattr(_jax, "tfp_failed_before_alias", True)  # ...after TFP had failed
     with pytest.raises(ImportError, match="imported before harvest"):
         _tfp_shim.import_tfp()
 
 
-def test_tfp_recovers_from_an_import_before_harvest_ppl():
+def _run(code):
+    """What `code` prints in a fresh interpreter."""
     import subprocess
 
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return out.stdout.split()
+
+
+def test_import_harvest_leaves_jax_interpreters_xla_as_it_was():
     code = (
+        "import jax.interpreters.xla as xla\n"
+        "before = dict(vars(xla))\n"
+        "import harvest\n"
+        "after = dict(vars(xla))\n"
+        "print(sorted(after.keys() ^ before.keys()), [k for k in before if after[k] is not before[k]])\n"
+    )
+    assert _run(code) == ["[]", "[]"]  # no attribute added, removed or replaced
+
+
+def test_tfp_after_plain_import_harvest_says_to_import_harvest_ppl_first():
+    """`import harvest` alone leaves the alias missing: TFP's import then fails with
+    harvest's ImportError (not TFP's AttributeError), and harvest.ppl recovers it."""
+    code = (
+        "import jax.interpreters.xla as xla\n"
+        "needs = not hasattr(xla, 'pytype_aval_mappings')\n"
+        "import harvest\n"
         "try:\n"
         "    import tensorflow_probability.substrates.jax\n"
-        "except AttributeError:\n"
-        "    pass\n"
+        "    said = 'nothing'\n"
+        "except ImportError as e:\n"
+        "    said = 'ImportError' if 'Import harvest.ppl before' in str(e) else repr(e)\n"
         "import harvest.ppl\n"
         "import tensorflow_probability.substrates.jax as tfp\n"
-        "print(tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
+        "print(needs, said.replace(' ', '_'), tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "-0.9189385"
+    needs, said, value = _run(code)
+    assert said == ("ImportError" if needs == "True" else "nothing")
+    assert value == "-0.9189385"
 
 
-def test_tfp_imports_after_plain_import_harvest():
-    """`import harvest` (not harvest.ppl) already restores the alias, importing no TFP."""
-    import subprocess
-
-    code = (
-        "import sys, harvest\n"
-        "assert not any(m.startswith('tensorflow_probability') for m in sys.modules)\n"
-        "import tensorflow_probability.substrates.jax as tfp\n"
-        "print(tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "-0.9189385"
-
-
-def test_tfp_imported_before_harvest_recovers_on_a_second_import():
+def test_tfp_imported_before_harvest_recovers_after_harvest_ppl():
     """TFP first fails inside TFP's own import (harvest is not loaded yet to speak);
-    after `import harvest`, the same import succeeds."""
-    import subprocess
-
+    after `import harvest.ppl`, the same import succeeds."""
     code = (
         "import jax.interpreters.xla as xla\n"
         "needs = not hasattr(xla, 'pytype_aval_mappings')\n"
@@ -471,16 +477,14 @@ def test_tfp_imported_before_harvest_recovers_on_a_second_import():
         "    failed = False\n"
         "except AttributeError:\n"
         "    failed = True\n"
-        "import harvest\n"
+        "import harvest.ppl\n"
         "from harvest import _jax\n"
         "import tensorflow_probability.substrates.jax as tfp\n"
         "print(needs, failed, _jax.tfp_failed_before_alias, tfp.distributions.Normal(0.0, 1.0).log_prob(0.0))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    needs, failed, recorded, value = out.stdout.split()
-    assert (
-        needs == failed == recorded
-    )  # TFP failed exactly where JAX lacked the alias, and harvest noticed
+    needs, failed, recorded, value = _run(code)
+    # TFP failed exactly where JAX lacked the alias, and harvest noticed.
+    assert needs == failed == recorded
     assert value == "-0.9189385"
 
 

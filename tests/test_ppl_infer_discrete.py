@@ -41,7 +41,9 @@ def two_coins(key):
 
 def test_scalar_draws_follow_the_exact_joint_posterior():
     n, loc, y = 4000, 0.2, 1.0
-    drawn = ppl.infer_discrete(two_coins, at({"loc": loc}, n, {"y": y}), jax.random.key(0))
+    drawn = ppl.infer_discrete(
+        two_coins, jax.random.key(0), posterior=at({"loc": loc}, n, {"y": y})
+    )
     joint = np.array(
         [
             [
@@ -74,7 +76,7 @@ def test_a_per_point_assignment_follows_each_point_s_posterior():
         n,
         {"y": ys},
     )
-    z = np.asarray(ppl.infer_discrete(mixture, posterior, jax.random.key(1))["z"][0])
+    z = np.asarray(ppl.infer_discrete(mixture, jax.random.key(1), posterior=posterior)["z"][0])
     one = np.log(w) + norm.logpdf(ys, 3.0)
     exact = np.exp(one - np.logaddexp(one, np.log1p(-w) + norm.logpdf(ys, -1.0)))
     within(z.mean(axis=0), exact, n)
@@ -109,7 +111,8 @@ def test_forward_filtering_backward_sampling_follows_the_smoothed_posterior():
         return jax.lax.scan(step, -1, jax.random.split(key, 12))[1]
 
     n, mu = 4000, 0.1
-    z = np.asarray(ppl.infer_discrete(hmm, at({"mu": mu}, n, {"y": y}), jax.random.key(3))["z"][0])
+    posterior = at({"mu": mu}, n, {"y": y})
+    z = np.asarray(ppl.infer_discrete(hmm, jax.random.key(3), posterior=posterior)["z"][0])
     # Forward-backward smoothing by hand: P(z[t] = 1 | y), and P(z[t] = 1, z[t+1] = 1 | y).
     emit = norm.logpdf(y[:, None].astype(float), locs[None] + mu, 1.0)
     alpha, beta = np.zeros((12, 2)), np.zeros((12, 2))
@@ -135,10 +138,12 @@ def test_predictive_draws_the_enumerated_draw_from_its_posterior_when_asked():
     # The case: y = 5 between components at -5 and +5. P(z = 1 | y) is 1 to float
     # precision; from the prior (the default, documented) z = 1 in about half the runs.
     posterior = at({"scale": jnp.float32(0.5)}, 400, {"y": 5.0})
-    prior_z = ppl.predictive(mixture_at_plus_minus_five, posterior, jax.random.key(4))["z"]
+    prior_z = ppl.predictive(mixture_at_plus_minus_five, jax.random.key(4), posterior=posterior)[
+        "z"
+    ]
     assert 0.35 < float(prior_z.mean()) < 0.65
     z = ppl.predictive(
-        mixture_at_plus_minus_five, posterior, jax.random.key(4), infer_discrete=True
+        mixture_at_plus_minus_five, jax.random.key(4), posterior=posterior, infer_discrete=True
     )["z"]
     assert bool(jnp.all(z == 1))
 
@@ -147,10 +152,12 @@ def test_bad_calls_say_what_is_wrong():
     with pytest.raises(ValueError, match="no free enumerated draw"):
         ppl.infer_discrete(
             lambda k: ppl.random_variable(tfd.Normal(0.0, 1.0), name="m")(k),
-            at({"m": 0.0}, 2, {}),
             jax.random.key(0),
+            posterior=at({"m": 0.0}, 2, {}),
         )
     with pytest.raises(TypeError, match="must be a Posterior"):
-        ppl.infer_discrete(two_coins, {"loc": 0.0}, jax.random.key(0))
+        ppl.infer_discrete(two_coins, jax.random.key(0), posterior={"loc": 0.0})
+    with pytest.raises(TypeError, match="must be a Posterior"):
+        ppl.infer_discrete(two_coins, jax.random.key(0))  # posterior= forgotten
     with pytest.raises(ValueError, match="needs a Posterior"):
-        ppl.predictive(two_coins, None, jax.random.key(0), num_samples=3, infer_discrete=True)
+        ppl.predictive(two_coins, jax.random.key(0), num_samples=3, infer_discrete=True)

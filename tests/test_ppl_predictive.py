@@ -54,7 +54,7 @@ def fake_posterior(chains=2, draws=5):
 
 def test_prior_predictive_is_the_program_run_on_split_keys():
     key = jax.random.key(0)
-    prior = ppl.predictive(scm, None, key, num_samples=6)
+    prior = ppl.predictive(scm, key, num_samples=6)
     expected = jax.vmap(scm_by_hand)(jax.random.split(key, 6))
     assert sorted(prior) == ["mean", "s", "t", "y", "z"]
     for name in expected:
@@ -66,7 +66,7 @@ def test_posterior_predictive_plants_each_draw_and_predicts_the_rest():
     posterior = fake_posterior()
     key = jax.random.key(1)
     do_t = ppl.intervene(scm, t=jnp.float32(1.0))
-    predicted = ppl.predictive(do_t, posterior, key)
+    predicted = ppl.predictive(do_t, key, posterior=posterior)
     keys = jax.random.split(key, 10).reshape(2, 5)
     expected = jax.vmap(jax.vmap(lambda k, z, s: scm_by_hand(k, z, s, t=1.0)))(
         keys, posterior.samples["z"], posterior.samples["s"]
@@ -81,14 +81,14 @@ def test_posterior_predictive_under_another_intervention():
     # Learnt under do(t=1), predicted under do(t=0): the mean drops by 2 for every draw.
     posterior = fake_posterior()
     key = jax.random.key(2)
-    predicted = ppl.predictive(ppl.intervene(scm, t=jnp.float32(0.0)), posterior, key)
+    predicted = ppl.predictive(ppl.intervene(scm, t=jnp.float32(0.0)), key, posterior=posterior)
     np.testing.assert_allclose(predicted["mean"], posterior.samples["z"], rtol=1e-6)
     # An intervention on a latent wins over the posterior's value of it.
-    fixed_z = ppl.predictive(ppl.intervene(scm, z=jnp.float32(0.5)), posterior, key)
+    fixed_z = ppl.predictive(ppl.intervene(scm, z=jnp.float32(0.5)), key, posterior=posterior)
     assert "z" not in fixed_z
     assert bool(jnp.all((fixed_z["t"] == 1.0) == (fixed_z["mean"] == 2.5)))
 
 
 def test_prior_predictive_needs_a_count():
     with pytest.raises(ValueError, match="positive int"):
-        ppl.predictive(scm, None, jax.random.key(0))
+        ppl.predictive(scm, jax.random.key(0))

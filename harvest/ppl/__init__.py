@@ -1,6 +1,6 @@
 """harvest.ppl: probabilistic programs on TensorFlow Probability, built from sow/reap/plant.
 
-A program is a function `f(key, *args)` whose draws are named with
+A program is a function `model(key, *args)` whose draws are named with
 `random_variable`. `joint_sample`, `trace`, `joint_log_prob`, `log_prob` (by
 inversion), `trace_log_prob`, `intervene`, `conditional`, `block` and
 `graph_replace` transform it; `deterministic` records a computed value and
@@ -55,3 +55,33 @@ from ._unconstrained import (  # noqa: E402
     Unconstrained as Unconstrained,
     unconstrained as unconstrained,
 )
+
+__all__ = [
+    "DETERMINISTIC",
+    "LOG_DENSITY",
+    "RANDOM_VARIABLE",
+    "UNCONSTRAINED",
+    "Counterfactual",
+    "Posterior",
+    "Unconstrained",
+    "block",
+    "conditional",
+    "counterfactual",
+    "deterministic",
+    "factor",
+    "graph_replace",
+    "infer_discrete",
+    "intervene",
+    "joint_log_prob",
+    "joint_sample",
+    "log_prob",
+    "make_effect_handler",
+    "nest",
+    "plate",
+    "predictive",
+    "random_variable",
+    "sample_posterior",
+    "trace",
+    "trace_log_prob",
+    "unconstrained",
+]

@@ -35,21 +35,23 @@ from .._walk._sow import sow
 from .._walk._sow_index import sites_in
 from ._inverse import inline_calls, live_vars
 from ._names import Among, AmongUnderAnyTag, check_drawn
+from ._old_spellings import model_was_f
 from ._tags import BLOCKED, LOG_DENSITY, RANDOM_VARIABLE
 
 
-def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
-    """Returns ``f`` with the random variables ``names`` hidden from every transformation.
+@model_was_f
+def block(model: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
+    """Returns ``model`` with the random variables ``names`` hidden from every transformation.
 
     The blocked variables are still drawn, but ``joint_sample``, ``intervene``,
-    ``trace``... of the result no longer see them, as if ``f`` drew them with
+    ``trace``... of the result no longer see them, as if ``model`` drew them with
     plain ``jax.random`` calls. ``joint_log_prob`` and ``unconstrained`` of the
     result marginalise them: exact when no counted density depends on a
     blocked draw (a blocked observation, say); otherwise they raise, since the
     marginal is an integral harvest does not compute.
 
     Args:
-        f: the program ``f(key, *args)``.
+        model: the program ``model(key, *args)``.
         names: the random variables to hide: a name, or a list of names
             (scoped names dotted, ``"scope.x"``).
 
@@ -59,7 +61,7 @@ def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
     Raises:
         TypeError: if a name is not a non-empty string.
         KeyError: (when the result is called) if a name is not a random
-            variable of ``f``.
+            variable of ``model``.
 
     Example:
         >>> import jax
@@ -78,7 +80,7 @@ def block(f: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
         raise _errors.ppl_names_not_strings("block", "random variable names", names)
-    return jax.tree_util.Partial(_blocked, f, Among(frozenset(names)))
+    return jax.tree_util.Partial(_blocked, model, Among(frozenset(names)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from .._walk._higher_order import Body, HigherOrder, describe, split_extra
 from .._walk._leaves import reveal_static
 from .._walk._rules.calls import with_vjp
 from ._inverse import trace_program
+from ._old_spellings import model_was_f
 
 # handler(state, *inputs, **params) -> (outputs, new state)
 Handler = Callable[..., tuple[Any, Any]]
@@ -164,7 +165,7 @@ def _with_rule_jvp(
 def make_effect_handler(
     handlers: dict[Any, Handler],
 ) -> Callable[[Callable[P, R]], Callable[Concatenate[Any, P], tuple[R, Any]]]:
-    """Returns a transformation `f -> g(state, *args) -> (f's output, final state)`.
+    """Returns a transformation `model -> g(state, *args) -> (model's output, final state)`.
 
     `handlers` maps JAX primitives to `handler(state, *inputs, **params)`
     returning `(outputs, new state)` (a list of outputs for primitives with
@@ -177,7 +178,8 @@ def make_effect_handler(
             ``handler(state, *inputs, **params) -> (outputs, new state)``.
 
     Returns:
-        A transformation taking ``f`` to ``g(state, *args) -> (f's output, final state)``.
+        A transformation taking ``model`` (any function; the program's name, as in every
+        harvest.ppl function) to ``g(state, *args) -> (model's output, final state)``.
 
     Raises:
         TypeError: if ``handlers`` is not a dict of callables.
@@ -194,9 +196,10 @@ def make_effect_handler(
     if not isinstance(handlers, dict) or not all(callable(h) for h in handlers.values()):
         raise _errors.bad_handlers(handlers)
 
-    def transform(f: Callable[P, R]) -> Callable[Concatenate[Any, P], tuple[R, Any]]:
+    @model_was_f
+    def transform(model: Callable[P, R]) -> Callable[Concatenate[Any, P], tuple[R, Any]]:
         def handled(state: Any, /, *args: P.args, **kwargs: P.kwargs) -> tuple[R, Any]:
-            closed, out_shape, arrays = trace_program(f, args, kwargs)
+            closed, out_shape, arrays = trace_program(model, args, kwargs)
             outs, state = _eval(closed.jaxpr, closed.consts, state, arrays, handlers)
             out = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
             return reveal_static(out), state

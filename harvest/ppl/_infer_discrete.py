@@ -19,15 +19,16 @@ import jax
 
 from .. import _errors
 from .._typing import Reaped
+from ._old_spellings import posterior_first
 from ._posterior import Posterior
 from ._unconstrained import discrete_draw
 
 
 def infer_discrete(
     model: Callable[..., Any],
-    posterior: Posterior,
     key: jax.Array,
     *args: Any,
+    posterior: Posterior | None = None,
     observed: Mapping[str, Any] | None = None,
 ) -> Reaped:
     """Draws the enumerated random variables of ``model`` from their posterior.
@@ -40,9 +41,11 @@ def infer_discrete(
 
     Args:
         model: the program ``model(key, *args)`` the posterior was sampled from.
-        posterior: the ``Posterior`` (``sample_posterior``'s) of its continuous latents.
         key: the PRNG key; each posterior draw gets its own split of it.
         *args: the program's own arguments.
+        posterior: the ``Posterior`` (``sample_posterior``'s) of its continuous latents
+            (required; the old order ``infer_discrete(model, posterior, key, *args)``
+            still works for one release, with a DeprecationWarning).
         observed: ``{name: value}``; None: the observations ``posterior`` was sampled with.
 
     Returns:
@@ -64,10 +67,11 @@ def infer_discrete(
         ...     return ppl.random_variable(tfd.Normal(10.0 * z - 5.0, scale), name="y")(k3)
         >>> posterior = ppl.sample_posterior(mixture, jax.random.key(0), observed={"y": 5.0},
         ...                                  num_samples=100, num_warmup=100, num_chains=1)
-        >>> z = ppl.infer_discrete(mixture, posterior, jax.random.key(1))["z"]
+        >>> z = ppl.infer_discrete(mixture, jax.random.key(1), posterior=posterior)["z"]
         >>> z.shape, bool(z.mean() > 0.99)  # y = 5 sits on the component at +5
         ((1, 100), True)
     """
+    key, args, posterior = posterior_first("infer_discrete", key, args, posterior, Posterior)
     if not isinstance(posterior, Posterior):
         raise _errors.ppl_infer_discrete_posterior(posterior)
     given = dict(posterior.observed if observed is None else observed)

@@ -10,35 +10,38 @@ import jax
 
 from .. import _errors
 from .._typing import P, R
+from ._old_spellings import model_was_f
 
 
 @overload
 def plate(
-    f: Callable[Concatenate[Any, P], R], *, name: str, size: int
+    model: Callable[Concatenate[Any, P], R], *, name: str, size: int
 ) -> Callable[Concatenate[Any, P], R]: ...
 @overload
 def plate(
-    f: None = None, *, name: str, size: int
+    model: None = None, *, name: str, size: int
 ) -> Callable[[Callable[Concatenate[Any, P], R]], Callable[Concatenate[Any, P], R]]: ...
-def plate(f: Callable[..., Any] | None = None, *, name: str, size: int) -> Callable[..., Any]:
-    """Draws `size` independent copies of the program `f(key, *args)`.
+@model_was_f
+def plate(model: Callable[..., Any] | None = None, *, name: str, size: int) -> Callable[..., Any]:
+    """Draws `size` independent copies of the program `model(key, *args)`.
 
-    The key is split into `size` keys and `f` is mapped over them with
+    The key is split into `size` keys and `model` is mapped over them with
     `jax.vmap(axis_name=name)`, so collectives over `name` work inside. Other
     arguments are shared by every copy. Random variables keep their names
     and gain a leading axis of length `size`: `joint_sample` returns them
     stacked, values for `intervene`, `conditional` and `joint_log_prob` are
     given stacked, and the log density is the sum over the copies (they are
-    independent). Use it as `plate(f, name=..., size=...)` or as a decorator
+    independent). Use it as `plate(model, name=..., size=...)` or as a decorator
     `@plate(name=..., size=...)`; wrap it in `nest` to scope the names.
 
     Args:
-        f: the program ``f(key, *args)`` to copy; None to use ``plate`` as a decorator.
-        name: the plate's axis name, for collectives inside ``f``.
+        model: the program ``model(key, *args)`` to copy; None to use ``plate`` as a
+            decorator.
+        name: the plate's axis name, for collectives inside ``model``.
         size: how many independent copies to draw (a positive int).
 
     Returns:
-        The plated program ``(key, *args) -> stacked outputs``, or (without ``f``) a
+        The plated program ``(key, *args) -> stacked outputs``, or (without ``model``) a
         decorator making one.
 
     Raises:
@@ -61,12 +64,12 @@ def plate(f: Callable[..., Any] | None = None, *, name: str, size: int) -> Calla
         raise _errors.ppl_bad_name("plate", name)
     if not isinstance(size, int) or size < 1:
         raise _errors.ppl_plate_size(name, size)
-    if f is None:
+    if model is None:
         return functools.partial(plate, name=name, size=size)
 
-    @functools.wraps(f)
+    @functools.wraps(model)
     def plated(key: Any, *args: Any, **kwargs: Any) -> Any:
         keys = jax.random.split(key, size)
-        return jax.vmap(lambda k: f(k, *args, **kwargs), axis_name=name)(keys)
+        return jax.vmap(lambda k: model(k, *args, **kwargs), axis_name=name)(keys)
 
     return plated

@@ -5,8 +5,8 @@ predictive runs the program once per posterior draw with that draw's latent
 values planted (by `intervene`) and everything else drawn afresh, so the
 observed variables are predicted and every `deterministic` site is
 recomputed. The program given may differ from the one the posterior came
-from by an intervention: `predictive(intervene(model, t=0.0), posterior, key)`
-predicts under do(t=0) from what was learnt without it. Latents that the
+from by an intervention: `predictive(intervene(model, t=0.0), key,
+posterior=posterior)` predicts under do(t=0) from what was learnt without it. Latents that the
 given program no longer draws (an intervention on one of them) keep the
 intervened value.
 """
@@ -22,6 +22,7 @@ from .. import _errors
 from .._typing import Reaped
 from ._infer_discrete import infer_discrete as _infer_discrete
 from ._names import leaf_paths, merged, random_variables_of, restricted
+from ._old_spellings import posterior_first
 from ._posterior import Posterior
 from ._transforms import intervene, trace
 
@@ -32,9 +33,9 @@ def _sites(model: Callable[..., Any], key: jax.Array, args: tuple[Any, ...]) -> 
 
 def predictive(
     model: Callable[..., Any],
-    posterior: Posterior | None,
     key: jax.Array,
     *args: Any,
+    posterior: Posterior | None = None,
     num_samples: int | None = None,
     infer_discrete: bool = False,
 ) -> Reaped:
@@ -58,9 +59,11 @@ def predictive(
 
     Args:
         model: the program ``model(key, *args)``.
-        posterior: the ``Posterior`` to predict from, or ``None`` for the prior.
         key: the PRNG key; each run gets its own split of it.
         *args: the program's own arguments.
+        posterior: the ``Posterior`` to predict from, or ``None`` for the prior.
+            (The old order ``predictive(model, posterior, key, *args)`` still works
+            for one release, with a DeprecationWarning.)
         num_samples: how many prior runs (only with ``posterior=None``).
         infer_discrete: draw the enumerated draws from their posterior (see above)
             rather than their prior; needs ``posterior``.
@@ -82,12 +85,13 @@ def predictive(
         ...     z = ppl.random_variable(tfd.Normal(0.0, 1.0), name="z")(k1)
         ...     ppl.deterministic(2.0 * z, name="twice")
         ...     return ppl.random_variable(tfd.Normal(z, 0.1), name="y")(k2)
-        >>> prior = ppl.predictive(model, None, jax.random.key(0), num_samples=1000)
+        >>> prior = ppl.predictive(model, jax.random.key(0), num_samples=1000)
         >>> sorted(prior), prior["y"].shape
         (['twice', 'y', 'z'], (1000,))
         >>> bool(jnp.all(prior["twice"] == 2.0 * prior["z"]))
         True
     """
+    key, args, posterior = posterior_first("predictive", key, args, posterior, Posterior)
     if posterior is None:
         if infer_discrete:
             raise _errors.ppl_predictive_infer_discrete_prior()
@@ -102,7 +106,7 @@ def predictive(
     values = restricted(posterior.samples, latents)
     if infer_discrete:
         key, k_discrete = jax.random.split(key)
-        values = merged(values, _infer_discrete(model, posterior, k_discrete, *args))
+        values = merged(values, _infer_discrete(model, k_discrete, *args, posterior=posterior))
     keys = jax.random.split(key, lead[0] * lead[1]).reshape(lead)
 
     def one(k: jax.Array, draw: Reaped) -> Reaped:

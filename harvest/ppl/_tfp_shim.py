@@ -7,10 +7,12 @@ on such a JAX. Putting the alias back is all TFP needs.
 
 Whether the alias is missing is a feature check in the adapter (`harvest._jax`):
 on a JAX that still has it, nothing is touched, and nothing JAX defines is ever
-replaced. It runs when `harvest` itself is imported (it imports no TFP), so
-import harvest before TFP. TFP imported first fails in TFP's own import, where
-harvest cannot speak; importing harvest afterwards puts the alias back, so
-running the TFP import again works, and `harvest.ppl` retries it itself.
+replaced. It runs when `harvest.ppl` is imported, where TFP is first needed
+(`import harvest` alone leaves JAX as it is), so import harvest.ppl before TFP.
+TFP imported first fails in TFP's own import: after `import harvest`, with an
+ImportError saying so (`_jax.explain_tfp_import_order`); before it, with TFP's
+AttributeError, where harvest cannot speak. Either way `import harvest.ppl`
+afterwards puts the alias back and retries the import itself.
 
 TFP 0.25's `Pad` bijector (inside `SoftmaxCentered`, the Dirichlet's map onto
 the simplex) calls `np.reshape(x, newshape=...)`, a keyword NumPy 2.4 removed.

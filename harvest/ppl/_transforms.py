@@ -1,6 +1,6 @@
 """The transformations of probabilistic programs: sample, score, fix.
 
-A probabilistic program is a function `f(key, *args)` whose draws are made
+A probabilistic program is a function `model(key, *args)` whose draws are made
 with `random_variable`. Every transformation here is `reap`, `plant` or
 `harvest` of the two tags that `random_variable` sows (see
 `_random_variable.py`):
@@ -10,7 +10,7 @@ with `random_variable`. Every transformation here is `reap`, `plant` or
 * `intervene` / `conditional` plant some samples and drop their log
   densities, so the fixed variables are no longer random.
 
-Scoring needs no randomness, so the score functions trace `f` with a
+Scoring needs no randomness, so the score functions trace the program with a
 placeholder key, as oryx does.
 """
 
@@ -32,6 +32,7 @@ from ._block import check_blocked_unscored, with_draws_replaced
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
 from ._names import Among, check_drawn, dotted_paths, leaf_paths, merged, nested
+from ._old_spellings import model_was_f
 from ._random_variable import is_distribution
 from ._tags import (
     BLOCKED,
@@ -55,14 +56,15 @@ def _check_values(values: object, fn_name: str) -> None:
         raise _errors.ppl_values_not_a_dict(fn_name, values)
 
 
-def joint_sample(f: Callable[P, Any]) -> Callable[P, Reaped]:
-    """Returns a program `(key, *args) -> {name: value}` with every draw of `f`.
+@model_was_f
+def joint_sample(model: Callable[P, Any]) -> Callable[P, Reaped]:
+    """Returns a program `(key, *args) -> {name: value}` with every draw of `model`.
 
     Names put under a scope by `nest` come back as nested dicts; draws of mode
     `"append"` come back stacked on a leading axis.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
 
     Returns:
         The program ``(key, *args) -> {name: value}``.
@@ -80,7 +82,7 @@ def joint_sample(f: Callable[P, Any]) -> Callable[P, Reaped]:
         >>> draws["z"].shape, draws["x"].shape
         ((4,), (4,))
     """
-    return Partial(_joint_sample, f)
+    return Partial(_joint_sample, model)
 
 
 def _joint_sample(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Reaped:
@@ -170,17 +172,18 @@ def _score(f: Callable[..., Any], values: Plants, *args: Any, **kwargs: Any) -> 
     return sum(densities_of(_site_densities(f, values, args, kwargs)))
 
 
+@model_was_f
 def joint_log_prob(
-    f: Callable[Concatenate[Any, P], Any],
+    model: Callable[Concatenate[Any, P], Any],
 ) -> Callable[Concatenate[Plants, P], jax.Array]:
-    """Returns `log_density({name: value}, *args) -> scalar` for the program `f`.
+    """Returns `log_density({name: value}, *args) -> scalar` for the program `model`.
 
     It is the sum of every random variable's log density at the given values,
-    so every random variable of `f` needs a value. The function is
+    so every random variable of `model` needs a value. The function is
     differentiable in the values and works under `jit` and `vmap`.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
 
     Returns:
         The function ``log_density(values, *args) -> scalar``.
@@ -199,7 +202,7 @@ def joint_log_prob(
         >>> jax.grad(ppl.joint_log_prob(model))({"z": 1.0, "x": 0.0})["z"]
         Array(-2., dtype=float32)
     """
-    return Partial(_joint_log_prob, f)
+    return Partial(_joint_log_prob, model)
 
 
 def _fixed(
@@ -211,8 +214,9 @@ def _fixed(
     return with_draws_replaced(f, names, values, requested, "intervene/conditional", args, kwargs)
 
 
-def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
-    """The do-operator: `f` with the named random variables set to `values`.
+@model_was_f
+def intervene(model: Callable[P, R], /, **values: Any) -> Callable[P, R]:
+    """The do-operator: `model` with the named random variables set to `values`.
 
     Everything downstream of an intervened variable uses its value, and the
     variable is no longer random: `joint_sample` leaves it out and
@@ -220,11 +224,12 @@ def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
     variables are unaffected. Give a scoped (`nest`) variable as a nested dict.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)`` (positional, so that a
+            random variable may be called ``model`` or ``f``).
         values: the random variables to fix, by name (keyword arguments), and their values.
 
     Returns:
-        The program ``f`` with those variables fixed, called as ``f`` is.
+        The program ``model`` with those variables fixed, called as ``model`` is.
 
     Example:
         >>> import jax
@@ -241,23 +246,24 @@ def intervene(f: Callable[P, R], **values: Any) -> Callable[P, R]:
         >>> ppl.joint_log_prob(fixed)({"x": 3.0})
         Array(-0.9189385, dtype=float32)
     """
-    return Partial(_fixed, f, frozenset(dotted_paths(values)), values)
+    return Partial(_fixed, model, frozenset(dotted_paths(values)), values)
 
 
-def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[..., R]:
+@model_was_f
+def conditional(model: Callable[..., R], names: str | Iterable[str]) -> Callable[..., R]:
     """Returns a program that takes the values of the random variables `names` as inputs.
 
     The new program is called as `g(key, *args, *values)`: the values of
-    `names`, in order, come after `f`'s own arguments (as in oryx). A single
+    `names`, in order, come after `model`'s own arguments (as in oryx). A single
     name may be given as a string. Scoped names are dotted (`"scope.x"`). As
     with `intervene`, the given variables are no longer random.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
         names: the random variables to take as inputs (a name, or a list of names).
 
     Returns:
-        The program ``g(key, *args, *values)`` (``f`` itself when ``names`` is empty).
+        The program ``g(key, *args, *values)`` (``model`` itself when ``names`` is empty).
 
     Raises:
         TypeError: if a name is not a non-empty string.
@@ -281,8 +287,8 @@ def conditional(f: Callable[..., R], names: str | Iterable[str]) -> Callable[...
     if not all(isinstance(n, str) and n for n in names):
         raise _errors.ppl_names_not_strings("conditional", "random variable names", names)
     if not names:
-        return f
-    return Partial(_conditioned, f, tuple(names))
+        return model
+    return Partial(_conditioned, model, tuple(names))
 
 
 def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
@@ -298,31 +304,34 @@ def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kw
 
 
 @overload
-def log_prob(f: Callable[Concatenate[Any, P], Any]) -> Callable[Concatenate[Any, P], jax.Array]: ...
+def log_prob(
+    model: Callable[Concatenate[Any, P], Any],
+) -> Callable[Concatenate[Any, P], jax.Array]: ...
 @overload
-def log_prob(f: Any) -> Callable[..., jax.Array]: ...
-def log_prob(f: Any) -> Callable[..., jax.Array]:
+def log_prob(model: Any) -> Callable[..., jax.Array]: ...
+@model_was_f
+def log_prob(model: Any) -> Callable[..., jax.Array]:
     """Returns `log_density(value, *args)` of a distribution or of a program's output.
 
     For a TFP distribution this is its own `log_prob`. For a program
-    `f(key, *args)`, `value` is shaped like `f`'s output, and the density is
-    found by inverting `f`: every draw the output depends on is recovered from
+    `model(key, *args)`, `value` is shaped like its output, and the density is
+    found by inverting `model`: every draw the output depends on is recovered from
     `value` (through the invertible primitives listed in the guide: `exp`,
     `log`, affine maps by known values, `tanh`, `sigmoid`, `softplus`,
     reshapes, ...), scored at that value, and the log-det-Jacobian of the
     inversion is added. Draws the output does not depend on integrate out. A
     draw the output depends on but does not determine (a latent) is an error:
-    use `joint_log_prob`, or `log_prob(joint_sample(f))`, which is exactly
-    `joint_log_prob(f)`. Eager by default (as oryx); wrap it in `jax.jit`.
+    use `joint_log_prob`, or `log_prob(joint_sample(model))`, which is exactly
+    `joint_log_prob(model)`. Eager by default (as oryx); wrap it in `jax.jit`.
 
     Args:
-        f: a TFP distribution, or a probabilistic program ``f(key, *args)``.
+        model: a TFP distribution, or a probabilistic program ``model(key, *args)``.
 
     Returns:
         The function ``log_density(value, *args) -> scalar``.
 
     Raises:
-        TypeError: if ``f`` is neither a distribution nor callable.
+        TypeError: if ``model`` is neither a distribution nor callable.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -336,28 +345,29 @@ def log_prob(f: Any) -> Callable[..., jax.Array]:
         >>> tfd.LogNormal(0.0, 1.0).log_prob(2.0)
         Array(-1.8523122, dtype=float32)
     """
-    if is_distribution(f):
-        dist_log_prob: Callable[..., jax.Array] = f.log_prob
+    if is_distribution(model):
+        dist_log_prob: Callable[..., jax.Array] = model.log_prob
         return dist_log_prob
-    if not callable(f):
-        raise _errors.ppl_log_prob_target(f)
-    if isinstance(f, Partial) and f.func is _joint_sample:
-        return joint_log_prob(*f.args)
-    return Partial(_log_prob, f)
+    if not callable(model):
+        raise _errors.ppl_log_prob_target(model)
+    if isinstance(model, Partial) and model.func is _joint_sample:
+        return joint_log_prob(*model.args)
+    return Partial(_log_prob, model)
 
 
 def _log_prob(f: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> Any:
     return log_density(f, value, args, kwargs)
 
 
-def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
+@model_was_f
+def trace(model: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
     """Returns a program `(key, *args) -> (output, {name: value})` with every recorded site.
 
     The dict holds the random variables (as `joint_sample` returns them) and the
     `deterministic` sites.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
 
     Returns:
         The program ``(key, *args) -> (output, {name: value})``.
@@ -373,7 +383,7 @@ def trace(f: Callable[P, R]) -> Callable[P, tuple[R, Reaped]]:
         >>> sorted(sites), bool(out == sites["twice"] == 2 * sites["z"])
         (['twice', 'z'], True)
     """
-    return Partial(_trace, f)
+    return Partial(_trace, model)
 
 
 def _trace(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Reaped]:
@@ -388,13 +398,14 @@ def _with_deterministic(f: Callable[..., Any], *args: Any, **kwargs: Any) -> tup
     return call_and_reap(f, tag=DETERMINISTIC)(*args, **kwargs)
 
 
+@model_was_f
 def trace_log_prob(
-    f: Callable[Concatenate[Any, P], R],
+    model: Callable[Concatenate[Any, P], R],
 ) -> Callable[Concatenate[R, Reaped, P], jax.Array]:
-    """Returns `log_density(output, sites, *args)`: the density of `trace(f)`'s result.
+    """Returns `log_density(output, sites, *args)`: the density of `trace(model)`'s result.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
 
     Returns:
         The function ``log_density(output, sites, *args) -> scalar``.
@@ -411,7 +422,7 @@ def trace_log_prob(
         >>> ppl.trace_log_prob(model)(1.0, {"z": 0.0, "x": 1.0})
         Array(-2.337877, dtype=float32)
     """
-    return Partial(_trace_log_prob, f)
+    return Partial(_trace_log_prob, model)
 
 
 def _trace_log_prob(
@@ -420,23 +431,26 @@ def _trace_log_prob(
     return log_density(trace(f), (out, sites), args, kwargs)
 
 
+@model_was_f
 def graph_replace(
-    f: Callable[..., Any], input_names: str | Iterable[str], output_names: str | Iterable[str]
+    model: Callable[..., Any],
+    input_names: str | Iterable[str],
+    output_names: str | Iterable[str],
 ) -> Callable[..., Any]:
-    """Re-expresses ``f`` as a program from the random variables ``input_names`` to ``output_names``.
+    """Re-expresses ``model`` as a program from the random variables ``input_names`` to ``output_names``.
 
     The new program is called as ``g(key, *args, *inputs)`` (as ``conditional``)
     and returns the values of ``output_names`` (a list, or one value for a
     single name given as a string). Every draw that is not an input stays a
     random variable where it was: the outputs and the others alike, so
     ``intervene``, ``conditional`` and ``joint_log_prob`` of the new program
-    treat them as in ``f`` (intervening on a draw changes the draws downstream
+    treat them as in ``model`` (intervening on a draw changes the draws downstream
     of it). ``harvest.compat.oryx``'s ``graph_replace`` keeps oryx 0.2.9's
     behaviour instead (outputs leave the program, the other draws are re-sown
     at its end, disconnected).
 
     Args:
-        f: the program ``f(key, *args)``.
+        model: the program ``model(key, *args)``.
         input_names: the random variables that become inputs, in order (a
             name, or a list of names).
         output_names: the random variables to return (a name, or a list).
@@ -447,7 +461,7 @@ def graph_replace(
     Raises:
         TypeError: if a name is not a non-empty string.
         KeyError: (when ``g`` is called) if an output is not a random variable
-            of ``f`` or is among the inputs.
+            of ``model`` or is among the inputs.
 
     Example:
         >>> import jax
@@ -473,7 +487,7 @@ def graph_replace(
     if not all(isinstance(n, str) and n for n in outputs):
         raise _errors.ppl_names_not_strings("graph_replace", "output names", output_names)
     return Partial(
-        _replaced, conditional(f, input_names), output_names if single else tuple(outputs)
+        _replaced, conditional(model, input_names), output_names if single else tuple(outputs)
     )
 
 

@@ -35,6 +35,7 @@ from .._walk._sow import sow
 from ._block import check_blocked_unscored
 from ._enumerate import Support, draw, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
+from ._old_spellings import model_was_f
 from ._tags import (
     BLOCKED,
     DETERMINISTIC,
@@ -318,10 +319,11 @@ class Unconstrained:
     init: Callable[..., Reaped]
 
 
+@model_was_f
 def unconstrained(
-    f: Callable[..., Any], observed: Mapping[str, Any] | None = None
+    model: Callable[..., Any], observed: Mapping[str, Any] | None = None
 ) -> Unconstrained:
-    """Returns the `Unconstrained` density of the program `f`, with `observed` values fixed.
+    """Returns the `Unconstrained` density of the program `model`, with `observed` values fixed.
 
     Every TFP-distributed random variable not in `observed` becomes free and is
     moved to R^n by its distribution's default event-space bijector (softplus
@@ -333,7 +335,7 @@ def unconstrained(
     by their own name.
 
     Args:
-        f: the probabilistic program ``f(key, *args)``.
+        model: the probabilistic program ``model(key, *args)``.
         observed: values of random variables to fix and score, ``{name: value}`` (None: none).
 
     Returns:
@@ -368,7 +370,7 @@ def unconstrained(
         raise _errors.ppl_observed_not_a_dict(observed)
     _check_finite(observed)
     return Unconstrained(
-        Partial(_log_density, f, observed, True),
-        Partial(_constrain, f, observed),
-        Partial(_init, f, observed),
+        Partial(_log_density, model, observed, True),
+        Partial(_constrain, model, observed),
+        Partial(_init, model, observed),
     )

@@ -61,7 +61,7 @@ harvest.plant(f)({"h": harvest.ablate_zero()}, x, 2.0)
 harvest.plant(f)({"h": harvest.patch_positions(x, [0, 2], axis=0)}, x, 2.0)
 
 
-# harvest.ppl: a program is f(key, *args); its transformations keep *args.
+# harvest.ppl: a program is model(key, *args); its transformations keep *args.
 def normal(key: jax.Array, shift: float) -> jax.Array:
     return jax.random.normal(key) + shift
 
@@ -82,6 +82,8 @@ assert_type(ppl.intervene(model, z=1.0)(key, mu=0.0), jax.Array)
 assert_type(ppl.block(model, ["z"])(key, mu=0.0), jax.Array)
 assert_type(ppl.unconstrained(model).log_density, Callable[..., jax.Array])
 assert_type(ppl.deterministic(x, name="d"), jax.Array)
+# The key comes right after the model, in every call.
+assert_type(ppl.predictive(model, key, 0.0, num_samples=2), dict[str, Any])
 # plate as a call and as a decorator with arguments.
 assert_type(ppl.plate(model, name="data", size=3)(key, mu=0.0), jax.Array)
 

@@ -24,3 +24,25 @@ from .transformations import (
     trace as trace,
     trace_log_prob as trace_log_prob,
 )
+
+__all__ = [
+    "RANDOM_VARIABLE",
+    "LogProbFunction",
+    "Program",
+    "block",
+    "conditional",
+    "effect_handler",
+    "graph_replace",
+    "intervene",
+    "joint_log_prob",
+    "joint_sample",
+    "log_prob",
+    "make_effect_handler",
+    "nest",
+    "plate",
+    "random_variable",
+    "rv",
+    "trace",
+    "trace_log_prob",
+    "transformations",
+]
