@@ -361,7 +361,9 @@ def gemma_in_hugging_face(config, params):
     """Hugging Face's Gemma 2 or 3 (`config.use_qk_norm`) for gemma's `config`, holding
     `params` (gemma's names and layouts mapped to Hugging Face's by hand)."""
     local = type(config.attention_types[0]).LOCAL_SLIDING
-    kinds = ["sliding_attention" if t == local else "full_attention" for t in config.attention_types]
+    kinds = [
+        "sliding_attention" if t == local else "full_attention" for t in config.attention_types
+    ]
     rope = {"rope_type": "default"}
     shared = dict(
         vocab_size=config.num_embed,

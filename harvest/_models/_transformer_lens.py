@@ -295,7 +295,7 @@ def gemma_mlp_input(call: Any, path: str, module: Any, args: tuple[Any, ...]) ->
 def _gemma_mlp(call: Any, path: str, module: Any, weight: str) -> str | None:
     """``blocks.{i}.mlp`` if the einsum at `path` is the one holding `weight` in the
     feed-forward of a gemma block this call has named, else None."""
-    table = call.residual
+    table: Names | None = call.residual
     if table is None or getattr(module, "weight_name", None) != weight:
         return None
     return table.gated.get(path.rpartition(".")[0])
