@@ -258,7 +258,7 @@ def gemma_block(call: Any, path: str, module: Any) -> None:
     mlp_out = f"{path}.post_ffw_norm" if module.use_post_ffw_norm else f"{path}.mlp"
     _add(table, path, f"{path}.attn", attn_out, None, mlp_out)
     table.pairs.update((path, f"{path}.attn"))
-    table.gated[f"{path}.mlp"] = table.inputs[path].replace("hook_resid_pre", "mlp")
+    table.gated[f"{path}.mlp"] = table.inputs[path].rpartition(".")[0] + ".mlp"
 
 
 def gemma_embed(call: Any, module: Any, out: Any) -> Any:
@@ -266,9 +266,8 @@ def gemma_embed(call: Any, module: Any, out: Any) -> Any:
     `Embedder` (its table's rows times sqrt(d_model), which TransformerLens's conversion
     folds into its ``W_E``)."""
     cls = type(module)
-    if call.residual is None or cls.__name__ != "Embedder":
-        return out
-    return call.sow("hook_embed", out) if cls.__module__.startswith("gemma.") else out
+    is_gemma = cls.__name__ == "Embedder" and cls.__module__.startswith("gemma.")
+    return call.sow("hook_embed", out) if call.residual is not None and is_gemma else out
 
 
 def gemma_mlp_output(call: Any, path: str, module: Any, out: Any) -> Any:
