@@ -423,8 +423,9 @@ def gemma():
 
 
 def gemma_forward(model, params, tokens, patch=None):
-    """Gemma's logits and stream, from `Block.__call__`: each block's norms, attention and
-    MLP called one by one, the residual additions written out."""
+    """Gemma's logits and stream, from `Block.__call__`: each block's norms and attention
+    called one by one, its gated MLP (`FeedForward`) from its weights, the residual
+    additions written out."""
     patch, values = patch or {}, {}
 
     def at(name, value):
@@ -434,15 +435,18 @@ def gemma_forward(model, params, tokens, patch=None):
     inner = model.bind(params)
     t = tokens.shape[1]
     positions, mask = jnp.arange(t)[None], jnp.tril(jnp.ones((1, t, t), bool))
-    x = inner.embedder.encode(tokens)
+    x = at("hook_embed", inner.embedder.encode(tokens))  # the table's rows times sqrt(d)
     for i, block in enumerate(inner.blocks):
-        n = f"blocks.{i}"
+        n, w = f"blocks.{i}", params["params"][f"layer_{i}"]["mlp"]
         x = at(f"{n}.hook_resid_pre", x)
         _, attn = block.attn(block.pre_attention_norm(x), positions, None, mask)
         if block.post_attention_norm is not None:
             attn = block.post_attention_norm(attn)
         mid = at(f"{n}.hook_resid_mid", at(f"{n}.hook_attn_out", attn) + x)
-        mlp = block.mlp(block.pre_ffw_norm(mid))
+        gate = jnp.einsum("...F,NFH->...NH", block.pre_ffw_norm(mid), w["gating_einsum"])
+        pre = at(f"{n}.mlp.hook_pre", gate[..., 0, :])
+        post = jax.nn.gelu(pre) * at(f"{n}.mlp.hook_pre_linear", gate[..., 1, :])
+        mlp = at(f"{n}.mlp.hook_post", post) @ w["linear"]
         if block.post_ffw_norm is not None:
             mlp = block.post_ffw_norm(mlp)
         x = at(f"{n}.hook_resid_post", at(f"{n}.hook_mlp_out", mlp) + mid)
@@ -465,11 +469,13 @@ def test_gemma_names_hold_the_stream_and_plants_patch_it(gemma, post_norms):
     logits, by_hand = gemma_forward(model, params, tokens)
     np.testing.assert_allclose(logits, model.apply(params, tokens).logits, **TOL)
     reaped = reap(tl, tag="modules")(params, tokens)
-    assert set(by_hand) == {f"blocks.{i}.{h}" for i in range(2) for h in STREAM}
+    mlp = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")
+    hooks = [f"blocks.{i}.{h}" for i in range(2) for h in (*STREAM, *mlp)]
+    assert set(reaped) == set(by_hand) == {"hook_embed", *hooks}
     for name, value in by_hand.items():
         np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
     for seed, name in enumerate(by_hand):
-        value = random((1, 5, 8), seed)
+        value = random(by_hand[name].shape, seed)
         planted = plant(tl, tag="modules")({name: value}, params, tokens)
         patched = gemma_forward(model, params, tokens, {name: value})[0]
         np.testing.assert_allclose(planted, patched, err_msg=name, **TOL)

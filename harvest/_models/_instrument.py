@@ -99,7 +99,8 @@ def instrument(
             ``.hook_mlp_out`` (what attention and the MLP add to the stream),
             ``.hook_resid_mid`` (the stream between them, with an MLP),
             ``.hook_resid_post`` (its output) and ``.mlp.hook_pre`` /
-            ``.mlp.hook_post`` (its MLP's hidden layer); the model
+            ``.mlp.hook_post`` (its MLP's hidden layer; a gated MLP's, Penzai's
+            or gemma's, ``.mlp.hook_pre_linear`` too); the model
             ``"hook_embed"`` and ``"hook_pos_embed"``; with ``attention=True``,
             each block's attention hooks as ``"blocks.{i}.attn.hook_q"`` and so
             on (``hook_attn_scores`` too). A module target's blocks are found,

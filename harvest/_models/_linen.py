@@ -51,6 +51,8 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
 
     def interceptor(next_fun, a, k, context):
         module = context.module
+        if context.method_name == "encode":  # gemma's embedding: hook_embed
+            return _transformer_lens.gemma_embed(call, module, next_fun(*a, **k))
         path = linen_path(module) if context.method_name == "__call__" else ""
         if not path:
             return next_fun(*a, **k)
@@ -59,11 +61,13 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         if in_gemma:
             a = _attention.gemma_input_hook(call, linen_path(parent), module.name, a)
         _transformer_lens.gemma_block(call, path, module)
+        a = _transformer_lens.gemma_mlp_input(call, path, module, a)
         a = call.sow_inputs(path, _transformer_lens.part_input(call, path, a))
         with call.scope(path), _attention_fn_hooked(call, path, module):
             out = next_fun(*a, **k)
         if in_gemma:
             out = _attention.gemma_output_hook(call, linen_path(parent), module.name, out)
+        out = _transformer_lens.gemma_mlp_output(call, path, module, out)
         return _transformer_lens.part_output(call, path, call.sow(path, out))
 
     salt = next(_salts)

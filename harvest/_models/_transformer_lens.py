@@ -45,7 +45,10 @@ computes with. Three kinds of block are read:
   other than its queries. A list element with two attention submodules (a
   decoder's self- and cross-attention) is refused when the model is instrumented.
 * gemma's ``Block`` (Linen, in a function target), named as it starts to run:
-  its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX.
+  its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX. Its gated
+  feed-forward's hooks are read at its two einsums (`gemma_mlp_output`,
+  `gemma_mlp_input`), and ``hook_embed`` is its ``Embedder.encode``'s output
+  (`gemma_embed`: the token embeddings times sqrt(d_model), as TransformerLens's are).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from __future__ import annotations
 import dataclasses
 import re
 from typing import Any
+
+import jax.numpy as jnp
 
 from .. import _errors
 from . import _attention
@@ -62,6 +67,7 @@ NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
 # What a TransformerLens name looks like: every other site is left out of a call with names.
 _TL_NAME = re.compile(r"(hook_embed|hook_pos_embed|blocks\.\d+\.((attn|mlp)\.)?hook_\w+)")
 MLP_HOOKS = ("hook_pre", "hook_post")
+GATED_HOOKS = ("hook_pre", "hook_pre_linear", "hook_post")  # a gated MLP's (gemma's)
 PARALLEL = "<parallel>"  # a block's resid_mid part where it has none (attention beside the MLP)
 
 
@@ -90,6 +96,7 @@ class Names:
     attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
+    gated: dict[str, str] = dataclasses.field(default_factory=dict)  # gemma: mlp -> blocks.{i}.mlp
 
     def all_names(self, attention: bool) -> list[str]:
         """Every name these give (the attention hooks' with attention=True)."""
@@ -97,6 +104,7 @@ class Names:
         names += [name for _, name in self.mids.values()]
         for prefix, linears in self.mlps.values():
             names += [f"{prefix}.{h}" for h in mlp_hooks(len(linears))]
+        names += [f"{prefix}.{h}" for prefix in self.gated.values() for h in GATED_HOOKS]
         if attention:
             names += [f"{alias}.{h}" for alias in self.hooks.values() for h in _attention.HOOKS]
         return names
@@ -250,6 +258,46 @@ def gemma_block(call: Any, path: str, module: Any) -> None:
     mlp_out = f"{path}.post_ffw_norm" if module.use_post_ffw_norm else f"{path}.mlp"
     _add(table, path, f"{path}.attn", attn_out, None, mlp_out)
     table.pairs.update((path, f"{path}.attn"))
+    table.gated[f"{path}.mlp"] = table.inputs[path].rpartition(".")[0] + ".mlp"
+
+
+def gemma_embed(call: Any, module: Any, out: Any) -> Any:
+    """`out`, what `module.encode` returned, sown as ``hook_embed`` if `module` is gemma's
+    `Embedder` (its table's rows times sqrt(d_model), which TransformerLens's conversion
+    folds into its ``W_E``)."""
+    cls = type(module)
+    is_gemma = cls.__name__ == "Embedder" and cls.__module__.startswith("gemma.")
+    return call.sow("hook_embed", out) if call.residual is not None and is_gemma else out
+
+
+def gemma_mlp_output(call: Any, path: str, module: Any, out: Any) -> Any:
+    """`out`, the output of the einsum at `path`: if it is the gating einsum of a gemma
+    block's feed-forward ([..., 2, d_mlp], gelu's input then the factor it multiplies),
+    ``hook_pre`` and ``hook_pre_linear`` (TransformerLens's gate and ``W_in`` branch)."""
+    prefix = _gemma_mlp(call, path, module, "gating_einsum")
+    hooks = (f"{prefix}.hook_pre", f"{prefix}.hook_pre_linear")
+    if prefix is None or not call.select(hooks):
+        return out
+    gate, linear = (call.sow(hook, out[..., i, :]) for i, hook in enumerate(hooks))
+    return jnp.stack([gate, linear], axis=-2)
+
+
+def gemma_mlp_input(call: Any, path: str, module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """`args` of the einsum at `path`, `(equation, x)`: if it is a gemma feed-forward's
+    last (`linear`), x (gelu(gate) * linear branch) sown as ``hook_post``."""
+    prefix = _gemma_mlp(call, path, module, "linear")
+    if prefix is None or len(args) < 2:
+        return args
+    return (args[0], call.sow(f"{prefix}.hook_post", args[1]), *args[2:])
+
+
+def _gemma_mlp(call: Any, path: str, module: Any, weight: str) -> str | None:
+    """``blocks.{i}.mlp`` if the einsum at `path` is the one holding `weight` in the
+    feed-forward of a gemma block this call has named, else None."""
+    table: Names | None = call.residual
+    if table is None or getattr(module, "weight_name", None) != weight:
+        return None
+    return table.gated.get(path.rpartition(".")[0])
 
 
 # (block, its attention, the part whose output is attn_out, the part whose output is
