@@ -517,6 +517,22 @@ def is_gemma_attention(module: Any) -> bool:
     return cls.__name__ == "Attention" and cls.__module__.startswith("gemma.")
 
 
+def refuse_gemma_scores(call: Any, path: str) -> None:
+    """Raises where `where` asks for the scores of the Gemma attention at `path` and not its
+    pattern: gemma computes them inside `Attention.__call__` (after the rotary embedding,
+    the query's scaling, the soft cap and the sliding mask), where no submodule's input or
+    output holds them, so harvest could sow them only by copying that whole forward. A
+    wider `where` (or none) gives the other hooks, without the scores."""
+    scores = f"{path}.hook_attn_scores"
+    if wanted(call, scores) and not wanted(call, f"{path}.hook_pattern"):
+        raise ValueError(
+            f"instrument(attention=True): {hook_name(call, scores)} is not sown: gemma's "
+            f"Attention at {path!r} computes its scores inside its own __call__, where no "
+            "submodule holds them. Its hook_pattern is their softmax; leave the scores out of "
+            "`where`."
+        )
+
+
 def gemma_output_hook(call: Any, path: str, name: str, out: Any) -> Any:
     """The output of the submodule `name` of the Gemma attention at `path`, hooked."""
     if name == "qkv_einsum":  # [3, B, T, N, H]
