@@ -90,6 +90,10 @@ class Names:
     attention_args: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
+    # NNX and Equinox: the blocks seen to be parallel (no resid_mid), by a probe's run
+    # (`probing`: it notes them rather than refusing them).
+    parallel: set[str] = dataclasses.field(default_factory=set)
+    probing: bool = False
 
     def all_names(self, attention: bool) -> list[str]:
         """Every name these give (the attention hooks' with attention=True)."""
@@ -432,9 +436,11 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
     for arg in args:
         if arg is attention_out:
             raise _errors.attention_output_not_added(block, path)
-        if any(arg is e for e in earlier if e is not None) and call.select(
-            (table.mids[_attention_of(table, block)][1],)
-        ):
+        if block in table.parallel or not any(arg is e for e in earlier if e is not None):
+            continue
+        if table.probing:
+            table.parallel.add(block)
+        elif call.select((table.mids[_attention_of(table, block)][1],)):
             raise _errors.parallel_block(block, path)
 
 
@@ -464,17 +470,21 @@ def _stream_output(call: Any, table: Names, path: str, value: Any) -> Any:
         value = call.sow(name, value)
     if path in table.mids:
         block, name = table.mids[path]
-        value = _resid_mid(call, name, table.streams[block], value)
+        if block not in table.parallel:
+            value = _resid_mid(call, table, name, table.streams[block], value)
         table.attention_out[block] = value
     return value
 
 
-def _resid_mid(call: Any, name: str, resid_pre: Any, attn_out: Any) -> Any:
-    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way."""
-    if not call.select((name,)):
+def _resid_mid(call: Any, table: Names, name: str, resid_pre: Any, attn_out: Any) -> Any:
+    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way
+    (a probe's run only checks the shapes)."""
+    if not call.select((name,)) and not table.probing:
         return attn_out
     if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
         raise _errors.residual_shapes(name, resid_pre, attn_out)
+    if table.probing:
+        return attn_out
     mid = resid_pre + attn_out
     sown = call.sow(name, mid)
     # Unplanted, `sown - mid` is exactly zero, so the block adds what it did (XLA may
