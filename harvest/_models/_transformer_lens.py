@@ -54,7 +54,7 @@ import dataclasses
 import re
 from typing import Any
 
-from .. import _errors
+from .. import _errors, _jax
 from . import _attention
 
 NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
@@ -433,7 +433,7 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
         return
     attention_out = table.attention_out[block]
     earlier = (table.streams.get(block), *table.attention_args.get(block, ()))
-    for arg in args:
+    for arg in map(_jax.unbatched, args):  # an Equinox block vmaps its parts over positions
         if arg is attention_out:
             raise _errors.attention_output_not_added(block, path)
         if block in table.parallel or not any(arg is e for e in earlier if e is not None):
