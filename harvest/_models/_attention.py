@@ -1,6 +1,6 @@
 """TransformerLens's hook names on attention modules of known kinds (`instrument(..., attention=True)`).
 
-Each attention module at `path` gets five sites, whatever library it comes from:
+Each attention module at `path` gets six sites, whatever library it comes from:
 
 * `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
   `[..., seq, heads, d_head]`, as their projections give them (before any
@@ -8,8 +8,7 @@ Each attention module at `path` gets five sites, whatever library it comes from:
   layers apply both after, in the same sublayer);
 * `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
   entries hold the library's large negative number where TransformerLens has -inf),
-  `[..., heads, q_pos, k_pos]`: NNX, Equinox and Penzai attentions (not Linen's, not
-  Gemma's, whose scores are no sublayer's output);
+  `[..., heads, q_pos, k_pos]` (not Gemma's: `refuse_gemma_scores`);
 * `path.hook_pattern`: the attention weights after softmax (before dropout),
   `[..., heads, q_pos, k_pos]`;
 * `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
@@ -17,11 +16,33 @@ Each attention module at `path` gets five sites, whatever library it comes from:
 
 A hook is sown in that layout and converted back to the library's own layout
 after (a transpose or reshape: no arithmetic), so a plant there changes
-exactly what the module computes with. Flax's attentions (NNX, Linen) get
-their `attention_fn` replaced for the length of the call by one that computes
-the same product in the open; Equinox's `MultiheadAttention` is run by the
-forward below, written from its definition; Penzai's `pz.nn.Attention` and
-Gemma's `Attention` are read at their sublayers' outputs.
+exactly what the module computes with. Each library's own code computes what
+it exposes; harvest computes only what no library exposes:
+
+* Linen: its own `dot_product_attention`, run through `attention_fn` (Flax's
+  extension point) with the two products it lets a caller choose: q, k, v are
+  its inputs (the projections' outputs; NNX's too, after `normalize_qk`'s
+  norms, and while decoding k and v are the whole cache), the scores hooked at the first product's output (with the
+  bias and mask as Flax applies them after it), the pattern at the second
+  one's input, z at its output.
+* NNX: its own `dot_product_attention` where only q, k, v and z (its inputs
+  and output) are asked for. Its function has no product to choose, so for
+  the pattern harvest calls Flax's `dot_product_attention_weights`; harvest's
+  own code computes the scores and their softmax (`_nnx_scores`: Flax computes
+  them inside that function), and, where Flax takes the fused path
+  (`jax.nn.dot_product_attention`, which exposes nothing inside), repeats
+  that path's XLA implementation op for op (`_fused_attention`), so the
+  model's output stays bit for bit.
+* Both: Flax applies attention dropout inside the function that computes the
+  pattern, so harvest applies it after the pattern hook (`_dropout`,
+  Flax's draw).
+* Equinox: `MultiheadAttention.__call__` has no extension point, and its
+  scores live inside `dot_product_attention_weights`, called per head
+  inside a vmap; harvest runs the steps of `__call__` itself
+  (`equinox_forward`), with Equinox's own projections, weights function,
+  dropout and output projection, and its own scores (`_equinox_scores`).
+* Penzai's `pz.nn.Attention` and Gemma's `Attention`: their sublayers'
+  outputs (and Gemma's `attn_vec_einsum`'s input); nothing copied.
 """
 
 from __future__ import annotations

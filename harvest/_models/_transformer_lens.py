@@ -39,10 +39,14 @@ computes with. Three kinds of block are read:
   own addition gives the planted value (up to rounding). That extra addition can
   change how XLA compiles the attention's last product, and so the model's
   outputs in their last bits; leaving ``resid_mid`` out (``where``) keeps them
-  bit for bit. A block seen computing otherwise is refused (`_check_sequential`):
-  one that hands its attention's output to another submodule before adding it,
-  a parallel block whose MLP reads its input, an attention given keys or values
-  other than its queries. A list element with two attention submodules (a
+  bit for bit. A parallel block, whose MLP reads the block's input (GPT-J's;
+  TransformerLens's ``parallel_attn_mlp``), has no ``resid_mid``: only its
+  forward says so, after the attention has returned, so where ``resid_mid`` is
+  asked for the model first runs abstractly, sowing nothing, and the blocks
+  `_check_sequential` sees to be parallel are noted (``Names.parallel``). A
+  block seen computing otherwise is refused (`_check_sequential`): one that
+  hands its attention's output to another submodule before adding it, an
+  attention given keys or values other than its queries. A list element with two attention submodules (a
   decoder's self- and cross-attention) is refused when the model is instrumented.
 * gemma's ``Block`` (Linen, in a function target), named as it starts to run:
   its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX.
@@ -422,9 +426,10 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
     """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not
     to add its attention's output straight to its input, then run its MLP on the sum,
     which `attn_out` and `resid_mid` assume: a part that takes the attention's output (a
-    norm after attention in an NNX block; gemma's Block names its own as attn_out), or,
-    after the attention, a part that takes the block's input or what the attention took
-    (a parallel block, GPT-J's, whose MLP does not read `resid_mid`)."""
+    norm after attention in an NNX block; gemma's Block names its own as attn_out). After
+    the attention, a part that takes the block's input or what the attention took marks
+    a parallel block (GPT-J's, whose MLP does not read `resid_mid`): noted on a probe's
+    run, refused on another if its resid_mid is sown."""
     if path in table.mids:
         table.attention_args[table.mids[path][0]] = args
         return
