@@ -386,6 +386,16 @@ def is_weak(x: Any) -> bool:
     return bool(getattr(getattr(x, "aval", None), "weak_type", False))
 
 
+def unbatched(x: Any) -> Any:
+    """`x` outside the `jax.vmap`s it is traced in: the value the vmapped function was
+    given, so an argument inside a vmap is known for the array outside it."""
+    from jax._src.interpreters import batching
+
+    while isinstance(x, batching.BatchTracer):
+        x = x.val
+    return x
+
+
 def cast_like(x: Any, aval: Any) -> Any:
     """`x` converted to `aval`'s dtype and weak type (a loop carry must keep both)."""
     return _lax_internal._convert_element_type(x, aval.dtype, weak_type=aval.weak_type)

@@ -432,6 +432,7 @@ INLINE_LEFT = {
     "harvest/_jax.py": 1,
     # The refusal of a posterior given both before the key and as posterior=, beside its check.
     "harvest/ppl/_old_spellings.py": 1,
+    "harvest/_models/_attention.py": 1,  # new, written beside its check
 }
 
 

@@ -278,3 +278,71 @@ def test_a_sweep_over_merged_head_features_names_the_hook_to_use():
     assert len(str(info.value)) < 600
     with pytest.raises(ValueError, match="d_head"):
         patching_sweep(probed, clean, (-x,), metric, tag="modules", names="attn.hook_z", axis=-1)
+
+
+def test_linen_scores_are_the_masked_product_and_a_plant_gives_its_softmax():
+    model = LinenModel()
+    x = new_value((2, T, D), 9)
+    mask = linen.make_causal_mask(jnp.ones((2, T)))
+    variables = model.init(jax.random.key(0), x)
+    f = instrument(model.apply, attention=True)
+    reaped = reap(f, tag="modules")(variables, x, mask)
+    q, k, v, out = flax_projections(variables["params"]["attn"], x)
+    logits = jnp.einsum("...qhd,...khd->...hqk", q / np.sqrt(DH), k)
+    big_negative = jnp.finfo(jnp.float32).min  # Flax's, where TransformerLens has -inf
+    scores = jnp.where(mask, logits, big_negative)
+    np.testing.assert_allclose(reaped["attn.hook_attn_scores"], scores, **TOL)
+    assert (reaped["attn.hook_attn_scores"] == big_negative).sum() == 2 * H * T * (T - 1) // 2
+    # A plant is what the softmax takes: the output is the one its softmax gives.
+    planted_scores = jnp.where(mask, new_value(scores.shape, 3) * 3.0, big_negative)
+    planted = plant(f, tag="modules")({"attn.hook_attn_scores": planted_scores}, variables, x, mask)
+    pattern = jax.nn.softmax(planted_scores, axis=-1)
+    expected = by_hand(q, k, v, out, mask=mask, patch={"hook_pattern": pattern})[0]
+    np.testing.assert_allclose(planted, expected, **TOL)
+
+
+class LinenDropout(linen.Module):
+    @linen.compact
+    def __call__(self, x):
+        attn = linen.MultiHeadDotProductAttention(
+            H, qkv_features=H * DH, dropout_rate=0.5, deterministic=False, name="attn"
+        )
+        return attn(x)
+
+
+def test_linen_dropout_after_the_pattern_hook_as_flax_draws_it():
+    model, x = LinenDropout(), new_value((2, T, D), 9)
+    variables = model.init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(7)}
+    f = instrument(lambda v, a: model.apply(v, a, rngs=rngs), attention=True)
+    np.testing.assert_array_equal(f(variables, x), model.apply(variables, x, rngs=rngs))
+    reaped = reap(f, tag="modules")(variables, x)
+    # The pattern is before dropout: each row sums to one.
+    np.testing.assert_allclose(reaped["attn.hook_pattern"].sum(-1), 1.0, **TOL)
+    _, hand = by_hand(*flax_projections(variables["params"]["attn"], x))
+    np.testing.assert_allclose(reaped["attn.hook_pattern"], hand["hook_pattern"], **TOL)
+
+
+@pytest.mark.parametrize("kind", ["nnx", "linen"])
+def test_hooks_outside_the_softmax_leave_flax_s_own_attention_bit_for_bit(kind):
+    x = new_value((2, T, D), 9)
+    if kind == "nnx":
+        model = NNXModel(nnx.Rngs(0))
+        p = jax.tree.map(lambda v: v[...], nnx.to_pure_dict(nnx.state(model, nnx.Param)))["mha"]
+        path, run, args = "mha", model, (x,)
+        probed = instrument(model, attention=True, where=lambda n: n.endswith(("_v", "_z")))
+    else:
+        model = LinenModel()
+        variables = model.init(jax.random.key(0), x)
+        p, path, run, args = variables["params"]["attn"], "attn", model.apply, (variables, x)
+        probed = instrument(model.apply, attention=True)
+    np.testing.assert_array_equal(probed(*args), run(*args))
+    reaped = reap(probed, tag="modules")(*args)
+    _, hand = by_hand(*flax_projections(p, x))
+    for hook in ("hook_v", "hook_z"):
+        np.testing.assert_allclose(reaped[f"{path}.{hook}"], hand[hook], err_msg=hook, **TOL)
+    z = new_value(hand["hook_z"].shape, 2)
+    planted = plant(probed, tag="modules")({f"{path}.hook_z": z}, *args)
+    np.testing.assert_allclose(
+        planted, by_hand(*flax_projections(p, x), patch={"hook_z": z})[0], **TOL
+    )

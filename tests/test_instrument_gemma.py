@@ -244,3 +244,20 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
         np.testing.assert_array_equal(steer({"layer_1.mlp": add_vector(v)}, params, state), want)
         outs.append(want)
     assert outs[1] != outs[2]  # the vector changes the tokens
+
+
+def test_asking_for_gemmas_scores_alone_says_why_there_are_none(gemma):
+    model, params, tokens = gemma
+    run = lambda p, t: model.apply(p, t).logits
+    for names, sown in ((None, "layer_0.attn.hook_attn_scores"), ("transformer_lens", None)):
+        sown = sown or "blocks.0.attn.hook_attn_scores"
+        f = instrument(run, attention=True, names=names, where=sown)
+        with pytest.raises(
+            ValueError, match=f"{sown} is not sown: gemma's Attention at 'layer_0.attn'"
+        ) as info:
+            reap(f, tag="modules")(params, tokens)
+        assert len(str(info.value)) < 600
+    # Asked with the rest of the attention's hooks, the scores are left out, the rest sown.
+    wide = instrument(run, attention=True, where="layer_0.attn.hook_*")
+    reaped = reap(wide, tag="modules")(params, tokens)
+    assert sorted(reaped) == [f"layer_0.attn.hook_{h}" for h in ("k", "pattern", "q", "v", "z")]

@@ -238,25 +238,58 @@ class Stack(nnx.Module):
         return x
 
 
-def test_blocks_that_do_not_compute_as_the_names_mean_are_refused():
+def test_a_block_that_norms_its_attention_s_output_is_refused():
     x = random((B, T, D), 1)
     post_norm = instrument(Stack(PostNormBlock(nnx.Rngs(0))), names="transformer_lens")
     with pytest.raises(ValueError, match="passes its attention's output to 'blocks.0.post_attn'"):
         reap(post_norm, tag="modules")(x)
+
+
+class DropoutParallelBlock(ParallelBlock):
+    """A parallel block whose MLP draws dropout from the block's own random state."""
+
+    def __init__(self, rngs):
+        super().__init__(rngs)
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=3))
+
+    def __call__(self, x):
+        return x + self.attn(self.ln1(x)) + self.drop(self.mlp(self.ln2(x)))
+
+
+def test_parallel_blocks_get_transformer_lens_s_names_without_resid_mid():
+    # GPT-J's and GPT-NeoX's parallel_attn_mlp: TransformerLens gives no hook_resid_mid.
+    x = random((B, T, D), 1)
     parallel = Stack(ParallelBlock(nnx.Rngs(0)))
-    with pytest.raises(
-        ValueError, match="gives 'blocks.0.ln2' the block's input.*no hook_resid_mid"
-    ):
-        reap(instrument(parallel, names="transformer_lens"), tag="modules")(x)
-    # Without resid_mid, a parallel block's other names hold what TransformerLens's do.
-    no_mid = lambda name: not name.endswith("hook_resid_mid")
-    reaped = reap(instrument(parallel, names="transformer_lens", where=no_mid), tag="modules")(x)
+    tl = instrument(parallel, names="transformer_lens")
+    reaped = reap(tl, tag="modules")(x)
     block = parallel.blocks[0]
     attn_out, mlp_out = block.attn(block.ln1(x)), block.mlp(block.ln2(x))
-    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
-    np.testing.assert_allclose(reaped["blocks.0.hook_mlp_out"], mlp_out, **TOL)
-    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out + mlp_out, **TOL)
+    expected = {
+        "blocks.0.hook_resid_pre": x,
+        "blocks.0.hook_attn_out": attn_out,
+        "blocks.0.hook_mlp_out": mlp_out,
+        "blocks.0.hook_resid_post": x + attn_out + mlp_out,
+        "blocks.0.mlp.hook_pre": block.mlp.up(block.ln2(x)),
+        "blocks.0.mlp.hook_post": nnx.gelu(block.mlp.up(block.ln2(x))),
+    }
+    assert set(reaped) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(reaped[name], value, err_msg=name, **TOL)
+    np.testing.assert_array_equal(tl(x), parallel(x))
+    # A plant of the attention's output reaches the output alone: the MLP reads the input.
+    new = random((B, T, D), 2)
+    planted = plant(tl, tag="modules")({"blocks.0.hook_attn_out": new}, x)
+    np.testing.assert_allclose(planted, x + new + mlp_out, **TOL)
+    with pytest.raises(KeyError, match="hook_resid_mid"):
+        plant(tl, tag="modules")({"blocks.0.hook_resid_mid": x}, x)
+    # Found by a run on a copy: the model's random state is drawn from once per call.
+    drawing = Stack(DropoutParallelBlock(nnx.Rngs(0)))
+    twin = nnx.clone(drawing)
+    reaped = reap(instrument(drawing, names="transformer_lens"), tag="modules")(x)
     assert "blocks.0.hook_resid_mid" not in reaped
+    # (Another dropout mask would differ by the MLP's whole output, not by rounding.)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], twin(x), **TOL)
+    np.testing.assert_allclose(drawing(x), twin(x), **TOL)  # both drew once before
 
 
 def test_a_block_called_twice_is_checked_per_call():
@@ -648,3 +681,34 @@ def test_penzai_parallel_blocks_have_no_resid_mid():
         x = x + attn_out + mlp_out
         assert f"blocks.{i}.hook_resid_mid" not in reaped  # as TransformerLens's parallel_attn_mlp
         assert {f"blocks.{i}.mlp.hook_pre", f"blocks.{i}.mlp.hook_post"} <= set(reaped)
+
+
+def test_equinox_parallel_blocks_have_no_resid_mid():
+    eqx = pytest.importorskip("equinox")
+    a, m = jax.random.split(jax.random.key(0))
+
+    class EqxParallel(eqx.Module):  # GPT-J's: one norm, read by both branches
+        ln: eqx.nn.LayerNorm
+        attn: eqx.nn.MultiheadAttention
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            h = jax.vmap(self.ln)(x)
+            return x + self.attn(h, h, h) + jax.vmap(self.mlp)(h)
+
+    class Holder(eqx.Module):
+        blocks: list
+
+        def __call__(self, x):
+            return self.blocks[0](x)
+
+    mlp = eqx.nn.MLP(D, D, 16, depth=1, activation=jax.nn.gelu, key=m)
+    block = EqxParallel(eqx.nn.LayerNorm(D), eqx.nn.MultiheadAttention(H, D, key=a), mlp)
+    model, x = Holder([block]), random((T, D), 1)
+    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(x)
+    h = jax.vmap(block.ln)(x)
+    attn_out, mlp_out = block.attn(h, h, h), jax.vmap(block.mlp)(h)
+    assert "blocks.0.hook_resid_mid" not in reaped
+    np.testing.assert_allclose(reaped["blocks.0.hook_attn_out"], attn_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_mlp_out"], mlp_out, **TOL)
+    np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], x + attn_out + mlp_out, **TOL)

@@ -1,6 +1,6 @@
 """TransformerLens's hook names on attention modules of known kinds (`instrument(..., attention=True)`).
 
-Each attention module at `path` gets five sites, whatever library it comes from:
+Each attention module at `path` gets six sites, whatever library it comes from:
 
 * `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
   `[..., seq, heads, d_head]`, as their projections give them (before any
@@ -8,8 +8,7 @@ Each attention module at `path` gets five sites, whatever library it comes from:
   layers apply both after, in the same sublayer);
 * `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
   entries hold the library's large negative number where TransformerLens has -inf),
-  `[..., heads, q_pos, k_pos]`: NNX, Equinox and Penzai attentions (not Linen's, not
-  Gemma's, whose scores are no sublayer's output);
+  `[..., heads, q_pos, k_pos]` (not Gemma's: `refuse_gemma_scores`);
 * `path.hook_pattern`: the attention weights after softmax (before dropout),
   `[..., heads, q_pos, k_pos]`;
 * `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
@@ -17,17 +16,40 @@ Each attention module at `path` gets five sites, whatever library it comes from:
 
 A hook is sown in that layout and converted back to the library's own layout
 after (a transpose or reshape: no arithmetic), so a plant there changes
-exactly what the module computes with. Flax's attentions (NNX, Linen) get
-their `attention_fn` replaced for the length of the call by one that computes
-the same product in the open; Equinox's `MultiheadAttention` is run by the
-forward below, written from its definition; Penzai's `pz.nn.Attention` and
-Gemma's `Attention` are read at their sublayers' outputs.
+exactly what the module computes with. Each library's own code computes what
+it exposes; harvest computes only what no library exposes:
+
+* Linen: its own `dot_product_attention`, run through `attention_fn` (Flax's
+  extension point) with the two products it lets a caller choose: q, k, v are
+  its inputs (the projections' outputs; NNX's too, after `normalize_qk`'s
+  norms, and while decoding k and v are the whole cache), the scores hooked at the first product's output (with the
+  bias and mask as Flax applies them after it), the pattern at the second
+  one's input, z at its output.
+* NNX: its own `dot_product_attention` where only q, k, v and z (its inputs
+  and output) are asked for. Its function has no product to choose, so for
+  the pattern harvest calls Flax's `dot_product_attention_weights`; harvest's
+  own code computes the scores and their softmax (`_nnx_scores`: Flax computes
+  them inside that function), and, where Flax takes the fused path
+  (`jax.nn.dot_product_attention`, which exposes nothing inside), repeats
+  that path's XLA implementation op for op (`_fused_attention`), so the
+  model's output stays bit for bit.
+* Both: Flax applies attention dropout inside the function that computes the
+  pattern, so harvest applies it after the pattern hook (`_dropout`,
+  Flax's draw).
+* Equinox: `MultiheadAttention.__call__` has no extension point, and its
+  scores live inside `dot_product_attention_weights`, called per head
+  inside a vmap; harvest runs the steps of `__call__` itself
+  (`equinox_forward`), with Equinox's own projections, weights function,
+  dropout and output projection, and its own scores (`_equinox_scores`).
+* Penzai's `pz.nn.Attention` and Gemma's `Attention`: their sublayers'
+  outputs (and Gemma's `attn_vec_einsum`'s input); nothing copied.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -144,136 +166,102 @@ def _dropout(weights, rng, rate, broadcast, ndim, dtype):
     return weights * (keep.astype(dtype) / jnp.asarray(keep_prob, dtype=dtype))
 
 
-def _hooked_pattern(
-    call, path, weights, deterministic, dropout_rate, dropout_rng, broadcast_dropout, query, key
-):
-    """The post-softmax weights through the pattern hook, then Flax's dropout (after the hook,
-    so the hook sees the pattern itself)."""
-    weights = _hook(call, f"{path}.hook_pattern", weights)
-    if not deterministic and dropout_rate > 0.0:
-        weights = _dropout(
-            weights, dropout_rng, dropout_rate, broadcast_dropout, key.ndim, query.dtype
-        )
-    return weights
-
-
 def _linen_attention(call: Any, path: str) -> Callable[..., Any]:
+    """Linen's own `dot_product_attention`, given the two products it lets a caller choose
+    (`qk_attn_weights_einsum`, `attn_weights_value_einsum`): harvest's compute Flax's
+    default product and hook around it, the scores and pattern at the first one's
+    output and the second one's input, z at its output."""
     from flax import linen
     from flax.linen.dtypes import promote_dtype
 
-    def attention_fn(
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
-        broadcast_dropout=True,
-        dropout_rng=None,
-        dropout_rate=0.0,
-        deterministic=False,
-        dtype=None,
-        precision=None,
-        module=None,
-        force_fp32_for_softmax=False,
-        einsum_dot_general=None,
-        qk_attn_weights_einsum=None,
-        attn_weights_value_einsum=None,
-    ):
-        query, key, value = promote_dtype(query, key, value, dtype=dtype)
-        query, key, value = _qkv(call, path, query, key, value)
-        weights = linen.dot_product_attention_weights(
-            query,
-            key,
-            bias,
-            mask,
-            broadcast_dropout,
-            dropout_rng,
-            0.0,  # dropout comes after the pattern hook
-            True,
-            query.dtype,
-            precision,
-            module,
-            force_fp32_for_softmax,
-            einsum_dot_general=einsum_dot_general,
-            einsum=qk_attn_weights_einsum,
+    signature = inspect.signature(linen.dot_product_attention)
+
+    def attention_fn(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        query, key, value = promote_dtype(a["query"], a["key"], a["value"], dtype=a["dtype"])
+        a["query"], a["key"], a["value"] = _qkv(call, path, query, key, value)
+        # Flax takes a precision or the two products, not both: harvest's apply the precision.
+        plain = functools.partial(
+            jnp.einsum,
+            precision=a.pop("precision"),
+            _dot_general=a.pop("einsum_dot_general") or jax.lax.dot_general,
         )
-        weights = _hooked_pattern(
-            call,
-            path,
-            weights,
-            deterministic,
-            dropout_rate,
-            dropout_rng,
-            broadcast_dropout,
-            query,
-            key,
-        )
-        einsum = attn_weights_value_einsum or functools.partial(
-            jnp.einsum, precision=precision, _dot_general=einsum_dot_general or jax.lax.dot_general
-        )
-        return _hook(call, f"{path}.hook_z", einsum("...hqk,...khd->...qhd", weights, value))
+        qk = a["qk_attn_weights_einsum"] or plain
+        wv = a["attn_weights_value_einsum"] or plain
+        dropout = (a["dropout_rng"], a["dropout_rate"], a["broadcast_dropout"])
+        drops = not a["deterministic"] and a["dropout_rate"] > 0.0
+        a["dropout_rate"] = 0.0  # Flax's dropout comes after the pattern hook, in `weighted`
+        bias, mask, dtype = a["bias"], a["mask"], a["query"].dtype
+
+        def scores(spec, q, k):
+            logits = qk(spec, q, k)
+            if not wanted(call, f"{path}.hook_attn_scores"):
+                return logits
+            # What Flax's softmax takes: the product, its bias and its mask, as Flax adds them.
+            masked = logits if bias is None else logits + bias
+            if mask is not None:
+                masked = jnp.where(mask, masked, jnp.finfo(dtype).min)
+            sown = _hook(call, f"{path}.hook_attn_scores", masked)
+            # Unplanted the difference is zero; planted, Flax's own bias and mask after this
+            # give the planted scores (up to rounding) where nothing masks them.
+            return logits + jnp.where(jnp.isfinite(masked), sown - masked, 0)
+
+        def weighted(spec, weights, v):
+            weights = _hook(call, f"{path}.hook_pattern", weights)
+            if drops:
+                weights = _dropout(weights, *dropout, a["key"].ndim, dtype)
+            return _hook(call, f"{path}.hook_z", wv(spec, weights, v))
+
+        a["qk_attn_weights_einsum"], a["attn_weights_value_einsum"] = scores, weighted
+        return linen.dot_product_attention(**a)
 
     return attention_fn
 
 
 def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
+    """NNX's own `dot_product_attention` where only q, k, v and z are asked for (its inputs
+    and output); otherwise its unfused path with the pattern hooked (Flax's
+    `dot_product_attention_weights`, or harvest's scores and softmax where the scores are
+    asked for), or, where Flax takes the fused path, `_fused_attention`."""
     from flax import nnx
-    from flax.nnx.nn import attention as nnx_attention, dtypes
+    from flax.nnx.nn import attention as nnx_attention
 
-    def attention_fn(
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
-        broadcast_dropout=True,
-        dropout_rng=None,
-        dropout_rate=0.0,
-        deterministic=False,
-        dtype=None,
-        precision=None,
-        module=None,
-        promote_dtype=dtypes.promote_dtype,
-        is_causal=False,
-    ):
-        query, key, value = promote_dtype((query, key, value), dtype=dtype)
-        query, key, value = _qkv(call, path, query, key, value)
-        if dropout_rate == 0.0 and module is None:  # where Flax calls the fused attention
+    default = nnx_attention.dot_product_attention
+    signature = inspect.signature(default)
+
+    def attention_fn(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        qkv = a["promote_dtype"]((a["query"], a["key"], a["value"]), dtype=a["dtype"])
+        query, key, value = _qkv(call, path, *qkv)
+        a.update(query=query, key=key, value=value)
+        scores = wanted(call, f"{path}.hook_attn_scores")
+        if not scores and not wanted(call, f"{path}.hook_pattern"):
+            return _hook(call, f"{path}.hook_z", default(**a))
+        bias, mask, is_causal, module = a["bias"], a["mask"], a["is_causal"], a["module"]
+        if a["dropout_rate"] == 0.0 and module is None:  # where Flax calls the fused attention
             return _fused_attention(call, path, query, key, value, bias, mask, is_causal)
-        # Flax's unfused path.
-        if wanted(call, f"{path}.hook_attn_scores"):
-            logits = _nnx_scores(query, key, bias, mask, is_causal, query.dtype, precision)
+        dtype, precision = query.dtype, a["precision"]
+        if scores:
+            logits = _nnx_scores(query, key, bias, mask, is_causal, dtype, precision)
             logits = _hook(call, f"{path}.hook_attn_scores", logits)
-            weights = jax.nn.softmax(logits).astype(query.dtype)
+            weights = jax.nn.softmax(logits).astype(dtype)
             if module:
                 module.sow(nnx.Intermediate, "attention_weights", weights)
-        else:
+        else:  # Flax's, its dropout left for after the hook
             weights = nnx_attention.dot_product_attention_weights(
-                query,
-                key,
-                bias,
-                mask,
-                broadcast_dropout,
-                dropout_rng,
-                0.0,
-                True,
-                query.dtype,
-                precision,
-                module,
-                promote_dtype,
-                is_causal,
+                **{n: a[n] for n in ("query", "key", "bias", "mask", "dtype", "precision")},
+                module=module,
+                promote_dtype=a["promote_dtype"],
+                is_causal=is_causal,
             )
-        weights = _hooked_pattern(
-            call,
-            path,
-            weights,
-            deterministic,
-            dropout_rate,
-            dropout_rng,
-            broadcast_dropout,
-            query,
-            key,
-        )
+        weights = _hook(call, f"{path}.hook_pattern", weights)
+        if not a["deterministic"] and a["dropout_rate"] > 0.0:
+            drop = (a["dropout_rng"], a["dropout_rate"], a["broadcast_dropout"], key.ndim, dtype)
+            weights = _dropout(weights, *drop)
         q_heads, v_heads = weights.shape[-3], value.shape[-2]
         if q_heads == v_heads:
             z = jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
@@ -283,8 +271,8 @@ def _nnx_attention(call: Any, path: str) -> Callable[..., Any]:
         z = jnp.einsum(
             "...hgqk,...kh1d->...qhgd", grouped, value[..., None, :], precision=precision
         )
-        merged = lambda a: a.reshape(*a.shape[:-3], q_heads, a.shape[-1])
-        return merged(_hook(call, f"{path}.hook_z", z, merged, lambda a: a.reshape(z.shape)))
+        merged = lambda x: x.reshape(*x.shape[:-3], q_heads, x.shape[-1])
+        return merged(_hook(call, f"{path}.hook_z", z, merged, lambda x: x.reshape(z.shape)))
 
     return attention_fn
 
@@ -548,6 +536,22 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
 def is_gemma_attention(module: Any) -> bool:
     cls = type(module)
     return cls.__name__ == "Attention" and cls.__module__.startswith("gemma.")
+
+
+def refuse_gemma_scores(call: Any, path: str) -> None:
+    """Raises where `where` asks for the scores of the Gemma attention at `path` and not its
+    pattern: gemma computes them inside `Attention.__call__` (after the rotary embedding,
+    the query's scaling, the soft cap and the sliding mask), where no submodule's input or
+    output holds them, so harvest could sow them only by copying that whole forward. A
+    wider `where` (or none) gives the other hooks, without the scores."""
+    scores = f"{path}.hook_attn_scores"
+    if wanted(call, scores) and not wanted(call, f"{path}.hook_pattern"):
+        raise ValueError(
+            f"instrument(attention=True): {hook_name(call, scores)} is not sown: gemma's "
+            f"Attention at {path!r} computes its scores inside its own __call__, where no "
+            "submodule holds them. Its hook_pattern is their softmax; leave the scores out of "
+            "`where`."
+        )
 
 
 def gemma_output_hook(call: Any, path: str, name: str, out: Any) -> Any:

@@ -86,7 +86,7 @@ def instrument(
             ``MultiheadAttention``, Penzai ``pz.nn.Attention``, Gemma's ``Attention``)
             TransformerLens's sites ``"<path>.hook_q"``, ``.hook_k``, ``.hook_v``,
             ``.hook_z`` (``[..., seq, heads, d_head]``), ``.hook_attn_scores`` (the
-            scaled, masked scores; not Linen's or Gemma's) and ``.hook_pattern``
+            scaled, masked scores; not Gemma's) and ``.hook_pattern``
             (the post-softmax weights, ``[..., heads, q_pos, k_pos]``).
         names: ``"transformer_lens"``: TransformerLens's hook names instead of the
             paths (the keys of its ``ActivationCache``, nothing else). The ``i``-th
@@ -97,7 +97,8 @@ def instrument(
             ``pz.nn.Residual``; gemma's ``Block`` in a function target) gets
             ``"blocks.{i}.hook_resid_pre"`` (its input), ``.hook_attn_out`` and
             ``.hook_mlp_out`` (what attention and the MLP add to the stream),
-            ``.hook_resid_mid`` (the stream between them, with an MLP),
+            ``.hook_resid_mid`` (the stream between them, with an MLP read
+            after it: not in a parallel block),
             ``.hook_resid_post`` (its output) and ``.mlp.hook_pre`` /
             ``.mlp.hook_post`` (its MLP's hidden layer; a gated MLP's, Penzai's
             or gemma's, ``.mlp.hook_pre_linear`` too); the model

@@ -15,6 +15,7 @@ import functools
 import jax
 
 from .. import _errors
+from .._walk._interpreter import NameFilter
 from . import _attention, _transformer_lens
 from ._attention import HOOKS
 from ._call import INPUTS, InstrumentCall
@@ -150,33 +151,9 @@ class Instrumented:
                 call.residual = _transformer_lens.Names()
             run = functools.partial(run_linen, call, self.target)
         else:
-            parts = submodules(self.target, self._kind)
-            if self._names is not None:  # TransformerLens's names only
-                call.residual = _transformer_lens.names_of(parts, self._kind, describe(self.target))
-                names = call.residual.all_names(self._attention)
-            else:
-                names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
-            if self._attention and self._names is None:
-                names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
-            if (
-                self._where is not None
-                and not self._ops
-                and not any(self._select((n,)) for n in names)
-            ):
-                raise _errors.instrument_where_selects_no_submodule(self._where, names)
-            # Every module is wrapped (with ops=True its path names the ops inside,
-            # whatever `where` selects); `sow` keeps to the selected ones.
-            call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
-            call.known = frozenset(call.paths.values())
-            self._prepare(call, parts, names, args, kwargs)
-            marked = (
-                [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
-            )
-            if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
-                call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
-            run = functools.partial(
-                with_modules, call, {type(m) for _, m in parts}, marked, self.target
-            )
+            run = self._module_run(call, self.target, args, kwargs)
+            if call.residual is not None and self._kind in ("nnx", "equinox"):
+                call.residual.parallel = self._parallel_blocks(call.residual, args, kwargs)
         if self._ops:
             out = self._sow_ops(run, call, args, kwargs)
         else:
@@ -186,6 +163,54 @@ class Instrumented:
         if not call.sown:
             raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
         return out
+
+    def _module_run(self, call, target, args, kwargs, probe=False):
+        """`target` (a module) to be run for `call`: its parts found, named and wrapped
+        (`where` checked to select one, unless `call` is a probe, which sows nothing)."""
+        parts = submodules(target, self._kind)
+        if self._names is not None:  # TransformerLens's names only
+            call.residual = _transformer_lens.names_of(parts, self._kind, describe(target))
+            names = call.residual.all_names(self._attention)
+        else:
+            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
+        if self._attention and self._names is None:
+            names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
+        checked = self._where is not None and not self._ops and not probe
+        if checked and not any(call.select((n,)) for n in names):
+            raise _errors.instrument_where_selects_no_submodule(self._where, names)
+        # Every module is wrapped (with ops=True its path names the ops inside,
+        # whatever `where` selects); `sow` keeps to the selected ones.
+        call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
+        call.known = frozenset(call.paths.values())
+        self._prepare(call, parts, names, args, kwargs)
+        marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
+        if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
+            call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
+        return functools.partial(with_modules, call, {type(m) for _, m in parts}, marked, target)
+
+    def _parallel_blocks(self, table, args, kwargs):
+        """The NNX or Equinox blocks (by path) whose MLP reads the block's input, not the
+        stream after attention (GPT-J's, GPT-NeoX's: TransformerLens's `parallel_attn_mlp`,
+        which has no hook_resid_mid). `resid_mid` is sown as the attention returns, before
+        the MLP shows which kind a block is, so the model is first run abstractly
+        (`jax.eval_shape`), sowing nothing; an NNX model as a copy, whose writes are lost.
+        Only where some `resid_mid` is selected."""
+        if not any(self._select((name,)) for _, name in table.mids.values()):
+            return set()
+        probe = InstrumentCall(self._tag, NameFilter(allow=()), False, False, {}, kind=self._kind)
+
+        def run():
+            target = self.target
+            if self._kind == "nnx":  # copied inside the abstract trace, which may write to it
+                from flax import nnx
+
+                target = nnx.clone(target)
+            run = self._module_run(probe, target, args, kwargs, probe=True)
+            probe.residual.probing = True
+            return run(*args, **kwargs)
+
+        jax.eval_shape(run)
+        return probe.residual.parallel
 
     def _prepare(self, call, parts, names, args, kwargs):
         """Fills in what `call` needs beyond the paths of `parts` before the model runs

@@ -62,6 +62,8 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             a = _attention.gemma_input_hook(call, linen_path(parent), module.name, a)
         _transformer_lens.gemma_block(call, path, module)
         a = _transformer_lens.gemma_mlp_input(call, path, module, a)
+        if call.attention and _attention.is_gemma_attention(module):
+            _attention.refuse_gemma_scores(call, path)
         a = call.sow_inputs(path, _transformer_lens.part_input(call, path, a))
         with call.scope(path), _attention_fn_hooked(call, path, module):
             out = next_fun(*a, **k)

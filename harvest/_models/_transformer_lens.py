@@ -39,10 +39,14 @@ computes with. Three kinds of block are read:
   own addition gives the planted value (up to rounding). That extra addition can
   change how XLA compiles the attention's last product, and so the model's
   outputs in their last bits; leaving ``resid_mid`` out (``where``) keeps them
-  bit for bit. A block seen computing otherwise is refused (`_check_sequential`):
-  one that hands its attention's output to another submodule before adding it,
-  a parallel block whose MLP reads its input, an attention given keys or values
-  other than its queries. A list element with two attention submodules (a
+  bit for bit. A parallel block, whose MLP reads the block's input (GPT-J's;
+  TransformerLens's ``parallel_attn_mlp``), has no ``resid_mid``: only its
+  forward says so, after the attention has returned, so where ``resid_mid`` is
+  asked for the model first runs abstractly, sowing nothing, and the blocks
+  `_check_sequential` sees to be parallel are noted (``Names.parallel``). A
+  block seen computing otherwise is refused (`_check_sequential`): one that
+  hands its attention's output to another submodule before adding it, an
+  attention given keys or values other than its queries. A list element with two attention submodules (a
   decoder's self- and cross-attention) is refused when the model is instrumented.
 * gemma's ``Block`` (Linen, in a function target), named as it starts to run:
   its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX. Its gated
@@ -59,7 +63,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .. import _errors
+from .. import _errors, _jax
 from . import _attention
 
 NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
@@ -97,6 +101,10 @@ class Names:
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
     gated: dict[str, str] = dataclasses.field(default_factory=dict)  # gemma: mlp -> blocks.{i}.mlp
+    # NNX and Equinox: the blocks seen to be parallel (no resid_mid), by a probe's run
+    # (`probing`: it notes them rather than refusing them).
+    parallel: set[str] = dataclasses.field(default_factory=set)
+    probing: bool = False
 
     def all_names(self, attention: bool) -> list[str]:
         """Every name these give (the attention hooks' with attention=True)."""
@@ -466,9 +474,10 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
     """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not
     to add its attention's output straight to its input, then run its MLP on the sum,
     which `attn_out` and `resid_mid` assume: a part that takes the attention's output (a
-    norm after attention in an NNX block; gemma's Block names its own as attn_out), or,
-    after the attention, a part that takes the block's input or what the attention took
-    (a parallel block, GPT-J's, whose MLP does not read `resid_mid`)."""
+    norm after attention in an NNX block; gemma's Block names its own as attn_out). After
+    the attention, a part that takes the block's input or what the attention took marks
+    a parallel block (GPT-J's, whose MLP does not read `resid_mid`): noted on a probe's
+    run, refused on another if its resid_mid is sown."""
     if path in table.mids:
         table.attention_args[table.mids[path][0]] = args
         return
@@ -477,12 +486,14 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
         return
     attention_out = table.attention_out[block]
     earlier = (table.streams.get(block), *table.attention_args.get(block, ()))
-    for arg in args:
+    for arg in map(_jax.unbatched, args):  # an Equinox block vmaps its parts over positions
         if arg is attention_out:
             raise _errors.attention_output_not_added(block, path)
-        if any(arg is e for e in earlier if e is not None) and call.select(
-            (table.mids[_attention_of(table, block)][1],)
-        ):
+        if block in table.parallel or not any(arg is e for e in earlier if e is not None):
+            continue
+        if table.probing:
+            table.parallel.add(block)
+        elif call.select((table.mids[_attention_of(table, block)][1],)):
             raise _errors.parallel_block(block, path)
 
 
@@ -512,17 +523,21 @@ def _stream_output(call: Any, table: Names, path: str, value: Any) -> Any:
         value = call.sow(name, value)
     if path in table.mids:
         block, name = table.mids[path]
-        value = _resid_mid(call, name, table.streams[block], value)
+        if block not in table.parallel:
+            value = _resid_mid(call, table, name, table.streams[block], value)
         table.attention_out[block] = value
     return value
 
 
-def _resid_mid(call: Any, name: str, resid_pre: Any, attn_out: Any) -> Any:
-    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way."""
-    if not call.select((name,)):
+def _resid_mid(call: Any, table: Names, name: str, resid_pre: Any, attn_out: Any) -> Any:
+    """The attention's output `attn_out`, with `resid_pre + attn_out` sown as `name` on the way
+    (a probe's run only checks the shapes)."""
+    if not call.select((name,)) and not table.probing:
         return attn_out
     if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
         raise _errors.residual_shapes(name, resid_pre, attn_out)
+    if table.probing:
+        return attn_out
     mid = resid_pre + attn_out
     sown = call.sow(name, mid)
     # Unplanted, `sown - mid` is exactly zero, so the block adds what it did (XLA may
