@@ -18,13 +18,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._walk._interpreter import NameFilter
 from .._walk._leaves import is_array, is_named_array
 from .._walk._primitive import sow_p
 from .._walk._sow import non_array
 from . import _attention, _transformer_lens
 from ._op_sites import INSTRUMENT_MODE
+
+
+def _module_output_not_an_array(tag: str, path: str, part: str, value: Any) -> TypeError:
+    return TypeError(
+        f"instrument(tag={tag!r}): the module at {path!r} returned {part} of type "
+        f"{type(value).__name__}, which is not an array, so it cannot be a site. Leave that "
+        f"module out with `where` (e.g. where=lambda name: name != {path!r})."
+    )
 
 
 @dataclasses.dataclass
@@ -62,7 +69,7 @@ class InstrumentCall:
             return value  # with TransformerLens's names, only theirs
         bad = non_array(value)
         if bad is not None:
-            raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
+            raise _module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
         if is_named_array(value):
             # A Penzai named array: the site is its data, the call's input axes first (so
             # every site of a model orders batch/seq alike, whatever order a layer's own

@@ -11,10 +11,10 @@ with the sites it selects: a module target with its submodule classes wrapped
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 
-from .. import _errors
 from . import _attention, _transformer_lens
 from ._attention import HOOKS
 from ._call import INPUTS, InstrumentCall
@@ -22,6 +22,35 @@ from ._classes import with_modules
 from ._linen import run_linen
 from ._module_paths import describe, submodules
 from ._op_sites import sow_ops
+
+
+def _instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
+    if where is not None:
+        return ValueError(f"instrument: where={where!r} selected nothing that {target} computes.")
+    if kind == "function":
+        return ValueError(
+            f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
+            "For an NNX, Equinox or Penzai model, instrument the model object itself, not a "
+            "function that calls it; or pass ops=True to make every primitive's output a site."
+        )
+    return ValueError(
+        f"instrument: {target} called none of its submodules, so it has no sites. "
+        "Pass ops=True for op sites."
+    )
+
+
+def _outermost(names: list[str], k: int = 6) -> str:
+    if not names:
+        return "it has none"
+    names = sorted(names, key=lambda n: (n.count("."), n))  # the outermost first
+    more = f", ... ({len(names)} in all)" if len(names) > k else ""
+    return "they are " + ", ".join(map(repr, names[:k])) + more
+
+
+def _instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument: where={where!r} selects none of the model's submodules ({_outermost(names)})."
+    )
 
 
 class Instrumented:
@@ -163,7 +192,7 @@ class Instrumented:
                 and not self._ops
                 and not any(self._select((n,)) for n in names)
             ):
-                raise _errors.instrument_where_selects_no_submodule(self._where, names)
+                raise _instrument_where_selects_no_submodule(self._where, names)
             # Every module is wrapped (with ops=True its path names the ops inside,
             # whatever `where` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
@@ -182,9 +211,9 @@ class Instrumented:
         else:
             out = run(*args, **kwargs)
         if call.residual is not None and not call.residual.inputs:
-            raise _errors.no_transformer_blocks(describe(self.target), self._kind)
+            raise _transformer_lens.no_transformer_blocks(describe(self.target), self._kind)
         if not call.sown:
-            raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
+            raise _instrument_nothing_sown(self._where, self._kind, describe(self.target))
         return out
 
     def _prepare(self, call, parts, names, args, kwargs):
