@@ -20,11 +20,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _errors
-
 __all__ = ["update", "warn_after"]
 
 warn_after: int = 32
+
+
+def _bad_config_name(name: Any, known: list[str]) -> ValueError:
+    return ValueError(f"harvest.config.update({name!r}, ...): no such setting; there are {known}.")
 
 
 def update(name: str, value: Any) -> None:
@@ -47,7 +49,7 @@ def update(name: str, value: Any) -> None:
     """
     global warn_after
     if name != "warn_after":
-        raise _errors.bad_config_name(name, ["warn_after"])
+        raise _bad_config_name(name, ["warn_after"])
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _errors.bad_config_value(name, value)
+        raise TypeError(f"harvest.config.update({name!r}, {value!r}): expected a positive int.")
     warn_after = value
