@@ -31,13 +31,6 @@ def _plant_unheld(site: Any, what: str, value: Any, dtype: Any, why: str) -> Val
     )
 
 
-def _plant_shape(site: Any, what: str, got: str, expected: str) -> ValueError:
-    return ValueError(
-        f"{what} for the sow site {site} is {got}, but the site expects {expected}. "
-        "Plant a value of the sown shape and dtype (or a callable old -> new)."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One `sow` equation: where it files its value, and what it looks like."""
@@ -208,7 +201,10 @@ class Site:
             )
             if (got[0] != shape and not per_example) or got[1] != aval.dtype:
                 expected = f"{aval.dtype}{list(shape)}{self._per_example(aval, batch)}"
-                raise _plant_shape(self, what, f"{got[1]}{list(got[0])}", expected)
+                raise ValueError(
+                    f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the site expects "
+                    f"{expected}. Plant a value of the sown shape and dtype (or a callable old -> new)."
+                )
             out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
         return out
 

@@ -32,18 +32,15 @@ def non_array(value: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _not_an_array(name: str, tag: Any, where: str, leaf: Any) -> TypeError:
-    return TypeError(
-        f"sow(name={name!r}, tag={tag!r}): {where or 'the value'} is a {type(leaf).__name__}, "
-        "not an array. Sow only arrays (or pytrees of arrays); keep static "
-        "data out of the sown value."
-    )
-
-
 def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
     bad = non_array(value)
     if bad is not None:
-        raise _not_an_array(name, tag, *bad)
+        where, leaf = bad
+        raise TypeError(
+            f"sow(name={name!r}, tag={tag!r}): {where or 'the value'} is a {type(leaf).__name__}, "
+            "not an array. Sow only arrays (or pytrees of arrays); keep static "
+            "data out of the sown value."
+        )
     return jax.tree_util.tree_flatten(value)
 
 

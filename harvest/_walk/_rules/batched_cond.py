@@ -139,14 +139,6 @@ class _Slot:
     loops: int  # as its occurrences'
 
 
-def _batched_branch_shapes_differ(tag: Any, name: str) -> ValueError:
-    return ValueError(
-        f"The sow site tag={tag!r}, name={name!r} is sown with different shapes in different "
-        "branches of a cond whose predicate vmap batches. Sow the same shapes in every branch, "
-        "or use different names."
-    )
-
-
 def united(
     branches: tuple[Any, ...], group: int | None
 ) -> tuple[list[Any], list[_Slot], set[tuple[Site, str]]]:
@@ -185,7 +177,12 @@ def united(
                 (a.shape, a.dtype) for a in known.avals[:-1]
             ] + [known.loops] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
                 p = slot.params
-                raise _batched_branch_shapes_differ(p["tag"], path_str((*p["scope"], p["name"])))
+                name = path_str((*p["scope"], p["name"]))
+                raise ValueError(
+                    f"The sow site tag={p['tag']!r}, name={name!r} is sown with different shapes in "
+                    "different branches of a cond whose predicate vmap batches. Sow the same shapes "
+                    "in every branch, or use different names."
+                )
             flag = jax.ShapeDtypeStruct(
                 np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool
             )

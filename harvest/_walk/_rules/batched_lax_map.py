@@ -86,16 +86,6 @@ def per_element(sites: frozenset) -> Any:
         _vmaps, _in_branch = outer
 
 
-def _sown_in_loop_in_batched_lax_map(tag: Any, scope: tuple[str, ...], name: str) -> ValueError:
-    return ValueError(
-        f"The sow site tag={tag!r}, name={'.'.join((*scope, name))!r} runs in a loop (scan, "
-        "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
-        "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
-        "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
-        "jax.vmap) around this function while you harvest it."
-    )
-
-
 def unrolled_here(params: dict[str, Any], axis_data: Any = None) -> bool:
     """Whether a sow with `params`, batched now (by the vmap of `axis_data`, where
     known), is to be sown once per element (refusing one in a loop inside `f`,
@@ -108,7 +98,14 @@ def unrolled_here(params: dict[str, Any], axis_data: Any = None) -> bool:
     if where == "loop":
         # A loop in `f` runs each step for the whole batch: sown once per element
         # there, the occurrences would come step by step, not element by element.
-        raise _sown_in_loop_in_batched_lax_map(params["tag"], params["scope"], params["name"])
+        name = ".".join((*params["scope"], params["name"]))
+        raise ValueError(
+            f"The sow site tag={params['tag']!r}, name={name!r} runs in a loop (scan, "
+            "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
+            "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
+            "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
+            "jax.vmap) around this function while you harvest it."
+        )
     return where is not None
 
 
