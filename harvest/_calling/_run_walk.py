@@ -22,7 +22,7 @@ import numbers
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -609,13 +609,6 @@ def _lowerable(jaxpr):
     )
 
 
-def _planted_unknown(name: str, tag: Any, names: Iterable[str]) -> KeyError:
-    listed = _errors.listed(names, name)
-    return KeyError(
-        f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown with that tag: {listed}."
-    )
-
-
 def _resolve_plants(plants, sites, policy, filtered):
     """Matches a nested {name: value} dict to the sites it plants into.
 
@@ -647,7 +640,11 @@ def _resolve_plants(plants, sites, policy, filtered):
                     "(or add it to the allowlist), or leave it out of plants."
                 )
             elif policy.strict_names:
-                raise _planted_unknown(*_as_sown(name, policy, dotted))
+                name, tag, names = _as_sown(name, policy, dotted)
+                raise KeyError(
+                    f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown "
+                    f"with that tag: {_errors.listed(names, name)}."
+                )
 
     visit(plants, ())
     return resolved

@@ -29,14 +29,6 @@ from ._copies import drop_copies
 from ._nnx_state import call_merged, split_nodes
 
 
-def _traced_like_jit() -> str:
-    return (
-        "harvest traces the function, as jax.jit does: its arrays are tracers, so Python "
-        "control flow on their values (if x.sum() > 0, int(x)) fails as it would under jit. "
-        "Use jnp.where / lax.cond, or pass such values as Python numbers (they are static)."
-    )
-
-
 def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     """`jax.make_jaxpr` of `f(*args, **kwargs)`, tracing only arrays.
 
@@ -91,7 +83,12 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         jax.errors.TracerArrayConversionError,
     ) as e:
         if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(_traced_like_jit())
+            e.add_note(
+                "harvest traces the function, as jax.jit does: its arrays are tracers, so Python "
+                "control flow on their values (if x.sum() > 0, int(x)) fails as it would under "
+                "jit. Use jnp.where / lax.cond, or pass such values as Python numbers (they are "
+                "static)."
+            )
         raise
     closed, out_shape = drop_copies(closed, out_shape, priors)
     if return_shape:
