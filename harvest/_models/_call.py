@@ -26,14 +26,6 @@ from . import _attention, _transformer_lens
 from ._op_sites import INSTRUMENT_MODE
 
 
-def _module_output_not_an_array(tag: str, path: str, part: str, value: Any) -> TypeError:
-    return TypeError(
-        f"instrument(tag={tag!r}): the module at {path!r} returned {part} of type "
-        f"{type(value).__name__}, which is not an array, so it cannot be a site. Leave that "
-        f"module out with `where` (e.g. where=lambda name: name != {path!r})."
-    )
-
-
 @dataclasses.dataclass
 class InstrumentCall:
     """One running call of an instrumented target, in one thread."""
@@ -69,7 +61,12 @@ class InstrumentCall:
             return value  # with TransformerLens's names, only theirs
         bad = non_array(value)
         if bad is not None:
-            raise _module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
+            raise TypeError(
+                f"instrument(tag={self.tag!r}): the module at {path!r} returned "
+                f"{bad[0] or 'its output'} of type {type(bad[1]).__name__}, which is not an array, "
+                "so it cannot be a site. Leave that module out with `where` (e.g. "
+                f"where=lambda name: name != {path!r})."
+            )
         if is_named_array(value):
             # A Penzai named array: the site is its data, the call's input axes first (so
             # every site of a model orders batch/seq alike, whatever order a layer's own

@@ -126,16 +126,6 @@ class InstrumentedPenzai(Instrumented, Stateful):
 register(InstrumentedPenzai)
 
 
-def _penzai_layer_stack(path: str, inside: list[str]) -> NotImplementedError:
-    what = f"sites inside it ({', '.join(map(repr, inside))}, ...)" if inside else "op sites"
-    return NotImplementedError(
-        f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
-        f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "
-        f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
-        f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
-    )
-
-
 def _refuse_layer_stacks(parts, names, select, ops):
     """Penzai's `LayerStack` scans over unbound copies of its layers, which the
     table of paths cannot tell apart (their parameters are slots, and layers
@@ -147,4 +137,14 @@ def _refuse_layer_stacks(parts, names, select, ops):
         if isinstance(module, LayerStack):
             inside = [n for n in names if n.startswith(path + ".") and select((n,))]
             if inside or ops:
-                raise _penzai_layer_stack(path, inside[:2])
+                what = (
+                    f"sites inside it ({', '.join(map(repr, inside[:2]))}, ...)"
+                    if inside
+                    else "op sites"
+                )
+                raise NotImplementedError(
+                    f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
+                    f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "
+                    f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
+                    f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
+                )
