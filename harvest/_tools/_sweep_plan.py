@@ -184,13 +184,6 @@ def _value_shape(value: Any) -> Any:
     return tree, tuple((type(leaf), _abstract(leaf)) for leaf in leaves)
 
 
-def _sizes_differ_along_axes(caller: str, where: str, sizes: dict[str, str]) -> ValueError:
-    return ValueError(
-        f"{caller}: the sites have different sizes along {where}: {sizes}. Sweep sites of one "
-        "size together (pass names=...)."
-    )
-
-
 def _chosen(by_name, names, chosen, clean, tag, axes, caller):
     """The targets of `names` with their clean values, checked, their sizes along
     `axes`, and the sites skipped (only when the sweep chose the names)."""
@@ -223,8 +216,10 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
             _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
         if len(set(sizes.values())) != 1:
-            raise _sizes_differ_along_axes(
-                caller, where, {n: _size_str(z) for n, z in sizes.items()}
+            shown = {n: _size_str(z) for n, z in sizes.items()}
+            raise ValueError(
+                f"{caller}: the sites have different sizes along {where}: {shown}. Sweep sites of "
+                "one size together (pass names=...)."
             )
         size = next(iter(sizes.values()))
     return targets, size, skipped
