@@ -334,15 +334,6 @@ def _outputs(
         yield index, out
 
 
-def _batch_shape(index: int, name: str, got: Any, expected: Any, committed: int) -> ValueError:
-    return ValueError(
-        f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the store "
-        f"holds rows of shape {tuple(expected)}. Nothing of batch {index} was written (the store "
-        f"keeps its first {committed} batches). Give every batch one shape: drop or pad the "
-        "last, short batch."
-    )
-
-
 def _write_all(
     outputs: Iterator[tuple[int, dict[str, jax.Array]]], writer: _Writer, manifest: Manifest
 ) -> None:
@@ -356,7 +347,13 @@ def _write_all(
                 writer.submit(*ready)
             if wrong is not None:
                 writer.drain()
-                raise _batch_shape(index, *wrong, writer.committer.committed)
+                name, got, expected = wrong
+                raise ValueError(
+                    f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the "
+                    f"store holds rows of shape {tuple(expected)}. Nothing of batch {index} was "
+                    f"written (the store keeps its first {writer.committer.committed} batches). Give "
+                    "every batch one shape: drop or pad the last, short batch."
+                )
             previous = index, out
     except BaseException:  # the loader or the next batch failed: the last batch is still good
         if previous is not None:
