@@ -25,10 +25,6 @@ __all__ = ["update", "warn_after"]
 warn_after: int = 32
 
 
-def _bad_config_name(name: Any, known: list[str]) -> ValueError:
-    return ValueError(f"harvest.config.update({name!r}, ...): no such setting; there are {known}.")
-
-
 def update(name: str, value: Any) -> None:
     """Sets one of harvest's settings.
 
@@ -49,7 +45,9 @@ def update(name: str, value: Any) -> None:
     """
     global warn_after
     if name != "warn_after":
-        raise _bad_config_name(name, ["warn_after"])
+        raise ValueError(
+            f"harvest.config.update({name!r}, ...): no such setting; there are ['warn_after']."
+        )
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise TypeError(f"harvest.config.update({name!r}, {value!r}): expected a positive int.")
     warn_after = value
