@@ -487,7 +487,8 @@ def test_every_shared_message_is_shared():
     narrow = _used_once(package)
     assert not narrow, (
         "names of an _errors.py used too narrowly: write a message used in one module beside "
-        "its check, and move one used by one layer into that layer's _errors.py: " + "; ".join(narrow)
+        "its check, and move one used by one layer into that layer's _errors.py: "
+        + "; ".join(narrow)
     )
 
 
