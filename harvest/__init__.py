@@ -12,7 +12,7 @@ from ._walk import _rules  # noqa: F401  (registers the interpreter's rules)
 _explain_tfp_import_order()
 from . import config as config, extend as extend, store as store
 from ._calling._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
-from ._calling._jit import clear_caches as clear_caches
+from ._calling._jit import RecompileWarning as RecompileWarning, clear_caches as clear_caches
 from ._calling._transforms import (
     call_and_reap as call_and_reap,
     harvest as harvest,
@@ -21,7 +21,6 @@ from ._calling._transforms import (
     reap as reap,
 )
 from ._capture import capture as capture
-from ._errors import RecompileWarning as RecompileWarning
 from ._models._instrument import instrument as instrument
 from ._perturb import perturb as perturb
 from ._tools._ablation import ablation_sweep as ablation_sweep

@@ -40,8 +40,6 @@ from jax.extend import core as _core, source_info_util
 from jax.extend.core import primitives as _primitives
 from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
-from . import _errors
-
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
 
@@ -421,7 +419,12 @@ def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
         # it holds nothing the walk can see.
         return None
     except Exception as error:
-        raise _errors.jvp_rule_failed(body_function_name(eqn), error) from error
+        first = (str(error).splitlines() or [""])[0][:200]
+        raise RuntimeError(
+            f"The JVP rule of the custom_jvp function `{body_function_name(eqn) or '?'}` failed while harvest "
+            f"traced it to find the sows it holds ({type(error).__name__}: {first}). Fix the rule "
+            "(it would fail the same way under jax.jvp), or define it with jax.custom_vjp."
+        ) from error
     return ClosedJaxpr(jaxpr, consts), list(out_zeros)
 
 
@@ -535,7 +538,7 @@ def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
     elif eqn.primitive is closed_call_p:
         params = dict(p, call_jaxpr=ClosedJaxpr(jaxpr, ()))
     else:
-        raise _errors.rebind_not_a_call(eqn.primitive)
+        raise TypeError(f"rebind_call: `{eqn.primitive}` is not a call primitive harvest re-binds.")
     return bind_with(eqn.primitive, params, args)
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _errors
-
 __all__ = ["update", "warn_after"]
 
 warn_after: int = 32
@@ -47,7 +45,9 @@ def update(name: str, value: Any) -> None:
     """
     global warn_after
     if name != "warn_after":
-        raise _errors.bad_config_name(name, ["warn_after"])
+        raise ValueError(
+            f"harvest.config.update({name!r}, ...): no such setting; there are ['warn_after']."
+        )
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _errors.bad_config_value(name, value)
+        raise TypeError(f"harvest.config.update({name!r}, {value!r}): expected a positive int.")
     warn_after = value

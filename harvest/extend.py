@@ -46,7 +46,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _errors, _jax
+from . import _jax
 from ._walk._higher_order import (
     UNBOUNDED as UNBOUNDED,
     Body as Body,
@@ -111,10 +111,13 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | No
         [('h', 2, 'twice')]
     """
     if not isinstance(descriptor, HigherOrder):
-        raise _errors.extend_not_a_descriptor(descriptor)
+        raise TypeError(
+            "harvest.extend.register: descriptor must be a harvest.extend.HigherOrder, got "
+            f"{type(descriptor).__name__}."
+        )
     if rule is not None:
         if not callable(rule):
-            raise _errors.extend_rule_not_callable(rule)
+            raise TypeError(f"harvest.extend.register: rule must be callable, got {rule!r}.")
         descriptor = dataclasses.replace(descriptor, rule=rule)
     _register(primitive, descriptor)
 

@@ -421,66 +421,92 @@ def test_a_failing_reap_shows_only_the_users_frames():
     assert files and not [name for name in files if name.startswith(harvest_dir)], files
 
 
-# -- every message is a function in harvest/_errors.py -------------------------
+# -- a message sits beside its check ------------------------------------------
 
-# Modules that still build messages inline, each with its number of such raises and why it is
-# left: another part of issue 34 moves them. A new inline message anywhere fails the test below.
-INLINE_LEFT = {
-    # `AttributeError` from `__getattr__` is Python's protocol for a missing attribute.
-    "harvest/_tools/_result.py": 1,
-    # The ImportError for TFP imported before harvest.ppl, written beside its one check.
-    "harvest/_jax.py": 1,
-    # The refusal of a posterior given both before the key and as posterior=, beside its check.
-    "harvest/ppl/_old_spellings.py": 1,
-    "harvest/_models/_attention.py": 1,  # new, written beside its check
-}
+# A message raised in one place is written where it is raised. An `_errors.py` holds only
+# what several places share: a layer's (`harvest/ppl/_errors.py`) what two of its modules
+# use, the base `harvest/_errors.py` what two layers use.
 
 
-def _exception_class(func):
-    """Whether the callee `func` (an AST node) names an exception class."""
-    import builtins
-
-    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-    builtin = getattr(builtins, name, None)
-    if isinstance(builtin, type) and issubclass(builtin, BaseException):
-        return True
-    return name.endswith(("Error", "Exception", "Warning"))
+def _layer(module):
+    """A module's layer: its top folder under the package, or "base" for a top-level one."""
+    parts = module.split("/")
+    return parts[1] if len(parts) > 2 else "base"
 
 
-def _inline_raises(path):
-    """Lines in `path` that raise or return an exception built there with arguments (a
-    message) rather than by a function of `harvest._errors`."""
-    tree = ast.parse(path.read_text(), str(path))
-    return sorted(
-        node.lineno
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Raise, ast.Return))
-        and isinstance(call := (node.exc if isinstance(node, ast.Raise) else node.value), ast.Call)
-        and _exception_class(call.func)
-        and (call.args or call.keywords)
-    )
-
-
-def test_every_message_is_a_function_in_errors():
-    package = pathlib.Path(harvest_module.__file__).parent
-    found = {}
+def _errors_users(package):
+    """{(errors module, name): the modules that use that top-level name of it}, for every
+    `_errors.py` of `package`, each module named by its path from the package's parent."""
+    root = package.parent
+    names = {}
+    for path in sorted(package.rglob("_errors.py")):
+        for node in ast.parse(path.read_text()).body:
+            targets = getattr(node, "targets", [node])
+            for target in targets:
+                name = getattr(target, "name", getattr(target, "id", None))
+                if name and not name.startswith("_"):
+                    names[path.relative_to(root).as_posix(), name] = set()
     for path in sorted(package.rglob("*.py")):
-        name = path.relative_to(package.parent).as_posix()
-        if name == "harvest/_errors.py":
-            continue
-        lines = _inline_raises(path)
-        if len(lines) > INLINE_LEFT.get(name, 0):
-            found[name] = lines
-    assert not found, (
-        "raises that build their message inline (make each a function in harvest/_errors.py "
-        f"and raise _errors.<function>(...)): {found}"
+        module = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text())
+        bound = {}  # local name -> the `_errors.py` it names
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                here = path.parent
+                for _ in range(node.level - 1):
+                    here = here.parent
+                source = here.joinpath(*(node.module or "").split(".") if node.module else ())
+                for alias in node.names:
+                    if alias.name == "_errors":
+                        bound[alias.asname or "_errors"] = source / "_errors.py"
+                    elif source.name == "_errors":
+                        errors = source.with_suffix(".py").relative_to(root).as_posix()
+                        names.get((errors, alias.name), set()).add(module)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                errors = bound.get(node.value.id)
+                if errors is not None and errors.exists():
+                    key = (errors.relative_to(root).as_posix(), node.attr)
+                    names.get(key, set()).add(module)
+    return names
+
+
+def _used_once(package):
+    """The `_errors.py` names used too narrowly: a base one by fewer than two layers, a
+    layer's by fewer than two modules (a message used once belongs beside its check)."""
+    narrow = []
+    for (errors, name), users in sorted(_errors_users(package).items()):
+        spread = {_layer(m) for m in users} if _layer(errors) == "base" else users
+        if len(spread) < 2:
+            narrow.append(f"{errors}: {name} ({', '.join(sorted(users)) or 'unused'})")
+    return narrow
+
+
+def test_every_shared_message_is_shared():
+    package = pathlib.Path(harvest_module.__file__).parent
+    narrow = _used_once(package)
+    assert not narrow, (
+        "names of an _errors.py used too narrowly: write a message used in one module beside "
+        "its check, and move one used by one layer into that layer's _errors.py: "
+        + "; ".join(narrow)
     )
 
 
-def test_inline_raise_check_sees_an_inline_message(tmp_path):
-    # The check above must be able to fail: it flags an inline message, not a call into _errors.
-    source = tmp_path / "module.py"
-    source.write_text(
-        "def f(x):\n    if x:\n        raise ValueError(f'bad {x}')\n    raise _errors.bad_tag(x)\n"
+def test_the_shared_message_check_flags_a_message_used_once(tmp_path):
+    # The check above must be able to fail.
+    package = tmp_path / "pkg"
+    (package / "_walk").mkdir(parents=True)
+    (package / "_errors.py").write_text("def both(): ...\ndef walk_only(): ...\n")
+    (package / "_walk" / "_errors.py").write_text("def shared(): ...\ndef once(): ...\n")
+    (package / "_walk" / "_a.py").write_text(
+        "from .. import _errors\nfrom . import _errors as walk_errors\n"
+        "_errors.both(); _errors.walk_only(); walk_errors.shared(); walk_errors.once()\n"
     )
-    assert _inline_raises(source) == [3]
+    (package / "_walk" / "_b.py").write_text(
+        "from .._errors import walk_only\nfrom ._errors import shared\n"
+    )
+    (package / "_c.py").write_text("from . import _errors\n_errors.both()\n")
+    assert _used_once(package) == [
+        "pkg/_errors.py: walk_only (pkg/_walk/_a.py, pkg/_walk/_b.py)",
+        "pkg/_walk/_errors.py: once (pkg/_walk/_a.py)",
+    ]

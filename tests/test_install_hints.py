@@ -30,9 +30,7 @@ def test_every_pip_install_in_the_package_names_a_jax_harvest_extra():
 
 def test_the_tfp_message_names_jax_harvest_ppl():
     cause = ModuleNotFoundError("No module named 'x'")
-    message = str(
-        _errors.ppl_tfp_import_failed(cause, _tfp_shim.SUBSTRATE, _tfp_shim.TESTED, False)
-    )
+    message = str(_tfp_shim._tfp_import_failed(cause, _tfp_shim.SUBSTRATE, _tfp_shim.TESTED, False))
     assert "pip install 'jax-harvest[ppl]'" in message and "'harvest[ppl]'" not in message
     # The import failed, so TFP cannot be had: no hint to use what needs it.
     assert "instead of TFP" not in message

@@ -16,7 +16,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "harvest"
 LONGEST = 700
-LISTS = {"_jax.py", "_errors.py"}
+LISTS = {"_jax.py"}
 FIXED = {"__init__", "__main__", "config", "extend", "_version", "_typing"}
 MOST_AT_THE_TOP = 6
 

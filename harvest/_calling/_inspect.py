@@ -281,7 +281,7 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
     if not callable(f):
         raise _errors.needs_callable("sites(f, *args)", f)
     if tag is not None and not isinstance(tag, str):
-        raise _errors.sites_bad_tag(tag)
+        raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
     found, blocks = Sites(), []
     jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
     unrolled = batched_lax_map.staged_per_batch(jaxpr) if batched_lax_map.SUPPORTED else None

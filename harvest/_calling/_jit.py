@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from .. import _errors, config
+from .. import config
 from .._walk._leaves import array_flags, static_leaves
 from ._nnx_state import (
     GraphShape,
@@ -39,6 +39,10 @@ from ._nnx_state import (
     forget_verified_splits,
     split_nodes,
 )
+
+
+class RecompileWarning(UserWarning):
+    """harvest keeps tracing and compiling the same function: each call pays for it."""
 
 
 def unwrap(f: Any) -> tuple[Any, Any]:
@@ -252,7 +256,16 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
         _traced.popitem(last=False)
     if n > config.warn_after and code not in _warned:
         _warned.add(code)
-        _warn(fn, _errors.recompiles(_where(fn), n))
+        _warn(
+            fn,
+            RecompileWarning(
+                f"harvest has traced and compiled {_where(fn)} {n} times for the same shapes. A static "
+                "argument changes between calls (a new Python number or other non-array argument: pass it "
+                "as an array to trace it), or a fresh function each call (harvest it once, outside the "
+                "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
+                "'warn_after', n) sets when."
+            ),
+        )
 
 
 def _note_unhashable(fn: Any, key: Key) -> None:
@@ -263,7 +276,15 @@ def _note_unhashable(fn: Any, key: Key) -> None:
     if culprit is None:  # a function that cannot be held weakly
         return
     _warned.add(code)
-    _warn(fn, _errors.unhashable_argument(_where(fn), culprit))
+    _warn(
+        fn,
+        RecompileWarning(
+            f"harvest traces and compiles {_where(fn)} at every call: a non-array argument of type "
+            f"{type(culprit).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
+            "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
+            "frozen dataclass) or pass its numbers as arrays. Shown once per function."
+        ),
+    )
 
 
 def _unhashable_in(x: Any) -> Any:

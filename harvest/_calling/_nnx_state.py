@@ -20,7 +20,6 @@ from typing import Any
 
 import jax
 
-from .. import _errors
 from .._walk._leaves import ARRAY_TYPES, is_array, is_graph_node, nnx_module
 from ._stateful import held_states
 
@@ -430,4 +429,10 @@ def write_back(nodes: tuple[Any, ...], changes: Changes | None, stateful: tuple 
         # A path starts with the node's place among the call's nodes: shown only if several.
         names = ", ".join(".".join(map(str, p[len(nodes) == 1 :])) for p in changes.paths[:4])
         more = ", ..." if len(changes.paths) > 4 else ""
-        raise _errors.nnx_state_from_another_trace(TraceContextError, names + more) from e
+        raise TraceContextError(
+            f"This harvested call changed the NNX state ({names + more}) of a model made outside the "
+            "jax.jit/jax.grad/... trace it runs in, and NNX forbids writing values of that trace into "
+            "it (calling the model directly there fails the same way). Pass the model through the "
+            "transformation instead: nnx.jit/nnx.grad, or nnx.split it, nnx.merge it inside and "
+            "return nnx.state(model)."
+        ) from e

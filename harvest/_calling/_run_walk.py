@@ -217,6 +217,19 @@ def _check_stageable(jaxpr, static: _Static) -> None:
         raise _RunsRules
 
 
+def _tag_matches_no_site(tag: Any, tags: list[Any], caller: str = "reap") -> ValueError:
+    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+    why = (
+        "reaping a tag the function never sows is refused rather than returning {}"
+        if caller == "reap"
+        else "a plant under a tag the function never sows would change nothing"
+    )
+    return ValueError(
+        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
+        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); {why}."
+    )
+
+
 def _checked_sites(traced: _Traced, static: _Static):
     """(each site key's rank in program order, the sites the policy handles, the keys
     of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
@@ -236,7 +249,10 @@ def _checked_sites(traced: _Traced, static: _Static):
         if policy.handles(site):
             known = handled.setdefault(key(site), site)
             if known.mode is not site.mode:
-                raise _errors.modes_differ(site, known)
+                raise ValueError(
+                    f"The sow site {site} uses mode {site.mode.label}, but the same name is sown with "
+                    f"mode {known.mode.label} at {known.where()}. Use one mode per name."
+                )
     handled = dict(
         sorted(handled.items(), key=lambda item: first[item[0]])
     )  # program order, for messages
@@ -252,10 +268,17 @@ def _checked_sites(traced: _Traced, static: _Static):
         tags = {site.tag for site in every}
         caller = "reap" if static.reap else "plant"
         if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
-            raise _errors.tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
+            raise _tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
         if not tags and policy.tag == "modules" and policy.tag not in traced.inner_tags:
             # instrument's tag, and no sow at all: most often a model never passed to instrument.
-            raise _errors.never_instrumented(policy.tag, caller)
+            why = "rather than returning {}" if caller == "reap" else "as it would change nothing"
+            raise ValueError(
+                f"{caller}(tag={policy.tag!r}): the function sows nothing, of any tag; refused {why}. "
+                f"{policy.tag!r} is the tag instrument sows a model's parts under: pass what instrument "
+                f"returns, not the model itself (model = harvest.instrument(model), then "
+                f"{caller}(model, tag={policy.tag!r}); for Linen, instrument the function that calls "
+                "model.apply)."
+            )
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
@@ -305,7 +328,13 @@ def _refuse_sown_twice_per_element(jaxpr, unrolled):
                 for eqn, _, _ in sow_equations(jaxpr)
                 if ((site := Site.of(eqn)).tag, site.path) == (tag, path)
             )
-            raise _errors.sown_twice_per_element_in_batched_lax_map(site)
+            raise ValueError(
+                f"The sow site {site} (mode {site.mode.name!r}) is sown more than once per element of "
+                "xs inside lax.map(f, xs, batch_size=b). JAX runs f vmapped over a batch, so each "
+                "sow fires for the whole batch before the next: its rows would "
+                "come sow by sow, not element by element as lax.map(f, xs) gives them. Harvest "
+                "lax.map(f, xs) without batch_size, or give each sow its own name."
+            )
 
 
 def _unrolled_per_element(jaxpr, unrolled) -> collections.Counter:
@@ -356,6 +385,27 @@ def _split_per_element(jaxpr, resolved, key, unrolled):
     return out
 
 
+def _sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
+    what = {
+        "reap": "reaping it would give batch-shaped occurrences",
+        "plant": "a plant other than one value of the element's shape (rows, or a callable) "
+        "would meet batch-shaped occurrences",
+    }[action]
+    return ValueError(
+        f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
+        f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
+        "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
+        + (
+            "Sow it with mode='append' (harvest sows those once per element, the rows "
+            "lax.map(f, xs) gives), harvest lax.map(f, xs) without batch_size, or "
+            "jax.vmap(f)(xs); planting one value for every element works."
+            if site.mode.entries
+            else "Harvest lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one "
+            "value for every element works."
+        )
+    )
+
+
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
     """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
     there not sown once per element (`unrolled`: collect's, or on a JAX without
@@ -372,9 +422,9 @@ def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
             continue
         plant = plants.get(policy.key(site))
         if plant is None and reaping:
-            raise _errors.sown_in_batched_lax_map(site, "reap")
+            raise _sown_in_batched_lax_map(site, "reap")
         if plant is not None and not _one_value_per_element(plant.value, site):
-            raise _errors.sown_in_batched_lax_map(site, "plant")
+            raise _sown_in_batched_lax_map(site, "plant")
 
 
 def _one_value_per_element(value, site):
@@ -421,6 +471,18 @@ def _note_walked(tag):
         tags.add(tag)
 
 
+def _paths_collide(first: tuple[str, ...], second: tuple[str, ...]) -> ValueError:
+    def spelled(path: tuple[str, ...]) -> str:
+        scopes = f" under nest scopes {list(path[:-1])}" if len(path) > 1 else ""
+        return f"name {path[-1]!r}{scopes}"
+
+    return ValueError(
+        f"The sites {spelled(first)} and {spelled(second)} are both spelled "
+        f"{'.'.join(second)!r} (a dot inside a sown name reads as a nest scope), so a plant "
+        "could reach the wrong one. Rename one of the sows, without dots (use '_')."
+    )
+
+
 def _check_paths_distinct(paths):
     """Every dotted path names one site: no two sites spell the same (a name
     ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
@@ -428,7 +490,7 @@ def _check_paths_distinct(paths):
     for path in paths:
         other = spelled.setdefault(path_str(path), path)
         if other != path:
-            raise _errors.paths_collide(other, path)
+            raise _paths_collide(other, path)
 
 
 class _InOrder(dict):
@@ -564,15 +626,25 @@ def _resolve_plants(plants, sites, policy, filtered):
             if name in dotted:
                 path = dotted[name]
                 if path in resolved:
-                    raise _errors.planted_twice(name)
+                    raise ValueError(
+                        f"plants give {name!r} twice (once as a dotted name, once nested). Give it once."
+                    )
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
                 visit(value, name)
             elif policy.strict_names and name in left_out:
                 name, tag, _ = _as_sown(name, policy, ())
-                raise _errors.planted_but_filtered(name, tag)
+                raise KeyError(
+                    f"Cannot plant {name!r}: it is sown with tag {tag!r}, but "
+                    "this plant's allowlist/blocklist leaves it out. Drop it from the blocklist "
+                    "(or add it to the allowlist), or leave it out of plants."
+                )
             elif policy.strict_names:
-                raise _errors.planted_unknown(*_as_sown(name, policy, dotted))
+                name, tag, names = _as_sown(name, policy, dotted)
+                raise KeyError(
+                    f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown "
+                    f"with that tag: {_errors.listed(names, name)}."
+                )
 
     visit(plants, ())
     return resolved

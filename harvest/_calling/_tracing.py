@@ -23,7 +23,6 @@ import numbers
 
 import jax
 
-from .. import _errors
 from .._walk._leaves import hide_static, is_array
 from .._walk._primitive import tracing_for_harvest
 from ._copies import drop_copies
@@ -84,7 +83,12 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
         jax.errors.TracerArrayConversionError,
     ) as e:
         if hasattr(e, "add_note"):  # Python 3.11+
-            e.add_note(_errors.traced_like_jit())
+            e.add_note(
+                "harvest traces the function, as jax.jit does: its arrays are tracers, so Python "
+                "control flow on their values (if x.sum() > 0, int(x)) fails as it would under "
+                "jit. Use jnp.where / lax.cond, or pass such values as Python numbers (they are "
+                "static)."
+            )
         raise
     closed, out_shape = drop_copies(closed, out_shape, priors)
     if return_shape:

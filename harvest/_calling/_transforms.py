@@ -17,7 +17,7 @@ from typing import Any, Concatenate
 
 import jax
 
-from .. import _errors, _jax
+from .. import _jax
 from .._typing import NameSelect, P, Plants, R, Reaped
 from .._walk._interpreter import NameFilter, Policy, Tags
 from .._walk._leaves import is_array
@@ -27,22 +27,32 @@ from ._run_walk import code_of, layer_tag as layer_tag, run_walk
 
 def _check_callable(f, fn_name):
     if not callable(f):
-        raise _errors.not_callable(f, fn_name)
+        raise TypeError(
+            f"{fn_name}(f) transforms a function, but f is the {type(f).__name__} {f!r}: "
+            f"f must be callable. Pass the function itself, as in {fn_name}(f)(*args)."
+        )
 
 
 def _policy(tag, allowlist, blocklist, max_steps=None):
     if not isinstance(tag, str) or not tag:
-        raise _errors.bad_tag(tag)
+        raise TypeError(f"tag must be a non-empty string, got {tag!r}.")
     if max_steps is not None and (
         isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1
     ):
-        raise _errors.bad_max_steps(max_steps)
+        raise ValueError(
+            f"max_steps must be a positive int (how many while_loop iterations to record), "
+            f"got {max_steps!r}. Leave it None to reap each while_loop's last iteration."
+        )
     return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
 
 
 def _check_plants_arg(plants, fn_name):
     if not isinstance(plants, dict):
-        raise _errors.plants_not_a_dict(plants, fn_name)
+        raise TypeError(
+            f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
+            f"plants is a dict of sown names to values; its first argument was a "
+            f"{type(plants).__name__}."
+        )
 
 
 def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
@@ -371,6 +381,15 @@ def harvest_tags(
     return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
+def _dotted_nest_scope(scope: str) -> ValueError:
+    outer, _, inner = scope.rpartition(".")
+    return ValueError(
+        f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
+        "sites and this one could mean another site. For scopes inside scopes nest twice: "
+        f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
+    )
+
+
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     """Puts every name sown inside ``f`` (of any tag) under ``scope``.
 
@@ -402,7 +421,7 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     """
     _check_callable(f, "nest")
     if not isinstance(scope, str) or not scope:
-        raise _errors.bad_nest_scope(scope)
+        raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
     if "." in scope:
-        raise _errors.dotted_nest_scope(scope)
+        raise _dotted_nest_scope(scope)
     return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")

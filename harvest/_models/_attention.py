@@ -59,8 +59,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _errors
-
 HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
 
 
@@ -132,7 +130,12 @@ def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
         yield
         return
     if original is not default:
-        raise _errors.custom_attention_fn(path, type(module).__name__)
+        raise TypeError(
+            f"instrument(attention=True): the {type(module).__name__} at {path!r} has a custom "
+            "attention_fn, so harvest cannot say where its pattern is. Use Flax's default "
+            "attention_fn there, or leave the hooks out (attention=False) and reap its "
+            "submodules and ops (ops=True) instead."
+        )
     hooked = _linen_attention(call, path) if kind == "linen" else _nnx_attention(call, path)
     thread = threading.get_ident()
 
@@ -402,7 +405,11 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
         inference = True if inference is None else inference
     process_heads = kwargs.pop("process_heads", None)
     if kwargs:
-        raise _errors.equinox_attention_arguments(path, sorted(kwargs))
+        raise TypeError(
+            f"instrument(attention=True): the Equinox MultiheadAttention at {path!r} got arguments "
+            f"it does not take: {sorted(kwargs)}. Call it with (query, key_, value, mask=None, *, key, "
+            "inference, deterministic, process_heads) as Equinox 0.13 defines it."
+        )
     seq = query.shape[0]
     q = _hook(call, f"{path}.hook_q", module._project(module.query_proj, query))
     k = _hook(call, f"{path}.hook_k", module._project(module.key_proj, key_))
@@ -411,7 +418,11 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
         shapes = (q.shape, k.shape, v.shape)
         q, k, v = process_heads(q, k, v)
         if (q.shape, k.shape, v.shape) != shapes:
-            raise _errors.equinox_process_heads_shape(path, shapes, (q.shape, k.shape, v.shape))
+            raise ValueError(
+                f"instrument(attention=True): process_heads at {path!r} changed the heads' shapes from "
+                f"{shapes} to {q.shape, k.shape, v.shape}; it must keep each of q, k and v's shape "
+                "(as Equinox requires)."
+            )
     mask_axis = 0 if mask is not None and mask.ndim == 3 else None
     if wanted(call, f"{path}.hook_attn_scores"):
         logits = jax.vmap(_equinox_scores, in_axes=(1, 1, mask_axis))(q, k, mask)
@@ -438,7 +449,10 @@ def _equinox_scores(query: Any, key: Any, mask: Any) -> Any:
     logits = jnp.einsum("sd,Sd->sS", query / math.sqrt(query.shape[-1]), key)
     if mask is not None:
         if mask.shape != logits.shape:
-            raise _errors.equinox_mask_shape(mask.shape, logits.shape)
+            raise ValueError(
+                f"instrument(attention=True): an Equinox attention's mask has shape {tuple(mask.shape)}; it "
+                f"must be (query_seq_length, kv_seq_length) = {tuple(logits.shape)}, as Equinox requires."
+            )
         logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     return logits
 
@@ -512,7 +526,13 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
     inner = [_SEQ, _KV_SEQ] if per_key else [_SEQ, _PROJECTION]
     shared = which in ("hook_k", "hook_v")  # keys and values may be shared by every head
     if (not heads and not shared) or any(n not in names for n in inner):
-        raise _errors.penzai_attention_axes(parent, which, value.named_shape)
+        raise ValueError(
+            f"instrument(attention=True): the Penzai attention at {parent!r} gives {which} the named axes "
+            f"{dict(value.named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
+            "and a head axis ('heads', 'head_groups', 'query_heads_per_group', 'query_heads'). Name its "
+            "axes so, or pass "
+            "attention=False."
+        )
     batch = [n for n in names if n not in heads and n not in inner]
     order = [*batch, *heads, *inner] if per_key else [*batch, _SEQ, *heads, _PROJECTION]
     at = len(batch) + (0 if per_key else 1)
@@ -618,6 +638,15 @@ def _ndim(value: Any) -> int:
     return int(jnp.ndim(jax.tree_util.tree_leaves(value)[0]))
 
 
+def _merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
+    return ValueError(
+        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
+        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
+        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
+        "for every (head, position) pair."
+    )
+
+
 def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None) -> None:
     """Raises if a sweep's `axes` would index merged head features, or a hook's d_head axis.
 
@@ -631,9 +660,13 @@ def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None)
         hook = next((h for s, h in {**_MERGED, **_MERGED_IN}.items() if name.endswith(s)), None)
         if hook is not None and -1 in negative:
             base = name.removesuffix(":in").rpartition(".")[0]
-            raise _errors.merged_head_axis(name, axes, f"{base}.{hook}")
+            raise _merged_head_axis(name, axes, f"{base}.{hook}")
         if _family(name) == "head_shaped" and -1 in negative:
-            raise _errors.d_head_axis(name, axes)
+            raise ValueError(
+                f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "
+                "a head), not heads or positions. Its layout is [..., seq, heads, d_head]: use axis=(-2, -3) "
+                "for every (head, position) pair, or axis=-2 for heads."
+            )
 
 
 def axis_labels(

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._walk._interpreter import NameFilter
 from .._walk._leaves import is_array, is_named_array
 from .._walk._primitive import sow_p
@@ -62,7 +61,12 @@ class InstrumentCall:
             return value  # with TransformerLens's names, only theirs
         bad = non_array(value)
         if bad is not None:
-            raise _errors.module_output_not_an_array(self.tag, path, bad[0] or "its output", bad[1])
+            raise TypeError(
+                f"instrument(tag={self.tag!r}): the module at {path!r} returned "
+                f"{bad[0] or 'its output'} of type {type(bad[1]).__name__}, which is not an array, "
+                "so it cannot be a site. Leave that module out with `where` (e.g. "
+                f"where=lambda name: name != {path!r})."
+            )
         if is_named_array(value):
             # A Penzai named array: the site is its data, the call's input axes first (so
             # every site of a model orders batch/seq alike, whatever order a layer's own

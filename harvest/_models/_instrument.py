@@ -17,14 +17,29 @@ makes one `InstrumentCall` (`_call.py`), which sows the parts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-from .. import _errors
 from .._typing import NameSelect, P, R
 from .._walk._interpreter import NameFilter
 from . import _transformer_lens
 from ._instrumented import Instrumented
 from ._module_paths import describe, kind as target_kind, module_class, submodules, unbound_linen
 from ._penzai import InstrumentedPenzai
+
+
+def _instrument_module_class(target: Any, library: str) -> TypeError:
+    name = getattr(target, "__name__", repr(target))
+    if library == "Flax Linen":
+        what = (
+            f"instrument the function that applies one: instrument(lambda x: "
+            f"{name}(...).apply(variables, x))"
+        )
+    else:
+        what = f"build the model, then instrument it: instrument({name}(...))"
+    return TypeError(
+        f"instrument got the {library} class {name}, not a model: {what}, passing the "
+        "arguments the class takes."
+    )
 
 
 def instrument(
@@ -140,17 +155,27 @@ def instrument(
     """
     kind = target_kind(target)
     if kind is None:
-        raise _errors.instrument_bad_target(target)
+        raise TypeError(
+            f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
+            f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
+            "e.g. instrument(lambda x: model.apply(variables, x))."
+        )
     library = module_class(target)
     if library is not None:  # callable, but calling it builds a model
-        raise _errors.instrument_module_class(target, library)
+        raise _instrument_module_class(target, library)
     if unbound_linen(target):  # callable, but only inside model.apply
-        raise _errors.instrument_unbound_linen(target)
+        name = type(target).__name__
+        raise TypeError(
+            f"instrument got an unbound Flax Linen module ({name}), which runs only through "
+            "model.apply with its variables. Instrument the function that applies it: "
+            "instrument(lambda x: model.apply(variables, x)), or the bound module "
+            "instrument(model.bind(variables))."
+        )
     if not isinstance(tag, str) or not tag:
-        raise _errors.instrument_bad_tag(tag)
+        raise TypeError(f"instrument needs `tag` to be a non-empty string, got {tag!r}.")
     for flag, value in (("ops", ops), ("inputs", inputs), ("attention", attention)):
         if not isinstance(value, bool):
-            raise _errors.instrument_bad_flag(flag, value)
+            raise TypeError(f"instrument needs `{flag}` to be True or False, got {value!r}.")
     select = NameFilter.make(where)
     if isinstance(where, list):
         where = tuple(where)

@@ -11,10 +11,10 @@ with the sites it selects: a module target with its submodule classes wrapped
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 
-from .. import _errors
 from .._walk._interpreter import NameFilter
 from . import _attention, _transformer_lens
 from ._attention import HOOKS
@@ -23,6 +23,35 @@ from ._classes import with_modules
 from ._linen import run_linen
 from ._module_paths import describe, submodules
 from ._op_sites import sow_ops
+
+
+def _instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
+    if where is not None:
+        return ValueError(f"instrument: where={where!r} selected nothing that {target} computes.")
+    if kind == "function":
+        return ValueError(
+            f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
+            "For an NNX, Equinox or Penzai model, instrument the model object itself, not a "
+            "function that calls it; or pass ops=True to make every primitive's output a site."
+        )
+    return ValueError(
+        f"instrument: {target} called none of its submodules, so it has no sites. "
+        "Pass ops=True for op sites."
+    )
+
+
+def _outermost(names: list[str], k: int = 6) -> str:
+    if not names:
+        return "it has none"
+    names = sorted(names, key=lambda n: (n.count("."), n))  # the outermost first
+    more = f", ... ({len(names)} in all)" if len(names) > k else ""
+    return "they are " + ", ".join(map(repr, names[:k])) + more
+
+
+def _instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
+    return ValueError(
+        f"instrument: where={where!r} selects none of the model's submodules ({_outermost(names)})."
+    )
 
 
 class Instrumented:
@@ -159,9 +188,9 @@ class Instrumented:
         else:
             out = run(*args, **kwargs)
         if call.residual is not None and not call.residual.inputs:
-            raise _errors.no_transformer_blocks(describe(self.target), self._kind)
+            raise _transformer_lens.no_transformer_blocks(describe(self.target), self._kind)
         if not call.sown:
-            raise _errors.instrument_nothing_sown(self._where, self._kind, describe(self.target))
+            raise _instrument_nothing_sown(self._where, self._kind, describe(self.target))
         return out
 
     def _module_run(self, call, target, args, kwargs, probe=False):
@@ -177,7 +206,7 @@ class Instrumented:
             names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
         checked = self._where is not None and not self._ops and not probe
         if checked and not any(call.select((n,)) for n in names):
-            raise _errors.instrument_where_selects_no_submodule(self._where, names)
+            raise _instrument_where_selects_no_submodule(self._where, names)
         # Every module is wrapped (with ops=True its path names the ops inside,
         # whatever `where` selects); `sow` keeps to the selected ones.
         call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import jax
 
-from .. import _errors
 from .._calling._stateful import Stateful, in_flattening_call
 from .._walk._leaves import is_named_array
 from . import _attention
@@ -138,4 +137,14 @@ def _refuse_layer_stacks(parts, names, select, ops):
         if isinstance(module, LayerStack):
             inside = [n for n in names if n.startswith(path + ".") and select((n,))]
             if inside or ops:
-                raise _errors.penzai_layer_stack(path, inside[:2])
+                what = (
+                    f"sites inside it ({', '.join(map(repr, inside[:2]))}, ...)"
+                    if inside
+                    else "op sites"
+                )
+                raise NotImplementedError(
+                    f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
+                    f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "
+                    f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
+                    f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
+                )

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 
-from .. import _errors
 from .._walk._leaves import is_array
 from ._call import InstrumentCall
 from ._module_paths import submodules
@@ -37,7 +36,13 @@ def rebuilt_path(call: InstrumentCall, module: Any) -> str | None:
     if len(paths) > 1:
         if not call.ops and not any(call.select((p,)) for p in paths):
             return None  # not a site whichever it is
-        raise _errors.instrument_rebuilt_ambiguous(call.tag, type(module).__name__, paths)
+        raise ValueError(
+            f"instrument(tag={call.tag!r}): a {type(module).__name__} rebuilt from arrays (as eqx.combine "
+            f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
+            f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
+            f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+            "copy passed through a transformation."
+        )
     path = paths[0]
     call.held.append(module)
     call.paths[id(module)] = path

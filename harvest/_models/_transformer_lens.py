@@ -63,7 +63,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from .. import _errors, _jax
+from .. import _jax
 from . import _attention
 
 NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
@@ -125,16 +125,42 @@ def mlp_hooks(linears: int) -> tuple[str, ...]:
     return MLP_HOOKS if linears == 2 else MLP_HOOKS[1:] if linears > 2 else ()
 
 
+_KINDS = {
+    "nnx": "a Flax NNX model",
+    "equinox": "an Equinox model",
+    "penzai": "a Penzai model",
+    "function": "a function target",
+}
+
+
+def no_transformer_blocks(target: str, kind: str) -> ValueError:
+    return ValueError(
+        f"instrument(names='transformer_lens') found no transformer block in {target} "
+        f"({_KINDS.get(kind, kind)}). It reads Flax NNX and Equinox blocks (a module with one attention submodule, "
+        "nnx.MultiHeadAttention or eqx.nn.MultiheadAttention, and one submodule named `mlp`; or, "
+        "attention only, an element of a list with one attention submodule), Penzai blocks (a "
+        "layer of one or two pz.nn.Residual, the first holding the attention) and the gemma "
+        "library's Block. Reap the block's own parts by their paths instead (names=None)."
+    )
+
+
 def check_naming(names: Any, kind: str, target: str, inputs: bool) -> None:
     """Raises unless `names` is None, or a naming this module knows for a target of `kind`."""
     if names is None:
         return
     if names not in NAMINGS:
-        raise _errors.unknown_naming(names, NAMINGS)
+        raise ValueError(
+            f"instrument: unknown names={names!r}. Use one of {', '.join(map(repr, NAMINGS))}, or None "
+            "for harvest's own names (each part's dotted path)."
+        )
     if kind not in ("nnx", "equinox", "penzai", "function"):
-        raise _errors.no_transformer_blocks(target, kind)
+        raise no_transformer_blocks(target, kind)
     if inputs:
-        raise _errors.transformer_lens_inputs()
+        raise ValueError(
+            "instrument(names='transformer_lens') sows TransformerLens's names only, so inputs=True "
+            "has nothing to add: each block's input is blocks.{i}.hook_resid_pre. Pass one of them, "
+            "or names=None for the parts' inputs by their paths."
+        )
 
 
 def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
@@ -143,7 +169,7 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     do not describe."""
     blocks = _penzai_blocks(parts) if kind == "penzai" else _module_blocks(parts, kind)
     if not blocks:
-        raise _errors.no_transformer_blocks(target, kind)
+        raise no_transformer_blocks(target, kind)
     table = Names()
     for block in blocks:
         _add(table, *block)
@@ -336,7 +362,12 @@ def _module_blocks(parts: list[tuple[str, Any]], kind: str) -> list[_Block]:
         attention, mlp = attentions.get(path, []), mlps.get(path, [])
         listed = path.rpartition(".")[2].isdigit()  # an element of a list of blocks
         if len(attention) > 1 and listed:
-            raise _errors.transformer_lens_two_attentions(path, attention)
+            raise ValueError(
+                f"instrument(names='transformer_lens'): the block at {path!r} holds "
+                f"{len(attention)} attention modules ({', '.join(map(repr, attention))}), as a "
+                "decoder's self- and cross-attention do; TransformerLens's block names describe one. "
+                "Reap the block's parts by their paths instead (names=None)."
+            )
         if len(attention) == 1 and len(mlp) == 1:
             found.append((path, attention[0], attention[0], None, mlp[0]))
         elif len(attention) == 1 and not mlp and listed:
@@ -467,7 +498,12 @@ def _check_self_attention(table: Names, path: str, args: tuple[Any, ...]) -> Non
     (cross-attention), which TransformerLens's block hooks do not describe."""
     given = [a for a in args[:3] if getattr(a, "shape", None) is not None]
     if any(a is not given[0] for a in given[1:]):
-        raise _errors.transformer_lens_cross_attention(table.blocks[path], path)
+        raise ValueError(
+            f"instrument(names='transformer_lens'): the attention at {path!r} in the block at "
+            f"{table.blocks[path]!r} is given keys or values other than its queries (cross-attention), which "
+            "TransformerLens's block names do not describe. Reap the block's parts by their paths "
+            "instead (names=None)."
+        )
 
 
 def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
@@ -488,13 +524,23 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
     earlier = (table.streams.get(block), *table.attention_args.get(block, ()))
     for arg in map(_jax.unbatched, args):  # an Equinox block vmaps its parts over positions
         if arg is attention_out:
-            raise _errors.attention_output_not_added(block, path)
+            raise ValueError(
+                f"instrument(names='transformer_lens'): the block at {block!r} passes its attention's "
+                f"output to {path!r} before adding it to the stream (a norm after attention, as Gemma 2's), "
+                "so the attention's output is not what TransformerLens's hook_attn_out and hook_resid_mid "
+                "mean. Reap the block's parts by their paths instead (names=None)."
+            )
         if block in table.parallel or not any(arg is e for e in earlier if e is not None):
             continue
         if table.probing:
             table.parallel.add(block)
         elif call.select((table.mids[_attention_of(table, block)][1],)):
-            raise _errors.parallel_block(block, path)
+            raise ValueError(
+                f"instrument(names='transformer_lens'): after its attention, the block at {block!r} "
+                f"gives {path!r} the block's input (or what the attention took), so its MLP does not "
+                "read the stream after attention: a parallel block has no hook_resid_mid. Leave it "
+                "out, e.g. where=lambda name: not name.endswith('hook_resid_mid')."
+            )
 
 
 def _attention_of(table: Names, block: str) -> str:
@@ -535,7 +581,12 @@ def _resid_mid(call: Any, table: Names, name: str, resid_pre: Any, attn_out: Any
     if not call.select((name,)) and not table.probing:
         return attn_out
     if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
-        raise _errors.residual_shapes(name, resid_pre, attn_out)
+        raise ValueError(
+            f"instrument(names='transformer_lens'): {name} is the block's input plus its attention's "
+            f"output, but they have shapes {getattr(resid_pre, 'shape', None)} and "
+            f"{getattr(attn_out, 'shape', None)}, so this block does not add its attention's output to "
+            "its input. Leave the name out with `where`, or reap the block's parts by their paths."
+        )
     if table.probing:
         return attn_out
     mid = resid_pre + attn_out

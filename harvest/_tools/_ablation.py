@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._calling._inspect import sites
 from .._calling._transforms import reap
 from .._typing import NameSelect
@@ -93,9 +92,15 @@ def ablation_sweep(
         array([[0., 0.]], dtype=float32)
     """
     if how not in HOWS:
-        raise _errors.unknown_ablation(how, HOWS)
+        raise ValueError(
+            f"ablation_sweep: unknown how={how!r}. Use one of {', '.join(map(repr, HOWS))}; for "
+            "another replacement, pass its values as the clean run's to patching_sweep."
+        )
     if not isinstance(args, tuple):
-        raise _errors.ablation_args_not_a_tuple(args)
+        raise TypeError(
+            "ablation_sweep: args must be the tuple of f's positional arguments, e.g. (tokens,), "
+            f"got {type(args).__name__}."
+        )
     reaped = reap(f, tag=tag)(*args)  # compiled once, as the sweep's program
     if how == "zero":
         ablated = jax.tree_util.tree_map(jnp.zeros_like, reaped)

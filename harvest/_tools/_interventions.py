@@ -117,7 +117,13 @@ class _FillAt:
         def patch(n: jax.Array, o: jax.Array) -> jax.Array:
             size = jnp.shape(o)[self.axis]
             if self.farthest is not None and not -size <= self.farthest < size:
-                raise _errors.head_out_of_range(self.farthest, self.axis, o)
+                shape = tuple(jnp.shape(o))
+                size = shape[self.axis]
+                raise _errors.InterventionMisfit(
+                    f"ablate_head: head {self.farthest} is out of range along axis {self.axis} of the sown value, "
+                    f"{jnp.result_type(o)}{list(shape)}: its {size} heads are -{size}..{size - 1} (a "
+                    "negative one counts from the end, as in NumPy). Pass the head axis and a head it has."
+                )
             at = jnp.where(self.indices < 0, self.indices + size, self.indices)
             mask = jnp.isin(jnp.arange(size), at)
             return jnp.where(_along(mask, (self.axis % jnp.ndim(o),), jnp.ndim(o)), n, o)
@@ -172,6 +178,52 @@ class AddRow:
         return self, _mapped(self, deltas=_leading(self.deltas, old, stacked=True))
 
 
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    try:
+        return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+    except ValueError:
+        return False
+
+
+def _intervention_on_structure(
+    what: str, shape: tuple[int, ...], old: Any, leaves: list[Any]
+) -> _errors.InterventionMisfit:
+    parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
+    kind = type(old).__name__
+    # add_vector(v)'s own form; any other intervention is applied to the part.
+    change = "{} + v" if what.startswith("add_vector") else "intervention({})"
+    example = "lambda out: ..."
+    if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
+        fits = [
+            i for i, x in enumerate(old) if hasattr(x, "shape") and _broadcasts(shape, x.shape)
+        ] or [len(old) - 1]
+        each = (
+            change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]" for i in range(len(old))
+        )
+        example = f"lambda out: ({', '.join(each)})"
+    return _errors.InterventionMisfit(
+        f"{what} is one array, of shape {tuple(shape)!r}, but the sown value is a {kind} of "
+        f"{len(leaves)} arrays ({parts}), and which of them it is for is not said. Plant a "
+        f"callable that changes the part you mean, e.g. {{{_errors.SITE}: {example}}}."
+    )
+
+
+def _intervention_misfit(
+    what: str, shape: tuple[int, ...], old: Any, whole: bool
+) -> _errors.InterventionMisfit:
+    target = tuple(jnp.shape(old))
+    got = f"{jnp.result_type(old)}{list(target)}"
+    if whole:
+        fix = f"Pass a value of the site's shape, {got}, as reap returns it"
+    else:
+        last = f" (a vector of shape {target[-1:]!r} runs along its last axis)" if target else ""
+        fix = f"Pass an array that broadcasts to {got}{last}"
+    return _errors.InterventionMisfit(
+        f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
+        f"{fix}; `sites(f, *args)` lists each site's shape."
+    )
+
+
 def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
     """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
     would name neither the intervention nor the site); ``whole``: it stands
@@ -180,14 +232,14 @@ def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
         old
     ):  # one array given for a site sown as a tuple (a block's `(cache, x)`)
         leaves = jax.tree_util.tree_leaves(old)
-        raise _errors.intervention_on_structure(what, jnp.shape(array), old, leaves)
+        raise _intervention_on_structure(what, jnp.shape(array), old, leaves)
     shape, target = tuple(jnp.shape(array)), tuple(jnp.shape(old))
     try:
         fits = jnp.broadcast_shapes(shape, target) == target
     except ValueError:
         fits = False
     if not fits:
-        raise _errors.intervention_misfit(what, shape, old, whole)
+        raise _intervention_misfit(what, shape, old, whole)
 
 
 def _is_array_like(value: Any) -> bool:
@@ -348,11 +400,19 @@ def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere
     axis = normalize_axis(clean, axis)
     positions = jnp.atleast_1d(jnp.asarray(positions))
     if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
-        raise _errors.bad_positions(positions)
+        raise TypeError(
+            f"patch_positions needs integer positions (an index or a 1-D sequence), got "
+            f"{positions.dtype}{list(positions.shape)}."
+        )
     far = None if isinstance(positions, jax.core.Tracer) else _farthest(positions)
     if far is not None and not -size <= far < size:
         shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
-        raise _errors.index_out_of_range(what, far, axis, shape)
+        size = shape[axis]
+        raise IndexError(
+            f"{what}: index {far} is out of range along axis {axis} of clean, of shape {shape} "
+            f"(indices -{size}..{size - 1}; a negative one counts from the end, as in NumPy). "
+            "Pass indices that exist in the sown value."
+        )
     positions = jnp.where(positions < 0, positions + size, positions)  # as NumPy counts
     return PatchWhere(clean, jnp.isin(jnp.arange(size), positions), (axis,))
 
@@ -439,10 +499,15 @@ def ablate_head(
                [0., 1.]], dtype=float32)
     """
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise _errors.bad_head_axis(axis)
+        raise TypeError(
+            f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}."
+        )
     heads = jnp.atleast_1d(jnp.asarray(head))
     if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
-        raise _errors.bad_heads(heads)
+        raise TypeError(
+            "ablate_head needs an integer head (or a 1-D sequence of them), got "
+            f"{heads.dtype}{list(heads.shape)}."
+        )
     # How far the heads reach is static (a head past the end is refused when
     # planted); the heads themselves are data.
     farthest = None if isinstance(heads, jax.core.Tracer) else _farthest(heads)
@@ -451,15 +516,20 @@ def ablate_head(
 
 def axis_size(value: Any, axis: Any, what: str) -> int:
     if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
-        raise _errors.axis_not_an_int(what, axis)
+        raise TypeError(f"{what}: axis must be an int, got {axis!r}.")
     sizes = set()
     for leaf in jax.tree_util.tree_leaves(value):
         ndim = jnp.ndim(leaf)
         if not -ndim <= axis < ndim:
-            raise _errors.axis_out_of_range(what, axis, jnp.shape(leaf))
+            raise ValueError(
+                f"{what}: axis {axis} is out of range for a value of shape {jnp.shape(leaf)}. "
+                "Pass the axis that indexes positions in the sown value."
+            )
         sizes.add(jnp.shape(leaf)[axis])
     if len(sizes) != 1:
-        raise _errors.leaves_differ_along_axis(what, sorted(sizes), axis)
+        raise ValueError(
+            f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}."
+        )
     return sizes.pop()
 
 

@@ -36,7 +36,10 @@ if TYPE_CHECKING:
 
 def _scalar(m):
     if jnp.shape(m) != ():
-        raise _errors.metric_not_scalar(jnp.shape(m))
+        raise TypeError(
+            f"metric(out) must return a scalar, got shape {jnp.shape(m)}. Reduce it, e.g. "
+            "with jnp.mean over the batch."
+        )
     return m
 
 
@@ -214,7 +217,9 @@ def patching_sweep(
     axes, batches, targets, plan = planned(f, clean, corrupted_args, tag, names, axis, caller)
     size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-        raise _errors.bad_batch_size(caller, batch_size)
+        raise TypeError(
+            f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
+        )
     cells = 1 if size is None else int(np.prod(size))  # patches per row
     firsts = plan.firsts  # each target's first row
     total = int(firsts[-1]) * cells

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import _errors
 from .._calling._transforms import harvest, plant, reap
 from .._typing import NameSelect
 from .._walk._interpreter import NameFilter
@@ -87,16 +86,28 @@ def path_patching(
         80.0
     """
     if not isinstance(senders, dict) or not senders or not all(isinstance(n, str) for n in senders):
-        raise _errors.path_patching_senders(senders)
+        raise TypeError(
+            "path_patching needs `senders` as a non-empty dict {site name: planted value}, got "
+            f"{type(senders).__name__}. E.g. senders={{'blocks0.z': patch_head(clean_z, 1, axis=2)}}."
+        )
     if not isinstance(corrupted_args, tuple):
-        raise _errors.path_patching_args(corrupted_args)
+        raise TypeError(
+            f"path_patching needs `corrupted_args` as a tuple of f's arguments, got "
+            f"{type(corrupted_args).__name__}. Write (x,) for a single argument."
+        )
     if receivers is None:
-        raise _errors.path_patching_no_receivers()
+        raise ValueError(
+            "path_patching needs `receivers`: the names (or glob patterns) of the sites the "
+            "path runs through, e.g. receivers='blocks1.k'."
+        )
     to = _entries(receivers)
     receiving = NameFilter.make(to)
     for name in senders:
         if receiving(tuple(name.split("."))):
-            raise _errors.path_patching_sender_is_receiver(name)
+            raise ValueError(
+                f"path_patching: the sender {name!r} is also selected by `receivers`. A path runs "
+                "from a sender to other sites: select receivers downstream of it."
+            )
     held: dict[str, Any] = {}
     if freeze is not None:
         unpatched = reap(f, tag=tag, allowlist=_entries(freeze), blocklist=[*senders, *to])

@@ -160,10 +160,16 @@ def plot_attention(
     if array.ndim == 4 and array.shape[0] == 1:
         array = array[0]
     if array.ndim != 3:
-        raise _errors.plot_attention_shape(array.shape)
+        raise ValueError(
+            f"plot_attention needs a pattern of shape [heads, query, key], got shape {array.shape}. "
+            "Index the example to draw, e.g. plot_attention(reaped['pattern'][0][i])."
+        )
     heads = range(array.shape[0]) if heads is None else list(heads)
     if tokens is not None and len(tokens) != array.shape[2]:
-        raise _errors.plot_attention_tokens(len(tokens), array.shape[2])
+        raise ValueError(
+            f"plot_attention: {len(tokens)} tokens for {array.shape[2]} key positions; pass one token per key "
+            "position, or tokens=None."
+        )
     # "7: the": a repeated token is told apart by its position.
     keys = [
         str(i) if tokens is None else f"{i}: {tok}"

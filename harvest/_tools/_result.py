@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, Any, SupportsFloat
 
 import numpy as np
 
-from .. import _errors
-
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
@@ -138,14 +136,20 @@ class PatchingResult:
         """
         gap = float(clean_metric) - self.baseline
         if gap == 0.0:
-            raise _errors.no_gap_to_normalize(self.baseline)
+            raise ValueError(
+                f"normalized: the clean metric equals the corrupted baseline ({self.baseline}), so there "
+                "is no gap to normalise by. Pick a metric (or inputs) that tells the two runs apart."
+            )
         return dataclasses.replace(
             self, values=self.values / gap, measure="fraction of clean-corrupt gap"
         )
 
     def _grid(self) -> np.ndarray:
         if self.values.ndim > 2:
-            raise _errors.plot_many_one_axis(self.values.shape)
+            raise ValueError(
+                f"plot_many draws results of one swept axis; this one has values of shape {self.values.shape}. "
+                "Use result.plot(), which draws one panel per site."
+            )
         return self.values if self.positions is not None else self.values[:, None]
 
     def plot(
@@ -293,13 +297,16 @@ class PatchingResult:
 
         results = list(results)
         if not results:
-            raise _errors.plot_many_nothing()
+            raise ValueError("plot_many needs at least one PatchingResult.")
         grids = [r._grid() for r in results]
         if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
-            raise _errors.plot_many_differ([g.shape for g in grids])
+            raise ValueError(
+                "plot_many draws results with the same sites and positions; got shapes "
+                f"{[g.shape for g in grids]}. Plot them separately (each with the same vmax)."
+            )
         titles = [None] * len(results) if titles is None else list(titles)
         if len(titles) != len(results):
-            raise _errors.plot_many_titles(len(titles), len(results))
+            raise ValueError(f"plot_many: {len(titles)} titles for {len(results)} results.")
         bound = float(max(np.max(np.abs(g)) for g in grids)) if vmax is None else float(vmax)
         first = results[0]
         return heatmaps(

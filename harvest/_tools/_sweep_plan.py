@@ -67,7 +67,10 @@ def _lookup(reaps, site, what):
     """What `reap` returned for `site`'s name; dotted keys and nested dicts alike."""
     node = _lookup_dotted(reaps, path_str(site.path))
     if node is _MISSING:
-        raise _errors.no_value_for_site(what, path_str(site.path), site.tag)
+        raise KeyError(
+            f"{what} has no value for {path_str(site.path)!r}. Pass the dict "
+            f"`reap(f, tag={site.tag!r})(*clean_args)` returns."
+        )
     return node
 
 
@@ -94,6 +97,15 @@ def planned(f, clean, corrupted_args, tag, names, axis, caller):
     return axes, batches, targets, plan
 
 
+def _sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
+    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+    return ValueError(
+        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
+        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'), the "
+        "tag clean was reaped with."
+    )
+
+
 def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     """The sites to patch with their clean values, and the `Plan` they follow.
 
@@ -105,22 +117,31 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     if not callable(f):
         raise _errors.needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
-        raise _errors.corrupted_args_not_a_tuple(caller, corrupted_args)
+        raise TypeError(
+            f"{caller}: corrupted_args must be the tuple of f's positional arguments, e.g. "
+            f"(tokens,), got {type(corrupted_args).__name__}."
+        )
     if not isinstance(clean, dict):
-        raise _errors.clean_not_a_dict(caller, clean)
+        raise TypeError(
+            f"{caller}: clean must be the dict reap(f, tag=...)(*clean_args) returns, got "
+            f"{type(clean).__name__}."
+        )
     found = sow_sites(f, corrupted_args)
     by_name = _by_name(found, tag)
     if not by_name:  # most often instrument's sites swept without tag="modules"
         tags = {site.tag for site, *_ in found}
         if tags:
-            raise _errors.sweep_tag_absent(caller, tag, sorted(tags, key=str))
+            raise _sweep_tag_absent(caller, tag, sorted(tags, key=str))
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
     else:
         names = _select_names(names, list(by_name), tag, caller)
     if not names:
-        raise _errors.nothing_to_patch(caller, tag, list(by_name))
+        raise ValueError(
+            f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
+            f"names sown with that tag: {list(by_name) or 'none'}."
+        )
     key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
     plan = None if key is None else _plans.get(key)
     if plan is not None and plan.found is found:
@@ -176,7 +197,9 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
         # Sweep the sites of the most common size; say which were left out.
         counts = collections.Counter(n for n in sizes.values() if n is not None)
         if not counts:
-            raise _errors.no_site_has_axes(caller, where, len(axes), sizes)
+            raise ValueError(
+                f"{caller}: no site has {'an ' * (len(axes) == 1)}{where}; sizes: {sizes}."
+            )
         size = counts.most_common(1)[0][0]
         skipped = tuple(
             f"{name}: size {_size_str(n)} along {where}, not {_size_str(size)}"
@@ -193,8 +216,10 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
             _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
         if len(set(sizes.values())) != 1:
-            raise _errors.sizes_differ_along_axes(
-                caller, where, {n: _size_str(z) for n, z in sizes.items()}
+            shown = {n: _size_str(z) for n, z in sizes.items()}
+            raise ValueError(
+                f"{caller}: the sites have different sizes along {where}: {shown}. Sweep sites of "
+                "one size together (pass names=...)."
             )
         size = next(iter(sizes.values()))
     return targets, size, skipped
@@ -326,8 +351,12 @@ def _target(by_name, name, clean, tag, caller):
         return _Target(site, site_value(clean, site, "clean", count), count)
     total = sum(o[2] or 0 for o in occurrences)
     count = "an unbounded number of" if fires is None else str(total)
-    raise _errors.sweep_site_fires_often(
-        caller, name, site.mode.label, count, _where_str(occurrences)
+    raise ValueError(
+        f"{caller}: the site {name!r} (mode {site.mode.label}) fires {count} times per call "
+        f"(at {_where_str(occurrences)}); a sweep patches each occurrence of a site sown with "
+        "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
+        "with mode='append', give each occurrence its own name (e.g. with nest or "
+        "f'layer{i}'), or leave it out with names=."
     )
 
 
@@ -341,7 +370,10 @@ def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
         return None
     axes = tuple(axis) if isinstance(axis, (tuple, list)) else (axis,)
     if not axes or any(not isinstance(a, (int, np.integer)) or isinstance(a, bool) for a in axes):
-        raise _errors.bad_sweep_axis(caller, axis)
+        raise TypeError(
+            f"{caller}: axis must be an int or a non-empty tuple of ints (e.g. axis=(2, 1) for every "
+            f"(head, position) pair), got {axis!r}."
+        )
     return tuple(int(a) for a in axes)
 
 
@@ -358,7 +390,7 @@ def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[i
         return None
     normal = tuple(a % ndim for a in axes)
     if len(set(normal)) != len(normal):
-        raise _errors.same_axis_twice(what, axes)
+        raise ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
     return normal
 
 
@@ -376,7 +408,12 @@ def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, An
     if not isinstance(corrupted_args, list):
         return [(clean, corrupted_args)]
     if not isinstance(clean, list) or len(clean) != len(corrupted_args) or not clean:
-        raise _errors.bad_dataset(caller, clean, corrupted_args)
+        given = len(clean) if isinstance(clean, list) else type(clean).__name__ + " as"
+        raise TypeError(
+            f"{caller}: for a dataset, pass corrupted_args as a non-empty list of argument tuples, "
+            "one per batch, and clean as the list of their clean reaps, [reap(f)(*clean_args) for "
+            f"clean_args in batches]; got {len(corrupted_args)} argument tuples and {given} clean."
+        )
     return list(zip(clean, corrupted_args))
 
 
@@ -397,8 +434,10 @@ def batch_cleans(
         value = site_value(batch_clean, t.site, "clean", t.count)
         one = value if t.count is None else jax.tree_util.tree_map(lambda l: l[0], value)
         if axes is not None and _sizes_along(one, axes) != size:
-            raise _errors.batch_sizes_differ(
-                caller, path_str(t.site.path), _sizes_along(one, axes), axes, size
+            raise ValueError(
+                f"{caller}: in this batch, {path_str(t.site.path)!r} has sizes "
+                f"{_sizes_along(one, axes)} along axis {axes}, not {size} as in the first batch. "
+                "Every batch must give the swept axes one size."
             )
         cleans.append(value)
     return cleans

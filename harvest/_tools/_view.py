@@ -152,9 +152,9 @@ def view(
         View(sites=2, groups=1, modules=0): shown in a notebook; .save(path) writes an HTML page
     """
     if not callable(f):
-        raise _errors.view_needs_callable(f)
+        raise TypeError(f"view(f, *args) needs a callable f, got {type(f).__name__}.")
     if values is not None and not isinstance(values, dict):
-        raise _errors.view_values_not_a_dict(values)
+        raise TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
     params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
     (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
     token = _call.scoped.set(True)  # module boxes with or without ops=True
@@ -419,10 +419,21 @@ class _Graph:
         names = [n for n, tags in self.tags_of.items() if self.tag is None or self.tag in tags]
         missing = [n for n in self.values if n not in names]
         if missing:
-            raise _errors.view_values_unmatched(missing, names, self.tag)
+            of = "" if self.tag is None else f" of tag {self.tag!r}"
+            raise ValueError(
+                f"view: values names {', '.join(map(repr, missing))}, but the program has no such sow "
+                f"site{of}. Sites{of}: {_errors.listed(names, missing[0])}. Pass what reap returned for this "
+                "function and these arguments"
+                + ("." if self.tag is None else ", reaped with this tag.")
+            )
         for name in self.values:
             if self.tag is None and len(self.tags_of[name]) > 1:
-                raise _errors.view_values_ambiguous(name, sorted(map(str, self.tags_of[name])))
+                raise ValueError(
+                    f"view: the name {name!r} in values is sown with the tags "
+                    f"{', '.join(map(repr, sorted(map(str, self.tags_of[name]))))}, "
+                    "so which sites its value belongs to is unclear. Pass the tag values were reaped with "
+                    "as view(..., tag=...)."
+                )
 
     def _call(self, eqn: Any, producers: dict[Any, str], group: str | None) -> str:
         """A group for the call (its bodies inside, one group each if several), and

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _errors, _jax
+from . import _errors as walk_errors
 from ._evaluator import evaluate
 from ._higher_order import describe
 from ._occurrences import Element, Record, select_where
@@ -93,6 +94,10 @@ def rule_sites(eqn: Any) -> frozenset[Site]:
 # What a walk does with a sow.
 
 
+def _bad_filter_entry(what: str, entry: Any) -> TypeError:
+    return TypeError(f"{what} takes names, glob patterns or predicates on names; got {entry!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class NameFilter:
     """allowlist/blocklist: exact names, glob patterns, or predicates on names."""
@@ -108,11 +113,11 @@ class NameFilter:
             if isinstance(items, str) or callable(items):
                 items = (items,)
             if not isinstance(items, Iterable):
-                raise _errors.bad_filter_entry(what, items)
+                raise _bad_filter_entry(what, items)
             items = tuple(items)
             for it in items:
                 if not (isinstance(it, str) or callable(it)):
-                    raise _errors.bad_filter_entry(what, it)
+                    raise _bad_filter_entry(what, it)
             return items
 
         return NameFilter(norm(allowlist, "allowlist"), norm(blocklist, "blocklist") or ())
@@ -135,7 +140,12 @@ class NameFilter:
             if isinstance(it, str) and not any(self._hit((it,), n) for n in names)
         ]
         if missing:
-            raise _errors.no_such_names(missing, names, what, tag)
+            listed = _errors.listed(names, str(missing[0]).strip("*?[]"))
+            raise ValueError(
+                f"{what} {', '.join(map(repr, missing))} matches no sow site of tag {tag!r}. "
+                f"Names sown with that tag, in program order: {listed}. Check the spelling, or use a "
+                "predicate (lambda name: ...) for a site that may be absent."
+            )
 
     def __call__(self, path):
         name = path_str(path)
@@ -229,6 +239,16 @@ def _vary_like(new, old):
 # The state of a walk over one jaxpr body.
 
 
+def _sown_twice(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} has mode {site.mode.label} but is sown more than once. "
+        + (
+            walk_errors.random_variable_modes(site)
+            or "Give each occurrence its own name, or use mode 'collect', 'append' or 'clobber'."
+        )
+    )
+
+
 class Walk:
     """The state of one walk: plants coming in, records going out.
 
@@ -300,16 +320,27 @@ class Walk:
         """
         path = self.policy.key(site)
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
-            raise _errors.planted_where_a_batching_rule_ran(site)
+            raise ValueError(
+                f"Cannot plant {site}: it is sown in a jax.custom_batching.custom_vmap function that runs "
+                "under vmap, where JAX runs the function's batching rule instead of its body, so the "
+                "planted value would change nothing. Plant outside the vmap (plant(f) inside "
+                "jax.vmap), or sow in the batching rule too."
+            )
         if role == "rule_replaced" and path in self.plants:  # see `_rules/calls`
-            raise _errors.planted_where_a_derivative_rule_ran(site)
+            raise ValueError(
+                f"Cannot plant {site}: it is sown in the body of a custom_jvp or custom_vjp function "
+                "that is differentiated inside the harvested function, where JAX runs the function's "
+                "rule (its JVP rule, or its forward) instead of its body, so the planted value would "
+                "change nothing. Plant outside the differentiation (jax.grad(plant(f))), or sow in "
+                "the rule too."
+            )
         if role == "record_only":  # an occurrence counted (and planted) where it was sown
             if path not in self.plants and self.reap:
                 self._record(site, value, pred, element)
             return value
         i = self.seen.get(path, 0)
         if site.mode.single and i:
-            raise _errors.sown_twice(site)
+            raise _sown_twice(site)
         plant = self.plants.get(path)
         if plant is not None:
             new = jax.tree_util.tree_map(_vary_like, plant.at(i, value, site), value)
@@ -344,7 +375,7 @@ class Walk:
                 continue
             # One mode per name is checked before the walk.
             if rec.site.mode.single:
-                raise _errors.sown_twice(rec.site)
+                raise _sown_twice(rec.site)
             if rec.site.mode.carried:
                 mine.values = list(rec.values)
             else:
@@ -470,7 +501,11 @@ def _eval_eqn(walk, eqn, invals):
             rule = how.rule or (_walk_inlined if how.inlinable else None)
             if rule is None:
                 site = next(s for s in sites if walk.policy.touches([s]))
-                raise _errors.no_rule(eqn.primitive, site)
+                raise NotImplementedError(
+                    f"harvest has no rule for the primitive `{eqn.primitive}`, which holds "
+                    f"the sow site {site}. Move the sow outside `{eqn.primitive}`, or "
+                    "file an issue naming this primitive."
+                )
             return rule(walk, eqn, invals)
     return _jax.rebind(eqn, invals)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _errors
+from . import _errors as walk_errors
 from ._higher_order import UNBOUNDED, Body, bodies, describe
 from ._per_example import applied_per_example
 from ._primitive import sow_p
@@ -68,7 +69,7 @@ def static_counts(seen: dict[Any, Any], sites: dict[Any, Site], where: str) -> d
     a count a while_loop made (an array) can only be carried, not returned."""
     for path, n in seen.items():
         if not isinstance(n, int):
-            raise _errors.index_after_while_in(sites[path], where)
+            raise walk_errors.index_after_while_in(sites[path], where)
     return seen
 
 
@@ -96,6 +97,16 @@ def merge_rows(leaf: Any) -> Any:
 # Records: what a walk reaps for one name.
 
 
+def _different_shapes(site: Any, shapes: Iterable[Any]) -> ValueError:
+    """The error for occurrences of one stacking name with different shapes."""
+    return ValueError(
+        f"The sow site {site} has mode {site.mode.label}, but its occurrences "
+        f"have different shapes ({', '.join(sorted(map(walk_errors.shapes_str, shapes)))}), so they "
+        "cannot be stacked into one array. Sow one shape per name (give each shape "
+        "its own name), or use mode 'collect', which keeps each occurrence as it is."
+    )
+
+
 @dataclasses.dataclass
 class Record:
     """The occurrences of one name reaped so far in one walk of a body.
@@ -111,7 +122,12 @@ class Record:
     def result(self) -> Any:
         if any(isinstance(v, Steps) for v in self.values):  # a while_loop's per-step record
             if len(self.values) > 1:
-                raise _errors.steps_mixed(self.site)
+                raise ValueError(
+                    f"The sow site {self.site} is recorded per step (max_steps) in a while_loop and also "
+                    "sown outside it, so its occurrences do not make one record. Give the loop's "
+                    "occurrences their own names, e.g. call the loop body through "
+                    "harvest.nest(body, scope='decode'), or reap without max_steps."
+                )
             return self.values[0]
         mode = self.site.mode
         if mode.entries:
@@ -132,7 +148,7 @@ class Record:
         ]
         shapes = {tuple(jnp.shape(l)[1:] for l in jax.tree_util.tree_leaves(c)) for c in chunks}
         if len(shapes) > 1:
-            raise _errors.different_shapes(self.site, shapes)
+            raise _different_shapes(self.site, shapes)
         return jax.tree_util.tree_map(lambda *c: jnp.concatenate(c), *chunks)
 
     def add(self, site: Site, value: Any, pred: Any = None) -> None:
@@ -143,7 +159,7 @@ class Record:
             self.values.append(value)
         elif mode.unstacked_once:
             if self.site.avals != site.avals:  # a shared module called on different shapes
-                raise _errors.different_shapes(
+                raise _different_shapes(
                     site, {tuple(a.shape for a in s.avals) for s in (self.site, site)}
                 )
             self.values.append(value)  # kept as is: sown once, it reaps unstacked
@@ -161,7 +177,7 @@ class Record:
         """One loop body's occurrences, as a loop stacks them: a list of entries
         (collect), the rows (append, auto), or the one value (other modes)."""
         if any(isinstance(v, Steps) for v in self.values):
-            raise _errors.steps_nested(self.site)
+            raise walk_errors.steps_nested(self.site)
         if self.site.mode.entries:
             return list(self.values)
         if self.site.mode.rows:
@@ -254,13 +270,22 @@ def merged_elements(site: Site, entries: list[Any]) -> list[Any]:
     return out
 
 
+def _plant_count(site: Any, got: int, n: int, what: str) -> ValueError:
+    shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in site.avals)
+    return ValueError(
+        f"The plant for the sow site {site} has {got} {what}, but reap returns "
+        f"{n} {what} of {shapes} for it. Plant {n} {what}, as reap returns them, or a "
+        "single value (or callable) used at every occurrence."
+    )
+
+
 def split_elements(site: Site, marks: list[Any], entries: Any) -> tuple[Any, ...]:
     """The inverse of `merged_elements`: `entries`, one per entry `lax.map(f, xs)`
     gives, split into the entries of the sows a batched `lax.map` unrolls, whose
     `marks` (see `_groups`) the program's sow equations carry, in order."""
     groups = _groups(marks)
     if len(entries) != len(groups):
-        raise _errors.plant_count(site, len(entries), len(groups), "entries")
+        raise _plant_count(site, len(entries), len(groups), "entries")
     out: list[Any] = [None] * len(marks)
     for group, entry in zip(groups, entries):
         if group.alone is not None:
@@ -362,7 +387,7 @@ class Plant:
         """A plant given per occurrence needs one entry (collect) or row (append)
         for each of the `n` occurrences that reap would return."""
         if isinstance(self.value, Steps):  # reaped from a while_loop, whose trips vary per call
-            raise _errors.per_occurrence_plant_in_while(self.site)
+            raise walk_errors.per_occurrence_plant_in_while(self.site)
         if not self.per_occurrence():
             return
         if self.site.mode.entries:
@@ -370,7 +395,7 @@ class Plant:
         else:
             got, what = jnp.shape(jax.tree_util.tree_leaves(self.value)[0])[0], "rows"
         if got != n:
-            raise _errors.plant_count(self.site, got, n, what)
+            raise _plant_count(self.site, got, n, what)
 
     def takes_index(self) -> bool:
         return callable(self.value) and _takes_index(self.value)
@@ -397,12 +422,20 @@ class Plant:
         v = self.value
         if callable(v):
             if _required_positional(v) > 2:
-                raise _errors.plant_callable_arity(site, v)
+                raise TypeError(
+                    f"The planted callable {getattr(v, '__name__', v)!r} for the sow site {site} "
+                    "requires more than two positional arguments. A planted callable takes the old value, "
+                    "or the old value and the occurrence index: old -> new or (old, i) -> new."
+                )
             return _called(v, old, self.start + i if self.takes_index() else None, site)
         if self.per_occurrence():
             if self.site.mode.entries:
                 if i >= len(v):
-                    raise _errors.too_few_entries(site, len(v), i + 1)
+                    raise ValueError(
+                        f"The plant for the sow site {site} has {len(v)} entries, but the site is sown at "
+                        f"least {i + 1} times. Plant one entry per occurrence (as reap returns), or a "
+                        "single value for all."
+                    )
                 new = v[i]
             else:
                 new = jax.tree_util.tree_map(lambda l: l[i], v)
@@ -483,7 +516,13 @@ def check_runs(site: Site, leaves: list[Any], runs: Any, where: str) -> None:
         return
     for leaf in leaves:
         if jnp.shape(leaf)[0] != runs:
-            raise _errors.plant_runs(site, jnp.shape(leaf)[0], runs, where)
+            per = "shard" if where in ("shard_map", "pmap") else "iteration"
+            raise ValueError(
+                f"The plant for the sow site {site} is stacked with {jnp.shape(leaf)[0]} rows, but the "
+                f"{where} around it has {runs} {per}s and reap returns one row per {per}. Plant "
+                f"{runs} rows, as reap returns them, or a single value (or callable) used at every "
+                f"{per}."
+            )
 
 
 def _called(fn: Callable[..., Any], old: Any, index: Any, site: Site) -> Any:
@@ -507,14 +546,22 @@ def _called(fn: Callable[..., Any], old: Any, index: Any, site: Site) -> Any:
     try:
         return applied_per_example(fn, old, index, batch, call)
     except _errors.InterventionMisfit as err:
-        raise _errors.intervention_misfit_at(site, err) from None
+        message = str(err).replace(_errors.SITE, repr(".".join(site.path)))
+        raise ValueError(
+            f"The intervention planted at the sow site {site} does not fit it: {message}"
+        ) from None
 
 
 def _batch_axes(site: Site) -> int:
     """How many leading vmap axes every leaf of `site` has (see `needs_batched_site`)."""
     counts = set(site.vmapped or (0,))
     if len(counts) > 1:  # `_transforms` traces such a site again with its leaves batched alike
-        raise _errors.callable_plant_batched_apart(site)
+        raise ValueError(
+            f"The planted callable for the sow site {site} would see one example of the vmaps "
+            f"around it, but vmap batched its leaves along different axes ({site.vmapped} leading "
+            "batch axes), which cannot be paired. This is a bug in harvest: please report it; "
+            "meanwhile plant a value, or sow the leaves as separate sites."
+        )
     return counts.pop()
 
 

@@ -6,8 +6,6 @@ import functools
 import operator
 from typing import Any
 
-from .. import _errors
-
 
 def path_str(path: tuple[str, ...]) -> str:
     """The dotted form of a path: ("block", "h") -> "block.h"."""
@@ -21,7 +19,10 @@ def _check_scopes(paths: tuple[tuple[str, ...], ...]) -> None:
     for path in paths:
         for n in range(1, len(path)):
             if path[:n] in names:
-                raise _errors.name_and_scope(path_str(path[:n]), path_str(path))
+                raise ValueError(
+                    f"{path_str(path[:n])!r} is both a sown name and a nest scope (holding "
+                    f"{path_str(path)!r}), so one would hide the other in the reaped dict. Rename the sow or the scope."
+                )
 
 
 def nested_dict(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:

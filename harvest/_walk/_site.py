@@ -11,11 +11,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import PyTreeDef
 
-from .. import _errors, _jax
+from .. import _jax
+from . import _errors
 from ._leaves import is_array, is_named_array
 from ._modes import MODES, Mode
 from ._paths import path_str
 from ._primitive import sow_p
+
+
+def _plant_unheld(site: Any, what: str, value: Any, dtype: Any, why: str) -> ValueError:
+    if isinstance(value, (int, float, complex)):
+        shown = repr(value)
+    else:
+        shown = f"a {np.asarray(value).dtype}{list(np.shape(value))} array"
+    return ValueError(
+        f"{what} for the sow site {site} is {shown}, which its dtype {dtype} cannot hold "
+        f"({why}); nothing was planted. Plant a value {dtype} holds, or sow a wider dtype "
+        "at the site (64-bit ones need jax.config.update('jax_enable_x64', True))."
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +119,7 @@ class Site:
         leaf's ``dtype`` would change past recognition (see `_unheld`)."""
         why = _unheld(value, dtype)
         if why:
-            raise _errors.plant_unheld(self, what, value, dtype, why)
+            raise _plant_unheld(self, what, value, dtype, why)
 
     def cast_leaves(self, value: Any) -> list[tuple[Any, str, Any]]:
         """``(leaf, what, dtype)`` for each leaf of a planted ``value`` laid out as
@@ -134,7 +147,9 @@ class Site:
         if tree != self.tree:
             data = None if leading else self._named_data(value)
             if data is None:
-                raise _errors.plant_structure(self, what, tree)
+                raise ValueError(
+                    f"{what} for the sow site {self} has structure {tree}, but the site sows {self.tree}."
+                )
             return self.check(data, what)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
@@ -147,7 +162,11 @@ class Site:
                 continue
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
             if not (array or isinstance(leaf, numbers.Number)):
-                raise _errors.plant_not_an_array(self, what, leaf)
+                raise TypeError(
+                    f"{what} for the sow site {self} is a {type(leaf).__name__} ({leaf!r:.40}), not an "
+                    "array or number. Plant an array of the sown shape and dtype, a Python number, or a "
+                    "callable old -> new returning one."
+                )
             if not isinstance(leaf, jax.Array) and getattr(leaf, "dtype", None) != aval.dtype:
                 # A host value JAX would cast: refused where the cast would change it.
                 self.check_held(leaf, what, aval.dtype)
@@ -161,7 +180,12 @@ class Site:
             ):
                 # A Python complex traced as data: its value is unknown here, and
                 # the cast would drop any imaginary part unseen.
-                raise _errors.plant_complex_into_real(self, what, aval.dtype)
+                raise ValueError(
+                    f"{what} for the sow site {self} is a Python complex, and casting it to the site's "
+                    f"dtype {aval.dtype} would drop any imaginary part unseen (a planted number is traced, so "
+                    "its value is not known where it is cast); nothing was planted. Plant a real number "
+                    "(v.real), or sow a complex value at the site."
+                )
             if _jax.is_weak(leaf) and jnp.ndim(leaf) == 0 and jnp.result_type(leaf) != aval.dtype:
                 # A Python number takes the site's dtype, as JAX casts one in
                 # `x.at[i].set(15.0)` (oryx passes it through: 15.0 into an int site
@@ -177,7 +201,10 @@ class Site:
             )
             if (got[0] != shape and not per_example) or got[1] != aval.dtype:
                 expected = f"{aval.dtype}{list(shape)}{self._per_example(aval, batch)}"
-                raise _errors.plant_shape(self, what, f"{got[1]}{list(got[0])}", expected)
+                raise ValueError(
+                    f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the site expects "
+                    f"{expected}. Plant a value of the sown shape and dtype (or a callable old -> new)."
+                )
             out.append(jnp.broadcast_to(leaf, shape) if per_example else leaf)
         return out
 
@@ -193,7 +220,12 @@ class Site:
         if len(have) != len(targets) or any(
             len(h) > len(t) or t[len(t) - len(h) :] != h for h, t in zip(have, targets)
         ):
-            raise _errors.carried_shape(self, have, targets, where)
+            raise ValueError(
+                f"The sow site {self} has mode {self.mode.label} and was sown with shape "
+                f"{_errors.shapes_str(have)} before this {where}, which sows it with shape "
+                f"{_errors.shapes_str(targets)} and carries one value per name. Sow one shape per "
+                "name (give each shape its own name)."
+            )
         leaves = [jnp.broadcast_to(leaf, t) for leaf, t in zip(leaves, targets)]
         return jax.tree_util.tree_unflatten(self.tree, leaves)
 

@@ -35,7 +35,12 @@ def non_array(value: Any) -> tuple[str, Any] | None:
 def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
     bad = non_array(value)
     if bad is not None:
-        raise _errors.not_an_array(name, tag, *bad)
+        where, leaf = bad
+        raise TypeError(
+            f"sow(name={name!r}, tag={tag!r}): {where or 'the value'} is a {type(leaf).__name__}, "
+            "not an array. Sow only arrays (or pytrees of arrays); keep static "
+            "data out of the sown value."
+        )
     return jax.tree_util.tree_flatten(value)
 
 
@@ -86,7 +91,11 @@ def sow(value: T, *, name: str, tag: str = DEFAULT_TAG, mode: SowMode = "collect
     """
     _check_name(name, tag)
     if mode not in PUBLIC_MODES:
-        raise _errors.unknown_mode(name, tag, mode, PUBLIC_MODES)
+        raise ValueError(
+            f"sow(name={name!r}, tag={tag!r}): unknown mode {mode!r}. "
+            f"Use one of {', '.join(map(repr, PUBLIC_MODES))}, or sow_cond for a "
+            "conditional clobber."
+        )
     return bind_sow(value, name=name, tag=tag, mode=mode)
 
 
@@ -125,5 +134,8 @@ def sow_cond(value: T, pred: Any, *, name: str, tag: str = DEFAULT_TAG) -> T:
     _check_name(name, tag)
     pred = jax.numpy.asarray(pred)
     if pred.shape != () or pred.dtype != bool:
-        raise _errors.bad_predicate(name, tag, pred.dtype, pred.shape)
+        raise TypeError(
+            f"sow_cond(name={name!r}, tag={tag!r}) needs a scalar boolean `pred`, got "
+            f"{pred.dtype}{list(pred.shape)}. Reduce it first, e.g. with jnp.any."
+        )
     return bind_sow(value, pred, name=name, tag=tag, mode=COND_CLOBBER.name)

@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 
-from .. import _errors
 from .._calling._tracing import make_jaxpr
 from .._calling._transforms import harvest_tags
 from .._jax import sub_jaxprs
@@ -33,6 +32,7 @@ from .._walk._primitive import sow_p
 from .._walk._site import Site
 from .._walk._sow import sow
 from .._walk._sow_index import sites_in
+from . import _errors
 from ._inverse import inline_calls, live_vars
 from ._names import Among, AmongUnderAnyTag, check_drawn
 from ._old_spellings import model_was_f
@@ -79,7 +79,7 @@ def block(model: Callable[P, R], names: str | Iterable[str]) -> Callable[P, R]:
     """
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
-        raise _errors.ppl_names_not_strings("block", "random variable names", names)
+        raise _errors.names_not_strings("block", "random variable names", names)
     return jax.tree_util.Partial(_blocked, model, Among(frozenset(names)))
 
 
@@ -143,4 +143,8 @@ def check_blocked_unscored(
             for sub in sub_jaxprs(eqn):
                 needed |= {path_str(s.path) for s in sites_in(sub) if s.tag == BLOCKED}
     if needed:
-        raise _errors.ppl_blocked_draw_scored(fn_name, sorted(needed))
+        raise ValueError(
+            f"{fn_name}: the density depends on {', '.join(sorted(needed))}, hidden by block. A blocked "
+            "draw is integrated out, which harvest can do only where no counted density depends "
+            "on it. Fix it with intervene or conditional, or do not block it."
+        )

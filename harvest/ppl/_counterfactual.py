@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _errors
 from .._calling._transforms import call_and_reap, plant
 from .._typing import Reaped
 from ._names import check_drawn, leaf_paths, restricted
@@ -149,7 +148,9 @@ def counterfactual(
     """
     observed, do = dict(observed), dict(do)
     if not do:
-        raise _errors.ppl_counterfactual_do(do)
+        raise ValueError(
+            f"counterfactual needs `do` to name the intervention, {{name: value}}, got {do!r}."
+        )
     k_posterior, k_worlds = jax.random.split(key)
     # Names first: a typo would otherwise surface only after the whole abduction run.
     check_drawn("counterfactual", model, list(do), (k_posterior, *args), {})

@@ -23,7 +23,7 @@ from typing import Any, Concatenate
 import jax
 import jax.numpy as jnp
 
-from .. import _errors, _jax
+from .. import _jax
 from .._jax import sub_jaxprs
 from .._typing import P, R
 from .._walk._evaluator import bind, evaluate
@@ -41,6 +41,15 @@ def _holds(jaxpr: _jax.Jaxpr, handlers: dict[Any, Handler]) -> bool:
     return any(
         e.primitive in handlers or any(_holds(j, handlers) for j in sub_jaxprs(e))
         for e in jaxpr.eqns
+    )
+
+
+def _handled_inside(primitive: Any, handlers: Any) -> NotImplementedError:
+    handled = sorted({str(p) for p in handlers})
+    return NotImplementedError(
+        f"make_effect_handler: a handled primitive ({', '.join(handled)}) is bound inside "
+        f"`{primitive}`, and the handlers' state cannot be threaded through it. Move "
+        "the handled operations out of the loop or branch."
     )
 
 
@@ -68,7 +77,7 @@ def _eval(
         elif how.restage is not None:
             outs, threaded[0] = _carried_through(eqn, how, invals, threaded[0], handlers)
         else:
-            raise _errors.handled_inside(eqn.primitive, handlers)
+            raise _handled_inside(eqn.primitive, handlers)
         return outs
 
     outs = evaluate(jaxpr, consts, args, step)
@@ -88,13 +97,17 @@ def _carried_through(
             own, carried = split_extra(args, leaves)
             if body.predicate:  # it returns only its predicate: no state can leave it
                 if _holds(body.jaxpr, handlers):
-                    raise _errors.handled_inside(eqn.primitive, handlers)
+                    raise _handled_inside(eqn.primitive, handlers)
                 return evaluate(body.jaxpr, body.consts, own, bind)
             state = jax.tree_util.tree_unflatten(tree, carried)
             outs, new = _eval(body.jaxpr, body.consts, state, own, handlers)
             new_leaves, new_tree = jax.tree_util.tree_flatten(new)
             if new_tree != tree:  # type: ignore[operator]  # the stubs give PyTreeDef no __ne__
-                raise _errors.handler_state_changed_structure(eqn.primitive, tree, new_tree)
+                raise TypeError(
+                    f"make_effect_handler: inside `{eqn.primitive}` the handlers changed the state's structure "
+                    f"from {tree} to {new_tree}; a loop or branch carries one structure. Keep the state's "
+                    "pytree structure fixed (e.g. start from the full dict)."
+                )
             # A carry keeps its type: the handlers' results are cast to the state's.
             return [*outs, *(_jax.cast_like(jnp.asarray(v), a) for v, a in zip(new_leaves, avals))]
 
@@ -194,7 +207,10 @@ def make_effect_handler(
         (Array(2.7182817, dtype=float32, weak_type=True), 2)
     """
     if not isinstance(handlers, dict) or not all(callable(h) for h in handlers.values()):
-        raise _errors.bad_handlers(handlers)
+        raise TypeError(
+            "make_effect_handler takes a dict {primitive: handler(state, *inputs, **params) -> "
+            f"(outputs, state)}}; got {handlers!r}."
+        )
 
     @model_was_f
     def transform(model: Callable[P, R]) -> Callable[Concatenate[Any, P], tuple[R, Any]]:

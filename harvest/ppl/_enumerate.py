@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._typing import Reaped, SowMode
 from .._walk._sow import sow
+from . import _errors
 from ._markov import backward_sample, chain_factors, forward
 from ._names import density_leaves, leaf_paths, nested
 from ._tags import ENUMERATED, ENUMERATED_IN_SCAN
@@ -116,7 +116,10 @@ def _joint(
     names = list(enumerated)
     grid = list(itertools.product(*(range(enumerated[n].size) for n in names)))
     if len(grid) > MAX_ASSIGNMENTS:
-        raise _errors.ppl_enumeration_too_large(names, len(grid), MAX_ASSIGNMENTS)
+        raise ValueError(
+            f"enumerating {', '.join(names)} jointly takes {len(grid)} assignments (at most {MAX_ASSIGNMENTS}). "
+            "Enumerate fewer draws, or marginalise some by hand."
+        )
     assignments = jnp.asarray(grid, jnp.int32)
 
     def total(assignment: jax.Array) -> jax.Array:
@@ -134,7 +137,10 @@ def _by_element(
     draw, and the densities that do not depend on it."""
     names = list(enumerated)
     if len(names) > 1:
-        raise _errors.ppl_enumeration_mixed(names)
+        raise ValueError(
+            f"cannot enumerate {', '.join(names)} together: one of them has a batch shape. "
+            "Enumerate one batched draw (a per-point assignment) or any number of scalar ones."
+        )
     name = names[0]
     size, batch, dtype, _ = enumerated[name]
 
@@ -151,7 +157,13 @@ def _by_element(
         varying = _varying(densities, name, batch, dtype, values)
         if not varying:
             raise  # an error of the model's own
-        raise _errors.ppl_enumeration_unfactored(name, batch, varying) from None
+        which = ", ".join(f"{n!r} (shape {shape})" for n, shape in varying)
+        raise ValueError(
+            f"cannot enumerate {name!r} element by element: its value changes the density of "
+            f"{which}, which is not shaped like the draw's batch {batch}, so the sum over "
+            f"{name!r} does not factor by element. Give that distribution the batch shape {batch} "
+            "(e.g. tfd.Normal(loc, scale) rather than tfd.Independent(...)), or marginalise by hand."
+        ) from None
     return aligned, sum(rest, jnp.zeros(()))
 
 
@@ -195,10 +207,10 @@ def chain_name(enumerated: dict[str, Support]) -> str:
     """The one draw enumerated in a scan, or the error saying why there is not one."""
     names = list(enumerated)
     if len(names) > 1:
-        raise _errors.ppl_enumeration_in_scan(names, "only one enumerated draw is summed out")
+        raise _errors.enumeration_in_scan(names, "only one enumerated draw is summed out")
     name = names[0]
     if len(enumerated[name].batch) != 1:
-        raise _errors.ppl_enumeration_in_scan(
+        raise _errors.enumeration_in_scan(
             [name], f"each step draws a batch of shape {enumerated[name].batch[1:]}"
         )
     return name

@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 
-from .. import _errors
 from .._typing import Reaped
 from ._old_spellings import posterior_first
 from ._posterior import Posterior
@@ -73,7 +72,10 @@ def infer_discrete(
     """
     key, args, posterior = posterior_first("infer_discrete", key, args, posterior, Posterior)
     if not isinstance(posterior, Posterior):
-        raise _errors.ppl_infer_discrete_posterior(posterior)
+        raise TypeError(
+            f"infer_discrete: `posterior` must be a Posterior (sample_posterior's), got a "
+            f"{type(posterior).__name__}."
+        )
     given = dict(posterior.observed if observed is None else observed)
     lead = posterior.log_density.shape
     keys = jax.random.split(key, lead[0] * lead[1]).reshape(lead)

@@ -16,16 +16,19 @@ density comes from:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import jax
 import jax.numpy as jnp
 
-from .. import _errors, _jax
+from .. import _jax
 from .._calling._transforms import call_and_reap
 from .._jax import sub_jaxprs
 from .._walk._paths import path_str
 from .._walk._primitive import sow_p
 from .._walk._site import Site
 from .._walk._sow_index import sites_in
+from . import _errors
 from ._inverse import (
     INVERSES,
     INVERTIBLE_CALLS,
@@ -68,9 +71,26 @@ def _invertible_names():
     return ", ".join(names)
 
 
+def _cannot_invert(why: str, stuck: Iterable[str], invertible: str) -> ValueError:
+    """log_prob by inversion found no way back from the output to a draw (`why`)."""
+    stuck = sorted(stuck)
+    where = ""
+    if stuck:
+        where = (
+            " The way back from the output stopped at: "
+            + ", ".join(f"`{p}`" for p in stuck)
+            + f". Invertible primitives: {invertible}."
+        )
+    return ValueError(
+        f"Cannot compute log_prob of function: {why}.{where} Use joint_log_prob(f) with a value "
+        "for every random variable, or return the missing draws from f (e.g. "
+        "log_prob(joint_sample(f)))."
+    )
+
+
 def _cannot(why, known):
     invertible = _invertible_names() if known.stuck else ""
-    return _errors.ppl_cannot_invert(why, known.stuck, invertible)
+    return _cannot_invert(why, known.stuck, invertible)
 
 
 def _holds_draws(eqn, densities):
@@ -92,8 +112,8 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
     try:
         out_leaves = out_tree.flatten_up_to(sample)
     except (ValueError, TypeError) as error:
-        raise _errors.ppl_sample_structure(
-            out_tree, jax.tree_util.tree_structure(sample)
+        raise ValueError(
+            f"log_prob(f) takes a value shaped like f's output, {out_tree}; got {jax.tree_util.tree_structure(sample)}."
         ) from error
 
     known = Known({}, {}, {})
@@ -144,7 +164,7 @@ def log_density(f, sample, args, kwargs, densities=None, plain_samplers_ok=False
                 and site.path not in scored_names
                 and any(v in live for v in eqn.outvars)
             ):
-                raise _errors.ppl_drawn_without_density("log_prob", [path_str(site.path)])
+                raise _errors.drawn_without_density("log_prob", [path_str(site.path)])
         elif densities is not None and eqn.primitive in densities:
             if not any(v in live for v in eqn.outvars):
                 continue

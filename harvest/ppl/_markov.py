@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._typing import Reaped
+from . import _errors
 from ._names import density_leaves, nested
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def chain_factors(
     try:
         factors, rest = pair(states, states)  # factors[j, k, t]
     except ValueError:
-        raise _errors.ppl_enumeration_in_scan(
+        raise _errors.enumeration_in_scan(
             [name],
             f"a density not shaped like the scan's {length} steps depends on {name!r}",
         ) from None

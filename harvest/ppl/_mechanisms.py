@@ -34,7 +34,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from ._tfp_shim import import_tfp
 
 tfd = import_tfp().distributions
@@ -103,11 +102,20 @@ def _location_scale(dist: Any) -> Mechanism:
     return Mechanism(noise, lambda e: dist.loc + dist.scale * e, abduce)
 
 
+def _no_mechanism(name: str, type_name: str) -> ValueError:
+    return ValueError(
+        f"counterfactual: the random variable {name!r} has a {type_name} distribution, which "
+        "has no noise mechanism here (location-scale families, Bernoulli, Categorical, and "
+        "continuous distributions with a quantile function have one). Fix it with intervene, "
+        "or write it as loc + scale * noise with a standard noise draw."
+    )
+
+
 def _quantile(dist: Any, name: str) -> Mechanism:
     try:
         jax.eval_shape(dist.quantile, jnp.full(dist.batch_shape, 0.5, dist.dtype))
     except NotImplementedError as error:
-        raise _errors.ppl_no_mechanism(name, type(dist).__name__) from error
+        raise _no_mechanism(name, type(dist).__name__) from error
     return Mechanism(_uniform, dist.quantile, lambda value, key: dist.cdf(value))
 
 
@@ -123,5 +131,5 @@ def mechanism(dist: Any, name: str) -> Mechanism:
         return _categorical(dist)
     # The quantile coupling is a point abduction only for a continuous, scalar-event draw.
     if not jnp.issubdtype(dist.dtype, jnp.floating) or tuple(dist.event_shape) != ():
-        raise _errors.ppl_no_mechanism(name, type(dist).__name__)
+        raise _no_mechanism(name, type(dist).__name__)
     return _quantile(dist, name)

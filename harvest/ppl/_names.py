@@ -9,7 +9,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._calling._transforms import reap
 from .._typing import Reaped
 from ._tags import RANDOM_VARIABLE
@@ -118,7 +117,10 @@ def check_drawn(
     known = random_variables_of(f, args, kwargs)
     unknown = sorted(set(requested) - set(known))
     if unknown:
-        raise _errors.ppl_unknown_names(caller, unknown, known)
+        raise KeyError(
+            f"{caller}: not random variables of the program: {', '.join(unknown)}. Its random "
+            f"variables are: {', '.join(sorted(known)) or 'none'}."
+        )
 
 
 def density_leaves(densities: Reaped, prefix: str = "") -> list[tuple[str, jax.Array]]:

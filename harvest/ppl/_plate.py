@@ -8,8 +8,8 @@ from typing import Any, Concatenate, overload
 
 import jax
 
-from .. import _errors
 from .._typing import P, R
+from . import _errors
 from ._old_spellings import model_was_f
 
 
@@ -61,9 +61,9 @@ def plate(model: Callable[..., Any] | None = None, *, name: str, size: int) -> C
         Array(-2.7568154, dtype=float32)
     """
     if not isinstance(name, str) or not name:
-        raise _errors.ppl_bad_name("plate", name)
+        raise _errors.bad_name("plate", name)
     if not isinstance(size, int) or size < 1:
-        raise _errors.ppl_plate_size(name, size)
+        raise TypeError(f"plate(name={name!r}) needs `size` to be a positive int, got {size!r}.")
     if model is None:
         return functools.partial(plate, name=name, size=size)
 

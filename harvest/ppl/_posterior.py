@@ -21,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._typing import Reaped
 from ._support import check_observed_support
 from ._unconstrained import site_log_densities, unconstrained
@@ -38,7 +37,10 @@ def _require(module: str, what: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as error:
-        raise _errors.ppl_needs_extra(module, what) from error
+        raise ImportError(
+            f"harvest.ppl.{what} needs {module}, which is not installed. Install the inference "
+            "extra: pip install 'jax-harvest[infer]' (BlackJAX and ArviZ, pinned to tested versions)."
+        ) from error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +134,10 @@ class Posterior:
         """
         az = _require("arviz", "Posterior.summary")
         if digits is not None and (type(digits) is not int or digits < 1):
-            raise _errors.ppl_bad_summary_digits(digits)
+            raise ValueError(
+                f"Posterior.summary needs `digits` to be a positive int (significant digits kept) or None "
+                f"(no rounding), got {digits!r}."
+            )
         data = self.to_arviz()
         table = az.summary(data, kind="all", round_to="none")
         table = table[["mean", "sd", "mcse_mean", "ess_bulk", "ess_tail", "r_hat"]]
@@ -292,11 +297,18 @@ def sample_posterior(
     """
     blackjax = _require("blackjax", "sample_posterior")
     if kernel not in KERNELS:
-        raise _errors.ppl_unknown_kernel(kernel, KERNELS)
+        raise ValueError(
+            f"sample_posterior: unknown kernel {kernel!r}. Use one of {', '.join(map(repr, KERNELS))}."
+        )
     if chain_method not in CHAIN_METHODS:
-        raise _errors.ppl_unknown_chain_method(chain_method, CHAIN_METHODS)
+        raise ValueError(
+            f"sample_posterior: unknown chain_method {chain_method!r}; use one of "
+            f"{', '.join(repr(m) for m in CHAIN_METHODS)}."
+        )
     if init not in INITS:
-        raise _errors.ppl_unknown_init(init, INITS)
+        raise ValueError(
+            f"sample_posterior: unknown init {init!r}. Use one of {', '.join(map(repr, INITS))}."
+        )
     for what, n in (
         ("num_samples", num_samples),
         ("num_warmup", num_warmup),
@@ -304,11 +316,15 @@ def sample_posterior(
         ("max_tree_depth", max_tree_depth),
     ):
         if not isinstance(n, int) or n < 1:
-            raise _errors.ppl_bad_count(what, n)
+            raise ValueError(f"sample_posterior needs `{what}` to be a positive int, got {n!r}.")
     density = unconstrained(model, observed)
     check_observed_support(model, dict(observed or {}), key, args, {})
     if not jax.eval_shape(density.init, key, *args):
-        raise _errors.ppl_nothing_to_sample()
+        raise ValueError(
+            "sample_posterior: the program has no free continuous random variable left to sample "
+            "(every draw is observed, fixed, blocked or enumerated). Score it with joint_log_prob, "
+            "or draw from it with predictive."
+        )
 
     def log_density(u: Reaped) -> jax.Array:
         return density.log_density(u, *args)
@@ -428,7 +444,20 @@ def _check_start(
         sites = site_log_densities(model, dict(observed or {}), start, *args)
         report = {name: float(v) for name, v in sites.items() if not jnp.isfinite(v)}
         what = "log density" if not ok else "gradient of the log density"
-        raise _errors.ppl_start_not_finite(chain, START_ATTEMPTS, init, what, report)
+        at = ", ".join(f"{name!r}: {value}" for name, value in report.items())
+        blame = f" Not finite there: {at}." if at else ""
+        tries = (
+            f"any of {START_ATTEMPTS} starting points"
+            if START_ATTEMPTS > 1
+            else "its starting point"
+        )
+        raise ValueError(
+            f"sample_posterior: the {what} of chain {chain} is not finite at {tries} "
+            f"(init={init!r}).{blame} Check that each observed value lies in its distribution's "
+            "support and the model's parameters are valid there, or start elsewhere "
+            "(init='uniform' draws each unconstrained coordinate in (-2, 2), init='prior' from "
+            "the prior)."
+        )
 
 
 def _report(progress: bool, phase: str, i: Any, total: int) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 
-from .. import _errors
 from .._typing import Reaped
 from ._infer_discrete import infer_discrete as _infer_discrete
 from ._names import leaf_paths, merged, random_variables_of, restricted
@@ -94,9 +93,15 @@ def predictive(
     key, args, posterior = posterior_first("predictive", key, args, posterior, Posterior)
     if posterior is None:
         if infer_discrete:
-            raise _errors.ppl_predictive_infer_discrete_prior()
+            raise ValueError(
+                "predictive: infer_discrete=True draws the enumerated draws from their posterior, "
+                "so it needs a Posterior; with posterior=None every draw is from the prior already."
+            )
         if not isinstance(num_samples, int) or num_samples < 1:
-            raise _errors.ppl_predictive_count(num_samples)
+            raise ValueError(
+                "predictive(model, key, num_samples=n) draws n runs from the prior and needs "
+                f"`num_samples` to be a positive int, got {num_samples!r}; or give a Posterior to predict from."
+            )
         keys = jax.random.split(key, num_samples)
         prior: Reaped = jax.jit(jax.vmap(lambda k: _sites(model, k, args)))(keys)
         return prior

@@ -19,10 +19,10 @@ from typing import Any, Concatenate, Literal, overload
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._typing import P, R, SowMode, T
 from .._walk._modes import APPEND, STRICT
 from .._walk._sow import sow
+from . import _errors
 from ._enumerate import ENUMERABLE, sow_support
 from ._mechanisms import mechanism
 from ._support import sow_outside
@@ -54,15 +54,30 @@ def is_distribution(obj: object) -> bool:
 def _check_arguments(dist: object, name: object, mode: object) -> str:
     """The validated name."""
     if name is None:
-        raise _errors.ppl_random_variable_unnamed()
+        raise TypeError(
+            "random_variable needs a name, e.g. random_variable(dist, name='x'): "
+            "joint_sample, joint_log_prob, intervene and conditional refer to the draw by it."
+        )
     if not isinstance(name, str) or not name:
-        raise _errors.ppl_bad_name("random_variable", name)
+        raise _errors.bad_name("random_variable", name)
     if mode not in RV_MODES:
-        raise _errors.ppl_random_variable_mode(name, mode)
+        raise ValueError(
+            f"random_variable(name={name!r}): mode {mode!r} is not supported. Use 'strict' "
+            "for one draw, or 'append' for a draw inside lax.scan (draws stack on a "
+            "leading axis)."
+        )
     if is_distribution(dist) and type(dist).__module__.startswith("numpyro."):
-        raise _errors.ppl_numpyro_distribution(name, type(dist).__name__)
+        raise TypeError(
+            f"random_variable(name={name!r}) got NumPyro's {type(dist).__name__}; harvest.ppl draws from "
+            "TensorFlow Probability distributions (tensorflow_probability.substrates.jax), "
+            f"e.g. tfd.{type(dist).__name__}(...), or from a sampling function key -> value."
+        )
     if not (is_distribution(dist) or callable(dist)):
-        raise _errors.ppl_not_a_distribution(name, dist)
+        raise TypeError(
+            f"random_variable(name={name!r}) takes a TFP distribution (from "
+            "tensorflow_probability.substrates.jax) or a sampling function key -> value; "
+            f"got a {type(dist).__name__}."
+        )
     return name
 
 
@@ -138,7 +153,10 @@ def random_variable(
     """
     name = _check_arguments(dist, name, mode)
     if enumerate and type(dist).__name__ not in ENUMERABLE:
-        raise _errors.ppl_not_enumerable(name, type(dist).__name__)
+        raise TypeError(
+            f"random_variable(name={name!r}, enumerate=True) sums the draw out over its support, "
+            f"which needs a Bernoulli or Categorical distribution; got a {type(dist).__name__}."
+        )
     if is_distribution(dist):
 
         def sample_distribution(key: Any) -> Any:
@@ -227,7 +245,7 @@ def _from_noise(dist: Any, key: Any, name: str, mode: SowMode) -> Any:
 
 def _check_name(fn_name: str, name: object) -> None:
     if not isinstance(name, str) or not name:
-        raise _errors.ppl_bad_name(fn_name, name)
+        raise _errors.bad_name(fn_name, name)
 
 
 def deterministic(value: T, *, name: str) -> T:

@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _errors
 from .._calling._transforms import harvest_tags
 from .._typing import Reaped, SowMode
 from .._walk._sow import sow
@@ -112,4 +111,9 @@ def check_observed_support(
         bad = np.asarray(flags[0])
         if bad.any():
             first = tuple(int(i) for i in np.argwhere(bad)[0])
-            raise _errors.ppl_observed_outside_support(name, int(bad.sum()), bad.size, first)
+            raise ValueError(
+                f"sample_posterior: the observed value of {name!r} has {int(bad.sum())} element(s) of {bad.size} "
+                f"outside the support of its distribution (the first at index {first}). TFP may "
+                "still give such a value a finite density, so the posterior would be silently wrong. "
+                "Correct the data, or draw the site from a distribution whose support holds it."
+            )

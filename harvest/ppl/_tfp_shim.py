@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _errors, _jax
+from .. import _jax
 
 # The versions this shim is tested against, named when the import fails.
 TESTED = "tensorflow-probability 0.25.0 with jax/jaxlib 0.8.x, 0.9.x and 0.10.x"
@@ -41,6 +41,26 @@ PAD = SUBSTRATE + ".bijectors.pad"
 def apply_shim():
     """Restores the alias TFP writes to, if (and only if) this JAX lacks it."""
     _jax.restore_tfp_alias()
+
+
+def _tfp_import_failed(
+    cause: Exception, module: str, tested: str, imported_before: bool
+) -> ImportError:
+    order = ""
+    if imported_before:
+        order = (
+            " TFP's JAX substrate was imported before harvest.ppl, on a JAX that needs "
+            "harvest's compatibility alias for it (see harvest/ppl/_tfp_shim.py), and "
+            "importing it again did not recover. Restart the interpreter and import "
+            "harvest.ppl before tensorflow_probability."
+        )
+    return ImportError(
+        f"harvest.ppl could not import TensorFlow Probability's JAX substrate ({module}): "
+        f"{type(cause).__name__}: {cause}.{order} harvest.ppl needs it (it draws from TFP "
+        f"distributions) and is tested with {tested}; install them with "
+        "`pip install 'jax-harvest[ppl]'`. The core (sow, reap, plant, instrument) works "
+        "without TFP."
+    )
 
 
 def import_tfp():
@@ -56,7 +76,7 @@ def import_tfp():
             warnings.filterwarnings("ignore", message=".*pytype_aval_mappings.*")
             tfp = importlib.import_module(SUBSTRATE)
     except Exception as cause:  # TFP fails in many ways on an untested JAX
-        raise _errors.ppl_tfp_import_failed(cause, SUBSTRATE, TESTED, imported_before) from cause
+        raise _tfp_import_failed(cause, SUBSTRATE, TESTED, imported_before) from cause
     if "newshape" not in inspect.signature(np.reshape).parameters:
         importlib.import_module(PAD).np = _NumpyWithNewshape()
     return tfp

@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import Partial
 
-from .. import _errors, _jax
+from .. import _jax
 from .._calling._transforms import call_and_reap, harvest_tags, layer_tag, plant, reap
 from .._typing import P, Plants, R, Reaped
 from .._walk._sow import sow
+from . import _errors
 from ._block import check_blocked_unscored, with_draws_replaced
 from ._enumerate import marginal, supports
 from ._log_prob import log_density
@@ -53,7 +54,10 @@ def _placeholder_key() -> jax.Array:
 
 def _check_values(values: object, fn_name: str) -> None:
     if not isinstance(values, dict):
-        raise _errors.ppl_values_not_a_dict(fn_name, values)
+        raise TypeError(
+            f"{fn_name} takes the values of random variables as a dict {{name: value}} "
+            f"(as joint_sample returns it), got a {type(values).__name__}."
+        )
 
 
 @model_was_f
@@ -137,13 +141,18 @@ def _scored(f: Callable[..., Any], values: Plants, args: Any, kwargs: Any) -> An
     missing = set(leaf_paths(unplanted))
     enumerated = supports(markers, missing, in_scan)
     if missing - set(enumerated):
-        raise _errors.ppl_missing_values(missing - set(enumerated))
+        raise ValueError(
+            "joint_log_prob needs a value for every random variable; missing: "
+            f"{', '.join(sorted(missing - set(enumerated)))}. Give them too, fix them "
+            "first with intervene/conditional, or (Bernoulli, Categorical) draw them with "
+            "enumerate=True to sum them out."
+        )
     if enumerated:
         total = marginal(lambda a: _site_densities(f, merged(values, a), args, kwargs), enumerated)
     else:
         unscored = _unscored(values, densities)
         if unscored:
-            raise _errors.ppl_drawn_without_density("joint_log_prob", unscored)
+            raise _errors.drawn_without_density("joint_log_prob", unscored)
         total = sum(densities_of(densities), jnp.zeros(()))
     return total
 
@@ -285,7 +294,7 @@ def conditional(model: Callable[..., R], names: str | Iterable[str]) -> Callable
     """
     names = [names] if isinstance(names, str) else list(names)
     if not all(isinstance(n, str) and n for n in names):
-        raise _errors.ppl_names_not_strings("conditional", "random variable names", names)
+        raise _errors.names_not_strings("conditional", "random variable names", names)
     if not names:
         return model
     return Partial(_conditioned, model, tuple(names))
@@ -293,7 +302,10 @@ def conditional(model: Callable[..., R], names: str | Iterable[str]) -> Callable
 
 def _conditioned(f: Callable[..., Any], names: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     if len(args) < len(names):
-        raise _errors.ppl_conditional_arity(names, len(args))
+        raise TypeError(
+            f"conditional(f, {list(names)}) is called as g(key, *args, *values) with one "
+            f"value per name; got {len(args)} positional arguments in all."
+        )
     split = len(args) - len(names)
     values = nested(names, args[split:])
     return _fixed(f, frozenset(dotted_paths(nested(names, names))), values, *args[:split], **kwargs)
@@ -349,7 +361,9 @@ def log_prob(model: Any) -> Callable[..., jax.Array]:
         dist_log_prob: Callable[..., jax.Array] = model.log_prob
         return dist_log_prob
     if not callable(model):
-        raise _errors.ppl_log_prob_target(model)
+        raise TypeError(
+            f"log_prob takes a TFP distribution or a program, got a {type(model).__name__}."
+        )
     if isinstance(model, Partial) and model.func is _joint_sample:
         return joint_log_prob(*model.args)
     return Partial(_log_prob, model)
@@ -485,7 +499,7 @@ def graph_replace(
     single = isinstance(output_names, str)
     outputs = [output_names] if single else list(output_names)
     if not all(isinstance(n, str) and n for n in outputs):
-        raise _errors.ppl_names_not_strings("graph_replace", "output names", output_names)
+        raise _errors.names_not_strings("graph_replace", "output names", output_names)
     return Partial(
         _replaced, conditional(model, input_names), output_names if single else tuple(outputs)
     )

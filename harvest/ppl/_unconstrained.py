@@ -20,7 +20,7 @@ hidden by `block` is integrated out (see `_block.py`). A free draw without a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -28,10 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import Partial
 
-from .. import _errors, _jax
+from .. import _jax
 from .._calling._transforms import harvest_tags, reap
 from .._typing import Reaped
 from .._walk._sow import sow
+from . import _errors
 from ._block import check_blocked_unscored
 from ._enumerate import Support, draw, marginal, supports
 from ._names import at_paths, check_drawn, leaf_paths, merged, restricted
@@ -82,6 +83,22 @@ def _walked(
 _RUN_TAGS = (RANDOM_VARIABLE, UNCONSTRAINED, JACOBIAN, ENUMERATED, ENUMERATED_IN_SCAN)
 
 
+def _discrete_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: the random variables {', '.join(names)} are discrete, or drawn by "
+        "plain sampling functions, so they cannot be moved to R^n. Give them in `observed`, "
+        "fix them with intervene or conditional, or (Bernoulli, Categorical) draw them with "
+        "random_variable(..., enumerate=True) to sum them out."
+    )
+
+
+def _not_free(names: Iterable[str]) -> ValueError:
+    return ValueError(
+        f"unconstrained: {', '.join(names)} are not free random variables of the program "
+        "(they are observed, fixed by intervene or conditional, or blocked). Leave them out of u."
+    )
+
+
 def _run(
     f: Callable[..., Any],
     observed: Reaped,
@@ -107,8 +124,8 @@ def _run(
         unknown = set(leaf_paths(u)) - set(leaf_paths(sites))
         discrete = unknown & set(leaf_paths(free))
         if discrete:
-            raise _errors.ppl_discrete_free(sorted(discrete)) from error
-        raise _errors.ppl_not_free(sorted(unknown)) from error
+            raise _discrete_free(sorted(discrete)) from error
+        raise _not_free(sorted(unknown)) from error
     free, unplanted, jacobians, markers, in_scan = (reaped.get(tag, {}) for tag in _RUN_TAGS)
     if check and reaped.get(BLOCKED):
         score = Partial(_log_density, f, observed, False)
@@ -116,14 +133,17 @@ def _run(
     free_names = set(leaf_paths(free))
     given = set(leaf_paths(u))
     if given - free_names:
-        raise _errors.ppl_not_free(sorted(given - free_names))
+        raise _not_free(sorted(given - free_names))
     missing = free_names - given
     continuous = set(leaf_paths(unplanted))
     if missing & continuous:
-        raise _errors.ppl_no_unconstrained_value(sorted(missing & continuous))
+        raise ValueError(
+            f"unconstrained: no value for {', '.join(sorted(missing & continuous))}. Give every free random variable "
+            "(init(key) gives a starting point)."
+        )
     enumerated = supports(markers, missing, in_scan)
     if missing - set(enumerated):
-        raise _errors.ppl_discrete_free(sorted(missing - set(enumerated)))
+        raise _discrete_free(sorted(missing - set(enumerated)))
     log_det = sum(jnp.sum(j) for js in at_paths(jacobians, free_names) for j in js)
     kept = restricted(free, free_names - set(enumerated))
     found = {t: reaped.get(t, {}) for t in also}
@@ -179,7 +199,10 @@ def discrete_draw(
     with scoring():
         _, _, enumerated, _ = _run(f, observed, True, (), u, *args, **kwargs)
         if not enumerated:
-            raise _errors.ppl_nothing_enumerated()
+            raise ValueError(
+                "infer_discrete: the program has no free enumerated draw to infer. Mark a discrete "
+                "draw with random_variable(..., enumerate=True) (and leave it out of `observed`)."
+            )
 
         def densities_at(values: Reaped) -> Reaped:
             at = merged(observed, values)
@@ -224,7 +247,13 @@ def _check_finite(observed: Reaped) -> None:
                 continue
             bad = np.argwhere(~np.isfinite(value))
             first = tuple(int(i) for i in bad[0])
-            raise _errors.ppl_observed_not_finite(name, len(bad), value.size, first)
+            raise ValueError(
+                f"unconstrained/sample_posterior: the observed value of {name!r} has {len(bad)} "
+                "non-finite element(s) of "
+                f"{value.size} (the first at index {first}). A NaN or infinite observation makes the log "
+                "density NaN everywhere, so a sampler cannot move. Leave missing observations out of "
+                "the observed site (observe only the entries you have), or model them as free draws."
+            )
 
 
 # How many prior draws `init` makes before giving up on a finite density (NumPyro's 100).
@@ -272,9 +301,9 @@ def _check_movable(
     free, sites, markers, densities = (set(leaf_paths(reaped.get(t, {}))) for t in tags)
     stuck = free - sites - markers
     if stuck - densities:
-        raise _errors.ppl_drawn_without_density("unconstrained", stuck - densities)
+        raise _errors.drawn_without_density("unconstrained", stuck - densities)
     if stuck:
-        raise _errors.ppl_discrete_free(sorted(stuck))
+        raise _discrete_free(sorted(stuck))
 
 
 def _draws_and_sites(
@@ -367,7 +396,9 @@ def unconstrained(
     """
     observed = dict(observed or {})
     if not all(isinstance(k, str) for k in observed):
-        raise _errors.ppl_observed_not_a_dict(observed)
+        raise TypeError(
+            f"unconstrained takes observed values as a dict {{name: value}}, got {observed!r}."
+        )
     _check_finite(observed)
     return Unconstrained(
         Partial(_log_density, model, observed, True),

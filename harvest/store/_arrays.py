@@ -19,12 +19,28 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from .. import _errors
 from ._manifest import SiteSpec
 
 # Rows the row axis can hold while a run is writing: far beyond any dataset,
 # and free, since zarr keeps only the chunks written.
 CAPACITY = 2**48
+
+
+def _tensorstore_unimportable(cause: ImportError, unreadable: list[str]) -> ImportError:
+    if unreadable:
+        where = ", ".join(repr(p) for p in unreadable)
+        return ImportError(
+            f"harvest.store could not import TensorStore ({cause}): this process may not "
+            f"read {where} on its module path (permission denied), where it may be "
+            "installed. Run it as a user who can read them, or install TensorStore where "
+            "this user can."
+        )
+    return ImportError(
+        "harvest.store could not import TensorStore, which is installed: "
+        f"{type(cause).__name__}: {cause}. That is TensorStore's own failure (the "
+        "traceback above shows where); reinstalling it may mend it: "
+        "pip install --force-reinstall 'jax-harvest[store]'."
+    )
 
 
 def tensorstore() -> Any:
@@ -37,8 +53,11 @@ def tensorstore() -> Any:
         missing = isinstance(e, ModuleNotFoundError) and e.name == "tensorstore"
         unreadable = _unreadable_path_entries() if missing else []
         if missing and not unreadable:
-            raise _errors.store_needs_tensorstore() from None
-        raise _errors.store_tensorstore_unimportable(e, unreadable) from e
+            raise ImportError(
+                "harvest.store writes and reads its arrays with TensorStore: "
+                "pip install 'jax-harvest[store]' (or pip install tensorstore)."
+            ) from None
+        raise _tensorstore_unimportable(e, unreadable) from e
     return ts
 
 
@@ -86,6 +105,35 @@ def failures(path: pathlib.Path, doing: str, site: str | None = None) -> Iterato
         raise translated(error, path, doing, site) from error
 
 
+def _io_failed(path: Any, doing: str, site: str | None, code: int | None) -> OSError:
+    where = (
+        f"site {site!r} of the store at {str(path)!r}" if site else f"the store at {str(path)!r}"
+    )
+    reason = os.strerror(code) if code else "an I/O error"
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        advice = (
+            "Free space (or record to another disk); calling record again with the same "
+            "arguments resumes from the batches already written."
+        )
+    elif code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        advice = "Use a path you can write to (or make this one writable)."
+    else:
+        advice = "Check the file system at that path, then try again."
+    message = f"harvest.store: {doing} {where} failed: {reason}. {advice}"
+    return OSError(code, message) if code else OSError(message)
+
+
+def _file_missing(path: Any, doing: str, site: str | None) -> FileNotFoundError:
+    where = (
+        f"site {site!r} of the store at {str(path)!r}" if site else f"the store at {str(path)!r}"
+    )
+    return FileNotFoundError(
+        f"harvest.store: {doing} {where}: a file of it is missing (deleted, or not copied "
+        "with the rest); its rows are not read as zeros. The store is damaged: copy it again "
+        "whole, or record it afresh with record(..., overwrite=True)."
+    )
+
+
 def translated(error: Exception, path: pathlib.Path, doing: str, site: str | None) -> OSError:
     """The harvest error for an OS or TensorStore `error`."""
     text = str(error)
@@ -96,8 +144,8 @@ def translated(error: Exception, path: pathlib.Path, doing: str, site: str | Non
         code = int(found.group(1)) if found else None
     missing = code == errno.ENOENT or (code is None and text.startswith("NOT_FOUND"))
     if missing:
-        return _errors.store_file_missing(path, doing, site)
-    return _errors.store_io_failed(path, doing, site, code)
+        return _file_missing(path, doing, site)
+    return _io_failed(path, doing, site, code)
 
 
 def create(
@@ -125,7 +173,13 @@ def check_creatable(
         try:
             ts.open(spec).result()
         except ValueError as error:
-            raise _errors.store_cannot_hold(name, site.dtype, codecs, str(error)) from None
+            raise ValueError(
+                f"record: site {name!r} ({site.dtype}) cannot be stored as a zarr v3 array"
+                + (f" with codecs={codecs!r}" if codecs is not None else "")
+                + f" ({str(error).split(' [')[0]}). Cast it with `dtype=` (e.g. dtype='float32')"
+                + (" or fix `codecs`" if codecs is not None else "")
+                + ", or leave the site out with `names=`. Nothing was written."
+            ) from None
 
 
 def _create_spec(

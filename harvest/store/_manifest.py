@@ -16,8 +16,6 @@ import pathlib
 import urllib.parse
 from typing import Any
 
-from .. import _errors
-
 FORMAT = 1  # bumped when the layout changes incompatibly
 MANIFEST = "zarr.json"
 
@@ -103,6 +101,13 @@ class Manifest:
         return out
 
 
+def _manifest_damaged(path: Any, reason: str) -> ValueError:
+    return ValueError(
+        f"harvest.store: the manifest of the store at {str(path)!r} (its zarr.json) is "
+        f"damaged: {reason}. Copy the store again whole, or record it afresh."
+    )
+
+
 def read(path: pathlib.Path) -> Manifest | None:
     """The manifest of the store at `path`, or None if there is none."""
     try:
@@ -110,18 +115,18 @@ def read(path: pathlib.Path) -> Manifest | None:
     except FileNotFoundError:
         return None
     except json.JSONDecodeError as error:
-        raise _errors.store_manifest_damaged(path, f"not JSON ({error})") from None
+        raise _manifest_damaged(path, f"not JSON ({error})") from None
     data = group.get("attributes", {}).get("harvest") if isinstance(group, dict) else None
     if data is None:
         return None
     try:
         manifest = Manifest.from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise _errors.store_manifest_damaged(path, f"{type(error).__name__}: {error}") from None
+        raise _manifest_damaged(path, f"{type(error).__name__}: {error}") from None
     for name, site in manifest.sites.items():
         # A site's array lives in a directory of the store's own, never elsewhere.
         if "/" in site.key or site.key.startswith(".") or site.key == MANIFEST:
-            raise _errors.store_manifest_damaged(path, f"site {name!r} has key {site.key!r}")
+            raise _manifest_damaged(path, f"site {name!r} has key {site.key!r}")
     return manifest
 
 
@@ -141,9 +146,15 @@ def replace_text(target: pathlib.Path, text: str) -> None:
 def check_path(path: pathlib.Path) -> Manifest | None:
     """The manifest at `path` if it holds a store; None if it is new or empty; else an error."""
     if path.is_file():
-        raise _errors.store_path_is_file(path)
+        raise ValueError(
+            f"record(..., path={str(path)!r}): that path is a file. A store is a directory: "
+            "pass a new or empty directory, or an existing store's."
+        )
     manifest = read(path)
     # Hidden files are a killed run's temporary manifest: the directory is still new.
     if manifest is None and path.is_dir() and any(p.name[:1] != "." for p in path.iterdir()):
-        raise _errors.store_path_not_a_store(path)
+        raise ValueError(
+            f"{str(path)!r} is not empty and holds no harvest store (no zarr.json with a "
+            "'harvest' manifest). Pick another directory; nothing there was changed."
+        )
     return manifest

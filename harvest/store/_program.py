@@ -13,13 +13,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .. import _errors
 from .._calling._inspect import sow_equations
 from .._calling._tracing import make_jaxpr
 from .._calling._transforms import call_and_reap, layer_tag, reap
 from .._typing import NameSelect
 from .._walk._paths import path_str
 from .._walk._site import Site
+from . import _errors
 
 # The tag of the outer harvest transformation that compiles the program; no
 # site uses it. Going through harvest (not `jax.jit`) gives `fn` harvest's
@@ -43,7 +43,10 @@ def batch_size(batch: Any) -> int:
     for leaf in jax.tree_util.tree_leaves(batch):
         if hasattr(leaf, "shape") and len(leaf.shape) >= 1:
             return int(leaf.shape[0])
-    raise _errors.store_batch_without_arrays(type(batch).__name__)
+    raise TypeError(
+        f"record(fn, batches, path): a batch is a {type(batch).__name__} holding no array. Each "
+        "batch must be an array or a pytree of arrays whose leading axis is the example axis."
+    )
 
 
 ExampleAxis = int | dict[str, int]
@@ -95,21 +98,38 @@ def _step(
         if isinstance(value, tuple) and len(value) == 1:  # a 'collect' site sown once
             reaped[name] = value = value[0]
         if not isinstance(value, jax.Array):
-            raise _errors.store_site_not_array(name, value)
+            raise TypeError(
+                f"record: site {name!r} reaps a {type(value).__name__}, not an array (a site sown "
+                "several times under mode 'collect' reaps a tuple). Sow it with mode 'strict' or "
+                "'append', or leave it out with `names=`."
+            )
         if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
-            raise _errors.store_site_prng_key(name, value.dtype)
+            raise TypeError(
+                f"record: site {name!r} holds PRNG keys ({value.dtype}), which a store cannot hold. "
+                "Sow their raw data instead, jax.random.key_data(keys) (jax.random.wrap_key_data "
+                "turns it back into keys), or leave the site out with `names=`. Nothing was written."
+            )
     sown = _sown_shapes(fn, batch, tag) if reaped else {}
     out = {}
     for name, value in reaped.items():
         shape, axis = sown.get(name, value.shape), per_site.get(name, default)
         moved = _examples_first(value, shape, axis, rows)
         if moved is None and (name in per_site or default != 0):
-            raise _errors.store_example_axis(name, axis, shape, rows)
+            need = "two axes (examples, then positions)" if rows == "tokens" else "an axis"
+            raise ValueError(
+                f"record: example_axis={axis!r} for site {name!r}, whose value as sown has shape "
+                f"{tuple(shape)}: rows={rows!r} needs {need} there. Pass an axis of the sown value "
+                "(negative counts from the end), or leave the site out with `names=`."
+            )
         if moved is None or moved.shape[0] != examples:
-            raise _errors.store_site_not_rows(name, value.shape, examples, rows, shape)
+            raise _errors.site_not_rows(name, value.shape, examples, rows, shape)
         out[name] = moved if dtype is None else moved.astype(dtype)
     if not out:
-        raise _errors.store_no_sites(tag, names)
+        raise ValueError(
+            f"record: the function sows no site of tag {tag!r}"
+            + (f" that `names={names!r}` selects" if names is not None else "")
+            + ", so there is nothing to record. Check the tag (instrument sows under 'modules')."
+        )
     return out
 
 

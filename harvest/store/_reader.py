@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import operator
 import pathlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 
-from .. import _errors
 from .._typing import NameSelect
 from .._walk._interpreter import NameFilter
-from . import _arrays, _manifest, _progress
+from . import _arrays, _errors, _manifest, _progress
 from ._manifest import Manifest
 
 # How much of the store `batches` holds in memory at once, by default: the
@@ -109,6 +108,13 @@ class StoreArray:
         return f"StoreArray({self.name!r}, shape={self.shape}, dtype={self.dtype})"
 
 
+def _bad_index(index: Any) -> IndexError:
+    return IndexError(
+        f"StoreArray takes numpy basic indexing (ints, slices, ..., None), got {index!r}. "
+        "Read the rows first (np.asarray(array[i:j])), then index the numpy array."
+    )
+
+
 def _basic_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[Any, ...]]:
     """numpy's basic indexing of an array of `shape`, as a box to read and an index of it.
 
@@ -119,10 +125,13 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...],
     """
     items = index if isinstance(index, tuple) else (index,)
     if sum(item is Ellipsis for item in items) > 1:
-        raise _errors.store_bad_index(index)
+        raise _bad_index(index)
     used = sum(item is not None and item is not Ellipsis for item in items)
     if used > len(shape):
-        raise _errors.store_too_many_indices(len(shape), used)
+        raise IndexError(
+            f"too many indices for the store's array: it is {len(shape)}-dimensional, "
+            f"but {used} were indexed"
+        )
     if not any(item is Ellipsis for item in items):
         items = (*items, Ellipsis)
     box: list[slice] = []
@@ -144,14 +153,16 @@ def _basic_index(index: Any, shape: tuple[int, ...]) -> tuple[tuple[slice, ...],
                 box.append(slice(min(taken[0], taken[-1]), max(taken[0], taken[-1]) + 1, abs(step)))
             local.append(slice(None, None, -1 if step < 0 else 1))
         elif isinstance(item, (bool, np.bool_)) or not hasattr(item, "__index__"):
-            raise _errors.store_bad_index(index)  # arrays, lists, masks: advanced indexing
+            raise _bad_index(index)  # arrays, lists, masks: advanced indexing
         else:
             try:
                 i = operator.index(item)
             except TypeError:  # an array of more than one element
-                raise _errors.store_bad_index(index) from None
+                raise _bad_index(index) from None
             if not -shape[axis] <= i < shape[axis]:
-                raise _errors.store_index_out_of_range(i, axis, shape[axis])
+                raise IndexError(
+                    f"index {i} is out of bounds for axis {axis} with size {shape[axis]}"
+                )
             i %= shape[axis]
             box.append(slice(i, i + 1, 1))
             local.append(0)
@@ -170,6 +181,12 @@ class _Read:
     def result(self) -> np.ndarray[Any, Any]:
         with self._failures():
             return np.asarray(self._future.result())
+
+
+def _unknown_name(name: Any, names: Iterable[str]) -> KeyError:
+    return KeyError(
+        f"the store has no site {name!r}; it holds: {', '.join(repr(n) for n in names)}."
+    )
 
 
 class Store(Mapping[str, StoreArray]):
@@ -213,7 +230,7 @@ class Store(Mapping[str, StoreArray]):
         try:
             return self._arrays[name]
         except KeyError:
-            raise _errors.store_unknown_name(name, self._arrays) from None
+            raise _unknown_name(name, self._arrays) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._arrays)
@@ -272,7 +289,7 @@ class Store(Mapping[str, StoreArray]):
         """
         for what, n in (("batch_size", batch_size), ("epochs", epochs)):
             if not isinstance(n, int) or n < 1:
-                raise _errors.store_bad_option(what, n, "a positive int")
+                raise _errors.bad_option(what, n, "a positive int")
         arrays = [self[name] for name in self._select(names)]
         block = max(a.chunk_rows for a in arrays)
         row_bytes = sum(a.dtype.itemsize * int(np.prod(a.shape[1:])) for a in arrays)
@@ -294,7 +311,7 @@ class Store(Mapping[str, StoreArray]):
             if isinstance(entry, str) and not any(
                 NameFilter.make(entry, None)((name,)) for name in self._arrays
             ):
-                raise _errors.store_unknown_name(entry, self._arrays)
+                raise _unknown_name(entry, self._arrays)
         return [name for name in self._arrays if select((name,))]
 
     def _epoch(
@@ -407,7 +424,10 @@ def open_store(path: str | pathlib.Path) -> Store:
     with _arrays.failures(path, "opening"):
         manifest = _manifest.read(path) if path.is_dir() else None
     if manifest is None:
-        raise _errors.store_not_found(path)
+        raise FileNotFoundError(
+            f"harvest.store.open({str(path)!r}): no harvest store there (no zarr.json with a "
+            "'harvest' manifest). Record one with harvest.store.record(fn, batches, path)."
+        )
     with _arrays.failures(path, "opening"):
         batches = _progress.start(path, manifest.processes, manifest.batches)
     return Store(path, manifest, batches)

@@ -19,10 +19,20 @@ from .. import _errors
 from .._typing import NameSelect
 from .._version import __version__
 from .._walk._sow import DEFAULT_TAG
-from . import _arrays, _manifest, _processes, _progress
+from . import _arrays, _errors as store_errors, _manifest, _processes, _progress
 from ._manifest import Manifest, SiteSpec
 from ._program import program
 from ._reader import Store, open_store
+
+
+def _manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
+    shown = "; ".join(differences[:4]) + (
+        f" (and {len(differences) - 4} more)" if len(differences) > 4 else ""
+    )
+    return ValueError(
+        f"record: the store at {str(path)!r} was recorded from other sites or shapes: {shown}. "
+        "Nothing was written. Record into another path, or pass overwrite=True to start afresh."
+    )
 
 
 def record(
@@ -143,15 +153,22 @@ def record(
     items = iter(batches)
     first = next(items, _END)
     if first is _END:
-        raise _errors.store_no_batches()
+        raise ValueError(
+            "record(fn, batches, path): `batches` yielded nothing. Pass an iterable of "
+            "batches (arrays or pytrees of arrays with a leading example axis)."
+        )
     first_out = run(place(first))
     if isinstance(example_axis, dict) and (unknown := sorted(example_axis.keys() - first_out)):
-        raise _errors.store_example_axis_names(unknown, first_out)
+        raise KeyError(
+            f"record(example_axis={{...}}) names {', '.join(repr(n) for n in unknown)}, "
+            f"which {'is' if len(unknown) == 1 else 'are'} not recorded; the sites recorded are "
+            f"{', '.join(repr(n) for n in first_out)}. Nothing was written."
+        )
     manifest, chunks = _layout(fn, tag, rows, first_out, chunk_rows)
     _arrays.check_creatable([(n, s, chunks[n]) for n, s in manifest.sites.items()], codecs)
     if stored is not None:
         if differences := stored.differences(manifest):
-            raise _errors.store_manifest_mismatch(path, differences)
+            raise _manifest_mismatch(path, differences)
         # Resumed: the batches written before keep the earlier run's promise.
         manifest = dataclasses.replace(manifest, every_chunk=stored.every_chunk)
     processes, me = _processes.count(), _processes.index()
@@ -164,7 +181,7 @@ def record(
         laid_out = _manifest.read(path)
         differences = ["no manifest"] if laid_out is None else laid_out.differences(manifest)
         if differences:
-            raise _errors.store_manifest_mismatch(path, differences)
+            raise _manifest_mismatch(path, differences)
 
     bar = _bar(progress, me, batches, manifest, begin)
     writer = _Writer(path, manifest, me, begin, max_pending, bar)
@@ -188,14 +205,14 @@ _END = object()
 
 def _check_options(rows: str, chunk_rows: int | None, max_pending: int, example_axis: Any) -> None:
     if rows not in ("examples", "tokens"):
-        raise _errors.store_bad_option("rows", rows, "'examples' or 'tokens'")
+        raise store_errors.bad_option("rows", rows, "'examples' or 'tokens'")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or chunk_rows < 1):
-        raise _errors.store_bad_option("chunk_rows", chunk_rows, "a positive int or None")
+        raise store_errors.bad_option("chunk_rows", chunk_rows, "a positive int or None")
     if not isinstance(max_pending, int) or max_pending < 1:
-        raise _errors.store_bad_option("max_pending", max_pending, "a positive int")
+        raise store_errors.bad_option("max_pending", max_pending, "a positive int")
     axes = example_axis.items() if isinstance(example_axis, dict) else [("", example_axis)]
     if not all(isinstance(n, str) and type(a) is int for n, a in axes):
-        raise _errors.store_bad_option(
+        raise store_errors.bad_option(
             "example_axis", example_axis, "an int, or a dict from site names to ints"
         )
 
@@ -241,7 +258,7 @@ def _layout(
     rows_per_batch = next(iter(per_batch.values()))
     for name, n in per_batch.items():
         if n != rows_per_batch:  # tokens: every site needs the same positions
-            raise _errors.store_site_not_rows(name, out[name].shape, out[name].shape[0], rows)
+            raise store_errors.site_not_rows(name, out[name].shape, out[name].shape[0], rows)
     manifest = Manifest(
         tag=tag,
         rows=rows,
@@ -307,7 +324,11 @@ def _outputs(
     else:  # batch 0 ran only to check the manifest; batches 1 .. begin - 1 are skipped
         skipped = sum(1 for _ in itertools.islice(items, begin - 1))
         if skipped < begin - 1:
-            raise _errors.store_fewer_batches(path, begin, 1 + skipped)
+            raise ValueError(
+                f"record: the store at {str(path)!r} already holds {begin} batches, but `batches` "
+                f"yielded only {1 + skipped}: it is not the dataset this store was recorded from. "
+                "Pass overwrite=True to record it afresh."
+            )
     for index, batch in enumerate(items, start=max(begin, 1)):
         out = run(place(batch))
         yield index, out
@@ -326,7 +347,13 @@ def _write_all(
                 writer.submit(*ready)
             if wrong is not None:
                 writer.drain()
-                raise _errors.store_batch_shape(index, *wrong, writer.committer.committed)
+                name, got, expected = wrong
+                raise ValueError(
+                    f"record: batch {index} gives site {name!r} rows of shape {tuple(got)}, but the "
+                    f"store holds rows of shape {tuple(expected)}. Nothing of batch {index} was "
+                    f"written (the store keeps its first {writer.committer.committed} batches). Give "
+                    "every batch one shape: drop or pad the last, short batch."
+                )
             previous = index, out
     except BaseException:  # the loader or the next batch failed: the last batch is still good
         if previous is not None:
@@ -391,7 +418,11 @@ class _Writer:
                 rest = shard.index[2:] if tokens else shard.index[1:]
                 if tokens:
                     if data.shape[1] != value.shape[1]:
-                        raise _errors.store_tokens_split(name)
+                        raise ValueError(
+                            f"record(rows='tokens'): site {name!r} is sharded along its position axis, so one "
+                            "device's rows are not contiguous tokens. Shard the batch along examples only, or "
+                            "use rows='examples'."
+                        )
                     data = data.reshape(-1, *data.shape[2:])
                 first = base + start * per_example
                 target = self.arrays[name][(slice(first, first + data.shape[0]), *rest)]

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ... import _errors, _jax
+from ... import _jax
 from .._evaluator import evaluate
 from .._higher_order import HigherOrder, describe, register
 from .._interpreter import Walk
@@ -177,8 +177,11 @@ def united(
                 (a.shape, a.dtype) for a in known.avals[:-1]
             ] + [known.loops] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
                 p = slot.params
-                raise _errors.batched_branch_shapes_differ(
-                    p["tag"], path_str((*p["scope"], p["name"]))
+                name = path_str((*p["scope"], p["name"]))
+                raise ValueError(
+                    f"The sow site tag={p['tag']!r}, name={name!r} is sown with different shapes in "
+                    "different branches of a cond whose predicate vmap batches. Sow the same shapes "
+                    "in every branch, or use different names."
                 )
             flag = jax.ShapeDtypeStruct(
                 np.broadcast_shapes(known.avals[-1].shape, slot.avals[-1].shape), bool
@@ -305,6 +308,33 @@ def _marker(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     return list(branch_p.bind(**dict(p, stuck=stuck)))
 
 
+def _stuck_in_batched_branch(site: Any, where: str) -> NotImplementedError:
+    """`where`: the primitive the sow sits in (``"while"``, a custom rule's, a user's)."""
+    known = {
+        "while": "a while_loop",
+        "custom_jvp_call": "a custom_jvp function",
+        "custom_vjp_call": "a custom_vjp function",
+        "custom_vmap_call": "a custom_vmap function",
+    }
+    if where in known:
+        inside = known[where]
+        fix = "move the sow out of that body"
+    else:
+        inside = f"the primitive `{where}`"
+        fix = (
+            f"if `{where}` runs its one body once on its inputs, register it with "
+            "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there; "
+            "otherwise give its HigherOrder a `batched_branch` that runs its bodies through "
+            "harvest.extend.walk_in_branch (see harvest.extend)"
+        )
+    return NotImplementedError(
+        f"The sow site {site} is inside {inside} within a branch of a cond whose predicate "
+        "vmap batches: every branch runs for every example, and harvest cannot carry the value "
+        "out of that body to record the taken branch's. Harvest per example instead, "
+        f"jax.vmap(reap(f)), or {fix}."
+    )
+
+
 def _harvested(walk: Walk, site: Site, where: str) -> bool:
     """Whether this walk has planted a stuck site (in every branch, as it should);
     one it would record instead is an error, one it leaves alone is not."""
@@ -313,7 +343,7 @@ def _harvested(walk: Walk, site: Site, where: str) -> bool:
         return False
     if key in walk.plants:
         return True
-    raise _errors.stuck_in_batched_branch(site, where)
+    raise _stuck_in_batched_branch(site, where)
 
 
 # A marker: no bodies, a rule the walk runs at each one, and how it moves counts.

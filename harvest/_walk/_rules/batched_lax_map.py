@@ -29,7 +29,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from ... import _errors, _jax
+from ... import _jax
 from .._modes import MODES
 from .._primitive import sow_p, tracing_a_harvest
 from .._site import Site
@@ -98,8 +98,13 @@ def unrolled_here(params: dict[str, Any], axis_data: Any = None) -> bool:
     if where == "loop":
         # A loop in `f` runs each step for the whole batch: sown once per element
         # there, the occurrences would come step by step, not element by element.
-        raise _errors.sown_in_loop_in_batched_lax_map(
-            params["tag"], params["scope"], params["name"]
+        name = ".".join((*params["scope"], params["name"]))
+        raise ValueError(
+            f"The sow site tag={params['tag']!r}, name={name!r} runs in a loop (scan, "
+            "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
+            "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
+            "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
+            "jax.vmap) around this function while you harvest it."
         )
     return where is not None
 

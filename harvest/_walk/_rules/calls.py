@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ... import _errors, _jax
+from ... import _jax
 from .._evaluator import evaluate
 from .._higher_order import HigherOrder, call_body, describe, forwards_through_call, register
 from .._interpreter import Policy, Walk, inside_rule, interpret, jvp_rule, retrace, rule_sites
@@ -97,6 +97,33 @@ def _keeping_the_rule(wrap):
     return rule
 
 
+def _plant_differentiated_in_custom_vjp(site: Any, fn_name: str, reason: str) -> ValueError:
+    where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
+    what, why, fix = {
+        "occurrence": (
+            "a plant per occurrence (rows, entries, or a callable taking the index)",
+            "its backward rule re-runs the body as often as it needs (not the body's occurrences)",
+            "Plant one value, or a callable old -> new, used at every occurrence",
+        ),
+        "value": (
+            "a planted value that is itself differentiated",
+            "its backward rule, re-run with the plant in place, gives no derivative for it",
+            "Plant a value that does not depend on what you differentiate (jax.lax.stop_gradient)",
+        ),
+        "rule": (
+            "a value planted",
+            "its backward rule does not re-run the planted sow (it was written for the "
+            "unplanted function)",
+            "Write the planted computation into the function the rule differentiates",
+        ),
+    }[reason]
+    return ValueError(
+        f"Cannot differentiate through {where} with {what} at {site} inside it: its body holds "
+        f"a while_loop, which autodiff cannot reverse, and {why}, so the gradient would be "
+        f"silently wrong. {fix}, or plant outside the custom_vjp function."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _PlantsInRule:
     """The plants inside a custom_vjp's body, for its backward rule to re-run.
@@ -142,7 +169,7 @@ class _PlantsInRule:
         return cls(walk.policy, plants, at, site, _jax.body_function_name(eqn), refusal)
 
     def error(self, reason: str) -> ValueError:
-        return _errors.plant_differentiated_in_custom_vjp(self.site, self.name, reason)
+        return _plant_differentiated_in_custom_vjp(self.site, self.name, reason)
 
     def check_differentiated(self, perturbed: list[bool]) -> None:
         """Raises where an input the rule cannot differentiate planted is."""
@@ -295,8 +322,12 @@ def _custom_jvp(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     call = _jax.call_body(eqn)
     in_body = walk.handled_sites([call.jaxpr])
     if in_body:
-        raise _errors.sown_in_jvp_rule_and_body(
-            next(iter(rule_only.values())), map(path_str, in_body)
+        raise ValueError(
+            f"The sow site {next(iter(rule_only.values()))} sits in the JVP rule of a custom_jvp "
+            "function that also sows "
+            f"{', '.join(map(repr, map(path_str, in_body)))} in its body. Differentiated, JAX runs the rule and not "
+            "the body, so these cannot both be reaped or planted. Sow in one of the two (a rule may "
+            "call the function itself)."
         )
     found = jvp_rule(eqn)
     assert found is not None  # it has sites

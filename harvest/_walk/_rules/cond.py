@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ... import _errors, _jax
+from ... import _jax
+from .. import _errors
 from .._higher_order import Body, HigherOrder, register
 from .._interpreter import interpret
 from .._occurrences import Record, static_counts
@@ -28,6 +29,13 @@ from .batched_cond import Occurrence, united, unpack
 
 def _zeros(shape):
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
+
+
+def _branch_shapes_differ(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} is sown with different shapes in different branches "
+        "of a cond. Sow the same shapes in every branch, or use different names."
+    )
 
 
 def _union(shapes, site):
@@ -47,7 +55,7 @@ def _union(shapes, site):
                     jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)])
                 )
             ):
-                raise _errors.branch_shapes_differ(site)
+                raise _branch_shapes_differ(site)
         return longest
     single = all(site.one_occurrence(s) for s in present)
     if mode.rows and not single:  # else one unstacked value, as for the modes below
@@ -58,7 +66,7 @@ def _union(shapes, site):
         return site.zeros_shape((rows,))
     shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
     if len(shapes) > 1:
-        raise _errors.branch_shapes_differ(site)
+        raise _branch_shapes_differ(site)
     return present[0]
 
 

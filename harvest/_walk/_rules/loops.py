@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ... import _errors, _jax
+from ... import _jax
+from .. import _errors
 from .._higher_order import UNBOUNDED, Body, HigherOrder, register, split_extra
 from .._interpreter import interpret
 from .._modes import MODES
@@ -31,7 +32,16 @@ from .batched_cond import Occurrence, rewrite
 def _no_strict(sites, where):
     for site in sites.values():
         if site.mode.single and not site.mode.stacks_in_loops:
-            raise _errors.strict_in_loop(site, where)
+            every = " (with reap's max_steps=N)" if where == "while_loop" else ""
+            raise ValueError(
+                f"The sow site {site} has mode 'strict' but sits inside a {where}, which "
+                "sows it once per iteration. "
+                + (
+                    _errors.random_variable_modes(site)
+                    or "Use mode 'collect' or 'append' to keep every "
+                    f"iteration{every}, 'clobber' for the last one, or sow_cond for a chosen one."
+                )
+            )
 
 
 def _scan(walk, eqn, invals):
@@ -97,13 +107,28 @@ def _scan(walk, eqn, invals):
     return [*c, *ys]
 
 
+def _stacked_in_batched_while(site: Any) -> ValueError:
+    return ValueError(
+        f"The sow site {site} has mode {site.mode.label} inside a while_loop whose predicate "
+        "vmap batches, so each example runs its own number of iterations. Reap per example "
+        "instead: jax.vmap(reap(f))"
+        + (
+            ", or sow with mode 'clobber' for each example's last iteration."
+            if site.mode.public
+            else "."
+        )
+    )
+
+
 def _while(walk, eqn, invals):
     p = _jax.While.of(eqn)
     cond, body = p.cond, p.body
     sites = walk.handled_sites([body.jaxpr])
     _no_strict(sites, "while_loop")
     for site in walk.handled_sites([cond.jaxpr]).values():
-        raise _errors.sow_in_while_cond(site)
+        raise ValueError(
+            f"The sow site {site} sits in a while_loop's cond_fun. Sow the value in body_fun instead."
+        )
     ncc, nbc = p.cond_nconsts, p.body_nconsts
     cconsts, bconsts, init = invals[:ncc], invals[ncc : ncc + nbc], invals[ncc + nbc :]
     # vmap of a loop whose predicate differs per example: JAX stages a while
@@ -123,9 +148,21 @@ def _while(walk, eqn, invals):
     }
     for site in stacked.values():
         if steps is None and not site.mode.unstacked_once:
-            raise _errors.stacked_in_while(site)
+            raise ValueError(
+                f"The sow site {site} has mode {site.mode.label} inside a while_loop, whose trip "
+                "count is not known until it runs, so its occurrences cannot be stacked into "
+                "a fixed-size array. "
+                + (
+                    "Pass max_steps=N to reap (or call_and_reap, harvest) for the first N iterations "
+                    "and the count, or use "
+                    if site.mode.public  # harvest.compat.oryx's reap takes no max_steps
+                    else "Use "
+                )
+                + "lax.scan (or fori_loop with static bounds), mode 'clobber' for the last "
+                "iteration, or sow_cond for a chosen one."
+            )
         if batch and steps is not None:
-            raise _errors.stacked_in_batched_while(site)
+            raise _stacked_in_batched_while(site)
     plants = {path: pl for path, pl in walk.shifted_plants().items() if path in sites}
     for path, pl in plants.items():
         if pl.per_occurrence():
@@ -210,7 +247,7 @@ def _last_per_example(record, batch):
     """An iteration's one occurrence of `record`'s name, with `batch` axes in front."""
     site = record.site
     if len(record.values) != 1 or not site.one_occurrence(record.values[0]):
-        raise _errors.stacked_in_batched_while(site)
+        raise _stacked_in_batched_while(site)
     return site.fit(record.values[0], "while_loop", batch)
 
 

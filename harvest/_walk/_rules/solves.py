@@ -12,7 +12,7 @@ inlined and differentiated as written.
 
 from __future__ import annotations
 
-from ... import _errors, _jax
+from ... import _jax
 from .._higher_order import Body, HigherOrder, register
 from .._interpreter import interpret, retrace
 from .calls import original_of, with_jvp
@@ -38,7 +38,11 @@ def _linear_solve(walk, eqn, invals):
             continue
         for path, site in walk.handled_sites([closed.jaxpr]).items():
             if path not in runs:
-                raise _errors.sow_outside_solve(site, role)
+                raise ValueError(
+                    f"The sow site {site} sits in custom_linear_solve's `{role}`, which `solve` "
+                    "never calls: it runs only inside derivatives, where nothing can be reaped "
+                    "or planted. Sow in `solve`, or call `matvec` from `solve`."
+                )
     # invals: the consts of matvec, vecmat, solve, transpose_solve, then b.
     first = lengths.matvec + lengths.vecmat
     pick = lambda ins: [*ins[first : first + lengths.solve], *ins[sum(lengths) :]]  # noqa: E731

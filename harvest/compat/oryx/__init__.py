@@ -64,9 +64,11 @@ def sow(value: T, *, tag: Hashable, name: str, mode: str = "strict", key: Any = 
     del key  # oryx ties `key` in for ordering; a jaxpr keeps sows in program order anyway
     _check_name(name)
     if mode == COND_CLOBBER.name:
-        raise _errors.oryx_cond_clobber_in_sow()
+        raise ValueError("For 'cond_clobber' mode, use `sow_cond`.")
     if mode not in ORYX_MODES:
-        raise _errors.oryx_unknown_mode(mode)
+        raise ValueError(
+            f"Unknown sow mode {mode!r}: oryx's modes are 'strict', 'clobber' and 'append'."
+        )
     return bind_sow(value, name=name, tag=tag, mode=ORYX_MODES[mode].name)
 
 
@@ -106,7 +108,7 @@ def sow_cond(
     del key
     _check_name(name)
     if mode != COND_CLOBBER.name:
-        raise _errors.oryx_sow_cond_mode()
+        raise ValueError("`sow_cond` only supports 'cond_clobber' mode.")
     return bind_sow(value, jax.numpy.asarray(pred), name=name, tag=tag, mode=COND_CLOBBER.name)
 
 
@@ -139,7 +141,7 @@ def _in_oryx_words(error: ValueError) -> ValueError | None:
     for pattern, wording in _ORYX_WORDING:
         found = pattern.search(str(error))
         if found:
-            return _errors.oryx_worded(wording.format(found.group(1)), error)
+            return ValueError(f"{wording.format(found.group(1))} ({error})")
     return None
 
 

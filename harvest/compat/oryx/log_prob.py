@@ -34,8 +34,6 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from ... import _errors
-
 __all__ = ["LogProbRules", "log_prob_registry", "log_prob_rules", "registered"]
 
 
@@ -76,7 +74,10 @@ def _cell(var: Any, known: Any) -> Cell:
 def _density(eqn: Any, known: Any) -> Any:
     rule = log_prob_rules.get(eqn.primitive)
     if rule is None:
-        raise _errors.oryx_log_prob_rule_missing(eqn.primitive)
+        raise KeyError(
+            f"`{eqn.primitive}` is in log_prob_registry but has no rule in log_prob_rules; "
+            "add one: log_prob_rules[primitive] = rule(incells, outcells, **params)."
+        )
     incells = [_cell(v, known) for v in eqn.invars]
     outcells = [_cell(v, known) for v in eqn.outvars]
     return rule(incells, outcells, **eqn.params)[2]

@@ -40,7 +40,7 @@ from typing import Any, overload
 import jax
 import jax.numpy as jnp
 
-from .... import _errors, ppl as _ppl
+from .... import ppl as _ppl
 from ...._calling._transforms import call_and_reap, nest
 from ...._typing import P, R, Reaped
 from ...._walk._sow import sow
@@ -105,7 +105,7 @@ def log_prob(f: Any) -> LogProbFunction:
         dist_log_prob: LogProbFunction = f.log_prob
         return dist_log_prob
     if not callable(f):
-        raise _errors.oryx_log_prob_not_implemented(f)
+        raise NotImplementedError(f"`log_prob` not implemented for type: {type(f)}")
 
     @functools.wraps(f)
     def wrapped(sample: Any, *args: Any, **kwargs: Any) -> Any:
@@ -225,7 +225,7 @@ def plate(f: Callable[..., Any] | None = None, name: str | None = None) -> Calla
         Array([-2.7568154, -2.7568154, -2.7568154], dtype=float32)
     """
     if not isinstance(name, str) or not name:
-        raise _errors.oryx_plate_name(name)
+        raise TypeError(f"plate needs `name`, the named axis to draw along, got {name!r}.")
     transform = functools.partial(_plated, axis_name=name)
     return transform if f is None else transform(f)
 
@@ -294,9 +294,9 @@ def random_variable(obj: Any, *, name: str | None = None, plate: str | None = No
     if callable(obj):
         return _function_random_variable(obj, name, plate)
     if name is None:
-        raise _errors.oryx_random_variable_unnamed(obj)
+        raise ValueError(f"Cannot call `random_variable` on {type(obj)} without passing in a name.")
     if plate is not None:
-        raise _errors.oryx_random_variable_plate(obj)
+        raise ValueError(f"Cannot call `random_variable` on {type(obj)} with a plate.")
     return sow(obj, tag=RANDOM_VARIABLE, name=name, mode="strict")
 
 
@@ -353,7 +353,11 @@ def graph_replace(
         draws = _ppl.joint_sample(given)(*args, **kwargs)
         missing = [n for n in outputs if n not in draws]
         if missing:
-            raise _errors.oryx_graph_replace_missing(missing, draws)
+            raise KeyError(
+                f"graph_replace: {', '.join(missing)} are not random variables of the "
+                f"program (or are among its inputs). Its random variables are: "
+                f"{', '.join(sorted(draws)) or 'none'}."
+            )
         for name, value in draws.items():
             if name not in outputs:
                 sow(value, tag=RANDOM_VARIABLE, name=name, mode="strict")
