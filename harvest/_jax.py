@@ -21,7 +21,6 @@ import inspect
 import math
 import os
 import re
-import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 

@@ -124,10 +124,12 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrol
         # input), planted one value per example, and callables planted at sites
         # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
+
+    def retraced(plan):  # the same call, traced again under a batched lax.map's plan
+        return _trace_call(fn, dynamic, static, batched, plan).closed.jaxpr
+
     in_maps = batched_lax_map.staged_per_batch(
-        traced.closed.jaxpr,
-        static.policy.handles,
-        None if unrolled else lambda plan: _trace_call(fn, dynamic, static, batched, plan).closed.jaxpr,
+        traced.closed.jaxpr, static.policy.handles, None if unrolled else retraced
     )
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.

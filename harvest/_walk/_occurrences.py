@@ -226,7 +226,7 @@ def _groups(marks: list[Any]) -> list[_Group]:
             r += 1
             continue
         ends = r
-        while ends < len(runs) and runs[ends][0] is not None and runs[ends][0][2:] == ("remainder", True):
+        while ends < len(runs) and _after_full_batches(runs[ends][0]):
             ends += 1
         if 0 < ends - r <= len(full):  # a map's remainder, after its full batches
             for k, g in enumerate(full[len(full) - (ends - r) :]):
@@ -240,6 +240,10 @@ def _groups(marks: list[Any]) -> list[_Group]:
             r += 1
         full = []
     return groups
+
+
+def _after_full_batches(mark: Any) -> bool:
+    return mark is not None and tuple(mark[2:]) == ("remainder", True)
 
 
 def merged_elements(site: Site, entries: list[Any]) -> list[Any]:

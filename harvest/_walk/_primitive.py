@@ -148,13 +148,11 @@ def _has_pred(mode, role=None):
     return MODES[mode].has_pred or role == "record_only"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None, vmaps=None):
+def _sow_impl(*args, mode, role=None, **_):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
-def _sow_abstract_eval(
-    *avals, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None, vmaps=None
-):
+def _sow_abstract_eval(*avals, mode, role=None, **_):
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
@@ -163,9 +161,7 @@ def _sow_abstract_eval(
     )
 
 
-def _sow_lowering(
-    ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None, vmaps=None
-):
+def _sow_lowering(ctx, *args, mode, role=None, **_):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
