@@ -230,6 +230,14 @@ def lax_map_layout() -> LaxMap | None:
     return LaxMap(code.co_filename.replace(os.sep, "/"), batches, own[0], own[1])
 
 
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+def is_jax_frame(frame: Frame) -> bool:
+    """Whether `frame` runs JAX's own code."""
+    return os.path.abspath(frame.file_name).startswith(_JAX_DIR)
+
+
 def is_vmap_call(frame: Frame) -> bool:
     """Whether `frame` is a `jax.vmap`-wrapped function's call (one per vmap)."""
     return frame.file_name.replace(os.sep, "/").endswith("jax/_src/api.py") and (

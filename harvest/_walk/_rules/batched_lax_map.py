@@ -101,8 +101,10 @@ _vmaps: dict[int, tuple[Any, int]] = {}
 # one per name and cond whichever branch sows it, counts in its stead.
 _in_branch: dict[tuple[Any, ...], int] = {}
 
-# Frames from here outwards are harvest's own, calling the function it traces.
-_CALLING = os.sep + os.path.join("harvest", "_calling") + os.sep
+# harvest's own code; from a frame of its calling layer outwards, harvest calls
+# the function it traces.
+_HARVEST = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_CALLING = os.path.join(_HARVEST, "_calling") + os.sep
 
 
 def staged_per_batch(
@@ -116,7 +118,7 @@ def staged_per_batch(
     a loop inside the map."""
     found = {
         _site_key(eqn.params)
-        for eqn, frames in _sows(jaxpr)
+        for eqn, frames, _ in _sows(jaxpr)
         if (handles is None or handles(Site.of(eqn))) and _lax_map_parts(frames)
     }
     if not found or retrace is None or not SUPPORTED:
@@ -129,7 +131,7 @@ def sown_under_lax_map(jaxpr: Any) -> frozenset[int]:
     `lax.map` stages."""
     found = _UNDER.get(jaxpr)
     if found is None:
-        found = frozenset(id(eqn) for eqn, frames in _sows(jaxpr) if _lax_map_parts(frames))
+        found = frozenset(id(eqn) for eqn, frames, _ in _sows(jaxpr) if _lax_map_parts(frames))
         _UNDER[jaxpr] = found
     return found
 
@@ -142,13 +144,20 @@ def _planned(jaxpr: Any, plan: Plan) -> Plan:
     seen: dict[int, set[Any]] = {}
     unclear: list[tuple[Any, tuple[int, ...]]] = []
     first: dict[int, Any] = {}  # a sow batched by each numbered vmap call
-    for eqn, frames in _sows(jaxpr):
-        if _site_key(eqn.params) not in plan:
-            continue
+    found = [
+        (e, frames, nested) for e, frames, nested in _sows(jaxpr) if _site_key(e.params) in plan
+    ]
+    sharing: dict[int, set[int]] = {}
+    for eqn, _, _ in found:
+        sharing.setdefault(id(eqn.source_info.traceback), set()).add(id(eqn))
+    for eqn, frames, nested in found:
         numbers = eqn.params.get("vmaps") or ()
         calls = [i for i, frame in enumerate(frames) if _jax.is_vmap_call(frame)]
         parts = [_jax.lax_map_part(frames, i) for i in calls]
-        if len(calls) != len(numbers):  # a vmap call its frames do not show
+        # A body JAX traced once and ran again where it was called (a batched
+        # cond's branches) keeps the frames of its first call.
+        rerun = not nested and len(sharing[id(eqn.source_info.traceback)]) > 1
+        if rerun or len(calls) != len(numbers):  # or a vmap call its frames do not show
             if any(parts):
                 unclear.append((eqn, numbers))
             continue
@@ -175,12 +184,12 @@ def _planned(jaxpr: Any, plan: Plan) -> Plan:
     return Plan(plan, {n: part for n, part in maps.items() if part is not None})
 
 
-def _sows(jaxpr: Any, outer: tuple[_jax.Frame, ...] = ()) -> Iterator[tuple[Any, tuple]]:
+def _sows(jaxpr: Any, outer: tuple[_jax.Frame, ...] = ()) -> Iterator[tuple[Any, tuple, bool]]:
     """Each sow equation in `jaxpr` (through its bodies), with its frames and
-    those of the equations around it, innermost first."""
+    those of the equations around it, innermost first, and whether some are."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
-            yield eqn, _joined(_frames(eqn), outer)
+            yield eqn, _joined(_frames(eqn), outer), bool(outer)
             continue
         inner = [body for body in bodies(eqn) if sites_in(body.jaxpr)]
         if inner:
@@ -192,15 +201,21 @@ def _sows(jaxpr: Any, outer: tuple[_jax.Frame, ...] = ()) -> Iterator[tuple[Any,
 def _frames(eqn: Any) -> tuple[_jax.Frame, ...]:
     """The frames JAX recorded for `eqn`, up to where harvest called the traced function."""
     frames = _jax.recorded_frames(eqn.source_info)
-    end = next((i for i, f in enumerate(frames) if _CALLING in f.file_name), len(frames))
+    end = next((i for i, f in enumerate(frames) if f.file_name.startswith(_CALLING)), len(frames))
     return tuple(frames[:end])
 
 
 def _joined(inner: tuple, outer: tuple) -> tuple:
-    """The frames of an equation in a body, then those of the equation holding the
-    body (unless JAX recorded the body's through the holder's: they end alike)."""
-    if inner and outer and inner[-1] == outer[-1]:
-        return inner
+    """The frames of an equation in a body, then those of the equation holding
+    the body. Where JAX recorded the body's frames through a call site (some
+    releases record past a jit's entry), that call site's frames come from the
+    holder: a body traced once and reused elsewhere (a cond's branch, a jit)
+    keeps those of where it was first traced."""
+    site = next(
+        (f for f in outer if not _jax.is_jax_frame(f) and _HARVEST not in f.file_name), None
+    )
+    if site is not None and site in inner:
+        return inner[: inner.index(site)] + outer[outer.index(site) :]
     return inner + outer
 
 
