@@ -245,7 +245,9 @@ def _batch_cond(
 
 def _record(occ: Occurrence, axis_data: Any) -> None:
     """Sows `occ`, selected per example (the batch axis in front), record-only."""
-    params, part = batched_lax_map.at_level(occ.params, axis_data)
+    # Sown out here, not in the branch: the vmaps in the branch are not counted.
+    counted = {k: v for k, v in occ.params.items() if k != "vmaps"}
+    params, part = batched_lax_map.at_level(counted, axis_data)
     if part is not None:
         # Inside lax.map(f, xs, batch_size=b): one record per element, as
         # lax.map(f, xs) sows them (the branch's own sows were sown so to take plants).

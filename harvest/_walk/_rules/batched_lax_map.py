@@ -142,8 +142,6 @@ _UNDER: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictiona
 def _planned(jaxpr: Any, plan: Plan) -> Plan:
     """`plan` with its `maps`, from `jaxpr`, traced with the vmap calls numbered."""
     seen: dict[int, set[Any]] = {}
-    unclear: list[tuple[Any, tuple[int, ...]]] = []
-    first: dict[int, Any] = {}  # a sow batched by each numbered vmap call
     found = [
         (e, frames, nested) for e, frames, nested in _sows(jaxpr) if _site_key(e.params) in plan
     ]
@@ -153,32 +151,29 @@ def _planned(jaxpr: Any, plan: Plan) -> Plan:
     for eqn, frames, nested in found:
         numbers = eqn.params.get("vmaps") or ()
         calls = [i for i, frame in enumerate(frames) if _jax.is_vmap_call(frame)]
-        parts = [_jax.lax_map_part(frames, i) for i in calls]
         # A body JAX traced once and ran again where it was called (a batched
         # cond's branches) keeps the frames of its first call.
-        rerun = not nested and len(sharing[id(eqn.source_info.traceback)]) > 1
-        if rerun or len(calls) != len(numbers):  # or a vmap call its frames do not show
-            if any(parts):
-                unclear.append((eqn, numbers))
+        if (not nested and len(sharing[id(eqn.source_info.traceback)]) > 1) or len(calls) > len(
+            numbers
+        ):
             continue
-        for number, i, part in zip(numbers, calls, parts):
+        # JAX leaves out outer frames only: the innermost calls are the first vmaps.
+        for number, i in zip(numbers, calls):
+            part = _jax.lax_map_part(frames, i)
             seen.setdefault(number, set()).add(part)
-            first.setdefault(number, eqn)
             if part is not None and _jax.traces_a_loop(frames[:i]):
                 # A loop in `f` runs each step for the whole batch: sown once per element
                 # there, the occurrences would come step by step, not element by element.
                 tag, path = _site_key(eqn.params)
                 raise _errors.sown_in_loop_in_batched_lax_map(tag, path[:-1], path[-1])
-    conflicting = [(first[n], (n,)) for n, parts in seen.items() if len(parts) > 1]
-    for eqn, numbers in unclear + conflicting:
-        if not all(len(seen.get(n, ())) == 1 for n in numbers):
+    for eqn, _, _ in found:
+        if any(len(seen.get(n, ())) != 1 for n in eqn.params.get("vmaps") or ()):
             site = Site.of(eqn)
             raise ValueError(
                 f"The sow site tag={site.tag!r}, name={'.'.join(site.path)!r} is sown under "
-                "lax.map(f, xs, batch_size=b), inside a vmap that JAX recorded no call of "
-                "(such as a vmap inside a cond's branch whose predicate the map batches), so "
-                "harvest cannot tell which of its vmaps is the map's. Use lax.map without "
-                "batch_size while you harvest it, or move that vmap outside the branch."
+                "lax.map(f, xs, batch_size=b), inside a vmap whose call JAX recorded nowhere "
+                "harvest can read it, so harvest cannot tell whether that vmap is the map's. "
+                "Use lax.map without batch_size while you harvest it."
             )
     maps = {n: next(iter(parts)) for n, parts in seen.items() if len(parts) == 1}
     return Plan(plan, {n: part for n, part in maps.items() if part is not None})
