@@ -196,7 +196,8 @@ def _sows(jaxpr: Any, outer: tuple[_jax.Frame, ...] = ()) -> Iterator[tuple[Any,
 def _frames(eqn: Any) -> tuple[_jax.Frame, ...]:
     """The frames JAX recorded for `eqn`, up to where harvest called the traced function."""
     frames = _jax.recorded_frames(eqn.source_info)
-    end = next((i for i, f in enumerate(frames) if f.file_name.startswith(_CALLING)), len(frames))
+    calling = (i for i, f in enumerate(frames) if os.path.abspath(f.file_name).startswith(_CALLING))
+    end = next(calling, len(frames))
     return tuple(frames[:end])
 
 
@@ -206,12 +207,16 @@ def _joined(inner: tuple, outer: tuple) -> tuple:
     releases record past a jit's entry), that call site's frames come from the
     holder: a body traced once and reused elsewhere (a cond's branch, a jit)
     keeps those of where it was first traced."""
-    site = next(
-        (f for f in outer if not _jax.is_jax_frame(f) and _HARVEST not in f.file_name), None
-    )
+    site = next((f for f in outer if _is_users(f)), None)
     if site is not None and site in inner:
         return inner[: inner.index(site)] + outer[outer.index(site) :]
     return inner + outer
+
+
+def _is_users(frame: _jax.Frame) -> bool:
+    return not _jax.is_jax_frame(frame) and not os.path.abspath(frame.file_name).startswith(
+        _HARVEST
+    )
 
 
 def _lax_map_parts(frames: tuple) -> list[tuple[str, bool | None]]:
