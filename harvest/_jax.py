@@ -202,6 +202,17 @@ class LaxMap(NamedTuple):
     batches: frozenset[int]
     alone: int
     after: int
+    codes: tuple[Any, ...]  # of `lax.map` and of its scan's body
+
+
+def recorded_in_lax_map(source_info: Any) -> bool:
+    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (in its
+    own frame or in the body of its scan over full batches)."""
+    layout = lax_map_layout()
+    traceback = getattr(source_info, "traceback", None)
+    if traceback is None or layout is None:
+        return False
+    return any(code in layout.codes for code in traceback.raw_frames()[0])
 
 
 def _vmap_lines(code: Any) -> list[int]:
@@ -227,7 +238,7 @@ def lax_map_layout() -> LaxMap | None:
     if len(bodies) != 1 or len(own) != 2:
         return None
     batches = frozenset(_vmap_lines(bodies[0]))
-    return LaxMap(code.co_filename.replace(os.sep, "/"), batches, own[0], own[1])
+    return LaxMap(code.co_filename.replace(os.sep, "/"), batches, own[0], own[1], (code, bodies[0]))
 
 
 _JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep

@@ -116,27 +116,44 @@ def staged_per_batch(
     function again under ``per_element(plan)`` and returns its jaxpr, also the
     plan for that (see the module docstring); it raises where a site is sown in
     a loop inside the map."""
-    found = {
+    found = Plan(
         _site_key(eqn.params)
-        for eqn, frames, _ in _sows(jaxpr)
-        if (handles is None or handles(Site.of(eqn))) and _lax_map_parts(frames)
-    }
+        for eqn in _sown_under_lax_map(jaxpr)
+        if handles is None or handles(Site.of(eqn))
+    )
     if not found or retrace is None or not SUPPORTED:
-        return Plan(found)
-    return _planned(retrace(Plan(found)), Plan(found))
+        return found
+    return _planned(retrace(found), found)
 
 
 def sown_under_lax_map(jaxpr: Any) -> frozenset[int]:
     """The ids of the sow equations in `jaxpr` (through its bodies) that a batched
     `lax.map` stages."""
+    return frozenset(id(eqn) for eqn in _sown_under_lax_map(jaxpr))
+
+
+def _sown_under_lax_map(jaxpr: Any) -> list[Any]:
     found = _UNDER.get(jaxpr)
     if found is None:
-        found = frozenset(id(eqn) for eqn, frames, _ in _sows(jaxpr) if _lax_map_parts(frames))
+        # JAX records `lax.map`'s frames on some equation around each sow it stages:
+        # where none shows them, no frames need reading.
+        maybe = any(_jax.recorded_in_lax_map(e.source_info) for e in _staging(jaxpr))
+        found = [eqn for eqn, frames, _ in _sows(jaxpr) if _lax_map_parts(frames)] if maybe else []
         _UNDER[jaxpr] = found
     return found
 
 
-_UNDER: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+def _staging(jaxpr: Any) -> Iterator[Any]:
+    """The sow equations of `jaxpr` (through its bodies) and those holding them."""
+    for eqn in jaxpr.eqns:
+        inner = [] if eqn.primitive is sow_p else [b for b in bodies(eqn) if sites_in(b.jaxpr)]
+        if eqn.primitive is sow_p or inner:
+            yield eqn
+        for body in inner:
+            yield from _staging(body.jaxpr)
+
+
+_UNDER: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
 def _planned(jaxpr: Any, plan: Plan) -> Plan:
