@@ -26,15 +26,20 @@ records for each equation (`eqn.source_info`), read after tracing, never the
 running stack. JAX records frames back to the nearest call from C++ only, so a
 body (a jit's, a cond's, a scan's) shows its own frames and the equation that
 holds it shows where it was called: a sow's frames are its own followed by
-those of each equation around it. Where those frames show a `jax.vmap` called
-by `lax.map` (at the lines of `lax.map` that call it, read once from its code,
-`_jax.lax_map_layout`), the sow is under a batched map. Three traces:
+those of each equation around it (where a release records a body's frames
+past its entry, those from its call site on are the holder's: a body traced
+once and reused keeps the frames of its first call). Where they show a
+`jax.vmap` called by `lax.map` (at the lines of `lax.map` that call it, read
+once from its code, `_jax.lax_map_layout`), the sow is under a batched map.
+Three traces:
 
 1. the walk's own: which sites some batched map holds (`staged_per_batch`);
 2. those sites' sows count the `jax.vmap` calls that batch them, innermost
-   first (the `vmaps` param, a number per vmap call): where a sow's frames show
-   as many vmap calls as it counts, each number is matched to its call, which
-   says whether it is a map's and which part (`_planned`);
+   first (the `vmaps` param, a number per vmap call), and each number is
+   matched to the call the sow's frames show in its place (`_planned`: JAX
+   leaves out outer frames only; a branch JAX re-runs inline, whose frames
+   are those of its first run, is not read), which says whether that vmap is
+   a map's and which part; a sow with a vmap matched nowhere is refused;
 3. with that plan (`Plan`), the batching rule unrolls a sow batched by a
    map's vmap, whatever body it sits in, knowing the vmap by its number.
 
