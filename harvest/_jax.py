@@ -210,9 +210,9 @@ def recorded_in_lax_map(source_info: Any) -> bool:
     own frame or in the body of its scan over full batches)."""
     layout = lax_map_layout()
     traceback = getattr(source_info, "traceback", None)
-    if traceback is None or layout is None:
+    if traceback is None:
         return False
-    return any(code in layout.codes for code in traceback.raw_frames()[0])
+    return layout is None or any(code in layout.codes for code in traceback.raw_frames()[0])
 
 
 def _vmap_lines(code: Any) -> list[int]:
@@ -261,13 +261,18 @@ def lax_map_part(frames: Sequence[Frame], i: int) -> tuple[str, bool | None] | N
     runs it over a full batch in its scan, ``("remainder", both)`` where over
     the remainder (`both`: after full batches), None where no batched
     `lax.map` calls it (or its caller was not recorded: `lax.map` calls it
-    from Python, whose frames JAX records)."""
+    from Python, whose frames JAX records). Where this JAX's `lax.map` is not
+    the one harvest knows, ``("unknown", None)`` for any call from it, so that
+    its sows are refused rather than taken per batch."""
     layout = lax_map_layout()
     for caller in frames[i + 1 :]:
         path = caller.file_name.replace(os.sep, "/")
         if path.endswith("jax/_src/traceback_util.py"):  # JAX's API wrapper
             continue
-        if layout is None or path != layout.file_name:
+        if layout is None:
+            in_map = path.endswith("jax/_src/lax/control_flow/loops.py")
+            return ("unknown", None) if in_map and caller.function_name.startswith("map") else None
+        if path != layout.file_name:
             return None
         if caller.line in layout.batches:
             return ("batches", None)

@@ -144,3 +144,21 @@ def test_no_harvest_code_reads_interpreter_frames():
         if word in path.read_text()
     ]
     assert found == []
+
+
+def test_a_lax_map_harvest_does_not_know_is_refused_not_taken_per_batch(monkeypatch):
+    # Should a JAX release change how lax.map calls vmap, harvest says so rather
+    # than reap batch-shaped values: it reads the layout from lax.map's code.
+    from harvest import _jax, plant
+    from harvest._walk._rules import batched_lax_map
+
+    assert _jax.lax_map_layout() is not None  # this JAX's is known
+    monkeypatch.setattr(_jax, "lax_map_layout", lambda: None)
+    monkeypatch.setattr(batched_lax_map, "SUPPORTED", False)
+    g = lambda x: jnp.sin(sow(x * 2.0, name="h", mode="append")) + x  # noqa: E731
+    f = lambda xs: lax.map(g, xs, batch_size=2)  # noqa: E731
+    xs = jnp.arange(5.0)
+    with pytest.raises(ValueError, match=r"name='h'.*runs inside lax.map\(f, xs, batch_size=b\)"):
+        reap(f)(xs)
+    _close(plant(f)({"h": jnp.float32(7.0)}, xs), jnp.sin(7.0) + xs)  # one value: the same for each
+    _close(reap(jax.vmap(g))(xs), {"h": (xs * 2.0)[None]})  # a vmap of yours: one row, not refused
