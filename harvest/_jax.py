@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import dis
+import functools
+import inspect
 import math
 import os
 import re
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 from jax import lax
@@ -34,6 +38,7 @@ from jax._src import (
 )
 from jax._src.interpreters import ad as _ad_internal, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
+from jax._src.lax.control_flow import loops as _loops
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
 from jax.experimental import jet as _jet
 from jax.extend import core as _core, source_info_util
@@ -166,124 +171,123 @@ def user_location(source_info: Any) -> str | None:
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
-def _frame_is(frame: Any, module: str, names: tuple[str, ...]) -> bool:
-    path = frame.file_name.replace(os.sep, "/")
-    name = frame.function_name
-    return path.endswith(module) and any(name == n or name.startswith(n + ".") for n in names)
+class Frame(NamedTuple):
+    """One frame of the traceback JAX records for an equation: the file, the
+    function's (qualified) name, and the line it was running."""
 
-
-def staged_by_batched_lax_map(source_info: Any) -> bool:
-    """Whether an equation was staged by the vmap that `lax.map(f, xs, batch_size=b)`
-    runs `f` under (a scan over batches of `b`, then the remainder, each vmapped).
-
-    Read from the equation's name stack alone, where harvest's batching rule for
-    `sow` put its mark (`marking_batched_lax_map`) while it ran under such a vmap:
-    not from the traceback JAX keeps, which lacks `lax.map` for a sow nested in a
-    body `f` traces (a jit's, a scan's), and which a vmap of `f` stages alike."""
-    # A part of the name stack, maybe wrapped in the transformations staged after
-    # it (a batched cond's branch shows ``vmap(harvest_batched_lax_map)``).
-    name_stack = str(getattr(source_info, "name_stack", ""))
-    return re.search(rf"(^|[/(]){_BATCHED_LAX_MAP}($|[/)])", name_stack) is not None
-
-
-def running_under_batched_lax_map(axis_data: Any = None) -> str | None:
-    """As `staged_by_batched_lax_map`, from the live Python stack: whether what runs
-    now runs under the vmap of a batched `lax.map`, however deep inside `f`:
-    ``"loop"`` where a loop in `f` batches it (its steps run for the whole batch
-    at once), else ``"batches"`` under the vmap of its scan over full batches or
-    ``"remainder"`` under that of the shorter remainder; None if not under one.
-    With ``axis_data``, that of the vmap whose batching rule runs now: where its
-    `jax.vmap` call is on the stack, only that vmap is asked about (a vmap the
-    user put around the map runs under the map's frames too, in its remainder)."""
-    live = _live_frames(sys._getframe(1))
-    frames = [f for f, _ in live]
-    own = None if axis_data is None else _vmap_of(live, axis_data)
-    if own is None:
-        part = _under_batched_lax_map(frames)
-        if part is None:
-            return None
-        own = next(i for i, f in enumerate(frames) if _frame_is(f, *_VMAP))
-    else:
-        part = _under_batched_lax_map(frames[own:], first=True)
-        if part is None:
-            return None
-    loops = ("_scan_batching_rule", "_while_loop_batching_rule")
-    in_loop = any(_frame_is(f, "jax/_src/lax/control_flow/loops.py", loops) for f in frames[:own])
-    return "loop" if in_loop else part
-
-
-def batched_lax_map_has_both_parts(axis_data: Any = None) -> bool:
-    """Whether the batched `lax.map` running now (the innermost, or the one whose
-    vmap batches with ``axis_data``) runs both a scan over full batches and a
-    remainder: from the arguments of its public signature ``lax.map(f, xs, *,
-    batch_size)`` (the length of `xs`'s leaves and `batch_size`, as JAX splits
-    them), never from `lax.map`'s internal locals.
-
-    This needs a value of the running call: its vmap of the full batches traces
-    before the remainder exists, and marks saying which map they come from would
-    not survive JAX reusing a batched body across maps."""
-    live = _live_frames(sys._getframe(1))
-    own = None if axis_data is None else _vmap_of(live, axis_data)
-    for here, frame in live[own or 0 :]:
-        if _frame_is(here, "jax/_src/lax/control_flow/loops.py", ("map",)):
-            arguments = frame.f_locals
-            batch_size = arguments.get("batch_size")
-            if frame.f_code.co_name == "map" and batch_size is not None:
-                leaves = jax.tree_util.tree_leaves(arguments.get("xs"))
-                n = int(leaves[0].shape[0]) if leaves else 0
-                return 0 < batch_size <= n and n % batch_size != 0
-    return False
-
-
-def _live_frames(frame: Any) -> list[tuple[_Frame, Any]]:
-    """The stack from `frame` outwards: each frame's name, and the frame."""
-    out = []
-    while frame is not None:
-        code = frame.f_code
-        out.append((_Frame(code.co_filename, getattr(code, "co_qualname", code.co_name)), frame))
-        frame = frame.f_back
-    return out
-
-
-def _vmap_of(live: list[tuple[_Frame, Any]], axis_data: Any) -> int | None:
-    """The position in `live` of the `jax.vmap` call that batches with `axis_data`, if any."""
-    for i, (here, frame) in enumerate(live):
-        if _frame_is(here, *_VMAP) and frame.f_locals.get("axis_data") is axis_data:
-            return i
-    return None
-
-
-def marking_batched_lax_map() -> Any:
-    """A context in which staged equations are marked as staged by a batched `lax.map`."""
-    return source_info_util.extend_name_stack(_BATCHED_LAX_MAP)
-
-
-_BATCHED_LAX_MAP = "harvest_batched_lax_map"
-_VMAP = ("jax/_src/api.py", ("vmap_f", "vmap.<locals>.vmap_f"))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Frame:
     file_name: str
     function_name: str
+    line: int
 
 
-def _under_batched_lax_map(frames: list[Any], first: bool = False) -> str | None:
-    """``"batches"`` or ``"remainder"`` (see `running_under_batched_lax_map`) where
-    `frames` (innermost first) run under a batched `lax.map`'s vmap, else None:
-    `lax.map` vmaps `f` from the lambda its scan runs, and the remainder itself.
-    With `first`, only the first vmap call in `frames` is asked about."""
-    for i, frame in enumerate(frames):
-        if not _frame_is(frame, *_VMAP):
+def recorded_frames(source_info: Any) -> list[Frame]:
+    """The traceback JAX recorded for an equation (`eqn.source_info`), innermost
+    frame first; empty where JAX kept none. JAX records only the Python frames
+    back to the nearest call from C++ (a jit's or a cached trace's entry), so a
+    body's equations show the body's own frames, and the equation that holds
+    the body shows where it was called."""
+    traceback = getattr(source_info, "traceback", None)
+    if traceback is None:
+        return []
+    return [Frame(f.file_name, f.function_name, f.line_num) for f in traceback.frames]
+
+
+class LaxMap(NamedTuple):
+    """Where JAX's `lax.map(f, xs, batch_size=b)` calls `jax.vmap(f)`: in the
+    scan over full batches (`batches`, lines of its body), for the remainder
+    alone (`alone`), and for the remainder after full batches (`after`)."""
+
+    file_name: str
+    batches: frozenset[int]
+    alone: int
+    after: int
+    codes: tuple[Any, ...]  # of `lax.map` and of its scan's body
+
+
+def recorded_in_lax_map(source_info: Any) -> bool:
+    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (in its
+    own frame or in the body of its scan over full batches)."""
+    layout = lax_map_layout()
+    traceback = getattr(source_info, "traceback", None)
+    if traceback is None:
+        return False
+    return layout is None or any(code in layout.codes for code in traceback.raw_frames()[0])
+
+
+def _vmap_lines(code: Any) -> list[int]:
+    """The lines of `code` (not of the functions it defines) that name `vmap`."""
+    lines, line = [], code.co_firstlineno
+    for instruction in dis.get_instructions(code):
+        positions = getattr(instruction, "positions", None)
+        start = getattr(positions, "lineno", None) or instruction.starts_line
+        line = start if isinstance(start, int) and not isinstance(start, bool) else line
+        if instruction.argval == "vmap":
+            lines.append(line)
+    return lines
+
+
+@functools.cache
+def lax_map_layout() -> LaxMap | None:
+    """How this JAX's `lax.map` calls `vmap` (read from its code, once), or None
+    where it is not the scan-then-remainder this module knows: harvest then
+    refuses a sow under a batched lax.map rather than guess."""
+    code = inspect.unwrap(_loops.map).__code__
+    bodies = [c for c in code.co_consts if inspect.iscode(c) and "vmap" in c.co_names]
+    own = sorted(_vmap_lines(code))
+    if len(bodies) != 1 or len(own) != 2:
+        return None
+    batches = frozenset(_vmap_lines(bodies[0]))
+    return LaxMap(code.co_filename.replace(os.sep, "/"), batches, own[0], own[1], (code, bodies[0]))
+
+
+_JAX_DIR = os.path.dirname(os.path.abspath(jax.__file__)) + os.sep
+
+
+def is_jax_frame(frame: Frame) -> bool:
+    """Whether `frame` runs JAX's own code."""
+    return os.path.abspath(frame.file_name).startswith(_JAX_DIR)
+
+
+def is_vmap_call(frame: Frame) -> bool:
+    """Whether `frame` is a `jax.vmap`-wrapped function's call (one per vmap)."""
+    return frame.file_name.replace(os.sep, "/").endswith("jax/_src/api.py") and (
+        frame.function_name in ("vmap_f", "vmap.<locals>.vmap_f")
+    )
+
+
+def lax_map_part(frames: Sequence[Frame], i: int) -> tuple[str, bool | None] | None:
+    """For the vmap call at `frames[i]`: ``("batches", None)`` where `lax.map`
+    runs it over a full batch in its scan, ``("remainder", both)`` where over
+    the remainder (`both`: after full batches), None where no batched
+    `lax.map` calls it (or its caller was not recorded: `lax.map` calls it
+    from Python, whose frames JAX records). Where this JAX's `lax.map` is not
+    the one harvest knows, ``("unknown", None)`` for any call from it, so that
+    its sows are refused rather than taken per batch."""
+    layout = lax_map_layout()
+    for caller in frames[i + 1 :]:
+        path = caller.file_name.replace(os.sep, "/")
+        if path.endswith("jax/_src/traceback_util.py"):  # JAX's API wrapper
             continue
-        for outer in frames[i + 1 :]:
-            if _frame_is(outer, "jax/_src/lax/control_flow/loops.py", ("map", "<lambda>")):
-                return "batches" if outer.function_name.endswith("<lambda>") else "remainder"
-            if "/jax/_src/" not in outer.file_name.replace(os.sep, "/"):
-                break
-        if first:
+        if layout is None:
+            in_map = path.endswith("jax/_src/lax/control_flow/loops.py")
+            return ("unknown", None) if in_map and caller.function_name.startswith("map") else None
+        if path != layout.file_name:
             return None
+        if caller.line in layout.batches:
+            return ("batches", None)
+        if caller.line in (layout.alone, layout.after):
+            return ("remainder", caller.line == layout.after)
+        return None
     return None
+
+
+def traces_a_loop(frames: Sequence[Frame]) -> bool:
+    """Whether `frames` pass through a `lax.scan` or `lax.while_loop` tracing its body."""
+    return any(
+        f.file_name.replace(os.sep, "/").endswith("jax/_src/lax/control_flow/loops.py")
+        and f.function_name in ("scan", "while_loop")
+        for f in frames
+    )
 
 
 def current_source_info() -> Any:

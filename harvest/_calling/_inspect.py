@@ -283,11 +283,15 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
     found, blocks = Sites(), []
-    jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
-    unrolled = batched_lax_map.staged_per_batch(jaxpr) if batched_lax_map.SUPPORTED else None
-    if unrolled:  # listed once per element, as reap returns them
-        with per_element(unrolled):
-            jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr
+
+    def traced(plan: Any = None) -> Any:
+        with per_element(plan):
+            return make_jaxpr(f, args, kwargs)[0].jaxpr
+
+    jaxpr = traced()
+    unrolled = batched_lax_map.staged_per_batch(jaxpr, None, traced)
+    if unrolled and batched_lax_map.SUPPORTED:  # listed once per element, as reap returns them
+        jaxpr = traced(unrolled)
     for item in sow_index(jaxpr).listing:
         site = Site.of(item.eqn)
         if tag is None or site.tag == tag:

@@ -124,7 +124,13 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrol
         # input), planted one value per example, and callables planted at sites
         # whose leaves vmap batched apart: traced again with them batched.
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
-    in_maps = batched_lax_map.staged_per_batch(traced.closed.jaxpr, static.policy.handles)
+
+    def retraced(plan):  # the same call, traced again under a batched lax.map's plan
+        return _trace_call(fn, dynamic, static, batched, plan).closed.jaxpr
+
+    in_maps = batched_lax_map.staged_per_batch(
+        traced.closed.jaxpr, static.policy.handles, None if unrolled else retraced
+    )
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
@@ -412,13 +418,10 @@ def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
     trace values) fires once per batch with a `[b, ...]` value, so what would be
     reaped, or which plant row goes where, depends on `b`. Only a plant that
     means the same for every element (one value, broadcast to each) is allowed."""
+    under = batched_lax_map.sown_under_lax_map(jaxpr)
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
-        if (
-            not policy.handles(site)
-            or (site.tag, site.path) in unrolled
-            or not _jax.staged_by_batched_lax_map(eqn.source_info)
-        ):
+        if not policy.handles(site) or (site.tag, site.path) in unrolled or id(eqn) not in under:
             continue
         plant = plants.get(policy.key(site))
         if plant is None and reaping:

@@ -189,14 +189,15 @@ class Element(NamedTuple):
     """A collect occurrence sown for one element of a batched `lax.map` (the sow's
     `element` param): `value` for element `j` of a batch of `size`, in the map's
     scan over full batches (`part` "batches": stacked over them by that scan) or
-    its remainder; `both`: whether that map runs both. A pytree: loops stack its
-    value, keeping which element."""
+    its remainder; `both`: for a remainder, whether that map ran full batches
+    first (None for full batches). A pytree: loops stack its value, keeping
+    which element."""
 
     value: Any
     j: int
     size: int
     part: str
-    both: bool
+    both: bool | None
 
 
 jax.tree_util.register_pytree_node(
@@ -220,34 +221,45 @@ def _groups(marks: list[Any]) -> list[_Group]:
     """The entries of a collect name grouped as `lax.map(f, xs)` gives them, from
     each entry's mark: its `Element` params `(j, size, part, both)`, or None.
 
-    Each sow in `f` gives a run of `size` elements per part, in element order; a
-    map's remainder runs follow its full batches' in the same sow order. A run of
-    full batches after another of another size, or of a map that `both` tells
-    apart, starts a new map."""
-    groups: list[_Group] = []
-    open_: list[int] = []  # the groups of the current map's full batches, in sow order
-    taken = 0  # how many of them a remainder run has completed
-    i, last, shape = 0, None, None
+    Each sow in `f` gives a run of `size` elements per part, in element order. A
+    map's remainder runs (`both`: it ran full batches first) follow its runs of
+    full batches at once, one per sow, in the same order: they complete the last
+    runs of full batches before them (those of maps just before are further back)."""
+    runs: list[tuple[Any, tuple[int, ...]]] = []
+    i = 0
     while i < len(marks):
-        if marks[i] is None:
-            groups.append(_Group(alone=i))
-            i, last = i + 1, None
-            continue
-        _, size, part, both = marks[i]
-        run = tuple(range(i, i + size))
+        size = 1 if marks[i] is None else marks[i][1]
+        runs.append((marks[i], tuple(range(i, i + size))))
         i += size
-        if part == "batches":
-            if last != "batches" or shape != (size, both):  # a new map
-                open_, taken, shape = [], 0, (size, both)
-            open_.append(len(groups))
+    groups: list[_Group] = []
+    full: list[int] = []  # the groups of the runs of full batches just before, in sow order
+    r = 0
+    while r < len(runs):
+        mark, run = runs[r]
+        if mark is not None and mark[2] == "batches":
+            full.append(len(groups))
             groups.append(_Group(batches=run))
-        elif both and last is not None and taken < len(open_):
-            groups[open_[taken]] = groups[open_[taken]]._replace(remainder=run)
-            taken += 1
+            r += 1
+            continue
+        ends = r
+        while ends < len(runs) and _after_full_batches(runs[ends][0]):
+            ends += 1
+        if 0 < ends - r <= len(full):  # a map's remainder, after its full batches
+            for k, g in enumerate(full[len(full) - (ends - r) :]):
+                groups[g] = groups[g]._replace(remainder=runs[r + k][1])
+            r = ends
+        elif mark is None:
+            groups.append(_Group(alone=run[0]))
+            r += 1
         else:  # a map with fewer elements than one batch: its remainder alone
             groups.append(_Group(remainder=run))
-        last = part
+            r += 1
+        full = []
     return groups
+
+
+def _after_full_batches(mark: Any) -> bool:
+    return mark is not None and tuple(mark[2:]) == ("remainder", True)
 
 
 def merged_elements(site: Site, entries: list[Any]) -> list[Any]:

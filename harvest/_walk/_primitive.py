@@ -45,9 +45,13 @@ from ._modes import MODES
 # `element` (absent: none) is `(j, size, part, both)` on a collect sow sown
 # once per element of a batched `lax.map` (see `_rules/batched_lax_map.py`):
 # element `j` of a batch of `size`, in its scan of full batches or its
-# remainder (`part`), and whether that map runs both parts (`both`); and
+# remainder (`part`), and for a remainder whether that map ran full batches
+# first (`both`; None for full batches); and
 # `(j, vmap)` on an `append` sow unrolled there: element `j` of the `jax.vmap`
 # call numbered `vmap`, counted to refuse a name sown twice per element.
+# `vmaps` (absent: not counted) numbers, innermost first, the `jax.vmap` calls
+# that batched the sow while harvest looked for a batched `lax.map`'s (see
+# `_rules/batched_lax_map.py`).
 
 
 class SowEffect(_jax.Effect):
@@ -144,13 +148,11 @@ def _has_pred(mode, role=None):
     return MODES[mode].has_pred or role == "record_only"
 
 
-def _sow_impl(*args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None):
+def _sow_impl(*args, mode, role=None, **_):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
-def _sow_abstract_eval(
-    *avals, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None
-):
+def _sow_abstract_eval(*avals, mode, role=None, **_):
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
@@ -159,9 +161,7 @@ def _sow_abstract_eval(
     )
 
 
-def _sow_lowering(
-    ctx, *args, tag, name, scope, mode, tree, vmapped=(), role=None, axes=None, element=None
-):
+def _sow_lowering(ctx, *args, mode, role=None, **_):
     return list(args[:-1] if _has_pred(mode, role) else args)
 
 
@@ -198,6 +198,7 @@ def _sow_batch(
     role=None,
     axes=None,
     element=None,
+    vmaps=None,
 ):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
@@ -217,6 +218,8 @@ def _sow_batch(
         # A sow a batched `lax.map` unrolled, batched again by a vmap around the
         # map: still that element's (the vmap's axis leads, as around any loop).
         extra["element"] = element
+    if vmaps is not None:
+        extra["vmaps"] = vmaps
     if axes is not None:  # the batch axis in front has no name
         extra["axes"] = tuple(
             names if d is None else (None, *names) for names, d in zip(axes, dims)

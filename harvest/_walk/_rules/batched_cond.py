@@ -242,26 +242,29 @@ def _batch_cond(
     branch_p.bind(group=group, branch=LAST, stuck=tuple(sorted(stuck, key=str)))
     extra = [_jax.bdim_at_front(x, d, axis_data) for x, d in zip(outs[n:], out_dims[n:])]
     for occ in unpack(slots, extra):
-        _record(occ, axis_data.size)
+        _record(occ, axis_data)
     return outs[:n], out_dims[:n]
 
 
-def _record(occ: Occurrence, size: int) -> None:
+def _record(occ: Occurrence, axis_data: Any) -> None:
     """Sows `occ`, selected per example (the batch axis in front), record-only."""
-    if batched_lax_map.unrolled_here(occ.params):
+    # Sown out here, not in the branch: the vmaps in the branch are not counted.
+    counted = {k: v for k, v in occ.params.items() if k != "vmaps"}
+    params, part = batched_lax_map.at_level(counted, axis_data)
+    if part is not None:
         # Inside lax.map(f, xs, batch_size=b): one record per element, as
         # lax.map(f, xs) sows them (the branch's own sows were sown so to take plants).
+        size = axis_data.size
         for j in range(size):
             leaves = [leaf[j] for leaf in occ.leaves]
-            params = batched_lax_map.element_params(occ.params, j, size)
-            sow_p.bind(*leaves, occ.present[j], **dict(params, role="record_only"))
+            params_j = batched_lax_map.element_params(params, j, size, part)
+            sow_p.bind(*leaves, occ.present[j], **dict(params_j, role="record_only"))
         return
     k = len(occ.leaves)
-    vmapped = tuple(v + 1 for v in occ.params.get("vmapped") or (0,) * k)
+    vmapped = tuple(v + 1 for v in params.get("vmapped") or (0,) * k)
     # The batch axis goes after a scan's, as reap(vmap(f)) stacks a scan's batched values.
     leaves = [jnp.moveaxis(leaf, 0, occ.loops) for leaf in occ.leaves]
-    with batched_lax_map.marking_batched():
-        sow_p.bind(*leaves, occ.present, **dict(occ.params, vmapped=vmapped, role="record_only"))
+    sow_p.bind(*leaves, occ.present, **dict(params, vmapped=vmapped, role="record_only"))
 
 
 _jax.wrap_batching(_jax.cond_p, _batch_cond)

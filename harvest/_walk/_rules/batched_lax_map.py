@@ -18,103 +18,275 @@ runs each step for the whole batch, so its occurrences would come step by
 step, not element by element. So is a name of a rows mode sown more than once
 per element: its rows would come sow by sow within a batch. Its unrolled sows
 carry which vmap of `f` unrolled them, for the walk to count them.
+
+How the map is found. Its program is one a user could write (for fewer
+elements than `b`, exactly `jax.vmap(f)(xs)`), and `lax.map` passes `vmap` no
+axis name, so only the code that staged it tells it apart: the traceback JAX
+records for each equation (`eqn.source_info`), read after tracing, never the
+running stack. JAX records frames back to the nearest call from C++ only, so a
+body (a jit's, a cond's, a scan's) shows its own frames and the equation that
+holds it shows where it was called: a sow's frames are its own followed by
+those of each equation around it (where a release records a body's frames
+past its entry, those from its call site on are the holder's: a body traced
+once and reused keeps the frames of its first call). Where they show a
+`jax.vmap` called by `lax.map` (at the lines of `lax.map` that call it, read
+once from its code, `_jax.lax_map_layout`), the sow is under a batched map.
+Three traces:
+
+1. the walk's own: which sites some batched map holds (`staged_per_batch`);
+2. those sites' sows count the `jax.vmap` calls that batch them, innermost
+   first (the `vmaps` param, a number per vmap call), and each number is
+   matched to the call the sow's frames show in its place (`_planned`: JAX
+   leaves out outer frames only; a branch JAX re-runs inline, whose frames
+   are those of its first run, is not read), which says whether that vmap is
+   a map's and which part; a sow with a vmap matched nowhere is refused;
+3. with that plan (`Plan`), the batching rule unrolls a sow batched by a
+   map's vmap, whatever body it sits in, knowing the vmap by its number.
+
+Traces 2 and 3 number the vmap calls alike as each runs with a trace value of
+its own, so JAX reuses no trace across them, and both run the same code.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any
+import os
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 
 from ... import _jax
+from .._higher_order import bodies
 from .._modes import MODES
-from .._primitive import sow_p, tracing_a_harvest
+from .._primitive import sow_p
 from .._site import Site
-from .._sow_index import sow_index
+from .._sow_index import sites_in
 
-# The (tag, path) of the sites unrolled per element where a batched lax.map stages
-# them. Part of jit's cache key, so no trace is reused across.
+# The plan of a trace that sows per element (see `per_element`), and a number
+# of its own. Part of jit's cache key, so no trace is reused across.
 _per_element = _jax.trace_value(
     "harvest_lax_map_per_element", "Sites harvest sows once per element of a batched lax.map."
 )
 
 # Whether this JAX lets harvest unroll them (else a walk refuses such sows, see `_transforms`).
-SUPPORTED = _per_element is not None
+SUPPORTED = _per_element is not None and _jax.lax_map_layout() is not None
 
 
-# Which vmap of `f` unrolled a rows sow: a number per AxisData (one per vmap call,
-# not weakly referable), kept alive while a `per_element` context traces so that
-# no id is reused; the numbers never repeat, as jit may reuse an earlier trace.
+class Plan(frozenset):
+    """The sites, ``{(tag, path)}``, that a batched `lax.map` holds, and `maps`:
+    for the number of each of its vmap calls (see the module docstring),
+    ``("batches", None)`` or ``("remainder", both)``; None while the calls are
+    only being numbered."""
+
+    maps: dict[int, tuple[str, bool | None]] | None
+
+    def __new__(cls, sites: Any = (), maps: dict[int, tuple[str, bool | None]] | None = None):
+        plan = super().__new__(cls, sites)
+        plan.maps = maps
+        return plan
+
+
+class _Trace(NamedTuple):
+    plan: Plan
+    number: int  # never repeats: no trace of one plan is reused for another
+
+
+_traces = itertools.count()
+
+# The number of each vmap call (an AxisData each, not weakly referable) in the
+# order a `per_element` trace first batches a sow with it, kept alive while it
+# traces so that no id is reused: traces of one function number them alike.
 _vmaps: dict[int, tuple[Any, int]] = {}
-_numbers = itertools.count()
 # The number of the vmap that last unrolled a batched cond's branch sow of each
 # (tag, path): that cond's record-only copy after it (see `_rules/batched_cond`),
 # one per name and cond whichever branch sows it, counts in its stead.
 _in_branch: dict[tuple[Any, ...], int] = {}
 
+# harvest's own code; from a frame of its calling layer outwards, harvest calls
+# the function it traces.
+_HARVEST = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_CALLING = os.path.join(_HARVEST, "_calling") + os.sep
 
-def staged_per_batch(jaxpr: Any, handles: Any = None) -> frozenset[tuple[Any, tuple[str, ...]]]:
-    """`(tag, path)` of the sites (those ``handles(site)`` accepts; every one for None)
-    a batched `lax.map` stages once per batch in `jaxpr`: the ones to sow once per
-    element (reap, plant and `sites` alike)."""
-    found: set[tuple[Any, tuple[str, ...]]] = set()
-    for item in sow_index(jaxpr).listing:
-        site = Site.of(item.eqn)
-        if (handles is None or handles(site)) and _jax.staged_by_batched_lax_map(
-            item.eqn.source_info
+
+def staged_per_batch(
+    jaxpr: Any, handles: Any = None, retrace: Callable[[Plan], Any] | None = None
+) -> Plan:
+    """The sites (those ``handles(site)`` accepts; every one for None) that a
+    batched `lax.map` stages once per batch in `jaxpr`: the ones to sow once per
+    element (reap, plant and `sites` alike). With `retrace`, which traces the
+    function again under ``per_element(plan)`` and returns its jaxpr, also the
+    plan for that (see the module docstring); it raises where a site is sown in
+    a loop inside the map."""
+    found = Plan(
+        _site_key(eqn.params)
+        for eqn in _sown_under_lax_map(jaxpr)
+        if handles is None or handles(Site.of(eqn))
+    )
+    if not found or retrace is None or not SUPPORTED:
+        return found
+    return _planned(retrace(found), found)
+
+
+def sown_under_lax_map(jaxpr: Any) -> frozenset[int]:
+    """The ids of the sow equations in `jaxpr` (through its bodies) that a batched
+    `lax.map` stages."""
+    return frozenset(id(eqn) for eqn in _sown_under_lax_map(jaxpr))
+
+
+def _sown_under_lax_map(jaxpr: Any) -> list[Any]:
+    found = _UNDER.get(jaxpr)
+    if found is None:
+        # JAX records `lax.map`'s frames on some equation around each sow it stages:
+        # where none shows them, no frames need reading.
+        maybe = any(_jax.recorded_in_lax_map(e.source_info) for e in _staging(jaxpr))
+        found = [eqn for eqn, frames, _ in _sows(jaxpr) if _lax_map_parts(frames)] if maybe else []
+        _UNDER[jaxpr] = found
+    return found
+
+
+def _staging(jaxpr: Any) -> Iterator[Any]:
+    """The sow equations of `jaxpr` (through its bodies) and those holding them."""
+    for eqn in jaxpr.eqns:
+        inner = [] if eqn.primitive is sow_p else [b for b in bodies(eqn) if sites_in(b.jaxpr)]
+        if eqn.primitive is sow_p or inner:
+            yield eqn
+        for body in inner:
+            yield from _staging(body.jaxpr)
+
+
+_UNDER: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def _planned(jaxpr: Any, plan: Plan) -> Plan:
+    """`plan` with its `maps`, from `jaxpr`, traced with the vmap calls numbered."""
+    seen: dict[int, set[Any]] = {}
+    found = [
+        (e, frames, nested) for e, frames, nested in _sows(jaxpr) if _site_key(e.params) in plan
+    ]
+    sharing: dict[int, set[int]] = {}
+    for eqn, _, _ in found:
+        sharing.setdefault(id(eqn.source_info.traceback), set()).add(id(eqn))
+    for eqn, frames, nested in found:
+        numbers = eqn.params.get("vmaps") or ()
+        calls = [i for i, frame in enumerate(frames) if _jax.is_vmap_call(frame)]
+        # A body JAX traced once and ran again where it was called (a batched
+        # cond's branches) keeps the frames of its first call.
+        if (not nested and len(sharing[id(eqn.source_info.traceback)]) > 1) or len(calls) > len(
+            numbers
         ):
-            found.add((site.tag, site.path))
-    return frozenset(found)
+            continue
+        # JAX leaves out outer frames only: the innermost calls are the first vmaps.
+        for number, i in zip(numbers, calls):
+            part = _jax.lax_map_part(frames, i)
+            seen.setdefault(number, set()).add(part)
+            if part is not None and _jax.traces_a_loop(frames[:i]):
+                # A loop in `f` runs each step for the whole batch: sown once per element
+                # there, the occurrences would come step by step, not element by element.
+                tag, path = _site_key(eqn.params)
+                raise ValueError(
+                    f"The sow site tag={tag!r}, name={'.'.join(path)!r} runs in a loop (scan, "
+                    "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each "
+                    "step of that loop for the whole batch at once, so its occurrences cannot be "
+                    "reaped or planted in element order, as lax.map(f, xs) gives them. Use lax.map "
+                    "without batch_size (or jax.vmap) around this function while you harvest it."
+                )
+    for eqn, _, _ in found:
+        if any(len(seen.get(n, ())) != 1 for n in eqn.params.get("vmaps") or ()):
+            site = Site.of(eqn)
+            raise ValueError(
+                f"The sow site tag={site.tag!r}, name={'.'.join(site.path)!r} is sown under "
+                "lax.map(f, xs, batch_size=b), inside a vmap whose call JAX recorded nowhere "
+                "harvest can read it, so harvest cannot tell whether that vmap is the map's. "
+                "Use lax.map without batch_size while you harvest it."
+            )
+    maps = {n: next(iter(parts)) for n, parts in seen.items() if len(parts) == 1}
+    return Plan(plan, {n: part for n, part in maps.items() if part is not None})
+
+
+def _sows(jaxpr: Any, outer: tuple[_jax.Frame, ...] = ()) -> Iterator[tuple[Any, tuple, bool]]:
+    """Each sow equation in `jaxpr` (through its bodies), with its frames and
+    those of the equations around it, innermost first, and whether some are."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is sow_p:
+            yield eqn, _joined(_frames(eqn), outer), bool(outer)
+            continue
+        inner = [body for body in bodies(eqn) if sites_in(body.jaxpr)]
+        if inner:
+            here = _joined(_frames(eqn), outer)
+            for body in inner:
+                yield from _sows(body.jaxpr, here)
+
+
+def _frames(eqn: Any) -> tuple[_jax.Frame, ...]:
+    """The frames JAX recorded for `eqn`, up to where harvest called the traced function."""
+    frames = _jax.recorded_frames(eqn.source_info)
+    calling = (i for i, f in enumerate(frames) if os.path.abspath(f.file_name).startswith(_CALLING))
+    end = next(calling, len(frames))
+    return tuple(frames[:end])
+
+
+def _joined(inner: tuple, outer: tuple) -> tuple:
+    """The frames of an equation in a body, then those of the equation holding
+    the body. Where JAX recorded the body's frames through a call site (some
+    releases record past a jit's entry), that call site's frames come from the
+    holder: a body traced once and reused elsewhere (a cond's branch, a jit)
+    keeps those of where it was first traced."""
+    site = next((f for f in outer if _is_users(f)), None)
+    if site is not None and site in inner:
+        return inner[: inner.index(site)] + outer[outer.index(site) :]
+    return inner + outer
+
+
+def _is_users(frame: _jax.Frame) -> bool:
+    return not _jax.is_jax_frame(frame) and not os.path.abspath(frame.file_name).startswith(
+        _HARVEST
+    )
+
+
+def _lax_map_parts(frames: tuple) -> list[tuple[str, bool | None]]:
+    """The parts of batched `lax.map`s whose vmap calls `frames` show."""
+    calls = (i for i, frame in enumerate(frames) if _jax.is_vmap_call(frame))
+    return [p for i in calls if (p := _jax.lax_map_part(frames, i)) is not None]
 
 
 @contextlib.contextmanager
-def per_element(sites: frozenset) -> Any:
-    """A context in which traced sows of `sites`, ``{(tag, path)}``, staged under a
-    batched `lax.map`'s vmap, fire once per element of the batch."""
+def per_element(plan: Any) -> Any:
+    """A context for tracing with `plan` (a `Plan` from `staged_per_batch`): the
+    vmap calls batching a sow of its sites are numbered, and, once its `maps`
+    say which are a batched `lax.map`'s, such a sow fires once per element."""
     global _vmaps, _in_branch
-    if _per_element is None:
+    if _per_element is None or not plan:
         yield
         return
     outer, _vmaps, _in_branch = (_vmaps, _in_branch), {}, {}
     try:
-        with _per_element(sites or None):
+        with _per_element(_Trace(Plan(plan, getattr(plan, "maps", None)), next(_traces))):
             yield
     finally:
         _vmaps, _in_branch = outer
 
 
-def unrolled_here(params: dict[str, Any], axis_data: Any = None) -> bool:
-    """Whether a sow with `params`, batched now (by the vmap of `axis_data`, where
-    known), is to be sown once per element (refusing one in a loop inside `f`,
-    whose steps run for the whole batch). A vmap around the map batches it as any
-    sow, though in the map's remainder it runs under the map's frames too."""
-    sites = _per_element.value if _per_element is not None else None
-    if not sites or _site_key(params) not in sites:
-        return False
-    where = _jax.running_under_batched_lax_map(axis_data)
-    if where == "loop":
-        # A loop in `f` runs each step for the whole batch: sown once per element
-        # there, the occurrences would come step by step, not element by element.
-        name = ".".join((*params["scope"], params["name"]))
-        raise ValueError(
-            f"The sow site tag={params['tag']!r}, name={name!r} runs in a loop (scan, "
-            "while_loop, fori_loop) inside lax.map(f, xs, batch_size=b), which runs each step of "
-            "that loop for the whole batch at once, so its occurrences cannot be reaped or planted "
-            "in element order, as lax.map(f, xs) gives them. Use lax.map without batch_size (or "
-            "jax.vmap) around this function while you harvest it."
-        )
-    return where is not None
+def at_level(params: dict[str, Any], axis_data: Any) -> tuple[dict[str, Any], Any]:
+    """For a sow with `params` batched now by the vmap of `axis_data`: its params,
+    counting that vmap where this trace numbers them, and the part of a batched
+    `lax.map` that vmap runs (None if none, or where its sows are not unrolled)."""
+    trace = _per_element.value if _per_element is not None else None
+    if trace is None or _site_key(params) not in trace.plan:
+        return params, None
+    number = _vmap_number(axis_data)
+    params = dict(params, vmaps=(*(params.get("vmaps") or ()), number))
+    maps = trace.plan.maps
+    return params, (None if maps is None else maps.get(number))
 
 
 def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **params: Any) -> Any:
-    if all(d is None for d in dims):
+    params, part = at_level(params, axis_data)
+    if part is None or all(d is None for d in dims):
         return jax_rule(axis_data, args, dims, **params)
-    if not unrolled_here(params, axis_data):
-        with marking_batched(axis_data):
-            return jax_rule(axis_data, args, dims, **params)
     vmap: int | None = _vmap_number(axis_data)
     if params.get("role") == "plant_only":  # a batched cond's branch: its copy counts
         _in_branch[_site_key(params)] = _vmap_number(axis_data)
@@ -125,25 +297,24 @@ def _batch(jax_rule: Any, axis_data: Any, args: list[Any], dims: list[Any], **pa
             x if d is None else lax.index_in_dim(x, j, d, keepdims=False)
             for x, d in zip(args, dims)
         ]
-        params_j = element_params(params, j, axis_data.size, vmap, axis_data)
+        params_j = element_params(params, j, axis_data.size, part, vmap)
         per_element.append(sow_p.bind(*row, **params_j))
     outs = [jnp.stack(leaves) for leaves in zip(*per_element)]
     return outs, [0] * len(outs)
 
 
 def element_params(
-    params: dict[str, Any], j: int, size: int, vmap: int | None = None, axis_data: Any = None
+    params: dict[str, Any], j: int, size: int, part: Any, vmap: int | None = None
 ) -> dict[str, Any]:
-    """`params` of a sow unrolled here, for element `j` of a batch of `size`: a
-    collect sow's say which (its entries, one per element, are merged into the
-    one entry `lax.map(f, xs)` stacks; see `_occurrences.merged_elements`); a
-    rows sow's, which `vmap` of `f` unrolled it (see `_run_walk._refuse_sown_twice_per_element`;
-    a batched cond's record-only copy: the vmap of the branch sow it copies)."""
+    """`params` of a sow unrolled here, for element `j` of a batch of `size` in
+    the `part` of a batched `lax.map` (see `at_level`): a collect sow's say which
+    (its entries, one per element, are merged into the one entry `lax.map(f, xs)`
+    stacks; see `_occurrences.merged_elements`); a rows sow's, which `vmap` of `f`
+    unrolled it (see `_run_walk._refuse_sown_twice_per_element`; a batched cond's
+    record-only copy: the vmap of the branch sow it copies)."""
     mode = MODES[params["mode"]]
     if mode.entries:
-        part = _jax.running_under_batched_lax_map(axis_data)
-        both = _jax.batched_lax_map_has_both_parts(axis_data)
-        return dict(params, element=(j, size, part, both))
+        return dict(params, element=(j, size, *part))
     if mode.rows and params.get("role") != "plant_only":
         vmap = _in_branch.get(_site_key(params)) if vmap is None else vmap
     if mode.rows and vmap is not None:
@@ -157,19 +328,8 @@ def _site_key(params: dict[str, Any]) -> tuple[Any, ...]:
 
 def _vmap_number(axis_data: Any) -> int:
     if id(axis_data) not in _vmaps:
-        _vmaps[id(axis_data)] = (axis_data, next(_numbers))
+        _vmaps[id(axis_data)] = (axis_data, len(_vmaps))
     return _vmaps[id(axis_data)][1]
-
-
-def marking_batched(axis_data: Any = None) -> Any:
-    """A context for staging a sow batched, as one sow per batch: where a harvest
-    traces under a batched `lax.map`, it is marked, so that the walk sees where
-    (JAX keeps no `lax.map` frame for a sow nested in a body `f` traces, a jit's
-    or a scan's) and traces it again, to sow it once per element (or refuse it,
-    in a loop)."""
-    if tracing_a_harvest() and _jax.running_under_batched_lax_map(axis_data):
-        return _jax.marking_batched_lax_map()
-    return contextlib.nullcontext()
 
 
 _jax.wrap_batching(sow_p, _batch)
