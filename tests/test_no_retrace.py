@@ -11,9 +11,6 @@ import numpy as np
 import pytest
 
 from harvest import (
-    _leaves,
-    _nnx_state,
-    _site_discovery,
     attribution_patching,
     call_and_reap,
     patching_sweep,
@@ -21,6 +18,9 @@ from harvest import (
     reap,
     sow,
 )
+from harvest._calling import _nnx_state
+from harvest._tools import _site_discovery
+from harvest._walk import _leaves
 
 nnx = pytest.importorskip("flax.nnx")
 

@@ -10,6 +10,7 @@ configuration, through the function's one `jax.jit` (`_calling`).
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -215,7 +216,7 @@ def patching_sweep(
     size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise _errors.bad_batch_size(caller, batch_size)
-    cells = 1 if size is None else int(np.prod(size))  # patches per row
+    cells = 1 if size is None else math.prod(size)  # patches per row
     firsts = plan.firsts  # each target's first row
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)

@@ -26,9 +26,9 @@ import jax
 from .. import _jax
 from .._calling._inspect import sow_firings
 from .._calling._jit import unwrap
-from .._calling._nnx_state import GraphShape, forget_verified_splits, split_nodes
+from .._calling._nnx_state import forget_verified_splits, split_leaves, with_graph
 from .._calling._tracing import make_jaxpr
-from .._walk._leaves import is_array, static_key
+from .._walk._leaves import is_array, is_graph_node, static_key
 from .._walk._site import Site
 
 # One sow site's firing: (site, the bodies it is in, how often it fires, how many rows reap stacks).
@@ -94,16 +94,12 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
-    (bound, args), graph, _ = split_nodes((bound, args))
-    state: Any = ()
-    shape: GraphShape | None = None
-    if graph is not None:  # a model's state is keyed apart, by its arrays' identity
-        shape, state = GraphShape(graph.graphdef, graph.statedef), graph.leaves
-    # The graph goes into the tree structure, which hashes without hashing the
-    # graph definition (a deep walk, ~ms on a transformer) and compares the same
-    # definition, as the split cache hands it back, by identity first.
-    leaves, tree = jax.tree_util.tree_flatten((bound, args, shape))
-    key = (tree, tuple(map(_abstract, leaves)), _state_abstract(fn, state))
+    leaves, treedef = jax.tree_util.tree_flatten((bound, args), is_leaf=is_graph_node)
+    leaves, graph, _ = split_leaves(leaves)
+    # A model's state is keyed apart, by its arrays' identity; its graph definition
+    # is in the tree structure (see `with_graph`).
+    state = () if graph is None else graph.leaves
+    key = (with_graph(treedef, graph), tuple(map(_abstract, leaves)), _state_abstract(fn, state))
     try:
         hash(key)
     except TypeError:  # an unhashable static leaf

@@ -121,10 +121,11 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         names = _select_names(names, list(by_name), tag, caller)
     if not names:
         raise _errors.nothing_to_patch(caller, tag, list(by_name))
-    key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
+    given = {name: _lookup_dotted(clean, name) for name in names}  # looked up once
+    key = _plan_key(found, tag, chosen is None, axes, caller, given)
     plan = None if key is None else _plans.get(key)
     if plan is not None and plan.found is found:
-        values = [site_value(clean, s, "clean", count, checked=True) for s, count in plan.sites]
+        values = [site_value(given, s, "clean", count, checked=True) for s, count in plan.sites]
         return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
     targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
     axis_labels, site_axes = _swept(targets, axes, caller)
@@ -143,10 +144,11 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
 _plans: dict[Any, Plan] = {}  # the plans of the last sweeps, oldest first
 
 
-def _plan_key(found, tag, auto, names, axes, caller, clean):
-    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be."""
-    shapes = tuple(_value_shape(_lookup_dotted(clean, name)) for name in names)
-    key = (id(found), tag, auto, tuple(names), axes, caller, shapes)
+def _plan_key(found, tag, auto, axes, caller, given):
+    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be.
+    ``given`` holds the clean value of each name chosen (`_MISSING` if none)."""
+    shapes = tuple(map(_value_shape, given.values()))
+    key = (id(found), tag, auto, tuple(given), axes, caller, shapes)
     try:
         hash(key)
     except TypeError:  # an unhashable tag (harvest.compat.oryx allows any) or static leaf
