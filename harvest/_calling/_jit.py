@@ -150,9 +150,8 @@ def compiled_on_arrays(
     leaves, graph, _ = split_leaves(leaves)
     state = () if graph is None else graph.leaves
     flat = [*leaves, *state]
-    traced = array_flags(leaves) + (
-        [True] * len(state) if graph and graph.arrays else array_flags(state)
-    )
+    traced = array_flags(leaves if graph is not None and graph.arrays else flat)
+    traced += [True] * (len(flat) - len(traced))  # a kept split's state: arrays
     fields = (run, spec, with_graph(treedef, graph), static_leaves(flat, traced))
     return compiled(
         fn,

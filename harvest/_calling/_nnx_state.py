@@ -114,7 +114,7 @@ def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:
     nodes), as `split_leaves`; without graph nodes, `(tree, None, ())`."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_graph_node)
     leaves, graph, nodes = split_leaves(leaves)
-    return (tree if graph is None else treedef.unflatten(leaves)), graph, nodes
+    return (tree if graph is None else jax.tree_util.tree_unflatten(treedef, leaves)), graph, nodes
 
 
 def with_graph(treedef: Any, graph: Graph | None) -> Any:

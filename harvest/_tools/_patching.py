@@ -242,7 +242,7 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes), size)
+    spec = (caller, tag, plan.program)
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
@@ -408,7 +408,7 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes))
+    spec = (caller, tag, plan.program)
     effects: list[list[tuple[Any, int]]] = []
     baselines: list[Any] = []
     shown = _Shown(_steps(batches, progress, caller), batches)

@@ -107,7 +107,7 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     return key
 
 
-def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
+def _state_abstract(fn: Callable[..., Any], leaves: Any) -> Hashed:
     """`_abstract` of each leaf of an NNX state, as data; that of the last call of
     ``fn`` again if these are its very arrays (held weakly, so none is reused), as
     on a repeated sweep: a model's hundreds of leaves are not looked at again."""
@@ -118,7 +118,7 @@ def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
         and all(map(operator.is_, map(_CALL, seen[0]), leaves))
     ):
         return seen[1]
-    abstract = _Abstract(tuple(_abstract(leaf, data=True) for leaf in leaves))
+    abstract = Hashed(tuple(_abstract(leaf, data=True) for leaf in leaves))
     try:
         _state_seen[fn] = (tuple(map(weakref.ref, leaves)), abstract)
     except TypeError:  # a number in the state, or a function held only strongly: not kept
@@ -129,22 +129,26 @@ def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
 _CALL = operator.methodcaller("__call__")  # a weak reference's referent, at C speed
 
 
-class _Abstract:
-    """The `_abstract` of a state's leaves, its hash kept: a key found again holds the same one."""
+class Hashed:
+    """A value in a key, its hash computed once: a key found again holds the same one
+    (a model state's abstract leaves, a sweep's sites)."""
 
-    __slots__ = ("leaves", "hash")
+    __slots__ = ("value", "hash")
 
-    def __init__(self, leaves: tuple[Any, ...]) -> None:
-        self.leaves, self.hash = leaves, hash(leaves)
+    def __init__(self, value: Any) -> None:
+        self.value: Any = value
+        self.hash: int | None = None
 
     def __hash__(self) -> int:
+        if self.hash is None:  # a TypeError for an unhashable value, when a key is hashed
+            self.hash = hash(self.value)
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, _Abstract) and self.leaves == other.leaves)
+        return self is other or (isinstance(other, Hashed) and self.value == other.value)
 
 
-_state_seen: weakref.WeakKeyDictionary[Callable[..., Any], tuple[tuple[Any, ...], _Abstract]] = (
+_state_seen: weakref.WeakKeyDictionary[Callable[..., Any], tuple[tuple[Any, ...], Hashed]] = (
     weakref.WeakKeyDictionary()
 )
 

@@ -25,7 +25,7 @@ from .._walk._leaves import ARRAY_TYPES
 from .._walk._paths import path_str
 from .._walk._site import Site
 from ._interventions import axis_size
-from ._site_discovery import _abstract, sow_sites
+from ._site_discovery import Hashed, _abstract, sow_sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,7 @@ class Plan:
     site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
     rows: tuple[str, ...]  # one name per row of the result
     firsts: np.ndarray  # each target's first row, and the number of rows last
+    program: Hashed  # what of it shapes a sweep's program, hashed once
 
 
 def planned(f, clean, corrupted_args, tag, names, axis, caller):
@@ -131,8 +132,10 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
     axis_labels, site_axes = _swept(targets, axes, caller)
     sites = tuple((t.site, t.count) for t in targets)
     firsts = np.cumsum([0] + [t.rows for t in targets])
+    site_axes = tuple(site_axes)
+    program = Hashed((sites, site_axes, size))
     plan = Plan(
-        found, sites, size, skipped, axis_labels, tuple(site_axes), _row_names(targets), firsts
+        found, sites, size, skipped, axis_labels, site_axes, _row_names(targets), firsts, program
     )
     if key is not None:
         _plans[key] = plan
