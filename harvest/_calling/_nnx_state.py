@@ -1,8 +1,9 @@
 """Flax NNX graph nodes: split before the trace, merged inside it, written back after.
 
-The one split/merge path: harvest's walk (`_run_walk.run_walk`) and the sweeps
-(`_calling.compiled_on_arrays`) both split through `split_nodes` (the kept
-split, `_SplitCache`) and merge through `call_merged`.
+The one split/merge path: harvest's walk (`_run_walk.run_walk`), the sweeps'
+programs (`_jit.compiled_on_arrays`) and their site discovery split a call's
+leaves through `split_leaves` (the kept split, `_SplitCache`), lay the state's
+leaves after them (`with_graph`, `rebuilt`) and merge through `call_merged`.
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ class _Split:
         # two passes at C speed; holding the values keeps their identities unused.
         self.attrs = [vars(o) for o in owners]
         self.classes = list(map(type, (*owners, *self.variables)))
-        self.layout = _layout(self.attrs)
+        lengths, names, self.values = _layout(self.attrs)
+        self.layout = (lengths, names)
         self.items = [
             (a, name, _item_ids(value), tuple(value.values() if isinstance(value, dict) else value))
             for a in self.attrs
@@ -201,24 +203,21 @@ class _Split:
             if isinstance(value, (list, dict))
         ]
 
-    def still_holds(self, nodes: tuple[Any, ...]) -> bool:
+    def now(self, nodes: tuple[Any, ...]) -> Graph | None:
+        """The graph with the variables' values now; None if the split no longer
+        holds for ``nodes`` or a value is no longer an array of its type."""
         if len(nodes) != len(self.tops) or not all(t() is n for t, n in zip(self.tops, nodes)):
-            return False
+            return None
         owners = list(itertools.chain(nodes, self.inner))
         if list(map(type, itertools.chain(owners, self.variables))) != self.classes:
-            return False
+            return None
         lengths, names, values = _layout(list(map(vars, owners)))
-        return (
-            lengths == self.layout[0]
-            and names == self.layout[1]
-            and all(
-                map(operator.is_, values, self.layout[2])
-            )  # by identity: an equal array is another
-            and all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
-        )
-
-    def current(self) -> Graph | None:
-        """The graph with the variables' values now; None if one is no longer an array of its type."""
+        if (
+            (lengths, names) != self.layout
+            or not all(map(operator.is_, values, self.values))  # an equal array is another
+            or not all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
+        ):
+            return None
         leaves = list(map(_RAW_VALUE, self.variables))
         if list(map(type, leaves)) != self.types:
             return None
@@ -287,10 +286,9 @@ class _SplitCache:
     def _graph(self, nnx: Any, nodes: tuple[Any, ...], key: tuple[int, ...]) -> Graph:
         with self.lock:
             split = self.splits.get(key)
-        if split is not None and split.still_holds(nodes):
-            graph = split.current()
-            if graph is not None:
-                return graph
+        graph = None if split is None else split.now(nodes)
+        if graph is not None:
+            return graph
         self.walks += 1
         graphdef, state = nnx.split(nodes)
         graphdef = self._interned(graphdef)
