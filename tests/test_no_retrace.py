@@ -356,13 +356,13 @@ def test_a_sweep_checks_the_structure_once_per_call_and_sees_a_layer_replaced(mo
     x_clean, x_corrupt = data()
     patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric)
     checks = [0]
-    real = _nnx_state._Split.still_holds
+    real = _nnx_state._Split.now
 
     def counted(self, nodes):
         checks[0] += 1
         return real(self, nodes)
 
-    monkeypatch.setattr(_nnx_state._Split, "still_holds", counted)
+    monkeypatch.setattr(_nnx_state._Split, "now", counted)
     clean = reap(model)(x_clean)
     checks[0] = 0
     patching_sweep(model, clean, (x_corrupt,), metric)

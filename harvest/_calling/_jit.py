@@ -31,13 +31,14 @@ from typing import Any
 import jax
 
 from .. import config
-from .._walk._leaves import array_flags, static_leaves
+from .._walk._leaves import array_flags, is_graph_node, static_leaves
 from ._nnx_state import (
-    GraphShape,
     call_merged,
     changes_discarded,
     forget_verified_splits,
-    split_nodes,
+    rebuilt,
+    split_leaves,
+    with_graph,
 )
 
 
@@ -149,17 +150,18 @@ def compiled_on_arrays(
     NNX graph nodes in ``tree`` are split first, so their state is traced too,
     and merged into fresh nodes inside the trace; what the program changes in
     them is dropped (a sweep is a measurement)."""
-    tree, graph, _ = split_nodes(tree)
-    state: tuple[Any, ...] = ()
-    apart = None if graph is None else graph.apart()
-    if apart is not None:
-        graph, state = apart  # a model's state goes straight to the traced arrays
-    leaves, treedef = jax.tree_util.tree_flatten((tree, graph))
-    traced = array_flags(leaves)
-    static = static_leaves(leaves, traced)
-    arrays = [*itertools.compress(leaves, traced), *state]
-    key = Key(_on_arrays, (run, spec, treedef, static), _alike_on_arrays, payload)
-    return compiled(fn, arrays, key)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_graph_node)
+    leaves, graph, _ = split_leaves(leaves)
+    state = () if graph is None else graph.leaves
+    flat = [*leaves, *state]
+    traced = array_flags(leaves if graph is not None and graph.arrays else flat)
+    traced += [True] * (len(flat) - len(traced))  # a kept split's state: arrays
+    fields = (run, spec, with_graph(treedef, graph), static_leaves(flat, traced))
+    return compiled(
+        fn,
+        list(itertools.compress(flat, traced)),
+        Key(_on_arrays, fields, _alike_on_arrays, payload),
+    )
 
 
 def _alike_on_arrays(fields: tuple[Any, ...]) -> Any:
@@ -169,13 +171,8 @@ def _alike_on_arrays(fields: tuple[Any, ...]) -> Any:
 
 def _on_arrays(fn: Any, arrays: list[Any], key: Key) -> Any:
     run, spec, treedef, static = key.fields
-    it, at = iter(arrays), {i: leaf for i, _, leaf, _ in static}
-    tree, graph = treedef.unflatten(
-        [at[i] if i in at else next(it) for i in range(treedef.num_leaves)]
-    )
+    tree, graph = rebuilt(treedef, static, arrays)
     forget_verified_splits()  # the trace runs user code: splits are checked again after it
-    if isinstance(graph, GraphShape):
-        graph = graph.filled(it)  # the state's arrays come last
     if graph is None:
         return run(fn, tree, key.payload)
     # Fresh NNX nodes holding the traced state; what the program changes in them is dropped.

@@ -1,8 +1,9 @@
 """Flax NNX graph nodes: split before the trace, merged inside it, written back after.
 
-The one split/merge path: harvest's walk (`_run_walk.run_walk`) and the sweeps
-(`_calling.compiled_on_arrays`) both split through `split_nodes` (the kept
-split, `_SplitCache`) and merge through `call_merged`.
+The one split/merge path: harvest's walk (`_run_walk.run_walk`), the sweeps'
+programs (`_jit.compiled_on_arrays`) and their site discovery split a call's
+leaves through `split_leaves` (the kept split, `_SplitCache`), lay the state's
+leaves after them (`with_graph`, `rebuilt`) and merge through `call_merged`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import jax
 
-from .._walk._leaves import ARRAY_TYPES, is_array, is_graph_node, nnx_module
+from .._walk._leaves import is_graph_node, nnx_module
 from ._stateful import held_states
 
 
@@ -59,27 +60,17 @@ class Graph:
     def tree_unflatten(cls, aux, children):
         return cls(*aux, tuple(children))
 
-    def apart(self) -> tuple[GraphShape, tuple[Any, ...]] | None:
-        """(its `GraphShape`, its leaves) if every leaf is an array, else None: a
-        call's key and flattening then skip the hundreds of leaves of a model's state."""
-        if self.arrays or all(map(ARRAY_TYPES.__contains__, map(type, self.leaves))):
-            return GraphShape(self.graphdef, self.statedef), self.leaves
-        return None
-
 
 @jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class GraphShape:
-    """A `Graph` without its leaves, which are all arrays and travel beside it,
-    as a pytree with no children (its definitions are the tree structure's data,
-    which JAX compares, the one graph definition an earlier split gave by
-    identity first, and does not hash)."""
+    """A `Graph` without its leaves, which travel beside it, as a pytree with no
+    children: its definitions are a tree structure's data, which JAX compares
+    (the one graph definition an earlier split gave by identity first) and does
+    not hash."""
 
     graphdef: Any
     statedef: Any
-
-    def filled(self, leaves: Any) -> Graph:
-        return Graph(self.graphdef, self.statedef, tuple(leaves))
 
     def tree_flatten(self):
         return (), (self.graphdef, self.statedef)
@@ -89,40 +80,63 @@ class GraphShape:
         return cls(*aux)
 
 
-def split_nodes(tree):
-    """(`tree` with each NNX graph node replaced by a marker, their `Graph`, the nodes).
+def _node_of(leaf: Any) -> Any:
+    if inspect.ismethod(leaf) and is_graph_node(leaf.__self__):
+        return leaf.__self__
+    return leaf if is_graph_node(leaf) else None
+
+
+def split_leaves(leaves: list[Any]) -> tuple[list[Any], Graph | None, tuple[Any, ...]]:
+    """(`leaves` with each NNX graph node, or bound method of one, replaced by a
+    marker, their `Graph`, the nodes), for leaves flattened up to the graph nodes
+    (``is_leaf=is_graph_node``).
 
     Nodes reachable from several places (a module and its submodule, the same
     module twice) are split together, so they stay shared when merged. Without
-    graph nodes, returns `(tree, None, ())`.
+    graph nodes, returns `(leaves, None, ())`.
     """
     nnx = nnx_module()
-    if nnx is None:
-        return tree, None, ()
-    is_node = is_graph_node
-
-    def node_of(leaf):
-        if inspect.ismethod(leaf) and is_node(leaf.__self__):
-            return leaf.__self__
-        return leaf if is_node(leaf) else None
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_node)
-    found = list(map(node_of, leaves))
-    nodes: dict[int, Any] = {}
-    for node in found:
-        if node is not None:
-            nodes.setdefault(id(node), node)
+    found = [] if nnx is None else list(map(_node_of, leaves))
+    nodes = {id(node): node for node in found if node is not None}
     if not nodes:
-        return tree, None, ()
+        return leaves, None, ()
     index = {key: i for i, key in enumerate(nodes)}
-    held = []
-    for leaf, node in zip(leaves, found):
-        if node is None:
-            held.append(leaf)
-        else:
-            held.append(_Node(index[id(node)], None if node is leaf else leaf.__func__))
-    nodes = tuple(nodes.values())
-    return jax.tree_util.tree_unflatten(treedef, held), _split_cache.graph(nnx, nodes), nodes
+    marked = [
+        leaf if node is None else _Node(index[id(node)], None if node is leaf else leaf.__func__)
+        for leaf, node in zip(leaves, found)
+    ]
+    split = tuple(nodes.values())
+    return marked, _split_cache.graph(nnx, split), split
+
+
+def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:
+    """(`tree` with each NNX graph node replaced by a marker, their `Graph`, the
+    nodes), as `split_leaves`; without graph nodes, `(tree, None, ())`."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_graph_node)
+    leaves, graph, nodes = split_leaves(leaves)
+    return (tree if graph is None else jax.tree_util.tree_unflatten(treedef, leaves)), graph, nodes
+
+
+def with_graph(treedef: Any, graph: Graph | None) -> Any:
+    """The structure of a tree's leaves (flattened as ``treedef``) followed by
+    ``graph``'s state leaves: one tree structure, which a compile-cache key hashes
+    without hashing the graph definition (a deep walk, ~ms on a transformer)."""
+    shape = None if graph is None else GraphShape(graph.graphdef, graph.statedef)
+    return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(shape)))
+
+
+def rebuilt(treedef: Any, static: tuple, traced: Any) -> tuple[Any, Graph | None]:
+    """(the tree, its `Graph`) of leaves laid out by `with_graph`'s ``treedef``:
+    ``static`` holds (index, type, leaf, key) per leaf not traced (`static_leaves`),
+    ``traced`` the others in order."""
+    tree_def, shape_def = treedef.children()
+    shape = shape_def.unflatten(())
+    total = treedef.num_leaves + (0 if shape is None else shape.statedef.num_leaves)
+    at, it = {i: leaf for i, _, leaf, _ in static}, iter(traced)
+    flat = [at[i] if i in at else next(it) for i in range(total)]
+    n = tree_def.num_leaves
+    graph = None if shape is None else Graph(shape.graphdef, shape.statedef, tuple(flat[n:]))
+    return tree_def.unflatten(flat[:n]), graph
 
 
 class _Split:
@@ -138,25 +152,11 @@ class _Split:
     variables at each call, so weights changed in place are seen.
     """
 
-    def __init__(self, nnx: Any, nodes: tuple[Any, ...], graphdef: Any, state: Any) -> None:
-        self.graphdef = graphdef
-        leaves, self.statedef = jax.tree_util.tree_flatten(state)
-        self.leaves = tuple(leaves)  # this call's; dropped once the split is kept
+    def __init__(self, nnx: Any, nodes: tuple[Any, ...], graph: Graph, state: Any) -> None:
+        self.graphdef, self.statedef, leaves = graph.graphdef, graph.statedef, graph.leaves
         found = dict(nnx.graph.iter_graph(nodes))
         self.variables = [found.get(path) for path, _ in nnx.to_flat_state(state)]
         self.types = list(map(type, leaves))
-        self.arrays = all(map(is_array, leaves))
-        # Reusable if each variable is one leaf of the state, in its order, read
-        # directly: a concrete array, no hook on reading (`get_value` copies it
-        # through a tree map, some 30 µs a variable).
-        self.reusable = len(self.variables) == len(leaves) and all(
-            isinstance(v, nnx.Variable)
-            and getattr(v, "_raw_value", None) is leaf
-            and isinstance(leaf, jax.Array)
-            and not isinstance(leaf, jax.core.Tracer)
-            and "on_get_value" not in getattr(v, "_var_metadata", ("on_get_value",))
-            for v, leaf in zip(self.variables, leaves)
-        )
         tops = {id(n) for n in nodes}
         self.inner = [
             v
@@ -166,17 +166,35 @@ class _Split:
             and not isinstance(v, nnx.Variable)
             and id(v) not in tops
         ]
+        owners = (*nodes, *self.inner)
+        # Kept if each variable is one leaf of the state, in its order, read directly
+        # (a concrete array, no hook on reading: `get_value` copies it through a tree
+        # map, some 30 µs a variable), and every node's attributes are in a `__dict__`.
+        self.kept = (
+            len(self.variables) == len(leaves)
+            and all(
+                isinstance(v, nnx.Variable)
+                and getattr(v, "_raw_value", None) is leaf
+                and isinstance(leaf, jax.Array)
+                and not isinstance(leaf, jax.core.Tracer)
+                and "on_get_value" not in getattr(v, "_var_metadata", ("on_get_value",))
+                for v, leaf in zip(self.variables, leaves)
+            )
+            and all(hasattr(o, "__dict__") for o in owners)
+        )
+        if not self.kept:
+            return
         try:
             self.tops = [weakref.ref(n) for n in nodes]
-        except TypeError:  # a node that cannot be weakly referenced: not kept
-            self.tops, self.reusable = [], False
-        if not all(hasattr(o, "__dict__") for o in (*nodes, *self.inner)):
-            self.inner, self.reusable = [], False  # attributes in slots: not watched, not kept
+        except TypeError:  # a node that cannot be weakly referenced
+            self.kept = False
+            return
         # The attribute dicts themselves (an object keeps its own), so a check is
         # two passes at C speed; holding the values keeps their identities unused.
-        self.attrs = [vars(o) for o in (*nodes, *self.inner) if hasattr(o, "__dict__")]
-        self.classes = list(map(type, (*nodes, *self.inner, *self.variables)))
-        self.lengths, self.names, self.values = _attribute_layout(self.attrs)
+        self.attrs = [vars(o) for o in owners]
+        self.classes = list(map(type, (*owners, *self.variables)))
+        lengths, names, self.values = _layout(self.attrs)
+        self.layout = (lengths, names)
         self.items = [
             (a, name, _item_ids(value), tuple(value.values() if isinstance(value, dict) else value))
             for a in self.attrs
@@ -184,52 +202,37 @@ class _Split:
             if isinstance(value, (list, dict))
         ]
 
-    def still_holds(self, nodes: tuple[Any, ...]) -> bool:
-        return (
-            len(nodes) == len(self.tops)
-            and all(t() is n for t, n in zip(self.tops, nodes))
-            and list(map(type, itertools.chain(nodes, self.inner, self.variables))) == self.classes
-            and _same_layout(
-                _attribute_layout(list(map(vars, itertools.chain(nodes, self.inner)))),
-                self.lengths,
-                self.names,
-                self.values,
-            )
-            and all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
-        )
-
-    def current(self) -> Graph | None:
-        """The graph with the variables' values now; None if one is no longer an array of its type."""
+    def now(self, nodes: tuple[Any, ...]) -> Graph | None:
+        """The graph with the variables' values now; None if the split no longer
+        holds for ``nodes`` or a value is no longer an array of its type."""
+        if len(nodes) != len(self.tops) or not all(t() is n for t, n in zip(self.tops, nodes)):
+            return None
+        owners = list(itertools.chain(nodes, self.inner))
+        if list(map(type, itertools.chain(owners, self.variables))) != self.classes:
+            return None
+        lengths, names, values = _layout(list(map(vars, owners)))
+        if (
+            (lengths, names) != self.layout
+            or not all(map(operator.is_, values, self.values))  # an equal array is another
+            or not all(_item_ids(a[name]) == ids for a, name, ids, _ in self.items)
+        ):
+            return None
         leaves = list(map(_RAW_VALUE, self.variables))
         if list(map(type, leaves)) != self.types:
             return None
-        return Graph(self.graphdef, self.statedef, tuple(leaves), self.arrays)
+        return Graph(self.graphdef, self.statedef, tuple(leaves), arrays=True)
 
 
 _RAW_VALUE = operator.attrgetter("_raw_value")
 
 
-def _attribute_layout(attrs: list[dict[str, Any]]) -> tuple[list[int], list[str], list[Any]]:
+def _layout(attrs: list[dict[str, Any]]) -> tuple[list[int], list[str], list[Any]]:
     """How many attributes each dict holds, all their names and all their values, flat:
     built in C, some 0.1 ms for a transformer's hundred modules and 2,000 attributes."""
     return (
         list(map(len, attrs)),
         list(itertools.chain.from_iterable(attrs)),
         list(itertools.chain.from_iterable(map(dict.values, attrs))),
-    )
-
-
-def _same_layout(
-    layout: tuple[list[int], list[str], list[Any]],
-    lengths: list[int],
-    names: list[str],
-    values: list[Any],
-) -> bool:
-    """Whether ``layout`` has these lengths and names and these very values (by identity:
-    an equal array or variable in a value's place is another object)."""
-    now_lengths, now_names, now_values = layout
-    return (
-        now_lengths == lengths and now_names == names and all(map(operator.is_, now_values, values))
     )
 
 
@@ -282,22 +285,17 @@ class _SplitCache:
     def _graph(self, nnx: Any, nodes: tuple[Any, ...], key: tuple[int, ...]) -> Graph:
         with self.lock:
             split = self.splits.get(key)
-        if split is not None and split.still_holds(nodes):
-            graph = split.current()
-            if graph is not None:
-                return graph
+        graph = None if split is None else split.now(nodes)
+        if graph is not None:
+            return graph
         self.walks += 1
         graphdef, state = nnx.split(nodes)
         graphdef = self._interned(graphdef)
         leaves, statedef = jax.tree_util.tree_flatten(state)
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            # Nodes made inside a trace (merged there): new at every trace, never kept.
-            return Graph(graphdef, statedef, tuple(leaves))
-        split = _Split(nnx, nodes, graphdef, state)
-        graph = Graph(split.graphdef, split.statedef, split.leaves)
-        split.leaves = ()  # the cache keeps the variables, not this call's values
-        if split.reusable:
-            self._keep(key, split, nodes)
+        graph = Graph(graphdef, statedef, tuple(leaves))
+        # Nodes made inside a trace (merged there) are new at every trace: never kept.
+        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+            self._keep(key, _Split(nnx, nodes, graph, state), nodes)
         return graph
 
     def _interned(self, graphdef: Any) -> Any:
@@ -319,6 +317,8 @@ class _SplitCache:
         return kept
 
     def _keep(self, key: tuple[int, ...], split: _Split, nodes: tuple[Any, ...]) -> None:
+        if not split.kept:
+            return
         with self.lock:
             new = key not in self.splits
             self.splits.pop(key, None)

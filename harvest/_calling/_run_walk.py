@@ -31,7 +31,14 @@ import jax.numpy as jnp
 from .. import _errors, _jax
 from .._walk._higher_order import bodies, describe
 from .._walk._interpreter import Policy, Tags, Walk, interpret, program_sites
-from .._walk._leaves import array_flags, hide_static, is_array, reveal_static, static_leaves
+from .._walk._leaves import (
+    array_flags,
+    hide_static,
+    is_array,
+    is_graph_node,
+    reveal_static,
+    static_leaves,
+)
 from .._walk._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from .._walk._paths import nested_dict, path_str
 from .._walk._primitive import batching_sites, sow_p
@@ -42,17 +49,17 @@ from .._walk._site import Site
 from .._walk._sow_index import sites_in
 from ._inspect import sow_equations
 from ._jit import Key, compiled, rewrap, unwrap
-from ._nnx_state import GraphShape, split_nodes, write_back
-from ._stateful import flattening_call, has_state_of_its_own, stateful_objects
+from ._nnx_state import rebuilt, split_leaves, with_graph, write_back
+from ._stateful import Stateful, flattening_call, has_state_of_its_own
 from ._traced_code import code_as_data
 from ._tracing import make_jaxpr
 
 
-def _is_traced(leaf, data):
+def _traced_as_data(leaf):
     """Arrays are traced (see `_tracing`); so are numbers given as planted values
     or held in NNX state, which are data, not configuration: sweeping them does
     not recompile."""
-    return is_array(leaf) or (data and isinstance(leaf, numbers.Number) and _traceable(leaf))
+    return is_array(leaf) or (isinstance(leaf, numbers.Number) and _traceable(leaf))
 
 
 def _traceable(number):
@@ -72,36 +79,6 @@ class _Static(NamedTuple):
     policy: Policy
     reap: bool
     differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
-
-
-class _Call(NamedTuple):
-    """What one call of a harvested function is given, in parts."""
-
-    bound: Any  # what the callable binds (see `_calling.unwrap`)
-    plants: Any
-    args: tuple
-    kwargs: dict
-    graph: Any  # the NNX graph nodes' split state (see `_tracing`)
-
-
-# The parts whose numbers are data, traced rather than static.
-_DATA_PARTS = frozenset({"plants", "graph"})
-
-
-def _traced_leaves(leaves: list[Any], treedef: Any) -> list[bool]:
-    """Per leaf of a `_Call` flattened as `leaves` and `treedef`: whether it is traced."""
-    traced = array_flags(leaves)
-    if all(traced):
-        return traced
-    start = 0
-    for part, child in zip(_Call._fields, treedef.children()):
-        end = start + child.num_leaves
-        if part in _DATA_PARTS and not all(traced[start:end]):
-            traced[start:end] = [
-                t or _is_traced(leaf, True) for t, leaf in zip(traced[start:end], leaves[start:end])
-            ]
-        start = end
-    return traced
 
 
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
@@ -188,14 +165,7 @@ class _Traced(NamedTuple):
 
 
 def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
-    leaves, dyn = [], iter(dynamic)
-    static_at = {i: leaf for i, _, leaf, _ in static.static_leaves}
-    for i in range(static.treedef.num_leaves):
-        leaves.append(static_at[i] if i in static_at else next(dyn))
-    call_parts: _Call = jax.tree_util.tree_unflatten(static.treedef, leaves)
-    bound, plants, args, kwargs, graph = call_parts
-    if isinstance(graph, GraphShape):
-        graph = graph.filled(dyn)  # the state's leaves come last
+    ((bound, args, kwargs), plants), graph = rebuilt(static.treedef, static.static_leaves, dynamic)
 
     def call(bound, /, *args, **kwargs):
         # `bound` is passed, not closed over, so that NNX nodes among it are merged.
@@ -549,30 +519,31 @@ def run_walk(f, policy, reap, plants, args, kwargs):
 
 def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
     """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
-    of one call of `fn` binding `bound`."""
+    of one call of `fn` binding `bound`. What the call is given is flattened once, up
+    to its NNX nodes (each a marker, their state's leaves after the plants') and
+    `Stateful` objects (flattened through, if any: their state is traced)."""
+    given = (bound, args, kwargs)
     with flattening_call():
-        call_parts = _Call(bound, code_as_data(plants), args, kwargs, None)
-        # One flatten that stops at NNX nodes and `Stateful` objects: none, the common case.
-        leaves, treedef = jax.tree_util.tree_flatten(call_parts, is_leaf=has_state_of_its_own)
-        stateful, nodes, state = (), (), ()
+        leaves, treedef = jax.tree_util.tree_flatten(given, is_leaf=has_state_of_its_own)
+        graph, nodes, stateful = None, (), ()
         if any(map(has_state_of_its_own, leaves)):
-            stateful = stateful_objects((bound, args, kwargs))
-            (bound, args, kwargs), graph, nodes = split_nodes((bound, args, kwargs))
-            apart = None if graph is None else graph.apart()
-            if apart is not None:
-                graph, state = apart  # a model's state goes straight to the traced leaves
-            call_parts = call_parts._replace(bound=bound, args=args, kwargs=kwargs, graph=graph)
-            leaves, treedef = jax.tree_util.tree_flatten(call_parts)
-        traced = _traced_leaves(leaves, treedef)
-    dynamic = [*itertools.compress(leaves, traced), *state]
+            stateful = tuple(x for x in leaves if isinstance(x, Stateful))
+            if stateful:
+                leaves, treedef = jax.tree_util.tree_flatten(given, is_leaf=is_graph_node)
+            leaves, graph, nodes = split_leaves(leaves)
+        planted, planted_def = jax.tree_util.tree_flatten(code_as_data(plants))
+    state = () if graph is None else graph.leaves
+    flat = [*leaves, *planted, *state]
+    traced = array_flags(leaves) + [*map(_traced_as_data, planted)]
+    traced += [True] * len(state) if graph is None or graph.arrays else map(_traced_as_data, state)
     static = _Static(
-        treedef,
-        () if all(traced) else static_leaves(leaves, traced),
+        with_graph(jax.tree_util.treedef_tuple((treedef, planted_def)), graph),
+        () if all(traced) else static_leaves(flat, traced),
         policy,
         reap,
         not _jax.is_eager() and _jax.differentiating(),
     )
-    return dynamic, static, nodes, stateful
+    return list(itertools.compress(flat, traced)), static, nodes, stateful
 
 
 def _in_place(fn, static: _Static) -> bool:

@@ -10,6 +10,7 @@ configuration, through the function's one `jax.jit` (`_calling`).
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -220,7 +221,7 @@ def patching_sweep(
         raise TypeError(
             f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
         )
-    cells = 1 if size is None else int(np.prod(size))  # patches per row
+    cells = 1 if size is None else math.prod(size)  # patches per row
     firsts = plan.firsts  # each target's first row
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
@@ -246,7 +247,7 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes), size)
+    spec = (caller, tag, plan.program)
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
@@ -412,7 +413,7 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    spec = (caller, tag, tuple(t.site for t in targets), tuple(site_axes))
+    spec = (caller, tag, plan.program)
     effects: list[list[tuple[Any, int]]] = []
     baselines: list[Any] = []
     shown = _Shown(_steps(batches, progress, caller), batches)

@@ -26,9 +26,9 @@ import jax
 from .. import _jax
 from .._calling._inspect import sow_firings
 from .._calling._jit import unwrap
-from .._calling._nnx_state import GraphShape, forget_verified_splits, split_nodes
+from .._calling._nnx_state import forget_verified_splits, split_leaves, with_graph
 from .._calling._tracing import make_jaxpr
-from .._walk._leaves import is_array, static_key
+from .._walk._leaves import is_array, is_graph_node, static_key
 from .._walk._site import Site
 
 # One sow site's firing: (site, the bodies it is in, how often it fires, how many rows reap stacks).
@@ -94,16 +94,12 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
 
 def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any:
     """What the trace of ``fn`` bound to ``bound`` on ``args`` depends on, hashable; None if it cannot be."""
-    (bound, args), graph, _ = split_nodes((bound, args))
-    state: Any = ()
-    shape: GraphShape | None = None
-    if graph is not None:  # a model's state is keyed apart, by its arrays' identity
-        shape, state = GraphShape(graph.graphdef, graph.statedef), graph.leaves
-    # The graph goes into the tree structure, which hashes without hashing the
-    # graph definition (a deep walk, ~ms on a transformer) and compares the same
-    # definition, as the split cache hands it back, by identity first.
-    leaves, tree = jax.tree_util.tree_flatten((bound, args, shape))
-    key = (tree, tuple(map(_abstract, leaves)), _state_abstract(fn, state))
+    leaves, treedef = jax.tree_util.tree_flatten((bound, args), is_leaf=is_graph_node)
+    leaves, graph, _ = split_leaves(leaves)
+    # A model's state is keyed apart, by its arrays' identity; its graph definition
+    # is in the tree structure (see `with_graph`).
+    state = () if graph is None else graph.leaves
+    key = (with_graph(treedef, graph), tuple(map(_abstract, leaves)), _state_abstract(fn, state))
     try:
         hash(key)
     except TypeError:  # an unhashable static leaf
@@ -111,7 +107,7 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
     return key
 
 
-def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
+def _state_abstract(fn: Callable[..., Any], leaves: Any) -> Hashed:
     """`_abstract` of each leaf of an NNX state, as data; that of the last call of
     ``fn`` again if these are its very arrays (held weakly, so none is reused), as
     on a repeated sweep: a model's hundreds of leaves are not looked at again."""
@@ -122,7 +118,7 @@ def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
         and all(map(operator.is_, map(_CALL, seen[0]), leaves))
     ):
         return seen[1]
-    abstract = _Abstract(tuple(_abstract(leaf, data=True) for leaf in leaves))
+    abstract = Hashed(tuple(_abstract(leaf, data=True) for leaf in leaves))
     try:
         _state_seen[fn] = (tuple(map(weakref.ref, leaves)), abstract)
     except TypeError:  # a number in the state, or a function held only strongly: not kept
@@ -133,22 +129,26 @@ def _state_abstract(fn: Callable[..., Any], leaves: Any) -> _Abstract:
 _CALL = operator.methodcaller("__call__")  # a weak reference's referent, at C speed
 
 
-class _Abstract:
-    """The `_abstract` of a state's leaves, its hash kept: a key found again holds the same one."""
+class Hashed:
+    """A value in a key, its hash computed once: a key found again holds the same one
+    (a model state's abstract leaves, a sweep's sites)."""
 
-    __slots__ = ("leaves", "hash")
+    __slots__ = ("value", "hash")
 
-    def __init__(self, leaves: tuple[Any, ...]) -> None:
-        self.leaves, self.hash = leaves, hash(leaves)
+    def __init__(self, value: Any) -> None:
+        self.value: Any = value
+        self.hash: int | None = None
 
     def __hash__(self) -> int:
+        if self.hash is None:  # a TypeError for an unhashable value, when a key is hashed
+            self.hash = hash(self.value)
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, _Abstract) and self.leaves == other.leaves)
+        return self is other or (isinstance(other, Hashed) and self.value == other.value)
 
 
-_state_seen: weakref.WeakKeyDictionary[Callable[..., Any], tuple[tuple[Any, ...], _Abstract]] = (
+_state_seen: weakref.WeakKeyDictionary[Callable[..., Any], tuple[tuple[Any, ...], Hashed]] = (
     weakref.WeakKeyDictionary()
 )
 

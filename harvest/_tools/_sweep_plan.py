@@ -25,7 +25,7 @@ from .._walk._leaves import ARRAY_TYPES
 from .._walk._paths import path_str
 from .._walk._site import Site
 from ._interventions import axis_size
-from ._site_discovery import _abstract, sow_sites
+from ._site_discovery import Hashed, _abstract, sow_sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,7 @@ class Plan:
     site_axes: tuple[tuple[int, ...] | None, ...]  # each target's axes, counted from the front
     rows: tuple[str, ...]  # one name per row of the result
     firsts: np.ndarray  # each target's first row, and the number of rows last
+    program: Hashed  # what of it shapes a sweep's program, hashed once
 
 
 def planned(f, clean, corrupted_args, tag, names, axis, caller):
@@ -142,17 +143,20 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
             f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
             f"names sown with that tag: {list(by_name) or 'none'}."
         )
-    key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
+    given = {name: _lookup_dotted(clean, name) for name in names}  # looked up once
+    key = _plan_key(found, tag, chosen is None, axes, caller, given)
     plan = None if key is None else _plans.get(key)
     if plan is not None and plan.found is found:
-        values = [site_value(clean, s, "clean", count, checked=True) for s, count in plan.sites]
+        values = [site_value(given, s, "clean", count, checked=True) for s, count in plan.sites]
         return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
     targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
     axis_labels, site_axes = _swept(targets, axes, caller)
     sites = tuple((t.site, t.count) for t in targets)
     firsts = np.cumsum([0] + [t.rows for t in targets])
+    site_axes = tuple(site_axes)
+    program = Hashed((sites, site_axes, size))
     plan = Plan(
-        found, sites, size, skipped, axis_labels, tuple(site_axes), _row_names(targets), firsts
+        found, sites, size, skipped, axis_labels, site_axes, _row_names(targets), firsts, program
     )
     if key is not None:
         _plans[key] = plan
@@ -164,10 +168,11 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
 _plans: dict[Any, Plan] = {}  # the plans of the last sweeps, oldest first
 
 
-def _plan_key(found, tag, auto, names, axes, caller, clean):
-    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be."""
-    shapes = tuple(_value_shape(_lookup_dotted(clean, name)) for name in names)
-    key = (id(found), tag, auto, tuple(names), axes, caller, shapes)
+def _plan_key(found, tag, auto, axes, caller, given):
+    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be.
+    ``given`` holds the clean value of each name chosen (`_MISSING` if none)."""
+    shapes = tuple(map(_value_shape, given.values()))
+    key = (id(found), tag, auto, tuple(given), axes, caller, shapes)
     try:
         hash(key)
     except TypeError:  # an unhashable tag (harvest.compat.oryx allows any) or static leaf
