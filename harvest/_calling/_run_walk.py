@@ -219,7 +219,7 @@ def _check_stageable(jaxpr, static: _Static) -> None:
 
 def _checked_sites(traced: _Traced, static: _Static):
     """(each site key's rank in program order, the sites the policy handles, the keys
-    of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
+    of its tag that `names=`/`exclude=` leave out), refusing what names no site."""
     jaxpr, policy = traced.closed.jaxpr, static.policy
     key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
@@ -258,7 +258,7 @@ def _checked_sites(traced: _Traced, static: _Static):
             raise _errors.never_instrumented(policy.tag, caller)
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
-        policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
+        policy.select.check_names([path_str(p) for p in tagged], "names= entry", policy.tag)
     return first, handled, filtered
 
 
@@ -550,7 +550,7 @@ def _lowerable(jaxpr):
 def _resolve_plants(plants, sites, policy, filtered):
     """Matches a nested {name: value} dict to the sites it plants into.
 
-    `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
+    `filtered` holds the names of the tag that `names=`/`exclude=` leave out."""
     if plants is None:
         return {}
     resolved = {}

@@ -128,7 +128,7 @@ class Instrumented:
         return (
             f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
             f"inputs={self._inputs}, attention={self._attention}"
-            + ("" if self._names is None else f", names={self._names!r}")
+            + ("" if self._names is None else f", naming={self._names!r}")
             + ")"
         )
 

@@ -1,4 +1,4 @@
-"""TransformerLens's hook names (`instrument(..., names="transformer_lens")`).
+"""TransformerLens's hook names (`instrument(..., naming="transformer_lens")`).
 
 With the naming asked for, a call sows TransformerLens's names only (the keys of
 its ``ActivationCache``), not the module paths: each transformer block found in
@@ -57,7 +57,7 @@ from typing import Any
 from .. import _errors
 from . import _attention
 
-NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
+NAMINGS = ("transformer_lens",)  # what `instrument(naming=...)` takes
 
 # What a TransformerLens name looks like: every other site is left out of a call with names.
 _TL_NAME = re.compile(r"(hook_embed|hook_pos_embed|blocks\.\d+\.((attn|mlp)\.)?hook_\w+)")

@@ -85,16 +85,16 @@ class Plan:
     firsts: np.ndarray  # each target's first row, and the number of rows last
 
 
-def planned(f, clean, corrupted_args, tag, names, axis, caller):
+def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude=None):
     """A sweep's swept axes, its batches of (clean, corrupted arguments), and the
     targets and `Plan` of its first batch."""
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller, exclude)
     return axes, batches, targets, plan
 
 
-def _targets(f, clean, corrupted_args, tag, names, axes, caller):
+def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     """The sites to patch with their clean values, and the `Plan` they follow.
 
     The plan is kept, keyed by everything it is decided from: the sites found
@@ -119,6 +119,9 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
     else:
         names = _select_names(names, list(by_name), tag, caller)
+    if exclude is not None:  # as for reap: a name to leave out may be absent
+        kept = NameFilter.make(None, exclude)
+        names = [n for n in names if kept((n,))]
     if not names:
         raise _errors.nothing_to_patch(caller, tag, list(by_name))
     key = _plan_key(found, tag, chosen is None, names, axes, caller, clean)
@@ -291,7 +294,7 @@ def _matched(entries, sown, tag, caller):
     for entry in entries:
         select = NameFilter.make(entry)
         picked.update(dict.fromkeys(n for n in sown if select((n,))))
-    NameFilter.make(list(entries)).check_allowlist(sown, f"{caller}: names=", tag)
+    NameFilter.make(list(entries)).check_names(sown, f"{caller}: names=", tag)
     return list(picked)
 
 
