@@ -1,4 +1,4 @@
-"""instrument(names="transformer_lens") against TransformerLens itself, hook by hook.
+"""instrument(naming="transformer_lens") against TransformerLens itself, hook by hook.
 
 Two models from a real checkpoint's code path, with random weights (no download):
 a GPT-2 built by Hugging Face `transformers` from a config, ported to Flax NNX here
@@ -181,7 +181,7 @@ def test_gpt2_in_nnx_gives_transformer_lens_s_hooks():
     with torch.no_grad():
         hf_logits = hf(torch.tensor(TOKENS)).logits.numpy()
     np.testing.assert_allclose(model(jnp.asarray(TOKENS)), hf_logits, rtol=1e-4, atol=1e-4)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(jnp.asarray(TOKENS))
     expected = ["hook_embed", "hook_pos_embed", *block_names(("hook_pre", "hook_post"))]
     assert_hooks_equal(ours, theirs, expected)
@@ -239,7 +239,7 @@ def test_llama_in_penzai_gives_transformer_lens_s_hooks():
     logits = model(tokens)
     axes = ("batch", "seq", "vocabulary")
     np.testing.assert_allclose(logits.order_as(*axes).unwrap(*axes), hf_logits, atol=1e-4)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(tokens)
     expected = ["hook_embed", *block_names(("hook_pre", "hook_pre_linear", "hook_post"))]
     assert_hooks_equal(ours, theirs, expected)
@@ -298,7 +298,7 @@ def test_gpt_neox_in_penzai_gives_transformer_lens_s_hooks():
     theirs = tl_cache(cfg, convert_neox_weights(hf, cfg))
     model = gpt_neox.gpt_neox_from_huggingface_model(hf)
     tokens = pz.nx.wrap(jnp.asarray(TOKENS), "batch", "seq")
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(tokens)
     expected = [
         n for n in ["hook_embed", *block_names(("hook_pre", "hook_post"))] if "resid_mid" not in n

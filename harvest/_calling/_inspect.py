@@ -99,7 +99,7 @@ class Sites(list[SiteInfo]):
     def nbytes(self) -> int | None:
         """The bytes a full ``reap`` of these sites returns per call: the size of
         the reaped dict, which the compiled program allocates beside ``f``'s own
-        (``reap`` with ``allowlist``/``blocklist`` keeps only the sites chosen).
+        (``reap`` with ``names``/``exclude`` keeps only the sites chosen).
 
         Returns:
             The sum of every site's ``nbytes``, or ``None`` if a site is inside a

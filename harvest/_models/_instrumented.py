@@ -165,7 +165,7 @@ class Instrumented:
             ):
                 raise _errors.instrument_where_selects_no_submodule(self._where, names)
             # Every module is wrapped (with ops=True its path names the ops inside,
-            # whatever `where` selects); `sow` keeps to the selected ones.
+            # whatever `names` selects); `sow` keeps to the selected ones.
             call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
             call.known = frozenset(call.paths.values())
             self._prepare(call, parts, names, args, kwargs)

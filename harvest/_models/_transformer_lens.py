@@ -38,7 +38,7 @@ computes with. Three kinds of block are read:
   planted there moves the attention's output by the difference, so the block's
   own addition gives the planted value (up to rounding). That extra addition can
   change how XLA compiles the attention's last product, and so the model's
-  outputs in their last bits; leaving ``resid_mid`` out (``where``) keeps them
+  outputs in their last bits; leaving ``resid_mid`` out (``names``) keeps them
   bit for bit. A block seen computing otherwise is refused (`_check_sequential`):
   one that hands its attention's output to another submodule before adding it,
   a parallel block whose MLP reads its input, an attention given keys or values
