@@ -53,7 +53,12 @@ from ._walk._higher_order import (
     HigherOrder as HigherOrder,
     register as _register,
 )
-from ._walk._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
+from ._walk._interpreter import (
+    Retraced as Retraced,
+    Walk as Walk,
+    interpret as _interpret,
+    retrace as _retrace,
+)
 from ._walk._rules.batched_cond import rewrite as _rewrite
 
 __all__ = [
@@ -174,7 +179,7 @@ def walk_in_place(
         >>> plant(f)({"h": jnp.float32(10.0)}, 3.0)
         Array(11., dtype=float32)
     """
-    outs: list[Any] = interpret(walk, jaxpr, consts, list(args))
+    outs: list[Any] = _interpret(walk, jaxpr, consts, list(args))
     return outs
 
 
