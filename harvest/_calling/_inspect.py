@@ -296,7 +296,9 @@ def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sit
     return listed_sites
 
 
-def _listed(f: Callable[..., Any], tag: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sites:
+def _listed(
+    f: Callable[..., Any], tag: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Sites:
     """Every sow site of ``f(*args, **kwargs)`` of ``tag`` (None: any), in program order."""
     found, blocks = Sites(), []
     jaxpr = make_jaxpr(f, args, kwargs)[0].jaxpr

@@ -168,7 +168,9 @@ def view(
     return drawn
 
 
-def _drawn(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], values: Any, tag: Any) -> View:
+def _drawn(
+    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], values: Any, tag: Any
+) -> View:
     """The `View` of ``f(*args, **kwargs)``, with ``values`` summarised on the sites of ``tag``."""
     params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
     (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
