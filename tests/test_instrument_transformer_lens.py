@@ -169,8 +169,8 @@ def test_nnx_sweeps_give_transformer_lens_s_layer_by_position_and_layer_by_head(
 
 
 def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
-    with pytest.raises(ValueError, match="unknown names='tl'. Use one of 'transformer_lens'"):
-        instrument(gpt, names="tl")
+    with pytest.raises(ValueError, match="unknown .*'tl'. Use one of 'transformer_lens'"):
+        instrument(gpt, naming="tl")
     with pytest.raises(
         ValueError, match="found no transformer block in .*one submodule named `mlp`"
     ):
