@@ -247,7 +247,7 @@ def _html_view(found: Sites) -> str:
 
 @arguments_moved
 def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sites]:
-    """Returns a function that lists every sow site of ``f`` for the arguments it is given, without running ``f``.
+    """Returns a function listing every sow site of ``f`` for its arguments, without running ``f``.
 
     ``sites(f)(*args, **kwargs)`` traces ``f(*args, **kwargs)`` with
     ``jax.make_jaxpr``: array arguments (or ``jax.ShapeDtypeStruct`` values

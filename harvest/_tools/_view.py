@@ -98,7 +98,7 @@ def view(
     values: dict[str, Any] | None = None,
     tag: Any = None,
 ) -> Callable[..., View]:
-    """Returns a function that draws the dataflow graph of ``f`` for its arguments, traced as ``reap`` traces it.
+    """Returns a function drawing the dataflow graph of ``f`` on its arguments, traced as ``reap`` does.
 
     ``view(f)(*args, **kwargs)`` draws ``f(*args, **kwargs)``; it is called as
     every transformation is, and the old form ``view(f, x)`` still works until
