@@ -209,8 +209,9 @@ def test_instrument_old_keywords():
     with pytest.warns(DeprecationWarning) as record:
         old_tl = instrument(model, names="transformer_lens", where=post)
     warned_here(record)
-    assert [re.findall("`([a-z]+=)`", str(w.message)) for w in record] == [
-        ["names=", "naming="],  # the naming moves first, then where= takes its place
+    assert [re.findall("`([^`]+)`", str(w.message)) for w in record] == [
+        # The naming moves first, then where= takes its place.
+        ["names='transformer_lens'", "naming='transformer_lens'"],
         ["where=", "names="],
     ]
     close(reap(old_tl, tag="modules")(x), {post: model.blocks[0](x)})

@@ -29,8 +29,11 @@ def warn_renamed(fn_name: str, old: str, new: str, stacklevel: int) -> None:
     )
 
 
-def take_renamed(kwargs: dict[str, Any], old: str, new: str, fn_name: str, stacklevel: int) -> None:
-    """Moves ``kwargs[old]`` to ``kwargs[new]``, warning; ``stacklevel`` as for `warn_renamed`."""
+def take_renamed(
+    kwargs: dict[str, Any], old: str, new: str, fn_name: str, stacklevel: int, shown: bool = False
+) -> None:
+    """Moves ``kwargs[old]`` to ``kwargs[new]``, warning (with the value if ``shown``: only
+    that value is deprecated); ``stacklevel`` as for `warn_renamed`."""
     if old not in kwargs:
         return
     if new in kwargs:
@@ -38,7 +41,8 @@ def take_renamed(kwargs: dict[str, Any], old: str, new: str, fn_name: str, stack
             f"{fn_name}() got both `{old}=` and `{new}=`; `{old}=` is the old spelling of "
             f"`{new}=`: pass `{new}=` only."
         )
-    warn_renamed(f"{fn_name}()", f"{old}=", f"{new}=", stacklevel + 1)
+    value = repr(kwargs[old]) if shown else ""
+    warn_renamed(f"{fn_name}()", f"{old}={value}", f"{new}={value}", stacklevel + 1)
     kwargs[new] = kwargs.pop(old)
 
 
@@ -58,7 +62,7 @@ def renamed(
             for old, new in old_to_new.items():
                 new, when = (new, None) if isinstance(new, str) else new
                 if old in kwargs and (when is None or when(kwargs[old])):
-                    take_renamed(kwargs, old, new, fn.__name__, stacklevel=2)
+                    take_renamed(kwargs, old, new, fn.__name__, 2, shown=when is not None)
             return fn(*args, **kwargs)
 
         return accepting_old
