@@ -230,7 +230,7 @@ def recorded(cfg):
 
     @jax.jit
     def forward(state, tokens):
-        return reap(instrument(nnx.merge(graphdef, state)), tag="modules", allowlist=names)(tokens)
+        return reap(instrument(nnx.merge(graphdef, state)), tag="modules", names=names)(tokens)
 
     def by_hand():
         for tokens in batches:

@@ -2,7 +2,7 @@
 
 Memory: a residual MLP sowing every layer's output, run in a fresh process per
 variant (the bare forward, a full `reap`, a `reap` with a one-site
-`allowlist`, and a hand-written `jax.jit` returning the same intermediates),
+`names=`, and a hand-written `jax.jit` returning the same intermediates),
 with the default allocator and no trimming, as a user runs it. Two ways:
 
 * as a user sees it: resident memory after the first call (compile included),
@@ -11,7 +11,7 @@ with the default allocator and no trimming, as a user runs it. Two ways:
   resident memory just before it.
 
 Each is reported as (variant - bare forward) / the reaped bytes, the bytes
-being `sites(f, ...).nbytes()`: 1.0 means a full reap costs exactly what it
+being `sites(f)(...).nbytes()`: 1.0 means a full reap costs exactly what it
 returns.
 
 Plants: `plant(f)({"h": lambda o: o + d}, x)` with a fresh lambda and a new
@@ -110,15 +110,15 @@ if variant.startswith("nnx"):  # an instrumented NNX model's module sites
     bare = jax.jit(lambda state, x: nnx.merge(graph, state)(x))
     probed = reap(instrument(model), tag="modules")
     run = {"nnx_bare": lambda ws, x: bare(state, x), "nnx_instrumented": lambda ws, x: probed(x)}[variant]
-    reaped = sites(instrument(model), x, tag="modules").nbytes()
+    reaped = sites(instrument(model), tag="modules")(x).nbytes()
 else:
     run = {
         "bare": jax.jit(f),
         "reap": reap(f),
-        "reap_one_site": reap(f, allowlist=["layer0"]),
+        "reap_one_site": reap(f, names=["layer0"]),
         "hand": jax.jit(hand),
     }[variant]
-    reaped = sites(f, ws, x).nbytes()
+    reaped = sites(f)(ws, x).nbytes()
 
 class Peak:
     def __enter__(self):
@@ -228,7 +228,7 @@ def run(cfg: Config = Config()):
 _NAMES = {
     "bare": "bare forward (`jax.jit(f)`)",
     "reap": "full `reap(f)`",
-    "reap_one_site": "`reap(f, allowlist=['layer0'])`",
+    "reap_one_site": "`reap(f, names=['layer0'])`",
     "hand": "hand-written `jax.jit` returning every layer",
     "nnx_bare": "NNX model, bare (`jax.jit` of the split forward)",
     "nnx_instrumented": "NNX model, `reap(instrument(model), tag='modules')`",
@@ -246,7 +246,7 @@ def render(results):
         "",
         f"A residual MLP of {cfg.layers} layers (width {cfg.width}, batch {cfg.batch}), every",
         f"layer's output sown: a full reap returns {mem['reaped'] / mib:.1f} MiB",
-        "(`sites(f, ...).nbytes()`). Each variant runs in a fresh process, default allocator, no",
+        "(`sites(f)(...).nbytes()`). Each variant runs in a fresh process, default allocator, no",
         "trimming. *held*: resident memory after the first call (compile included), the result",
         "held, over the process before it, as a user sees it. *peak*: a second call's peak,",
         "sampled from a thread, over the resident memory just before it. The ratios are",

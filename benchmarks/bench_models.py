@@ -3,7 +3,7 @@
     python -m benchmarks --only models [--quick]
 
 For each model (random weights, built from the library's own config), the
-capture is `reap` of `instrument(model, attention=True)` restricted (`where`)
+capture is `reap` of `instrument(model, attention=True)` restricted (`names`)
 to every block output and every attention hook; the reference is the model's
 forward under `jax.jit`. Three ratios of medians, ours over the reference,
 each pair timed interleaved in one run:
@@ -72,7 +72,7 @@ def penzai_case(cfg: Config):
     model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
     tokens = pz.nx.wrap(jnp.arange(cfg.positions)[None] % 97, "batch", "seq")
     blocks = [f"body.sublayers.{i + 1}" for i in range(cfg.blocks)]
-    probed = instrument(model, attention=True, where=[*blocks, "*.hook_*"])
+    probed = instrument(model, attention=True, names=[*blocks, "*.hook_*"])
     frozen = pz.freeze_variables(
         model
     )  # the weights as arguments, as the eager capture traces them
@@ -134,14 +134,14 @@ def gemma_case(cfg: Config):
     params = model.init(jax.random.key(0), tokens)
     apply = lambda p, t: model.apply(p, t).logits
     blocks = [f"layer_{i}" for i in range(cfg.blocks)]
-    probed = instrument(apply, attention=True, where=[*blocks, "*.hook_*"])
+    probed = instrument(apply, attention=True, names=[*blocks, "*.hook_*"])
     forward = jax.jit(apply)
     # The jitted capture takes params too.
     forwards = (lambda: forward(params, tokens),) * 2 + ((apply, (params, tokens)),)
     flagged = instrument(
         lambda p, t, logits: model.apply(p, t).logits if logits else model.apply(p, t),
         attention=True,
-        where=[*blocks, "*.hook_*"],
+        names=[*blocks, "*.hook_*"],
     )
     own = reap(flagged, tag="modules")
     return (

@@ -82,7 +82,7 @@ def run(cfg: Config = Config()):
             plants, instrument(nnx.merge(graphdef, state)), t, cfg
         )
     )
-    record = reap(decode, tag="modules", allowlist="blocks.*.mlp", max_steps=cfg.length)
+    record = reap(decode, tag="modules", names="blocks.*.mlp", max_steps=cfg.length)
     recorded = jax.jit(lambda state, t: record(instrument(nnx.merge(graphdef, state)), t, cfg))
     probed, eager = instrument(model), plant(decode, tag="modules")
     unsteered_nnx = nnx.jit(decode, static_argnums=2)

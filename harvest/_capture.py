@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._calling._renamed import renamed
 from ._calling._transforms import call_and_reap
 from ._typing import NameSelect, P, R, Reaped
 from ._walk._sow import DEFAULT_TAG
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def capture(
     f: Callable[P, R],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Returns a function that runs ``f`` and also returns what it sowed.
 
@@ -27,9 +29,9 @@ def capture(
         f: the function to run, as for ``reap``; a differentiated function
             (``jax.grad(loss)``) gives the cotangents its ``perturb`` sites sow.
         tag: which sows to collect; sows of other tags pass through untouched.
-        allowlist: if given, collect only these names (exact names, glob patterns
+        names: if given, collect only these sites (exact names, glob patterns
             or predicates on names).
-        blocklist: names never to collect, in the same forms as ``allowlist``.
+        exclude: sites never to collect, in the same forms as ``names``.
 
     Returns:
         A function taking ``f``'s arguments and returning ``(output, collected)``.
@@ -49,4 +51,4 @@ def capture(
         >>> out, collected["features"]
         (Array(4., dtype=float32), (Array([2., 2.], dtype=float32), Array([4., 4.], dtype=float32)))
     """
-    return call_and_reap(f, tag=tag, allowlist=allowlist, blocklist=blocklist)
+    return call_and_reap(f, tag=tag, names=names, exclude=exclude)

@@ -49,7 +49,7 @@ def listed(names: Iterable[str], near: str, at_most: int = 12) -> str:
     close = difflib.get_close_matches(near, names, n=3, cutoff=0.5)
     shown = ", ".join(repr(n) for n in close or names[:3])
     which = "the closest" if close else "the first"
-    return f"{len(names)} names, {which} {shown} (`sites(f, *args)` lists them all)"
+    return f"{len(names)} names, {which} {shown} (`sites(f)(*args)` lists them all)"
 
 
 class InterventionMisfit(ValueError):

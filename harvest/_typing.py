@@ -32,7 +32,7 @@ Reaped: TypeAlias = dict[str, Any]
 # `old -> new` per name. A dict, not any Mapping: plant checks for one.
 Plants: TypeAlias = dict[str, Any]
 
-# A name selector (allowlist, blocklist, `where=`, `names=`): an exact name, a
+# A name selector (`names=`, `exclude=`, path patching's roles): an exact name, a
 # glob pattern, a predicate on names, or several of those.
 NamePattern: TypeAlias = str | Callable[[str], bool]
 NameSelect: TypeAlias = NamePattern | Iterable[NamePattern] | None

@@ -53,8 +53,27 @@ from ._walk._higher_order import (
     HigherOrder as HigherOrder,
     register as _register,
 )
-from ._walk._interpreter import Retraced as Retraced, Walk as Walk, interpret, retrace as _retrace
+from ._walk._interpreter import (
+    Retraced as Retraced,
+    Walk as Walk,
+    interpret as _interpret,
+    retrace as _retrace,
+)
 from ._walk._rules.batched_cond import rewrite as _rewrite
+
+__all__ = [
+    "UNBOUNDED",
+    "Body",
+    "HigherOrder",
+    "Retraced",
+    "Rule",
+    "Walk",
+    "plants_inside",
+    "register",
+    "retrace",
+    "walk_in_branch",
+    "walk_in_place",
+]
 
 Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 
@@ -107,7 +126,7 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | No
         >>> f = lambda x: twice(lambda y: sow(y + 1.0, name="h", mode="append"), x)
         >>> reap(f)(1.0)["h"]
         Array([2., 3.], dtype=float32, weak_type=True)
-        >>> [(s.name, s.fires, s.where) for s in sites(f, 1.0)]
+        >>> [(s.name, s.fires, s.where) for s in sites(f)(1.0)]
         [('h', 2, 'twice')]
     """
     if not isinstance(descriptor, HigherOrder):
@@ -163,7 +182,7 @@ def walk_in_place(
         >>> plant(f)({"h": jnp.float32(10.0)}, 3.0)
         Array(11., dtype=float32)
     """
-    outs: list[Any] = interpret(walk, jaxpr, consts, list(args))
+    outs: list[Any] = _interpret(walk, jaxpr, consts, list(args))
     return outs
 
 

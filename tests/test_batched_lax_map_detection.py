@@ -56,7 +56,7 @@ def test_collect_entries_merge_per_map_whichever_parts_it_runs(n):
     want = {"k": (xs + 1.0, xs[: max(n - 2, 1)] + 1.0)}  # by hand: one entry per map
     _close(reap(f)(xs), want)
     # sites lists each element's sow apart; together they fire as without batch_size.
-    assert sum(s.fires for s in sites(f, xs)) == sum(s.fires for s in sites(f, xs, None))
+    assert sum(s.fires for s in sites(f)(xs)) == sum(s.fires for s in sites(f)(xs, None))
 
 
 def test_a_users_scan_over_a_vmap_with_no_carry_sows_per_batch():

@@ -90,7 +90,7 @@ def test_every_transformation_takes_python_flags():
     close((out, reaps), (jnp.full(3, 0.5), {"layer0": want["layer0"], "dropout": jnp.full(3, 0.5)}))
     scoped = lambda x, n: nest(model, scope="m")(x, n)
     close(reap(scoped)(X, 3), {"m": reference(X, 3)[1]})
-    assert [s.name for s in sites(model, X, 3, training=True)] == [
+    assert [s.name for s in sites(model)(X, 3, training=True)] == [
         "layer0",
         "layer1",
         "layer2",
@@ -194,7 +194,7 @@ def test_static_callables_configs_and_partials():
     )
     close(reap(functools.partial(model, n=2))(X), reference(X, 2)[1])
     close(
-        reap(functools.partial(model, training=True), blocklist="layer*")(X, 1),
+        reap(functools.partial(model, training=True), exclude="layer*")(X, 1),
         {"dropout": reference(X, 1, True)[1]["dropout"]},
     )
 

@@ -492,7 +492,7 @@ def test_lax_map_with_batch_size_reaps_and_plants_per_element_as_without(mode, n
     close((out, reaped), (want_out, want))
     close(want["h"], xs * 2.0 if mode == "append" else xs[-1] * 2.0)
     # sites lists each element's sow of a batch apart; together they fire once per element.
-    assert sum(s.fires for s in sites(batched, xs)) == sum(s.fires for s in sites(unbatched, xs))
+    assert sum(s.fires for s in sites(batched)(xs)) == sum(s.fires for s in sites(unbatched)(xs))
     plants = [
         {"h": jnp.float32(7.0)},  # one value for every element
         {"h": lambda old: old * 10.0},  # sees one element
@@ -691,7 +691,7 @@ def test_lax_map_with_batch_size_collects_one_entry_per_sow_as_without(n):
     # sites lists each element's sow of a batch apart; together they fire once per element.
     def fires(batch_size):
         counts = {}
-        for s in sites(f, xs, batch_size):
+        for s in sites(f)(xs, batch_size):
             counts[s.name] = counts.get(s.name, 0) + s.fires
         return counts
 

@@ -254,7 +254,7 @@ def _as_uint32(x):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: reap(_doubles, allowlist=3)(1.0), "allowlist takes names"),
+        (lambda: reap(_doubles, names=3)(1.0), "names= takes names"),
         (lambda: plant(_doubles)({"h": "zero"}, 1.0), r"name='h'.*is a str"),
         (lambda: plant(_doubles)({"h": lambda old: "zero"}, 1.0), r"callable.*name='h'.*is a str"),
         (lambda: plant(_doubles)({"h": lambda a, b, c: a}, 1.0), r"name='h'.*\(old, i\) -> new"),

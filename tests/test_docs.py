@@ -247,7 +247,7 @@ def test_docs_build_with_warnings_as_errors(tmp_path):
     assert page.count("search-button-field") == 1
     # Parameters are described, and single backticks render as code, not <cite>.
     api = (html / "api.html").read_text()
-    assert "<cite>" not in api and "allowlist" in api and "Parameters" in api
+    assert "<cite>" not in api and "exclude" in api and "Parameters" in api
 
 
 # Code on every page fits the content column unwrapped: 88 columns, at the docs'

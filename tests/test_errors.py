@@ -283,8 +283,8 @@ def test_bad_name_tag_scope_and_filters():
         reap(f, tag=None)
     with pytest.raises(TypeError, match=r"scope"):
         nest(f, scope="")
-    with pytest.raises(TypeError, match=r"allowlist"):
-        reap(f, allowlist=[3])
+    with pytest.raises(TypeError, match=r"names="):
+        reap(f, names=[3])
 
 
 def test_error_under_outer_jit_leaves_no_state():
@@ -350,9 +350,9 @@ def test_f_must_be_callable(make, f):
 def test_planting_a_filtered_out_name_says_so():
     f = lambda x: sow(x, name="pair") + sow(x, name="other")
     with pytest.raises(KeyError, match=r"'pair'.*is sown with tag 'intermediates'.*blocklist"):
-        plant(f, blocklist="pair")({"pair": 1.0}, 1.0)
+        plant(f, exclude="pair")({"pair": 1.0}, 1.0)
     with pytest.raises(KeyError, match=r"'pair'.*allowlist"):
-        plant(f, allowlist="other")({"pair": 1.0}, 1.0)
+        plant(f, names="other")({"pair": 1.0}, 1.0)
 
 
 def test_append_occurrences_of_different_shapes_name_the_site():

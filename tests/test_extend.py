@@ -37,7 +37,7 @@ def test_custom_vmap_sows_are_reaped_and_planted():
     np.testing.assert_allclose(out, f(0.5))
     np.testing.assert_allclose(reaped["h"], np.sin(0.5), rtol=1e-6)
     np.testing.assert_allclose(plant(f)({"h": 5.0}, 0.5), 10.0)
-    assert [(s.name, s.fires, s.where) for s in sites(f, 0.5)] == [("h", 1, "custom_vmap")]
+    assert [(s.name, s.fires, s.where) for s in sites(f)(0.5)] == [("h", 1, "custom_vmap")]
 
 
 @pytest.mark.parametrize("rule_sows", [False, True])
@@ -96,7 +96,7 @@ def test_register_teaches_reap_plant_and_sites_a_new_primitive():
     extend.register(twice_p, extend.HigherOrder(bodies), walk_twice)
     np.testing.assert_allclose(reap(f)(1.0)["h"], [3.0, 9.0])
     np.testing.assert_allclose(plant(f)({"h": jnp.array([2.0, 5.0])}, 1.0), 5.0)
-    assert [(s.fires, s.where) for s in sites(f, 1.0)] == [(2, "twice")]
+    assert [(s.fires, s.where) for s in sites(f)(1.0)] == [(2, "twice")]
     with pytest.raises(TypeError, match="HigherOrder"):
         extend.register(twice_p, bodies, walk_twice)
 

@@ -66,7 +66,7 @@ def refined(mode):
 def test_sites_of_custom_linear_solve_fire_as_reap_returns(mode):
     f = refined(mode)
     b = jnp.array([1.0, -2.0, 0.5])
-    listed = sites(f, b)
+    listed = sites(f)(b)
     # Only `solve` runs in a call (its jaxpr holds the matvec it calls); the
     # transposed solve runs only where JAX differentiates.
     assert [(s.name, s.fires, s.where) for s in listed] == [

@@ -304,7 +304,7 @@ def test_transformer_lens_names_on_the_attention_only_model_equal_the_hand_compu
     model = BUILDERS[kind](params)
     logits, by_hand = tl_by_hand(params, clean_tokens)
     np.testing.assert_allclose(model(clean_tokens), logits, rtol=1e-4, atol=1e-4)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     cache = reap(tl, tag="modules")(clean_tokens)
     assert set(cache) == set(by_hand)  # TransformerLens's names only, every one of them
     causal = np.tril(np.ones((ti.SEQ, ti.SEQ), bool))
@@ -323,7 +323,7 @@ def test_ablation_sweep_on_the_attention_only_model_equals_ablating_each_head_by
     from harvest import ablation_sweep, instrument
 
     params, clean_tokens, _ = prompts
-    tl = instrument(BUILDERS[kind](params), names="transformer_lens", attention=True)
+    tl = instrument(BUILDERS[kind](params), naming="transformer_lens", attention=True)
     # The induction metric: the log-probability of the repeated tokens, in the repeat.
     nll = lambda logits: (
         -jnp.mean(

@@ -190,7 +190,7 @@ def test_nnx_sites_sweep_and_attribution(transformer):
     corrupted = X[::-1]
     clean = reap(model, tag="modules")(X)
     names = ["blocks.0", "blocks.1.attn"]
-    info = {s.name: s for s in sites(model, X, tag="modules")}
+    info = {s.name: s for s in sites(model, tag="modules")(X)}
     assert info["blocks.0"].shape == (T, D) and info["head"].fires == 1
 
     def metric(y):
@@ -209,12 +209,12 @@ def test_nnx_sites_sweep_and_attribution(transformer):
 
 
 def test_where_selects_before_tracing(transformer):
-    model = instrument(transformer, where=["blocks.*.attn", "head"])
+    model = instrument(transformer, names=["blocks.*.attn", "head"])
     assert sorted(reap(model, tag="modules")(X)) == ["blocks.0.attn", "blocks.1.attn", "head"]
-    model = instrument(transformer, where=lambda name: name.endswith("q_proj"))
+    model = instrument(transformer, names=lambda name: name.endswith("q_proj"))
     assert sorted(reap(model, tag="modules")(X)) == ["blocks.0.attn.q_proj", "blocks.1.attn.q_proj"]
     with pytest.raises(ValueError, match="selects none of the model's submodules.*'blocks.0'"):
-        instrument(transformer, where="decoder.*")(X)
+        instrument(transformer, names="decoder.*")(X)
 
 
 # ---------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_scan_over_layers_reaps_each_layer(scan_model):
     np.testing.assert_allclose(reaped["layers"], want, **TOL)
     np.testing.assert_allclose(out, want_out, **TOL)
     assert not hasattr(scan_model.layers, "_harvest_instrument_paths")  # the mark lasts one call
-    info = {s.name: s for s in sites(model, X, tag="modules")}
+    info = {s.name: s for s in sites(model, tag="modules")(X)}
     assert info["layers"].fires == L and info["layers"].shape == (T, D)
 
 
@@ -409,11 +409,11 @@ def test_two_roots_sharing_scanned_layers_in_threads(scan_model):
 
     def held_calls():
         while not done.is_set() or len(found) < 3:
-            found.append(tuple(sites(held, X, tag="modules").names()))
+            found.append(tuple(sites(held, tag="modules")(X).names()))
 
     thread = threading.Thread(target=held_calls)
     thread.start()
-    mine = {tuple(sites(direct, X, tag="modules").names()) for _ in range(4)}
+    mine = {tuple(sites(direct, tag="modules")(X).names()) for _ in range(4)}
     done.set()
     thread.join()
     assert mine == {("layers", "head")} and set(found) == {("inner.layers", "inner.head", "inner")}
@@ -640,7 +640,7 @@ def test_equinox_rebuilt_layer_that_fits_two_stacks_is_an_error():
     ):
         reap(instrument(model), tag="modules")(X[0])
     # Left out by `where`, they are not sites, and the rest still is.
-    cache = reap(instrument(model, where="head"), tag="modules")(X[0])
+    cache = reap(instrument(model, names="head"), tag="modules")(X[0])
     np.testing.assert_allclose(cache["head"], model(X[0]), **TOL)
 
 
@@ -685,11 +685,11 @@ def test_other_threads_see_the_plain_model(transformer):
 
     def plain_calls():
         while not done.is_set() or len(found) < 3:
-            found.append(len(sites(lambda x: transformer(x), X)))
+            found.append(len(sites(lambda x: transformer(x))(X)))
 
     thread = threading.Thread(target=plain_calls)
     thread.start()
-    mine = [len(sites(model, X, tag="modules")) for _ in range(4)]
+    mine = [len(sites(model, tag="modules")(X)) for _ in range(4)]
     done.set()
     thread.join()
     assert mine == [17] * 4 and set(found) == {0}
@@ -722,10 +722,10 @@ def test_bad_targets_and_outputs():
 
     with pytest.raises(TypeError, match="module at 'labels' returned its output of type str"):
         instrument(Model())(X)
-    model = instrument(Model(), where=lambda n: n != "labels", ops=True)
+    model = instrument(Model(), names=lambda n: n != "labels", ops=True)
     assert list(reap(model, tag="modules")(X)) == ["mul:0"]
-    with pytest.raises(ValueError, match="where='head' selected nothing"):
-        instrument(Model(), where="head", ops=True)(X)
+    with pytest.raises(ValueError, match="names='head' selected nothing"):
+        instrument(Model(), names="head", ops=True)(X)
 
 
 def test_reap_and_plant_without_the_modules_tag_say_to_pass_it(transformer):
@@ -905,9 +905,9 @@ def test_ops_inside_scan_and_cond():
     f = instrument(scan_and_cond, ops=True)
     assert np.array_equal(f(X0, XS), scan_and_cond(X0, XS))
     assert np.array_equal(jax.jit(f)(X0, XS), jax.jit(scan_and_cond)(X0, XS))
-    names = sites(f, X0, XS, tag="modules").names()
+    names = sites(f, tag="modules")(X0, XS).names()
     assert (
-        names == sites(instrument(scan_and_cond, ops=True), X0, XS, tag="modules").names()
+        names == sites(instrument(scan_and_cond, ops=True), tag="modules")(X0, XS).names()
     )  # stable
     assert {"cell/mul:0", "cell/tanh:0", "mul:0", "sin:0", "cos:0", "scan:0", "cond:0"} <= set(
         names
@@ -956,7 +956,7 @@ def test_ops_inside_jit_checkpoint_and_while():
         c = c * 0.5 + y
     np.testing.assert_allclose(reaped["mul:1"], c * 0.5, **TOL)  # a while body: the last iteration
     assert (
-        sites(g, X0, n, tag="modules")[5].mode == "auto"
+        sites(g, tag="modules")(X0, n)[5].mode == "auto"
     )  # a while body: reaped last, or per step (max_steps)
     np.testing.assert_allclose(
         jax.jacfwd(lambda x: g(x, n))(X0), jax.jacfwd(lambda x: f(x, n))(X0), **TOL
@@ -979,7 +979,7 @@ def test_ops_python_arguments_stay_static():
 
 
 def test_ops_named_by_module_path(transformer):
-    model = instrument(transformer, ops=True, where="blocks.0.attn.q_proj*")
+    model = instrument(transformer, ops=True, names="blocks.0.attn.q_proj*")
     reaped = reap(model, tag="modules")(X)
     rec = Recorder()
     hand_transformer(transformer, X, rec)
@@ -1302,7 +1302,7 @@ def test_inputs_are_sites_named_path_in(transformer):
         plant(model, tag="modules")({"head:in": v}, X), lin(transformer.head, v), **TOL
     )
     # `where` picks inputs like any other name; without inputs=True there are none.
-    only = reap(instrument(transformer, inputs=True, where="*:in"), tag="modules")(X)
+    only = reap(instrument(transformer, inputs=True, names="*:in"), tag="modules")(X)
     assert set(only) == {name + ":in" for name in rec.values}
     assert not any(name.endswith(":in") for name in reap(instrument(transformer), tag="modules")(X))
     with pytest.raises(TypeError, match="`inputs` to be True or False"):

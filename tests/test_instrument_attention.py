@@ -96,7 +96,7 @@ def test_nnx_multi_head_attention():
     )
     # The model is as it was after the call.
     assert model.mha.attention_fn is nnx.dot_product_attention
-    names = [s.name for s in sites(probed, x, tag="modules")]
+    names = [s.name for s in sites(probed, tag="modules")(x)]
     assert {"mha.query", "mha.out", "mha"} <= set(names) and "mha.hook_z" in names
 
 
@@ -235,7 +235,7 @@ def test_head_by_position_sweep_on_hook_z_matches_hand_patches():
     from harvest import patch_head, patching_sweep
 
     model, reference = equinox_holder()
-    probed = instrument(model, attention=True, where="attn.hook_z")
+    probed = instrument(model, attention=True, names="attn.hook_z")
     clean_x, corrupt_x = new_value((T, D), 1), new_value((T, D), 2)
     clean = reap(probed, tag="modules")(clean_x)
     metric = lambda out: out[-1].sum()
@@ -330,7 +330,7 @@ def test_hooks_outside_the_softmax_leave_flax_s_own_attention_bit_for_bit(kind):
         model = NNXModel(nnx.Rngs(0))
         p = jax.tree.map(lambda v: v[...], nnx.to_pure_dict(nnx.state(model, nnx.Param)))["mha"]
         path, run, args = "mha", model, (x,)
-        probed = instrument(model, attention=True, where=lambda n: n.endswith(("_v", "_z")))
+        probed = instrument(model, attention=True, names=lambda n: n.endswith(("_v", "_z")))
     else:
         model = LinenModel()
         variables = model.init(jax.random.key(0), x)

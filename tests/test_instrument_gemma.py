@@ -90,11 +90,11 @@ def test_sites_hold_what_a_hand_written_forward_computes(gemma):
     for name, value in by_hand.items():
         np.testing.assert_allclose(reaped[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
     assert set(by_hand) <= set(reaped)
-    assert sorted(reaped) == sorted(s.name for s in sites(f, params, tokens, tag="modules"))
+    assert sorted(reaped) == sorted(s.name for s in sites(f, tag="modules")(params, tokens))
     with pytest.raises(
-        ValueError, match="allowlist entry 'nope' matches no sow site of tag 'modules'"
+        ValueError, match="names= entry 'nope' matches no sow site of tag 'modules'"
     ):
-        reap(f, tag="modules", allowlist="nope")(params, tokens)
+        reap(f, tag="modules", names="nope")(params, tokens)
     # Another length: a fresh trace, whose sites are the hand forward's again.
     longer = jnp.array([[2, 5, 7, 1, 3, 4, 4]])
     np.testing.assert_allclose(
@@ -224,7 +224,7 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
 
     probed = instrument(sample)
     # The loop's jax.jit functions now hold a trace made by `sites`; plant traces afresh.
-    assert "layer_1.mlp" in [s.name for s in sites(probed, params, state, tag="modules")]
+    assert "layer_1.mlp" in [s.name for s in sites(probed, tag="modules")(params, state)]
     steer = plant(probed, tag="modules")
     vector = jnp.linspace(-3.0, 3.0, 8)
     # While sampling, a block returns `(cache, x)` with a cache: one vector is refused,
@@ -249,15 +249,15 @@ def test_steering_gemmas_own_sampling_loop_matches_a_hand_steered_decode(gemma):
 def test_asking_for_gemmas_scores_alone_says_why_there_are_none(gemma):
     model, params, tokens = gemma
     run = lambda p, t: model.apply(p, t).logits
-    for names, sown in ((None, "layer_0.attn.hook_attn_scores"), ("transformer_lens", None)):
+    for naming, sown in ((None, "layer_0.attn.hook_attn_scores"), ("transformer_lens", None)):
         sown = sown or "blocks.0.attn.hook_attn_scores"
-        f = instrument(run, attention=True, names=names, where=sown)
+        f = instrument(run, attention=True, naming=naming, names=sown)
         with pytest.raises(
             ValueError, match=f"{sown} is not sown: gemma's Attention at 'layer_0.attn'"
         ) as info:
             reap(f, tag="modules")(params, tokens)
         assert len(str(info.value)) < 600
     # Asked with the rest of the attention's hooks, the scores are left out, the rest sown.
-    wide = instrument(run, attention=True, where="layer_0.attn.hook_*")
+    wide = instrument(run, attention=True, names="layer_0.attn.hook_*")
     reaped = reap(wide, tag="modules")(params, tokens)
     assert sorted(reaped) == [f"layer_0.attn.hook_{h}" for h in ("k", "pattern", "q", "v", "z")]

@@ -95,19 +95,19 @@ def test_every_trace_sees_the_sites(setup):
     model, variables, x = setup
     f = instrument(model.apply)
     model.apply(variables, x)  # a plain call first: nn.jit caches a trace without sows
-    assert [s.name for s in sites(f, variables, x, tag="modules")][:2] == [
+    assert [s.name for s in sites(f, tag="modules")(variables, x)][:2] == [
         "layer_0.mlp.Proj_0",
         "layer_0.mlp.Proj_1",
     ]
     with pytest.raises(ValueError, match="matches no sow site"):
-        reap(f, tag="modules", allowlist="nope")(variables, x)
+        reap(f, tag="modules", names="nope")(variables, x)
     assert len(reap(f, tag="modules")(variables, x)) == 8
     wide = jnp.ones((5, D))
     np.testing.assert_allclose(
         reap(f, tag="modules")(variables, wide)["layer_1"], by_hand(variables, wide)[0], rtol=1e-6
     )
     # The plain model is as it was: no sows reach its own traces.
-    assert not sites(model.apply, variables, x)
+    assert not sites(model.apply)(variables, x)
 
 
 def test_plant_tuple_outputs_and_shared_scope_children(setup):
@@ -231,5 +231,5 @@ def test_eager_calls_trace_once_and_read_the_variables_they_are_given(setup):
         )
     assert len(traces) == 5  # the flag and the callable plant: one trace each
     with pytest.raises(ValueError, match="matches no sow site") as error:
-        reap(instrument(apply), tag="modules", allowlist="nope")(weights, x)
+        reap(instrument(apply), tag="modules", names="nope")(weights, x)
     assert len(str(error.value)) < 600

@@ -214,10 +214,10 @@ def test_a_misspelt_name_is_a_short_error():
 
     def message(**kwargs):
         with pytest.raises(ValueError, match="'nope' matches no sow site") as error:
-            reap(instrument(model, **kwargs), tag="modules", allowlist="nope")(X)
+            reap(instrument(model, **kwargs), tag="modules", names="nope")(X)
         return str(error.value)
 
-    assert len(message()) < 600 and "'nope'" in message(where="layers.*")
+    assert len(message()) < 600 and "'nope'" in message(names="layers.*")
 
 
 def test_plants_python_values_and_disable_jit():

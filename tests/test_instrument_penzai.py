@@ -111,7 +111,7 @@ def test_a_site_per_layer_named_by_its_key_path(model):
     residual = pz.nx.wrap(with_inputs[BLOCK + ":in"], "batch", "seq", "embedding")
     by_hand = block(residual, token_positions=positions).unwrap("batch", "seq", "embedding")
     np.testing.assert_allclose(by_hand, with_inputs[BLOCK], rtol=1e-6, atol=1e-6)
-    attn_in = reap(instrument(model, inputs=True, where=ATTN + ":in"), tag="modules")(CLEAN)
+    attn_in = reap(instrument(model, inputs=True, names=ATTN + ":in"), tag="modules")(CLEAN)
     named_in = pz.nx.wrap(attn_in[ATTN + ":in"], "batch", "seq", "embedding")
     np.testing.assert_allclose(
         direct(named_in, token_positions=positions).unwrap("batch", "seq", "embedding"),
@@ -145,7 +145,7 @@ def test_plant_constant_callable_and_add_vector_match_hand_edits(model):
 def test_changed_parameters_are_seen(model):
     """A Penzai parameter is mutable: a reap after a change sees the new weights
     (the model's variables are traced as frozen values, not kept as constants)."""
-    m = instrument(model, where="body")
+    m = instrument(model, names="body")
     before = reap(m, tag="modules")(CLEAN)["body"]
     head = [p for p in pz.unbind_params(model)[1] if p.label.endswith("lm_head.weights")][0]
     old = head.value
@@ -166,7 +166,7 @@ def test_changed_parameters_are_seen(model):
 
 
 def test_patching_sweep_and_attribution_on_blocks(model):
-    m = instrument(model, where=BLOCK)
+    m = instrument(model, names=BLOCK)
     clean = reap(m, tag="modules")(CLEAN)
     metric = lambda out: logits(out)[0, -1, 3]
     result = patching_sweep(m, clean, (CORRUPT,), metric, tag="modules", axis=1)
@@ -211,21 +211,21 @@ def test_pz_select_still_works_on_the_instrumented_model(model):
 
 
 def test_errors_are_short_and_print_no_model(model):
-    with pytest.raises(ValueError, match=r"where='nope\.\*' selects none") as info:
-        reap(instrument(model, where="nope.*"), tag="modules")(CLEAN)
+    with pytest.raises(ValueError, match=r"names='nope\.\*' selects none") as info:
+        reap(instrument(model, names="nope.*"), tag="modules")(CLEAN)
     assert len(str(info.value)) < 600 and "Parameter(" not in str(info.value)
     assert "nope" in str(info.value)
     with pytest.raises(ValueError, match="applies no Flax Linen module") as info:
         instrument(lambda t: model(t))(CLEAN)
     assert len(str(info.value)) < 600 and "TransformerLM(" not in str(info.value)
-    out = sites(instrument(model), CLEAN, tag="modules")
+    out = sites(instrument(model), tag="modules")(CLEAN)
     assert BLOCK in [s.name for s in out]
 
 
 def test_attention_hooks_match_hand_edits(model):
     """hook_q/k/v/z are [batch, seq, heads, projection], hook_pattern [batch, heads, seq, kv_seq];
     planting one equals the model edited by hand to put that value after the sublayer."""
-    m = instrument(model, attention=True, where=ATTN + ".*")
+    m = instrument(model, attention=True, names=ATTN + ".*")
     np.testing.assert_array_equal(logits(m(CLEAN)), logits(model(CLEAN)))
     reaped = reap(m, tag="modules")(CLEAN)
     attn = _get(model, ATTN.split("."))
@@ -250,13 +250,13 @@ def test_attention_hooks_match_hand_edits(model):
 
 def test_sites_show_the_named_axes(model):
     """A NamedArray site is sown as its data, axes in `named_shape` order; `sites` names them."""
-    listed = sites(instrument(model), CLEAN, tag="modules")
+    listed = sites(instrument(model), tag="modules")(CLEAN)
     found = {s.name: s for s in listed}
     assert found[BLOCK].axes == ("batch", "seq", "embedding") and found[BLOCK].shape == (1, 5, 8)
     assert found[ATTN + ".input_to_query"].axes == ("batch", "seq", "heads", "projection")
     assert "(batch=1, seq=5, embedding=8)" in str(listed)
     # A site that is no named array has no names.
-    plain = sites(instrument(model, attention=True), CLEAN, tag="modules")
+    plain = sites(instrument(model, attention=True), tag="modules")(CLEAN)
     assert {s.name: s for s in plain}[ATTN + ".hook_q"].axes is None
 
 
@@ -265,7 +265,7 @@ def test_every_site_orders_the_inputs_axes_first(model):
     (batch, seq, embedding): sown as is, add_vector at the embedding would add along seq
     (silently, when seq is as long as the embedding). Every site puts batch, seq first."""
     square = tokens(1, 2, 3, 4, 5, 6, 7, 8)  # seq == embedding == 8
-    listed = {s.name: s for s in sites(instrument(model), square, tag="modules")}
+    listed = {s.name: s for s in sites(instrument(model), tag="modules")(square)}
     embed = "body.sublayers.0"
     assert listed[embed].axes[:2] == ("batch", "seq") and listed[embed].shape == (1, 8, 8)
     assert all(s.axes is None or s.axes[:2] == ("batch", "seq") for s in listed.values())

@@ -115,7 +115,7 @@ class Double(pz.nn.Layer):
 def test_reap_through_a_cached_decode_matches_penzai_and_its_cache(model):
     ref, mine = sampler(model), sampler(model)
     m = instrument(mine)
-    plain = instrument(model, where=BLOCK)
+    plain = instrument(model, names=BLOCK)
     blocks = []
     for step in STEPS:
         out, reaped = call_and_reap(m, tag="modules")(step)
@@ -150,7 +150,7 @@ def test_plants_at_a_layer_during_the_decode_match_the_edited_model(model, how):
 def test_attention_hooks_over_the_cache(model):
     """hook_k/v hold the new tokens' keys and values; hook_pattern runs over every
     position of the cache; planting the pattern equals the edited sampling model."""
-    m = instrument(sampler(model), attention=True, where=ATTN + ".hook_*")
+    m = instrument(sampler(model), attention=True, names=ATTN + ".hook_*")
     reaped = reap(m, tag="modules")(STEPS[0])
     assert reaped[ATTN + ".hook_k"].shape == (1, 3, 2, 4)  # [batch, seq, heads, d_head]
     pattern = reaped[ATTN + ".hook_pattern"]
@@ -158,7 +158,7 @@ def test_attention_hooks_over_the_cache(model):
     np.testing.assert_allclose(pattern.sum(-1), 1.0, rtol=1e-5)
     assert np.all(np.asarray(pattern)[..., 3:] == 0.0)  # 3 positions written: the rest masked
     value = jax.nn.softmax(jax.random.normal(jax.random.key(0), pattern.shape), axis=-1)
-    fresh = instrument(sampler(model), attention=True, where=ATTN + ".hook_*")  # an empty cache
+    fresh = instrument(sampler(model), attention=True, names=ATTN + ".hook_*")  # an empty cache
     out = plant(fresh, tag="modules")({ATTN + ".hook_pattern": value}, STEPS[0])
     hand = (
         pz.select(sampler(model))
@@ -229,9 +229,9 @@ def test_steered_decode_loops_give_the_hand_steered_tokens(model):
 
 def test_sites_leave_the_cache(model):
     mine = sampler(model)
-    listed = {s.name: s for s in sites(instrument(mine), STEPS[0], tag="modules")}
+    listed = {s.name: s for s in sites(instrument(mine), tag="modules")(STEPS[0])}
     assert listed[BLOCK].axes == ("batch", "seq", "embedding")
-    ops = {s.name for s in sites(instrument(mine, ops=True), STEPS[0], tag="modules")}
+    ops = {s.name for s in sites(instrument(mine, ops=True), tag="modules")(STEPS[0])}
     assert SILU + "/silu/mul:0" in ops and BLOCK in ops
     assert int(mine.cache_end_index.value) == 0  # listing sites runs nothing
 
@@ -246,9 +246,9 @@ def test_op_sites_through_a_cached_decode_match_penzai_and_a_hand_patched_op(mod
     activation's op at each step equals the model with that layer doubled by hand."""
     op = SILU + "/silu/mul:0"
     ref, mine = sampler(model), sampler(model)
-    m = instrument(mine, ops=True, where=[op, BLOCK])
+    m = instrument(mine, ops=True, names=[op, BLOCK])
     hand, patched = sampler(edited(model, SILU, Double())), sampler(model)
-    steer = plant(instrument(patched, ops=True, where=op), tag="modules")
+    steer = plant(instrument(patched, ops=True, names=op), tag="modules")
     for step in STEPS:
         out, reaped = call_and_reap(m, tag="modules")(step)
         np.testing.assert_array_equal(data(out), data(by_penzai(ref, step)))
@@ -265,13 +265,13 @@ def test_op_sites_through_a_cached_decode_match_penzai_and_a_hand_patched_op(mod
 
 def test_patching_sweep_over_a_cached_prompt_leaves_the_cache(model):
     clean_prompt, corrupt_prompt = tokens(1, 2, 3), tokens(1, 7, 3)
-    clean_out, clean = call_and_reap(instrument(sampler(model), where=BLOCK), tag="modules")(
+    clean_out, clean = call_and_reap(instrument(sampler(model), names=BLOCK), tag="modules")(
         clean_prompt
     )
     fresh = sampler(model)
     metric = lambda out: data(out)[0, -1, 3]
     result = patching_sweep(
-        instrument(fresh, where=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
+        instrument(fresh, names=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
     )
     assert_same_state(fresh, sampler(model))  # a sweep measures: the cache is left as it was
     # By hand: with one block, the last position's logits read only the block's output
@@ -295,12 +295,12 @@ def test_attribution_over_a_cached_prompt_is_the_hand_taken_gradient(model):
     gradient of the metric w.r.t. a zero offset after the block, taken by hand
     through a fresh sampling model with that offset layer (its own empty cache)."""
     clean_prompt, corrupt_prompt = tokens(1, 2, 3), tokens(1, 7, 3)
-    clean = reap(instrument(sampler(model), where=BLOCK), tag="modules")(clean_prompt)
-    corrupted = reap(instrument(sampler(model), where=BLOCK), tag="modules")(corrupt_prompt)
+    clean = reap(instrument(sampler(model), names=BLOCK), tag="modules")(clean_prompt)
+    corrupted = reap(instrument(sampler(model), names=BLOCK), tag="modules")(corrupt_prompt)
     metric = lambda out: data(out)[0, -1, 3]
     fresh = sampler(model)
     result = attribution_patching(
-        instrument(fresh, where=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
+        instrument(fresh, names=BLOCK), clean, (corrupt_prompt,), metric, tag="modules", axis=1
     )
     assert_same_state(fresh, sampler(model))  # measured from the empty cache, left so
 

@@ -1,4 +1,4 @@
-"""instrument(model, names="transformer_lens"): TransformerLens's residual-stream names.
+"""instrument(model, naming="transformer_lens"): TransformerLens's residual-stream names.
 
 The reference is each model's residual stream computed step by step by hand:
 its blocks' sublayers called one by one and the residual additions written
@@ -98,7 +98,7 @@ def gpt():
 
 def test_nnx_names_hold_the_stream_added_up_by_hand(gpt):
     x = random((B, T, D), 1)
-    tl = instrument(gpt, names="transformer_lens")
+    tl = instrument(gpt, naming="transformer_lens")
     np.testing.assert_array_equal(tl(x), gpt(x))  # bit for bit: the names cost no arithmetic
     np.testing.assert_array_equal(jax.jit(tl)(x), jax.jit(gpt)(x))
     logits, by_hand = hand_forward(gpt, x)
@@ -113,7 +113,7 @@ def test_nnx_names_hold_the_stream_added_up_by_hand(gpt):
     for name in ("blocks.0.mlp.hook_pre", "blocks.1.mlp.hook_post"):
         np.testing.assert_allclose(reaped[name], by_hand[name], err_msg=name, **TOL)
     assert set(reap(instrument(gpt), tag="modules")(x)).isdisjoint(by_hand)  # paths without
-    names = [s.name for s in sites(tl, x, tag="modules")]
+    names = [s.name for s in sites(tl, tag="modules")(x)]
     assert names.index("blocks.0.hook_resid_pre") < names.index("blocks.0.hook_resid_mid")
     assert names.index("blocks.0.hook_resid_post") < names.index("blocks.1.hook_resid_pre")
 
@@ -124,12 +124,12 @@ def test_nnx_planting_a_name_is_the_stream_patched_by_hand(gpt, layer, hook):
     x = random((B, T, D), 1)
     name = f"blocks.{layer}.{hook}"
     value = random((B, T, D), 7)
-    tl = instrument(gpt, names="transformer_lens", where=name)
+    tl = instrument(gpt, naming="transformer_lens", names=name)
     planted = plant(tl, tag="modules")({name: value}, x)
     logits, by_hand = hand_forward(gpt, x, {name: value})
     np.testing.assert_allclose(planted, logits, **TOL)
     # Every other name, reaped in the same run, holds the stream patched by hand.
-    out, reaped = harvest(instrument(gpt, names="transformer_lens"), tag="modules")(
+    out, reaped = harvest(instrument(gpt, naming="transformer_lens"), tag="modules")(
         {name: value}, x
     )
     np.testing.assert_allclose(out, logits, **TOL)
@@ -140,7 +140,7 @@ def test_nnx_planting_a_name_is_the_stream_patched_by_hand(gpt, layer, hook):
 
 def test_nnx_sweeps_give_transformer_lens_s_layer_by_position_and_layer_by_head(gpt):
     clean, corrupted = random((B, T, D), 1), random((B, T, D), 2)
-    tl = instrument(gpt, names="transformer_lens", attention=True)
+    tl = instrument(gpt, naming="transformer_lens", attention=True)
     cache = reap(tl, tag="modules")(clean)
     metric = lambda logits: logits[..., 0].mean()
     base, corrupted_values = hand_forward(gpt, corrupted)
@@ -169,19 +169,19 @@ def test_nnx_sweeps_give_transformer_lens_s_layer_by_position_and_layer_by_head(
 
 
 def test_nnx_bad_names_and_models_without_blocks_say_what_is_read(gpt):
-    with pytest.raises(ValueError, match="unknown names='tl'. Use one of 'transformer_lens'"):
-        instrument(gpt, names="tl")
+    with pytest.raises(ValueError, match="unknown .*'tl'. Use one of 'transformer_lens'"):
+        instrument(gpt, naming="tl")
     with pytest.raises(
         ValueError, match="found no transformer block in .*one submodule named `mlp`"
     ):
-        instrument(MLP(nnx.Rngs(0)), names="transformer_lens")  # refused before any call
+        instrument(MLP(nnx.Rngs(0)), naming="transformer_lens")  # refused before any call
     with pytest.raises(
         ValueError, match="found no transformer block in .* \\(a function target\\)"
     ):
-        instrument(lambda x: x, names="transformer_lens")(jnp.ones(D))
+        instrument(lambda x: x, naming="transformer_lens")(jnp.ones(D))
     eqx = pytest.importorskip("equinox")
     with pytest.raises(ValueError, match="found no transformer block in .* \\(an Equinox model\\)"):
-        instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), names="transformer_lens")
+        instrument(eqx.nn.Linear(D, D, key=jax.random.key(0)), naming="transformer_lens")
 
 
 class Widening(nnx.Module):
@@ -204,7 +204,7 @@ class WideningModel(nnx.Module):
 
 
 def test_a_block_that_does_not_add_its_attention_s_output_is_refused():
-    tl = instrument(WideningModel(nnx.Rngs(0)), names="transformer_lens")
+    tl = instrument(WideningModel(nnx.Rngs(0)), naming="transformer_lens")
     with pytest.raises(ValueError, match="blocks.0.hook_resid_mid is the block's input plus"):
         reap(tl, tag="modules")(random((B, T, D), 1))
 
@@ -240,7 +240,7 @@ class Stack(nnx.Module):
 
 def test_a_block_that_norms_its_attention_s_output_is_refused():
     x = random((B, T, D), 1)
-    post_norm = instrument(Stack(PostNormBlock(nnx.Rngs(0))), names="transformer_lens")
+    post_norm = instrument(Stack(PostNormBlock(nnx.Rngs(0))), naming="transformer_lens")
     with pytest.raises(ValueError, match="passes its attention's output to 'blocks.0.post_attn'"):
         reap(post_norm, tag="modules")(x)
 
@@ -260,7 +260,7 @@ def test_parallel_blocks_get_transformer_lens_s_names_without_resid_mid():
     # GPT-J's and GPT-NeoX's parallel_attn_mlp: TransformerLens gives no hook_resid_mid.
     x = random((B, T, D), 1)
     parallel = Stack(ParallelBlock(nnx.Rngs(0)))
-    tl = instrument(parallel, names="transformer_lens")
+    tl = instrument(parallel, naming="transformer_lens")
     reaped = reap(tl, tag="modules")(x)
     block = parallel.blocks[0]
     attn_out, mlp_out = block.attn(block.ln1(x)), block.mlp(block.ln2(x))
@@ -285,7 +285,7 @@ def test_parallel_blocks_get_transformer_lens_s_names_without_resid_mid():
     # Found by a run on a copy: the model's random state is drawn from once per call.
     drawing = Stack(DropoutParallelBlock(nnx.Rngs(0)))
     twin = nnx.clone(drawing)
-    reaped = reap(instrument(drawing, names="transformer_lens"), tag="modules")(x)
+    reaped = reap(instrument(drawing, naming="transformer_lens"), tag="modules")(x)
     assert "blocks.0.hook_resid_mid" not in reaped
     # (Another dropout mask would differ by the MLP's whole output, not by rounding.)
     np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], twin(x), **TOL)
@@ -296,7 +296,7 @@ def test_a_block_called_twice_is_checked_per_call():
     # The second call's norm takes the block's new input: not a parallel block.
     stack = Stack(Block(nnx.Rngs(0)))
     x = random((B, T, D), 1)
-    reaped = reap(instrument(stack, names="transformer_lens"), tag="modules")(x, times=2)
+    reaped = reap(instrument(stack, naming="transformer_lens"), tag="modules")(x, times=2)
     # A site sown twice holds both values, stacked.
     first = stack(x)
     np.testing.assert_allclose(reaped["blocks.0.hook_resid_post"], [first, stack(first)], **TOL)
@@ -354,7 +354,7 @@ def test_penzai_names_hold_the_stream_and_plants_patch_it(llama):
     pz, model = llama
     tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
     logits = lambda out: out.order_as(*out.named_shape).unwrap(*out.named_shape)
-    tl = instrument(model, names="transformer_lens")
+    tl = instrument(model, naming="transformer_lens")
     np.testing.assert_array_equal(logits(tl(tokens)), logits(model(tokens)))
     by_hand_logits, by_hand = penzai_forward(pz, model, tokens)
     np.testing.assert_allclose(by_hand_logits, logits(model(tokens)), **TOL)
@@ -372,7 +372,7 @@ def test_penzai_names_hold_the_stream_and_plants_patch_it(llama):
 def test_penzai_attention_hooks_are_named_per_block_too(llama):
     pz, model = llama
     tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     reaped = reap(tl, tag="modules")(tokens)
     by_path = reap(instrument(model, attention=True), tag="modules")(tokens)
     attention = "body.sublayers.2.sublayers.0.delta.sublayers.1"  # the second block's
@@ -490,14 +490,14 @@ def gemma_forward(model, params, tokens, patch=None):
 def test_gemma_names_hold_the_stream_and_plants_patch_it(gemma, post_norms):
     model, params, tokens = gemma[post_norms]
     forward = lambda p, t: model.apply(p, t).logits
-    tl = instrument(forward, names="transformer_lens")
+    tl = instrument(forward, naming="transformer_lens")
     if post_norms:  # resid_mid is a part's output: every name costs no arithmetic
         np.testing.assert_array_equal(tl(params, tokens), forward(params, tokens))
     else:  # resid_mid is sown beside the attention's product, which XLA may compile anew
         np.testing.assert_allclose(
             tl(params, tokens), forward(params, tokens), rtol=1e-6, atol=1e-7
         )
-        no_mid = instrument(forward, names="transformer_lens", where=lambda n: "mid" not in n)
+        no_mid = instrument(forward, naming="transformer_lens", names=lambda n: "mid" not in n)
         np.testing.assert_array_equal(no_mid(params, tokens), forward(params, tokens))
     logits, by_hand = gemma_forward(model, params, tokens)
     np.testing.assert_allclose(logits, model.apply(params, tokens).logits, **TOL)
@@ -518,7 +518,7 @@ def test_a_function_without_gemma_blocks_is_refused():
     linen = pytest.importorskip("flax.linen")
     dense = linen.Dense(3)
     variables = dense.init(jax.random.key(0), jnp.ones(2))
-    tl = instrument(lambda x: dense.apply(variables, x), names="transformer_lens")
+    tl = instrument(lambda x: dense.apply(variables, x), naming="transformer_lens")
     with pytest.raises(ValueError, match="found no transformer block in"):
         tl(jnp.ones(2))
 
@@ -544,7 +544,7 @@ class AttnOnlyBlock(nnx.Module):
 def test_attention_only_blocks_get_their_names_and_scores(dropout):
     model = Stack(AttnOnlyBlock(nnx.Rngs(0), dropout))
     x = random((B, T, D), 1)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     reaped = reap(tl, tag="modules")(x)
     hooks = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
     want = {"blocks.0.hook_resid_pre", "blocks.0.hook_attn_out", "blocks.0.hook_resid_post"}
@@ -584,12 +584,12 @@ class DecoderBlock(nnx.Module):
 def test_blocks_names_do_not_describe_are_refused_naming_the_block():
     x = random((B, T, D), 1)
     with pytest.raises(ValueError, match="block at 'blocks.0' holds 2 attention modules"):
-        instrument(Stack(DecoderBlock(nnx.Rngs(0))), names="transformer_lens")  # no call needed
-    cross = instrument(Stack(CrossAttentionBlock(nnx.Rngs(0))), names="transformer_lens")
+        instrument(Stack(DecoderBlock(nnx.Rngs(0))), naming="transformer_lens")  # no call needed
+    cross = instrument(Stack(CrossAttentionBlock(nnx.Rngs(0))), naming="transformer_lens")
     with pytest.raises(ValueError, match="'blocks.0.attn' in the block at 'blocks.0' is given"):
         cross(x)
     with pytest.raises(ValueError, match="inputs=True has nothing to add"):
-        instrument(Stack(Block(nnx.Rngs(0))), names="transformer_lens", inputs=True)
+        instrument(Stack(Block(nnx.Rngs(0))), naming="transformer_lens", inputs=True)
 
 
 def test_equinox_blocks_with_an_mlp_get_every_name():
@@ -623,7 +623,7 @@ def test_equinox_blocks_with_an_mlp_get_every_name():
 
     model = EqxGPT([block(k) for k in keys[:2]])
     x = random((T, D), 1)
-    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(x)
+    reaped = reap(instrument(model, naming="transformer_lens"), tag="modules")(x)
     by_hand = {}
     for i, b in enumerate(model.blocks):
         n = f"blocks.{i}"
@@ -662,7 +662,7 @@ def test_penzai_parallel_blocks_have_no_resid_mid():
     )
     model = gpt_neox.build_gpt_neox_transformer(config, init_base_rng=jax.random.key(0))
     tokens = pz.nx.wrap(jnp.array([[1, 2, 3, 4, 5]]), "batch", "seq")
-    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(tokens)
+    reaped = reap(instrument(model, naming="transformer_lens"), tag="modules")(tokens)
     positions = pz.nx.arange("seq", 5)
     unwrap = lambda a: a.order_as(*AXES).unwrap(*AXES)
     embed, *blocks = model.body.sublayers[:3]
@@ -705,7 +705,7 @@ def test_equinox_parallel_blocks_have_no_resid_mid():
     mlp = eqx.nn.MLP(D, D, 16, depth=1, activation=jax.nn.gelu, key=m)
     block = EqxParallel(eqx.nn.LayerNorm(D), eqx.nn.MultiheadAttention(H, D, key=a), mlp)
     model, x = Holder([block]), random((T, D), 1)
-    reaped = reap(instrument(model, names="transformer_lens"), tag="modules")(x)
+    reaped = reap(instrument(model, naming="transformer_lens"), tag="modules")(x)
     h = jax.vmap(block.ln)(x)
     attn_out, mlp_out = block.attn(h, h, h), jax.vmap(block.mlp)(h)
     assert "blocks.0.hook_resid_mid" not in reaped

@@ -1,4 +1,4 @@
-"""instrument(names="transformer_lens") against TransformerLens itself, hook by hook.
+"""instrument(naming="transformer_lens") against TransformerLens itself, hook by hook.
 
 Models from a real checkpoint's code path, with random weights (no download):
 a GPT-2 built by Hugging Face `transformers` from a config, ported to Flax NNX here
@@ -183,7 +183,7 @@ def test_gpt2_in_nnx_gives_transformer_lens_s_hooks():
     with torch.no_grad():
         hf_logits = hf(torch.tensor(TOKENS)).logits.numpy()
     np.testing.assert_allclose(model(jnp.asarray(TOKENS)), hf_logits, rtol=1e-4, atol=1e-4)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(jnp.asarray(TOKENS))
     expected = ["hook_embed", "hook_pos_embed", *block_names(("hook_pre", "hook_post"))]
     assert_hooks_equal(ours, theirs, expected)
@@ -241,7 +241,7 @@ def test_llama_in_penzai_gives_transformer_lens_s_hooks():
     logits = model(tokens)
     axes = ("batch", "seq", "vocabulary")
     np.testing.assert_allclose(logits.order_as(*axes).unwrap(*axes), hf_logits, atol=1e-4)
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(tokens)
     expected = ["hook_embed", *block_names(("hook_pre", "hook_pre_linear", "hook_post"))]
     assert_hooks_equal(ours, theirs, expected)
@@ -300,7 +300,7 @@ def test_gpt_neox_in_penzai_gives_transformer_lens_s_hooks():
     theirs = tl_cache(cfg, convert_neox_weights(hf, cfg))
     model = gpt_neox.gpt_neox_from_huggingface_model(hf)
     tokens = pz.nx.wrap(jnp.asarray(TOKENS), "batch", "seq")
-    tl = instrument(model, names="transformer_lens", attention=True)
+    tl = instrument(model, naming="transformer_lens", attention=True)
     _, ours = call_and_reap(tl, tag="modules")(tokens)
     expected = [
         n for n in ["hook_embed", *block_names(("hook_pre", "hook_post"))] if "resid_mid" not in n
@@ -505,7 +505,9 @@ def test_gemma_gives_transformer_lens_s_hooks(version):
         eps=1e-6,
     )
     theirs = tl_cache(cfg, convert_gemma_weights(hf, cfg), GEMMA_TOKENS)
-    tl = instrument(lambda p, t: model.apply(p, t).logits, names="transformer_lens", attention=True)
+    tl = instrument(
+        lambda p, t: model.apply(p, t).logits, naming="transformer_lens", attention=True
+    )
     _, ours = call_and_reap(tl, tag="modules")(params, jnp.asarray(GEMMA_TOKENS))
     # Not given on gemma: hook_attn_scores (its scores are no sublayer's output), the
     # norms' ln1/ln2(_post)/q_norm/k_norm.hook_scale and hook_normalized, hook_rot_q/k.

@@ -129,7 +129,7 @@ def test_sites_labels_calls_by_primitive_not_name():
         x = jax.checkpoint(lambda y: sow(y, name="c"))(x)
         return jax.jit(lambda y: sow(y, name="j"))(x)
 
-    where = {s.name: s.where for s in sites(f, 1.0)}
+    where = {s.name: s.where for s in sites(f)(1.0)}
     assert where == {"c": "checkpoint", "j": "jit"}
     assert reap(f)(1.0) == {"c": (1.0,), "j": (1.0,)}
 

@@ -28,7 +28,7 @@ X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 def check_reap_plant_and_sweep(f, hidden_shape):
     reaped = reap(f)(X)
     assert reaped["hidden"].shape == hidden_shape
-    assert [s.name for s in sites(f, X)] == ["hidden"]
+    assert [s.name for s in sites(f)(X)] == ["hidden"]
     out = plant(f)({"hidden": ablate_zero()}, X)
     np.testing.assert_allclose(out, plant(f)({"hidden": jnp.zeros(hidden_shape)}, X))
     seen = []
@@ -228,7 +228,7 @@ def test_harvest_inside_nnx_jit_and_sites_leave_the_state_alone():
     np.testing.assert_allclose(reaps["normed"], twin.normed.get_value()[0], rtol=1e-5, atol=1e-6)
     assert_same_state(nnx, model, twin)
     # Finding sites traces the model without running it.
-    assert [s.name for s in sites(model, XS)] == ["normed"]
+    assert [s.name for s in sites(model)(XS)] == ["normed"]
     assert_same_state(nnx, model, twin)
 
 

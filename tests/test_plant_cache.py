@@ -289,7 +289,7 @@ def test_sites_bytes_are_the_reaped_bytes():
         return jax.lax.scan(body, jnp.ones(4), h)[0]
 
     xs, w = jnp.ones((5, 4)), jnp.eye(4, dtype=jnp.float32)
-    found = sites(f, xs, w)
+    found = sites(f)(xs, w)
     reaped = reap(f)(xs, w)
     assert [s.nbytes for s in found] == [reaped["h"].nbytes, reaped["step"].nbytes]
     assert found.nbytes() == sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(reaped))
@@ -300,6 +300,6 @@ def test_sites_bytes_inside_a_while_loop_are_unknown():
     def f(x):
         return jax.lax.while_loop(lambda c: c < 3.0, lambda c: sow(c + 1.0, name="c"), x)
 
-    found = sites(f, 0.0)
+    found = sites(f)(0.0)
     assert found[0].nbytes is None and found.nbytes() is None
     assert "unbounded" in str(found)

@@ -534,7 +534,7 @@ def test_random_programs_sites_fire_as_often_as_reap_returns_rows(program, x):
             reap(f)(x)
         return
     fires = {}
-    for info in sites(f, x):
+    for info in sites(f)(x):
         fires[info.name] = fires.get(info.name, 0) + info.fires
     reaped = reap(f)(x)
     assert fires == {name: rows.shape[0] for name, rows in reaped.items()}

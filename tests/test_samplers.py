@@ -160,7 +160,7 @@ def test_reap_gives_the_last_iteration_or_every_step(model):
         k = min(n, max_steps)
         np.testing.assert_allclose(rec.values[:k], mlp0[:k], **TOL)
         np.testing.assert_array_equal(rec.values[k:], 0.0)  # steps that did not run
-    info = {s.name: s for s in sites(decode, probed, prompt_buffer(PROMPT), tag="modules")}
+    info = {s.name: s for s in sites(decode, tag="modules")(probed, prompt_buffer(PROMPT))}
     assert info["blocks.0.mlp"].fires is None  # unbounded: inside a while_loop
 
 

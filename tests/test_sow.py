@@ -232,7 +232,7 @@ def test_nest_keeps_tags():
 
 
 # ---------------------------------------------------------------------------
-# allowlist / blocklist
+# names= / exclude=
 
 
 def many(x):
@@ -248,59 +248,59 @@ ALL = {"enc.a": X + 1.0, "enc.b": X + 2.0, "dec.a": X + 3.0, "head": X + 4.0}
 @pytest.mark.parametrize(
     "kw,keys",
     [
-        (dict(allowlist=["head"]), ["head"]),
-        (dict(allowlist="head"), ["head"]),
-        (dict(allowlist=["enc.*"]), ["enc.a", "enc.b"]),
-        (dict(allowlist=["*.a"]), ["enc.a", "dec.a"]),
-        (dict(allowlist=[lambda n: n.startswith("d")]), ["dec.a"]),
-        (dict(blocklist=["head"]), ["enc.a", "enc.b", "dec.a"]),
-        (dict(blocklist=["enc.*"]), ["dec.a", "head"]),
-        (dict(blocklist=[lambda n: "." in n]), ["head"]),
-        (dict(allowlist=["enc.*", "head"], blocklist=["enc.b"]), ["enc.a", "head"]),
-        (dict(allowlist=lambda n: n.startswith("nothing")), []),
+        (dict(names=["head"]), ["head"]),
+        (dict(names="head"), ["head"]),
+        (dict(names=["enc.*"]), ["enc.a", "enc.b"]),
+        (dict(names=["*.a"]), ["enc.a", "dec.a"]),
+        (dict(names=[lambda n: n.startswith("d")]), ["dec.a"]),
+        (dict(exclude=["head"]), ["enc.a", "enc.b", "dec.a"]),
+        (dict(exclude=["enc.*"]), ["dec.a", "head"]),
+        (dict(exclude=[lambda n: "." in n]), ["head"]),
+        (dict(names=["enc.*", "head"], exclude=["enc.b"]), ["enc.a", "head"]),
+        (dict(names=lambda n: n.startswith("nothing")), []),
     ],
 )
-def test_allow_block_lists(kw, keys):
+def test_names_and_exclude_select_sites(kw, keys):
     assert reap(many, **kw)(X).keys() == set(keys)
     close(reap(many, **kw)(X), {k: ALL[k] for k in keys})
     # call_and_reap filters the same way
     close(call_and_reap(many, **kw)(X)[1], {k: ALL[k] for k in keys})
 
 
-@pytest.mark.parametrize("allowlist", ["haed", ["head", "enc.c"], ["nothing*"], ["enc.*", "*.z"]])
+@pytest.mark.parametrize("selected", ["haed", ["head", "enc.c"], ["nothing*"], ["enc.*", "*.z"]])
 @pytest.mark.parametrize("transform", [reap, call_and_reap])
-def test_allowlist_strings_that_match_nothing_list_the_names(allowlist, transform):
+def test_names_strings_that_match_nothing_list_the_names(selected, transform):
     # A typo must not silently reap {}: each string entry has to match a site,
     # and the message lists the names there are, in program order.
     with pytest.raises(ValueError, match=r"matches no sow site.*'enc.a', 'enc.b', 'dec.a', 'head'"):
-        transform(many, allowlist=allowlist)(X)
+        transform(many, names=selected)(X)
     # The same under an outer jit (the walk then runs in place).
     with pytest.raises(ValueError, match=r"matches no sow site"):
-        jax.jit(transform(many, allowlist=allowlist))(X)
+        jax.jit(transform(many, names=selected))(X)
 
 
-def test_allowlist_check_is_per_tag_and_spares_predicates_and_blocklists():
+def test_names_check_is_per_tag_and_spares_predicates_and_exclude():
     def f(x):
         sow(x, name="a", tag="other", mode="strict")
         return sow(x + 1.0, name="b", mode="strict")
 
     with pytest.raises(ValueError, match=r"'a' matches no sow site of tag 'intermediates'.*: 'b'"):
-        reap(f, allowlist="a")(X)
-    close(reap(f, tag="other", allowlist="a")(X), {"a": X})
-    # A predicate may select nothing (a site behind a Python flag); a blocklist may block nothing.
-    assert reap(f, allowlist=lambda n: n == "a")(X) == {}
-    close(reap(f, blocklist=["zzz"])(X), {"b": X + 1.0})
+        reap(f, names="a")(X)
+    close(reap(f, tag="other", names="a")(X), {"a": X})
+    # A predicate may select nothing (a site behind a Python flag); exclude= may exclude nothing.
+    assert reap(f, names=lambda n: n == "a")(X) == {}
+    close(reap(f, exclude=["zzz"])(X), {"b": X + 1.0})
     with pytest.raises(ValueError, match=r"'zz\*' matches no sow site"):
-        plant(f, allowlist="zz*")({}, X)
+        plant(f, names="zz*")({}, X)
 
 
-def test_plant_respects_blocklist_of_unplanted_names():
+def test_plant_respects_exclude_of_unplanted_names():
     def f(x):
         a = sow(x + 1.0, name="a", mode="strict")
         return sow(a * 2.0, name="b", mode="strict")
 
-    # harvest with allowlist: b not handled -> not reaped
-    out, reaps = harvest(f, allowlist=["a"])({}, X)
+    # harvest with names=: b not handled -> not reaped
+    out, reaps = harvest(f, names=["a"])({}, X)
     close(out, (X + 1.0) * 2.0)
     close(reaps, {"a": X + 1.0})
 

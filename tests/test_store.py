@@ -66,7 +66,7 @@ NAMES = ["blocks.0", "blocks.1"]
 
 def reference(model, data, rows="examples"):
     """Each site's reaped values over the batches, concatenated by hand."""
-    per_batch = [reap(model, tag="modules", allowlist=NAMES)(b) for b in data]
+    per_batch = [reap(model, tag="modules", names=NAMES)(b) for b in data]
     out = {n: np.concatenate([np.asarray(r[n]) for r in per_batch]) for n in NAMES}
     if rows == "tokens":
         out = {n: v.reshape(-1, v.shape[-1]) for n, v in out.items()}

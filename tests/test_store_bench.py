@@ -29,7 +29,7 @@ def _checked_record(record, checked):
             names = options["names"]
             for name in names:
                 reaped = [
-                    np.asarray(reap(fn, tag="modules", allowlist=names)(b)[name]) for b in batches
+                    np.asarray(reap(fn, tag="modules", names=names)(b)[name]) for b in batches
                 ]
                 expected = np.concatenate([r.reshape(-1, r.shape[-1]) for r in reaped])
                 np.testing.assert_array_equal(s[name][:], expected, strict=True)

@@ -114,7 +114,7 @@ def test_two_processes_write_one_store_equal_to_one_process_even_after_a_kill(tm
     model = make_model()
     for name in NAMES:
         by_device = [
-            reap(model, tag="modules", allowlist=[name])(batch[i : i + 2])[name]
+            reap(model, tag="modules", names=[name])(batch[i : i + 2])[name]
             for batch in dataset(n=6, batch=16)
             for i in range(0, 16, 2)
         ]

@@ -47,7 +47,8 @@ WRONG = textwrap.dedent(
     harvest.nest(f, scope="s")(x)  # E: call-arg
     harvest.sow(x, name="h", mode="stack")  # E: arg-type
     harvest.sow(x)  # E: call-arg
-    harvest.reap(f, allowlist=[1])  # E: list-item
+    harvest.reap(f, names=[1])  # E: list-item
+    harvest.reap(f, allowlist="h")  # E: call-arg
     harvest.instrument(f)(x, scale="two")  # E: arg-type
     ppl.random_variable(sampler)  # E: call-overload
     ppl.plate(sampler, name="data")  # E: call-overload

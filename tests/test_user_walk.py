@@ -135,7 +135,7 @@ def test_a_penzai_layer_stack_is_refused_rather_than_misnamed():
     with pytest.raises(NotImplementedError, match=r"LayerStack at 'sublayers.1'"):
         reap(instrument(model, ops=True), tag="modules")(x)
     # Sites outside the stack stay usable, and hold what the model computes.
-    outside = instrument(model, where=lambda name: not name.startswith("sublayers.1."))
+    outside = instrument(model, names=lambda name: not name.startswith("sublayers.1."))
     cache = reap(outside, tag="modules")(x)
     h = jnp.sin(x.data_array)
     for scale in (0.5, 2.0):
@@ -159,7 +159,7 @@ def test_a_typo_among_many_sites_names_the_closest_ones_in_a_short_message():
     message = str(err.value)
     assert "'blocks.7.resid'" in message and "20 names" in message and len(message) < 600
     with pytest.raises(ValueError, match=r"'blocks.7.resid'") as err:
-        reap(deep, allowlist="block.7.*")(x)
+        reap(deep, names="block.7.*")(x)
     assert len(str(err.value)) < 600
     few = lambda x: sow(x, name="h", mode="strict")  # a few names: all of them, as before
     with pytest.raises(KeyError, match=r"Names sown with that tag: 'h'\."):
@@ -179,7 +179,7 @@ def test_penzai_multi_query_attention_gets_its_hooks():
     x = pz.nx.wrap(jnp.linspace(-1.0, 1.0, 40).reshape(1, 5, 8), "batch", "seq", "embedding")
     positions = pz.nx.arange("seq", 5)
     hooked = instrument(model, attention=True)
-    listed = sites(hooked, x, token_positions=positions, tag="modules")
+    listed = sites(hooked, tag="modules")(x, token_positions=positions)
     shapes = {info.name: info.shape for info in listed if ".hook_" in info.name}
     assert shapes == {
         "sublayers.0.hook_q": (1, 5, 2, 4),

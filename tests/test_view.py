@@ -53,9 +53,9 @@ def site_node(data, name):
 
 def test_a_node_per_op_with_its_site_merged_a_group_per_body_edges_by_dependency():
     xs = jnp.arange(4.0)
-    v = view(program, xs)
+    v = view(program)(xs)
     data = graph(v)
-    assert v.sites == len(sites(program, xs)) == 2
+    assert v.sites == len(sites(program)(xs)) == 2
     # `step` is sown on the mul's output and `head.out` on the tanh's: one node each.
     step, out = site_node(data, "step"), site_node(data, "head.out")
     assert step["op"] == "mul" and out["op"] == "tanh" and out["label"] == "head.out"
@@ -77,7 +77,7 @@ def test_a_node_per_op_with_its_site_merged_a_group_per_body_edges_by_dependency
 def test_value_summaries_after_a_reap_are_the_values_statistics():
     xs = jnp.arange(4.0)
     reaped = reap(program)(xs)
-    data = graph(view(program, xs, values=reaped))
+    data = graph(view(program, values=reaped)(xs))
     step = np.asarray(reaped["step"])
     (entry,) = site_node(data, "step")["sites"]
     mean, std = re.fullmatch(r"mean ([-\d.e+]+) · std ([-\d.e+]+)", entry["stats"]["text"]).groups()
@@ -91,7 +91,7 @@ def test_nan_and_inf_are_counted_and_the_finite_values_summarised():
 
     x = jnp.array([-1.0, 0.0, 1.0, 2.0, jnp.inf, 4.0])  # log: nan, -inf, 0, log 2, inf, log 4
     logs = np.log(np.array([1.0, 2.0, 4.0]))  # the finite ones, by hand
-    (entry,) = site_node(graph(view(f, x, values=reap(f)(x))), "logs")["sites"]
+    (entry,) = site_node(graph(view(f, values=reap(f)(x))(x)), "logs")["sites"]
     found = re.fullmatch(
         r"mean ([-\d.e+]+) · std ([-\d.e+]+) · 1 nan · 1 inf · 1 -inf", entry["stats"]["text"]
     )
@@ -102,7 +102,7 @@ def test_nan_and_inf_are_counted_and_the_finite_values_summarised():
     np.testing.assert_array_equal(entry["stats"]["hist"], np.histogram(logs, bins=12)[0])
     # Nothing finite: the counts alone, and no histogram.
     nothing = {"logs": jnp.array([jnp.nan, jnp.nan, jnp.inf])}
-    (entry,) = site_node(graph(view(f, x, values=nothing)), "logs")["sites"]
+    (entry,) = site_node(graph(view(f, values=nothing)(x)), "logs")["sites"]
     assert entry["stats"] == {"text": "2 nan · 1 inf", "hist": None}
 
 
@@ -111,7 +111,7 @@ def test_complex_values_are_summarised_by_their_magnitude_and_say_so():
         return sow(x * (1.0 + 1.0j), name="z")
 
     x = jnp.array([3.0, 4.0])
-    (entry,) = site_node(graph(view(f, x, values=reap(f)(x))), "z")["sites"]
+    (entry,) = site_node(graph(view(f, values=reap(f)(x))(x)), "z")["sites"]
     size = np.abs(np.array([3.0, 4.0]) * (1 + 1j))  # by hand: 3 sqrt 2, 4 sqrt 2
     want = f"mean {size.mean():.4g} · std {size.std():.4g} · complex values by |z|"
     assert entry["stats"]["text"] == want
@@ -123,11 +123,11 @@ def test_a_prng_key_value_shows_its_dtype_and_shape():
         return x + jax.random.normal(keys[0])
 
     key = jax.random.key(0)
-    data = graph(view(f, key, 1.0, values=reap(f)(key, 1.0)))
+    data = graph(view(f, values=reap(f)(key, 1.0))(key, 1.0))
     (entry,) = site_node(data, "keys")["sites"]
     assert entry["stats"] == {"text": "key<fry>[3]", "hist": None}
     raw = jax.random.PRNGKey(0)  # a raw key is uint32 numbers: summarised as numbers
-    data = graph(view(f, raw, 1.0, values=reap(f)(raw, 1.0)))
+    data = graph(view(f, values=reap(f)(raw, 1.0))(raw, 1.0))
     (entry,) = site_node(data, "keys")["sites"]
     words = np.asarray(jax.random.split(raw, 3), dtype=float)
     assert entry["stats"]["text"] == f"mean {words.mean():.4g} · std {words.std():.4g}"
@@ -138,7 +138,7 @@ def test_a_view_printed_outside_a_notebook_says_what_it_holds_and_how_to_save_it
         body = lambda c, x: (c + sow(x * c, name="step", mode="append"), None)  # noqa: E731
         return sow(jax.lax.scan(body, 1.0, xs)[0], name="total", mode="strict")
 
-    v = view(f, jnp.arange(3.0))
+    v = view(f)(jnp.arange(3.0))
     # What it holds, counted from the program by hand: two sites, one scan body.
     assert repr(v) == (
         "View(sites=2, groups=1, modules=0): shown in a notebook; .save(path) writes an HTML page"
@@ -148,7 +148,7 @@ def test_a_view_printed_outside_a_notebook_says_what_it_holds_and_how_to_save_it
 
 
 def test_the_page_is_self_contained_with_the_layout_library_inlined():
-    v = view(instrument(lambda x: jnp.sin(x) * 2.0, ops=True), jnp.ones(3))
+    v = view(instrument(lambda x: jnp.sin(x) * 2.0, ops=True))(jnp.ones(3))
     assert v.sites == 2  # sin and mul, each an op site
     page = v.page()
     assert page.startswith("<!DOCTYPE html>")
@@ -156,9 +156,9 @@ def test_the_page_is_self_contained_with_the_layout_library_inlined():
     assert "<script src" not in page and "@import" not in page
     assert "dagre" in page and "graphlib" in page  # the vendored library, inline
     with pytest.raises(TypeError, match="callable"):
-        view(3, 1.0)
+        view(3)(1.0)
     with pytest.raises(TypeError, match="dict"):
-        view(program, jnp.ones(2), values=[1.0])
+        view(program, values=[1.0])(jnp.ones(2))
 
 
 def test_inputs_are_named_by_their_path_in_the_arguments():
@@ -166,7 +166,7 @@ def test_inputs_are_named_by_their_path_in_the_arguments():
         return sow(params["w"] @ x + params["b"], name="h") * scale
 
     params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(2)}
-    data = graph(view(f, params, jnp.ones(3), scale=jnp.float32(2.0)))
+    data = graph(view(f)(params, jnp.ones(3), scale=jnp.float32(2.0)))
     inputs = {n["label"]: n["aval"] for n in data["nodes"] if n["kind"] == "input"}
     assert inputs == {
         "params.b": "float32[2]",
@@ -181,7 +181,7 @@ def test_a_while_loop_is_two_groups_whose_inputs_come_from_the_right_operands():
         body = lambda c: sow(c * 2.0, name="c", mode="clobber") + x
         return jax.lax.while_loop(lambda c: c < bound, body, x)
 
-    v = view(f, jnp.float32(1.0), jnp.float32(10.0))  # arrays: traced, so they are inputs
+    v = view(f)(jnp.float32(1.0), jnp.float32(10.0))  # arrays: traced, so they are inputs
     data = graph(v)
     assert v.sites == 1 and v.groups == 2
     labels = {g["label"] for g in data["groups"]}
@@ -205,7 +205,7 @@ def _two_tags(x):
 def test_values_go_on_the_sites_of_their_tag_only():
     x = jnp.arange(3.0)
     reaped = reap(_two_tags, tag="t2")(x)
-    v = view(_two_tags, x, values=reaped, tag="t2")
+    v = view(_two_tags, values=reaped, tag="t2")(x)
     (stats,) = re.findall(r"mean ([-\d.e+]+) · std", v.html)  # the t1 site 'a' gets none
     np.testing.assert_allclose(float(stats), float(np.mean(x * 2.0 + 1.0)), rtol=1e-3)
 
@@ -213,11 +213,11 @@ def test_values_go_on_the_sites_of_their_tag_only():
 def test_values_naming_no_site_or_a_name_of_two_tags_raise():
     x = jnp.arange(3.0)
     with pytest.raises(ValueError, match=r"'zz'.*no such sow site of tag 't1'.*'a', 'c'"):
-        view(_two_tags, x, values={"zz": x}, tag="t1")
+        view(_two_tags, values={"zz": x}, tag="t1")(x)
     with pytest.raises(ValueError, match=r"'c'.*no such sow site of tag 't2'"):
-        view(_two_tags, x, values=reap(_two_tags, tag="t1")(x), tag="t2")
+        view(_two_tags, values=reap(_two_tags, tag="t1")(x), tag="t2")(x)
     with pytest.raises(ValueError, match=r"'a'.*tags 't1', 't2'.*tag="):
-        view(_two_tags, x, values=reap(_two_tags, tag="t1")(x))
+        view(_two_tags, values=reap(_two_tags, tag="t1")(x))(x)
 
 
 # --- an NNX transformer block, and a 12-layer model of them -------------------
@@ -315,7 +315,7 @@ def inputs_of(data):
 def test_an_nnx_block_groups_its_ops_by_submodule_and_names_its_parameters():
     block = Block(8, nnx.Rngs(0))
     model, x = instrument(block, ops=True), jnp.ones((5, 8))
-    v = view(model, x)
+    v = view(model)(x)
     data = graph(v)
     # A module group per submodule (the model's own list of them), nested by path.
     modules = {g["path"]: g for g in data["groups"] if g["kind"] == "module"}
@@ -323,7 +323,7 @@ def test_an_nnx_block_groups_its_ops_by_submodule_and_names_its_parameters():
     assert data["group"][modules["attn.query"]["parent"]]["path"] == "attn"
     # Each site is on exactly one node, and that node lies in its module's group.
     names = [s["name"] for n in data["nodes"] for s in n["sites"]]
-    assert sorted(names) == sorted(s.name for s in sites(model, x)) and v.sites == len(names)
+    assert sorted(names) == sorted(s.name for s in sites(model)(x)) and v.sites == len(names)
     kernel = site_node(data, "attn.query/dot_general:0")
     assert modules["attn.query"]["id"] == kernel["group"]
     # One node per op: as many as the plain model's program has (each call one
@@ -344,7 +344,7 @@ def test_an_nnx_block_groups_its_ops_by_submodule_and_names_its_parameters():
 
 def test_a_twelve_layer_model_names_its_calls_and_groups_every_block():
     stack = Stack(12, 8, nnx.Rngs(0))
-    v = view(instrument(stack, ops=True), jnp.ones((5, 8)))
+    v = view(instrument(stack, ops=True))(jnp.ones((5, 8)))
     data = graph(v)
     modules = {g["path"] for g in data["groups"] if g["kind"] == "module"}
     assert modules == submodule_paths(stack) and len(modules) == 12 * 10
@@ -361,7 +361,7 @@ def module_of(data, group):
 
 def test_without_ops_each_module_is_a_box_holding_the_ops_it_ran():
     model = Transformer(2)
-    plain = view(instrument(model), TOKENS)
+    plain = view(instrument(model))(TOKENS)
     data = graph(plain)
     modules = {g["path"] for g in data["groups"] if g["kind"] == "module"}
     assert modules == submodule_paths(model) and plain.modules == len(modules) == 25
@@ -374,7 +374,7 @@ def test_without_ops_each_module_is_a_box_holding_the_ops_it_ran():
         for n in data["nodes"]
         if n["kind"] in ("op", "site") and n.get("op", "") != calls.get(n["group"])
     )
-    op_sites = [s.name for s in sites(instrument(model, ops=True), TOKENS) if "/" in s.name]
+    op_sites = [s.name for s in sites(instrument(model, ops=True))(TOKENS) if "/" in s.name]
     named = collections.Counter((s.split("/")[-1].split(":")[0], s.split("/")[0]) for s in op_sites)
     assert placed == named and sum(placed.values()) > 190
     # A module's output is a node in its box, named by its path; attn returns what its
@@ -514,7 +514,7 @@ def edge_lengths(layout):
 def test_chromium_lays_out_an_nnx_block_hovers_and_searches(tmp_path):
     block = Block(8, nnx.Rngs(0))
     model, x = instrument(block, ops=True), jnp.ones((5, 8))
-    v = view(model, x)
+    v = view(model)(x)
     data = graph(v)
     query = site_node(data, "attn.query")
     seen = render(tmp_path, v, hover=query["id"], search="kernel", open_all="module")
@@ -552,7 +552,7 @@ def test_chromium_lays_out_an_nnx_block_hovers_and_searches(tmp_path):
 @needs_chromium
 def test_chromium_lays_out_a_twelve_layer_model_closed_and_open(tmp_path):
     stack = Stack(12, 8, nnx.Rngs(0))
-    v = view(instrument(stack, ops=True), jnp.ones((5, 8)))
+    v = view(instrument(stack, ops=True))(jnp.ones((5, 8)))
     data = graph(v)
     seen = render(tmp_path, v, search="blocks.3.attn")
     layout = seen["layout"]
@@ -592,7 +592,7 @@ def first_screen(seen, data):
 @needs_chromium
 @pytest.mark.parametrize("layers, ops", [(2, False), (2, True), (12, False)])
 def test_chromium_opens_a_transformer_on_its_map_fitted_on_the_input(tmp_path, layers, ops):
-    v = view(instrument(Transformer(layers), ops=ops), TOKENS)
+    v = view(instrument(Transformer(layers), ops=ops))(TOKENS)
     seen = render(tmp_path, v)
     opened, closed, screen = first_screen(seen, graph(v))
     # The top-level structure: the blocks open, each of their parts and the modules
@@ -620,7 +620,7 @@ def test_chromium_opens_a_wide_program_readable_and_scrolled_to_its_first_input(
     def f(x, ws):  # x meets each of 60 weights: a row of 61 inputs, wider than any pane
         return sum(sow(x * w, name=f"h{i}") for i, w in enumerate(ws))
 
-    v = view(f, jnp.ones(3), [jnp.full(3, float(i)) for i in range(60)])
+    v = view(f)(jnp.ones(3), [jnp.full(3, float(i)) for i in range(60)])
     seen = render(tmp_path, v)
     _, _, screen = first_screen(seen, graph(v))
     pane, (width, _) = seen["pane"], seen["window"]

@@ -65,7 +65,7 @@ def main() -> int:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         sys.exit("needs Chromium: make chromium")
-    v = view(instrument(Block(8, nnx.Rngs(0)), ops=True), jnp.ones((5, 8)))
+    v = view(instrument(Block(8, nnx.Rngs(0)), ops=True))(jnp.ones((5, 8)))
     with tempfile.TemporaryDirectory() as tmp:
         page = pathlib.Path(tmp) / "view.html"
         page.write_text(v.page().replace("</body>", ACT + "</body>"), encoding="utf-8")

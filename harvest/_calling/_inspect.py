@@ -20,6 +20,7 @@ from .._walk._rules import batched_lax_map
 from .._walk._rules.batched_lax_map import per_element
 from .._walk._site import Site
 from .._walk._sow_index import sow_index
+from ._renamed import arguments_moved
 from ._tracing import make_jaxpr
 
 
@@ -54,7 +55,7 @@ class SiteInfo:
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sites, sow
-        >>> info = sites(lambda x: sow(x, name="h"), jnp.zeros(3))[0]
+        >>> info = sites(lambda x: sow(x, name="h"))(jnp.zeros(3))[0]
         >>> info.name, info.shape, info.fires, info.nbytes
         ('h', (3,), 1, 12)
     """
@@ -76,7 +77,7 @@ class Sites(list[SiteInfo]):
     Example:
         >>> import jax.numpy as jnp
         >>> from harvest import sites, sow
-        >>> found = sites(lambda x: sow(x, name="h", mode="strict"), jnp.zeros(2))
+        >>> found = sites(lambda x: sow(x, name="h", mode="strict"))(jnp.zeros(2))
         >>> print(found)
         tag            name  mode    shape  dtype    fires  bytes  where
         intermediates  h     strict  (2,)   float32  1      8
@@ -98,7 +99,7 @@ class Sites(list[SiteInfo]):
     def nbytes(self) -> int | None:
         """The bytes a full ``reap`` of these sites returns per call: the size of
         the reaped dict, which the compiled program allocates beside ``f``'s own
-        (``reap`` with ``allowlist``/``blocklist`` keeps only the sites chosen).
+        (``reap`` with ``names``/``exclude`` keeps only the sites chosen).
 
         Returns:
             The sum of every site's ``nbytes``, or ``None`` if a site is inside a
@@ -156,7 +157,7 @@ class Sites(list[SiteInfo]):
             ...     def body(c, x):
             ...         return c + sow(x * c, name="step", mode="append"), None
             ...     return sow(jax.lax.scan(body, 1.0, xs)[0], name="total", mode="strict")
-            >>> page = sites(f, jnp.zeros(12)).to_html()
+            >>> page = sites(f)(jnp.zeros(12)).to_html()
             >>> page.startswith("<!DOCTYPE html>"), "scan[12]" in page, "total" in page
             (True, True, True)
         """
@@ -244,24 +245,30 @@ def _html_view(found: Sites) -> str:
     )
 
 
-def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: Any) -> Sites:
-    """Lists every sow site of ``f(*args, **kwargs)``, without running ``f``.
+@arguments_moved
+def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sites]:
+    """Returns a function listing every sow site of ``f`` for its arguments, without running ``f``.
 
-    ``f`` is traced with ``jax.make_jaxpr``: array arguments (or
-    ``jax.ShapeDtypeStruct`` values standing for them) are traced, and every other
-    argument reaches ``f`` as itself, as in ``reap``. Each sow equation gives one
-    ``SiteInfo``, in program order, recursing into ``jit``, ``scan``, ``cond``,
-    ``while_loop``, ``checkpoint`` and custom derivatives.
+    ``sites(f)(*args, **kwargs)`` traces ``f(*args, **kwargs)`` with
+    ``jax.make_jaxpr``: array arguments (or ``jax.ShapeDtypeStruct`` values
+    standing for them) are traced, and every other argument reaches ``f`` as
+    itself, as in ``reap``. Each sow equation gives one ``SiteInfo``, in program
+    order, recursing into ``jit``, ``scan``, ``cond``, ``while_loop``,
+    ``checkpoint`` and custom derivatives.
+
+    It is called as every transformation is, ``sites(f)(x)``; the old form
+    ``sites(f, x)`` still works until harvest 0.3, with a ``DeprecationWarning``.
+    A function of no arguments is listed by ``sites(f)()``: ``sites(f)`` alone is
+    now the listing function.
 
     Args:
         f: the function to trace, as for ``reap``.
-        *args: its positional arguments: arrays, ``jax.ShapeDtypeStruct`` values, or
-            Python values (static, as in ``reap``).
         tag: list only the sites of this tag; None lists every tag.
-        **kwargs: its keyword arguments, as ``args``.
 
     Returns:
-        A ``Sites`` list of ``SiteInfo``, which prints as a table and shows as a
+        A function taking ``f``'s arguments (arrays, ``jax.ShapeDtypeStruct``
+        values, or Python values, static as in ``reap``) and returning a
+        ``Sites`` list of ``SiteInfo``, which prints as a table and shows as a
         collapsible tree in a notebook.
 
     Raises:
@@ -274,14 +281,25 @@ def sites(f: Callable[..., Any], *args: Any, tag: str | None = None, **kwargs: A
         ...     def body(c, x):
         ...         return c + sow(x * c, name="step", mode="append"), None
         ...     return jax.lax.scan(body, 1.0, xs)[0]
-        >>> print(sites(jax.jit(f), jax.ShapeDtypeStruct((12,), jnp.float32)))
+        >>> print(sites(jax.jit(f))(jax.ShapeDtypeStruct((12,), jnp.float32)))
         tag            name  mode    shape  dtype    fires  bytes  where
         intermediates  step  append  ()     float32  12     48     jit › scan[12]
     """
     if not callable(f):
-        raise _errors.needs_callable("sites(f, *args)", f)
+        raise _errors.needs_callable("sites(f)", f)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
+
+    def listed_sites(*args: Any, **kwargs: Any) -> Sites:
+        return _listed(f, tag, args, kwargs)
+
+    return listed_sites
+
+
+def _listed(
+    f: Callable[..., Any], tag: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Sites:
+    """Every sow site of ``f(*args, **kwargs)`` of ``tag`` (None: any), in program order."""
     found, blocks = Sites(), []
 
     def traced(plan: Any = None) -> Any:

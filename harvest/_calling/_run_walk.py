@@ -208,7 +208,7 @@ def _tag_matches_no_site(tag: Any, tags: list[Any], caller: str = "reap") -> Val
 
 def _checked_sites(traced: _Traced, static: _Static):
     """(each site key's rank in program order, the sites the policy handles, the keys
-    of its tag that the allowlist/blocklist leaves out), refusing what names no site."""
+    of its tag that `names=`/`exclude=` leave out), refusing what names no site."""
     jaxpr, policy = traced.closed.jaxpr, static.policy
     key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
@@ -257,7 +257,7 @@ def _checked_sites(traced: _Traced, static: _Static):
             )
     if policy.strict_names:
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
-        policy.select.check_allowlist([path_str(p) for p in tagged], "allowlist entry", policy.tag)
+        policy.select.check_names([path_str(p) for p in tagged], "names= entry", policy.tag)
     return first, handled, filtered
 
 
@@ -586,7 +586,7 @@ def _lowerable(jaxpr):
 def _resolve_plants(plants, sites, policy, filtered):
     """Matches a nested {name: value} dict to the sites it plants into.
 
-    `filtered` holds the names of the tag that the allowlist/blocklist leaves out."""
+    `filtered` holds the names of the tag that `names=`/`exclude=` leave out."""
     if plants is None:
         return {}
     resolved = {}
@@ -610,8 +610,8 @@ def _resolve_plants(plants, sites, policy, filtered):
                 name, tag, _ = _as_sown(name, policy, ())
                 raise KeyError(
                     f"Cannot plant {name!r}: it is sown with tag {tag!r}, but "
-                    "this plant's allowlist/blocklist leaves it out. Drop it from the blocklist "
-                    "(or add it to the allowlist), or leave it out of plants."
+                    "this plant's selection (names=/exclude=; oryx's allowlist/blocklist) leaves "
+                    "it out. Select it, or leave it out of plants."
                 )
             elif policy.strict_names:
                 name, tag, names = _as_sown(name, policy, dotted)

@@ -22,6 +22,7 @@ from .._typing import NameSelect, P, Plants, R, Reaped
 from .._walk._interpreter import NameFilter, Policy, Tags
 from .._walk._leaves import is_array
 from .._walk._sow import DEFAULT_TAG
+from ._renamed import renamed
 from ._run_walk import code_of, layer_tag as layer_tag, run_walk
 
 
@@ -33,7 +34,7 @@ def _check_callable(f, fn_name):
         )
 
 
-def _policy(tag, allowlist, blocklist, max_steps=None):
+def _policy(tag, names, exclude, max_steps=None):
     if not isinstance(tag, str) or not tag:
         raise TypeError(f"tag must be a non-empty string, got {tag!r}.")
     if max_steps is not None and (
@@ -43,7 +44,7 @@ def _policy(tag, allowlist, blocklist, max_steps=None):
             f"max_steps must be a positive int (how many while_loop iterations to record), "
             f"got {max_steps!r}. Leave it None to reap each while_loop's last iteration."
         )
-    return Policy(tag, NameFilter.make(allowlist, blocklist), max_steps=max_steps)
+    return Policy(tag, NameFilter.make(names, exclude), max_steps=max_steps)
 
 
 def _check_plants_arg(plants, fn_name):
@@ -141,12 +142,13 @@ def _unwrapped_to_code(g: Any, f: Any) -> Any:
     return g
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def reap(
     f: Callable[P, Any],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
     max_steps: int | None = None,
 ) -> Callable[P, Reaped]:
     """Returns a function with ``f``'s signature that returns ``{name: value}`` of ``f``'s sows.
@@ -179,11 +181,11 @@ def reap(
         f: the function to run: any JAX-traceable callable (a function, a bound
             method, an NNX or Equinox module, an ``instrument``-ed model).
         tag: which sows to read; sows of other tags pass through untouched.
-        allowlist: if given, read only these names: exact names, glob patterns
-            (``"blocks.*"``) or predicates on names. A string that matches no site
-            of ``tag`` is an error listing the names there are (a predicate may
-            match nothing).
-        blocklist: names never to read, in the same forms as ``allowlist``.
+        names: if given, read only these sites: exact names, glob patterns
+            (``"blocks.*"``), predicates on names, or a list of them. A string that
+            matches no site of ``tag`` is an error listing the names there are (a
+            predicate may match nothing).
+        exclude: sites never to read, in the same forms as ``names``.
         max_steps: if given (a positive int), record the first ``max_steps``
             iterations of each ``while_loop`` as ``harvest.Steps``; ``None`` keeps
             each while_loop's last iteration of ``instrument``'s sites.
@@ -194,7 +196,7 @@ def reap(
 
     Raises:
         ValueError: when the returned function is called: a name in
-            ``allowlist`` that no site has, a ``strict`` site sown twice, or a sow
+            ``names`` that no site has, a ``strict`` site sown twice, or a sow
             where its mode cannot be honoured (e.g. ``append`` in a ``while_loop``
             without ``max_steps``); at once, a ``max_steps`` that is not a positive int.
         TypeError: if ``f`` is not callable, or ``tag`` is not a non-empty string.
@@ -215,18 +217,21 @@ def reap(
         ...     return x * 0.5 if training else x
         >>> sorted(reap(g)(jnp.zeros(2), 3, training=True))
         ['step0', 'step1', 'step2']
+        >>> sorted(reap(g, names="step*", exclude="step2")(jnp.zeros(2), 3))
+        ['step0', 'step1']
     """
     return transform(
-        f, "reap", _policy(tag, allowlist, blocklist, max_steps), takes_plants=False, gives="reaps"
+        f, "reap", _policy(tag, names, exclude, max_steps), takes_plants=False, gives="reaps"
     )
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def call_and_reap(
     f: Callable[P, R],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
     max_steps: int | None = None,
 ) -> Callable[P, tuple[R, Reaped]]:
     """Like ``reap``, but the function returns ``(f's output, {name: value})``.
@@ -234,9 +239,9 @@ def call_and_reap(
     Args:
         f: the function to run, as for ``reap``.
         tag: which sows to read; sows of other tags pass through untouched.
-        allowlist: if given, read only these names (exact names, glob patterns or
+        names: if given, read only these sites (exact names, glob patterns or
             predicates on names), as for ``reap``.
-        blocklist: names never to read, in the same forms as ``allowlist``.
+        exclude: sites never to read, in the same forms as ``names``.
         max_steps: how many iterations of each ``while_loop`` to record, as for
             ``reap``.
 
@@ -256,18 +261,19 @@ def call_and_reap(
     return transform(
         f,
         "call_and_reap",
-        _policy(tag, allowlist, blocklist, max_steps),
+        _policy(tag, names, exclude, max_steps),
         takes_plants=False,
         gives="both",
     )
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def plant(
     f: Callable[P, R],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
 ) -> Callable[Concatenate[Plants, P], R]:
     """Returns ``g(plants, *args, **kwargs)``: ``f`` with the planted sows replaced.
 
@@ -289,9 +295,9 @@ def plant(
     Args:
         f: the function to run, as for ``reap``.
         tag: which sows may be replaced; sows of other tags pass through untouched.
-        allowlist: if given, only these names may be planted (exact names, glob
+        names: if given, only these sites may be planted (exact names, glob
             patterns or predicates on names).
-        blocklist: names never to plant, in the same forms as ``allowlist``.
+        exclude: sites never to plant, in the same forms as ``names``.
 
     Returns:
         A function taking ``plants`` first, then ``f``'s arguments, and returning
@@ -320,15 +326,16 @@ def plant(
         >>> plant(g)({"x": lambda old, i: jnp.where(i == 2, 0.0, old)}, jnp.ones(4))
         Array(3., dtype=float32)
     """
-    return transform(f, "plant", _policy(tag, allowlist, blocklist), takes_plants=True, gives="out")
+    return transform(f, "plant", _policy(tag, names, exclude), takes_plants=True, gives="out")
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def harvest(
     f: Callable[P, R],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
     max_steps: int | None = None,
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """Returns ``g(plants, *args, **kwargs) -> (out, reaps)``: plant and reap in one walk.
@@ -336,9 +343,9 @@ def harvest(
     Args:
         f: the function to run, as for ``reap``.
         tag: which sows to plant and read; sows of other tags pass through.
-        allowlist: if given, only these names are planted or read (exact names,
+        names: if given, only these sites are planted or read (exact names,
             glob patterns or predicates on names).
-        blocklist: names never planted or read, in the same forms as ``allowlist``.
+        exclude: sites never planted or read, in the same forms as ``names``.
         max_steps: how many iterations of each ``while_loop`` to record, as for
             ``reap``.
 
@@ -364,20 +371,20 @@ def harvest(
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
     return transform(
-        f, "harvest", _policy(tag, allowlist, blocklist, max_steps), takes_plants=True, gives="both"
+        f, "harvest", _policy(tag, names, exclude, max_steps), takes_plants=True, gives="both"
     )
 
 
 def harvest_tags(
-    f: Callable[P, R], tags: Any, allowlist: NameSelect = None
+    f: Callable[P, R], tags: Any, names: NameSelect = None
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
     """``harvest`` of several tags in one walk (for harvest's layers, not public):
     ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
     ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
     one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
-    ``allowlist`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
+    ``names`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
     pass through."""
-    policy = Policy(Tags(frozenset(tags)), NameFilter.make(allowlist))
+    policy = Policy(Tags(frozenset(tags)), NameFilter.make(names))
     return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 

@@ -73,7 +73,7 @@ def is_attention(module: Any) -> bool:
 
 def _hook(call: Any, name: str, value: Any, to_view: Any = None, from_view: Any = None) -> Any:
     """`value`, sown in TransformerLens's layout (`to_view`) and brought back: as `name`,
-    or as `blocks.{i}.attn.<hook>` with `names="transformer_lens"`."""
+    or as `blocks.{i}.attn.<hook>` with `naming="transformer_lens"`."""
     if not wanted(call, name):
         return value
     view = value if to_view is None else to_view(value)
@@ -559,18 +559,18 @@ def is_gemma_attention(module: Any) -> bool:
 
 
 def refuse_gemma_scores(call: Any, path: str) -> None:
-    """Raises where `where` asks for the scores of the Gemma attention at `path` and not its
+    """Raises where `names` asks for the scores of the Gemma attention at `path` and not its
     pattern: gemma computes them inside `Attention.__call__` (after the rotary embedding,
     the query's scaling, the soft cap and the sliding mask), where no submodule's input or
     output holds them, so harvest could sow them only by copying that whole forward. A
-    wider `where` (or none) gives the other hooks, without the scores."""
+    wider `names` (or none) gives the other hooks, without the scores."""
     scores = f"{path}.hook_attn_scores"
     if wanted(call, scores) and not wanted(call, f"{path}.hook_pattern"):
         raise ValueError(
             f"instrument(attention=True): {hook_name(call, scores)} is not sown: gemma's "
             f"Attention at {path!r} computes its scores inside its own __call__, where no "
             "submodule holds them. Its hook_pattern is their softmax; leave the scores out of "
-            "`where`."
+            "`names`."
         )
 
 

@@ -64,8 +64,8 @@ class InstrumentCall:
             raise TypeError(
                 f"instrument(tag={self.tag!r}): the module at {path!r} returned "
                 f"{bad[0] or 'its output'} of type {type(bad[1]).__name__}, which is not an array, "
-                "so it cannot be a site. Leave that module out with `where` (e.g. "
-                f"where=lambda name: name != {path!r})."
+                "so it cannot be a site. Leave that module out (e.g. "
+                f"exclude={path!r})."
             )
         if is_named_array(value):
             # A Penzai named array: the site is its data, the call's input axes first (so

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._calling._renamed import renamed
 from .._typing import NameSelect, P, R
 from .._walk._interpreter import NameFilter
 from . import _transformer_lens
@@ -42,19 +43,26 @@ def _instrument_module_class(target: Any, library: str) -> TypeError:
     )
 
 
+def _a_naming(value: object) -> bool:
+    """Whether an old ``names=`` value is a naming (now ``naming=``), not a selection."""
+    return isinstance(value, str) and value in _transformer_lens.NAMINGS
+
+
+# `names=` was the naming scheme and is now the selection: the old naming moves first.
+@renamed(names=("naming", _a_naming), where="names", target="f")
 def instrument(
-    target: Callable[P, R],
+    f: Callable[P, R],
     *,
     tag: str = "modules",
     ops: bool = False,
     inputs: bool = False,
-    where: NameSelect = None,
+    names: NameSelect = None,
     attention: bool = False,
-    names: str | None = None,
+    naming: str | None = None,
 ) -> Callable[P, R]:
-    """Returns ``target`` with its parts sown under ``tag``, for models nobody instrumented by hand.
+    """Returns ``f`` with its parts sown under ``tag``, for models nobody instrumented by hand.
 
-    The result is called exactly as ``target`` is and returns the same values
+    The result is called exactly as ``f`` is and returns the same values
     (bit for bit; outside a harvest every sow is the identity), but ``reap``,
     ``plant``, ``harvest``, ``sites``, ``stream`` and the patching sweeps see sites:
 
@@ -74,7 +82,7 @@ def instrument(
       Planting there replaces what the submodule receives.
     * with ``attention=True``: TransformerLens's hook sites on each attention
       module of a known kind (below);
-    * with ``names="transformer_lens"``: TransformerLens's hook names instead
+    * with ``naming="transformer_lens"``: TransformerLens's hook names instead
       (below).
 
     A site sown once holds the value itself; one sown k times (a shared module,
@@ -87,14 +95,14 @@ def instrument(
     leave it.
 
     Args:
-        target: the model: a Flax NNX module, an Equinox module, a Penzai layer
+        f: the model: a Flax NNX module, an Equinox module, a Penzai layer
             (``pz.nn.Layer``), or any callable (for Linen, the function that calls
             ``model.apply``; any function with ``ops=True``).
         tag: the tag the sites are sown under; pass the same ``tag`` to ``reap``,
             ``plant`` and ``sites``.
         ops: also sow every primitive's output (``"<scope>/<primitive>:<n>"``).
         inputs: also sow each submodule call's array arguments (``"<path>:in"``).
-        where: which sites to sow, picked before anything is traced: a name, a
+        names: which sites to sow, picked before anything is traced: a name, a
             glob pattern, a predicate on names, or a list of them (None: all).
         attention: also give each attention module of a known kind (NNX
             ``MultiHeadAttention``, Linen ``MultiHeadDotProductAttention``, Equinox
@@ -103,7 +111,7 @@ def instrument(
             ``.hook_z`` (``[..., seq, heads, d_head]``), ``.hook_attn_scores`` (the
             scaled, masked scores; not Gemma's) and ``.hook_pattern``
             (the post-softmax weights, ``[..., heads, q_pos, k_pos]``).
-        names: ``"transformer_lens"``: TransformerLens's hook names instead of the
+        naming: ``"transformer_lens"``: TransformerLens's hook names instead of the
             paths (the keys of its ``ActivationCache``, nothing else). The ``i``-th
             transformer block (an NNX or Equinox module with one attention
             submodule and one submodule named ``mlp`` whose forward adds the
@@ -122,21 +130,21 @@ def instrument(
             on (``hook_attn_scores`` too). A module target's blocks are found,
             or refused, here. Where ``resid_mid`` is no part's output (NNX,
             Equinox, gemma without post-attention norm), sowing it can change the
-            outputs in their last bits (leave it out with ``where`` to keep them
+            outputs in their last bits (leave it out with ``names`` to keep them
             bit for bit). None: harvest's own names.
 
     Returns:
-        A callable with ``target``'s signature and outputs (a pytree, so it can
+        A callable with ``f``'s signature and outputs (a pytree, so it can
         be passed through ``jax.jit``) whose parts are sites of ``tag``.
 
     Raises:
-        TypeError: if ``target`` is none of the kinds above (a module class rather
+        TypeError: if ``f`` is none of the kinds above (a module class rather
             than a model built from it, or a Linen module not bound to its
             variables, included), ``tag`` is not a non-empty string, or
             ``ops``/``inputs``/``attention`` is not a bool.
-        ValueError: if ``names`` is not None or ``"transformer_lens"``, the
+        ValueError: if ``naming`` is not None or ``"transformer_lens"``, the
             model has no transformer block of the kinds above, a block holds two
-            attention modules, or ``names`` is given with ``inputs=True``.
+            attention modules, or ``naming`` is given with ``inputs=True``.
 
     Example:
         >>> import jax.numpy as jnp
@@ -152,19 +160,21 @@ def instrument(
         {'layers.0': (3,), 'layers.1': (1,)}
         >>> plant(model, tag="modules")({"layers.1": jnp.zeros(1)}, jnp.ones(2))
         Array([0.], dtype=float32)
+        >>> list(reap(instrument(MLP(nnx.Rngs(0)), names="layers.1"), tag="modules")(jnp.ones(2)))
+        ['layers.1']
     """
-    kind = target_kind(target)
+    kind = target_kind(f)
     if kind is None:
         raise TypeError(
             f"instrument needs a Flax NNX module, an Equinox module, a Penzai layer or a callable, got a "
-            f"{type(target).__name__}. For a Linen model, instrument the function that applies it, "
+            f"{type(f).__name__}. For a Linen model, instrument the function that applies it, "
             "e.g. instrument(lambda x: model.apply(variables, x))."
         )
-    library = module_class(target)
+    library = module_class(f)
     if library is not None:  # callable, but calling it builds a model
-        raise _instrument_module_class(target, library)
-    if unbound_linen(target):  # callable, but only inside model.apply
-        name = type(target).__name__
+        raise _instrument_module_class(f, library)
+    if unbound_linen(f):  # callable, but only inside model.apply
+        name = type(f).__name__
         raise TypeError(
             f"instrument got an unbound Flax Linen module ({name}), which runs only through "
             "model.apply with its variables. Instrument the function that applies it: "
@@ -176,11 +186,11 @@ def instrument(
     for flag, value in (("ops", ops), ("inputs", inputs), ("attention", attention)):
         if not isinstance(value, bool):
             raise TypeError(f"instrument needs `{flag}` to be True or False, got {value!r}.")
-    select = NameFilter.make(where)
-    if isinstance(where, list):
-        where = tuple(where)
+    select = NameFilter.make(names)
+    if isinstance(names, list):
+        names = tuple(names)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
-    _transformer_lens.check_naming(names, kind, describe(target), inputs)
-    if names is not None and kind != "function":  # a model's blocks are known now
-        _transformer_lens.names_of(submodules(target, kind), kind, describe(target))
-    return cls(target, kind, tag, ops, inputs, select, where, attention, names)
+    _transformer_lens.check_naming(naming, kind, describe(f), inputs)
+    if naming is not None and kind != "function":  # a model's blocks are known now
+        _transformer_lens.names_of(submodules(f, kind), kind, describe(f))
+    return cls(f, kind, tag, ops, inputs, select, names, attention, naming)

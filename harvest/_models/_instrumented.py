@@ -27,7 +27,7 @@ from ._op_sites import sow_ops
 
 def _instrument_nothing_sown(where: Any, kind: str, target: str) -> ValueError:
     if where is not None:
-        return ValueError(f"instrument: where={where!r} selected nothing that {target} computes.")
+        return ValueError(f"instrument: names={where!r} selected nothing that {target} computes.")
     if kind == "function":
         return ValueError(
             f"instrument: {target} applies no Flax Linen module, so it has no module sites. "
@@ -50,7 +50,7 @@ def _outermost(names: list[str], k: int = 6) -> str:
 
 def _instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
     return ValueError(
-        f"instrument: where={where!r} selects none of the model's submodules ({_outermost(names)})."
+        f"instrument: names={where!r} selects none of the model's submodules ({_outermost(names)})."
     )
 
 
@@ -158,7 +158,7 @@ class Instrumented:
         return (
             f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
             f"inputs={self._inputs}, attention={self._attention}"
-            + ("" if self._names is None else f", names={self._names!r}")
+            + ("" if self._names is None else f", naming={self._names!r}")
             + ")"
         )
 
@@ -195,7 +195,7 @@ class Instrumented:
 
     def _module_run(self, call, target, args, kwargs, probe=False):
         """`target` (a module) to be run for `call`: its parts found, named and wrapped
-        (`where` checked to select one, unless `call` is a probe, which sows nothing)."""
+        (`names` checked to select one, unless `call` is a probe, which sows nothing)."""
         parts = submodules(target, self._kind)
         if self._names is not None:  # TransformerLens's names only
             call.residual = _transformer_lens.names_of(parts, self._kind, describe(target))
@@ -208,7 +208,7 @@ class Instrumented:
         if checked and not any(call.select((n,)) for n in names):
             raise _instrument_where_selects_no_submodule(self._where, names)
         # Every module is wrapped (with ops=True its path names the ops inside,
-        # whatever `where` selects); `sow` keeps to the selected ones.
+        # whatever `names` selects); `sow` keeps to the selected ones.
         call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
         call.known = frozenset(call.paths.values())
         self._prepare(call, parts, names, args, kwargs)

@@ -146,5 +146,5 @@ def _refuse_layer_stacks(parts, names, select, ops):
                     f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
                     f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "
                     f"misnamed or missed. Build the model without a layer stack (use_layer_stack=False), or "
-                    f"select sites outside it, e.g. where=lambda name: not name.startswith({path + '.'!r})."
+                    f"select sites outside it, e.g. names=lambda name: not name.startswith({path + '.'!r})."
                 )

@@ -39,8 +39,8 @@ def rebuilt_path(call: InstrumentCall, module: Any) -> str | None:
         raise ValueError(
             f"instrument(tag={call.tag!r}): a {type(module).__name__} rebuilt from arrays (as eqx.combine "
             f"or jax.lax.scan over stacked layers rebuild one) fits several of the model's submodules: "
-            f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out with `where` "
-            f"(e.g. where=lambda name: name not in {paths!r}), or call the submodule itself rather than a "
+            f"{', '.join(map(repr, paths))}, so its name is ambiguous. Leave them out "
+            f"(e.g. exclude={paths!r}), or call the submodule itself rather than a "
             "copy passed through a transformation."
         )
     path = paths[0]

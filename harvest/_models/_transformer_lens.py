@@ -1,4 +1,4 @@
-"""TransformerLens's hook names (`instrument(..., names="transformer_lens")`).
+"""TransformerLens's hook names (`instrument(..., naming="transformer_lens")`).
 
 With the naming asked for, a call sows TransformerLens's names only (the keys of
 its ``ActivationCache``), not the module paths: each transformer block found in
@@ -38,7 +38,7 @@ computes with. Three kinds of block are read:
   planted there moves the attention's output by the difference, so the block's
   own addition gives the planted value (up to rounding). That extra addition can
   change how XLA compiles the attention's last product, and so the model's
-  outputs in their last bits; leaving ``resid_mid`` out (``where``) keeps them
+  outputs in their last bits; leaving ``resid_mid`` out (``exclude``) keeps them
   bit for bit. A parallel block, whose MLP reads the block's input (GPT-J's;
   TransformerLens's ``parallel_attn_mlp``), has no ``resid_mid``: only its
   forward says so, after the attention has returned, so where ``resid_mid`` is
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from .. import _jax
 from . import _attention
 
-NAMINGS = ("transformer_lens",)  # what `instrument(names=...)` takes
+NAMINGS = ("transformer_lens",)  # what `instrument(naming=...)` takes
 
 # What a TransformerLens name looks like: every other site is left out of a call with names.
 _TL_NAME = re.compile(r"(hook_embed|hook_pos_embed|blocks\.\d+\.((attn|mlp)\.)?hook_\w+)")
@@ -135,7 +135,7 @@ _KINDS = {
 
 def no_transformer_blocks(target: str, kind: str) -> ValueError:
     return ValueError(
-        f"instrument(names='transformer_lens') found no transformer block in {target} "
+        f"instrument(naming='transformer_lens') found no transformer block in {target} "
         f"({_KINDS.get(kind, kind)}). It reads Flax NNX and Equinox blocks (a module with one attention submodule, "
         "nnx.MultiHeadAttention or eqx.nn.MultiheadAttention, and one submodule named `mlp`; or, "
         "attention only, an element of a list with one attention submodule), Penzai blocks (a "
@@ -157,7 +157,7 @@ def check_naming(names: Any, kind: str, target: str, inputs: bool) -> None:
         raise no_transformer_blocks(target, kind)
     if inputs:
         raise ValueError(
-            "instrument(names='transformer_lens') sows TransformerLens's names only, so inputs=True "
+            "instrument(naming='transformer_lens') sows TransformerLens's names only, so inputs=True "
             "has nothing to add: each block's input is blocks.{i}.hook_resid_pre. Pass one of them, "
             "or names=None for the parts' inputs by their paths."
         )
@@ -363,7 +363,7 @@ def _module_blocks(parts: list[tuple[str, Any]], kind: str) -> list[_Block]:
         listed = path.rpartition(".")[2].isdigit()  # an element of a list of blocks
         if len(attention) > 1 and listed:
             raise ValueError(
-                f"instrument(names='transformer_lens'): the block at {path!r} holds "
+                f"instrument(naming='transformer_lens'): the block at {path!r} holds "
                 f"{len(attention)} attention modules ({', '.join(map(repr, attention))}), as a "
                 "decoder's self- and cross-attention do; TransformerLens's block names describe one. "
                 "Reap the block's parts by their paths instead (names=None)."
@@ -499,7 +499,7 @@ def _check_self_attention(table: Names, path: str, args: tuple[Any, ...]) -> Non
     given = [a for a in args[:3] if getattr(a, "shape", None) is not None]
     if any(a is not given[0] for a in given[1:]):
         raise ValueError(
-            f"instrument(names='transformer_lens'): the attention at {path!r} in the block at "
+            f"instrument(naming='transformer_lens'): the attention at {path!r} in the block at "
             f"{table.blocks[path]!r} is given keys or values other than its queries (cross-attention), which "
             "TransformerLens's block names do not describe. Reap the block's parts by their paths "
             "instead (names=None)."
@@ -525,7 +525,7 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
     for arg in map(_jax.unbatched, args):  # an Equinox block vmaps its parts over positions
         if arg is attention_out:
             raise ValueError(
-                f"instrument(names='transformer_lens'): the block at {block!r} passes its attention's "
+                f"instrument(naming='transformer_lens'): the block at {block!r} passes its attention's "
                 f"output to {path!r} before adding it to the stream (a norm after attention, as Gemma 2's), "
                 "so the attention's output is not what TransformerLens's hook_attn_out and hook_resid_mid "
                 "mean. Reap the block's parts by their paths instead (names=None)."
@@ -536,10 +536,10 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
             table.parallel.add(block)
         elif call.select((table.mids[_attention_of(table, block)][1],)):
             raise ValueError(
-                f"instrument(names='transformer_lens'): after its attention, the block at {block!r} "
+                f"instrument(naming='transformer_lens'): after its attention, the block at {block!r} "
                 f"gives {path!r} the block's input (or what the attention took), so its MLP does not "
                 "read the stream after attention: a parallel block has no hook_resid_mid. Leave it "
-                "out, e.g. where=lambda name: not name.endswith('hook_resid_mid')."
+                "out, e.g. exclude='*.hook_resid_mid'."
             )
 
 
@@ -582,10 +582,10 @@ def _resid_mid(call: Any, table: Names, name: str, resid_pre: Any, attn_out: Any
         return attn_out
     if getattr(resid_pre, "shape", None) != getattr(attn_out, "shape", None):
         raise ValueError(
-            f"instrument(names='transformer_lens'): {name} is the block's input plus its attention's "
+            f"instrument(naming='transformer_lens'): {name} is the block's input plus its attention's "
             f"output, but they have shapes {getattr(resid_pre, 'shape', None)} and "
             f"{getattr(attn_out, 'shape', None)}, so this block does not add its attention's output to "
-            "its input. Leave the name out with `where`, or reap the block's parts by their paths."
+            "its input. Leave the name out with `exclude`, or reap the block's parts by their paths."
         )
     if table.probing:
         return attn_out

@@ -35,6 +35,7 @@ def ablation_sweep(
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
+    exclude: NameSelect = None,
     axis: int | tuple[int, ...] | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
@@ -63,6 +64,7 @@ def ablation_sweep(
         how: ``"zero"`` or ``"mean"`` (the mean over the batch, the leading axis).
         tag: The tag whose sows are the sites (``"modules"`` for ``instrument``'s).
         names: Which sites, as for ``patching_sweep`` (None: every site of ``tag``).
+        exclude: Sites never to ablate, as for ``patching_sweep``.
         axis: The axis (or axes) of each site's value to ablate index by index
             (the head axis of ``hook_z``, 2), or None to ablate whole sites.
         batch_size: How many ablations run at once, as for ``patching_sweep``.
@@ -113,6 +115,7 @@ def ablation_sweep(
         metric,
         tag=tag,
         names=names,
+        exclude=exclude,
         axis=axis,
         batch_size=batch_size,
         progress=progress,
@@ -123,7 +126,7 @@ def _means(f: Callable[..., Any], args: tuple[Any, ...], tag: str, reaped: Any) 
     """The run's `reaped` values, each replaced by its mean over the batch (broadcast back):
     the leading axis of one occurrence (the second of a site sown several times, whose
     occurrences are stacked first)."""
-    shapes = {s.name: s.shape for s in sites(f, *args, tag=tag)}
+    shapes = {s.name: s.shape for s in sites(f, tag=tag)(*args)}
 
     def mean(path: Any, value: Any) -> Any:
         name = ".".join(str(getattr(k, "key", k)) for k in path)

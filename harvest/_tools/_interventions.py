@@ -220,7 +220,7 @@ def _intervention_misfit(
         fix = f"Pass an array that broadcasts to {got}{last}"
     return _errors.InterventionMisfit(
         f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
-        f"{fix}; `sites(f, *args)` lists each site's shape."
+        f"{fix}; `sites(f)(*args)` lists each site's shape."
     )
 
 

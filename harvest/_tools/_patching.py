@@ -106,6 +106,7 @@ def patching_sweep(
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
+    exclude: NameSelect = None,
     axis: int | tuple[int, ...] | None = None,
     batch_size: int | None = None,
     progress: bool | None = None,
@@ -157,6 +158,8 @@ def patching_sweep(
             value in ``clean``; then sites whose sizes along ``axis`` differ
             from the most common ones (attention patterns beside the residual
             stream, say) are left out and listed in the result's ``skipped``.
+        exclude: Sites never to sweep, in the same forms as ``names`` (a string
+            that matches no site is not an error).
         axis: The axis of each site's value to sweep index by index, a tuple
             of axes (``axis=(2, 1)`` on a per-head output ``[batch, positions,
             heads, d_head]`` patches every (head, position) pair, giving values
@@ -215,7 +218,9 @@ def patching_sweep(
         (('h[0]', 'h[1]'), (2, 3))
     """
     caller = "patching_sweep"
-    axes, batches, targets, plan = planned(f, clean, corrupted_args, tag, names, axis, caller)
+    axes, batches, targets, plan = planned(
+        f, clean, corrupted_args, tag, names, axis, caller, exclude
+    )
     size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise TypeError(
@@ -332,6 +337,7 @@ def attribution_patching(
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
+    exclude: NameSelect = None,
     axis: int | tuple[int, ...] | None = None,
     progress: bool | None = None,
 ) -> PatchingResult:
@@ -356,6 +362,7 @@ def attribution_patching(
         metric: Maps ``f``'s output to a scalar.
         tag: The tag whose sows are the sites.
         names: Which sites, as for ``patching_sweep``.
+        exclude: Sites never to estimate, as for ``patching_sweep``.
         axis: The axis (or tuple of axes) of each site's value to estimate
             index by index, or ``None`` for whole sites.
         progress: A tqdm bar over batches, as for ``patching_sweep``.
@@ -384,7 +391,9 @@ def attribution_patching(
                [2., 4., 6.]], dtype=float32)
     """
     caller = "attribution_patching"
-    axes, batches, targets, plan = planned(f, clean, corrupted_args, tag, names, axis, caller)
+    axes, batches, targets, plan = planned(
+        f, clean, corrupted_args, tag, names, axis, caller, exclude
+    )
     size, site_axes = plan.size, plan.site_axes
     patched = frozenset(path_str(t.site.path) for t in targets)
 
@@ -393,7 +402,7 @@ def attribution_patching(
     ) -> tuple[jax.Array, jax.Array]:
         cleans, args = operands
         planted = plant(f, tag=tag)
-        reaped = reap(f, tag=tag, allowlist=patched.__contains__)(*args)
+        reaped = reap(f, tag=tag, names=patched.__contains__)(*args)
         corrupts = [site_value(reaped, t.site, "corrupted", t.count) for t in targets]
 
         def metric_of(offsets: list[Any]) -> jax.Array:

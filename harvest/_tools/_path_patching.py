@@ -41,6 +41,9 @@ def path_patching(
     and receivers (e.g. every head's output, ``freeze="blocks*.z"``) cuts
     the paths that go through them; what ``freeze`` leaves out (a residual
     stream that sums the components, say) carries the sender's effect on.
+    ``receivers`` and ``freeze`` name roles in the patch, not which sites to
+    read (``names=``/``exclude=`` elsewhere): each selects sites in the forms
+    ``names=`` takes.
 
     Patching a head's output from a clean run into a corrupted run along
     the path to the next layer's keys is, with a head sweep's intervention:
@@ -56,7 +59,7 @@ def path_patching(
             ``patch_positions`` to patch part of a site).
         receivers: the sites whose values carry the path (exact names, glob
             patterns, predicates on names, or a list of them, as ``reap``'s
-            ``allowlist``); a string that matches no site is an error.
+            ``names``); a string that matches no site is an error.
         corrupted_args: the arguments of the run being patched, a tuple.
         freeze: the sites held at their unpatched values in the first pass,
             selected as ``receivers`` are; None freezes nothing (then the
@@ -110,9 +113,9 @@ def path_patching(
             )
     held: dict[str, Any] = {}
     if freeze is not None:
-        unpatched = reap(f, tag=tag, allowlist=_entries(freeze), blocklist=[*senders, *to])
+        unpatched = reap(f, tag=tag, names=_entries(freeze), exclude=[*senders, *to])
         held = _dotted(unpatched(*corrupted_args))
-    first = harvest(f, tag=tag, allowlist=[*to, *senders, *held])
+    first = harvest(f, tag=tag, names=[*to, *senders, *held])
     _, reached = first({**held, **senders}, *corrupted_args)
     return plant(f, tag=tag)(reached, *corrupted_args)
 

@@ -22,6 +22,7 @@ import jax
 
 from .. import _errors
 from .._calling._inspect import sow_equations
+from .._calling._renamed import renamed
 from .._calling._tracing import make_jaxpr
 from .._calling._transforms import plant
 from .._typing import NameSelect, P, R
@@ -57,13 +58,14 @@ class _Tap:
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), out)
 
 
+@renamed(allowlist="names", blocklist="exclude")
 def stream(
     f: Callable[P, R],
     callback: Callable[[str, Any], object],
     *,
     tag: str = DEFAULT_TAG,
-    allowlist: NameSelect = None,
-    blocklist: NameSelect = None,
+    names: NameSelect = None,
+    exclude: NameSelect = None,
 ) -> Callable[P, R]:
     """Returns ``f``, calling ``callback(name, value)`` on the host as each sow of ``tag`` fires.
 
@@ -79,9 +81,9 @@ def stream(
             name and the value as a NumPy array (or pytree of them); its return
             value is ignored.
         tag: which sows to stream; sows of other tags pass through untouched.
-        allowlist: if given, stream only these names (exact names, glob patterns
+        names: if given, stream only these sites (exact names, glob patterns
             or predicates on names), as for ``reap``.
-        blocklist: names never to stream, in the same forms as ``allowlist``.
+        exclude: sites never to stream, in the same forms as ``names``.
 
     Returns:
         A function with ``f``'s signature and outputs that streams as it runs.
@@ -116,7 +118,7 @@ def stream(
         raise _errors.needs_callable("stream(f, callback)", f)
     if not callable(callback):
         raise _errors.needs_callable("stream(f, callback)", callback, "callback(name, value)")
-    select = NameFilter.make(allowlist, blocklist)
+    select = NameFilter.make(names, exclude)
 
     @functools.wraps(f)
     def streamed(*args: P.args, **kwargs: P.kwargs) -> R:
@@ -143,5 +145,5 @@ def _taps(
                 path_str(site.path),
                 tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")),
             )
-    select.check_allowlist(list(names), "stream: allowlist entry", tag)
+    select.check_names(list(names), "stream: names= entry", tag)
     return taps

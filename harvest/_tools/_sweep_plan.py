@@ -89,12 +89,12 @@ class Plan:
     program: Hashed  # what of it shapes a sweep's program, hashed once
 
 
-def planned(f, clean, corrupted_args, tag, names, axis, caller):
+def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude=None):
     """A sweep's swept axes, its batches of (clean, corrupted arguments), and the
     targets and `Plan` of its first batch."""
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller)
+    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller, exclude)
     return axes, batches, targets, plan
 
 
@@ -107,7 +107,7 @@ def _sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
     )
 
 
-def _targets(f, clean, corrupted_args, tag, names, axes, caller):
+def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     """The sites to patch with their clean values, and the `Plan` they follow.
 
     The plan is kept, keyed by everything it is decided from: the sites found
@@ -138,6 +138,9 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller):
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
     else:
         names = _select_names(names, list(by_name), tag, caller)
+    if exclude is not None:  # as for reap: a name to leave out may be absent
+        kept = NameFilter.make(None, exclude)
+        names = [n for n in names if kept((n,))]
     if not names:
         raise ValueError(
             f"{caller}: nothing to patch. No name sown with tag {tag!r} has a value in clean; "
@@ -321,7 +324,7 @@ def _matched(entries, sown, tag, caller):
     for entry in entries:
         select = NameFilter.make(entry)
         picked.update(dict.fromkeys(n for n in sown if select((n,))))
-    NameFilter.make(list(entries)).check_allowlist(sown, f"{caller}: names=", tag)
+    NameFilter.make(list(entries)).check_names(sown, f"{caller}: names=", tag)
     return list(picked)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import _errors
 from .._calling._nnx_state import split_nodes
+from .._calling._renamed import arguments_moved
 from .._calling._tracing import make_jaxpr
 from .._jax import CLOSED_CALLS
 from .._models import _call as _call
@@ -90,14 +91,19 @@ class View:
         return out
 
 
+@arguments_moved
 def view(
     f: Callable[..., Any],
-    *args: Any,
+    *,
     values: dict[str, Any] | None = None,
     tag: Any = None,
-    **kwargs: Any,
-) -> View:
-    """Draws the dataflow graph of ``f(*args, **kwargs)``, traced as ``reap`` traces it.
+) -> Callable[..., View]:
+    """Returns a function drawing the dataflow graph of ``f`` on its arguments, traced as ``reap`` does.
+
+    ``view(f)(*args, **kwargs)`` draws ``f(*args, **kwargs)``; it is called as
+    every transformation is, and the old form ``view(f, x)`` still works until
+    harvest 0.3, with a ``DeprecationWarning`` (a function of no arguments is
+    drawn by ``view(f)()``).
 
     Nodes are the program's ops (the primitive), each with its output shapes
     and dtypes and the sow sites on its output (name, tag, mode), and its
@@ -121,22 +127,22 @@ def view(
 
     Args:
         f: the function to trace, as for ``reap``.
-        *args: its positional arguments: arrays, ``jax.ShapeDtypeStruct``
-            values, or Python values (static, as in ``reap``).
         values: a reaped dict (nested by ``nest`` scopes, or with dotted names)
             whose values are summarised on their sites; None for none.
         tag: the tag ``values`` were reaped with; None (the default) when
             each of their names is sown with one tag only.
-        **kwargs: its keyword arguments, as ``args``.
 
     Returns:
-        A ``View``: it displays in a notebook, and ``View.save(path)`` writes a
+        A function taking ``f``'s arguments (arrays, ``jax.ShapeDtypeStruct``
+        values, or Python values, static as in ``reap``) and returning a
+        ``View``: it displays in a notebook, and ``View.save(path)`` writes a
         self-contained page that opens from a file, offline.
 
     Raises:
         TypeError: if ``f`` is not callable, or ``values`` is not a dict.
-        ValueError: if a name in ``values`` is no site of ``tag`` (a typo),
-            or, with no ``tag``, is sown with several tags.
+        ValueError: when the returned function is called: if a name in
+            ``values`` is no site of ``tag`` (a typo), or, with no ``tag``, is
+            sown with several tags.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -145,16 +151,27 @@ def view(
         ...     def body(c, x):
         ...         return c + sow(x * c, name="step", mode="append"), None
         ...     return sow(jax.lax.scan(body, 1.0, xs)[0], name="total", mode="strict")
-        >>> v = view(f, jnp.arange(3.0), values=reap(f)(jnp.arange(3.0)))
+        >>> v = view(f, values=reap(f)(jnp.arange(3.0)))(jnp.arange(3.0))
         >>> v.sites, v.groups, "scan[3]" in v.html, "mean" in v.html
         (2, 1, True, True)
         >>> v  # outside a notebook
         View(sites=2, groups=1, modules=0): shown in a notebook; .save(path) writes an HTML page
     """
     if not callable(f):
-        raise TypeError(f"view(f, *args) needs a callable f, got {type(f).__name__}.")
+        raise TypeError(f"view(f) needs a callable f, got {type(f).__name__}.")
     if values is not None and not isinstance(values, dict):
         raise TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
+
+    def drawn(*args: Any, **kwargs: Any) -> View:
+        return _drawn(f, args, kwargs, values, tag)
+
+    return drawn
+
+
+def _drawn(
+    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], values: Any, tag: Any
+) -> View:
+    """The `View` of ``f(*args, **kwargs)``, with ``values`` summarised on the sites of ``tag``."""
     params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
     (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
     token = _call.scoped.set(True)  # module boxes with or without ops=True

@@ -100,13 +100,14 @@ def _bad_filter_entry(what: str, entry: Any) -> TypeError:
 
 @dataclasses.dataclass(frozen=True)
 class NameFilter:
-    """allowlist/blocklist: exact names, glob patterns, or predicates on names."""
+    """`names=`/`exclude=`: exact names, glob patterns, or predicates on names."""
 
     allow: tuple | None = None
     block: tuple = ()
 
     @staticmethod
-    def make(allowlist=None, blocklist=None):
+    def make(names=None, exclude=None, spelled=("names=", "exclude=")):
+        # `spelled`: the two arguments as the caller's API names them (oryx's differ).
         def norm(items, what):
             if items is None:
                 return None
@@ -120,7 +121,7 @@ class NameFilter:
                     raise _bad_filter_entry(what, it)
             return items
 
-        return NameFilter(norm(allowlist, "allowlist"), norm(blocklist, "blocklist") or ())
+        return NameFilter(norm(names, spelled[0]), norm(exclude, spelled[1]) or ())
 
     @staticmethod
     def _hit(items, name):
@@ -129,8 +130,8 @@ class NameFilter:
             for it in items
         )
 
-    def check_allowlist(self, names, what, tag):
-        """Raises if a string entry of the allowlist matches none of `names` (dotted).
+    def check_names(self, names, what, tag):
+        """Raises if a string entry of `names=` matches none of `names` (dotted).
 
         Predicates are not checked: a predicate that selects nothing is how to
         say "this site may be absent" (behind a Python flag, say)."""
@@ -171,7 +172,9 @@ class Policy:
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
-    strict_names: bool = True  # planting, or allowlisting by string, a name no site has is an error (oryx ignores it)
+    strict_names: bool = (
+        True  # planting, or selecting by string, a name no site has is an error (oryx ignores it)
+    )
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
     max_steps: int | None = None  # record this many iterations of each while_loop (`Steps`)
 

@@ -523,7 +523,7 @@ class _KeepAndReturn:
 
 def _kept(given: Callable[..., Any], outputs: Among, *args: Any, **kwargs: Any) -> Any:
     plants = {name: _KeepAndReturn(name) for name in sorted(outputs.names)}
-    return plant(given, tag=RANDOM_VARIABLE, allowlist=outputs)(plants, *args, **kwargs)
+    return plant(given, tag=RANDOM_VARIABLE, names=outputs)(plants, *args, **kwargs)
 
 
 def _replaced(

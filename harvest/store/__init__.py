@@ -1,6 +1,6 @@
 """harvest.store: activations at dataset scale.
 
-``record(fn, batches, path)`` runs a function over a dataset and writes the
+``record(f, batches, path)`` runs a function over a dataset and writes the
 sites it sows to a directory of zarr v3 arrays (through TensorStore), one row
 per example or per token: asynchronously, resumably after a kill, from every
 device and every process that holds a shard. ``open(path)`` reads it back:

@@ -87,13 +87,14 @@ def _step(
     batch: Any,
     tag: str,
     names: NameSelect,
+    exclude: NameSelect,
     rows: str,
     dtype: str | None,
     example_axis: tuple[int, tuple[tuple[str, int], ...]],
 ) -> dict[str, jax.Array]:
     examples = batch_size(batch)
     default, per_site = example_axis[0], dict(example_axis[1])
-    reaped = _flat(reap(fn, tag=tag, allowlist=names)(batch))
+    reaped = _flat(reap(fn, tag=tag, names=names, exclude=exclude)(batch))
     for name, value in reaped.items():
         if isinstance(value, tuple) and len(value) == 1:  # a 'collect' site sown once
             reaped[name] = value = value[0]
@@ -140,12 +141,14 @@ def program(
     rows: str,
     dtype: str | None,
     example_axis: ExampleAxis = 0,
+    exclude: NameSelect = None,
 ) -> Callable[[Any], dict[str, jax.Array]]:
     """`batch -> {site name: [examples, ...] array}`, compiled once per batch shape."""
     compiled = call_and_reap(_step, tag=_COMPILE_TAG)
     if dtype is not None:
         dtype = jnp.dtype(dtype).name
-    names = tuple(names) if isinstance(names, list) else names
+    names = tuple(names) if isinstance(names, list) else names  # static: hashable
+    exclude = tuple(exclude) if isinstance(exclude, list) else exclude
     axes = (
         (0, tuple(sorted(example_axis.items())))
         if isinstance(example_axis, dict)
@@ -153,7 +156,7 @@ def program(
     )
 
     def run(batch: Any) -> dict[str, jax.Array]:
-        out, _ = compiled(fn, batch, tag, names, rows, dtype, axes)
+        out, _ = compiled(fn, batch, tag, names, exclude, rows, dtype, axes)
         return out
 
     return run

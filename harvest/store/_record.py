@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from .. import _errors
+from .._calling._renamed import renamed
 from .._typing import NameSelect
 from .._version import __version__
 from .._walk._sow import DEFAULT_TAG
@@ -35,13 +36,15 @@ def _manifest_mismatch(path: Any, differences: list[str]) -> ValueError:
     )
 
 
+@renamed(fn="f")
 def record(
-    fn: Callable[[Any], Any],
+    f: Callable[[Any], Any],
     batches: Iterable[Any],
     path: str | pathlib.Path,
     *,
     tag: str = DEFAULT_TAG,
     names: NameSelect = None,
+    exclude: NameSelect = None,
     rows: Literal["examples", "tokens"] = "examples",
     dtype: Any = None,
     example_axis: int | dict[str, int] = 0,
@@ -52,10 +55,11 @@ def record(
     overwrite: bool = False,
     progress: bool | None = None,
 ) -> Store:
-    """Runs ``fn`` over ``batches`` and writes the sites it sows to a store at ``path``.
+    """Runs ``f`` over ``batches`` and writes the sites it sows to a store at ``path``.
 
     Each batch goes through one compiled program (per batch shape) that runs
-    ``fn(batch)``, reaps the sites of ``tag`` that ``names`` selects, and casts
+    ``f(batch)``, reaps the sites of ``tag`` that ``names`` selects (less those
+    ``exclude`` names), and casts
     them to ``dtype``. Each site becomes one zarr v3 array (written with
     TensorStore) whose rows are the batch's examples, in order: batch ``i``
     fills rows ``i * len(batch)`` onwards. Writes are asynchronous and overlap
@@ -78,7 +82,7 @@ def record(
     its own shards of the one store (process 0 lays it out).
 
     Args:
-        fn: the function to run, called as ``fn(batch)``; a function, or a
+        f: the function to run, called as ``f(batch)``; a function, or a
             model (an instrumented NNX or Equinox module: its state is traced,
             not baked into the program).
         batches: an iterable of batches, each an array or a pytree of arrays
@@ -92,6 +96,7 @@ def record(
         names: which sites to record: a name, a glob pattern (``"blocks.*"``),
             a predicate on names, or a list of them; None records every site of
             ``tag``. A string that matches no site is an error.
+        exclude: sites never to record, in the same forms as ``names``.
         rows: ``"examples"`` keeps one row per example, ``[examples, ...]``;
             ``"tokens"`` flattens the first two axes, ``[examples * positions,
             ...]``, one row per token.
@@ -148,7 +153,7 @@ def record(
     _arrays.tensorstore()  # an ImportError now, not after the first batch
     _check_options(rows, chunk_rows, max_pending, example_axis)
     stored = _stored(path, overwrite)
-    run = program(fn, tag, names, rows, dtype, example_axis)
+    run = program(f, tag, names, rows, dtype, example_axis, exclude)
     place = _placer(sharding)
     items = iter(batches)
     first = next(items, _END)
@@ -164,7 +169,7 @@ def record(
             f"which {'is' if len(unknown) == 1 else 'are'} not recorded; the sites recorded are "
             f"{', '.join(repr(n) for n in first_out)}. Nothing was written."
         )
-    manifest, chunks = _layout(fn, tag, rows, first_out, chunk_rows)
+    manifest, chunks = _layout(f, tag, rows, first_out, chunk_rows)
     _arrays.check_creatable([(n, s, chunks[n]) for n, s in manifest.sites.items()], codecs)
     if stored is not None:
         if differences := stored.differences(manifest):

@@ -159,7 +159,7 @@ def test_a_per_shard_plant_with_another_count_of_rows_is_refused(mode):
 @pytest.mark.parametrize("mode", ["strict", "append", "collect"])
 def test_sites_fires_once_per_shard_as_reap_stacks(mode):
     f = per_shard_sum(mode)
-    (info,) = sites(f, X)
+    (info,) = sites(f)(X)
     assert info.fires == 8 and info.where == "shard_map"
     # One row per shard, whatever the mode (a collect entry is stacked per shard).
     assert jax.tree.leaves(reap(f)(X)["h"])[0].shape == (info.fires, *info.shape)
@@ -168,7 +168,7 @@ def test_sites_fires_once_per_shard_as_reap_stacks(mode):
 def test_pmap_sites_fires_once_per_device():
     f = jax.pmap(lambda x: sow(x**2, name="sq", mode="strict").sum())
     xs = jnp.arange(24.0).reshape(8, 3)
-    assert [s.fires for s in sites(f, xs)] == [8]
+    assert [s.fires for s in sites(f)(xs)] == [8]
 
 
 @pytest.mark.parametrize("mode", ["strict", "append"])

@@ -43,15 +43,15 @@ planted: Callable[[dict[str, Any], jax.Array, float], jax.Array] = harvest.plant
 assert_type(harvest.plant(f)({"h": x}, x, scale=2.0), jax.Array)
 assert_type(harvest.harvest(f)({"h": x}, x, 2.0), tuple[jax.Array, dict[str, Any]])
 # Name selectors: names, glob patterns, predicates, or several.
-harvest.reap(f, allowlist=["h", "blocks.*", lambda name: name.startswith("a")], blocklist="g")
+harvest.reap(f, names=["h", "blocks.*", lambda name: name.startswith("a")], exclude="g")
 
 # instrument returns something called exactly as the target.
 assert_type(harvest.instrument(f)(x, scale=2.0), jax.Array)
 
 # Inspection and patching.
-assert_type(harvest.sites(f, x, 2.0), harvest.Sites)
-assert_type(harvest.sites(f, x, 2.0)[0], harvest.SiteInfo)
-assert_type(harvest.sites(f, x, 2.0).names(), list[str])
+assert_type(harvest.sites(f)(x, 2.0), harvest.Sites)
+assert_type(harvest.sites(f)(x, 2.0)[0], harvest.SiteInfo)
+assert_type(harvest.sites(f)(x, 2.0).names(), list[str])
 result = harvest.patching_sweep(f, {"h": x}, (x, 2.0), jnp.sum, axis=0)
 assert_type(result, harvest.PatchingResult)
 assert_type(result.normalized(1.0), harvest.PatchingResult)

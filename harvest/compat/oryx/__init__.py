@@ -150,7 +150,7 @@ def _policy(
 ) -> Policy:
     # As in oryx, a sow of `tag` that the allowlist/blocklist filters out is
     # removed: enclosing transformations of `tag` do not see it either.
-    select = NameFilter.make(allowlist, tuple(blocklist))
+    select = NameFilter.make(allowlist, tuple(blocklist), spelled=("allowlist", "blocklist"))
     return Policy(tag, select, exclusive=exclusive, strict_names=False, drop_filtered=True)
 
 
