@@ -33,6 +33,7 @@ def check_reap_plant_and_sweep(f, hidden_shape):
     np.testing.assert_allclose(out, plant(f)({"hidden": jnp.zeros(hidden_shape)}, X))
     seen = []
     np.testing.assert_allclose(stream(f, lambda n, v: seen.append(n))(X), f(X), rtol=1e-6)
+    jax.effects_barrier()  # host callbacks run asynchronously (a TPU returns first)
     assert seen == ["hidden"]
     r = patching_sweep(f, reap(f)(X), (-X,), lambda y: jnp.sum(y), axis=0)
     # Patching every row of the only site recovers the clean output's sum.

@@ -260,7 +260,10 @@ def test_star_import_exports_exactly_the_public_names(name):
     assert not exported & {"Any", "Callable", "Sequence", "annotations", "dataclasses"}
     assert all(not n.startswith("_") for n in exported)
     assert all(_own(module, namespace[n]) for n in exported)
-    public = {n for n, v in vars(module).items() if n[0] != "_" and _own(module, v)}
+    # A subpackage imported by its own name (harvest.ppl, harvest.compat) is bound on its
+    # parent by the import system, whichever test imported it first: not an export.
+    on_demand = {"ppl", "compat"} if name == "harvest" else set()
+    public = {n for n, v in vars(module).items() if n[0] != "_" and _own(module, v)} - on_demand
     assert public <= exported, f"public but not in __all__: {sorted(public - exported)}"
 
 
