@@ -636,7 +636,8 @@ class TwoStacks(eqx.Module):
 def test_equinox_rebuilt_layer_that_fits_two_stacks_is_an_error():
     model = TwoStacks(jax.random.key(9))
     with pytest.raises(
-        ValueError, match=r"fits several of the model's submodules: 'enc', 'dec'.*exclude=\[.enc., .dec.\]"
+        ValueError,
+        match=r"fits several of the model's submodules: 'enc', 'dec'.*exclude=\[.enc., .dec.\]",
     ):
         reap(instrument(model), tag="modules")(X[0])
     # Left out by `where`, they are not sites, and the rest still is.
