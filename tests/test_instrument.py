@@ -217,6 +217,17 @@ def test_where_selects_before_tracing(transformer):
         instrument(transformer, names="decoder.*")(X)
 
 
+def test_exclude_leaves_out_what_names_would_leave_out(transformer):
+    # `exclude=` is `names=` of the complement, as in reap: same sites, same values.
+    every = reap(instrument(transformer), tag="modules")(X)
+    out = lambda name: name.startswith("blocks.1") or name == "head"  # noqa: E731
+    kept = reap(instrument(transformer, exclude=["blocks.1*", "head"]), tag="modules")(X)
+    by_names = reap(instrument(transformer, names=lambda n: not out(n)), tag="modules")(X)
+    assert sorted(kept) == sorted(n for n in every if not out(n)) == sorted(by_names)
+    for name in kept:
+        np.testing.assert_array_equal(kept[name], every[name])
+
+
 # ---------------------------------------------------------------------------
 # Repeated calls: a shared module, a module inside scan.
 

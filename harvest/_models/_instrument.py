@@ -57,6 +57,7 @@ def instrument(
     ops: bool = False,
     inputs: bool = False,
     names: NameSelect = None,
+    exclude: NameSelect = None,
     attention: bool = False,
     naming: str | None = None,
 ) -> Callable[P, R]:
@@ -104,6 +105,7 @@ def instrument(
         inputs: also sow each submodule call's array arguments (``"<path>:in"``).
         names: which sites to sow, picked before anything is traced: a name, a
             glob pattern, a predicate on names, or a list of them (None: all).
+        exclude: sites not to sow, spelt as ``names`` (None: none), as in ``reap``.
         attention: also give each attention module of a known kind (NNX
             ``MultiHeadAttention``, Linen ``MultiHeadDotProductAttention``, Equinox
             ``MultiheadAttention``, Penzai ``pz.nn.Attention``, Gemma's ``Attention``)
@@ -186,7 +188,7 @@ def instrument(
     for flag, value in (("ops", ops), ("inputs", inputs), ("attention", attention)):
         if not isinstance(value, bool):
             raise TypeError(f"instrument needs `{flag}` to be True or False, got {value!r}.")
-    select = NameFilter.make(names)
+    select = NameFilter.make(names, exclude)
     if isinstance(names, list):
         names = tuple(names)
     cls = InstrumentedPenzai if kind == "penzai" else Instrumented
