@@ -42,10 +42,7 @@ def program_sites(jaxpr, differentiating: bool) -> frozenset[Site]:
     (traced then only: a rule that raises, or that JAX cannot trace before it
     differentiates, must not make an undifferentiated walk fail)."""
     found = sites_in(jaxpr)
-    if not differentiating:
-        return found
-    rules = [rule_sites(eqn) for eqn in _equations(jaxpr)]
-    return found.union(*rules)
+    return found.union(*map(rule_sites, _equations(jaxpr))) if differentiating else found
 
 
 def _equations(jaxpr) -> Iterator[Any]:
@@ -94,10 +91,6 @@ def rule_sites(eqn: Any) -> frozenset[Site]:
 # What a walk does with a sow.
 
 
-def _bad_filter_entry(what: str, entry: Any) -> TypeError:
-    return TypeError(f"{what} takes names, glob patterns or predicates on names; got {entry!r}.")
-
-
 @dataclasses.dataclass(frozen=True)
 class NameFilter:
     """`names=`/`exclude=`: exact names, glob patterns, or predicates on names."""
@@ -111,14 +104,14 @@ class NameFilter:
         def norm(items, what):
             if items is None:
                 return None
-            if isinstance(items, str) or callable(items):
+            if isinstance(items, str) or callable(items) or not isinstance(items, Iterable):
                 items = (items,)
-            if not isinstance(items, Iterable):
-                raise _bad_filter_entry(what, items)
             items = tuple(items)
             for it in items:
                 if not (isinstance(it, str) or callable(it)):
-                    raise _bad_filter_entry(what, it)
+                    raise TypeError(
+                        f"{what} takes names, glob patterns or predicates on names; got {it!r}."
+                    )
             return items
 
         return NameFilter(norm(names, spelled[0]), norm(exclude, spelled[1]) or ())
@@ -172,20 +165,17 @@ class Policy:
     select: NameFilter = NameFilter()
     prefix: tuple = ()  # `nest`: re-emitted sows get this scope in front
     exclusive: bool = False  # drop sows of other tags instead of re-emitting them
-    strict_names: bool = (
-        True  # planting, or selecting by string, a name no site has is an error (oryx ignores it)
-    )
+    # Planting, or selecting by string, a name no site has is an error (oryx ignores it).
+    strict_names: bool = True
     drop_filtered: bool = False  # oryx: sows of `tag` that `select` filters out vanish
     max_steps: int | None = None  # record this many iterations of each while_loop (`Steps`)
 
     def __hash__(self):
         # Hashed once: an eager call's key holds the policy, and JAX hashes the key.
-        try:
-            return self.__dict__["_hash"]
-        except KeyError:
+        if "_hash" not in self.__dict__:
             fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
             object.__setattr__(self, "_hash", hash(fields))
-            return self.__dict__["_hash"]
+        return self.__dict__["_hash"]
 
     def covers(self, tag):
         """Whether sows of `tag` are this walk's (one of them, for a `Tags` walk)."""

@@ -161,8 +161,8 @@ def _sow_abstract_eval(*avals, mode, role=None, **_):
     )
 
 
-def _sow_lowering(ctx, *args, mode, role=None, **_):
-    return list(args[:-1] if _has_pred(mode, role) else args)
+def _sow_lowering(ctx, *args, **params):
+    return _sow_impl(*args, **params)
 
 
 def _sow_jvp(primals, tangents, **params):
@@ -184,50 +184,28 @@ def _sow_jet(primals, series, **params):
     return out, series[: len(out)]
 
 
-def _sow_batch(
-    axis_data,
-    args,
-    dims,
-    *,
-    tag,
-    name,
-    scope,
-    mode,
-    tree,
-    vmapped=(),
-    role=None,
-    axes=None,
-    element=None,
-    vmaps=None,
-):
+def _sow_batch(axis_data, args, dims, **params):
     # Batched leaves get the batch axis in front, so a value reaped from a
     # vmapped function leads with it; unbatched leaves stay unbatched, so sow
-    # never changes what vmap (or jacfwd, hessian) sees.
-    if (_has_pred(mode, role) and dims[-1] is not None) or (
-        any(d is None for d in dims) and _batched_here(tag, scope + (name,))
+    # never changes what vmap (or jacfwd, hessian) sees. Other params (a sow a
+    # batched `lax.map` unrolled keeps its `element`) pass through.
+    path = params["scope"] + (params["name"],)
+    if (_has_pred(params["mode"], params.get("role")) and dims[-1] is not None) or (
+        any(d is None for d in dims) and _batched_here(params["tag"], path)
     ):
         # A batched predicate picks per example (or a plant is given per example),
         # so every leaf becomes per example.
         args = [_jax.bdim_at_front(a, d, axis_data) for a, d in zip(args, dims)]
         dims = [0] * len(args)
     args = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
-    n = tree.num_leaves
-    vmapped = tuple(k + (d is not None) for k, d in zip(vmapped or (0,) * n, dims))
-    extra = {} if role is None else {"role": role}
-    if element is not None:
-        # A sow a batched `lax.map` unrolled, batched again by a vmap around the
-        # map: still that element's (the vmap's axis leads, as around any loop).
-        extra["element"] = element
-    if vmaps is not None:
-        extra["vmaps"] = vmaps
-    if axes is not None:  # the batch axis in front has no name
-        extra["axes"] = tuple(
-            names if d is None else (None, *names) for names, d in zip(axes, dims)
+    n = params["tree"].num_leaves
+    vmapped = params.get("vmapped") or (0,) * n
+    params = dict(params, vmapped=tuple(k + (d is not None) for k, d in zip(vmapped, dims)))
+    if params.get("axes") is not None:  # the batch axis in front has no name
+        params["axes"] = tuple(
+            names if d is None else (None, *names) for names, d in zip(params["axes"], dims)
         )
-    out = sow_p.bind(
-        *args, tag=tag, name=name, scope=scope, mode=mode, tree=tree, vmapped=vmapped, **extra
-    )
-    return out, [None if d is None else 0 for d in dims[:n]]
+    return sow_p.bind(*args, **params), [None if d is None else 0 for d in dims[:n]]
 
 
 sow_p.def_impl(_sow_impl)

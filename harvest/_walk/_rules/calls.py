@@ -395,26 +395,34 @@ def _show_replaced_sows(primals: list[Any], body: Any, rule: Any) -> None:
     ran = rule()
     if ran is None:  # the rule cannot be traced apart: what it sows is not known
         return
-    sown = {(s.tag, s.path) for s in sites_in(ran.jaxpr)}
-    missing = {(s.tag, s.path) for s in sites_in(walked.jaxpr)} - sown
-    if missing:
-        step = functools.partial(_replaced_sows, missing)
+    step = missing_sows_step(walked.jaxpr, ran.jaxpr, "rule_replaced")
+    if step is not None:
         evaluate(walked.jaxpr, walked.consts, primals, step)
 
 
-def _replaced_sows(missing: set[Any], eqn: Any, invals: list[Any]) -> Any:
-    """The evaluator step that binds only the `missing` sows, marked replaced by a rule."""
+def missing_sows_step(body: Any, ran: Any, role: str) -> Any:
+    """The evaluator step for `body` that binds only the sows of names `ran` (the
+    rule JAX runs in its place) does not sow, with `role`; None if there are none."""
+    missing = {(s.tag, s.path) for s in sites_in(body)} - {(s.tag, s.path) for s in sites_in(ran)}
+    return functools.partial(_missing_sows, missing, role) if missing else None
+
+
+def _missing_sows(missing: set[Any], role: str, eqn: Any, invals: list[Any]) -> Any:
     if eqn.primitive is sow_p:
         site = Site.of(eqn)
         if (site.tag, site.path) not in missing:
             return invals[: len(eqn.outvars)]
-        return sow_p.bind(*invals, **dict(eqn.params, role="rule_replaced"))
+        return sow_p.bind(*invals, **dict(eqn.params, role=role))
+    if not any(sites_in(j) for j in _jax.sub_jaxprs(eqn)):
+        return _jax.rebind(eqn, invals)
     how = describe(eqn)
-    if how.inlinable and sites_in(_jax.call_body(eqn).jaxpr):
-        (inner,) = how.bodies(eqn)
-        return evaluate(
-            inner.jaxpr, inner.consts, invals, functools.partial(_replaced_sows, missing)
-        )
+    step = functools.partial(_missing_sows, missing, role)
+    if how.inlinable:
+        (body,) = how.bodies(eqn)
+        return evaluate(body.jaxpr, body.consts, invals, step)
+    if how.restage is not None:
+        staged = lambda body: lambda *xs: evaluate(body.jaxpr, body.consts, xs, step)  # noqa: E731
+        return how.restage(eqn, invals, staged, ())
     return _jax.rebind(eqn, invals)
 
 

@@ -26,11 +26,11 @@ from jax.custom_batching import custom_vmap
 
 from ... import _jax
 from .._evaluator import evaluate
-from .._higher_order import Body, HigherOrder, describe, register
+from .._higher_order import Body, HigherOrder, register
 from .._interpreter import Walk, interpret, retrace
-from .._primitive import sow_p, tracing_a_harvest
-from .._site import Site
+from .._primitive import tracing_a_harvest
 from .._sow_index import sites_in
+from .calls import missing_sows_step
 
 
 def _function(eqn: Any) -> list[Body]:
@@ -93,37 +93,15 @@ def _batch(
 
     ran = jax.make_jaxpr(rule_ran)(*args)  # the rule, as JAX runs it here
     outs = _jax.eval_jaxpr(ran.jaxpr, ran.consts, *args)
-    sown = {(s.tag, s.path) for s in sites_in(ran.jaxpr)}
-    missing = {(s.tag, s.path) for s in sites_in(call.jaxpr)} - sown
-    if missing:
+    step = missing_sows_step(call.jaxpr, ran.jaxpr, "unplantable")
+    if step is not None:
         size = next(jnp.shape(a)[d] for a, d in zip(args, dims) if d is not None)
-        shown = functools.partial(_unplantable_sows, missing)
         jax.vmap(
-            lambda *xs: evaluate(call.jaxpr, call.consts, xs, shown),
+            lambda *xs: evaluate(call.jaxpr, call.consts, xs, step),
             in_axes=list(dims),
             axis_size=size,
         )(*args)
     return outs, got["dims"]
-
-
-def _unplantable_sows(missing: set[Any], eqn: Any, invals: list[Any]) -> Any:
-    """The evaluator step that binds only the `missing` sows, as unplantable."""
-    if eqn.primitive is sow_p:
-        site = Site.of(eqn)
-        if (site.tag, site.path) not in missing:
-            return invals[: len(eqn.outvars)]
-        return sow_p.bind(*invals, **dict(eqn.params, role="unplantable"))
-    if not any(sites_in(j) for j in _jax.sub_jaxprs(eqn)):
-        return _jax.rebind(eqn, invals)
-    how = describe(eqn)
-    step = functools.partial(_unplantable_sows, missing)
-    if how.inlinable:
-        (body,) = how.bodies(eqn)
-        return evaluate(body.jaxpr, body.consts, invals, step)
-    if how.restage is not None:
-        staged = lambda body: lambda *xs: evaluate(body.jaxpr, body.consts, xs, step)  # noqa: E731
-        return how.restage(eqn, invals, staged, ())
-    return _jax.rebind(eqn, invals)
 
 
 _jax.wrap_batching(_jax.custom_vmap_p, _batch)

@@ -52,31 +52,20 @@ def _scan(walk, eqn, invals):
     nc, ncarry, length = p.num_consts, p.num_carry, p.length
     consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
     carried = walk.carried(sites, "scan")
-    plants = walk.shifted_plants()
+    plants = {path: pl for path, pl in walk.shifted_plants().items() if path in sites}
     # A while_loop in the body makes an iteration's count of a name known only
     # as it runs: an index plant of it counts the rows before each iteration in the carry.
     counted = [path for path in _counted(plants, sites) if varies(body.jaxpr, sites[path])]
     if counted and p.reverse:
         raise _errors.index_after_while_in(sites[counted[0]], "reverse scan")
     holder = {}
+    iteration = _iterations(walk, body, plants, sites, carried, length, "scan")
 
     def step(carry, x):
         c, rec, n = carry
         idx, x = x
-        body_plants = {
-            path: (
-                pl.shift(n[path])
-                if path in n
-                else pl.per_iteration(idx, body.jaxpr, sites[path], length, "scan")
-            )
-            for path, pl in plants.items()
-            if path in sites
-        }
-        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
-        outs = interpret(child, body.jaxpr, body.consts, [*consts, *c, *x])
-        holder["child"] = child
-        rec = {path: child.records[path].values[0] for path in carried}
-        n = {path: k + child.seen.get(path, 0) for path, k in n.items()}
+        outs, holder["child"], rec, n = iteration(rec, n, idx, [*consts, *c, *x])
+        child = holder["child"]
         stacked = {
             path: r.chunk() for path, r in child.records.items() if r.site.mode.stacks_in_loops
         }
@@ -168,18 +157,10 @@ def _while(walk, eqn, invals):
         if pl.per_occurrence():
             raise _errors.per_occurrence_plant_in_while(sites[path])
     counted = _counted(plants, sites)
+    iteration = _iterations(walk, body, plants, sites, carried, UNBOUNDED, "while_loop")
 
     def run_body(c, rec, t, n):
-        # Iteration `t` sees a callable plant's index counted as a scan's rows
-        # are: past the occurrences of the iterations before it (`n`, carried).
-        body_plants = {
-            path: pl.shift(n[path]) if path in n else pl.per_iteration(t, body.jaxpr, sites[path])
-            for path, pl in plants.items()
-        }
-        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
-        outs = interpret(child, body.jaxpr, body.consts, [*bconsts, *c])
-        n = {path: k + child.seen.get(path, 0) for path, k in n.items()}
-        new = {path: child.records[path].values[0] for path in carried}
+        outs, child, new, n = iteration(rec, n, t, [*bconsts, *c])
         if batch:  # per example, whether or not vmap batched the value
             new = {path: carried[path][0].fit(v, "while_loop", batch) for path, v in new.items()}
         got = {path: child.records[path] for path in stacked if path in child.records}
@@ -222,6 +203,27 @@ def _while(walk, eqn, invals):
     # A later sow of a name planted by index counts the occurrences the loop gave.
     walk.absorb(records, n)
     return c
+
+
+def _iterations(walk, body, plants, sites, carried, runs, where):
+    """`iteration(rec, n, idx, args)`, walking iteration `idx` of a loop's body on
+    `args`, its clobber-like names starting from `rec`: (outputs, its walk, the
+    new `rec`, the new `n`). A plant by index counted in the carry (`n`) sees the
+    occurrences of the iterations before it; any other is sliced per iteration."""
+
+    def iteration(rec, n, idx, args):
+        body_plants = {
+            path: pl.shift(n[path])
+            if path in n
+            else pl.per_iteration(idx, body.jaxpr, sites[path], runs, where)
+            for path, pl in plants.items()
+        }
+        child = walk.child({path: (carried[path][0], v) for path, v in rec.items()}, body_plants)
+        outs = interpret(child, body.jaxpr, body.consts, args)
+        rec = {path: child.records[path].values[0] for path in carried}
+        return outs, child, rec, {path: k + child.seen.get(path, 0) for path, k in n.items()}
+
+    return iteration
 
 
 def _counted(plants, sites):
