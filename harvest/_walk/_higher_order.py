@@ -128,15 +128,7 @@ REGISTRY: dict[_jax.Primitive, HigherOrder] = {}
 
 
 def register(primitive: _jax.Primitive, descriptor: HigherOrder) -> HigherOrder:
-    """Registers everything harvest knows about `primitive` in one place.
-
-    Args:
-        primitive: the JAX primitive the descriptor describes.
-        descriptor: its ``HigherOrder``: bodies, walk rule and the optional facts.
-
-    Returns:
-        ``descriptor``, unchanged.
-    """
+    """Registers everything harvest knows about `primitive` in one place; returns `descriptor`."""
     REGISTRY[primitive] = descriptor
     return descriptor
 

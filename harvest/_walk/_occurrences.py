@@ -34,14 +34,10 @@ def occurrences(jaxpr: Any, site: Site) -> int:
     markers: dict[Any, Any] = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive is sow_p:
+            # A record-only sow is a copy, after a batched cond, of a sow in its branches.
             other = Site.of(eqn)
-            n += (
-                other.tag == site.tag
-                and other.path == site.path
-                and other.mode is site.mode
-                and eqn.params.get("role")
-                != "record_only"  # a copy, after a batched cond, of a sow in its branches
-            )
+            same = (other.tag, other.path, other.mode) == (site.tag, site.path, site.mode)
+            n += same and eqn.params.get("role") != "record_only"
         elif (recount := describe(eqn).recount) is not None:  # `_rules/batched_cond`'s marker
             n = recount(eqn, n, markers)
         else:
@@ -86,11 +82,6 @@ def _repeats(body: Body, site: Site) -> int:
     if site.mode.rows and body.runs is not UNBOUNDED:
         return body.runs
     return 1
-
-
-def merge_rows(leaf: Any) -> Any:
-    """[n, k, *s] -> [n * k, *s]; spelled out, as -1 cannot be inferred for zero-size rows."""
-    return leaf.reshape((leaf.shape[0] * leaf.shape[1],) + leaf.shape[2:])
 
 
 # ---------------------------------------------------------------------------
@@ -155,22 +146,18 @@ class Record:
         """Records one occurrence of the name, fired by `site` (with its
         predicate `pred`, for a mode that has one)."""
         mode = site.mode
-        if mode.entries:
+        if mode.unstacked_once and self.site.avals != site.avals:
+            # A shared module called on different shapes.
+            shapes = {tuple(a.shape for a in s.avals) for s in (self.site, site)}
+            raise _different_shapes(site, shapes)
+        if mode.entries or mode.unstacked_once:  # the latter kept as is: sown once, it reaps so
             self.values.append(value)
-        elif mode.unstacked_once:
-            if self.site.avals != site.avals:  # a shared module called on different shapes
-                raise _different_shapes(
-                    site, {tuple(a.shape for a in s.avals) for s in (self.site, site)}
-                )
-            self.values.append(value)  # kept as is: sown once, it reaps unstacked
         elif mode.rows:
             self.values.append(jax.tree_util.tree_map(lambda l: jnp.expand_dims(l, 0), value))
-        elif mode.carried and pred is not None:  # sow_cond, or a record-only clobber
-            old = self.values[0] if self.values else site.zeros()
-            self.values = [
-                jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)
-            ]
         else:
+            if mode.carried and pred is not None:  # sow_cond, or a record-only clobber
+                old = self.values[0] if self.values else site.zeros()
+                value = jax.tree_util.tree_map(functools.partial(select_where, pred), value, old)
             self.values = [value]
 
     def chunk(self) -> Any:
@@ -357,8 +344,13 @@ def stacked_record(site: Site, chunk: Any) -> Record:
     if site.mode.entries:
         return Record(site, list(chunk))
     if site.mode.rows:
-        return Record(site, [jax.tree_util.tree_map(merge_rows, chunk)])
+        return Record(site, [jax.tree_util.tree_map(_merge_rows, chunk)])
     return Record(site, [chunk])
+
+
+def _merge_rows(leaf: Any) -> Any:
+    """[n, k, *s] -> [n * k, *s]; spelled out, as -1 cannot be inferred for zero-size rows."""
+    return leaf.reshape((leaf.shape[0] * leaf.shape[1],) + leaf.shape[2:])
 
 
 # ---------------------------------------------------------------------------
@@ -410,7 +402,9 @@ class Plant:
             raise _plant_count(self.site, got, n, what)
 
     def takes_index(self) -> bool:
-        return callable(self.value) and _takes_index(self.value)
+        # A second required positional argument (the occurrence index); parameters with
+        # defaults do not count, so `lambda old, c=c: ...` is a callable of old alone.
+        return callable(self.value) and _required_positional(self.value) >= 2
 
     def starting_at(self, start: Any) -> Plant:
         """The same plant, its occurrences counted from `start`."""
@@ -458,28 +452,21 @@ class Plant:
         leaves = site.check(new, what)
         return jax.tree_util.tree_unflatten(site.tree, leaves)
 
-    def peel(self, idx: Any, runs: Any = None, where: str = "") -> Plant:
-        """Row `idx` of a plant stacked along a leading axis; other plants as they
-        are, but a callable taking the occurrence index counts from row `idx`.
-        `runs`, where known, is how many rows the stack must have (one per
-        iteration or shard of `where`): a traced index past the end would read
-        the last row, so another count is refused here."""
+    def peel(self, idx: Any, runs: Any, where: str) -> Plant:
+        """Row `idx` of a plant stacked along a leading axis (see `_row`); other
+        plants as they are, but a callable taking the occurrence index counts
+        from row `idx`."""
         if callable(self.value):
             return self.starting_at(self.start + idx)
-        ndim = [len(a.shape) for a in self.site.avals]
-        leaves = jax.tree_util.tree_leaves(self.value)
-        if all(jnp.ndim(l) > d for l, d in zip(leaves, ndim)):
-            check_runs(self.site, leaves, runs, where)
-            return Plant(self.site, jax.tree_util.tree_map(lambda l: l[idx], self.value))
-        return self
+        row = _row(self.site, self.site, self.value, idx, runs, where)
+        return self if row is None else Plant(self.site, row)
 
     def per_iteration(
-        self, idx: Any, body_jaxpr: Any, body_site: Site, runs: Any = None, where: str = ""
+        self, idx: Any, body_jaxpr: Any, body_site: Site, runs: Any, where: str
     ) -> Plant:
         """The part of this plant that one iteration (number `idx`) of a loop over
         `body_jaxpr` sees; `body_site` is the name's site in the body (its shape
-        may differ from other sites'); `runs`, where known, how many iterations
-        (or shards) of `where` a value stacked per iteration must have rows for."""
+        may differ from other sites'); `runs` and `where` as for `_row`."""
         site = self.site
         if site.mode.stacks_per_loop:
             return self.peel(idx, runs, where)
@@ -494,20 +481,9 @@ class Plant:
         if site.mode.entries:
             # The body's entries come first, each stacked over iterations (or one
             # value for all); entries for later sows are not the body's to slice.
-            ndim = [len(a.shape) for a in body_site.avals]
-
-            def entry(e: Any) -> Any:
-                leaves = jax.tree_util.tree_leaves(e)
-                stacked = [jnp.ndim(l) > d for l, d in zip(leaves, ndim)]
-                if not all(stacked):
-                    return e
-                check_runs(site, leaves, runs, where)
-                # A stack of 0 rows: a loop of length 0, whose body never runs.
-                return jax.tree_util.tree_map(
-                    lambda l: l[idx] if l.shape[0] else jnp.zeros(l.shape[1:], l.dtype), e
-                )
-
-            return Plant(site, tuple(entry(e) for e in self.value[:n]) + self.value[n:])
+            peeled = [_row(site, body_site, e, idx, runs, where) for e in self.value[:n]]
+            entries = tuple(e if r is None else r for e, r in zip(self.value, peeled))
+            return Plant(site, entries + self.value[n:])
 
         def rows(l: Any) -> Any:
             # Fewer rows than one iteration takes: a loop of length 0, whose body
@@ -519,22 +495,28 @@ class Plant:
         return Plant(site, jax.tree_util.tree_map(rows, self.value))
 
 
-def check_runs(site: Site, leaves: list[Any], runs: Any, where: str) -> None:
-    """Refuses `leaves` of a plant stacked one row per run of `where` (an
-    iteration of a scan, a shard of a shard_map) whose rows are not `runs`:
-    each run reads its row at a traced index, which past the end would read
-    the last row, and rows past `runs` would be dropped."""
-    if runs is None or runs is UNBOUNDED:
-        return
-    for leaf in leaves:
-        if jnp.shape(leaf)[0] != runs:
-            per = "shard" if where in ("shard_map", "pmap") else "iteration"
-            raise ValueError(
-                f"The plant for the sow site {site} is stacked with {jnp.shape(leaf)[0]} rows, but the "
-                f"{where} around it has {runs} {per}s and reap returns one row per {per}. Plant "
-                f"{runs} rows, as reap returns them, or a single value (or callable) used at every "
-                f"{per}."
-            )
+def _row(site: Site, shaped: Site, value: Any, idx: Any, runs: Any, where: str) -> Any:
+    """Row `idx` of `value` if each leaf has a leading axis more than `shaped`'s,
+    else None. `runs`, where known, is how many rows it must have (one per
+    iteration of a scan, or shard of a shard_map, `where`): each reads its row at
+    a traced index, which past the end would read the last row, and rows past
+    `runs` would be dropped, so another count is refused."""
+    leaves = jax.tree_util.tree_leaves(value)
+    if not all(jnp.ndim(l) > len(a.shape) for l, a in zip(leaves, shaped.avals)):
+        return None
+    wrong = [jnp.shape(leaf)[0] for leaf in leaves if jnp.shape(leaf)[0] != runs]
+    if runs is not UNBOUNDED and wrong:
+        per = "shard" if where in ("shard_map", "pmap") else "iteration"
+        raise ValueError(
+            f"The plant for the sow site {site} is stacked with {wrong[0]} rows, but the "
+            f"{where} around it has {runs} {per}s and reap returns one row per {per}. Plant "
+            f"{runs} rows, as reap returns them, or a single value (or callable) used at every "
+            f"{per}."
+        )
+    # A stack of 0 rows: a loop of length 0, whose body never runs.
+    return jax.tree_util.tree_map(
+        lambda l: l[idx] if l.shape[0] else jnp.zeros(l.shape[1:], l.dtype), value
+    )
 
 
 def _called(fn: Callable[..., Any], old: Any, index: Any, site: Site) -> Any:
@@ -600,13 +582,6 @@ def needs_batched_site(plant: Plant, site: Site) -> bool:
         and len(site.vmapped) > 1
         and any(site.vmapped)
     )
-
-
-def _takes_index(fn: Callable[..., Any]) -> bool:
-    """Whether a planted callable requires a second positional argument (the
-    occurrence index). Parameters with defaults do not count, so the idiom
-    `lambda old, c=c: ...` stays a callable of the old value alone."""
-    return _required_positional(fn) >= 2
 
 
 def _required_positional(fn: Callable[..., Any]) -> int:

@@ -23,7 +23,6 @@ the site sows what does flow through it: the cotangent.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -98,13 +97,11 @@ def batching_sites(sites: frozenset) -> Any:
     """A context in which traced sows of `sites`, ``{(tag, path)}``, are batched
     by every vmap around them (their value broadcast), so a plant can hold one
     value per example."""
-    if _batched_sites is None:
-        return contextlib.nullcontext()
     return _batched_sites(sites or None)
 
 
 def _batched_here(tag: Any, path: tuple) -> bool:
-    sites = _batched_sites.value if _batched_sites is not None else None
+    sites = _batched_sites.value
     return sites is not None and (tag, path) in sites
 
 
@@ -117,20 +114,16 @@ _bind_handler = _jax.trace_value(
     "harvest_sow_bind_handler", "What harvest binds a sow as, inside a custom_vjp's rule."
 )
 
-# Whether this JAX lets harvest set one (else a plant there is refused, see `_rules/calls`).
-BIND_HANDLERS = _bind_handler is not None
-
 
 def sows_bound_by(handler: Callable[[tuple, dict], Any]) -> Any:
     """A context in which each `sow_p.bind(*args, **params)` first asks
     ``handler(args, params)`` for its outputs (None: bind as usual)."""
-    assert _bind_handler is not None
     return _bind_handler(handler)
 
 
 class _SowPrimitive(_jax.Primitive):
     def bind(self, *args: Any, **params: Any) -> Any:
-        handler = _bind_handler.value if _bind_handler is not None else None
+        handler = _bind_handler.value
         if handler is not None:
             with _bind_handler(None):  # what the handler binds is bound as usual
                 out = handler(args, params)

@@ -19,18 +19,6 @@ from ._paths import path_str
 from ._primitive import sow_p
 
 
-def _plant_unheld(site: Any, what: str, value: Any, dtype: Any, why: str) -> ValueError:
-    if isinstance(value, (int, float, complex)):
-        shown = repr(value)
-    else:
-        shown = f"a {np.asarray(value).dtype}{list(np.shape(value))} array"
-    return ValueError(
-        f"{what} for the sow site {site} is {shown}, which its dtype {dtype} cannot hold "
-        f"({why}); nothing was planted. Plant a value {dtype} holds, or sow a wider dtype "
-        "at the site (64-bit ones need jax.config.update('jax_enable_x64', True))."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class Site:
     """One `sow` equation: where it files its value, and what it looks like."""
@@ -41,10 +29,9 @@ class Site:
     tree: PyTreeDef
     avals: tuple[Any, ...]
     vmapped: tuple[int, ...] = ()  # per leaf, how many leading axes are vmap batch axes
-    source: Any = dataclasses.field(
-        default=None, compare=False, repr=False
-    )  # the sow equation's source_info
-    axes: Any = dataclasses.field(default=None, compare=False, repr=False)  # per leaf, axis names
+    # The sow equation's source_info, and per leaf, its axis names.
+    source: Any = dataclasses.field(default=None, compare=False, repr=False)
+    axes: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, eqn: Any) -> Site:
@@ -118,8 +105,17 @@ class Site:
         """Refuses a host value (a Python number, NumPy data) that casting to the
         leaf's ``dtype`` would change past recognition (see `_unheld`)."""
         why = _unheld(value, dtype)
-        if why:
-            raise _plant_unheld(self, what, value, dtype, why)
+        if not why:
+            return
+        if isinstance(value, (int, float, complex)):
+            shown = repr(value)
+        else:
+            shown = f"a {np.asarray(value).dtype}{list(np.shape(value))} array"
+        raise ValueError(
+            f"{what} for the sow site {self} is {shown}, which its dtype {dtype} cannot hold "
+            f"({why}); nothing was planted. Plant a value {dtype} holds, or sow a wider dtype "
+            "at the site (64-bit ones need jax.config.update('jax_enable_x64', True))."
+        )
 
     def cast_leaves(self, value: Any) -> list[tuple[Any, str, Any]]:
         """``(leaf, what, dtype)`` for each leaf of a planted ``value`` laid out as
@@ -176,7 +172,8 @@ class Site:
             if (
                 isinstance(leaf, jax.Array)
                 and _jax.is_weak(leaf)
-                and _complex_into_real(leaf, aval.dtype)
+                and jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating)
+                and not jnp.issubdtype(aval.dtype, jnp.complexfloating)
             ):
                 # A Python complex traced as data: its value is unknown here, and
                 # the cast would drop any imaginary part unseen.
@@ -200,7 +197,9 @@ class Site:
                 len(shape) - batch <= ndim < len(shape) and shape[len(shape) - ndim :] == got[0]
             )
             if (got[0] != shape and not per_example) or got[1] != aval.dtype:
-                expected = f"{aval.dtype}{list(shape)}{self._per_example(aval, batch)}"
+                expected = f"{aval.dtype}{list(shape)}"
+                if batch:
+                    expected += f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)"
                 raise ValueError(
                     f"{what} for the sow site {self} is {got[1]}{list(got[0])}, but the site expects "
                     f"{expected}. Plant a value of the sown shape and dtype (or a callable old -> new)."
@@ -228,20 +227,6 @@ class Site:
             )
         leaves = [jnp.broadcast_to(leaf, t) for leaf, t in zip(leaves, targets)]
         return jax.tree_util.tree_unflatten(self.tree, leaves)
-
-    @staticmethod
-    def _per_example(aval: Any, batch: int) -> str:
-        return (
-            f" (or {aval.dtype}{list(aval.shape[batch:])} for every example of its vmap)"
-            if batch
-            else ""
-        )
-
-
-def _complex_into_real(number: Any, dtype: Any) -> bool:
-    """Whether casting ``number`` to ``dtype`` can drop an imaginary part."""
-    complex_ = jnp.issubdtype(jnp.result_type(number), jnp.complexfloating)
-    return complex_ and not jnp.issubdtype(dtype, jnp.complexfloating)
 
 
 def _unheld(value: Any, dtype: Any) -> str | None:

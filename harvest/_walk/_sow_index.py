@@ -1,16 +1,11 @@
-"""Where a jaxpr sows: one index per jaxpr, built once and cached.
+"""Where a jaxpr sows: one index per jaxpr object, built once through the bodies
+its equations hold (a library's jitted helper called many times is indexed once).
 
-`sow_index(jaxpr)` walks the jaxpr and the bodies its equations hold (as their
-descriptors in `_higher_order` give them) and records, in explicit fields,
-what the rest of harvest asks: which sites are reachable at all (the walk
-decides from it whether an equation needs its rule), which names (occurrence
-counting skips bodies that sow nothing), and the sows that fire in a call, in
-program order, with where they sit and how often they fire (`sites`, site
-discovery, the names a walk files). A body's index is built once and reused
-by every jaxpr that holds it (a library's jitted helper called many times).
-
-The sows of custom_jvp rules are not indexed: a rule is traced only where JAX
-differentiates (see `_interpreter.program_sites`).
+It answers what the rest of harvest asks: which sites are reachable (whether an
+equation needs its rule), which names (occurrence counting skips bodies that sow
+nothing), and which sows fire in a call, in program order (`sites`, site
+discovery). The sows of custom_jvp rules are not indexed: a rule is traced only
+where JAX differentiates (see `_interpreter.program_sites`).
 """
 
 from __future__ import annotations
@@ -26,40 +21,25 @@ from ._site import Site
 
 @dataclasses.dataclass(frozen=True)
 class Listed:
-    """One sow equation that fires when the jaxpr runs, as seen from that jaxpr.
-
-    Attributes:
-        eqn: the sow equation.
-        where: the labels of the bodies around it (``("jit", "scan[12]")``).
-        fires: how many times one run of the jaxpr sows there (None: inside a
-            while_loop, not known before running).
-        stacked: how many of those firings reap stacks as rows whatever the mode
-            (one per shard of each shard_map around it; 1 elsewhere).
-        blocks: a key per enclosing body, ``(id(eqn), label)`` (two scans of one
-            length share a label, not a key).
-    """
+    """One sow equation that fires when the jaxpr runs, as seen from that jaxpr."""
 
     eqn: Any
-    where: tuple[str, ...]
-    fires: int | None
-    stacked: int
+    where: tuple[str, ...]  # the labels of the bodies around it: ("jit", "scan[12]")
+    fires: int | None  # how often one run of the jaxpr sows there (None: in a while_loop)
+    stacked: int  # of those, how many reap stacks as rows whatever the mode (shard_map's)
+    # A key per enclosing body, (id(eqn), label): two scans of one length share a label.
     blocks: tuple[tuple[int, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class SowIndex:
-    """Where one jaxpr sows, through every body it holds.
+    """Where one jaxpr sows, through every body it holds."""
 
-    Attributes:
-        sites: every site reachable, in any body (even one that runs only where
-            JAX differentiates, such as a linear solve's transpose).
-        names: ``(tag, path)`` of each of ``sites``.
-        listing: the sows that fire in a run, in program order (a sow a batched
-            cond copies out of its branches, ``role="record_only"``, left out).
-    """
-
+    # Every site reachable, in any body (even one that runs only where JAX
+    # differentiates, such as a linear solve's transpose), and their (tag, path).
     sites: frozenset[Site]
     names: frozenset[tuple[Any, tuple[str, ...]]]
+    # The sows that fire in a run, in program order (without a batched cond's copies).
     listing: tuple[Listed, ...]
 
 

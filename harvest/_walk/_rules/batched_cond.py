@@ -138,6 +138,9 @@ class _Slot:
     avals: tuple[Any, ...]  # the value's leaves, then its flag
     loops: int  # as its occurrences'
 
+    def layout(self) -> tuple[Any, ...]:
+        return self.params["tree"], [(a.shape, a.dtype) for a in self.avals[:-1]], self.loops
+
 
 def united(
     branches: tuple[Any, ...], group: int | None
@@ -173,9 +176,7 @@ def united(
     for _, mine in traced:
         for key, slot in mine.items():
             known = slots.setdefault(key, slot)
-            if known.params["tree"] != slot.params["tree"] or [
-                (a.shape, a.dtype) for a in known.avals[:-1]
-            ] + [known.loops] != [(a.shape, a.dtype) for a in slot.avals[:-1]] + [slot.loops]:
+            if known.layout() != slot.layout():
                 p = slot.params
                 name = path_str((*p["scope"], p["name"]))
                 raise ValueError(
@@ -198,9 +199,8 @@ def united(
                 have[key], rest = rest[:k], rest[k:]
             extra: list[Any] = []
             for key, slot in slots.items():
-                values = have.get(key) or [
-                    jnp.zeros(a.shape, a.dtype) for a in slot.avals
-                ]  # zeros, and False
+                # A slot this branch does not fill: zeros, and False.
+                values = have.get(key) or [jnp.zeros(a.shape, a.dtype) for a in slot.avals]
                 extra.extend(values[:-1])
                 extra.append(jnp.broadcast_to(values[-1], slot.avals[-1].shape))
             return [*outs, *extra]

@@ -2,49 +2,39 @@
 
 JAX runs such a map as a scan over batches of `b` elements, `f` vmapped over
 each batch, then `f` vmapped over the remainder. A sow in `f` would fire once
-per batch with a `[b, ...]` value, so what is reaped, and which plant row
-lands where, would depend on `b`, a memory knob. Instead, where a walk handles
-such a sow, `f` is traced again (`_transforms`) with the sow's batching rule
-unrolled: each batch binds one sow per element, in element order, and stacks
-their values back into the batch. The walk then sees exactly the occurrences
-of `lax.map(f, xs)`: one per element, the remainder's last, each element's own
-value (a callable plant sees one element). The unrolled program holds `b`
-sows per batch, one equation each. A collect sow's entries, one per element,
-carry which element they are (the sow's `element` param), so that the walk
-merges them into the one entry per sow that `lax.map(f, xs)` stacks
-(`_occurrences.merged_elements`) and splits a plant given so back. A sow in a
-loop inside `f` (a scan, a while_loop, another lax.map) is refused: the loop
-runs each step for the whole batch, so its occurrences would come step by
-step, not element by element. So is a name of a rows mode sown more than once
-per element: its rows would come sow by sow within a batch. Its unrolled sows
-carry which vmap of `f` unrolled them, for the walk to count them.
+per batch, so what is reaped, and where plant rows land, would depend on `b`,
+a memory knob. Instead, where a walk handles such a sow, `f` is traced again
+(`_transforms`) with the sow's batching rule unrolled: each batch binds one
+sow per element, in element order, and stacks their values back. The walk
+then sees the occurrences of `lax.map(f, xs)`: one per element, the
+remainder's last (a callable plant sees one element). A collect sow's entries
+carry which element they are (the `element` param), for the walk to merge them
+into the one entry `lax.map(f, xs)` stacks (`_occurrences.merged_elements`)
+and split a plant back. Refused: a sow in a loop inside `f` (the loop runs each
+step for the whole batch, so occurrences would come step by step), and a rows
+name sown more than once per element (its unrolled sows carry which vmap of
+`f` unrolled them, for the walk to count).
 
-How the map is found. Its program is one a user could write (for fewer
-elements than `b`, exactly `jax.vmap(f)(xs)`), and `lax.map` passes `vmap` no
-axis name, so only the code that staged it tells it apart: the traceback JAX
-records for each equation (`eqn.source_info`), read after tracing, never the
-running stack. JAX records frames back to the nearest call from C++ only, so a
-body (a jit's, a cond's, a scan's) shows its own frames and the equation that
-holds it shows where it was called: a sow's frames are its own followed by
-those of each equation around it (where a release records a body's frames
-past its entry, those from its call site on are the holder's: a body traced
-once and reused keeps the frames of its first call). Where they show a
-`jax.vmap` called by `lax.map` (at the lines of `lax.map` that call it, read
-once from its code, `_jax.lax_map_layout`), the sow is under a batched map.
-Three traces:
+How the map is found: `lax.map` passes `vmap` no axis name, so only the code
+that staged it tells it apart: the traceback JAX records for each equation
+(`eqn.source_info`), read after tracing. JAX records frames back to the
+nearest call from C++ only, so a sow's frames are its own followed by those of
+each equation around it (where a release records a body's frames past its
+entry, those from its call site on are the holder's). Where they show a
+`jax.vmap` called by `lax.map` (at lines read once from its code,
+`_jax.lax_map_layout`), the sow is under a batched map. Three traces:
 
 1. the walk's own: which sites some batched map holds (`staged_per_batch`);
-2. those sites' sows count the `jax.vmap` calls that batch them, innermost
-   first (the `vmaps` param, a number per vmap call), and each number is
-   matched to the call the sow's frames show in its place (`_planned`: JAX
-   leaves out outer frames only; a branch JAX re-runs inline, whose frames
-   are those of its first run, is not read), which says whether that vmap is
-   a map's and which part; a sow with a vmap matched nowhere is refused;
-3. with that plan (`Plan`), the batching rule unrolls a sow batched by a
-   map's vmap, whatever body it sits in, knowing the vmap by its number.
+2. those sites' sows number the `jax.vmap` calls that batch them, innermost
+   first (the `vmaps` param), each number matched to the call the sow's frames
+   show in its place (`_planned`; a branch JAX re-runs inline, whose frames are
+   those of its first run, is not read), saying whether that vmap is a map's
+   and which part; a sow with a vmap matched nowhere is refused;
+3. with that plan (`Plan`), the batching rule unrolls a sow batched by a map's
+   vmap, knowing the vmap by its number.
 
-Traces 2 and 3 number the vmap calls alike as each runs with a trace value of
-its own, so JAX reuses no trace across them, and both run the same code.
+Traces 2 and 3 number the vmap calls alike, as each runs with a trace value of
+its own (so JAX reuses no trace across them) and both run the same code.
 """
 
 from __future__ import annotations
@@ -73,7 +63,7 @@ _per_element = _jax.trace_value(
 )
 
 # Whether this JAX lets harvest unroll them (else a walk refuses such sows, see `_transforms`).
-SUPPORTED = _per_element is not None and _jax.lax_map_layout() is not None
+SUPPORTED = _jax.lax_map_layout() is not None
 
 
 class Plan(frozenset):
@@ -259,7 +249,7 @@ def per_element(plan: Any) -> Any:
     vmap calls batching a sow of its sites are numbered, and, once its `maps`
     say which are a batched `lax.map`'s, such a sow fires once per element."""
     global _vmaps, _in_branch
-    if _per_element is None or not plan:
+    if not plan:
         yield
         return
     outer, _vmaps, _in_branch = (_vmaps, _in_branch), {}, {}
@@ -274,7 +264,7 @@ def at_level(params: dict[str, Any], axis_data: Any) -> tuple[dict[str, Any], An
     """For a sow with `params` batched now by the vmap of `axis_data`: its params,
     counting that vmap where this trace numbers them, and the part of a batched
     `lax.map` that vmap runs (None if none, or where its sows are not unrolled)."""
-    trace = _per_element.value if _per_element is not None else None
+    trace = _per_element.value
     if trace is None or _site_key(params) not in trace.plan:
         return params, None
     number = _vmap_number(axis_data)

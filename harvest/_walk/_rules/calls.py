@@ -22,7 +22,7 @@ from .._higher_order import HigherOrder, call_body, describe, forwards_through_c
 from .._interpreter import Policy, Walk, inside_rule, interpret, jvp_rule, retrace, rule_sites
 from .._leaves import is_array
 from .._paths import path_str
-from .._primitive import BIND_HANDLERS, sow_p, sows_bound_by, tracing_a_harvest
+from .._primitive import sow_p, sows_bound_by, tracing_a_harvest
 from .._site import Site
 from .._sow_index import sites_in
 
@@ -154,7 +154,7 @@ class _PlantsInRule:
         plants = {p: pl for p, pl in walk.plants.items() if p in sites}
         consts = r.args[: r.num_consts]
         at: dict[tuple, list[int | None]] = {}
-        refusal = None if BIND_HANDLERS else "rule"
+        refusal = None
         for path, plant in plants.items():
             if plant.per_occurrence() or plant.takes_index():
                 refusal = "occurrence"

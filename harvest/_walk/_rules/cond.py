@@ -31,11 +31,9 @@ def _zeros(shape):
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
 
 
-def _branch_shapes_differ(site: Any) -> ValueError:
-    return ValueError(
-        f"The sow site {site} is sown with different shapes in different branches "
-        "of a cond. Sow the same shapes in every branch, or use different names."
-    )
+def _layout(shape):
+    leaves = jax.tree_util.tree_leaves(shape)
+    return jax.tree_util.tree_structure(shape), [(l.shape, l.dtype) for l in leaves]
 
 
 def _union(shapes, site):
@@ -44,30 +42,20 @@ def _union(shapes, site):
     present = [s for s in shapes if s is not None]
     if any(isinstance(s, Steps) for s in present):  # a while_loop's, recorded per step
         raise _errors.steps_nested(site)
-    if mode.entries:
-        longest = max(present, key=len)
-        for s in present:
-            if jax.tree_util.tree_structure(s) != jax.tree_util.tree_structure(
-                longest[: len(s)]
-            ) or any(
-                a.shape != b.shape or a.dtype != b.dtype
-                for a, b in zip(
-                    jax.tree_util.tree_leaves(s), jax.tree_util.tree_leaves(longest[: len(s)])
-                )
-            ):
-                raise _branch_shapes_differ(site)
-        return longest
-    single = all(site.one_occurrence(s) for s in present)
-    if mode.rows and not single:  # else one unstacked value, as for the modes below
+    # Collect entries: each branch's are a prefix of the longest's.
+    union = max(present, key=len) if mode.entries else present[0]
+    if mode.rows and not all(site.one_occurrence(s) for s in present):
         rows = max(
             1 if site.one_occurrence(s) else jax.tree_util.tree_leaves(s)[0].shape[0]
             for s in present
         )
-        return site.zeros_shape((rows,))
-    shapes = {tuple((l.shape, l.dtype) for l in jax.tree_util.tree_leaves(s)) for s in present}
-    if len(shapes) > 1:
-        raise _branch_shapes_differ(site)
-    return present[0]
+        return site.zeros_shape((rows,))  # else one unstacked value, as for the modes below
+    if any(_layout(s) != _layout(union[: len(s)] if mode.entries else union) for s in present):
+        raise ValueError(
+            f"The sow site {site} is sown with different shapes in different branches "
+            "of a cond. Sow the same shapes in every branch, or use different names."
+        )
+    return union
 
 
 def _pad(value, union, site):
@@ -78,16 +66,12 @@ def _pad(value, union, site):
     if site.mode.rows and not site.one_occurrence(union):
         if site.one_occurrence(value):
             value = jax.tree_util.tree_map(lambda v: jnp.expand_dims(v, 0), value)
-        return jax.tree_util.tree_map(
-            lambda v, u: jnp.concatenate(
-                [
-                    v,
-                    _jax.retype(jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype), v),
-                ]
-            ),
-            value,
-            union,
-        )
+
+        def padded(v, u):
+            zeros = jnp.zeros((u.shape[0] - v.shape[0],) + v.shape[1:], v.dtype)
+            return jnp.concatenate([v, _jax.retype(zeros, v)])
+
+        return jax.tree_util.tree_map(padded, value, union)
     return value
 
 

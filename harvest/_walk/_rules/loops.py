@@ -23,7 +23,7 @@ from .. import _errors
 from .._higher_order import UNBOUNDED, Body, HigherOrder, register, split_extra
 from .._interpreter import interpret
 from .._modes import MODES
-from .._occurrences import Record, stacked_record, varies
+from .._occurrences import Record, select_where, stacked_record, varies
 from .._site import Site
 from .._steps import Steps
 from .batched_cond import Occurrence, rewrite
@@ -354,16 +354,9 @@ def _merge_carried(found: list[Occurrence]) -> list[Occurrence]:
             out.append(o)
             continue
         prev = out[i]
-        pick = lambda new, old, p=o.present: jnp.where(_lead(jnp.asarray(p), new), new, old)
-        out[i] = Occurrence(
-            o.params, [pick(n, m) for n, m in zip(o.leaves, prev.leaves)], prev.present | o.present
-        )
+        leaves = [select_where(o.present, n, m) for n, m in zip(o.leaves, prev.leaves)]
+        out[i] = Occurrence(o.params, leaves, prev.present | o.present)
     return out
-
-
-def _lead(pred: Any, like: Any) -> Any:
-    """`pred` with trailing unit axes, to select along `like`'s leading axes."""
-    return jnp.reshape(pred, jnp.shape(pred) + (1,) * (jnp.ndim(like) - jnp.ndim(pred)))
 
 
 def _last_sown(
@@ -375,8 +368,7 @@ def _last_sown(
     later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
     last = present & (later == 1)
     leaves = [
-        jnp.sum(jnp.where(_lead(last, l), l, jnp.zeros_like(l)), axis=0).astype(l.dtype)
-        for l in leaves
+        jnp.sum(select_where(last, l, jnp.zeros_like(l)), axis=0).astype(l.dtype) for l in leaves
     ]
     return Occurrence(params, leaves, jnp.any(present, axis=0))
 

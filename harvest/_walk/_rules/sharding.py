@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ... import _jax
 from .._higher_order import Body, HigherOrder, register
 from .._interpreter import interpret
-from .._occurrences import Record, merge_rows, static_counts
+from .._occurrences import stacked_record, static_counts
 
 
 def _lift(site, shards):
@@ -63,7 +63,7 @@ def _shard_map(walk, eqn, invals):
 
     def per_shard(*args):
         # Each shard reads its own row of a plant stacked per shard.
-        def row(pl, site):
+        def plant_row(pl, site):
             # Without check_vma JAX tracks no varying axes: every shard reads its own row.
             idx = _row_index(p.mesh, axes, _varying(site) if p.check_vma else frozenset(axes))
             return (
@@ -73,22 +73,22 @@ def _shard_map(walk, eqn, invals):
             )
 
         child = holder["child"] = walk.child(
-            plants={path: row(pl, sites[path]) for path, pl in plants.items() if path in sites}
+            plants={
+                path: plant_row(pl, sites[path]) for path, pl in plants.items() if path in sites
+            }
         )
         outs = interpret(child, body, (), args)
+
         # One leading row per shard, so the out_spec lays the rows along `axes`.
-        rows = jax.tree_util.tree_map(
-            lambda x: (
-                _jax.pcast_varying(jnp.expand_dims(x, 0), axes)
-                if p.check_vma
-                else jnp.expand_dims(x, 0)
-            ),
-            {
-                path: rec.rows() if rec.site.mode.rows else rec.result()
-                for path, rec in child.records.items()
-            },
-        )
-        return tuple(outs), rows
+        def row(x):
+            x = jnp.expand_dims(x, 0)
+            return _jax.pcast_varying(x, axes) if p.check_vma else x
+
+        rows = {
+            path: rec.rows() if rec.site.mode.rows else rec.result()
+            for path, rec in child.records.items()
+        }
+        return tuple(outs), jax.tree_util.tree_map(row, rows)
 
     outs, exported = jax.shard_map(
         per_shard,
@@ -101,13 +101,9 @@ def _shard_map(walk, eqn, invals):
     child = holder["child"]
     records, seen = {}, {}
     for path, value in exported.items():
+        # Rows of all shards become one run of rows; any other value gains a leading axis.
         site = child.records[path].site
-        if site.mode.entries:  # [shards, entries...] -> a tuple of stacked entries
-            records[path] = Record(_lift(site, shards), list(value))
-        elif site.mode.rows:  # [shards, rows, ...] -> [shards * rows, ...]
-            records[path] = Record(site, [jax.tree_util.tree_map(merge_rows, value)])
-        else:
-            records[path] = Record(_lift(site, shards), [value])
+        records[path] = stacked_record(site if site.mode.rows else _lift(site, shards), value)
     for path, n in static_counts(child.seen, sites, "shard_map").items():
         mode = sites[path].mode
         seen[path] = n if mode.entries else shards * n if mode.rows else 1
