@@ -1,18 +1,11 @@
 """What harvest knows about each higher-order primitive, declared once beside its rule.
 
-A `HigherOrder` descriptor says, for one primitive: which bodies an equation
-of it holds, with their labels and how many times each runs per run of the
-equation (per iteration, per shard, per solve, per branch taken); whether it
-is a plain call (its one body runs once on its inputs and gives its outputs);
-which outputs forward which inputs unchanged; how to stage it again
-around bodies that another evaluator supplies; and the rule the reap/plant walk
-runs at it. Each family in `_rules/` registers its primitives with one
-`register(p, HigherOrder(...))` each, in a block after their rules.
-
-Site listing (`_inspect`), occurrence counting (`_occurrences`), op sites,
-the calling convention (`_tracing`), batched conds and the PPL evaluators
-read these descriptors; none of them names a primitive. So two tools cannot
-disagree about how often a body runs.
+A `HigherOrder` descriptor says, for one primitive, which bodies an equation of
+it holds and how often each runs, and the other facts its fields list; each
+family in `_rules/` registers its primitives (`register(p, HigherOrder(...))`)
+after their rules. Site listing, occurrence counting, op sites, the calling
+convention, batched conds and the PPL evaluators read these descriptors and
+name no primitive, so no two tools can disagree about how often a body runs.
 """
 
 from __future__ import annotations
@@ -182,5 +175,4 @@ def call_body(label: str) -> Callable[[Any], list[Body]]:
 
 def forwards_through_call(eqn: Any, i: int, position: Callable[..., int | None]) -> int | None:
     """A call's output `i` copies the input its body returns there."""
-    body = _jax.call_body(eqn).jaxpr
-    return position(body, i)
+    return position(_jax.call_body(eqn).jaxpr, i)

@@ -3,10 +3,9 @@
 `interpret(walk, jaxpr, consts, args)` evaluates a jaxpr equation by equation
 under whatever trace is current. An equation whose primitive's registration
 (`_higher_order.REGISTRY`) has a rule, and whose body holds a sow this walk
-cares about, goes to that rule;
-everything else is re-bound untouched (keeping its compile cache and custom
-derivatives). The `Walk` says what to do at each sow: plant it, reap it, or
-re-emit it for an outer harvest of another tag.
+cares about, goes to that rule; everything else is re-bound untouched (keeping
+its compile cache and custom derivatives). The `Walk` says what to do at each
+sow: plant it, reap it, or re-emit it for an outer harvest of another tag.
 """
 
 from __future__ import annotations
@@ -31,9 +30,6 @@ from ._paths import path_str
 from ._primitive import sow_p
 from ._site import Site
 from ._sow_index import sites_in
-
-# ---------------------------------------------------------------------------
-# Which sows a jaxpr holds, cached per jaxpr object.
 
 
 def program_sites(jaxpr, differentiating: bool) -> frozenset[Site]:
@@ -264,9 +260,6 @@ class Walk:
     def child(self, carried=None, plants=None):
         """A walk for a body that runs after what this walk has seen so far.
 
-        `carried` maps clobber-like names to (site, value) to start from;
-        `plants` overrides the plants the body sees.
-
         Args:
             carried: ``{path: (site, value)}`` of clobber-like names to start from (None: none).
             plants: the plants the body sees (None: this walk's, shifted past what it has seen).
@@ -298,8 +291,7 @@ class Walk:
             value: the sown value (a pytree).
             pred: a boolean array: where it is False the sow did not happen (None: it did).
             role: the sow's role from its params: ``"unplantable"``, ``"rule_replaced"``,
-                ``"record_only"``,
-                ``"plant_only"`` or None (an ordinary sow).
+                ``"record_only"``, ``"plant_only"`` or None (an ordinary sow).
             element: the sow's ``element`` param: which element of a batched
                 ``lax.map`` a collect sow sows (recorded so, to be merged), or None
                 (a rows sow's is only checked before the walk, see `_run_walk`).
@@ -351,15 +343,12 @@ class Walk:
         self.records.setdefault(self.policy.key(site), Record(site, [])).add(site, value, pred)
 
     # -- folding a child's records back -----------------------------------
-    def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]):
-        """Folds a child's records and occurrence counts into this walk.
+    def absorb(self, records: dict[tuple, Record], seen: dict[tuple, int]) -> None:
+        """Folds a child's records (merged as each name's mode says) and occurrence counts in.
 
         Args:
             records: the child's records, ``{path: Record}``.
             seen: the child's occurrence counts, ``{path: count}``, added to this walk's.
-
-        Returns:
-            None; the records are merged as each name's mode says.
         """
         for path, rec in records.items():
             mine = self.records.get(path)
@@ -378,8 +367,7 @@ class Walk:
 
     def carried(self, sites, where, batch=()):
         """(site, current value) of the reaped clobber-like names among `sites`,
-        shaped as the site sows it, since `where` carries one fixed type. `batch`:
-        the leading axes a loop with a per-example predicate adds to every leaf.
+        shaped as the site sows it, since `where` carries one fixed type.
 
         Args:
             sites: ``{path: Site}`` of the sites the body holds.
@@ -434,7 +422,7 @@ class Walk:
         """
         return {path: rec.values for path, rec in self.records.items()}
 
-    def absorb_export(self, child, exported, counts):
+    def absorb_export(self, child, exported, counts) -> None:
         """Folds a child's records, as returned by a traced body, into this walk.
 
         Args:
@@ -443,9 +431,6 @@ class Walk:
             counts: the occurrence counts that are arrays of the body's trace (made
                 by a ``while_loop``), as the body returned them; they replace the
                 child's.
-
-        Returns:
-            None.
         """
         records = {p: Record(child.records[p].site, list(v)) for p, v in exported.items()}
         self.absorb(records, {**child.seen, **counts})

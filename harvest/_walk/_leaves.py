@@ -48,8 +48,7 @@ def array_flags(leaves: list[Any]) -> list[bool]:
 
 
 def nnx_module():
-    # Only a program that imported flax.nnx can hold its graph nodes.
-    return sys.modules.get("flax.nnx")
+    return sys.modules.get("flax.nnx")  # only a program that imported it holds its graph nodes
 
 
 def is_graph_node(value: Any) -> bool:
@@ -139,14 +138,8 @@ def hide_static(out: Any) -> Any:
 
 
 def reveal_static(out: Any) -> Any:
-    """`out` with the leaves `hide_static` wrapped given back as themselves.
-
-    Args:
-        out: a traced function's output, rebuilt from its output structure.
-
-    Returns:
-        The same pytree, each non-array leaf as the function returned it.
-    """
+    """`out` (a traced function's output, rebuilt from its output structure) with
+    the leaves `hide_static` wrapped given back as the function returned them."""
     structure = jax.tree_util.tree_structure(out)
     try:
         if structure in _without_static:

@@ -1,10 +1,9 @@
 """Under vmap, an intervention sees one example, as the function sowing it does.
 
-A sow inside `jax.vmap` (in `f`, or in a model `instrument` wrapped and the
-caller vmaps) files the batched value, its vmap axes leading. A planted
-callable is applied to each example, vmapped over those axes, exactly as `f`
-written with the callable inline would apply it. Two optional attributes let
-a callable say more (both are looked up on the planted object):
+A sow inside `jax.vmap` files the batched value, its vmap axes leading. A
+planted callable is applied to each example, vmapped over those axes, as `f`
+written with the callable inline would apply it. Two optional attributes of
+the planted object let it say more:
 
   per_example = False
       It is handed the whole batch, vmap axes leading (`stream`'s tap, which

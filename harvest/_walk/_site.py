@@ -96,10 +96,8 @@ class Site:
             self.tree, [jax.ShapeDtypeStruct(tuple(leading) + a.shape, a.dtype) for a in self.avals]
         )
 
-    def zeros(self, leading: tuple[int, ...] = ()) -> Any:
-        return jax.tree_util.tree_map(
-            lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape(leading)
-        )
+    def zeros(self) -> Any:
+        return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self.zeros_shape())
 
     def check_held(self, value: Any, what: str, dtype: Any) -> None:
         """Refuses a host value (a Python number, NumPy data) that casting to the

@@ -32,7 +32,9 @@ def non_array(value: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
+def bind_sow(value: T, *extra: Any, name: str, tag: Hashable, mode: str) -> T:
+    """Binds `sow_p` on the leaves of `value` (then `extra` operands: a mode's
+    predicate) and returns `value` as the sow returns it."""
     bad = non_array(value)
     if bad is not None:
         where, leaf = bad
@@ -41,13 +43,7 @@ def _leaves(value: Any, name: str, tag: Any) -> tuple[list[Any], Any]:
             "not an array. Sow only arrays (or pytrees of arrays); keep static "
             "data out of the sown value."
         )
-    return jax.tree_util.tree_flatten(value)
-
-
-def bind_sow(value: T, *extra: Any, name: str, tag: Hashable, mode: str) -> T:
-    """Binds `sow_p` on the leaves of `value` (then `extra` operands: a mode's
-    predicate) and returns `value` as the sow returns it."""
-    leaves, tree = _leaves(value, name, tag)
+    leaves, tree = jax.tree_util.tree_flatten(value)
     out = sow_p.bind(*leaves, *extra, tag=tag, name=name, scope=(), mode=mode, tree=tree)
     sown: T = jax.tree_util.tree_unflatten(tree, out)
     return sown

@@ -1,27 +1,24 @@
 """Branches that vmap runs side by side: `cond`/`switch` with a batched predicate.
 
-Under `vmap`, a `cond` whose predicate differs per example cannot pick one
-branch: JAX runs every branch on every example and selects each output per
-example. Left alone, every branch's sows would fire for every example. While a
-harvest traces, this module wraps that batching rule:
+Under `vmap`, such a `cond` runs every branch on every example and selects
+each output per example, so every branch's sows would fire for every example.
+While a harvest traces, this module wraps that batching rule:
 
 * each sow stays where it is but only takes plants (`role="plant_only"`), so a
   planted value still flows on through the branch that computed it;
 * each branch also returns its sows' (post-plant) values in slots: slot `j` of
   a name holds its `j`-th occurrence and a flag saying whether the branch
-  sowed it, zeros and False in a branch that sows it fewer times. JAX's rule
-  selects these per example along with the branch outputs;
-* after the select, each slot is sown again with `role="record_only"`: it
-  records the taken branch's value per example and takes no plant. Inside
-  `lax.map(f, xs, batch_size=b)`, whose batches are such a vmap, it is sown
-  once per element instead, as `lax.map(f, xs)` sows it (see `batched_lax_map`).
+  sowed it (zeros and False where it sows it fewer times), selected per
+  example by JAX's rule along with the branch outputs;
+* after the select, each slot is sown again with `role="record_only"`, to
+  record the taken branch's value per example (inside `lax.map(f, xs,
+  batch_size=b)`, once per element, see `batched_lax_map`).
 
-Markers (`branch_p`) before each branch and after the last tell the walk where
-the alternatives start, so every branch counts occurrences from the same
-point, and the `cond` counts as its longest branch, as an unbatched one does.
-A scan's values leave it stacked, as reap stacks them. Sows inside a
-`while_loop` or a custom derivative within such a branch cannot leave it as
-slots; they still take plants, and a walk that would record one says so.
+Markers (`branch_p`) before each branch and after the last let every branch
+count occurrences from the same point, and the `cond` count as its longest
+branch. A scan's values leave it stacked, as reap stacks them. Sows inside a
+`while_loop` or a custom derivative there cannot leave as slots: they still
+take plants, and a walk that would record one says so.
 """
 
 from __future__ import annotations

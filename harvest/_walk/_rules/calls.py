@@ -24,7 +24,7 @@ from .._leaves import is_array
 from .._paths import path_str
 from .._primitive import sow_p, sows_bound_by, tracing_a_harvest
 from .._site import Site
-from .._sow_index import sites_in
+from .._sow_index import sites_in, sow_index
 
 
 def _call_like(label: str, **extra: Any) -> HigherOrder:
@@ -97,33 +97,6 @@ def _keeping_the_rule(wrap):
     return rule
 
 
-def _plant_differentiated_in_custom_vjp(site: Any, fn_name: str, reason: str) -> ValueError:
-    where = f"the custom_vjp function {fn_name!r}" if fn_name else "a custom_vjp function"
-    what, why, fix = {
-        "occurrence": (
-            "a plant per occurrence (rows, entries, or a callable taking the index)",
-            "its backward rule re-runs the body as often as it needs (not the body's occurrences)",
-            "Plant one value, or a callable old -> new, used at every occurrence",
-        ),
-        "value": (
-            "a planted value that is itself differentiated",
-            "its backward rule, re-run with the plant in place, gives no derivative for it",
-            "Plant a value that does not depend on what you differentiate (jax.lax.stop_gradient)",
-        ),
-        "rule": (
-            "a value planted",
-            "its backward rule does not re-run the planted sow (it was written for the "
-            "unplanted function)",
-            "Write the planted computation into the function the rule differentiates",
-        ),
-    }[reason]
-    return ValueError(
-        f"Cannot differentiate through {where} with {what} at {site} inside it: its body holds "
-        f"a while_loop, which autodiff cannot reverse, and {why}, so the gradient would be "
-        f"silently wrong. {fix}, or plant outside the custom_vjp function."
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class _PlantsInRule:
     """The plants inside a custom_vjp's body, for its backward rule to re-run.
@@ -169,7 +142,30 @@ class _PlantsInRule:
         return cls(walk.policy, plants, at, site, _jax.body_function_name(eqn), refusal)
 
     def error(self, reason: str) -> ValueError:
-        return _plant_differentiated_in_custom_vjp(self.site, self.name, reason)
+        where = f"the custom_vjp function {self.name!r}" if self.name else "a custom_vjp function"
+        what, why, fix = {
+            "occurrence": (
+                "a plant per occurrence (rows, entries, or a callable taking the index)",
+                "its backward rule re-runs the body as often as it needs (not the body's occurrences)",
+                "Plant one value, or a callable old -> new, used at every occurrence",
+            ),
+            "value": (
+                "a planted value that is itself differentiated",
+                "its backward rule, re-run with the plant in place, gives no derivative for it",
+                "Plant a value that does not depend on what you differentiate (jax.lax.stop_gradient)",
+            ),
+            "rule": (
+                "a value planted",
+                "its backward rule does not re-run the planted sow (it was written for the "
+                "unplanted function)",
+                "Write the planted computation into the function the rule differentiates",
+            ),
+        }[reason]
+        return ValueError(
+            f"Cannot differentiate through {where} with {what} at {self.site} inside it: its body holds "
+            f"a while_loop, which autodiff cannot reverse, and {why}, so the gradient would be "
+            f"silently wrong. {fix}, or plant outside the custom_vjp function."
+        )
 
     def check_differentiated(self, perturbed: list[bool]) -> None:
         """Raises where an input the rule cannot differentiate planted is."""
@@ -303,7 +299,7 @@ def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
     found = rule_sites(eqn)
     if not found:
         return {}
-    in_body = {(s.tag, s.path) for s in sites_in(_jax.call_body(eqn).jaxpr)}
+    in_body = sow_index(_jax.call_body(eqn).jaxpr).names
     return {policy.key(s): s for s in found if policy.handles(s) and (s.tag, s.path) not in in_body}
 
 
@@ -403,11 +399,11 @@ def _show_replaced_sows(primals: list[Any], body: Any, rule: Any) -> None:
 def missing_sows_step(body: Any, ran: Any, role: str) -> Any:
     """The evaluator step for `body` that binds only the sows of names `ran` (the
     rule JAX runs in its place) does not sow, with `role`; None if there are none."""
-    missing = {(s.tag, s.path) for s in sites_in(body)} - {(s.tag, s.path) for s in sites_in(ran)}
+    missing = sow_index(body).names - sow_index(ran).names
     return functools.partial(_missing_sows, missing, role) if missing else None
 
 
-def _missing_sows(missing: set[Any], role: str, eqn: Any, invals: list[Any]) -> Any:
+def _missing_sows(missing: frozenset[Any], role: str, eqn: Any, invals: list[Any]) -> Any:
     if eqn.primitive is sow_p:
         site = Site.of(eqn)
         if (site.tag, site.path) not in missing:

@@ -73,14 +73,7 @@ def _scan(walk, eqn, invals):
 
     rec0 = {path: value for path, (_, value) in carried.items()}
     n0 = {path: jnp.int32(0) for path in counted}
-    (c, rec, n), (ys, stacked) = lax.scan(
-        step,
-        (init, rec0, n0),
-        (jnp.arange(length), xs),
-        length=length,
-        reverse=p.reverse,
-        unroll=p.unroll,
-    )
+    (c, rec, n), (ys, stacked) = _scan_like(p, step, (init, rec0, n0), (jnp.arange(length), xs))
     child = holder["child"]
     records = {path: Record(carried[path][0], [v]) for path, v in rec.items()}
     for path, chunk in stacked.items():
@@ -287,6 +280,11 @@ def _scan_forwards(eqn, i, position):
     return k if k is not None and ((i < c and k == n + i) or (i >= c and k >= n + c)) else None
 
 
+def _scan_like(p, step, init, xs):
+    """`lax.scan` of `step` with the options of the scan `p` (its length, direction, unroll)."""
+    return lax.scan(step, init, xs, length=p.length, reverse=p.reverse, unroll=p.unroll)
+
+
 def _restage_scan(eqn, invals, staged, extra):
     p = _jax.Scan.of(eqn)
     (body,) = _scan_body(eqn)
@@ -298,14 +296,7 @@ def _restage_scan(eqn, invals, staged, extra):
         outs, more = split_extra(run(*consts, *carry[0], *x, *carry[1]), extra)
         return (outs[:ncarry], more), outs[ncarry:]
 
-    (carry, more), ys = lax.scan(
-        step,
-        (list(init), list(extra)),
-        list(xs),
-        length=p.length,
-        reverse=p.reverse,
-        unroll=p.unroll,
-    )
+    (carry, more), ys = _scan_like(p, step, (list(init), list(extra)), list(xs))
     return [*carry, *ys, *more]
 
 
@@ -327,9 +318,7 @@ def _scan_in_batched_branch(
             [(o.leaves, jnp.asarray(o.present, bool)) for o in inner],
         )
 
-    carry, (ys, stacked) = lax.scan(
-        step, list(init), list(xs), length=p.length, reverse=p.reverse, unroll=p.unroll
-    )
+    carry, (ys, stacked) = _scan_like(p, step, list(init), list(xs))
     for o, (leaves, present) in zip(holder["inner"], stacked):
         mode = MODES[o.params["mode"]]
         if mode.rows:  # one row per iteration, in order
