@@ -265,7 +265,13 @@ def merged_elements(site: Site, entries: list[Any]) -> list[Any]:
             for run, batches in ((group.batches, True), (group.remainder, False))
             if run
         ]
-        out.append(parts[0] if len(parts) == 1 else _joined(site, *parts))
+        leaves = parts[0]
+        if len(parts) == 2:  # the remainder's rows after the full batches', on the rows' axis
+            leaves = [
+                jnp.concatenate([a, b], axis=jnp.ndim(a) - 1 - len(aval.shape))
+                for a, b, aval in zip(*parts, site.avals)
+            ]
+        out.append(jax.tree_util.tree_unflatten(site.tree, leaves))
     return out
 
 
@@ -305,9 +311,9 @@ def split_elements(site: Site, marks: list[Any], entries: Any) -> tuple[Any, ...
     return tuple(out)
 
 
-def _stacked_run(site: Site, run: list[Any], batches: bool) -> Any:
-    """One sow's per-element values as rows, element by element (with `batches`,
-    each value stacked over the full batches: rows batch by batch)."""
+def _stacked_run(site: Site, run: list[Any], batches: bool) -> list[Any]:
+    """The leaves of one sow's per-element values as rows, element by element (with
+    `batches`, each value stacked over the full batches: rows batch by batch)."""
     leaves = [jax.tree_util.tree_leaves(v) for v in run]
     stacked = []
     for k, aval in enumerate(site.avals):
@@ -317,17 +323,7 @@ def _stacked_run(site: Site, run: list[Any], batches: bool) -> Any:
         if batches:  # [..., batch, element, ...] -> [..., row, ...]
             rows = rows.reshape(*rows.shape[:lead], -1, *rows.shape[lead + 2 :])
         stacked.append(rows)
-    return jax.tree_util.tree_unflatten(site.tree, stacked)
-
-
-def _joined(site: Site, rows: Any, more: Any) -> Any:
-    """`rows` followed by `more` (a remainder's), along the rows' axis."""
-    return jax.tree_util.tree_map(
-        lambda a, b, aval: jnp.concatenate([a, b], axis=jnp.ndim(a) - 1 - len(aval.shape)),
-        rows,
-        more,
-        jax.tree_util.tree_unflatten(site.tree, list(site.avals)),
-    )
+    return stacked
 
 
 def select_where(pred: Any, a: Any, b: Any) -> Any:

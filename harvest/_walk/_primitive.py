@@ -1,24 +1,17 @@
 """The `sow` primitive: an identity that leaves a named marker in a jaxpr.
 
-Every rule here is the identity on values. The marker matters only to the
-interpreter (`_interpreter.py`), which finds it by walking a jaxpr. Two details
-make it survive the journey there:
+Every rule here is the identity on values; the marker matters only to the
+interpreter (`_interpreter.py`), which walks the jaxpr. To survive until then:
 
 * While a harvest traces the function it will walk (`tracing_for_harvest`), a
-  sow carries an effect, so a bare `sow` whose result is unused is not removed
-  by dead-code elimination or partial evaluation (`grad` of a `scan`, say)
-  before the walk sees it. Everywhere else it carries none: any effect in a
-  jitted program turns off JAX's fast C++ dispatch path, and a sow nobody
-  harvests must cost nothing. Whether a harvest is tracing is part of JAX's
-  trace-cache key, so a `jax.jit` traced outside a harvest (its bare sows
-  maybe dropped) is traced afresh, with the effect, inside one.
-* Its JVP re-binds it on primals only: a tangent is never sown, so `reap` of a
-  differentiated function sees each forward value once. Likewise under
-  `jax.experimental.jet` only the primal is sown.
-
-Outside a harvest a sow is the identity for every JAX transformation. Under
-`jax.linear_transpose` the transposed function computes no forward value, so
-the site sows what does flow through it: the cotangent.
+  sow carries an effect, so dead-code elimination or partial evaluation (`grad`
+  of a `scan`, say) cannot remove a bare `sow`. Elsewhere it carries none: any
+  effect turns off jit's fast C++ dispatch, and an unharvested sow must cost
+  nothing. The flag is part of the trace-cache key, so a `jax.jit` traced
+  outside a harvest is traced afresh, with the effect, inside one.
+* Its JVP (and `jet`) re-binds it on primals only: reap of a differentiated
+  function sees each forward value once. Under `jax.linear_transpose`, which
+  computes no forward value, the site sows what flows through it: the cotangent.
 """
 
 from __future__ import annotations
@@ -31,26 +24,18 @@ import jax.numpy as jnp
 from .. import _jax
 from ._modes import MODES
 
-# The `mode` param names a mode of `_modes.MODES`.
-# `vmapped` (absent: none) counts, per leaf, the leading axes that vmaps
-# around the sow put in front, so one per-example plant can be broadcast.
-# `role` (absent: both) splits a sow in a branch that vmap runs for every
-# example (see `_rules/batched_cond.py`): "plant_only" takes plants where it
-# stands; "record_only", sown after the branches' outputs are selected per
-# example, records and carries a trailing operand saying whether the taken
-# branch sowed the value (for `sow_cond`, also whether `pred` held).
-# `axes` (absent: none) names, per leaf, each axis (a str, or None for an
-# unnamed one): Penzai's named axes, which `sites` shows.
-# `element` (absent: none) is `(j, size, part, both)` on a collect sow sown
-# once per element of a batched `lax.map` (see `_rules/batched_lax_map.py`):
-# element `j` of a batch of `size`, in its scan of full batches or its
-# remainder (`part`), and for a remainder whether that map ran full batches
-# first (`both`; None for full batches); and
-# `(j, vmap)` on an `append` sow unrolled there: element `j` of the `jax.vmap`
-# call numbered `vmap`, counted to refuse a name sown twice per element.
-# `vmaps` (absent: not counted) numbers, innermost first, the `jax.vmap` calls
-# that batched the sow while harvest looked for a batched `lax.map`'s (see
-# `_rules/batched_lax_map.py`).
+# Params: `mode` names a mode of `_modes.MODES`. `vmapped` (absent: none)
+# counts, per leaf, the leading axes vmaps around the sow put in front, so one
+# per-example plant can be broadcast. `role` (absent: both) splits a sow in a
+# branch vmap runs for every example (see `_rules/batched_cond.py`):
+# "plant_only" takes plants where it stands; "record_only", sown after the
+# select, records and carries a trailing flag (whether the taken branch sowed
+# it). `axes` (absent: none) names each leaf's axes (Penzai's, for `sites`).
+# `element` (absent: none) marks a sow a batched `lax.map` unrolled (see
+# `_rules/batched_lax_map.py`): `(j, size, part, both)` for collect (see
+# `_occurrences.Element`), `(j, vmap)` for append (element `j` of the vmap call
+# numbered `vmap`, to refuse a name sown twice per element). `vmaps` (absent:
+# not counted) numbers, innermost first, the vmap calls that batched the sow.
 
 
 class SowEffect(_jax.Effect):

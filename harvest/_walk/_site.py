@@ -147,11 +147,8 @@ class Site:
             return self.check(data, what)
         out = []
         for leaf, aval, batch in zip(leaves, self.avals, self.vmapped or (0,) * len(leaves)):
-            if (
-                is_array(leaf)
-                and leaf.shape == (*leading, *aval.shape)
-                and leaf.dtype == aval.dtype
-            ):
+            shape = (*leading, *aval.shape)
+            if is_array(leaf) and leaf.shape == shape and leaf.dtype == aval.dtype:
                 out.append(leaf)  # an array of the site's shape and dtype: nothing to check or cast
                 continue
             array = isinstance(leaf, (jax.Array, np.ndarray, np.generic))
@@ -186,7 +183,6 @@ class Site:
                 # `x.at[i].set(15.0)` (oryx passes it through: 15.0 into an int site
                 # stays a float; a fraction, which the cast would truncate, is refused above).
                 leaf = _jax.cast_like(leaf, aval)
-            shape = tuple(leading) + aval.shape
             got = jnp.shape(leaf), jnp.result_type(leaf)
             # Under vmap, a value without (some of) the batch axes is one value
             # for every example.

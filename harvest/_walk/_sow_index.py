@@ -48,10 +48,8 @@ _INDEX: weakref.WeakKeyDictionary[Any, SowIndex] = weakref.WeakKeyDictionary()
 
 def sow_index(jaxpr: Any) -> SowIndex:
     """The `SowIndex` of `jaxpr` (an open jaxpr), built once per jaxpr object."""
-    try:
+    if jaxpr in _INDEX:
         return _INDEX[jaxpr]
-    except KeyError:
-        pass
     sites: set[Site] = set()
     listing: list[Listed] = []
     for eqn in jaxpr.eqns:
@@ -73,15 +71,8 @@ def sow_index(jaxpr: Any) -> SowIndex:
             key = ((id(eqn), body.label),)
             for item in inner.listing:
                 fires = None if runs is UNBOUNDED or item.fires is None else runs * item.fires
-                listing.append(
-                    Listed(
-                        item.eqn,
-                        (body.label, *item.where),
-                        fires,
-                        rows * item.stacked,
-                        key + item.blocks,
-                    )
-                )
+                where, blocks = (body.label, *item.where), key + item.blocks
+                listing.append(Listed(item.eqn, where, fires, rows * item.stacked, blocks))
     index = SowIndex(frozenset(sites), frozenset((s.tag, s.path) for s in sites), tuple(listing))
     _INDEX[jaxpr] = index
     return index

@@ -48,12 +48,11 @@ def _call(walk, eqn, invals):
 # Custom derivatives. Reaping inside keeps the user's rule for the outputs and
 # differentiates the reaped values by ordinary autodiff of the body. Planting
 # inside changes the function the rule describes, so the planted body is
-# inlined and differentiated by ordinary autodiff instead -- except in a
-# custom_vjp whose body holds a while_loop (an ODE solver, say), which autodiff
-# cannot reverse: there the planted forward runs, and the user's backward rule
-# is re-run with the plants in place (`_PlantsInRule`), which is right for a
-# rule that re-runs the body's function (odeint's adjoint) and an error
-# otherwise (a rule written for the unplanted function cannot see the plant).
+# inlined and differentiated by autodiff -- except in a custom_vjp whose body
+# holds a while_loop (an ODE solver), which autodiff cannot reverse: there the
+# user's backward rule is re-run with the plants in place (`_PlantsInRule`),
+# right for a rule that re-runs the body's function (odeint's adjoint), an
+# error otherwise.
 
 
 def original_of(eqn):
@@ -101,17 +100,14 @@ def _keeping_the_rule(wrap):
 class _PlantsInRule:
     """The plants inside a custom_vjp's body, for its backward rule to re-run.
 
-    A rule that re-runs the body's function (odeint's adjoint integrates the
-    vector field) meets its sows again: each one planted binds there as the
-    plant applied, before the rule differentiates it, so the rule describes
+    A rule that re-runs the body's function (odeint's adjoint) meets its sows
+    again: each planted one binds as the plant applied, so the rule describes
     the planted function. The plants' arrays are among the re-traced body's
-    closed-over values (`at`: their positions there), so the rule gets them as
-    residuals, not as values of a trace that has ended.
-
-    Refused (`refusal`, an error reason): a plant per occurrence or by index
-    (the rule's occurrences are not the body's), a planted value that is itself
-    differentiated (the rule gives it no cotangent), and a rule that does not
-    re-run every planted sow (one written for the unplanted function).
+    closed-over values (`at`: their positions), so the rule gets them as
+    residuals, not values of a trace that has ended. Refused (`refusal`): a
+    plant per occurrence or by index (the rule's occurrences are not the
+    body's), a differentiated planted value (the rule gives it no cotangent),
+    and a rule that does not re-run every planted sow.
     """
 
     policy: Policy
@@ -259,10 +255,9 @@ def with_vjp(body, original, k, n, nconsts, planted=None):
 
     def bwd(xs, cts):
         # The user's backward rule for the outputs (its forward re-run here),
-        # plain autodiff of the body for the reaped values. Either part whose
-        # cotangents are all zero is skipped: grad of the outputs alone must not
-        # differentiate the body, which may loop (while_loop has no VJP) or be
-        # one the user's rule exists to avoid.
+        # autodiff of the body for the reaped values. A part whose cotangents are
+        # all zero is skipped: grad of the outputs alone must not differentiate
+        # the body (a while_loop has no VJP; the user's rule may exist to avoid it).
         total = [None] * len(xs)
         if not _all_zero(cts[:n]):
             # Its closure-converted constants are not differentiated, as in JAX.
@@ -286,11 +281,10 @@ def with_vjp(body, original, k, n, nconsts, planted=None):
 _keeping_the_jvp_rule = _keeping_the_rule(with_jvp)
 
 
-# Sows in a custom_jvp's JVP rule. JAX runs the rule instead of the body where
-# it differentiates the call (as oryx reaps them, under `jax.jvp(reap(f))`, and
-# not where nothing is differentiated). A walk under a differentiation trace
-# binds a custom_jvp whose rule is the user's rule, walked: JAX calls it at bind
-# time, one level down, so what it reaps has no tangent.
+# Sows in a custom_jvp's JVP rule run where JAX differentiates the call (as
+# oryx reaps them, under `jax.jvp(reap(f))`). A walk under a differentiation
+# trace binds a custom_jvp whose rule is the user's rule, walked: JAX calls it
+# at bind time, one level down, so what it reaps has no tangent.
 
 
 def rule_only_sites(policy: Policy, eqn: Any) -> dict[tuple[str, ...], Any]:
@@ -374,12 +368,10 @@ def _zero_tangent(x: Any) -> Any:
 
 # ---------------------------------------------------------------------------
 # A custom derivative differentiated inside the harvested function
-# (`reap(jax.grad(f))`): JAX runs the rule (a custom_jvp's JVP rule, a
-# custom_vjp's forward) in place of the body, so the body's sows would vanish
-# from the program. While a harvest traces, the body's sows the rule does not
-# sow itself are shown to the walk as the body sows them on the primals
-# (role "rule_replaced": reaped; a plant there is an error, as it could not
-# change what the rule computes).
+# (`reap(jax.grad(f))`): JAX runs the rule in place of the body, whose sows
+# would vanish. While a harvest traces, the body's sows the rule does not sow
+# are shown to the walk as the body sows them on the primals (role
+# "rule_replaced": reaped; a plant there is an error, as it changes nothing).
 
 
 def _show_replaced_sows(primals: list[Any], body: Any, rule: Any) -> None:
