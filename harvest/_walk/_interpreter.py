@@ -186,13 +186,9 @@ class Policy:
         return self.covers(site.tag) and self.select(self.key(site))
 
     def touches(self, sites):
-        return any(
-            self.prefix
-            or self.exclusive
-            or (self.drop_filtered and self.covers(s.tag))
-            or self.handles(s)
-            for s in sites
-        )
+        if self.prefix or self.exclusive:  # every sow is re-emitted changed, or dropped
+            return bool(sites)
+        return any((self.drop_filtered and self.covers(s.tag)) or self.handles(s) for s in sites)
 
     def reemit(self, params):
         """The params to re-emit a sow this walk does not handle with (None: drop it)."""

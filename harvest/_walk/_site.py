@@ -85,11 +85,7 @@ class Site:
             return False
         leaves = jax.tree_util.tree_leaves(value)
         shape = tuple(np.shape(leaves[0])) if leaves else ()
-        return (
-            not leaves
-            or len(shape) != len(self.avals[0].shape) + 1
-            or shape[1:] != self.avals[0].shape
-        )
+        return not shape or shape[1:] != self.avals[0].shape  # rows have one axis more, in front
 
     def zeros_shape(self, leading: tuple[int, ...] = ()) -> Any:
         return jax.tree_util.tree_unflatten(

@@ -154,9 +154,7 @@ _UNDER: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 def _planned(jaxpr: Any, plan: Plan) -> Plan:
     """`plan` with its `maps`, from `jaxpr`, traced with the vmap calls numbered."""
     seen: dict[int, set[Any]] = {}
-    found = [
-        (e, frames, nested) for e, frames, nested in _sows(jaxpr) if _site_key(e.params) in plan
-    ]
+    found = [sow for sow in _sows(jaxpr) if _site_key(sow[0].params) in plan]
     sharing: dict[int, set[int]] = {}
     for eqn, _, _ in found:
         sharing.setdefault(id(eqn.source_info.traceback), set()).add(id(eqn))
@@ -165,9 +163,8 @@ def _planned(jaxpr: Any, plan: Plan) -> Plan:
         calls = [i for i, frame in enumerate(frames) if _jax.is_vmap_call(frame)]
         # A body JAX traced once and ran again where it was called (a batched
         # cond's branches) keeps the frames of its first call.
-        if (not nested and len(sharing[id(eqn.source_info.traceback)]) > 1) or len(calls) > len(
-            numbers
-        ):
+        shared = len(sharing[id(eqn.source_info.traceback)]) > 1
+        if (shared and not nested) or len(calls) > len(numbers):
             continue
         # JAX leaves out outer frames only: the innermost calls are the first vmaps.
         for number, i in zip(numbers, calls):
@@ -225,16 +222,11 @@ def _joined(inner: tuple, outer: tuple) -> tuple:
     releases record past a jit's entry), that call site's frames come from the
     holder: a body traced once and reused elsewhere (a cond's branch, a jit)
     keeps those of where it was first traced."""
-    site = next((f for f in outer if _is_users(f)), None)
+    users = (f for f in outer if not _jax.is_jax_frame(f))
+    site = next((f for f in users if not os.path.abspath(f.file_name).startswith(_HARVEST)), None)
     if site is not None and site in inner:
         return inner[: inner.index(site)] + outer[outer.index(site) :]
     return inner + outer
-
-
-def _is_users(frame: _jax.Frame) -> bool:
-    return not _jax.is_jax_frame(frame) and not os.path.abspath(frame.file_name).startswith(
-        _HARVEST
-    )
 
 
 def _lax_map_parts(frames: tuple) -> list[tuple[str, bool | None]]:

@@ -66,11 +66,9 @@ def _shard_map(walk, eqn, invals):
         def plant_row(pl, site):
             # Without check_vma JAX tracks no varying axes: every shard reads its own row.
             idx = _row_index(p.mesh, axes, _varying(site) if p.check_vma else frozenset(axes))
-            return (
-                pl.per_iteration(idx, body, site, shards, "shard_map")
-                if pl.site.mode.stacks_in_loops
-                else pl.peel(idx, shards, "shard_map")
-            )
+            if pl.site.mode.stacks_in_loops:
+                return pl.per_iteration(idx, body, site, shards, "shard_map")
+            return pl.peel(idx, shards, "shard_map")
 
         child = holder["child"] = walk.child(
             plants={
