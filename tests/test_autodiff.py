@@ -623,3 +623,26 @@ def test_grad_inside_odeint_is_refused_where_the_adjoint_cannot_hold_the_plant()
     by_index = {"rate": lambda r, i: r * 0.0 + 3.0}
     with pytest.raises(ValueError, match=r"'_odeint'.*per occurrence.*name='rate'"):
         jax.grad(lambda k: plant(_rated)(by_index, k))(0.5)
+
+
+def test_a_scan_in_a_differentiated_custom_jvp_body_shows_only_the_sows_its_rule_lacks():
+    @jax.custom_jvp
+    def g(x):
+        def body(c, _):
+            sow(c, name="inner", mode="append")
+            sow(c * 2.0, name="both", mode="append")
+            return c * 2.0, None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    @g.defjvp
+    def g_jvp(primals, tangents):
+        (x,), (dx,) = primals, tangents
+        sow(x * 2.0, name="both", mode="append")
+        return x * 8.0, dx * 8.0
+
+    reaped = reap(jax.grad(g))(1.0)
+    np.testing.assert_allclose(reaped["inner"], [1.0, 2.0, 4.0])
+    np.testing.assert_allclose(reaped["both"], [2.0])  # the rule's alone
+    with pytest.raises(ValueError, match="Cannot plant.*'inner'.*custom_jvp or custom_vjp"):
+        plant(jax.grad(g))({"inner": jnp.zeros(3)}, 1.0)

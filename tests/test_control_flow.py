@@ -956,3 +956,15 @@ def test_an_index_plant_of_a_while_loop_inside_a_cond_is_an_error():
     with pytest.raises(ValueError, match="while_loop within a cond.*callable old -> new"):
         plant(branchy)({"a": SHIFT}, 1.0)
     assert float(plant(branchy)({"a": lambda old: old + 1.0}, 1.0)) == 15.0
+
+
+def test_an_index_plant_of_a_site_outside_a_scan_leaves_the_scan_alone():
+    def f(x):
+        x = sow(x, name="a")
+
+        def body(c, _):
+            return sow(c, name="b", mode="append") * 2.0, None
+
+        return lax.scan(body, x, None, length=3)[0]
+
+    close(plant(f)({"a": lambda old, i: old + 1.0}, 1.0), 16.0)

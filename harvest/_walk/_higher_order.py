@@ -74,26 +74,23 @@ class HigherOrder:
         alternatives: exactly one body runs per call (a cond's branches), so an
             occurrence count is its longest body's.
         call: the one body runs once, on the equation's inputs, and gives its outputs.
-        custom_rule: the custom rule it holds, which inlining its body would drop:
-            ``"jvp"`` (custom_jvp), ``"vjp"`` (custom_vjp), ``"vmap"`` (custom_vmap's
-            batching rule), or None.
+        custom_rule: the custom rule inlining its body would drop: ``"jvp"``,
+            ``"vjp"``, ``"vmap"`` (custom_vmap's batching rule), or None.
         forwards: ``forwards(eqn, i, position)``, the input its output ``i`` copies
             unchanged, or None (None: no output is known to forward an input).
         restage: ``restage(eqn, invals, staged, extra)``, binding it again around
             bodies another evaluator supplies (None: it cannot be re-staged).
         batched_branch: ``batched_branch(eqn, invals, found, stuck) -> outputs``, how
-            ``_rules/batched_cond`` brings its sows out of a branch vmap runs side by
-            side: the equation evaluated on ``invals``, each body run through
-            ``extend.walk_in_branch`` with ``found`` and ``stuck`` (None: a
-            call-like primitive's body is inlined there; any other's sows stay
-            stuck there, and reaping one is an error).
+            its sows leave a branch vmap runs side by side: the equation evaluated
+            on ``invals``, each body run through ``extend.walk_in_branch`` (None: a
+            call-like primitive's body is inlined; any other's sows stay stuck,
+            and reaping one is an error).
         jvp_rule: the traced JVP rule whose sows run where JAX differentiates the
             call (custom_jvp; see ``_interpreter.jvp_rule``), or None.
         rule: ``rule(walk, eqn, invals) -> outputs``, what the reap/plant walk does at
-            an equation whose bodies hold a sow it handles, or, for a marker
-            (below), at every equation. None: a call-like primitive without a
-            custom rule (``inlinable``) has its body walked in place; any other,
-            an error naming the primitive.
+            an equation whose bodies hold a sow it handles (a marker's: at every
+            one). None: an ``inlinable`` primitive's body is walked in place; any
+            other's is an error naming the primitive.
         recount: for a marker without bodies that moves the occurrence count
             (``_rules/batched_cond``'s): ``recount(eqn, n, state) -> n`` after it,
             ``state`` kept across one jaxpr's markers (None: not a marker).

@@ -430,23 +430,20 @@ class Plant:
                     "or the old value and the occurrence index: old -> new or (old, i) -> new."
                 )
             return _called(v, old, self.start + i if self.takes_index() else None, site)
+        new, what = v, "the planted value"
         if self.per_occurrence():
-            if self.site.mode.entries:
-                if i >= len(v):
-                    raise ValueError(
-                        f"The plant for the sow site {site} has {len(v)} entries, but the site is sown at "
-                        f"least {i + 1} times. Plant one entry per occurrence (as reap returns), or a "
-                        "single value for all."
-                    )
+            what = f"occurrence {i} of the planted value"
+            if not self.site.mode.entries:
+                new = jax.tree_util.tree_map(lambda l: l[i], v)
+            elif i < len(v):
                 new = v[i]
             else:
-                new = jax.tree_util.tree_map(lambda l: l[i], v)
-            what = f"occurrence {i} of the planted value"
-        else:
-            new = v
-            what = "the planted value"
-        leaves = site.check(new, what)
-        return jax.tree_util.tree_unflatten(site.tree, leaves)
+                raise ValueError(
+                    f"The plant for the sow site {site} has {len(v)} entries, but the site is sown at "
+                    f"least {i + 1} times. Plant one entry per occurrence (as reap returns), or a "
+                    "single value for all."
+                )
+        return jax.tree_util.tree_unflatten(site.tree, site.check(new, what))
 
     def peel(self, idx: Any, runs: Any, where: str) -> Plant:
         """Row `idx` of a plant stacked along a leading axis (see `_row`); other

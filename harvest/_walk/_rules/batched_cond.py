@@ -77,16 +77,19 @@ class Occurrence:
         return (p["tag"], p["scope"], p["name"], p["mode"])
 
 
+# The sites a branch cannot bring out, each with the name of the primitive it sits in.
+Stuck = set[tuple[Site, str]]
+
+
 def rewrite(
     jaxpr: _jax.Jaxpr,
     consts: Sequence[Any],
     args: Sequence[Any],
     found: list[Occurrence],
-    stuck: set[tuple[Site, str]],
+    stuck: Stuck,
 ) -> list[Any]:
     """Evaluates `jaxpr`, its sows made plant-only and their values appended to `found`;
-    the sites it cannot bring out (inside while loops, custom derivatives), each with
-    the name of the primitive it sits in, go to `stuck`."""
+    the sites it cannot bring out (inside while loops, custom derivatives) go to `stuck`."""
 
     def step(eqn: Any, invals: list[Any]) -> Any:
         if eqn.primitive is sow_p and eqn.params.get("role") == "unplantable":
@@ -139,9 +142,7 @@ class _Slot:
         return self.params["tree"], [(a.shape, a.dtype) for a in self.avals[:-1]], self.loops
 
 
-def united(
-    branches: tuple[Any, ...], group: int | None
-) -> tuple[list[Any], list[_Slot], set[tuple[Site, str]]]:
+def united(branches: tuple[Any, ...], group: int | None) -> tuple[list[Any], list[_Slot], Stuck]:
     """Each branch rewritten to also return the slots of every branch; with a
     `group`, each starts with its marker. Returns (branches, slots, stuck sites)."""
     specs = [
@@ -149,7 +150,7 @@ def united(
     ]
     n_outs = len(branches[0].out_avals)
     traced: list[tuple[Any, dict[Any, _Slot]]] = []
-    stuck: set[tuple[Site, str]] = set()
+    stuck: Stuck = set()
     for b, br in enumerate(branches):
         found: list[Occurrence] = []
 
@@ -316,17 +317,15 @@ def _stuck_in_batched_branch(site: Any, where: str) -> NotImplementedError:
         "custom_vjp_call": "a custom_vjp function",
         "custom_vmap_call": "a custom_vmap function",
     }
-    if where in known:
-        inside = known[where]
-        fix = "move the sow out of that body"
-    else:
-        inside = f"the primitive `{where}`"
+    fix = "move the sow out of that body"
+    if where not in known:
         fix = (
             f"if `{where}` runs its one body once on its inputs, register it with "
             "harvest.extend.HigherOrder(..., call=True), so harvest inlines it there; "
             "otherwise give its HigherOrder a `batched_branch` that runs its bodies through "
             "harvest.extend.walk_in_branch (see harvest.extend)"
         )
+    inside = known.get(where, f"the primitive `{where}`")
     return NotImplementedError(
         f"The sow site {site} is inside {inside} within a branch of a cond whose predicate "
         "vmap batches: every branch runs for every example, and harvest cannot carry the value "

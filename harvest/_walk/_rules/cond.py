@@ -22,9 +22,8 @@ from .. import _errors
 from .._higher_order import Body, HigherOrder, register
 from .._interpreter import interpret
 from .._occurrences import Record, static_counts
-from .._site import Site
 from .._steps import Steps
-from .batched_cond import Occurrence, united, unpack
+from .batched_cond import Occurrence, Stuck, united, unpack
 
 
 def _zeros(shape):
@@ -126,13 +125,9 @@ def _cond(walk, eqn, invals):
         # mesh axes, varying axes inside shard_map): as the first branch that
         # sows it, varying over the axes any branch's varies over.
         padded = [jax.eval_shape(branch_fn(c, s), *ops)[1] for c, s, _ in traced]
-        like = {
-            p: next(
-                (pad[p] for pad, (_, _, child) in zip(padded, traced) if child.seen.get(p)),
-                padded[0][p],
-            )
-            for p in paths
-        }
+        children = [child for _, _, child in traced]
+        sowing = {p: [pad[p] for pad, c in zip(padded, children) if c.seen.get(p)] for p in paths}
+        like = {p: sowing[p][0] if sowing[p] else padded[0][p] for p in paths}
         axes = jax.tree_util.tree_map(
             lambda *shapes: frozenset().union(*map(_jax.varying_of, shapes)), *padded
         )
@@ -170,7 +165,7 @@ def _restage(eqn, invals, staged, extra):
 
 
 def _in_batched_branch(
-    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[tuple[Site, str]]
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: Stuck
 ) -> list[Any]:
     """A cond inside a branch, its branches rewritten: its slots join the outer branch's."""
     branches = _jax.cond_branches(eqn)

@@ -30,7 +30,7 @@ from .._higher_order import Body, HigherOrder, register
 from .._interpreter import Walk, interpret, retrace
 from .._primitive import tracing_a_harvest
 from .._sow_index import sites_in
-from .calls import missing_sows_step
+from .calls import missing_sows_step, original_of
 
 
 def _function(eqn: Any) -> list[Body]:
@@ -46,9 +46,6 @@ def _custom_vmap(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     walked = functools.partial(_jax.eval_jaxpr, r.jaxpr, ())  # closed-over values, then inputs
     k, n = r.num_consts, r.num_outs
 
-    def original(*xs: Any) -> Any:
-        return _jax.rebind(eqn, xs)
-
     @custom_vmap
     def wrapped(*xs: Any) -> list[Any]:
         return list(walked(*xs))
@@ -57,7 +54,7 @@ def _custom_vmap(walk: Walk, eqn: Any, invals: list[Any]) -> list[Any]:
     def batched(axis_size: int, in_batched: list[bool], *xs: Any) -> tuple[list[Any], list[bool]]:
         axes = [0 if b else None for b in in_batched]
         # The user's rule, for the outputs: vmap of the original call runs it.
-        outs = jax.vmap(original, in_axes=axes[k:], axis_size=axis_size)(*xs[k:])
+        outs = jax.vmap(original_of(eqn), in_axes=axes[k:], axis_size=axis_size)(*xs[k:])
         # The reaped values, per example: vmap of the walked body.
         recs = jax.vmap(lambda *ys: walked(*ys)[n:], in_axes=axes, axis_size=axis_size)(*xs)
         values = [*outs, *recs]

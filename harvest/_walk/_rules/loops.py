@@ -24,9 +24,8 @@ from .._higher_order import UNBOUNDED, Body, HigherOrder, register, split_extra
 from .._interpreter import interpret
 from .._modes import MODES
 from .._occurrences import Record, select_where, stacked_record, varies
-from .._site import Site
 from .._steps import Steps
-from .batched_cond import Occurrence, rewrite
+from .batched_cond import Occurrence, Stuck, rewrite
 
 
 def _no_strict(sites, where):
@@ -301,7 +300,7 @@ def _restage_scan(eqn, invals, staged, extra):
 
 
 def _scan_in_batched_branch(
-    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: set[tuple[Site, str]]
+    eqn: Any, invals: list[Any], found: list[Occurrence], stuck: Stuck
 ) -> list[Any]:
     """A scan inside a branch: its body's values leave stacked, as reap stacks them."""
     p = _jax.Scan.of(eqn)
@@ -313,10 +312,8 @@ def _scan_in_batched_branch(
         inner: list[Occurrence] = []
         outs = rewrite(p.body.jaxpr, list(p.body.consts), [*consts, *carry, *x], inner, stuck)
         holder["inner"] = inner = _merge_carried(inner)
-        return outs[:ncarry], (
-            outs[ncarry:],
-            [(o.leaves, jnp.asarray(o.present, bool)) for o in inner],
-        )
+        flagged = [(o.leaves, jnp.asarray(o.present, bool)) for o in inner]
+        return outs[:ncarry], (outs[ncarry:], flagged)
 
     carry, (ys, stacked) = _scan_like(p, step, list(init), list(xs))
     for o, (leaves, present) in zip(holder["inner"], stacked):
@@ -326,7 +323,7 @@ def _scan_in_batched_branch(
                 Occurrence(o.params, [l[t] for l in leaves], present[t]) for t in range(p.length)
             )
         elif mode.carried:  # the last iteration that sowed it
-            found.append(_last_sown(o.params, leaves, present, p.reverse))
+            found.append(_last_sown(o, leaves, present, p.reverse))
         else:  # collect (strict is an error in a scan): one entry per sow in the body, stacked
             found.append(Occurrence(o.params, leaves, jnp.any(present), o.loops + 1))
     return [*carry, *ys]
@@ -348,10 +345,8 @@ def _merge_carried(found: list[Occurrence]) -> list[Occurrence]:
     return out
 
 
-def _last_sown(
-    params: dict[str, Any], leaves: list[Any], present: Any, reverse: bool
-) -> Occurrence:
-    """Of values stacked over iterations, the one of the last iteration run whose flag holds."""
+def _last_sown(o: Occurrence, leaves: list[Any], present: Any, reverse: bool) -> Occurrence:
+    """Of `o`'s values stacked over iterations, the last iteration's run whose flag holds."""
     if reverse:  # the last iteration run is the first
         leaves, present = [l[::-1] for l in leaves], present[::-1]
     later = jnp.cumsum(present[::-1].astype(jnp.int32), axis=0)[::-1]  # flags set at t or after
@@ -359,7 +354,7 @@ def _last_sown(
     leaves = [
         jnp.sum(select_where(last, l, jnp.zeros_like(l)), axis=0).astype(l.dtype) for l in leaves
     ]
-    return Occurrence(params, leaves, jnp.any(present, axis=0))
+    return Occurrence(o.params, leaves, jnp.any(present, axis=0))
 
 
 def _while_bodies(eqn):
