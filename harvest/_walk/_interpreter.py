@@ -548,10 +548,9 @@ class Retraced:
         Returns:
             The body's own outputs (``finish`` of the bind's).
         """
-        held = eqn.params[param]
-        body = (
-            _jax.ClosedJaxpr(self.jaxpr, ()) if isinstance(held, _jax.ClosedJaxpr) else self.jaxpr
-        )
+        body = self.jaxpr
+        if isinstance(eqn.params[param], _jax.ClosedJaxpr):
+            body = _jax.ClosedJaxpr(body, ())
         outs = _jax.bind_with(eqn.primitive, dict(eqn.params, **{param: body}), self.args)
         return self.finish(walk, outs)
 
@@ -585,11 +584,5 @@ def retrace(walk, jaxpr, consts, invals):
 
     closed = jax.make_jaxpr(body)(*invals)
     open_jaxpr = _jax.consts_as_inputs(closed.jaxpr)
-    return Retraced(
-        open_jaxpr,
-        [*closed.consts, *invals],
-        len(closed.consts),
-        len(jaxpr.outvars),
-        holder["child"],
-        holder["tree"],
-    )
+    args, child, tree = [*closed.consts, *invals], holder["child"], holder["tree"]
+    return Retraced(open_jaxpr, args, len(closed.consts), len(jaxpr.outvars), child, tree)

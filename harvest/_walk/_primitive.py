@@ -134,9 +134,8 @@ def _sow_abstract_eval(*avals, mode, role=None, **_):
     outs = avals[:-1] if _has_pred(mode, role) else avals
     # `instrument`'s sows replace a value that flows on, so they are never bare
     # and need no effect to survive, even while a harvest traces.
-    return list(outs), (
-        {sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set()
-    )
+    effects = {sow_effect} if _harvest_tracing.value and not MODES[mode].replaces_value else set()
+    return list(outs), effects
 
 
 def _sow_lowering(ctx, *args, **params):
@@ -144,10 +143,8 @@ def _sow_lowering(ctx, *args, **params):
 
 
 def _sow_jvp(primals, tangents, **params):
-    out = sow_p.bind(*primals, **params)
-    if _has_pred(params["mode"], params.get("role")):
-        tangents = tangents[:-1]
-    return out, [_jax.instantiate_zeros(t) for t in tangents]
+    out = sow_p.bind(*primals, **params)  # a predicate's tangent is dropped with it
+    return out, [_jax.instantiate_zeros(t) for t in tangents[: len(out)]]
 
 
 def _sow_transpose(cts, *args, **params):

@@ -309,9 +309,7 @@ def _site_key(params: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _vmap_number(axis_data: Any) -> int:
-    if id(axis_data) not in _vmaps:
-        _vmaps[id(axis_data)] = (axis_data, len(_vmaps))
-    return _vmaps[id(axis_data)][1]
+    return _vmaps.setdefault(id(axis_data), (axis_data, len(_vmaps)))[1]
 
 
 _jax.wrap_batching(sow_p, _batch)

@@ -74,15 +74,6 @@ def _pad(value, union, site):
     return value
 
 
-def _normalize(exported, children):
-    """One entry per name: a list of entries for collect, one array otherwise."""
-    out = {}
-    for path, values in exported.items():
-        rec = children.records[path]
-        out[path] = list(values) if rec.site.mode.entries else Record(rec.site, values).result()
-    return out
-
-
 def _cond(walk, eqn, invals):
     branches = _jax.cond_branches(eqn)
     index, ops = invals[0], invals[1:]
@@ -96,7 +87,9 @@ def _cond(walk, eqn, invals):
 
         def walk_branch(*ops, br=br, child=child):
             outs = interpret(child, br.jaxpr, br.consts, ops)
-            return outs, _normalize(child.export(), child)
+            # One entry per name: a list of entries for collect, one array otherwise.
+            recs = child.records.items()
+            return outs, {p: list(r.values) if r.site.mode.entries else r.result() for p, r in recs}
 
         closed, shape = jax.make_jaxpr(walk_branch, return_shape=True)(*ops)
         traced.append((closed, shape, child))
