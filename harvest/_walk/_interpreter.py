@@ -288,16 +288,15 @@ class Walk:
             pred: a boolean array: where it is False the sow did not happen (None: it did).
             role: the sow's role from its params: ``"unplantable"``, ``"rule_replaced"``,
                 ``"record_only"``, ``"plant_only"`` or None (an ordinary sow).
-            element: the sow's ``element`` param: which element of a batched
-                ``lax.map`` a collect sow sows (recorded so, to be merged), or None
-                (a rows sow's is only checked before the walk, see `_run_walk`).
+            element: a collect sow's ``element`` param (which element of a batched
+                ``lax.map`` it sows, recorded so to be merged), or None.
 
         Returns:
             The value the program goes on with: the planted one, or ``value``.
 
         Raises:
-            ValueError: if a single-occurrence (``"strict"``) name is sown twice, or
-                a plant targets a sow where a batching rule ran.
+            ValueError: if a ``"strict"`` name is sown twice, or a plant targets a
+                sow whose body a custom rule replaces.
         """
         path = self.policy.key(site)
         if role == "unplantable" and path in self.plants:  # see `_rules/custom_vmap`
