@@ -234,14 +234,10 @@ def _groups(marks: list[Any]) -> list[_Group]:
         if 0 < ends - r <= len(full):  # a map's remainder, after its full batches
             for k, g in enumerate(full[len(full) - (ends - r) :]):
                 groups[g] = groups[g]._replace(remainder=runs[r + k][1])
-            r = ends
-        elif mark is None:
-            groups.append(_Group(alone=run[0]))
-            r += 1
-        else:  # a map with fewer elements than one batch: its remainder alone
-            groups.append(_Group(remainder=run))
-            r += 1
-        full = []
+        else:  # sown elsewhere, or a map with fewer elements than one batch: its remainder
+            groups.append(_Group(alone=run[0]) if mark is None else _Group(remainder=run))
+            ends = r + 1
+        r, full = ends, []
     return groups
 
 
@@ -296,14 +292,12 @@ def split_elements(site: Site, marks: list[Any], entries: Any) -> tuple[Any, ...
         if group.alone is not None:
             out[group.alone] = entry
             continue
-        leaves = jax.tree_util.tree_leaves(entry)
         columns: dict[int, list[Any]] = {k: [] for k in (*group.batches, *group.remainder)}
-        for leaf, aval in zip(leaves, site.avals):
+        for leaf, aval in zip(jax.tree_util.tree_leaves(entry), site.avals):
             axis = jnp.ndim(leaf) - 1 - len(aval.shape)  # the rows' (loops around the map lead)
             full = jnp.shape(leaf)[axis] - len(group.remainder)
-            size = len(group.batches)
             for j, k in enumerate(group.batches):  # rows j, j + size, ...: element j of each batch
-                columns[k].append(lax.slice_in_dim(leaf, j, full, size, axis))
+                columns[k].append(lax.slice_in_dim(leaf, j, full, len(group.batches), axis))
             for j, k in enumerate(group.remainder):
                 columns[k].append(lax.index_in_dim(leaf, full + j, axis, keepdims=False))
         for k, column in columns.items():
