@@ -18,10 +18,9 @@ DEFAULT_TAG = "intermediates"
 
 
 def _check_name(name: object, tag: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise _errors.bad_sow_name("name", name)
-    if not isinstance(tag, str) or not tag:
-        raise _errors.bad_sow_name("tag", tag)
+    for what, value in (("name", name), ("tag", tag)):
+        if not isinstance(value, str) or not value:
+            raise _errors.bad_sow_name(what, value)
 
 
 def non_array(value: Any) -> tuple[str, Any] | None:

@@ -35,11 +35,6 @@ def _per_shard(eqn):
     return [Body("shard_map", p.body, runs=p.shards, per_run_stacked=True)]
 
 
-def _varying(site):
-    """The manual mesh axes the sown value varies over (any of its leaves)."""
-    return frozenset().union(*map(_jax.varying_of, site.avals))
-
-
 def _row_index(mesh, axes, varying):
     """The row of a per-shard stack (rows in mesh order over `axes`) this shard
     reads, for a value varying over `varying` only: along the other axes every
@@ -64,8 +59,12 @@ def _shard_map(walk, eqn, invals):
     def per_shard(*args):
         # Each shard reads its own row of a plant stacked per shard.
         def plant_row(pl, site):
-            # Without check_vma JAX tracks no varying axes: every shard reads its own row.
-            idx = _row_index(p.mesh, axes, _varying(site) if p.check_vma else frozenset(axes))
+            # The manual mesh axes the sown value varies over; without check_vma JAX
+            # tracks none: every shard reads its own row.
+            varying = frozenset(axes)
+            if p.check_vma:
+                varying = frozenset().union(*map(_jax.varying_of, site.avals))
+            idx = _row_index(p.mesh, axes, varying)
             if pl.site.mode.stacks_in_loops:
                 return pl.per_iteration(idx, body, site, shards, "shard_map")
             return pl.peel(idx, shards, "shard_map")
