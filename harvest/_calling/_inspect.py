@@ -291,32 +291,24 @@ def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sit
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
 
     def listed_sites(*args: Any, **kwargs: Any) -> Sites:
-        return _listed(f, tag, args, kwargs)
+        def traced(plan: Any = None) -> Any:
+            with per_element(plan):
+                return make_jaxpr(f, args, kwargs)[0].jaxpr
+
+        jaxpr = traced()
+        unrolled = batched_lax_map.staged_per_batch(jaxpr, None, traced)
+        if unrolled and batched_lax_map.SUPPORTED:  # listed once per element, as reap gives them
+            jaxpr = traced(unrolled)
+        found = Sites()
+        found._blocks = []
+        for item in sow_index(jaxpr).listing:
+            site = Site.of(item.eqn)
+            if tag is None or site.tag == tag:
+                found.append(_info(site, item.where, item.fires))
+                found._blocks.append(item.blocks)
+        return found
 
     return listed_sites
-
-
-def _listed(
-    f: Callable[..., Any], tag: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Sites:
-    """Every sow site of ``f(*args, **kwargs)`` of ``tag`` (None: any), in program order."""
-    found, blocks = Sites(), []
-
-    def traced(plan: Any = None) -> Any:
-        with per_element(plan):
-            return make_jaxpr(f, args, kwargs)[0].jaxpr
-
-    jaxpr = traced()
-    unrolled = batched_lax_map.staged_per_batch(jaxpr, None, traced)
-    if unrolled and batched_lax_map.SUPPORTED:  # listed once per element, as reap returns them
-        jaxpr = traced(unrolled)
-    for item in sow_index(jaxpr).listing:
-        site = Site.of(item.eqn)
-        if tag is None or site.tag == tag:
-            found.append(_info(site, item.where, item.fires))
-            blocks.append(item.blocks)
-    found._blocks = blocks
-    return found
 
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:

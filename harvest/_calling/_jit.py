@@ -252,35 +252,27 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
     if len(_traced) > _TRACED_KEPT:
         _traced.popitem(last=False)
     if n > config.warn_after and code not in _warned:
-        _warned.add(code)
         _warn(
             fn,
-            RecompileWarning(
-                f"harvest has traced and compiled {_where(fn)} {n} times for the same shapes. A static "
-                "argument changes between calls (a new Python number or other non-array argument: pass it "
-                "as an array to trace it), or a fresh function each call (harvest it once, outside the "
-                "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
-                "'warn_after', n) sets when."
-            ),
+            f"harvest has traced and compiled {_where(fn)} {n} times for the same shapes. A static "
+            "argument changes between calls (a new Python number or other non-array argument: pass it "
+            "as an array to trace it), or a fresh function each call (harvest it once, outside the "
+            "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
+            "'warn_after', n) sets when.",
         )
 
 
 def _note_unhashable(fn: Any, key: Key) -> None:
     code = _code(fn)
-    if code is None or code in _warned:
-        return
     culprit = _unhashable_in(key.fields)
-    if culprit is None:  # a function that cannot be held weakly
+    if code is None or code in _warned or culprit is None:  # None: fn cannot be held weakly
         return
-    _warned.add(code)
     _warn(
         fn,
-        RecompileWarning(
-            f"harvest traces and compiles {_where(fn)} at every call: a non-array argument of type "
-            f"{type(culprit).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
-            "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
-            "frozen dataclass) or pass its numbers as arrays. Shown once per function."
-        ),
+        f"harvest traces and compiles {_where(fn)} at every call: a non-array argument of type "
+        f"{type(culprit).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
+        "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
+        "frozen dataclass) or pass its numbers as arrays. Shown once per function.",
     )
 
 
@@ -297,7 +289,8 @@ def _unhashable_in(x: Any) -> Any:
     return None
 
 
-def _warn(fn: Any, message: Warning) -> None:
-    """Warns at the line that defines ``fn`` (the function the message names)."""
+def _warn(fn: Any, message: str) -> None:
+    """Warns, once per function, at the line that defines ``fn`` (the one the message names)."""
     code = _code(fn)
-    warnings.warn_explicit(message, type(message), code.co_filename, code.co_firstlineno)
+    _warned.add(code)
+    warnings.warn_explicit(message, RecompileWarning, code.co_filename, code.co_firstlineno)

@@ -61,25 +61,6 @@ class Graph:
         return cls(*aux, tuple(children))
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class GraphShape:
-    """A `Graph` without its leaves, which travel beside it, as a pytree with no
-    children: its definitions are a tree structure's data, which JAX compares
-    (the one graph definition an earlier split gave by identity first) and does
-    not hash."""
-
-    graphdef: Any
-    statedef: Any
-
-    def tree_flatten(self):
-        return (), (self.graphdef, self.statedef)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*aux)
-
-
 def _node_of(leaf: Any) -> Any:
     if inspect.ismethod(leaf) and is_graph_node(leaf.__self__):
         return leaf.__self__
@@ -119,24 +100,18 @@ def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:
 
 def with_graph(treedef: Any, graph: Graph | None) -> Any:
     """The structure of a tree's leaves (flattened as ``treedef``) followed by
-    ``graph``'s state leaves: one tree structure, which a compile-cache key hashes
-    without hashing the graph definition (a deep walk, ~ms on a transformer)."""
-    shape = None if graph is None else GraphShape(graph.graphdef, graph.statedef)
-    return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(shape)))
+    ``graph``'s state leaves: one tree structure, whose graph definition is data that
+    JAX compares (the one an earlier split gave by identity first) and does not hash
+    (a deep walk, ~ms on a transformer)."""
+    return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(graph)))
 
 
 def rebuilt(treedef: Any, static: tuple, traced: Any) -> tuple[Any, Graph | None]:
     """(the tree, its `Graph`) of leaves laid out by `with_graph`'s ``treedef``:
     ``static`` holds (index, type, leaf, key) per leaf not traced (`static_leaves`),
     ``traced`` the others in order."""
-    tree_def, shape_def = treedef.children()
-    shape = shape_def.unflatten(())
-    total = treedef.num_leaves + (0 if shape is None else shape.statedef.num_leaves)
     at, it = {i: leaf for i, _, leaf, _ in static}, iter(traced)
-    flat = [at[i] if i in at else next(it) for i in range(total)]
-    n = tree_def.num_leaves
-    graph = None if shape is None else Graph(shape.graphdef, shape.statedef, tuple(flat[n:]))
-    return tree_def.unflatten(flat[:n]), graph
+    return treedef.unflatten([at[i] if i in at else next(it) for i in range(treedef.num_leaves)])
 
 
 class _Split:
@@ -261,7 +236,17 @@ class _SplitCache:
         verified = getattr(self.local, "verified", None)
         if verified is not None and key in verified:
             return verified[key]
-        graph = self._graph(nnx, nodes, key)
+        with self.lock:
+            split = self.splits.get(key)
+        graph = None if split is None else split.now(nodes)
+        if graph is None:
+            self.walks += 1
+            graphdef, state = nnx.split(nodes)
+            leaves, statedef = jax.tree_util.tree_flatten(state)
+            graph = Graph(self._interned(graphdef), statedef, tuple(leaves))
+            # Nodes made inside a trace (merged there) are new at every trace: never kept.
+            if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+                self._keep(key, _Split(nnx, nodes, graph, state), nodes)
         if verified is not None and key in self.splits:
             verified[key] = graph
         return graph
@@ -281,22 +266,6 @@ class _SplitCache:
         verified = getattr(self.local, "verified", None)
         if verified is not None:
             verified.clear()
-
-    def _graph(self, nnx: Any, nodes: tuple[Any, ...], key: tuple[int, ...]) -> Graph:
-        with self.lock:
-            split = self.splits.get(key)
-        graph = None if split is None else split.now(nodes)
-        if graph is not None:
-            return graph
-        self.walks += 1
-        graphdef, state = nnx.split(nodes)
-        graphdef = self._interned(graphdef)
-        leaves, statedef = jax.tree_util.tree_flatten(state)
-        graph = Graph(graphdef, statedef, tuple(leaves))
-        # Nodes made inside a trace (merged there) are new at every trace: never kept.
-        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            self._keep(key, _Split(nnx, nodes, graph, state), nodes)
-        return graph
 
     def _interned(self, graphdef: Any) -> Any:
         """The graph definition equal to ``graphdef`` that an earlier split gave, if any.
@@ -320,8 +289,7 @@ class _SplitCache:
         if not split.kept:
             return
         with self.lock:
-            new = key not in self.splits
-            self.splits.pop(key, None)
+            new = self.splits.pop(key, None) is None  # re-added: most recent last
             self.splits[key] = split
             while len(self.splits) > self.size:
                 self.splits.pop(next(iter(self.splits)))
@@ -356,12 +324,8 @@ class Changes:
         return cls(paths, tuple(children[0]), tuple(children[1]))
 
     def keep(self, kept: list[bool]) -> Changes:
-        paths, variables = (
-            zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k])
-            if any(kept)
-            else ((), ())
-        )
-        return Changes(tuple(paths), tuple(variables), self.states)
+        paths = tuple(itertools.compress(self.paths, kept))
+        return Changes(paths, tuple(itertools.compress(self.variables, kept)), self.states)
 
 
 def call_merged(

@@ -29,22 +29,14 @@ from .._walk._leaves import is_array, is_graph_node, static_key
 _KEYED_ITEMS = 1024
 
 _IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
-_INEXACT = (float, complex)
-
-
-def value_key(value: Any) -> Any:
-    """The key of an immutable value: itself, but a float or complex by its repr."""
-    if type(value) in _INEXACT:
-        return repr(value)
-    return value
 
 
 def read_key(value: Any) -> Any:
-    """What a value the function reads is keyed by: its value if it is immutable,
-    else its identity."""
+    """What a value the function reads is keyed by: its value if it is immutable (a
+    float or complex by its repr), else its identity."""
     kind = type(value)
     if kind in _IMMUTABLE:
-        return (kind, value_key(value))
+        return (kind, repr(value) if kind is float or kind is complex else value)
     if isinstance(value, (tuple, frozenset)):  # a named tuple too
         if len(value) > _KEYED_ITEMS:
             return _ByIdentity(value)
@@ -107,8 +99,7 @@ def _taken_apart(value: Any) -> bool:
     if kind in _IMMUTABLE:
         return False
     if kind is list or kind is dict:
-        items = value.values() if kind is dict else value
-        return bool(items) and all(map(_array_only, items))
+        return _array_only(value)
     leaves = jax.tree_util.tree_leaves(value, is_leaf=is_graph_node)
     if len(leaves) == 1 and leaves[0] is value:
         return False  # a leaf: not a container
@@ -137,8 +128,8 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
             value = cell.cell_contents
         except ValueError:
             values.append(EMPTY_CELL)
-            continue
-        values.append(read_part(value))
+        else:
+            values.append(read_part(value))
     return tuple(values)
 
 

@@ -46,21 +46,16 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     if graph is None:
         (f, args, kwargs), graph, _ = split_nodes((f, args, kwargs))
     leaves, tree = jax.tree_util.tree_flatten((f, args, kwargs, graph))
-    in_state = range(
-        tree.num_leaves - (0 if graph is None else len(jax.tree_util.tree_leaves(graph))),
-        tree.num_leaves,
-    )
+    state_from = tree.num_leaves - len(jax.tree_util.tree_leaves(graph))  # None has no leaves
     positions = [
         i
         for i, leaf in enumerate(leaves)
         if is_array(leaf)
         or isinstance(leaf, jax.ShapeDtypeStruct)
-        or (i in in_state and isinstance(leaf, numbers.Number))
+        or (i >= state_from and isinstance(leaf, numbers.Number))
     ]
 
-    priors: list[
-        list[int | None]
-    ] = []  # per changed variable: the positions of its old value's leaves
+    priors: list[list[int | None]] = []  # per changed variable: its old value's leaves' positions
 
     def flat_f(*arrays):
         filled = list(leaves)
@@ -91,6 +86,4 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
             )
         raise
     closed, out_shape = drop_copies(closed, out_shape, priors)
-    if return_shape:
-        return closed, arrays, out_shape
-    return closed, arrays
+    return (closed, arrays, out_shape) if return_shape else (closed, arrays)

@@ -47,15 +47,6 @@ def _policy(tag, names, exclude, max_steps=None):
     return Policy(tag, NameFilter.make(names, exclude), max_steps=max_steps)
 
 
-def _check_plants_arg(plants, fn_name):
-    if not isinstance(plants, dict):
-        raise TypeError(
-            f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
-            f"plants is a dict of sown names to values; its first argument was a "
-            f"{type(plants).__name__}."
-        )
-
-
 def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
     """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
     in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
@@ -119,7 +110,12 @@ def transform(
 
     @functools.wraps(f)
     def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_plants_arg(plants, fn_name)
+        if not isinstance(plants, dict):
+            raise TypeError(
+                f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
+                f"plants is a dict of sown names to values; its first argument was a "
+                f"{type(plants).__name__}."
+            )
         return run(plants, args, kwargs)
 
     return _plants_first(_jax.api_boundary(_unwrapped_to_code(transformed_with_plants, f)), f)
@@ -169,13 +165,10 @@ def reap(
     iterations that ran.
 
     An eager call reads what ``jax.jit(f)`` reads, here and in every other
-    transformation: the arguments at every call (JAX and NumPy arrays traced;
-    every other leaf -- a Python number, bool, string, config -- static, so a
-    new value re-traces), and everything else ``f`` reads (closures, globals,
-    an object's attributes) when it is traced. Flax NNX modules, as ``f``, its
-    ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
-    call leaves their state (batch statistics, RNG counters, intermediates)
-    as a direct call would.
+    transformation: the arguments at every call (arrays traced, every other
+    leaf static: a new value re-traces), and what else ``f`` reads (closures,
+    globals, attributes) when it is traced. Flax NNX modules are split and
+    merged as ``nnx.jit`` does, so their state is left as a direct call leaves it.
 
     Args:
         f: the function to run: any JAX-traceable callable (a function, a bound
@@ -388,15 +381,6 @@ def harvest_tags(
     return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
-def _dotted_nest_scope(scope: str) -> ValueError:
-    outer, _, inner = scope.rpartition(".")
-    return ValueError(
-        f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
-        "sites and this one could mean another site. For scopes inside scopes nest twice: "
-        f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
-    )
-
-
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     """Puts every name sown inside ``f`` (of any tag) under ``scope``.
 
@@ -430,5 +414,10 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     if not isinstance(scope, str) or not scope:
         raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
     if "." in scope:
-        raise _dotted_nest_scope(scope)
+        outer, _, inner = scope.rpartition(".")
+        raise ValueError(
+            f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
+            "sites and this one could mean another site. For scopes inside scopes nest twice: "
+            f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
+        )
     return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")
