@@ -11,14 +11,10 @@ from .._walk._higher_order import describe
 
 
 class _Origins:
-    """Which input of a jaxpr each of its variables merely is.
-
-    NNX transforms hand every variable of the module they call back as an
-    output of their equation (`jit`, `remat`, `scan`, `while`, `cond`): a new
-    variable, so a new tracer, that holds the same value when the body returns
-    the input unchanged. Following such an output into the body, to the input
-    the body returns, finds what it copies.
-    """
+    """Which input of a jaxpr each of its variables merely is. NNX transforms
+    (`jit`, `remat`, `scan`, `while`, `cond`) hand every variable of the module back
+    as a new output, the same value when the body returns the input unchanged:
+    followed into the body, such an output leads to the input it copies."""
 
     def __init__(self) -> None:
         # id(jaxpr) -> (the equation making each variable, the place of each input by id)

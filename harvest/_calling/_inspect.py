@@ -116,7 +116,9 @@ class Sites(list[SiteInfo]):
         nbytes = "unbounded" if info.nbytes is None else str(info.nbytes)
         shape = str(info.shape)
         if isinstance(info.axes, tuple) and isinstance(info.shape, tuple):  # one named array
-            shape = _named_shape(info.shape, info.axes)
+            # (1, 3, 8) with names ("batch", "seq", None) as (batch=1, seq=3, 8)
+            named = (f"{n}={k}" if n else str(k) for k, n in zip(info.shape, info.axes))
+            shape = "(" + ", ".join(named) + ")"
         return (info.tag, info.name, info.mode, shape, str(dtype), fires, nbytes, info.where)
 
     def __str__(self) -> str:
@@ -249,17 +251,12 @@ def _html_view(found: Sites) -> str:
 def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sites]:
     """Returns a function listing every sow site of ``f`` for its arguments, without running ``f``.
 
-    ``sites(f)(*args, **kwargs)`` traces ``f(*args, **kwargs)`` with
-    ``jax.make_jaxpr``: array arguments (or ``jax.ShapeDtypeStruct`` values
-    standing for them) are traced, and every other argument reaches ``f`` as
-    itself, as in ``reap``. Each sow equation gives one ``SiteInfo``, in program
-    order, recursing into ``jit``, ``scan``, ``cond``, ``while_loop``,
-    ``checkpoint`` and custom derivatives.
-
-    It is called as every transformation is, ``sites(f)(x)``; the old form
-    ``sites(f, x)`` still works until harvest 0.3, with a ``DeprecationWarning``.
-    A function of no arguments is listed by ``sites(f)()``: ``sites(f)`` alone is
-    now the listing function.
+    ``sites(f)(*args, **kwargs)`` traces ``f`` with ``jax.make_jaxpr``, its
+    arguments taken as ``reap`` takes them (a ``jax.ShapeDtypeStruct`` may stand for
+    an array). Each sow equation gives one ``SiteInfo``, in program order, recursing
+    into ``jit``, ``scan``, ``cond``, ``while_loop``, ``checkpoint`` and custom
+    derivatives. The old form ``sites(f, x)`` still works until harvest 0.3, with
+    a ``DeprecationWarning``; ``sites(f)()`` lists a function of no arguments.
 
     Args:
         f: the function to trace, as for ``reap``.
@@ -314,10 +311,10 @@ def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sit
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [_dtype(a.dtype) for a in site.avals])
-    mode = site.mode.shown
     size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in site.avals)
     nbytes = None if fires is UNBOUNDED else size * fires
     axes = None if site.axes is None else jax.tree_util.tree_unflatten(site.tree, list(site.axes))
+    mode = site.mode.shown
     return SiteInfo(
         site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes, axes
     )
@@ -326,11 +323,6 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
 def _dtype(dtype: Any) -> Any:
     """A NumPy dtype, or a PRNG key's dtype as JAX has it (``key<fry>``: NumPy has none)."""
     return dtype if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype)
-
-
-def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:
-    """`(1, 3, 8)` with names `("batch", "seq", None)` as ``(batch=1, seq=3, 8)``."""
-    return "(" + ", ".join(f"{n}={k}" if n else str(k) for k, n in zip(shape, names)) + ")"
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

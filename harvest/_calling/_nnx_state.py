@@ -69,13 +69,9 @@ def _node_of(leaf: Any) -> Any:
 
 def split_leaves(leaves: list[Any]) -> tuple[list[Any], Graph | None, tuple[Any, ...]]:
     """(`leaves` with each NNX graph node, or bound method of one, replaced by a
-    marker, their `Graph`, the nodes), for leaves flattened up to the graph nodes
-    (``is_leaf=is_graph_node``).
-
-    Nodes reachable from several places (a module and its submodule, the same
-    module twice) are split together, so they stay shared when merged. Without
-    graph nodes, returns `(leaves, None, ())`.
-    """
+    marker, their `Graph`, the nodes), for leaves flattened ``is_leaf=is_graph_node``;
+    without graph nodes, `(leaves, None, ())`. The nodes are split together, so
+    those reachable from several places stay shared when merged."""
     nnx = nnx_module()
     found = [] if nnx is None else list(map(_node_of, leaves))
     nodes = {id(node): node for node in found if node is not None}
@@ -223,8 +219,9 @@ class _SplitCache:
     again (the idea of ``nnx.cached_partial``, with the structure checked at
     each call). An entry goes when one of its nodes does; at most ``size`` are kept."""
 
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
+    size = 16
+
+    def __init__(self) -> None:
         self.splits: dict[tuple[int, ...], _Split] = {}
         self.graphdefs: dict[Any, Any] = {}  # the last graph definitions split, each its own key
         self.lock = threading.Lock()
@@ -268,12 +265,9 @@ class _SplitCache:
             verified.clear()
 
     def _interned(self, graphdef: Any) -> Any:
-        """The graph definition equal to ``graphdef`` that an earlier split gave, if any.
-
-        Two models of the same structure have equal graph definitions, and every
-        compile-cache lookup compares the one it is given with the one it keeps:
-        by identity when they are one object, else node by node (some 1,300
-        comparisons for a 12-block transformer, ~3 ms a call)."""
+        """The graph definition equal to ``graphdef`` that an earlier split gave, if any:
+        a compile-cache lookup compares graph definitions by identity first, else node
+        by node (some 1,300 comparisons for a 12-block transformer, ~3 ms a call)."""
         try:
             hash(graphdef)
         except TypeError:  # static metadata that cannot be hashed: not shared
@@ -307,7 +301,6 @@ splits_verified_once = _split_cache.verified_once
 forget_verified_splits = _split_cache.forget_verified
 
 
-@jax.tree_util.register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class Changes:
     """The NNX variables a call changed or added: their paths (static) and new states."""
@@ -316,16 +309,14 @@ class Changes:
     variables: tuple[Any, ...]
     states: tuple[Any, ...] = ()  # per `Stateful` object of the call, its state after it
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
-        return (self.variables, self.states), self.paths
-
-    @classmethod
-    def tree_unflatten(cls, paths: tuple[tuple[Any, ...], ...], children: Any) -> Changes:
-        return cls(paths, tuple(children[0]), tuple(children[1]))
-
     def keep(self, kept: list[bool]) -> Changes:
         paths = tuple(itertools.compress(self.paths, kept))
         return Changes(paths, tuple(itertools.compress(self.variables, kept)), self.states)
+
+
+jax.tree_util.register_dataclass(
+    Changes, data_fields=["variables", "states"], meta_fields=["paths"]
+)
 
 
 def call_merged(

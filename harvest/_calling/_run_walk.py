@@ -1,14 +1,10 @@
 """One call of a harvested function: its parts, its key, and the walk that runs it.
 
 `run_walk` takes a call apart (the function, what it binds, the plants, the
-arguments, NNX state), decides up front where it runs (in place under an
-outer trace, or through the function's one `jax.jit`, `_calling`), and `_walk`
-traces the function, validates its sites against the policy and the plants,
-and runs the walk (`_interpreter`). What the call binds (a method's object, a
-partial's arguments) is passed as data, its arrays traced and the rest static;
-Flax NNX graph nodes among it are split into a static graph and traced state
-(see `_nnx_state`). What the function reads besides its arguments is read when
-JAX traces it, as `jax.jit(f)` reads it.
+arguments, NNX state: arrays traced, the rest static), decides where it runs (in
+place under an outer trace, or through the function's one `jax.jit`, see `_jit`),
+and `_walk` traces the function, validates its sites against the policy and the
+plants, and runs the walk (`_interpreter`).
 """
 
 from __future__ import annotations
@@ -81,18 +77,21 @@ class _Static(NamedTuple):
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
     """The walk of one call: traced, its sites and plants validated, then run.
     Returns (out, reaps in program order, changed NNX state, `_planted_numbers` if staged)."""
-    traced = _trace_call(fn, dynamic, static, batched, unrolled)
-    if staged and not _lowerable(traced.closed.jaxpr):
+    closed, arrays, out_shape, plants, inner_tags = _trace_call(
+        fn, dynamic, static, batched, unrolled
+    )
+    jaxpr, policy = closed.jaxpr, static.policy
+    if staged and not _lowerable(jaxpr):
         raise _WalkInPlace(_eager_only)
-    if staged and static.differentiating and holds_rule_sows(traced.closed.jaxpr, static.policy):
+    if staged and static.differentiating and holds_rule_sows(jaxpr, policy):
         raise _WalkInPlace(_rule_walks)
-    order, handled, filtered = _checked_sites(traced, static)
-    resolved = _resolve_plants(traced.plants, handled, static.policy, filtered)
+    order, handled, filtered = _checked_sites(jaxpr, static, plants, inner_tags)
+    resolved = _resolve_plants(plants, handled, policy, filtered)
     per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
-    key = static.policy.key
+    key = policy.key
     per_example |= {
         (site.tag, site.path)
-        for site in sites_in(traced.closed.jaxpr)
+        for site in sites_in(jaxpr)
         if key(site) in resolved and needs_batched_site(resolved[key(site)], site)
     }
     if per_example and not batched:
@@ -102,25 +101,24 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrol
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
 
     def retraced(plan):  # the same call, traced again under a batched lax.map's plan
-        return _trace_call(fn, dynamic, static, batched, plan).closed.jaxpr
+        return _trace_call(fn, dynamic, static, batched, plan)[0].jaxpr
 
     in_maps = batched_lax_map.staged_per_batch(
-        traced.closed.jaxpr, static.policy.handles, None if unrolled else retraced
+        jaxpr, policy.handles, None if unrolled else retraced
     )
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
     if unrolled:
-        _refuse_sown_twice_per_element(traced.closed.jaxpr, unrolled)
-        resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
+        _refuse_sown_twice_per_element(jaxpr, unrolled)
+        resolved = _split_per_element(jaxpr, resolved, key, unrolled)
     for planted in resolved.values():
-        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
-    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
-    walk = Walk(static.policy, resolved, static.reap)
-    outs = interpret(walk, traced.closed.jaxpr, traced.closed.consts, traced.arrays)
-    out, changes = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(traced.out_shape), outs
-    )
+        planted.check_count(occurrences(jaxpr, planted.site))
+    _refuse_batched_lax_map(jaxpr, policy, resolved, static.reap, unrolled)
+    walk = Walk(policy, resolved, static.reap)
+    outs = interpret(walk, jaxpr, closed.consts, arrays)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out, changes = jax.tree_util.tree_unflatten(out_tree, outs)
     results = walk.results()
     in_order = _InOrder({path: results[path] for path in sorted(results, key=order.__getitem__)})
     return out, in_order, changes, _planted_numbers(dynamic, resolved) if staged else ()
@@ -139,18 +137,9 @@ def _planted_numbers(dynamic, resolved) -> tuple[tuple[int, Site, str, Any], ...
     )
 
 
-class _Traced(NamedTuple):
-    """A call traced: its closed jaxpr, the arrays it takes, its output's shape, the
-    call's plants, and the tags inner harvest walks consumed while it was traced."""
-
-    closed: Any
-    arrays: list
-    out_shape: Any
-    plants: Any
-    inner_tags: set
-
-
-def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
+def _trace_call(fn, dynamic, static: _Static, batched, unrolled):
+    """(the call's closed jaxpr, the arrays it takes, its output's shape, the call's
+    plants, the tags inner harvest walks consumed while it was traced)."""
     ((bound, args, kwargs), plants), graph = rebuilt(static.treedef, static.static_leaves, dynamic)
 
     def call(bound, /, *args, **kwargs):
@@ -165,16 +154,14 @@ def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
     # Trace with the arrays as inputs and everything else (numbers, flags,
     # strings) closed over, as jit's static arguments would be.
     with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
-        closed, arrays, out_shape = make_jaxpr(
-            call, (bound, *args), kwargs, graph, return_shape=True
-        )
-    return _Traced(closed, arrays, out_shape, plants, inner_tags)
+        traced = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
+    return (*traced, plants, inner_tags)
 
 
-def _checked_sites(traced: _Traced, static: _Static):
+def _checked_sites(jaxpr, static: _Static, plants, inner_tags):
     """(each site key's rank in program order, the sites the policy handles, the keys
     of its tag that `names=`/`exclude=` leave out), refusing what names no site."""
-    jaxpr, policy = traced.closed.jaxpr, static.policy
+    policy = static.policy
     key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(jaxpr):
@@ -198,7 +185,7 @@ def _checked_sites(traced: _Traced, static: _Static):
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
     if (
-        (static.reap or traced.plants)
+        (static.reap or plants)
         and policy.strict_names
         and not handled
         and not filtered
@@ -206,7 +193,7 @@ def _checked_sites(traced: _Traced, static: _Static):
     ):
         tags = sorted({site.tag for site in every}, key=str)
         caller = "reap" if static.reap else "plant"
-        if tags and policy.tag not in {*tags, *_LAYER_TAGS, *traced.inner_tags}:
+        if tags and policy.tag not in {*tags, *_LAYER_TAGS, *inner_tags}:
             shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
             why = (
                 "reaping a tag the function never sows is refused rather than returning {}"
@@ -218,7 +205,7 @@ def _checked_sites(traced: _Traced, static: _Static):
                 f"it has sows of the tags {shown}. Pass one of those as tag= (instrument's sites "
                 f"are tag='modules'); {why}."
             )
-        if not tags and policy.tag == "modules" and policy.tag not in traced.inner_tags:
+        if not tags and policy.tag == "modules" and policy.tag not in inner_tags:
             # instrument's tag, and no sow at all: most often a model never passed to instrument.
             why = "rather than returning {}" if static.reap else "as it would change nothing"
             raise ValueError(
@@ -321,20 +308,6 @@ def _split_per_element(jaxpr, resolved, key, unrolled):
     return out
 
 
-def _sown_in_batched_lax_map(site: Any, what: str) -> ValueError:
-    append = (
-        "Sow it with mode='append' (harvest sows those once per element, the rows "
-        "lax.map(f, xs) gives), harvest"
-    )
-    return ValueError(
-        f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
-        f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
-        "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
-        f"{append if site.mode.entries else 'Harvest'} lax.map(f, xs) without batch_size, or "
-        "jax.vmap(f)(xs); planting one value for every element works."
-    )
-
-
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
     """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
     there not sown once per element (`unrolled`: collect's, or on a JAX without
@@ -347,14 +320,27 @@ def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
         if not policy.handles(site) or (site.tag, site.path) in unrolled or id(eqn) not in under:
             continue
         plant = plants.get(policy.key(site))
-        if plant is None and reaping:
-            raise _sown_in_batched_lax_map(site, "reaping it would give batch-shaped occurrences")
-        if plant is not None and not _one_value_per_element(plant.value, site):
-            raise _sown_in_batched_lax_map(
-                site,
-                "a plant other than one value of the element's shape (rows, or a callable) "
-                "would meet batch-shaped occurrences",
-            )
+        if (plant is None and not reaping) or (
+            plant is not None and _one_value_per_element(plant.value, site)
+        ):
+            continue
+        what = (
+            "reaping it would give batch-shaped occurrences"
+            if plant is None
+            else "a plant other than one value of the element's shape (rows, or a callable) "
+            "would meet batch-shaped occurrences"
+        )
+        append = (
+            "Sow it with mode='append' (harvest sows those once per element, the rows "
+            "lax.map(f, xs) gives), harvest"
+        )
+        raise ValueError(
+            f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
+            f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
+            "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
+            f"{append if site.mode.entries else 'Harvest'} lax.map(f, xs) without batch_size, "
+            "or jax.vmap(f)(xs); planting one value for every element works."
+        )
 
 
 def _one_value_per_element(value, site):
@@ -450,7 +436,7 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
         _note_walked(tag)
     fn, bound = unwrap(f)
-    dynamic, static, nodes, stateful = _taken_apart(fn, bound, policy, reap, plants, args, kwargs)
+    dynamic, static, nodes, stateful = _taken_apart(bound, policy, reap, plants, args, kwargs)
     # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
     # outer trace is the cache, and walking in place saves a nested jit for XLA to
     # inline (and, under vmap, batching the walk's jaxpr after the fact).
@@ -474,9 +460,9 @@ def run_walk(f, policy, reap, plants, args, kwargs):
     return reveal_static(out), nested_dict(flat)
 
 
-def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
+def _taken_apart(bound, policy, reap, plants, args, kwargs):
     """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
-    of one call of `fn` binding `bound`. What the call is given is flattened once, up
+    of one call binding `bound`. What the call is given is flattened once, up
     to its NNX nodes (each a marker, their state's leaves after the plants') and
     `Stateful` objects (flattened through, if any: their state is traced)."""
     given = (bound, args, kwargs)
@@ -551,31 +537,25 @@ def _resolve_plants(plants, sites, policy, filtered):
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
                 visit(value, name)
-            elif policy.strict_names and name in left_out:
-                name, tag, _ = _as_sown(name, policy, ())
-                raise KeyError(
-                    f"Cannot plant {name!r}: it is sown with tag {tag!r}, but "
-                    "this plant's selection (names=/exclude=; oryx's allowlist/blocklist) leaves "
-                    "it out. Select it, or leave it out of plants."
-                )
             elif policy.strict_names:
-                name, tag, names = _as_sown(name, policy, dotted)
+                # Under a `Tags` walk, names are dotted with their tag in front.
+                tag, shown, names = policy.tag, name, list(dotted)
+                if isinstance(tag, Tags):
+                    tag, _, shown = name.partition(".")
+                    names = [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
+                if name in left_out:
+                    raise KeyError(
+                        f"Cannot plant {shown!r}: it is sown with tag {tag!r}, but this plant's "
+                        "selection (names=/exclude=; oryx's allowlist/blocklist) leaves it out. "
+                        "Select it, or leave it out of plants."
+                    )
                 raise KeyError(
-                    f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown "
-                    f"with that tag: {_errors.listed(names, name)}."
+                    f"Cannot plant {shown!r}: no sow site of tag {tag!r} has that name. Names "
+                    f"sown with that tag: {_errors.listed(names, shown)}."
                 )
 
     visit(plants, ())
     return resolved
-
-
-def _as_sown(name, policy, names):
-    """(name, tag, the tag's names) for a message about planting `name`: under a
-    `Tags` walk, names are dotted with their tag in front."""
-    if not isinstance(policy.tag, Tags):
-        return name, policy.tag, names
-    tag, _, rest = name.partition(".")
-    return rest, tag, [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
 
 
 def code_of(f: Any) -> Any:

@@ -137,17 +137,10 @@ _DEPTH = 2  # how deep closed-over functions are themselves taken apart
 
 
 class TracedCode:
-    """A plain Python function as a pytree: its code, and its closed-over cells
-    and defaults (its code names no module-level value, see `can_be_data`).
-
-    Arrays (and NNX graph nodes, and containers of arrays) among them are its
-    leaves, so a fresh lambda of the same code over a new array is the same
-    program with new data; immutable values are static, keyed by value (a
-    float by its repr); anything else by identity. Closed-over and default
-    plain functions are taken apart the same way, two levels deep (a plant
-    built from a helper is data too). Calling it calls the function rebuilt
-    around its current leaves.
-    """
+    """A plain Python function as a pytree (see the module's docstring): its code,
+    closed-over cells and defaults, and closed-over or default plain functions taken
+    apart the same way, two levels deep (a plant built from a helper is data too).
+    Calling it calls the function rebuilt around its current leaves."""
 
     def __init__(self, fn: Any, shape: _CodeShape, leaves: Sequence[Any]) -> None:
         self._fn = fn

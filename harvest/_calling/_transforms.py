@@ -1,11 +1,7 @@
 """reap, plant, harvest, call_and_reap and nest: one walk, four faces.
 
-Each is `transform` with a different policy and plants, and a choice of
-what the transformed function returns. An eager call runs the walk through
-the function's one `jax.jit` (`_calling`), so a harvested function called
-again with the same shapes and static arguments is neither re-traced nor
-re-compiled, and under an outer `jit` it costs what the hand-written function
-returning the same values costs (see `_run_walk`, which runs one call).
+Each is `transform` with a different policy and plants, and a choice of what
+the transformed function returns; `_run_walk` runs one call.
 """
 
 from __future__ import annotations
@@ -64,14 +60,6 @@ def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
     return g
 
 
-# What a transformed function returns, from the walk's (out, reaps).
-_GIVES: dict[str, Callable[[tuple[Any, Any]], Any]] = {
-    "out": lambda result: result[0],
-    "reaps": lambda result: result[1],
-    "both": lambda result: result,
-}
-
-
 def transform(
     f: Callable,
     fn_name: str,
@@ -89,16 +77,16 @@ def transform(
     `reword` maps an error of the walk to the one to raise instead (None: as is).
     """
     _check_callable(f, fn_name)
-    reap, pick = gives != "out", _GIVES[gives]
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+            out, reaps = run_walk(f, policy, gives != "out", plants, args, kwargs)
         except ValueError as error:
             better = reword(error) if reword is not None else None
             if better is None:
                 raise
             raise better from error
+        return {"out": out, "reaps": reaps, "both": (out, reaps)}[gives]
 
     if not takes_plants:
 
@@ -156,13 +144,12 @@ def reap(
     order (by first occurrence), at every level; under an outer ``jax.jit``,
     JAX returns any dict with its keys sorted.
 
-    Inside a ``lax.while_loop``, whose trip count is known only when it runs,
+    Inside a ``lax.while_loop`` (trip count unknown until it runs),
     ``instrument``'s sites give the last iteration's value, as ``clobber`` does;
-    ``max_steps=N`` records the first ``N`` iterations instead: each name sown
-    in the loop's body with a stacking mode (``collect``, ``append``,
-    ``instrument``'s) comes back as ``harvest.Steps(values, count)``, ``values``
-    shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
-    iterations that ran.
+    with ``max_steps=N``, each name sown there with a stacking mode (``collect``,
+    ``append``, ``instrument``'s) comes back as ``harvest.Steps(values, count)``:
+    the first ``N`` iterations, as a ``scan`` of ``N`` would reap them, and how
+    many ran.
 
     An eager call reads what ``jax.jit(f)`` reads, here and in every other
     transformation: the arguments at every call (arrays traced, every other
