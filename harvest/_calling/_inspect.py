@@ -39,10 +39,9 @@ class SiteInfo:
             ``key<fry>``), or the same pytree of dtypes.
         fires: how many times one call sows here (loop lengths and a
             ``shard_map``'s shards multiplied in, as reap returns one row per
-            iteration or shard; per branch inside ``cond``, counted as if that
-            branch is taken), or ``None`` inside a ``while_loop``, whose trip
-            count is not known before running. Each primitive's count is
-            declared once beside its rule (see CONTRIBUTING.md).
+            iteration or shard; inside ``cond``, as if that branch is taken), or
+            ``None`` inside a ``while_loop``, whose trip count is not known before
+            running.
         where: the path of enclosing primitives, outermost first, e.g.
             ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
         nbytes: the bytes ``reap`` returns for this site per call (its value's
@@ -141,10 +140,9 @@ class Sites(list[SiteInfo]):
         """The program's structure as one self-contained HTML page; written to ``path`` if given.
 
         Every site sits in its nesting (``jit › scan[12] › cond[1]``), each body a
-        collapsible block, with its shape, dtype, mode, tag and fires per call.
-        In a notebook, a ``Sites`` value shows the same view. With
-        ``instrument(f, ops=True)``, every op is a site, so every op is shown. For
-        the dataflow graph of the whole program, see ``harvest.view``.
+        collapsible block, with its shape, dtype, mode, tag and fires per call; a
+        ``Sites`` value shows the same view in a notebook. For the dataflow graph of
+        the whole program, see ``harvest.view``.
 
         Args:
             path: a file to write the page to (UTF-8), or None to only return it.

@@ -77,7 +77,7 @@ class Key:
     __slots__ = ("run", "fields", "alike", "payload", "_hash")
 
     def __init__(
-        self, run: Callable[..., Any], fields: Any, alike: Any = None, payload: Any = None
+        self, run: Callable[..., Any], fields: Any, alike: Callable[[Any], Any], payload: Any = None
     ) -> None:
         self.run, self.fields = run, fields
         self.alike = alike
@@ -222,7 +222,7 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
         (getattr(a, "shape", ()), str(getattr(a, "dtype", "")))
         for a in jax.tree_util.tree_leaves(dynamic)
     )
-    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike and key.alike(key.fields))
+    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike(key.fields))
     try:
         hash(counted)
     except TypeError:

@@ -111,17 +111,12 @@ def rebuilt(treedef: Any, static: tuple, traced: Any) -> tuple[Any, Graph | None
 
 
 class _Split:
-    """One split of some graph nodes, and what tells whether it still holds.
-
-    Each node's attributes are kept by identity (a layer replaced, an attribute
-    added, a flag flipped changes one; a list or dict among them by its items
-    too), and the values themselves are held so that no identity is reused
-    while the split is kept; the top nodes are held weakly. Each node's and
-    variable's class is kept too, and the attributes are read from each node's
-    ``__dict__`` at each check (a class or a whole ``__dict__`` assigned past
-    NNX's ``__setattr__`` changes no attribute). The state is read from the
-    variables at each call, so weights changed in place are seen.
-    """
+    """One split of some graph nodes, and what tells whether it still holds: each
+    node's attributes by identity (a list or dict among them by its items too), the
+    values held so that no identity is reused, the top nodes weakly; each node's and
+    variable's class; the attributes read from each ``__dict__`` at each check (a
+    class or ``__dict__`` assigned past NNX's ``__setattr__`` changes no attribute).
+    The state is read from the variables at each call: in-place changes are seen."""
 
     def __init__(self, nnx: Any, nodes: tuple[Any, ...], graph: Graph, state: Any) -> None:
         self.graphdef, self.statedef, leaves = graph.graphdef, graph.statedef, graph.leaves
@@ -353,10 +348,9 @@ _measuring = threading.local()
 
 @contextlib.contextmanager
 def changes_discarded() -> Iterator[None]:
-    """Within it, harvested calls leave NNX nodes' state as it was: a sweep
-    measures every patched run from the same state, and its nodes (made in
-    the sweep's trace) could not take values of the ``vmap`` or ``grad``
-    inside it anyway."""
+    """Within it, harvested calls leave NNX nodes' state as it was: a sweep measures
+    every patched run from the same state, and its nodes (made in its trace) could
+    not take values of the ``vmap`` or ``grad`` inside it anyway."""
     before = getattr(_measuring, "on", False)
     _measuring.on = True
     try:

@@ -67,11 +67,10 @@ class _Static(NamedTuple):
     """Everything about a call that is not an array (a `Key`'s fields)."""
 
     treedef: Any
-    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
-    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0
+    static_leaves: tuple  # `static_leaves` of the leaves not traced
     policy: Policy
     reap: bool
-    differentiating: bool = False  # a jvp/linearize outside the call (see `_rule_walks`)
+    differentiating: bool  # a jvp/linearize outside the call (see `_rule_walks`)
 
 
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
@@ -151,8 +150,6 @@ def _trace_call(fn, dynamic, static: _Static, batched, unrolled):
     model = callable(called) and fn is type(called).__call__
     call.__wrapped__ = code_of(called) if model else fn  # type: ignore[attr-defined]
 
-    # Trace with the arrays as inputs and everything else (numbers, flags,
-    # strings) closed over, as jit's static arguments would be.
     with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
         traced = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
     return (*traced, plants, inner_tags)
@@ -184,13 +181,7 @@ def _checked_sites(jaxpr, static: _Static, plants, inner_tags):
     handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
-    if (
-        (static.reap or plants)
-        and policy.strict_names
-        and not handled
-        and not filtered
-        and not multi
-    ):
+    if (static.reap or plants) and policy.strict_names and not (handled or filtered or multi):
         tags = sorted({site.tag for site in every}, key=str)
         caller = "reap" if static.reap else "plant"
         if tags and policy.tag not in {*tags, *_LAYER_TAGS, *inner_tags}:
@@ -309,11 +300,9 @@ def _split_per_element(jaxpr, resolved, key, unrolled):
 
 
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
-    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
-    there not sown once per element (`unrolled`: collect's, or on a JAX without
-    trace values) fires once per batch with a `[b, ...]` value, so what would be
-    reaped, or which plant row goes where, depends on `b`. Only a plant that
-    means the same for every element (one value, broadcast to each) is allowed."""
+    """Refuses a sow in `lax.map(f, xs, batch_size=b)` not sown once per element (not
+    in `unrolled`: collect's, or on a JAX without trace values): it fires once per batch,
+    so only a plant meaning the same for every element (one value) is allowed there."""
     under = batched_lax_map.sown_under_lax_map(jaxpr)
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
@@ -354,14 +343,12 @@ def _one_value_per_element(value, site):
     )
 
 
-# Tags that harvest's own layers reap whether or not a program sows them
-# (harvest.ppl asks every model for its deterministic sites, say): reaping
-# them finds {} quietly. Each layer declares its own with `layer_tag`.
 _LAYER_TAGS: set[str] = set()
 
 
 def layer_tag(tag: str) -> str:
-    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    """Declares ``tag`` one that a layer of harvest reaps whether or not a program sows
+    it (harvest.ppl asks every model for its deterministic sites, say), so that a
     program sowing other tags but not this one reaps ``{}`` rather than an error."""
     _LAYER_TAGS.add(tag)
     return tag
@@ -380,11 +367,6 @@ def _tags_walked_inside():
         yield stack[-1]
     finally:
         stack.pop()
-
-
-def _note_walked(tag):
-    for tags in getattr(_walking, "stack", ()):
-        tags.add(tag)
 
 
 def _check_paths_distinct(paths):
@@ -433,8 +415,8 @@ def _walk_staged(fn, dynamic, key: Key):
 
 def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
-    for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
-        _note_walked(tag)
+    for walked in getattr(_walking, "stack", ()):
+        walked.update(policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,))
     fn, bound = unwrap(f)
     dynamic, static, nodes, stateful = _taken_apart(bound, policy, reap, plants, args, kwargs)
     # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
@@ -518,8 +500,6 @@ def _resolve_plants(plants, sites, policy, filtered):
     """Matches a nested {name: value} dict to the sites it plants into.
 
     `filtered` holds the names of the tag that `names=`/`exclude=` leave out."""
-    if plants is None:
-        return {}
     resolved = {}
     # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
     dotted = {path_str(p): p for p in sites}

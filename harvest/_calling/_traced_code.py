@@ -259,8 +259,7 @@ def code_as_data(plants: Any) -> Any:
 
 def can_be_data(fn: Any) -> bool:
     """Whether ``fn`` can be keyed by its code and what it closes over: a plain function
-    whose code names no global (a module-level value could change with nothing in the
-    key to show it). One that does is keyed as `jax.jit` keys a function, by identity."""
+    whose code names no global (see the module's docstring)."""
     return inspect.isfunction(fn) and not _loads_globals(fn.__code__)
 
 

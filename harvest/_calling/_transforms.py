@@ -51,9 +51,8 @@ def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(f)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to report
         return g
-    taken = set(sig.parameters)
     name = "plants"
-    while name in taken:
+    while name in sig.parameters:
         name = "_" + name
     first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
     g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
@@ -69,13 +68,10 @@ def transform(
     gives: str,
     reword: Callable[[ValueError], ValueError | None] | None = None,
 ) -> Callable:
-    """`f` walked under `policy`: the function the transformation `fn_name` returns.
-
-    With `takes_plants` it is called as `g(plants, *args, **kwargs)`, else as
-    `g(*args, **kwargs)`. It returns `gives` of the walk: `"out"`, `"reaps"` or
-    `"both"` (`(out, reaps)`); the walk reaps only if the reaps are returned.
-    `reword` maps an error of the walk to the one to raise instead (None: as is).
-    """
+    """`f` walked under `policy`: the function the transformation `fn_name` returns,
+    called as `g(plants, *args, **kwargs)` with `takes_plants`, else `g(*args, **kwargs)`,
+    and returning `gives` of the walk: `"out"`, `"reaps"` or `"both"` (`(out, reaps)`).
+    `reword` maps an error of the walk to the one to raise instead (None: as is)."""
     _check_callable(f, fn_name)
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
@@ -110,12 +106,10 @@ def transform(
 
 
 def _unwrapped_to_code(g: Any, f: Any) -> Any:
-    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model -- a callable
-    pytree holding arrays, such as an instrumented or Equinox module -- to the method
-    that runs it: `inspect.unwrap`, which names the traced function in JAX's errors,
-    still ends at the user's code, and Equinox does not take `g` for a transformed
-    callable hiding parameters (`eqx.filter_jit(reap(model))` warned). The signature
-    shown stays `f`'s."""
+    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model (a callable
+    pytree holding arrays) to the method that runs it, keeping `f`'s signature: JAX's
+    errors still name the user's code, and Equinox does not take `g` for a callable
+    hiding parameters (`eqx.filter_jit(reap(model))` warned)."""
     if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
         return g
     try:
@@ -200,9 +194,8 @@ def reap(
         >>> sorted(reap(g, names="step*", exclude="step2")(jnp.zeros(2), 3))
         ['step0', 'step1']
     """
-    return transform(
-        f, "reap", _policy(tag, names, exclude, max_steps), takes_plants=False, gives="reaps"
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "reap", policy, takes_plants=False, gives="reaps")
 
 
 @renamed(allowlist="names", blocklist="exclude")
@@ -222,8 +215,7 @@ def call_and_reap(
         names: if given, read only these sites (exact names, glob patterns or
             predicates on names), as for ``reap``.
         exclude: sites never to read, in the same forms as ``names``.
-        max_steps: how many iterations of each ``while_loop`` to record, as for
-            ``reap``.
+        max_steps: how many iterations of each ``while_loop`` to record (``reap``).
 
     Returns:
         A function taking ``f``'s arguments and returning ``(output, reaped)``.
@@ -238,13 +230,8 @@ def call_and_reap(
         >>> call_and_reap(f)(1.0)
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
-    return transform(
-        f,
-        "call_and_reap",
-        _policy(tag, names, exclude, max_steps),
-        takes_plants=False,
-        gives="both",
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "call_and_reap", policy, takes_plants=False, gives="both")
 
 
 @renamed(allowlist="names", blocklist="exclude")
@@ -266,11 +253,9 @@ def plant(
     ``scan``). Names under ``nest`` scopes are given as nested dicts or as dotted
     paths (``{"block.h": v}`` is ``{"block": {"h": v}}``).
 
-    Planting back what ``reap`` returned gives ``f``'s output wherever ``reap``
-    returned every occurrence of a name; not for a ``clobber`` or ``sow_cond``
-    name that fires more than once per call, of which ``reap`` keeps the last
-    and ``plant`` puts it at every occurrence (docs/semantics.md, "Planting
-    back what reap returned").
+    Planting back what ``reap`` returned gives ``f``'s output, but for a
+    ``clobber`` or ``sow_cond`` name firing more than once per call: ``reap`` keeps
+    the last, which ``plant`` puts at every occurrence (docs/semantics.md).
 
     Args:
         f: the function to run, as for ``reap``.
@@ -326,8 +311,7 @@ def harvest(
         names: if given, only these sites are planted or read (exact names,
             glob patterns or predicates on names).
         exclude: sites never planted or read, in the same forms as ``names``.
-        max_steps: how many iterations of each ``while_loop`` to record, as for
-            ``reap``.
+        max_steps: how many iterations of each ``while_loop`` to record (``reap``).
 
     Returns:
         A function taking ``plants`` first (as for ``plant``), then ``f``'s
@@ -350,20 +334,17 @@ def harvest(
         >>> out, reaps["b"]
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
-    return transform(
-        f, "harvest", _policy(tag, names, exclude, max_steps), takes_plants=True, gives="both"
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
 def harvest_tags(
     f: Callable[P, R], tags: Any, names: NameSelect = None
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
-    """``harvest`` of several tags in one walk (for harvest's layers, not public):
-    ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
-    ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
-    one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
-    ``names`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
-    pass through."""
+    """``harvest`` of several tags in one walk (for harvest's layers, not public), plants
+    and reaps keyed ``{tag: {name: value}}``: the program is re-bound once, not once
+    per tag. Sows of other tags, and those ``names`` leaves out (it sees names dotted
+    with their tag, ``"tag.name"``), pass through."""
     policy = Policy(Tags(frozenset(tags)), NameFilter.make(names))
     return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
