@@ -15,6 +15,7 @@ what it binds, passed as an argument, as ``equinox.filter_jit`` takes a bound mo
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -199,10 +200,8 @@ _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _code(fn: Any) -> Any:
-    try:
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
         fn = inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__
-        pass
     return getattr(fn, "__code__", None)
 
 

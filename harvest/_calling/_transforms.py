@@ -6,6 +6,7 @@ the transformed function returns; `_run_walk` runs one call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -112,10 +113,8 @@ def _unwrapped_to_code(g: Any, f: Any) -> Any:
     hiding parameters (`eqx.filter_jit(reap(model))` warned)."""
     if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
         return g
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # no signature to show
         g.__signature__ = inspect.signature(f)
-    except (TypeError, ValueError):  # no signature to show
-        pass
     g.__wrapped__ = code_of(f)
     return g
 
