@@ -136,6 +136,7 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
 _DEPTH = 2  # how deep closed-over functions are themselves taken apart
 
 
+@jax.tree_util.register_pytree_node_class
 class TracedCode:
     """A plain Python function as a pytree (see the module's docstring): its code,
     closed-over cells and defaults, and closed-over or default plain functions taken
@@ -185,9 +186,6 @@ class TracedCode:
     @classmethod
     def tree_unflatten(cls, shape: _CodeShape, leaves: Any) -> TracedCode:
         return cls(None, shape, leaves)
-
-
-jax.tree_util.register_pytree_node_class(TracedCode)
 
 
 def _nested(part: Any, depth: int) -> Any:
