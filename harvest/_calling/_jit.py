@@ -128,9 +128,7 @@ def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
     return wrapper(dynamic, key)
 
 
-def compiled_on_arrays(
-    fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any = None
-) -> Any:
+def compiled_on_arrays(fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any) -> Any:
     """``run(fn, tree, payload)`` through ``fn``'s one `jax.jit`, ``tree``'s arrays traced
     and its other leaves static; ``spec`` says what else shapes the program (hashable),
     ``payload`` is what ``spec`` determines (see `Key`). NNX nodes in ``tree`` are split

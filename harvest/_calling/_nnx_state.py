@@ -96,18 +96,25 @@ def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:
 
 def with_graph(treedef: Any, graph: Graph | None) -> Any:
     """The structure of a tree's leaves (flattened as ``treedef``) followed by
-    ``graph``'s state leaves: one tree structure, whose graph definition is data that
-    JAX compares (the one an earlier split gave by identity first) and does not hash
-    (a deep walk, ~ms on a transformer)."""
-    return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(graph)))
+    ``graph``'s state leaves: one tree structure holding ``graph`` without its leaves
+    (not flattened: ~0.2 µs each), whose definitions are data that JAX compares (the
+    one an earlier split gave by identity first) and does not hash (a deep walk)."""
+    shape = None if graph is None else Graph(graph.graphdef, graph.statedef, ())
+    return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(shape)))
 
 
 def rebuilt(treedef: Any, static: tuple, traced: Any) -> tuple[Any, Graph | None]:
     """(the tree, its `Graph`) of leaves laid out by `with_graph`'s ``treedef``:
     ``static`` holds (index, type, leaf, key) per leaf not traced (`static_leaves`),
     ``traced`` the others in order."""
+    tree_def, shape_def = treedef.children()
+    shape = shape_def.unflatten(())
+    n = tree_def.num_leaves
+    total = n + (0 if shape is None else shape.statedef.num_leaves)
     at, it = {i: leaf for i, _, leaf, _ in static}, iter(traced)
-    return treedef.unflatten([at[i] if i in at else next(it) for i in range(treedef.num_leaves)])
+    flat = [at[i] if i in at else next(it) for i in range(total)]
+    graph = None if shape is None else Graph(shape.graphdef, shape.statedef, tuple(flat[n:]))
+    return tree_def.unflatten(flat[:n]), graph
 
 
 class _Split:
@@ -296,22 +303,18 @@ splits_verified_once = _split_cache.verified_once
 forget_verified_splits = _split_cache.forget_verified
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Changes:
     """The NNX variables a call changed or added: their paths (static) and new states."""
 
-    paths: tuple[tuple[Any, ...], ...]
+    paths: tuple[tuple[Any, ...], ...] = dataclasses.field(metadata={"static": True})
     variables: tuple[Any, ...]
     states: tuple[Any, ...] = ()  # per `Stateful` object of the call, its state after it
 
     def keep(self, kept: list[bool]) -> Changes:
         paths = tuple(itertools.compress(self.paths, kept))
         return Changes(paths, tuple(itertools.compress(self.variables, kept)), self.states)
-
-
-jax.tree_util.register_dataclass(
-    Changes, data_fields=["variables", "states"], meta_fields=["paths"]
-)
 
 
 def call_merged(
