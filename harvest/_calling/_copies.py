@@ -11,43 +11,34 @@ from .._walk._higher_order import describe
 
 
 class _Origins:
-    """Which input of a jaxpr each of its variables merely is.
-
-    NNX transforms hand every variable of the module they call back as an
-    output of their equation (`jit`, `remat`, `scan`, `while`, `cond`): a new
-    variable, so a new tracer, that holds the same value when the body returns
-    the input unchanged. Following such an output into the body, to the input
-    the body returns, finds what it copies.
-    """
+    """Which input of a jaxpr each of its variables merely is. NNX transforms
+    (`jit`, `remat`, `scan`, `while`, `cond`) hand every variable of the module back
+    as a new output, the same value when the body returns the input unchanged:
+    followed into the body, such an output leads to the input it copies."""
 
     def __init__(self) -> None:
         # id(jaxpr) -> (the equation making each variable, the place of each input by id)
         self._index: dict[int, tuple[dict[Any, Any], dict[int, int]]] = {}
 
-    def _indexed(self, jaxpr: Any) -> tuple[dict[Any, Any], dict[int, int]]:
+    def of(self, jaxpr: Any, var: Any) -> int | None:
+        """The place of the input of `jaxpr` that `var` is a copy of, or None if it is computed."""
         index = self._index.get(id(jaxpr))
         if index is None:
             made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
             index = self._index[id(jaxpr)] = (made, {id(v): k for k, v in enumerate(jaxpr.invars)})
-        return index
-
-    def of(self, jaxpr: Any, var: Any) -> int | None:
-        """The place of the input of `jaxpr` that `var` is a copy of, or None if it is computed."""
-        made, inputs = self._indexed(jaxpr)
+        made, inputs = index
         while not isinstance(var, _jax.Literal):
             if id(var) in inputs:
                 return inputs[id(var)]
             eqn = made.get(var)
-            k = None if eqn is None else self._forwarded(eqn, eqn.outvars.index(var))
-            if eqn is None or k is None:
+            if eqn is None:
+                return None
+            forwards = describe(eqn).forwards  # which input of `eqn` an output copies, if any
+            k = None if forwards is None else forwards(eqn, eqn.outvars.index(var), self._position)
+            if k is None:
                 return None
             var = eqn.invars[k]
         return None
-
-    def _forwarded(self, eqn: Any, i: int) -> int | None:
-        """The input of `eqn` its output `i` copies, or None."""
-        forwards = describe(eqn).forwards
-        return None if forwards is None else forwards(eqn, i, self._position)
 
     def _position(self, body: Any, i: int) -> int | None:
         """Which input of `body` its output `i` copies, or None."""

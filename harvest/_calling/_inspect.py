@@ -39,10 +39,9 @@ class SiteInfo:
             ``key<fry>``), or the same pytree of dtypes.
         fires: how many times one call sows here (loop lengths and a
             ``shard_map``'s shards multiplied in, as reap returns one row per
-            iteration or shard; per branch inside ``cond``, counted as if that
-            branch is taken), or ``None`` inside a ``while_loop``, whose trip
-            count is not known before running. Each primitive's count is
-            declared once beside its rule (see CONTRIBUTING.md).
+            iteration or shard; inside ``cond``, as if that branch is taken), or
+            ``None`` inside a ``while_loop``, whose trip count is not known before
+            running.
         where: the path of enclosing primitives, outermost first, e.g.
             ``"jit › scan[12] › cond[1]"``; ``""`` at top level.
         nbytes: the bytes ``reap`` returns for this site per call (its value's
@@ -116,7 +115,9 @@ class Sites(list[SiteInfo]):
         nbytes = "unbounded" if info.nbytes is None else str(info.nbytes)
         shape = str(info.shape)
         if isinstance(info.axes, tuple) and isinstance(info.shape, tuple):  # one named array
-            shape = _named_shape(info.shape, info.axes)
+            # (1, 3, 8) with names ("batch", "seq", None) as (batch=1, seq=3, 8)
+            named = (f"{n}={k}" if n else str(k) for k, n in zip(info.shape, info.axes))
+            shape = "(" + ", ".join(named) + ")"
         return (info.tag, info.name, info.mode, shape, str(dtype), fires, nbytes, info.where)
 
     def __str__(self) -> str:
@@ -139,10 +140,9 @@ class Sites(list[SiteInfo]):
         """The program's structure as one self-contained HTML page; written to ``path`` if given.
 
         Every site sits in its nesting (``jit › scan[12] › cond[1]``), each body a
-        collapsible block, with its shape, dtype, mode, tag and fires per call.
-        In a notebook, a ``Sites`` value shows the same view. With
-        ``instrument(f, ops=True)``, every op is a site, so every op is shown. For
-        the dataflow graph of the whole program, see ``harvest.view``.
+        collapsible block, with its shape, dtype, mode, tag and fires per call; a
+        ``Sites`` value shows the same view in a notebook. For the dataflow graph of
+        the whole program, see ``harvest.view``.
 
         Args:
             path: a file to write the page to (UTF-8), or None to only return it.
@@ -249,17 +249,12 @@ def _html_view(found: Sites) -> str:
 def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sites]:
     """Returns a function listing every sow site of ``f`` for its arguments, without running ``f``.
 
-    ``sites(f)(*args, **kwargs)`` traces ``f(*args, **kwargs)`` with
-    ``jax.make_jaxpr``: array arguments (or ``jax.ShapeDtypeStruct`` values
-    standing for them) are traced, and every other argument reaches ``f`` as
-    itself, as in ``reap``. Each sow equation gives one ``SiteInfo``, in program
-    order, recursing into ``jit``, ``scan``, ``cond``, ``while_loop``,
-    ``checkpoint`` and custom derivatives.
-
-    It is called as every transformation is, ``sites(f)(x)``; the old form
-    ``sites(f, x)`` still works until harvest 0.3, with a ``DeprecationWarning``.
-    A function of no arguments is listed by ``sites(f)()``: ``sites(f)`` alone is
-    now the listing function.
+    ``sites(f)(*args, **kwargs)`` traces ``f`` with ``jax.make_jaxpr``, its
+    arguments taken as ``reap`` takes them (a ``jax.ShapeDtypeStruct`` may stand for
+    an array). Each sow equation gives one ``SiteInfo``, in program order, recursing
+    into ``jit``, ``scan``, ``cond``, ``while_loop``, ``checkpoint`` and custom
+    derivatives. The old form ``sites(f, x)`` still works until harvest 0.3, with
+    a ``DeprecationWarning``; ``sites(f)()`` lists a function of no arguments.
 
     Args:
         f: the function to trace, as for ``reap``.
@@ -291,41 +286,33 @@ def sites(f: Callable[..., Any], *, tag: str | None = None) -> Callable[..., Sit
         raise TypeError(f"sites: tag must be a string or None (every tag), got {tag!r}.")
 
     def listed_sites(*args: Any, **kwargs: Any) -> Sites:
-        return _listed(f, tag, args, kwargs)
+        def traced(plan: Any = None) -> Any:
+            with per_element(plan):
+                return make_jaxpr(f, args, kwargs)[0].jaxpr
+
+        jaxpr = traced()
+        unrolled = batched_lax_map.staged_per_batch(jaxpr, None, traced)
+        if unrolled and batched_lax_map.SUPPORTED:  # listed once per element, as reap gives them
+            jaxpr = traced(unrolled)
+        found = Sites()
+        found._blocks = []
+        for item in sow_index(jaxpr).listing:
+            site = Site.of(item.eqn)
+            if tag is None or site.tag == tag:
+                found.append(_info(site, item.where, item.fires))
+                found._blocks.append(item.blocks)
+        return found
 
     return listed_sites
-
-
-def _listed(
-    f: Callable[..., Any], tag: str | None, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Sites:
-    """Every sow site of ``f(*args, **kwargs)`` of ``tag`` (None: any), in program order."""
-    found, blocks = Sites(), []
-
-    def traced(plan: Any = None) -> Any:
-        with per_element(plan):
-            return make_jaxpr(f, args, kwargs)[0].jaxpr
-
-    jaxpr = traced()
-    unrolled = batched_lax_map.staged_per_batch(jaxpr, None, traced)
-    if unrolled and batched_lax_map.SUPPORTED:  # listed once per element, as reap returns them
-        jaxpr = traced(unrolled)
-    for item in sow_index(jaxpr).listing:
-        site = Site.of(item.eqn)
-        if tag is None or site.tag == tag:
-            found.append(_info(site, item.where, item.fires))
-            blocks.append(item.blocks)
-    found._blocks = blocks
-    return found
 
 
 def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
     shape = jax.tree_util.tree_unflatten(site.tree, [a.shape for a in site.avals])
     dtype = jax.tree_util.tree_unflatten(site.tree, [_dtype(a.dtype) for a in site.avals])
-    mode = site.mode.shown
     size = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in site.avals)
     nbytes = None if fires is UNBOUNDED else size * fires
     axes = None if site.axes is None else jax.tree_util.tree_unflatten(site.tree, list(site.axes))
+    mode = site.mode.shown
     return SiteInfo(
         site.tag, path_str(site.path), mode, shape, dtype, fires, " › ".join(where), nbytes, axes
     )
@@ -334,11 +321,6 @@ def _info(site: Site, where: tuple[str, ...], fires: int | None) -> SiteInfo:
 def _dtype(dtype: Any) -> Any:
     """A NumPy dtype, or a PRNG key's dtype as JAX has it (``key<fry>``: NumPy has none)."""
     return dtype if jnp.issubdtype(dtype, jax.dtypes.prng_key) else np.dtype(dtype)
-
-
-def _named_shape(shape: tuple[int, ...], names: tuple[str | None, ...]) -> str:
-    """`(1, 3, 8)` with names `("batch", "seq", None)` as ``(batch=1, seq=3, 8)``."""
-    return "(" + ", ".join(f"{n}={k}" if n else str(k) for k, n in zip(shape, names)) + ")"
 
 
 def sow_equations(jaxpr: Any) -> Iterator[tuple[Any, tuple[str, ...], int | None]]:

@@ -1,25 +1,21 @@
 """How a harvested function is called eagerly: one `jax.jit` per function, JAX's cache the only cache.
 
-The contract is `jax.jit(f)`'s. A call's arguments are read at every call:
-arrays are traced, every other leaf is a static argument of that jit, keyed as
-`jax.jit` keys static arguments (by hash and ``==``; a float also by its bits,
-so ``0.0`` and ``-0.0`` are two keys). Whatever the function reads that is not
-an argument -- what it closes over, its module's globals, an object's
-attributes -- is read when JAX traces it, and not looked at again until JAX
-traces it anew. harvest keeps no table of its own: each function gets one
-wrapper, held in a weak dictionary (it goes when the function goes), holding
-one `jax.jit` whose static argument says which body to run (a walk, a
-sweep's program) and with what; JAX's cache keeps the compiled programs.
+The contract is `jax.jit(f)`'s (docs/semantics.md): at every call, arrays are
+traced and every other leaf is a static argument, keyed as `jax.jit` keys them
+(by hash and ``==``; a float also by its bits, so ``0.0`` and ``-0.0`` differ);
+what the function reads besides its arguments is read when JAX traces it. Each
+function gets one wrapper, in a weak dictionary, holding one `jax.jit` whose
+static `Key` says which body to run (a walk, a sweep's program) and with what.
 
 A bound method, a ``functools.partial`` or a callable pytree (an Equinox or
 instrumented module) is split into its function, which owns the wrapper, and
-what it binds, which is passed as an argument (its arrays traced, NNX nodes
-split, the rest static), as ``equinox.filter_jit`` takes a bound module.
+what it binds, passed as an argument, as ``equinox.filter_jit`` takes a bound module.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import itertools
@@ -47,12 +43,9 @@ class RecompileWarning(UserWarning):
 
 
 def unwrap(f: Any) -> tuple[Any, Any]:
-    """(function, bound data) such that `rewrap(function, data)` behaves as `f`.
-
-    The function owns the wrapper (a plain function, or a method's); the bound
-    data is the call's (a method's object, a partial's arguments). A callable
-    object whose class's ``__call__`` is not Python code (a ``jax.jit``-wrapped
-    function) is its own function."""
+    """(function, bound data: a method's object, a partial's arguments) such that
+    `rewrap(function, data)` behaves as `f`. A callable object whose class's
+    ``__call__`` is not Python code (a ``jax.jit``-wrapped function) is its own function."""
     if isinstance(f, functools.partial):
         fn, inner = unwrap(f.func)
         return fn, ("partial", inner, f.args, f.keywords)
@@ -77,16 +70,15 @@ def rewrap(fn: Any, data: Any) -> Any:
 
 class Key:
     """The static argument of a function's one `jax.jit`: which body runs
-    (``run(fn, dynamic, key)``) and everything else, but arrays, that shapes its
-    program (``fields``: equal fields, equal programs). Its hash is computed once.
-    ``alike(fields)`` gives the fields but Python values (for the recompile warning).
-    ``payload`` is this call's, read only if JAX traces (a new key or new shapes):
-    something the fields determine (a sweep's program), not compared."""
+    (``run(fn, dynamic, key)``) and what else but arrays shapes its program
+    (``fields``), hashed once. ``alike(fields)`` gives the fields but Python values
+    (for the recompile warning). ``payload``, read only if JAX traces, is what the
+    fields determine (a sweep's program), not compared."""
 
     __slots__ = ("run", "fields", "alike", "payload", "_hash")
 
     def __init__(
-        self, run: Callable[..., Any], fields: Any, alike: Any = None, payload: Any = None
+        self, run: Callable[..., Any], fields: Any, alike: Callable[[Any], Any], payload: Any = None
     ) -> None:
         self.run, self.fields = run, fields
         self.alike = alike
@@ -106,23 +98,19 @@ class Key:
         )
 
 
-class _Wrapper:
+def _wrapper(ref: weakref.ref[Any]) -> Any:
     """One function's `jax.jit`, holding the function weakly (see the module's docstring)."""
 
-    __slots__ = ("ref", "jitted", "__weakref__")
-
-    def __init__(self, fn: Any) -> None:
-        self.ref = weakref.ref(fn)
-        self.jitted = jax.jit(self._staged, static_argnums=1)
-
-    def _staged(self, dynamic: Any, key: Key) -> Any:
-        fn = self.ref()
+    def staged(dynamic: Any, key: Key) -> Any:
+        fn = ref()
         assert fn is not None, "traced after its function was collected"
         _note_trace(fn, dynamic, key)
         return key.run(fn, dynamic, key)
 
+    return jax.jit(staged, static_argnums=1)
 
-_wrappers: weakref.WeakKeyDictionary[Any, _Wrapper] = weakref.WeakKeyDictionary()
+
+_wrappers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
@@ -133,23 +121,19 @@ def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
         hash(key)
         wrapper = _wrappers.get(fn)
         if wrapper is None:
-            wrapper = _wrappers[fn] = _Wrapper(fn)
+            wrapper = _wrappers[fn] = _wrapper(weakref.ref(fn))
     except TypeError:
         _note_unhashable(fn, key)
         return jax.jit(lambda d: key.run(fn, d, key))(dynamic)
-    return wrapper.jitted(dynamic, key)
+    return wrapper(dynamic, key)
 
 
-def compiled_on_arrays(
-    fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any = None
-) -> Any:
+def compiled_on_arrays(fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any) -> Any:
     """``run(fn, tree, payload)`` through ``fn``'s one `jax.jit`, ``tree``'s arrays traced
     and its other leaves static; ``spec`` says what else shapes the program (hashable),
-    ``payload`` is what ``spec`` determines (see `Key`).
-
-    NNX graph nodes in ``tree`` are split first, so their state is traced too,
-    and merged into fresh nodes inside the trace; what the program changes in
-    them is dropped (a sweep is a measurement)."""
+    ``payload`` is what ``spec`` determines (see `Key`). NNX nodes in ``tree`` are split
+    and merged into fresh nodes inside the trace; what the program changes in them is
+    dropped (a sweep is a measurement)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_graph_node)
     leaves, graph, _ = split_leaves(leaves)
     state = () if graph is None else graph.leaves
@@ -157,11 +141,8 @@ def compiled_on_arrays(
     traced = array_flags(leaves if graph is not None and graph.arrays else flat)
     traced += [True] * (len(flat) - len(traced))  # a kept split's state: arrays
     fields = (run, spec, with_graph(treedef, graph), static_leaves(flat, traced))
-    return compiled(
-        fn,
-        list(itertools.compress(flat, traced)),
-        Key(_on_arrays, fields, _alike_on_arrays, payload),
-    )
+    key = Key(_on_arrays, fields, _alike_on_arrays, payload)
+    return compiled(fn, list(itertools.compress(flat, traced)), key)
 
 
 def _alike_on_arrays(fields: tuple[Any, ...]) -> Any:
@@ -175,19 +156,16 @@ def _on_arrays(fn: Any, arrays: list[Any], key: Key) -> Any:
     forget_verified_splits()  # the trace runs user code: splits are checked again after it
     if graph is None:
         return run(fn, tree, key.payload)
-    # Fresh NNX nodes holding the traced state; what the program changes in them is dropped.
-    tree = call_merged(lambda t: t, (tree,), {}, graph)[0]
-    with changes_discarded():
-        return run(fn, tree, key.payload)
+    with changes_discarded():  # fresh NNX nodes: what the program changes in them is dropped
+        return run(fn, call_merged(lambda t: t, (tree,), {}, graph)[0], key.payload)
 
 
 def clear_caches() -> None:
     """Drops every compiled program harvest's transformations hold, and JAX's caches.
 
-    Each harvested function has one ``jax.jit``, so its programs are JAX's:
-    this forgets the wrappers and calls ``jax.clear_caches()``. The next call of
-    each function traces afresh, reading what it closes over or reads from its
-    module as it is now -- as ``jax.jit(f)`` does after ``jax.clear_caches()``.
+    Each harvested function's programs are its one ``jax.jit``'s: this forgets
+    those and calls ``jax.clear_caches()``, so the next call of each function traces
+    afresh, reading its closure and module as they are now, as ``jax.jit(f)`` does.
 
     Returns:
         None.
@@ -220,10 +198,8 @@ _warned: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _code(fn: Any) -> Any:
-    try:
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
         fn = inspect.unwrap(fn)
-    except ValueError:  # a cycle of __wrapped__
-        pass
     return getattr(fn, "__code__", None)
 
 
@@ -243,7 +219,7 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
         (getattr(a, "shape", ()), str(getattr(a, "dtype", "")))
         for a in jax.tree_util.tree_leaves(dynamic)
     )
-    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike and key.alike(key.fields))
+    counted: tuple[Any, ...] = (code, shapes, key.run, key.alike(key.fields))
     try:
         hash(counted)
     except TypeError:
@@ -252,35 +228,27 @@ def _note_trace(fn: Any, dynamic: Any, key: Key) -> None:
     if len(_traced) > _TRACED_KEPT:
         _traced.popitem(last=False)
     if n > config.warn_after and code not in _warned:
-        _warned.add(code)
         _warn(
             fn,
-            RecompileWarning(
-                f"harvest has traced and compiled {_where(fn)} {n} times for the same shapes. A static "
-                "argument changes between calls (a new Python number or other non-array argument: pass it "
-                "as an array to trace it), or a fresh function each call (harvest it once, outside the "
-                "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
-                "'warn_after', n) sets when."
-            ),
+            f"harvest has traced and compiled {_where(fn)} {n} times for the same shapes. A static "
+            "argument changes between calls (a new Python number or other non-array argument: pass it "
+            "as an array to trace it), or a fresh function each call (harvest it once, outside the "
+            "loop), as jax.jit would retrace. Shown once per function; harvest.config.update("
+            "'warn_after', n) sets when.",
         )
 
 
 def _note_unhashable(fn: Any, key: Key) -> None:
     code = _code(fn)
-    if code is None or code in _warned:
-        return
     culprit = _unhashable_in(key.fields)
-    if culprit is None:  # a function that cannot be held weakly
+    if code is None or code in _warned or culprit is None:  # None: fn cannot be held weakly
         return
-    _warned.add(code)
     _warn(
         fn,
-        RecompileWarning(
-            f"harvest traces and compiles {_where(fn)} at every call: a non-array argument of type "
-            f"{type(culprit).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
-            "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
-            "frozen dataclass) or pass its numbers as arrays. Shown once per function."
-        ),
+        f"harvest traces and compiles {_where(fn)} at every call: a non-array argument of type "
+        f"{type(culprit).__name__} cannot be hashed, so jax.jit cannot keep a program for it (it "
+        "would refuse it as a static argument). Make it hashable (a tuple instead of a list, a "
+        "frozen dataclass) or pass its numbers as arrays. Shown once per function.",
     )
 
 
@@ -297,7 +265,8 @@ def _unhashable_in(x: Any) -> Any:
     return None
 
 
-def _warn(fn: Any, message: Warning) -> None:
-    """Warns at the line that defines ``fn`` (the function the message names)."""
+def _warn(fn: Any, message: str) -> None:
+    """Warns, once per function, at the line that defines ``fn`` (the one the message names)."""
     code = _code(fn)
-    warnings.warn_explicit(message, type(message), code.co_filename, code.co_firstlineno)
+    _warned.add(code)
+    warnings.warn_explicit(message, RecompileWarning, code.co_filename, code.co_firstlineno)

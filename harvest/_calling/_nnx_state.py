@@ -61,25 +61,6 @@ class Graph:
         return cls(*aux, tuple(children))
 
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
-class GraphShape:
-    """A `Graph` without its leaves, which travel beside it, as a pytree with no
-    children: its definitions are a tree structure's data, which JAX compares
-    (the one graph definition an earlier split gave by identity first) and does
-    not hash."""
-
-    graphdef: Any
-    statedef: Any
-
-    def tree_flatten(self):
-        return (), (self.graphdef, self.statedef)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(*aux)
-
-
 def _node_of(leaf: Any) -> Any:
     if inspect.ismethod(leaf) and is_graph_node(leaf.__self__):
         return leaf.__self__
@@ -88,13 +69,9 @@ def _node_of(leaf: Any) -> Any:
 
 def split_leaves(leaves: list[Any]) -> tuple[list[Any], Graph | None, tuple[Any, ...]]:
     """(`leaves` with each NNX graph node, or bound method of one, replaced by a
-    marker, their `Graph`, the nodes), for leaves flattened up to the graph nodes
-    (``is_leaf=is_graph_node``).
-
-    Nodes reachable from several places (a module and its submodule, the same
-    module twice) are split together, so they stay shared when merged. Without
-    graph nodes, returns `(leaves, None, ())`.
-    """
+    marker, their `Graph`, the nodes), for leaves flattened ``is_leaf=is_graph_node``;
+    without graph nodes, `(leaves, None, ())`. The nodes are split together, so
+    those reachable from several places stay shared when merged."""
     nnx = nnx_module()
     found = [] if nnx is None else list(map(_node_of, leaves))
     nodes = {id(node): node for node in found if node is not None}
@@ -119,9 +96,10 @@ def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:
 
 def with_graph(treedef: Any, graph: Graph | None) -> Any:
     """The structure of a tree's leaves (flattened as ``treedef``) followed by
-    ``graph``'s state leaves: one tree structure, which a compile-cache key hashes
-    without hashing the graph definition (a deep walk, ~ms on a transformer)."""
-    shape = None if graph is None else GraphShape(graph.graphdef, graph.statedef)
+    ``graph``'s state leaves: one tree structure holding ``graph`` without its leaves
+    (not flattened: ~0.2 µs each), whose definitions are data that JAX compares (the
+    one an earlier split gave by identity first) and does not hash (a deep walk)."""
+    shape = None if graph is None else Graph(graph.graphdef, graph.statedef, ())
     return jax.tree_util.treedef_tuple((treedef, jax.tree_util.tree_structure(shape)))
 
 
@@ -131,26 +109,21 @@ def rebuilt(treedef: Any, static: tuple, traced: Any) -> tuple[Any, Graph | None
     ``traced`` the others in order."""
     tree_def, shape_def = treedef.children()
     shape = shape_def.unflatten(())
-    total = treedef.num_leaves + (0 if shape is None else shape.statedef.num_leaves)
+    n = tree_def.num_leaves
+    total = n + (0 if shape is None else shape.statedef.num_leaves)
     at, it = {i: leaf for i, _, leaf, _ in static}, iter(traced)
     flat = [at[i] if i in at else next(it) for i in range(total)]
-    n = tree_def.num_leaves
     graph = None if shape is None else Graph(shape.graphdef, shape.statedef, tuple(flat[n:]))
     return tree_def.unflatten(flat[:n]), graph
 
 
 class _Split:
-    """One split of some graph nodes, and what tells whether it still holds.
-
-    Each node's attributes are kept by identity (a layer replaced, an attribute
-    added, a flag flipped changes one; a list or dict among them by its items
-    too), and the values themselves are held so that no identity is reused
-    while the split is kept; the top nodes are held weakly. Each node's and
-    variable's class is kept too, and the attributes are read from each node's
-    ``__dict__`` at each check (a class or a whole ``__dict__`` assigned past
-    NNX's ``__setattr__`` changes no attribute). The state is read from the
-    variables at each call, so weights changed in place are seen.
-    """
+    """One split of some graph nodes, and what tells whether it still holds: each
+    node's attributes by identity (a list or dict among them by its items too), the
+    values held so that no identity is reused, the top nodes weakly; each node's and
+    variable's class; the attributes read from each ``__dict__`` at each check (a
+    class or ``__dict__`` assigned past NNX's ``__setattr__`` changes no attribute).
+    The state is read from the variables at each call: in-place changes are seen."""
 
     def __init__(self, nnx: Any, nodes: tuple[Any, ...], graph: Graph, state: Any) -> None:
         self.graphdef, self.statedef, leaves = graph.graphdef, graph.statedef, graph.leaves
@@ -248,8 +221,9 @@ class _SplitCache:
     again (the idea of ``nnx.cached_partial``, with the structure checked at
     each call). An entry goes when one of its nodes does; at most ``size`` are kept."""
 
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
+    size = 16
+
+    def __init__(self) -> None:
         self.splits: dict[tuple[int, ...], _Split] = {}
         self.graphdefs: dict[Any, Any] = {}  # the last graph definitions split, each its own key
         self.lock = threading.Lock()
@@ -261,7 +235,17 @@ class _SplitCache:
         verified = getattr(self.local, "verified", None)
         if verified is not None and key in verified:
             return verified[key]
-        graph = self._graph(nnx, nodes, key)
+        with self.lock:
+            split = self.splits.get(key)
+        graph = None if split is None else split.now(nodes)
+        if graph is None:
+            self.walks += 1
+            graphdef, state = nnx.split(nodes)
+            leaves, statedef = jax.tree_util.tree_flatten(state)
+            graph = Graph(self._interned(graphdef), statedef, tuple(leaves))
+            # Nodes made inside a trace (merged there) are new at every trace: never kept.
+            if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+                self._keep(key, _Split(nnx, nodes, graph, state), nodes)
         if verified is not None and key in self.splits:
             verified[key] = graph
         return graph
@@ -282,29 +266,10 @@ class _SplitCache:
         if verified is not None:
             verified.clear()
 
-    def _graph(self, nnx: Any, nodes: tuple[Any, ...], key: tuple[int, ...]) -> Graph:
-        with self.lock:
-            split = self.splits.get(key)
-        graph = None if split is None else split.now(nodes)
-        if graph is not None:
-            return graph
-        self.walks += 1
-        graphdef, state = nnx.split(nodes)
-        graphdef = self._interned(graphdef)
-        leaves, statedef = jax.tree_util.tree_flatten(state)
-        graph = Graph(graphdef, statedef, tuple(leaves))
-        # Nodes made inside a trace (merged there) are new at every trace: never kept.
-        if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            self._keep(key, _Split(nnx, nodes, graph, state), nodes)
-        return graph
-
     def _interned(self, graphdef: Any) -> Any:
-        """The graph definition equal to ``graphdef`` that an earlier split gave, if any.
-
-        Two models of the same structure have equal graph definitions, and every
-        compile-cache lookup compares the one it is given with the one it keeps:
-        by identity when they are one object, else node by node (some 1,300
-        comparisons for a 12-block transformer, ~3 ms a call)."""
+        """The graph definition equal to ``graphdef`` that an earlier split gave, if any:
+        a compile-cache lookup compares graph definitions by identity first, else node
+        by node (some 1,300 comparisons for a 12-block transformer, ~3 ms a call)."""
         try:
             hash(graphdef)
         except TypeError:  # static metadata that cannot be hashed: not shared
@@ -320,8 +285,7 @@ class _SplitCache:
         if not split.kept:
             return
         with self.lock:
-            new = key not in self.splits
-            self.splits.pop(key, None)
+            new = self.splits.pop(key, None) is None  # re-added: most recent last
             self.splits[key] = split
             while len(self.splits) > self.size:
                 self.splits.pop(next(iter(self.splits)))
@@ -339,29 +303,18 @@ splits_verified_once = _split_cache.verified_once
 forget_verified_splits = _split_cache.forget_verified
 
 
-@jax.tree_util.register_pytree_node_class
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Changes:
     """The NNX variables a call changed or added: their paths (static) and new states."""
 
-    paths: tuple[tuple[Any, ...], ...]
+    paths: tuple[tuple[Any, ...], ...] = dataclasses.field(metadata={"static": True})
     variables: tuple[Any, ...]
     states: tuple[Any, ...] = ()  # per `Stateful` object of the call, its state after it
 
-    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...]]:
-        return (self.variables, self.states), self.paths
-
-    @classmethod
-    def tree_unflatten(cls, paths: tuple[tuple[Any, ...], ...], children: Any) -> Changes:
-        return cls(paths, tuple(children[0]), tuple(children[1]))
-
     def keep(self, kept: list[bool]) -> Changes:
-        paths, variables = (
-            zip(*[(p, v) for p, v, k in zip(self.paths, self.variables, kept) if k])
-            if any(kept)
-            else ((), ())
-        )
-        return Changes(tuple(paths), tuple(variables), self.states)
+        paths = tuple(itertools.compress(self.paths, kept))
+        return Changes(paths, tuple(itertools.compress(self.variables, kept)), self.states)
 
 
 def call_merged(
@@ -398,10 +351,9 @@ _measuring = threading.local()
 
 @contextlib.contextmanager
 def changes_discarded() -> Iterator[None]:
-    """Within it, harvested calls leave NNX nodes' state as it was: a sweep
-    measures every patched run from the same state, and its nodes (made in
-    the sweep's trace) could not take values of the ``vmap`` or ``grad``
-    inside it anyway."""
+    """Within it, harvested calls leave NNX nodes' state as it was: a sweep measures
+    every patched run from the same state, and its nodes (made in its trace) could
+    not take values of the ``vmap`` or ``grad`` inside it anyway."""
     before = getattr(_measuring, "on", False)
     _measuring.on = True
     try:

@@ -29,23 +29,6 @@ def warn_renamed(fn_name: str, old: str, new: str, stacklevel: int) -> None:
     )
 
 
-def take_renamed(
-    kwargs: dict[str, Any], old: str, new: str, fn_name: str, stacklevel: int, shown: bool = False
-) -> None:
-    """Moves ``kwargs[old]`` to ``kwargs[new]``, warning (with the value if ``shown``: only
-    that value is deprecated); ``stacklevel`` as for `warn_renamed`."""
-    if old not in kwargs:
-        return
-    if new in kwargs:
-        raise TypeError(
-            f"{fn_name}() got both `{old}=` and `{new}=`; `{old}=` is the old spelling of "
-            f"`{new}=`: pass `{new}=` only."
-        )
-    value = repr(kwargs[old]) if shown else ""
-    warn_renamed(f"{fn_name}()", f"{old}={value}", f"{new}={value}", stacklevel + 1)
-    kwargs[new] = kwargs.pop(old)
-
-
 def renamed(
     **old_to_new: str | tuple[str, Callable[[Any], bool]],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
@@ -61,8 +44,17 @@ def renamed(
         def accepting_old(*args: Any, **kwargs: Any) -> Any:
             for old, new in old_to_new.items():
                 new, when = (new, None) if isinstance(new, str) else new
-                if old in kwargs and (when is None or when(kwargs[old])):
-                    take_renamed(kwargs, old, new, fn.__name__, 2, shown=when is not None)
+                if old not in kwargs or (when is not None and not when(kwargs[old])):
+                    continue
+                if new in kwargs:
+                    raise TypeError(
+                        f"{fn.__name__}() got both `{old}=` and `{new}=`; `{old}=` is the old "
+                        f"spelling of `{new}=`: pass `{new}=` only."
+                    )
+                # With a `when`, only that value is deprecated: the warning shows it.
+                value = "" if when is None else repr(kwargs[old])
+                warn_renamed(f"{fn.__name__}()", f"{old}={value}", f"{new}={value}", 2)
+                kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 
         return accepting_old

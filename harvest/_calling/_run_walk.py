@@ -1,14 +1,10 @@
 """One call of a harvested function: its parts, its key, and the walk that runs it.
 
 `run_walk` takes a call apart (the function, what it binds, the plants, the
-arguments, NNX state), decides up front where it runs (in place under an
-outer trace, or through the function's one `jax.jit`, `_calling`), and `_walk`
-traces the function, validates its sites against the policy and the plants,
-and runs the walk (`_interpreter`). What the call binds (a method's object, a
-partial's arguments) is passed as data, its arrays traced and the rest static;
-Flax NNX graph nodes among it are split into a static graph and traced state
-(see `_nnx_state`). What the function reads besides its arguments is read when
-JAX traces it, as `jax.jit(f)` reads it.
+arguments, NNX state: arrays traced, the rest static), decides where it runs (in
+place under an outer trace, or through the function's one `jax.jit`, see `_jit`),
+and `_walk` traces the function, validates its sites against the policy and the
+plants, and runs the walk (`_interpreter`).
 """
 
 from __future__ import annotations
@@ -58,42 +54,43 @@ from ._tracing import make_jaxpr
 def _traced_as_data(leaf):
     """Arrays are traced (see `_tracing`); so are numbers given as planted values
     or held in NNX state, which are data, not configuration: sweeping them does
-    not recompile."""
-    return is_array(leaf) or (isinstance(leaf, numbers.Number) and _traceable(leaf))
-
-
-def _traceable(number):
-    """Whether a Python number traced keeps its value for any site: not a bool
-    (it would trace as bool, not the site's dtype) nor an int beyond int32."""
-    if isinstance(number, bool):
+    not recompile. Not a bool (it would trace as bool, not the site's dtype) nor
+    an int beyond int32, whose value a trace would not keep."""
+    if is_array(leaf):
+        return True
+    if not isinstance(leaf, numbers.Number) or isinstance(leaf, bool):
         return False
-    return not isinstance(number, int) or -(2**31) <= number < 2**31
+    return not isinstance(leaf, int) or -(2**31) <= leaf < 2**31
 
 
 class _Static(NamedTuple):
     """Everything about a call that is not an array (a `Key`'s fields)."""
 
     treedef: Any
-    static_leaves: tuple  # (index, type, leaf, its `static_key`) for each leaf not traced;
-    # the type keeps 1, 1.0 and True apart, the key -0.0 and 0.0
+    static_leaves: tuple  # `static_leaves` of the leaves not traced
     policy: Policy
     reap: bool
-    differentiating: bool = False  # a jvp/linearize outside the call (see `_RunsRules`)
+    differentiating: bool  # a jvp/linearize outside the call (see `_rule_walks`)
 
 
 def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrolled=frozenset()):
     """The walk of one call: traced, its sites and plants validated, then run.
-    Returns (out, reaps in program order, changed NNX state)."""
-    traced = _trace_call(fn, dynamic, static, batched, unrolled)
-    if staged:
-        _check_stageable(traced.closed.jaxpr, static)
-    order, handled, filtered = _checked_sites(traced, static)
-    resolved = _resolve_plants(traced.plants, handled, static.policy, filtered)
+    Returns (out, reaps in program order, changed NNX state, `_planted_numbers` if staged)."""
+    closed, arrays, out_shape, plants, inner_tags = _trace_call(
+        fn, dynamic, static, batched, unrolled
+    )
+    jaxpr, policy = closed.jaxpr, static.policy
+    if staged and not _lowerable(jaxpr):
+        raise _WalkInPlace(_eager_only)
+    if staged and static.differentiating and holds_rule_sows(jaxpr, policy):
+        raise _WalkInPlace(_rule_walks)
+    order, handled, filtered = _checked_sites(jaxpr, static, plants, inner_tags)
+    resolved = _resolve_plants(plants, handled, policy, filtered)
     per_example = {(p.site.tag, p.site.path) for p in resolved.values() if _per_example(p)}
-    key = static.policy.key
+    key = policy.key
     per_example |= {
         (site.tag, site.path)
-        for site in sites_in(traced.closed.jaxpr)
+        for site in sites_in(jaxpr)
         if key(site) in resolved and needs_batched_site(resolved[key(site)], site)
     }
     if per_example and not batched:
@@ -103,68 +100,45 @@ def _walk(fn, dynamic, static: _Static, staged=False, batched=frozenset(), unrol
         return _walk(fn, dynamic, static, staged, frozenset(per_example), unrolled)
 
     def retraced(plan):  # the same call, traced again under a batched lax.map's plan
-        return _trace_call(fn, dynamic, static, batched, plan).closed.jaxpr
+        return _trace_call(fn, dynamic, static, batched, plan)[0].jaxpr
 
     in_maps = batched_lax_map.staged_per_batch(
-        traced.closed.jaxpr, static.policy.handles, None if unrolled else retraced
+        jaxpr, policy.handles, None if unrolled else retraced
     )
     if in_maps and not unrolled and batched_lax_map.SUPPORTED:
         # Sows a batched lax.map stages once per batch: traced again, once per element.
         return _walk(fn, dynamic, static, staged, batched, in_maps)
     if unrolled:
-        _refuse_sown_twice_per_element(traced.closed.jaxpr, unrolled)
-        resolved = _split_per_element(traced.closed.jaxpr, resolved, key, unrolled)
+        _refuse_sown_twice_per_element(jaxpr, unrolled)
+        resolved = _split_per_element(jaxpr, resolved, key, unrolled)
     for planted in resolved.values():
-        planted.check_count(occurrences(traced.closed.jaxpr, planted.site))
-    _refuse_batched_lax_map(traced.closed.jaxpr, static.policy, resolved, static.reap, unrolled)
-    numbers = _planted_numbers(dynamic, resolved) if staged else ()
-    return (*_run(traced, static, resolved, order), numbers)
+        planted.check_count(occurrences(jaxpr, planted.site))
+    _refuse_batched_lax_map(jaxpr, policy, resolved, static.reap, unrolled)
+    walk = Walk(policy, resolved, static.reap)
+    outs = interpret(walk, jaxpr, closed.consts, arrays)
+    out_tree = jax.tree_util.tree_structure(out_shape)
+    out, changes = jax.tree_util.tree_unflatten(out_tree, outs)
+    results = walk.results()
+    in_order = _InOrder({path: results[path] for path in sorted(results, key=order.__getitem__)})
+    return out, in_order, changes, _planted_numbers(dynamic, resolved) if staged else ()
 
 
-class _PlantedNumber(NamedTuple):
-    """A traced leaf of a compiled walk's `dynamic` that is planted at `site` as `dtype`."""
-
-    position: int  # in `dynamic`
-    site: Site
-    what: str
-    dtype: Any
-
-
-def _planted_numbers(dynamic, resolved) -> tuple[_PlantedNumber, ...]:
-    """The traced leaves of `dynamic` planted as they are, each with the dtype it is
-    cast to: a Python number among them is known only at call time, so a compiled
-    walk hands these back for `_check_planted_numbers` to check each call."""
+def _planted_numbers(dynamic, resolved) -> tuple[tuple[int, Site, str, Any], ...]:
+    """(position in `dynamic`, site, what, dtype) of each traced leaf planted as it is,
+    with the dtype it is cast to: a Python number among them is known only at call
+    time, so a compiled walk hands these back for `run_walk` to check each call."""
     at = {id(leaf): i for i, leaf in enumerate(dynamic)}  # tracers: distinct objects
     return tuple(
-        _PlantedNumber(at[id(leaf)], planted.site, what, dtype)
+        (at[id(leaf)], planted.site, what, dtype)
         for planted in resolved.values()
         for leaf, what, dtype in planted.site.cast_leaves(planted.value)
         if id(leaf) in at and jnp.ndim(leaf) == 0
     )
 
 
-def _check_planted_numbers(dynamic, numbers_) -> None:
-    """Refuses a Python number planted where its site's dtype cannot hold it (-1
-    into uint8, 1e39 into float32), which the traced cast would wrap silently.
-    Cheap: the numbers are Python values on the host, no device is waited for."""
-    for planted in numbers_:
-        value = dynamic[planted.position]
-        if isinstance(value, numbers.Number):
-            planted.site.check_held(value, planted.what, planted.dtype)
-
-
-class _Traced(NamedTuple):
-    """A call traced: its closed jaxpr, the arrays it takes, its output's shape, the
-    call's plants, and the tags inner harvest walks consumed while it was traced."""
-
-    closed: Any
-    arrays: list
-    out_shape: Any
-    plants: Any
-    inner_tags: set
-
-
-def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
+def _trace_call(fn, dynamic, static: _Static, batched, unrolled):
+    """(the call's closed jaxpr, the arrays it takes, its output's shape, the call's
+    plants, the tags inner harvest walks consumed while it was traced)."""
     ((bound, args, kwargs), plants), graph = rebuilt(static.treedef, static.static_leaves, dynamic)
 
     def call(bound, /, *args, **kwargs):
@@ -176,40 +150,15 @@ def _trace_call(fn, dynamic, static: _Static, batched, unrolled) -> _Traced:
     model = callable(called) and fn is type(called).__call__
     call.__wrapped__ = code_of(called) if model else fn  # type: ignore[attr-defined]
 
-    # Trace with the arrays as inputs and everything else (numbers, flags,
-    # strings) closed over, as jit's static arguments would be.
     with _tags_walked_inside() as inner_tags, batching_sites(batched), per_element(unrolled):
-        closed, arrays, out_shape = make_jaxpr(
-            call, (bound, *args), kwargs, graph, return_shape=True
-        )
-    return _Traced(closed, arrays, out_shape, plants, inner_tags)
+        traced = make_jaxpr(call, (bound, *args), kwargs, graph, return_shape=True)
+    return (*traced, plants, inner_tags)
 
 
-def _check_stageable(jaxpr, static: _Static) -> None:
-    """Raises what sends a staged walk back to `run_walk` to be walked in place."""
-    if not _lowerable(jaxpr):
-        raise _Unlowerable
-    if static.differentiating and holds_rule_sows(jaxpr, static.policy):
-        raise _RunsRules
-
-
-def _tag_matches_no_site(tag: Any, tags: list[Any], caller: str = "reap") -> ValueError:
-    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
-    why = (
-        "reaping a tag the function never sows is refused rather than returning {}"
-        if caller == "reap"
-        else "a plant under a tag the function never sows would change nothing"
-    )
-    return ValueError(
-        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
-        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'); {why}."
-    )
-
-
-def _checked_sites(traced: _Traced, static: _Static):
+def _checked_sites(jaxpr, static: _Static, plants, inner_tags):
     """(each site key's rank in program order, the sites the policy handles, the keys
     of its tag that `names=`/`exclude=` leave out), refusing what names no site."""
-    jaxpr, policy = traced.closed.jaxpr, static.policy
+    policy = static.policy
     key = policy.key  # a site's path, or (tag, *path) for a walk of several `Tags`
     first: dict[tuple, int] = {}  # key -> rank of its first sow in program order
     for eqn, _, _ in sow_equations(jaxpr):
@@ -229,25 +178,27 @@ def _checked_sites(traced: _Traced, static: _Static):
                     f"The sow site {site} uses mode {site.mode.label}, but the same name is sown with "
                     f"mode {known.mode.label} at {known.where()}. Use one mode per name."
                 )
-    handled = dict(
-        sorted(handled.items(), key=lambda item: first[item[0]])
-    )  # program order, for messages
+    handled = dict(sorted(handled.items(), key=lambda item: first[item[0]]))  # program order
     _check_paths_distinct(list(handled) + sorted(filtered - handled.keys(), key=first.__getitem__))
     multi = isinstance(policy.tag, Tags)  # layers' own tags, each checked by the layer
-    if (
-        (static.reap or traced.plants)
-        and policy.strict_names
-        and not handled
-        and not filtered
-        and not multi
-    ):
-        tags = {site.tag for site in every}
+    if (static.reap or plants) and policy.strict_names and not (handled or filtered or multi):
+        tags = sorted({site.tag for site in every}, key=str)
         caller = "reap" if static.reap else "plant"
-        if tags and policy.tag not in tags | _LAYER_TAGS | traced.inner_tags:
-            raise _tag_matches_no_site(policy.tag, sorted(tags, key=str), caller)
-        if not tags and policy.tag == "modules" and policy.tag not in traced.inner_tags:
+        if tags and policy.tag not in {*tags, *_LAYER_TAGS, *inner_tags}:
+            shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+            why = (
+                "reaping a tag the function never sows is refused rather than returning {}"
+                if static.reap
+                else "a plant under a tag the function never sows would change nothing"
+            )
+            raise ValueError(
+                f"{caller}(tag={policy.tag!r}): the function has no sow of tag {policy.tag!r}, but "
+                f"it has sows of the tags {shown}. Pass one of those as tag= (instrument's sites "
+                f"are tag='modules'); {why}."
+            )
+        if not tags and policy.tag == "modules" and policy.tag not in inner_tags:
             # instrument's tag, and no sow at all: most often a model never passed to instrument.
-            why = "rather than returning {}" if caller == "reap" else "as it would change nothing"
+            why = "rather than returning {}" if static.reap else "as it would change nothing"
             raise ValueError(
                 f"{caller}(tag={policy.tag!r}): the function sows nothing, of any tag; refused {why}. "
                 f"{policy.tag!r} is the tag instrument sows a model's parts under: pass what instrument "
@@ -259,19 +210,6 @@ def _checked_sites(traced: _Traced, static: _Static):
         tagged = sorted(filtered.union(handled), key=first.__getitem__)
         policy.select.check_names([path_str(p) for p in tagged], "names= entry", policy.tag)
     return first, handled, filtered
-
-
-def _run(traced: _Traced, static: _Static, resolved, order):
-    walk = Walk(static.policy, resolved, static.reap)
-    outs = interpret(walk, traced.closed.jaxpr, traced.closed.consts, traced.arrays)
-    out_tree = jax.tree_util.tree_structure(traced.out_shape)
-    out, changes = jax.tree_util.tree_unflatten(out_tree, outs)
-    results = walk.results()
-    return (
-        out,
-        _InOrder({path: results[path] for path in sorted(results, key=order.__getitem__)}),
-        changes,
-    )
 
 
 def _per_example(plant):
@@ -361,43 +299,37 @@ def _split_per_element(jaxpr, resolved, key, unrolled):
     return out
 
 
-def _sown_in_batched_lax_map(site: Any, action: str) -> ValueError:
-    what = {
-        "reap": "reaping it would give batch-shaped occurrences",
-        "plant": "a plant other than one value of the element's shape (rows, or a callable) "
-        "would meet batch-shaped occurrences",
-    }[action]
-    return ValueError(
-        f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
-        f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
-        "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
-        + (
-            "Sow it with mode='append' (harvest sows those once per element, the rows "
-            "lax.map(f, xs) gives), harvest lax.map(f, xs) without batch_size, or "
-            "jax.vmap(f)(xs); planting one value for every element works."
-            if site.mode.entries
-            else "Harvest lax.map(f, xs) without batch_size, or jax.vmap(f)(xs); planting one "
-            "value for every element works."
-        )
-    )
-
-
 def _refuse_batched_lax_map(jaxpr, policy, plants, reaping, unrolled):
-    """`lax.map(f, xs, batch_size=b)` runs `f` vmapped over batches of `b`: a sow
-    there not sown once per element (`unrolled`: collect's, or on a JAX without
-    trace values) fires once per batch with a `[b, ...]` value, so what would be
-    reaped, or which plant row goes where, depends on `b`. Only a plant that
-    means the same for every element (one value, broadcast to each) is allowed."""
+    """Refuses a sow in `lax.map(f, xs, batch_size=b)` not sown once per element (not
+    in `unrolled`: collect's, or on a JAX without trace values): it fires once per batch,
+    so only a plant meaning the same for every element (one value) is allowed there."""
     under = batched_lax_map.sown_under_lax_map(jaxpr)
     for eqn, _, _ in sow_equations(jaxpr):
         site = Site.of(eqn)
         if not policy.handles(site) or (site.tag, site.path) in unrolled or id(eqn) not in under:
             continue
         plant = plants.get(policy.key(site))
-        if plant is None and reaping:
-            raise _sown_in_batched_lax_map(site, "reap")
-        if plant is not None and not _one_value_per_element(plant.value, site):
-            raise _sown_in_batched_lax_map(site, "plant")
+        if (plant is None and not reaping) or (
+            plant is not None and _one_value_per_element(plant.value, site)
+        ):
+            continue
+        what = (
+            "reaping it would give batch-shaped occurrences"
+            if plant is None
+            else "a plant other than one value of the element's shape (rows, or a callable) "
+            "would meet batch-shaped occurrences"
+        )
+        append = (
+            "Sow it with mode='append' (harvest sows those once per element, the rows "
+            "lax.map(f, xs) gives), harvest"
+        )
+        raise ValueError(
+            f"The sow site {site} runs inside lax.map(f, xs, batch_size=b), which JAX runs as a "
+            f"scan over vmapped batches of b elements plus a shorter remainder, so {what} "
+            "([b, ...] per batch) that depend on batch_size, not one per element of xs. "
+            f"{append if site.mode.entries else 'Harvest'} lax.map(f, xs) without batch_size, "
+            "or jax.vmap(f)(xs); planting one value for every element works."
+        )
 
 
 def _one_value_per_element(value, site):
@@ -411,14 +343,12 @@ def _one_value_per_element(value, site):
     )
 
 
-# Tags that harvest's own layers reap whether or not a program sows them
-# (harvest.ppl asks every model for its deterministic sites, say): reaping
-# them finds {} quietly. Each layer declares its own with `layer_tag`.
 _LAYER_TAGS: set[str] = set()
 
 
 def layer_tag(tag: str) -> str:
-    """Declares ``tag`` one that a layer of harvest reaps speculatively, so that a
+    """Declares ``tag`` one that a layer of harvest reaps whether or not a program sows
+    it (harvest.ppl asks every model for its deterministic sites, say), so that a
     program sowing other tags but not this one reaps ``{}`` rather than an error."""
     _LAYER_TAGS.add(tag)
     return tag
@@ -439,31 +369,23 @@ def _tags_walked_inside():
         stack.pop()
 
 
-def _note_walked(tag):
-    for tags in getattr(_walking, "stack", ()):
-        tags.add(tag)
+def _check_paths_distinct(paths):
+    """Every dotted path names one site: no two sites spell the same (a name
+    ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
 
-
-def _paths_collide(first: tuple[str, ...], second: tuple[str, ...]) -> ValueError:
     def spelled(path: tuple[str, ...]) -> str:
         scopes = f" under nest scopes {list(path[:-1])}" if len(path) > 1 else ""
         return f"name {path[-1]!r}{scopes}"
 
-    return ValueError(
-        f"The sites {spelled(first)} and {spelled(second)} are both spelled "
-        f"{'.'.join(second)!r} (a dot inside a sown name reads as a nest scope), so a plant "
-        "could reach the wrong one. Rename one of the sows, without dots (use '_')."
-    )
-
-
-def _check_paths_distinct(paths):
-    """Every dotted path names one site: no two sites spell the same (a name
-    ``b.h`` under scope ``a`` and a name ``h`` under scopes ``a``, ``b``)."""
-    spelled = {}
+    seen = {}
     for path in paths:
-        other = spelled.setdefault(path_str(path), path)
+        other = seen.setdefault(path_str(path), path)
         if other != path:
-            raise _paths_collide(other, path)
+            raise ValueError(
+                f"The sites {spelled(other)} and {spelled(path)} are both spelled "
+                f"{'.'.join(path)!r} (a dot inside a sown name reads as a nest scope), so a plant "
+                "could reach the wrong one. Rename one of the sows, without dots (use '_')."
+            )
 
 
 class _InOrder(dict):
@@ -493,33 +415,36 @@ def _walk_staged(fn, dynamic, key: Key):
 
 def run_walk(f, policy, reap, plants, args, kwargs):
     """Runs the walk of `f` under `policy`; returns (out, reaps)."""
-    for tag in policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,):
-        _note_walked(tag)
+    for walked in getattr(_walking, "stack", ()):
+        walked.update(policy.tag.tags if isinstance(policy.tag, Tags) else (policy.tag,))
     fn, bound = unwrap(f)
-    dynamic, static, nodes, stateful = _taken_apart(fn, bound, policy, reap, plants, args, kwargs)
-    if _in_place(fn, static):
+    dynamic, static, nodes, stateful = _taken_apart(bound, policy, reap, plants, args, kwargs)
+    # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
+    # outer trace is the cache, and walking in place saves a nested jit for XLA to
+    # inline (and, under vmap, batching the walk's jaxpr after the fact).
+    in_place = _jax.staged_beneath() or fn in _eager_only
+    if in_place or (static.differentiating and fn in _rule_walks):
         out, flat, changes, _ = _walk(fn, dynamic, static)  # its numbers checked as traced
     else:
         try:
             out, flat, changes, planted = compiled(fn, dynamic, Key(_walk_staged, static, _alike))
-            if planted:
-                _check_planted_numbers(dynamic, reveal_static(planted))
-        except _Unlowerable:
-            # `f` binds a primitive that has an implementation but no XLA lowering
-            # (oryx's tests define one): run the walk op by op, as JAX runs `f`
-            # itself outside `jit`, and remember not to try compiling it again.
-            _eager_only.add(fn)
-            out, flat, changes, _ = _walk(fn, dynamic, static)
-        except _RunsRules:
-            _rule_walks.add(fn)
+            # A Python number planted where its site's dtype cannot hold it (-1 into uint8,
+            # 1e39 into float32), which the traced cast would wrap silently: refused. Cheap:
+            # the numbers are Python values on the host, no device is waited for.
+            for position, site, what, dtype in reveal_static(planted) if planted else ():
+                if isinstance(dynamic[position], numbers.Number):
+                    site.check_held(dynamic[position], what, dtype)
+        except _WalkInPlace as walk_in_place:
+            # Remember not to try compiling `fn` again (for this reason).
+            walk_in_place.remember.add(fn)
             out, flat, changes, _ = _walk(fn, dynamic, static)
     write_back(nodes, changes, stateful)
     return reveal_static(out), nested_dict(flat)
 
 
-def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
+def _taken_apart(bound, policy, reap, plants, args, kwargs):
     """(the traced leaves, the `_Static` key, the NNX nodes split, the `Stateful` objects)
-    of one call of `fn` binding `bound`. What the call is given is flattened once, up
+    of one call binding `bound`. What the call is given is flattened once, up
     to its NNX nodes (each a marker, their state's leaves after the plants') and
     `Stateful` objects (flattened through, if any: their state is traced)."""
     given = (bound, args, kwargs)
@@ -546,34 +471,22 @@ def _taken_apart(fn, bound, policy, reap, plants, args, kwargs):
     return list(itertools.compress(flat, traced)), static, nodes, stateful
 
 
-def _in_place(fn, static: _Static) -> bool:
-    """Whether the call's walk runs in place: traced and walked now, into the trace
-    around it (or op by op), rather than through `fn`'s `jax.jit`."""
-    # Already being staged (under jit, scan, ..., or a vmap or grad inside one): the
-    # outer trace is the cache, and walking in place saves a nested jit for XLA to
-    # inline (and, under vmap, batching the walk's jaxpr after the fact).
-    return (
-        _jax.staged_beneath() or (static.differentiating and fn in _rule_walks) or fn in _eager_only
-    )
-
-
-# Functions whose walk cannot be compiled, because they bind a primitive
-# without a lowering; they are walked eagerly.
+# Functions whose walk cannot be compiled, because they bind a primitive that has
+# an implementation but no XLA lowering (oryx's tests define one): walked op by op,
+# as JAX runs them outside `jit`.
 _eager_only: weakref.WeakSet[Callable] = weakref.WeakSet()
-
-
-class _Unlowerable(Exception):
-    """Raised while staging the walk of a function that cannot be compiled."""
-
-
-# Functions holding a custom_jvp whose JVP rule sows: differentiated from
-# outside, they are walked in place, where JAX calls the rules (see `_rules/calls`).
+# Functions holding a custom_jvp whose JVP rule sows: differentiated from outside,
+# they are walked in place, where JAX calls the rules (see `_rules/calls`); a staged
+# walk sees only primals, so no rule runs.
 _rule_walks: weakref.WeakSet[Callable] = weakref.WeakSet()
 
 
-class _RunsRules(Exception):
-    """Raised while staging, under a jvp or grad of the call, the walk of a function
-    whose custom_jvp rules sow: a staged walk sees only primals, so no rule runs."""
+class _WalkInPlace(Exception):
+    """Raised while staging a walk that must run in place; `remember` is the set of
+    functions (`_eager_only`, `_rule_walks`) that ``fn`` joins."""
+
+    def __init__(self, remember: weakref.WeakSet[Callable]) -> None:
+        self.remember = remember
 
 
 def _lowerable(jaxpr):
@@ -587,8 +500,6 @@ def _resolve_plants(plants, sites, policy, filtered):
     """Matches a nested {name: value} dict to the sites it plants into.
 
     `filtered` holds the names of the tag that `names=`/`exclude=` leave out."""
-    if plants is None:
-        return {}
     resolved = {}
     # Dotted paths and nested dicts are interchangeable: {"b.h": v} == {"b": {"h": v}}.
     dotted = {path_str(p): p for p in sites}
@@ -606,31 +517,25 @@ def _resolve_plants(plants, sites, policy, filtered):
                 resolved[path] = Plant(sites[path], value)
             elif isinstance(value, dict) and any(n.startswith(name + ".") for n in dotted):
                 visit(value, name)
-            elif policy.strict_names and name in left_out:
-                name, tag, _ = _as_sown(name, policy, ())
-                raise KeyError(
-                    f"Cannot plant {name!r}: it is sown with tag {tag!r}, but "
-                    "this plant's selection (names=/exclude=; oryx's allowlist/blocklist) leaves "
-                    "it out. Select it, or leave it out of plants."
-                )
             elif policy.strict_names:
-                name, tag, names = _as_sown(name, policy, dotted)
+                # Under a `Tags` walk, names are dotted with their tag in front.
+                tag, shown, names = policy.tag, name, list(dotted)
+                if isinstance(tag, Tags):
+                    tag, _, shown = name.partition(".")
+                    names = [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
+                if name in left_out:
+                    raise KeyError(
+                        f"Cannot plant {shown!r}: it is sown with tag {tag!r}, but this plant's "
+                        "selection (names=/exclude=; oryx's allowlist/blocklist) leaves it out. "
+                        "Select it, or leave it out of plants."
+                    )
                 raise KeyError(
-                    f"Cannot plant {name!r}: no sow site of tag {tag!r} has that name. Names sown "
-                    f"with that tag: {_errors.listed(names, name)}."
+                    f"Cannot plant {shown!r}: no sow site of tag {tag!r} has that name. Names "
+                    f"sown with that tag: {_errors.listed(names, shown)}."
                 )
 
     visit(plants, ())
     return resolved
-
-
-def _as_sown(name, policy, names):
-    """(name, tag, the tag's names) for a message about planting `name`: under a
-    `Tags` walk, names are dotted with their tag in front."""
-    if not isinstance(policy.tag, Tags):
-        return name, policy.tag, names
-    tag, _, rest = name.partition(".")
-    return rest, tag, [n.partition(".")[2] for n in names if n.startswith(tag + ".")]
 
 
 def code_of(f: Any) -> Any:

@@ -29,22 +29,14 @@ from .._walk._leaves import is_array, is_graph_node, static_key
 _KEYED_ITEMS = 1024
 
 _IMMUTABLE = frozenset({int, float, complex, bool, str, bytes, type(None)})
-_INEXACT = (float, complex)
-
-
-def value_key(value: Any) -> Any:
-    """The key of an immutable value: itself, but a float or complex by its repr."""
-    if type(value) in _INEXACT:
-        return repr(value)
-    return value
 
 
 def read_key(value: Any) -> Any:
-    """What a value the function reads is keyed by: its value if it is immutable,
-    else its identity."""
+    """What a value the function reads is keyed by: its value if it is immutable (a
+    float or complex by its repr), else its identity."""
     kind = type(value)
     if kind in _IMMUTABLE:
-        return (kind, value_key(value))
+        return (kind, repr(value) if kind is float or kind is complex else value)
     if isinstance(value, (tuple, frozenset)):  # a named tuple too
         if len(value) > _KEYED_ITEMS:
             return _ByIdentity(value)
@@ -107,8 +99,7 @@ def _taken_apart(value: Any) -> bool:
     if kind in _IMMUTABLE:
         return False
     if kind is list or kind is dict:
-        items = value.values() if kind is dict else value
-        return bool(items) and all(map(_array_only, items))
+        return _array_only(value)
     leaves = jax.tree_util.tree_leaves(value, is_leaf=is_graph_node)
     if len(leaves) == 1 and leaves[0] is value:
         return False  # a leaf: not a container
@@ -137,26 +128,20 @@ def closure_of(fn: Any) -> tuple[Any, ...]:
             value = cell.cell_contents
         except ValueError:
             values.append(EMPTY_CELL)
-            continue
-        values.append(read_part(value))
+        else:
+            values.append(read_part(value))
     return tuple(values)
 
 
 _DEPTH = 2  # how deep closed-over functions are themselves taken apart
 
 
+@jax.tree_util.register_pytree_node_class
 class TracedCode:
-    """A plain Python function as a pytree: its code, and its closed-over cells
-    and defaults (its code names no module-level value, see `can_be_data`).
-
-    Arrays (and NNX graph nodes, and containers of arrays) among them are its
-    leaves, so a fresh lambda of the same code over a new array is the same
-    program with new data; immutable values are static, keyed by value (a
-    float by its repr); anything else by identity. Closed-over and default
-    plain functions are taken apart the same way, two levels deep (a plant
-    built from a helper is data too). Calling it calls the function rebuilt
-    around its current leaves.
-    """
+    """A plain Python function as a pytree (see the module's docstring): its code,
+    closed-over cells and defaults, and closed-over or default plain functions taken
+    apart the same way, two levels deep (a plant built from a helper is data too).
+    Calling it calls the function rebuilt around its current leaves."""
 
     def __init__(self, fn: Any, shape: _CodeShape, leaves: Sequence[Any]) -> None:
         self._fn = fn
@@ -201,9 +186,6 @@ class TracedCode:
     @classmethod
     def tree_unflatten(cls, shape: _CodeShape, leaves: Any) -> TracedCode:
         return cls(None, shape, leaves)
-
-
-jax.tree_util.register_pytree_node_class(TracedCode)
 
 
 def _nested(part: Any, depth: int) -> Any:
@@ -275,8 +257,7 @@ def code_as_data(plants: Any) -> Any:
 
 def can_be_data(fn: Any) -> bool:
     """Whether ``fn`` can be keyed by its code and what it closes over: a plain function
-    whose code names no global (a module-level value could change with nothing in the
-    key to show it). One that does is keyed as `jax.jit` keys a function, by identity."""
+    whose code names no global (see the module's docstring)."""
     return inspect.isfunction(fn) and not _loads_globals(fn.__code__)
 
 

@@ -1,19 +1,15 @@
 """The calling convention of every harvest transformation: arrays traced, the rest static.
 
-As with `equinox.filter_jit`, the JAX and NumPy arrays among a call's
-arguments are traced, and every other leaf -- a Python number, bool, None,
-string, callable, enum, a config object -- reaches the function as itself.
-So `range(n)` and `if training:` work inside a harvested function, and a
-different Python value means a different trace (it is part of the compile
-cache key).
+As with `equinox.filter_jit`, the JAX and NumPy arrays among a call's arguments
+are traced, and every other leaf (a Python number, bool, string, callable, config)
+reaches the function as itself, part of the compile cache key: `range(n)` and
+`if training:` work inside a harvested function.
 
-Flax NNX graph nodes (modules, `Rngs`, variables) among the arguments, or
-bound as the `self` of a method there or of the harvested callable, are split, as `nnx.jit` splits them, into a
-static graph definition and their state, whose arrays are traced. Inside the
-trace they are merged into fresh objects that the function may mutate (batch
-statistics, RNG counters, `Module.sow`); the variables it changed or added
-come out as data and are written back to the caller's objects afterwards. So
-a harvested call leaves a module exactly as a direct call would.
+Flax NNX graph nodes among the arguments, or bound as `self`, are split as
+`nnx.jit` splits them, their state's arrays traced, and merged inside the trace
+into fresh objects the function may mutate (batch statistics, RNG counters,
+`Module.sow`); the variables it changed or added come out as data and are written
+back afterwards, so a harvested call leaves a module as a direct call would.
 """
 
 from __future__ import annotations
@@ -32,35 +28,27 @@ from ._nnx_state import call_merged, split_nodes
 def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
     """`jax.make_jaxpr` of `f(*args, **kwargs)`, tracing only arrays.
 
-    Array leaves are traced (so are `jax.ShapeDtypeStruct`s, so a function's
-    sites can be found from shapes alone, and numbers in NNX state, which are
-    data); everything else is closed over. NNX graph nodes in the arguments
-    (and `f` itself, if it is one or a method of one) are split and merged
-    (`graph` is given when the caller split them already). The traced function
-    returns `(f's output, changed NNX state)`.
-    Returns the closed jaxpr, the traced leaves in order, and, if
-    `return_shape`, the traced function's output shape. Sows keep their effect
-    while tracing, so dead-code elimination and partial evaluation (of `grad`,
-    `scan`, ...) cannot drop a bare one.
+    Array leaves are traced (so are `jax.ShapeDtypeStruct`s, so that sites can be
+    found from shapes alone, and numbers in NNX state, which are data); the rest is
+    closed over. NNX graph nodes in the arguments and `f` are split and merged
+    (`graph` is given when the caller split them already). Returns the closed jaxpr
+    of `(f's output, changed NNX state)`, the traced leaves in order, and, if
+    `return_shape`, that output's shape. Sows keep their effect while tracing, so
+    dead-code elimination and partial evaluation cannot drop a bare one.
     """
     if graph is None:
         (f, args, kwargs), graph, _ = split_nodes((f, args, kwargs))
     leaves, tree = jax.tree_util.tree_flatten((f, args, kwargs, graph))
-    in_state = range(
-        tree.num_leaves - (0 if graph is None else len(jax.tree_util.tree_leaves(graph))),
-        tree.num_leaves,
-    )
+    state_from = tree.num_leaves - len(jax.tree_util.tree_leaves(graph))  # None has no leaves
     positions = [
         i
         for i, leaf in enumerate(leaves)
         if is_array(leaf)
         or isinstance(leaf, jax.ShapeDtypeStruct)
-        or (i in in_state and isinstance(leaf, numbers.Number))
+        or (i >= state_from and isinstance(leaf, numbers.Number))
     ]
 
-    priors: list[
-        list[int | None]
-    ] = []  # per changed variable: the positions of its old value's leaves
+    priors: list[list[int | None]] = []  # per changed variable: its old value's leaves' positions
 
     def flat_f(*arrays):
         filled = list(leaves)
@@ -91,6 +79,4 @@ def make_jaxpr(f, args, kwargs, graph=None, return_shape=False):
             )
         raise
     closed, out_shape = drop_copies(closed, out_shape, priors)
-    if return_shape:
-        return closed, arrays, out_shape
-    return closed, arrays
+    return (closed, arrays, out_shape) if return_shape else (closed, arrays)

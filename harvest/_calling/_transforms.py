@@ -1,15 +1,12 @@
 """reap, plant, harvest, call_and_reap and nest: one walk, four faces.
 
-Each is `transform` with a different policy and plants, and a choice of
-what the transformed function returns. An eager call runs the walk through
-the function's one `jax.jit` (`_calling`), so a harvested function called
-again with the same shapes and static arguments is neither re-traced nor
-re-compiled, and under an outer `jit` it costs what the hand-written function
-returning the same values costs (see `_run_walk`, which runs one call).
+Each is `transform` with a different policy and plants, and a choice of what
+the transformed function returns; `_run_walk` runs one call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from collections.abc import Callable
@@ -47,15 +44,6 @@ def _policy(tag, names, exclude, max_steps=None):
     return Policy(tag, NameFilter.make(names, exclude), max_steps=max_steps)
 
 
-def _check_plants_arg(plants, fn_name):
-    if not isinstance(plants, dict):
-        raise TypeError(
-            f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
-            f"plants is a dict of sown names to values; its first argument was a "
-            f"{type(plants).__name__}."
-        )
-
-
 def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
     """Gives `g(plants, *args, **kwargs)` its true signature: `f`'s with `plants`
     in front, so `jax.jit(g, static_argnums=..., donate_argnames=...)` picks the
@@ -64,21 +52,12 @@ def _plants_first(g: Any, f: Callable[..., Any]) -> Callable[..., Any]:
         sig = inspect.signature(f)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to report
         return g
-    taken = set(sig.parameters)
     name = "plants"
-    while name in taken:
+    while name in sig.parameters:
         name = "_" + name
     first = inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY)
     g.__signature__ = sig.replace(parameters=[first, *sig.parameters.values()])
     return g
-
-
-# What a transformed function returns, from the walk's (out, reaps).
-_GIVES: dict[str, Callable[[tuple[Any, Any]], Any]] = {
-    "out": lambda result: result[0],
-    "reaps": lambda result: result[1],
-    "both": lambda result: result,
-}
 
 
 def transform(
@@ -90,24 +69,21 @@ def transform(
     gives: str,
     reword: Callable[[ValueError], ValueError | None] | None = None,
 ) -> Callable:
-    """`f` walked under `policy`: the function the transformation `fn_name` returns.
-
-    With `takes_plants` it is called as `g(plants, *args, **kwargs)`, else as
-    `g(*args, **kwargs)`. It returns `gives` of the walk: `"out"`, `"reaps"` or
-    `"both"` (`(out, reaps)`); the walk reaps only if the reaps are returned.
-    `reword` maps an error of the walk to the one to raise instead (None: as is).
-    """
+    """`f` walked under `policy`: the function the transformation `fn_name` returns,
+    called as `g(plants, *args, **kwargs)` with `takes_plants`, else `g(*args, **kwargs)`,
+    and returning `gives` of the walk: `"out"`, `"reaps"` or `"both"` (`(out, reaps)`).
+    `reword` maps an error of the walk to the one to raise instead (None: as is)."""
     _check_callable(f, fn_name)
-    reap, pick = gives != "out", _GIVES[gives]
 
     def run(plants: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return pick(run_walk(f, policy, reap, plants, args, kwargs))
+            out, reaps = run_walk(f, policy, gives != "out", plants, args, kwargs)
         except ValueError as error:
             better = reword(error) if reword is not None else None
             if better is None:
                 raise
             raise better from error
+        return {"out": out, "reaps": reaps, "both": (out, reaps)}[gives]
 
     if not takes_plants:
 
@@ -119,25 +95,26 @@ def transform(
 
     @functools.wraps(f)
     def transformed_with_plants(plants: Any, *args: Any, **kwargs: Any) -> Any:
-        _check_plants_arg(plants, fn_name)
+        if not isinstance(plants, dict):
+            raise TypeError(
+                f"{fn_name}(f) returns a function called as g(plants, *args, **kwargs), where "
+                f"plants is a dict of sown names to values; its first argument was a "
+                f"{type(plants).__name__}."
+            )
         return run(plants, args, kwargs)
 
     return _plants_first(_jax.api_boundary(_unwrapped_to_code(transformed_with_plants, f)), f)
 
 
 def _unwrapped_to_code(g: Any, f: Any) -> Any:
-    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model -- a callable
-    pytree holding arrays, such as an instrumented or Equinox module -- to the method
-    that runs it: `inspect.unwrap`, which names the traced function in JAX's errors,
-    still ends at the user's code, and Equinox does not take `g` for a transformed
-    callable hiding parameters (`eqx.filter_jit(reap(model))` warned). The signature
-    shown stays `f`'s."""
+    """`g` (`functools.wraps(f)`), its `__wrapped__` leading past a model (a callable
+    pytree holding arrays) to the method that runs it, keeping `f`'s signature: JAX's
+    errors still name the user's code, and Equinox does not take `g` for a callable
+    hiding parameters (`eqx.filter_jit(reap(model))` warned)."""
     if inspect.isroutine(inspect.unwrap(f)) or not any(map(is_array, jax.tree_util.tree_leaves(f))):
         return g
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # no signature to show
         g.__signature__ = inspect.signature(f)
-    except (TypeError, ValueError):  # no signature to show
-        pass
     g.__wrapped__ = code_of(f)
     return g
 
@@ -160,22 +137,18 @@ def reap(
     order (by first occurrence), at every level; under an outer ``jax.jit``,
     JAX returns any dict with its keys sorted.
 
-    Inside a ``lax.while_loop``, whose trip count is known only when it runs,
+    Inside a ``lax.while_loop`` (trip count unknown until it runs),
     ``instrument``'s sites give the last iteration's value, as ``clobber`` does;
-    ``max_steps=N`` records the first ``N`` iterations instead: each name sown
-    in the loop's body with a stacking mode (``collect``, ``append``,
-    ``instrument``'s) comes back as ``harvest.Steps(values, count)``, ``values``
-    shaped as a ``scan`` of ``N`` iterations would reap it and ``count`` the
-    iterations that ran.
+    with ``max_steps=N``, each name sown there with a stacking mode (``collect``,
+    ``append``, ``instrument``'s) comes back as ``harvest.Steps(values, count)``:
+    the first ``N`` iterations, as a ``scan`` of ``N`` would reap them, and how
+    many ran.
 
     An eager call reads what ``jax.jit(f)`` reads, here and in every other
-    transformation: the arguments at every call (JAX and NumPy arrays traced;
-    every other leaf -- a Python number, bool, string, config -- static, so a
-    new value re-traces), and everything else ``f`` reads (closures, globals,
-    an object's attributes) when it is traced. Flax NNX modules, as ``f``, its
-    ``self`` or arguments, are split and merged as ``nnx.jit`` does, so the
-    call leaves their state (batch statistics, RNG counters, intermediates)
-    as a direct call would.
+    transformation: the arguments at every call (arrays traced, every other
+    leaf static: a new value re-traces), and what else ``f`` reads (closures,
+    globals, attributes) when it is traced. Flax NNX modules are split and
+    merged as ``nnx.jit`` does, so their state is left as a direct call leaves it.
 
     Args:
         f: the function to run: any JAX-traceable callable (a function, a bound
@@ -220,9 +193,8 @@ def reap(
         >>> sorted(reap(g, names="step*", exclude="step2")(jnp.zeros(2), 3))
         ['step0', 'step1']
     """
-    return transform(
-        f, "reap", _policy(tag, names, exclude, max_steps), takes_plants=False, gives="reaps"
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "reap", policy, takes_plants=False, gives="reaps")
 
 
 @renamed(allowlist="names", blocklist="exclude")
@@ -242,8 +214,7 @@ def call_and_reap(
         names: if given, read only these sites (exact names, glob patterns or
             predicates on names), as for ``reap``.
         exclude: sites never to read, in the same forms as ``names``.
-        max_steps: how many iterations of each ``while_loop`` to record, as for
-            ``reap``.
+        max_steps: how many iterations of each ``while_loop`` to record (``reap``).
 
     Returns:
         A function taking ``f``'s arguments and returning ``(output, reaped)``.
@@ -258,13 +229,8 @@ def call_and_reap(
         >>> call_and_reap(f)(1.0)
         (Array(6., dtype=float32, weak_type=True), {'y': Array(2., dtype=float32, weak_type=True)})
     """
-    return transform(
-        f,
-        "call_and_reap",
-        _policy(tag, names, exclude, max_steps),
-        takes_plants=False,
-        gives="both",
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "call_and_reap", policy, takes_plants=False, gives="both")
 
 
 @renamed(allowlist="names", blocklist="exclude")
@@ -286,11 +252,9 @@ def plant(
     ``scan``). Names under ``nest`` scopes are given as nested dicts or as dotted
     paths (``{"block.h": v}`` is ``{"block": {"h": v}}``).
 
-    Planting back what ``reap`` returned gives ``f``'s output wherever ``reap``
-    returned every occurrence of a name; not for a ``clobber`` or ``sow_cond``
-    name that fires more than once per call, of which ``reap`` keeps the last
-    and ``plant`` puts it at every occurrence (docs/semantics.md, "Planting
-    back what reap returned").
+    Planting back what ``reap`` returned gives ``f``'s output, but for a
+    ``clobber`` or ``sow_cond`` name firing more than once per call: ``reap`` keeps
+    the last, which ``plant`` puts at every occurrence (docs/semantics.md).
 
     Args:
         f: the function to run, as for ``reap``.
@@ -346,8 +310,7 @@ def harvest(
         names: if given, only these sites are planted or read (exact names,
             glob patterns or predicates on names).
         exclude: sites never planted or read, in the same forms as ``names``.
-        max_steps: how many iterations of each ``while_loop`` to record, as for
-            ``reap``.
+        max_steps: how many iterations of each ``while_loop`` to record (``reap``).
 
     Returns:
         A function taking ``plants`` first (as for ``plant``), then ``f``'s
@@ -370,31 +333,19 @@ def harvest(
         >>> out, reaps["b"]
         (Array(20., dtype=float32, weak_type=True), Array(20., dtype=float32, weak_type=True))
     """
-    return transform(
-        f, "harvest", _policy(tag, names, exclude, max_steps), takes_plants=True, gives="both"
-    )
+    policy = _policy(tag, names, exclude, max_steps)
+    return transform(f, "harvest", policy, takes_plants=True, gives="both")
 
 
 def harvest_tags(
     f: Callable[P, R], tags: Any, names: NameSelect = None
 ) -> Callable[Concatenate[Plants, P], tuple[R, Reaped]]:
-    """``harvest`` of several tags in one walk (for harvest's layers, not public):
-    ``g(plants, *args, **kwargs) -> (out, reaps)`` with plants and reaps keyed
-    ``{tag: {name: value}}``. One walk re-binds the program once, where nesting
-    one ``harvest`` per tag re-binds it once per tag; sows of other tags, and those
-    ``names`` leaves out (it sees names dotted with their tag, ``"tag.name"``),
-    pass through."""
+    """``harvest`` of several tags in one walk (for harvest's layers, not public), plants
+    and reaps keyed ``{tag: {name: value}}``: the program is re-bound once, not once
+    per tag. Sows of other tags, and those ``names`` leaves out (it sees names dotted
+    with their tag, ``"tag.name"``), pass through."""
     policy = Policy(Tags(frozenset(tags)), NameFilter.make(names))
     return transform(f, "harvest", policy, takes_plants=True, gives="both")
-
-
-def _dotted_nest_scope(scope: str) -> ValueError:
-    outer, _, inner = scope.rpartition(".")
-    return ValueError(
-        f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
-        "sites and this one could mean another site. For scopes inside scopes nest twice: "
-        f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
-    )
 
 
 def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
@@ -430,5 +381,10 @@ def nest(f: Callable[P, R], *, scope: str) -> Callable[P, R]:
     if not isinstance(scope, str) or not scope:
         raise TypeError(f"nest needs `scope` to be a non-empty string, got {scope!r}.")
     if "." in scope:
-        raise _dotted_nest_scope(scope)
+        outer, _, inner = scope.rpartition(".")
+        raise ValueError(
+            f"nest(scope={scope!r}): a scope may not contain a dot, since dotted paths name "
+            "sites and this one could mean another site. For scopes inside scopes nest twice: "
+            f"nest(nest(f, scope={inner!r}), scope={outer!r}); or use another separator ('_')."
+        )
     return transform(f, "nest", Policy(None, prefix=(scope,)), takes_plants=False, gives="out")
