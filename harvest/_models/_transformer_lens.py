@@ -352,29 +352,27 @@ def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
     return found
 
 
+# Each module target's kind of embedding module: (class name, its package).
+_EMBEDDINGS = {
+    "nnx": ("Embed", "flax.nnx"),
+    "equinox": ("Embedding", "equinox."),
+    "penzai": ("EmbeddingLookup", "penzai."),
+}
+
+
 def _embeddings(outside: list[tuple[str, Any]], kind: str) -> dict[str, str]:
     """{path: "hook_embed" or "hook_pos_embed"} for the embedding modules outside the
     blocks: one is the token embedding; of two, the one whose name has "pos" (or is
     GPT-2's "wpe") is the positional one. Any other number names none."""
-    found = [p for p, m in outside if _is_embedding(m, kind)]
 
     def positional(path: str) -> bool:
         leaf = path.rpartition(".")[2].lower()
         return "pos" in leaf or leaf == "wpe"
 
-    if len(found) == 1 and not positional(found[0]):
-        return {found[0]: "hook_embed"}
-    if len(found) == 2 and positional(found[0]) != positional(found[1]):
-        return {p: "hook_pos_embed" if positional(p) else "hook_embed" for p in found}
-    return {}
-
-
-def _is_embedding(module: Any, kind: str) -> bool:
-    if kind == "penzai":
-        return is_named(module, "EmbeddingLookup", "penzai.")
-    if kind == "equinox":
-        return is_named(module, "Embedding", "equinox.")
-    return is_named(module, "Embed", "flax.nnx")
+    found = [p for p, m in outside if is_named(m, *_EMBEDDINGS[kind])]
+    names = {p: "hook_pos_embed" if positional(p) else "hook_embed" for p in found}
+    one_each = len(set(names.values())) == len(names)  # a token embedding, a positional one
+    return names if one_each and "hook_embed" in names.values() else {}
 
 
 # ---------------------------------------------------------------------------
