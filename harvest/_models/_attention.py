@@ -21,13 +21,11 @@ Each library's own code computes what it exposes; harvest only what none does:
   `normalize_qk`; while decoding k and v are the whole cache), the scores at the
   first product's output (plus Flax's bias and mask), the pattern at the second
   one's input, z at its output.
-* NNX: its own `dot_product_attention` where only q, k, v and z are asked for.
-  It has no product to choose, so the pattern comes from Flax's
-  `dot_product_attention_weights`, the scores from harvest's `_nnx_scores`, and
-  where Flax takes the fused path (`jax.nn.dot_product_attention`, which exposes
-  nothing) harvest repeats its XLA implementation op for op (`_fused_attention`),
-  so the output stays bit for bit.
-* Both: Flax's attention dropout is applied after the pattern hook (`_dropout`).
+* NNX: its own `dot_product_attention` where only q, k, v and z are asked for;
+  else the pattern from Flax's `dot_product_attention_weights`, the scores from
+  `_nnx_scores`, and where Flax takes the fused path (`jax.nn.dot_product_attention`,
+  which exposes nothing) its XLA implementation op for op (`_fused_attention`), so
+  the output stays bit for bit. In both, Flax's dropout comes after the pattern hook.
 * Equinox: `MultiheadAttention.__call__` has no extension point (its scores live
   inside a per-head vmap), so harvest runs its steps itself (`equinox_forward`)
   with Equinox's own projections, weights function, dropout and output projection.

@@ -90,13 +90,10 @@ _marks: dict[int, tuple] = {}  # id(module) -> (module, {path: number of calls m
 
 
 def _mark(parts, step):
-    """Counts `step` (1 or -1) more calls marking each module with its path, and sets
-    its mark to the sorted paths of every running call (removed when none is left).
-
-    Set past NNX's attribute checks, as a static tuple of strings: the graph
-    definition (a compile-cache key of `nnx.jit`) then depends on the paths
-    only, not on which call runs.
-    """
+    """Counts `step` (1 or -1) more calls marking each module with its path; its mark is
+    the sorted paths of every running call, set past NNX's attribute checks as a static
+    tuple of strings, so the graph definition (a compile-cache key of `nnx.jit`) depends
+    on the paths only, not on which call runs."""
     with _lock:
         for path, module in parts:
             counts = _marks.setdefault(id(module), (module, {}))[1]

@@ -123,7 +123,9 @@ def submodules(target: Any, of_kind: str) -> list[tuple[str, Any]]:
             for path, node in nnx.iter_graph(target)
             if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
         ]
-    return tree_modules(target, next(base for k, _, base in _bases() if k == of_kind))
+    if of_kind == "equinox":
+        return tree_modules(target, optional("equinox").Module)
+    return tree_modules(target, optional("penzai.nn.layer").Layer)
 
 
 def key_str(key: Any) -> str:

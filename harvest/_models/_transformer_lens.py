@@ -75,8 +75,7 @@ class Names:
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
     gated: dict[str, str] = dataclasses.field(default_factory=dict)  # gemma: mlp -> blocks.{i}.mlp
-    # NNX and Equinox: the blocks seen to be parallel (no resid_mid), by a probe's run
-    # (`probing`: it notes them rather than refusing them).
+    # NNX and Equinox: the blocks a probe's run (`probing`) saw to be parallel (no resid_mid).
     parallel: set[str] = dataclasses.field(default_factory=set)
     probing: bool = False
 
@@ -135,7 +134,7 @@ def names_of(parts: list[tuple[str, Any]], kind: str, target: str) -> Names:
     """The TransformerLens names of the blocks among `parts` ((path, module), the
     model's order); raises if there is none, or a block TransformerLens's names
     do not describe."""
-    blocks = _penzai_blocks(parts) if kind == "penzai" else _module_blocks(parts)
+    blocks = _penzai_blocks(parts) if kind == "penzai" else _module_blocks(parts, kind)
     if not blocks:
         raise no_transformer_blocks(target, kind)
     table = Names()
@@ -290,14 +289,20 @@ def _gemma_mlp(call: Any, path: str, module: Any, weight: str) -> str | None:
 _Block = tuple[str, str, str, str | None, str | None]
 
 
-def _module_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
+def _is_attention(module: Any, kind: str) -> bool:
+    if kind == "equinox":
+        return _attention.is_equinox_attention(module)
+    return _attention.flax_kind(module) == "nnx"
+
+
+def _module_blocks(parts: list[tuple[str, Any]], kind: str) -> list[_Block]:
     """(block, attention, attn_out part, None, mlp_out part or None) of each NNX or Equinox
     block; raises for a list element with more than one attention submodule."""
     attentions: dict[str, list[str]] = {}  # parent path -> its attention submodules
     mlps: dict[str, list[str]] = {}  # parent path -> its submodules named mlp
     for path, module in parts:
         parent, _, leaf = path.rpartition(".")
-        if _attention.is_attention(module):  # of the model's own library, as every part is
+        if _is_attention(module, kind):
             attentions.setdefault(parent, []).append(path)
         if leaf == "mlp":
             mlps.setdefault(parent, []).append(path)
@@ -417,13 +422,11 @@ def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
-    """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not
-    to add its attention's output straight to its input, then run its MLP on the sum,
-    which `attn_out` and `resid_mid` assume: a part that takes the attention's output (a
-    norm after attention in an NNX block; gemma's Block names its own as attn_out). After
-    the attention, a part that takes the block's input or what the attention took marks
-    a parallel block (GPT-J's, whose MLP does not read `resid_mid`): noted on a probe's
-    run, refused on another if its resid_mid is sown."""
+    """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not to
+    add its attention's output straight to its input, as `attn_out` and `resid_mid` assume
+    (a part takes that output: a norm after attention). After the attention, a part taking
+    the block's input or what the attention took marks a parallel block (GPT-J's): noted
+    on a probe's run, refused on another if its resid_mid is sown."""
     if path in table.mids:
         table.attention_args[table.mids[path][0]] = args
         return
