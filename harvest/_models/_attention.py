@@ -4,45 +4,33 @@ Each attention module at `path` gets six sites, whatever library it comes from:
 
 * `path.hook_q`, `path.hook_k`, `path.hook_v`: queries, keys and values,
   `[..., seq, heads, d_head]`, as their projections give them (before any
-  rotary embedding or rescaling, as TransformerLens's: Penzai's llama-like
-  layers apply both after, in the same sublayer);
-* `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (masked
-  entries hold the library's large negative number where TransformerLens has -inf),
+  rotary embedding or rescaling, as TransformerLens's);
+* `path.hook_attn_scores`: the scores the softmax takes, scaled and masked (with the
+  library's large negative number where TransformerLens has -inf),
   `[..., heads, q_pos, k_pos]` (not Gemma's: `refuse_gemma_scores`);
-* `path.hook_pattern`: the attention weights after softmax (before dropout),
-  `[..., heads, q_pos, k_pos]`;
+* `path.hook_pattern`: the weights after softmax (before dropout), same layout;
 * `path.hook_z`: the weighted sum of values per head, `[..., seq, heads, d_head]`,
   before the output projection.
 
-A hook is sown in that layout and converted back to the library's own layout
-after (a transpose or reshape: no arithmetic), so a plant there changes
-exactly what the module computes with. Each library's own code computes what
-it exposes; harvest computes only what no library exposes:
+A hook is sown in that layout and converted back after (a transpose or reshape,
+no arithmetic), so a plant there changes exactly what the module computes with.
+Each library's own code computes what it exposes; harvest only what none does:
 
-* Linen: its own `dot_product_attention`, run through `attention_fn` (Flax's
-  extension point) with the two products it lets a caller choose: q, k, v are
-  its inputs (the projections' outputs; NNX's too, after `normalize_qk`'s
-  norms, and while decoding k and v are the whole cache), the scores hooked at the first product's output (with the
-  bias and mask as Flax applies them after it), the pattern at the second
+* Linen: its own `dot_product_attention`, run through `attention_fn` with the two
+  products it lets a caller choose: q, k, v are its inputs (NNX's too, after
+  `normalize_qk`; while decoding k and v are the whole cache), the scores at the
+  first product's output (plus Flax's bias and mask), the pattern at the second
   one's input, z at its output.
-* NNX: its own `dot_product_attention` where only q, k, v and z (its inputs
-  and output) are asked for. Its function has no product to choose, so for
-  the pattern harvest calls Flax's `dot_product_attention_weights`; harvest's
-  own code computes the scores and their softmax (`_nnx_scores`: Flax computes
-  them inside that function), and, where Flax takes the fused path
-  (`jax.nn.dot_product_attention`, which exposes nothing inside), repeats
-  that path's XLA implementation op for op (`_fused_attention`), so the
-  model's output stays bit for bit.
-* Both: Flax applies attention dropout inside the function that computes the
-  pattern, so harvest applies it after the pattern hook (`_dropout`,
-  Flax's draw).
-* Equinox: `MultiheadAttention.__call__` has no extension point, and its
-  scores live inside `dot_product_attention_weights`, called per head
-  inside a vmap; harvest runs the steps of `__call__` itself
-  (`equinox_forward`), with Equinox's own projections, weights function,
-  dropout and output projection, and its own scores (`_equinox_scores`).
-* Penzai's `pz.nn.Attention` and Gemma's `Attention`: their sublayers'
-  outputs (and Gemma's `attn_vec_einsum`'s input); nothing copied.
+* NNX: its own `dot_product_attention` where only q, k, v and z are asked for;
+  else the pattern from Flax's `dot_product_attention_weights`, the scores from
+  `_nnx_scores`, and where Flax takes the fused path (`jax.nn.dot_product_attention`,
+  which exposes nothing) its XLA implementation op for op (`_fused_attention`), so
+  the output stays bit for bit. In both, Flax's dropout comes after the pattern hook.
+* Equinox: `MultiheadAttention.__call__` has no extension point (its scores live
+  inside a per-head vmap), so harvest runs its steps itself (`equinox_forward`)
+  with Equinox's own projections, weights function, dropout and output projection.
+* Penzai's `pz.nn.Attention` and Gemma's `Attention`: their sublayers' outputs
+  (and Gemma's `attn_vec_einsum`'s input); nothing copied.
 """
 
 from __future__ import annotations
@@ -58,6 +46,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from ._module_paths import is_named, optional
 
 HOOKS = ("hook_q", "hook_k", "hook_v", "hook_attn_scores", "hook_pattern", "hook_z")
 
@@ -105,13 +95,10 @@ def hook_name(call: Any, name: str) -> str | None:
 
 def flax_kind(module: Any) -> str | None:
     """ "nnx" or "linen" for Flax's attention modules, else None."""
-    try:
-        from flax import linen, nnx
-    except ImportError:  # Flax is optional
-        return None
-    if isinstance(module, nnx.MultiHeadAttention):
+    nnx, linen = optional("flax.nnx"), optional("flax.linen")
+    if nnx is not None and isinstance(module, nnx.MultiHeadAttention):
         return "nnx"
-    if isinstance(module, linen.MultiHeadDotProductAttention):
+    if linen is not None and isinstance(module, linen.MultiHeadDotProductAttention):
         return "linen"
     return None
 
@@ -119,12 +106,10 @@ def flax_kind(module: Any) -> str | None:
 @contextlib.contextmanager
 def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
     """For the length of the block, `module.attention_fn` sows the five hooks."""
-    from flax import linen
-    from flax.nnx.nn import attention as nnx_attention
+    from flax.linen import dot_product_attention as linen_default
+    from flax.nnx.nn.attention import dot_product_attention as nnx_default
 
-    default = (
-        linen.dot_product_attention if kind == "linen" else nnx_attention.dot_product_attention
-    )
+    default = linen_default if kind == "linen" else nnx_default
     original = module.attention_fn
     if getattr(original, "__wrapped__", None) is default:  # already hooked (a nested call)
         yield
@@ -153,12 +138,9 @@ def flax_hooks(call: Any, path: str, module: Any, kind: str) -> Iterator[None]:
         object.__setattr__(module, "attention_fn", original)
 
 
-def _qkv(call: Any, path: str, query: Any, key: Any, value: Any) -> tuple[Any, Any, Any]:
-    return (
-        _hook(call, f"{path}.hook_q", query),
-        _hook(call, f"{path}.hook_k", key),
-        _hook(call, f"{path}.hook_v", value),
-    )
+def _qkv(call: Any, path: str, *qkv: Any) -> tuple[Any, ...]:
+    """Queries, keys and values, hooked."""
+    return tuple(_hook(call, f"{path}.hook_{n}", x) for n, x in zip("qkv", qkv))
 
 
 def _dropout(weights, rng, rate, broadcast, ndim, dtype):
@@ -349,25 +331,17 @@ def _fused_attention(call, path, query, key, value, bias, mask, is_causal):
 
     softmax = lambda logits: jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(key.dtype)
     q = query.reshape(b, t, k_heads, g, h)
-    # The hooks see the caller's batch axes: [B, K, G, T, S] -> [..., N, T, S].
-    lead = shape[:-3]
-    pattern_view = lambda p: p.reshape(*lead, n, *p.shape[-2:])
+    # The hooks see the caller's batch axes: [B, K, G, T, S] -> [..., N, T, S], and back.
+    to_view = lambda p: p.reshape(*shape[:-3], n, *p.shape[-2:])
+    from_view = lambda p: p.reshape(b, k_heads, g, *p.shape[-2:])
     if wanted(call, f"{path}.hook_attn_scores"):
         logits = jax.vmap(scores, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
-        logits = _hook(
-            call,
-            f"{path}.hook_attn_scores",
-            logits,
-            pattern_view,
-            lambda p: p.reshape(logits.shape),
-        )
+        logits = _hook(call, f"{path}.hook_attn_scores", logits, to_view, from_view)
         probs = softmax(logits)
     else:  # as Flax computes it, softmax inside the map over groups: bit for bit
         weights = lambda q, bias, mask: softmax(scores(q, bias, mask))
         probs = jax.vmap(weights, in_axes=(3, 2, 2), out_axes=2)(q, grouped(bias), grouped(mask))
-    pattern = _hook(
-        call, f"{path}.hook_pattern", probs, pattern_view, lambda p: p.reshape(probs.shape)
-    )
+    pattern = _hook(call, f"{path}.hook_pattern", probs, to_view, from_view)
     z = jax.vmap(lambda p: jnp.einsum("BNTS,BSNH->BTNH", p, value), in_axes=2, out_axes=3)(pattern)
     z = _hook(call, f"{path}.hook_z", z, lambda z: z.reshape(shape))
     return z.reshape(shape)
@@ -385,11 +359,8 @@ _SOFTMAX_INPUT_PRECISION = {
 
 
 def is_equinox_attention(module: Any) -> bool:
-    try:
-        import equinox
-    except ImportError:  # Equinox is optional
-        return False
-    return isinstance(module, equinox.nn.MultiheadAttention)
+    eqx = optional("equinox")
+    return eqx is not None and isinstance(module, eqx.nn.MultiheadAttention)
 
 
 def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict) -> Any:
@@ -397,7 +368,7 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
     with the hooks sown on the way (per-head work vmapped over heads, as there)."""
     from equinox.nn._attention import dot_product_attention_weights
 
-    query, key_, value, mask = (*args, None)[:4] if len(args) < 4 else args[:4]
+    query, key_, value, mask = (*args, None)[:4]
     mask = kwargs.pop("mask", mask)
     key = kwargs.pop("key", None)
     inference = kwargs.pop("inference", None)
@@ -411,9 +382,8 @@ def equinox_forward(call: Any, path: str, module: Any, args: tuple, kwargs: dict
             "inference, deterministic, process_heads) as Equinox 0.13 defines it."
         )
     seq = query.shape[0]
-    q = _hook(call, f"{path}.hook_q", module._project(module.query_proj, query))
-    k = _hook(call, f"{path}.hook_k", module._project(module.key_proj, key_))
-    v = _hook(call, f"{path}.hook_v", module._project(module.value_proj, value))
+    projections = (module.query_proj, module.key_proj, module.value_proj)
+    q, k, v = _qkv(call, path, *map(module._project, projections, (query, key_, value)))
     if process_heads is not None:
         shapes = (q.shape, k.shape, v.shape)
         q, k, v = process_heads(q, k, v)
@@ -470,45 +440,38 @@ def penzai_attention_paths(parts: list[tuple[str, Any]]) -> frozenset[str]:
     """The paths of Penzai's attention layers: `pz.nn.Attention`, and `KVCachingAttention`
     (sampling mode), whose sublayers are the same; its keys and values are the new
     tokens', its pattern over every position of the cache."""
-    try:
-        from penzai.nn.attention import Attention, KVCachingAttention
-    except ImportError:  # Penzai is optional
-        return frozenset()
-    return frozenset(p for p, m in parts if type(m) in (Attention, KVCachingAttention))
+    penzai = optional("penzai.nn.attention")
+    kinds = () if penzai is None else (penzai.Attention, penzai.KVCachingAttention)
+    return frozenset(p for p, m in parts if type(m) in kinds)
 
 
-def penzai_hook_paths(
-    parts: list[tuple[str, Any]], attentions: frozenset[str]
-) -> dict[str, tuple[str, str]]:
+def penzai_hook_paths(parts: list[tuple[str, Any]]) -> dict[str, tuple[str, str]]:
     """{path of the layer whose output a hook is: (its attention's path, the hook)} for
-    each Penzai attention: queries and keys at their projection's output (the first
-    sublayer of ``input_to_query``/``input_to_key`` where that is a ``Linear`` or
-    ``Affine``: before
-    the rotary embedding and the query's rescaling, as TransformerLens's ``hook_q`` and
-    ``hook_k``), values at ``input_to_value``'s, the scores at the output of the sublayer
-    before ``query_key_to_attn``'s closing ``Softmax`` (after the mask and any soft
-    cap), the pattern at ``query_key_to_attn``'s, z at the first sublayer of
-    ``attn_value_to_output``."""
+    each Penzai attention: q and k at their projection's output (the first sublayer of
+    ``input_to_query``/``input_to_key`` where that is a ``Linear`` or ``Affine``: before
+    the rotary embedding and rescaling), v at ``input_to_value``'s, the scores at the
+    output of the sublayer before ``query_key_to_attn``'s closing ``Softmax`` (after the
+    mask and any soft cap), the pattern at ``query_key_to_attn``'s, z at the first
+    sublayer of ``attn_value_to_output``."""
     from penzai import pz
 
+    attentions = penzai_attention_paths(parts)
     found: dict[str, tuple[str, str]] = {}
     for path, layer in parts:
         if path not in attentions:
             continue
         for part, hook in (("input_to_query", "hook_q"), ("input_to_key", "hook_k")):
             sublayers = getattr(getattr(layer, part), "sublayers", None)
-            linear = isinstance(sublayers, list) and bool(sublayers)
-            first = sublayers[0] if linear else None  # type: ignore[index]
-            linear = isinstance(first, (pz.nn.Linear, pz.nn.Affine))  # Affine: with its bias
-            at = ".sublayers.0" if linear else ""
+            first = sublayers[0] if isinstance(sublayers, list) and sublayers else None
+            at = ".sublayers.0" if isinstance(first, (pz.nn.Linear, pz.nn.Affine)) else ""
             found[f"{path}.{part}{at}"] = (path, hook)
         found[f"{path}.input_to_value"] = (path, "hook_v")
         found[f"{path}.query_key_to_attn"] = (path, "hook_pattern")
         found[f"{path}.attn_value_to_output.sublayers.0"] = (path, "hook_z")
         sublayers = getattr(layer.query_key_to_attn, "sublayers", None)
         if isinstance(sublayers, list) and len(sublayers) > 1:
+            scores = f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"
             if isinstance(sublayers[-1], pz.nn.Softmax):
-                scores = f"{path}.query_key_to_attn.sublayers.{len(sublayers) - 2}"
                 found[scores] = (path, "hook_attn_scores")
     return found
 
@@ -529,9 +492,8 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
         raise ValueError(
             f"instrument(attention=True): the Penzai attention at {parent!r} gives {which} the named axes "
             f"{dict(value.named_shape)}; its hooks need 'seq', 'kv_seq' (pattern) or 'projection' (q, k, v, z) "
-            "and a head axis ('heads', 'head_groups', 'query_heads_per_group', 'query_heads'). Name its "
-            "axes so, or pass "
-            "attention=False."
+            "and a head axis ('heads', 'head_groups', 'query_heads_per_group', 'query_heads'). Name "
+            "its axes so, or pass attention=False."
         )
     batch = [n for n in names if n not in heads and n not in inner]
     order = [*batch, *heads, *inner] if per_key else [*batch, _SEQ, *heads, _PROJECTION]
@@ -554,16 +516,14 @@ def penzai_hook(call: Any, path: str, value: Any) -> Any:
 
 
 def is_gemma_attention(module: Any) -> bool:
-    cls = type(module)
-    return cls.__name__ == "Attention" and cls.__module__.startswith("gemma.")
+    return is_named(module, "Attention", "gemma.")
 
 
 def refuse_gemma_scores(call: Any, path: str) -> None:
     """Raises where `names` asks for the scores of the Gemma attention at `path` and not its
-    pattern: gemma computes them inside `Attention.__call__` (after the rotary embedding,
-    the query's scaling, the soft cap and the sliding mask), where no submodule's input or
-    output holds them, so harvest could sow them only by copying that whole forward. A
-    wider `names` (or none) gives the other hooks, without the scores."""
+    pattern: gemma computes them inside `Attention.__call__`, where no submodule's input or
+    output holds them (harvest would have to copy that forward). A wider `names` (or none)
+    gives the other hooks, without the scores."""
     scores = f"{path}.hook_attn_scores"
     if wanted(call, scores) and not wanted(call, f"{path}.hook_pattern"):
         raise ValueError(
@@ -577,13 +537,11 @@ def refuse_gemma_scores(call: Any, path: str) -> None:
 def gemma_output_hook(call: Any, path: str, name: str, out: Any) -> Any:
     """The output of the submodule `name` of the Gemma attention at `path`, hooked."""
     if name == "qkv_einsum":  # [3, B, T, N, H]
-        q, k, v = (_hook(call, f"{path}.hook_{n}", out[i]) for i, n in enumerate("qkv"))
-        return jnp.stack([q, k, v])
+        return jnp.stack(_qkv(call, path, out[0], out[1], out[2]))
     if name == "q_einsum":
         return _hook(call, f"{path}.hook_q", out)
     if name == "kv_einsum":  # [2, B, S, K, H]
-        k, v = _hook(call, f"{path}.hook_k", out[0]), _hook(call, f"{path}.hook_v", out[1])
-        return jnp.stack([k, v])
+        return jnp.stack([_hook(call, f"{path}.hook_{n}", out[i]) for i, n in enumerate("kv")])
     if name == "attention_weights":  # [B, T, N, S]: the pattern wants [B, N, T, S]
         swap = lambda a: jnp.swapaxes(a, -3, -2)
         return _hook(call, f"{path}.hook_pattern", out, swap, swap)
@@ -619,8 +577,12 @@ _STREAM = {
     "hook_pos_embed",
 }
 # Equinox's MultiheadAttention projects to, and from, every head's features merged.
-_MERGED = {".query_proj": "hook_q", ".key_proj": "hook_k", ".value_proj": "hook_v"}
-_MERGED_IN = {".output_proj:in": "hook_z"}
+_MERGED = {
+    ".query_proj": "hook_q",
+    ".key_proj": "hook_k",
+    ".value_proj": "hook_v",
+    ".output_proj:in": "hook_z",
+}
 
 
 def _family(name: str) -> str | None:
@@ -638,15 +600,6 @@ def _ndim(value: Any) -> int:
     return int(jnp.ndim(jax.tree_util.tree_leaves(value)[0]))
 
 
-def _merged_head_axis(name: str, axis: Any, hook: str) -> ValueError:
-    return ValueError(
-        f"The sweep's axis={axis!r} on {name!r} indexes its last dimension, which holds every head's "
-        f"features merged (heads x d_head), so it would sweep features, not heads. Sweep {hook!r} "
-        f"(shaped [..., seq, heads, d_head], from instrument(model, attention=True)) with axis=(-2, -3) "
-        "for every (head, position) pair."
-    )
-
-
 def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None) -> None:
     """Raises if a sweep's `axes` would index merged head features, or a hook's d_head axis.
 
@@ -657,10 +610,15 @@ def check_swept_axes(swept: list[tuple[str, Any]], axes: tuple[int, ...] | None)
     for name, value in swept:
         ndim = _ndim(value)
         negative = {a - ndim if a >= 0 else a for a in axes}
-        hook = next((h for s, h in {**_MERGED, **_MERGED_IN}.items() if name.endswith(s)), None)
+        hook = next((h for s, h in _MERGED.items() if name.endswith(s)), None)
         if hook is not None and -1 in negative:
-            base = name.removesuffix(":in").rpartition(".")[0]
-            raise _merged_head_axis(name, axes, f"{base}.{hook}")
+            hook = name.removesuffix(":in").rpartition(".")[0] + "." + hook
+            raise ValueError(
+                f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, which holds every head's "
+                f"features merged (heads x d_head), so it would sweep features, not heads. Sweep "
+                f"{hook!r} (shaped [..., seq, heads, d_head], from instrument(model, "
+                "attention=True)) with axis=(-2, -3) for every (head, position) pair."
+            )
         if _family(name) == "head_shaped" and -1 in negative:
             raise ValueError(
                 f"The sweep's axis={axes!r} on {name!r} indexes its last dimension, d_head (features within "

@@ -1,11 +1,9 @@
 """One running call of an instrumented target: sowing each part's output (and inputs).
 
-An instrumented target (`Instrumented`, `_instrumented.py`) makes one
-`InstrumentCall` per call and holds it in a context variable (`active`) for the
-length of the call, so other threads and other calls never see it. Whoever
-meets a part of the model — a wrapped module class (`_classes.py`),
-Linen's interceptor (`_linen.py`), an attention hook
-(`_attention.py`) — asks it for the part's path and has it sow the part's value.
+An `Instrumented` makes one `InstrumentCall` per call and holds it in a context
+variable (`active`) for the length of the call, so other threads and calls never
+see it. Whoever meets a part of the model (a wrapped module class, Linen's
+interceptor, an attention hook) asks it for the part's path and has it sow.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class InstrumentCall:
     select: NameFilter
     ops: bool
     inputs: bool
-    paths: dict  # id(module) -> dotted path, for module targets
+    paths: dict = dataclasses.field(default_factory=dict)  # id(module) -> its dotted path
     known: frozenset = frozenset()  # the paths of `paths`
     inside: set = dataclasses.field(default_factory=set)  # ids of modules being called now
     scopes: set = dataclasses.field(default_factory=set)  # module paths pushed as named scopes
@@ -45,15 +43,13 @@ class InstrumentCall:
     sown: int = 0
     kind: str = "function"  # the target's kind (`_module_paths.kind`)
     attention: bool = False  # sow TransformerLens's hooks on attention modules (`_attention.py`)
-    attention_paths: frozenset = frozenset()  # Penzai attention layers, by path
-    score_paths: dict = dataclasses.field(
-        default_factory=dict
-    )  # Penzai: scores' layer -> attention
+    # Penzai: {layer: (its attention, the hook)} (`_attention.penzai_hook_paths`).
+    penzai_hooks: dict = dataclasses.field(default_factory=dict)
     residual: Any = None  # TransformerLens's names (`_transformer_lens.Names`), if asked for
     input_axes: tuple = ()  # the named axes of the call's Penzai arguments, in their order
 
     def sow(self, path, value, axes=None):
-        if self.attention_paths and is_named_array(value):  # hooks are picked by their own names
+        if self.penzai_hooks and is_named_array(value):  # hooks are picked by their own names
             value = _attention.penzai_hook(self, path, value)
         if not self.select((path,)):
             return value

@@ -1,18 +1,15 @@
 """Module classes patched while an instrumented call runs, so each submodule call is sown.
 
 For the length of one call, each submodule class of a module target has its
-`__call__` wrapped; the wrapper looks the instance up in the running call's
-path table (`_call.active`) and sows the output under that path.
-The wrappers are counted per class and removed when the last call using them
-returns, so the user's classes and objects are as they were between calls.
+`__call__` wrapped; the wrapper looks the instance up in the running call's path
+table (`_call.active`) and sows the output under that path. The wrappers are
+counted per class and removed when the last call using them returns.
 
-NNX transforms (`nnx.scan`, `nnx.vmap`, `nnx.jit`, `nnx.remat`) split a module
-and merge it into fresh objects, which no table knows. So for the same call
-each NNX submodule also carries its path as a private static attribute; being
-static it lands in the graph definition and so on every fresh copy, where the
-wrapper reads it (and checks it against the call's table). An Equinox or
-Penzai module rebuilt from a part's arrays is found by its structure
-(`_rebuilt.py`).
+NNX transforms (`nnx.scan`, `nnx.vmap`, `nnx.jit`, `nnx.remat`) merge a module
+into fresh objects no table knows, so for the call each NNX submodule also
+carries its path as a private static attribute, which lands in the graph
+definition and so on every copy. An Equinox or Penzai module rebuilt from a
+part's arrays is found by its structure (`_rebuilt.py`).
 """
 
 from __future__ import annotations
@@ -34,15 +31,15 @@ def with_modules(
 ):
     """Calls `model(*args, **kwargs)` with `classes` wrapped, `marked` (NNX (path,
     module) pairs) marked with their paths, and `call` the running call."""
-    _wrap(classes)
-    _mark(marked)
+    _wrap(classes, 1)
+    _mark(marked, 1)
     token = active.set(call)
     try:
         return model(*args, **kwargs)
     finally:
         active.reset(token)
-        _unmark(marked)
-        _unwrap(classes)
+        _mark(marked, -1)
+        _wrap(classes, -1)
 
 
 def _wrapper(original):
@@ -68,22 +65,16 @@ def _path(call, module):
     return path
 
 
-def _wrap(classes):
+def _wrap(classes, step):
+    """Counts `step` (1 or -1) more calls using each class's wrapper: the first wraps
+    the class, the last puts its own `__call__` back."""
     with _lock:
         for cls in classes:
-            entry = _wrapped.get(cls)
-            if entry is None:
-                _wrapped[cls] = [cls.__dict__.get("__call__", _MISSING), 1]
+            if cls not in _wrapped:
+                _wrapped[cls] = [cls.__dict__.get("__call__", _MISSING), 0]
                 cls.__call__ = _wrapper(cls.__call__)
-            else:
-                entry[1] += 1
-
-
-def _unwrap(classes):
-    with _lock:
-        for cls in classes:
             entry = _wrapped[cls]
-            entry[1] -= 1
+            entry[1] += step
             if entry[1] == 0:
                 del _wrapped[cls]
                 if entry[0] is _MISSING:
@@ -98,25 +89,15 @@ _MARK = "_harvest_instrument_paths"
 _marks: dict[int, tuple] = {}  # id(module) -> (module, {path: number of calls marking it so})
 
 
-def _mark(parts):
-    """Sets each module's mark to the sorted paths every running call gives it.
-
-    Set past NNX's attribute checks, as a static tuple of strings: the graph
-    definition (a compile-cache key of `nnx.jit`) then depends on the paths
-    only, not on which call runs.
-    """
+def _mark(parts, step):
+    """Counts `step` (1 or -1) more calls marking each module with its path; its mark is
+    the sorted paths of every running call, set past NNX's attribute checks as a static
+    tuple of strings, so the graph definition (a compile-cache key of `nnx.jit`) depends
+    on the paths only, not on which call runs."""
     with _lock:
         for path, module in parts:
             counts = _marks.setdefault(id(module), (module, {}))[1]
-            counts[path] = counts.get(path, 0) + 1
-            object.__setattr__(module, _MARK, tuple(sorted(counts)))
-
-
-def _unmark(parts):
-    with _lock:
-        for path, module in parts:
-            counts = _marks[id(module)][1]
-            counts[path] -= 1
+            counts[path] = counts.get(path, 0) + step
             if not counts[path]:
                 del counts[path]
             if counts:

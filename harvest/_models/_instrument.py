@@ -1,46 +1,26 @@
 """`instrument`: the parts of a model nobody sowed in, as sow sites.
 
-A module target (Flax NNX, Equinox, Penzai) is read as data: its submodules
-and their dotted paths from the root (`_module_paths.py`); while a call runs,
-its submodule classes are wrapped so each call of one is sown under its path
-(`_classes.py`, which also finds the copies NNX transforms merge
-and the layers Equinox rebuilds from stacked arrays, `_rebuilt.py`).
-A plain function gets its Flax Linen submodule outputs sown through Linen's
-own `intercept_methods` (`_linen.py`); with `ops=True`, any
-callable also gets every primitive's output sown (`_op_sites.py`).
-
-The callable returned is an `Instrumented` (`_instrumented.py`), or for a
-Penzai model an `InstrumentedPenzai` (`_penzai.py`); each call
-makes one `InstrumentCall` (`_call.py`), which sows the parts.
+A module target (Flax NNX, Equinox, Penzai) is read as data: its submodules and
+their dotted paths (`_module_paths.py`); while a call runs, their classes are
+wrapped so each call of one is sown under its path (`_classes.py`, `_rebuilt.py`).
+A plain function gets its Flax Linen submodules' outputs sown through Linen's
+`intercept_methods` (`_linen.py`); with `ops=True` any callable also gets every
+primitive's output sown (`_op_sites.py`). The callable returned is an
+`Instrumented` (`InstrumentedPenzai` for Penzai); each call makes one
+`InstrumentCall` (`_call.py`), which sows the parts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from .._calling._renamed import renamed
 from .._typing import NameSelect, P, R
 from .._walk._interpreter import NameFilter
 from . import _transformer_lens
-from ._instrumented import Instrumented
+from ._instrumented import Instrumented, Options
 from ._module_paths import describe, kind as target_kind, module_class, submodules, unbound_linen
 from ._penzai import InstrumentedPenzai
-
-
-def _instrument_module_class(target: Any, library: str) -> TypeError:
-    name = getattr(target, "__name__", repr(target))
-    if library == "Flax Linen":
-        what = (
-            f"instrument the function that applies one: instrument(lambda x: "
-            f"{name}(...).apply(variables, x))"
-        )
-    else:
-        what = f"build the model, then instrument it: instrument({name}(...))"
-    return TypeError(
-        f"instrument got the {library} class {name}, not a model: {what}, passing the "
-        "arguments the class takes."
-    )
 
 
 def _a_naming(value: object) -> bool:
@@ -69,8 +49,7 @@ def instrument(
 
     * a Flax NNX or Equinox module, or a Penzai layer: the output of every
       submodule (layer) call, named by its dotted path from the root
-      (``"blocks.0.attn"``, ``"head"``); list indices and dict keys are path
-      elements;
+      (``"blocks.0.attn"``, ``"head"``; list indices and dict keys are elements);
     * a plain function: the output of every Flax Linen submodule it applies,
       named by the Linen scope path joined with dots (``"blocks_0.attn"``);
     * with ``ops=True``, any callable: also every primitive's output, named
@@ -78,22 +57,17 @@ def instrument(
       paths included) and a counter per scope and primitive; ops inside ``scan``,
       ``cond``, ``jit`` and ``checkpoint`` are sites too;
     * with ``inputs=True``, module targets and Linen: also each submodule call's
-      array arguments, named ``"<path>:in"`` (one argument: the array itself;
-      several: a tuple of them; flags, None and PRNG keys are left out).
-      Planting there replaces what the submodule receives.
-    * with ``attention=True``: TransformerLens's hook sites on each attention
-      module of a known kind (below);
-    * with ``naming="transformer_lens"``: TransformerLens's hook names instead
-      (below).
+      array arguments, ``"<path>:in"`` (one argument: the array itself; several:
+      a tuple of them; flags, None and PRNG keys left out), which a plant replaces;
+    * with ``attention=True`` or ``naming="transformer_lens"``: TransformerLens's
+      hook sites or names (below).
 
     A site sown once holds the value itself; one sown k times (a shared module,
     a layer inside ``scan``) holds the k values stacked on a leading axis, and
-    takes plants of either shape.
-
-    A Penzai model's variables are traced as their frozen values; each
-    ``pz.StateVariable`` it writes (a KV cache of Penzai's sampling mode) is
-    given its new value after each harvest call, as the model's own call would
-    leave it.
+    takes plants of either shape. A Penzai model's variables are traced as their
+    frozen values; each ``pz.StateVariable`` it writes (a KV cache of Penzai's
+    sampling mode) gets its new value after each harvest call, as the model's
+    own call would leave it.
 
     Args:
         f: the model: a Flax NNX module, an Equinox module, a Penzai layer
@@ -117,23 +91,21 @@ def instrument(
             paths (the keys of its ``ActivationCache``, nothing else). The ``i``-th
             transformer block (an NNX or Equinox module with one attention
             submodule and one submodule named ``mlp`` whose forward adds the
-            attention's output to its input; attention only, an element of a list
-            with one attention submodule; a Penzai layer of one or two
+            attention's output to its input; attention only, a list element with
+            one attention submodule; a Penzai layer of one or two
             ``pz.nn.Residual``; gemma's ``Block`` in a function target) gets
             ``"blocks.{i}.hook_resid_pre"`` (its input), ``.hook_attn_out`` and
             ``.hook_mlp_out`` (what attention and the MLP add to the stream),
-            ``.hook_resid_mid`` (the stream between them, with an MLP read
-            after it: not in a parallel block),
-            ``.hook_resid_post`` (its output) and ``.mlp.hook_pre`` /
-            ``.mlp.hook_post`` (its MLP's hidden layer; a gated MLP's, Penzai's
-            or gemma's, ``.mlp.hook_pre_linear`` too); the model
-            ``"hook_embed"`` and ``"hook_pos_embed"``; with ``attention=True``,
-            each block's attention hooks as ``"blocks.{i}.attn.hook_q"`` and so
-            on (``hook_attn_scores`` too). A module target's blocks are found,
-            or refused, here. Where ``resid_mid`` is no part's output (NNX,
-            Equinox, gemma without post-attention norm), sowing it can change the
-            outputs in their last bits (leave it out with ``names`` to keep them
-            bit for bit). None: harvest's own names.
+            ``.hook_resid_mid`` (the stream between them, not in a parallel
+            block), ``.hook_resid_post`` (its output) and ``.mlp.hook_pre`` /
+            ``.mlp.hook_post`` (its MLP's hidden layer; a gated MLP's, Penzai's or
+            gemma's, ``.mlp.hook_pre_linear`` too); the model ``"hook_embed"`` and
+            ``"hook_pos_embed"``; with ``attention=True``, ``"blocks.{i}.attn.hook_q"``
+            and so on. A module target's blocks are found, or refused, here. Where
+            ``resid_mid`` is no part's output (NNX, Equinox, gemma without
+            post-attention norm), sowing it can change the outputs in their last
+            bits (leave it out with ``names`` to keep them bit for bit). None:
+            harvest's own names.
 
     Returns:
         A callable with ``f``'s signature and outputs (a pytree, so it can
@@ -174,7 +146,15 @@ def instrument(
         )
     library = module_class(f)
     if library is not None:  # callable, but calling it builds a model
-        raise _instrument_module_class(f, library)
+        name = getattr(f, "__name__", repr(f))
+        what = f"build the model, then instrument it: instrument({name}(...))"
+        if library == "Flax Linen":
+            apply = f"{name}(...).apply(variables, x)"
+            what = f"instrument the function that applies one: instrument(lambda x: {apply})"
+        raise TypeError(
+            f"instrument got the {library} class {name}, not a model: {what}, passing the "
+            "arguments the class takes."
+        )
     if unbound_linen(f):  # callable, but only inside model.apply
         name = type(f).__name__
         raise TypeError(
@@ -195,4 +175,4 @@ def instrument(
     _transformer_lens.check_naming(naming, kind, describe(f), inputs)
     if naming is not None and kind != "function":  # a model's blocks are known now
         _transformer_lens.names_of(submodules(f, kind), kind, describe(f))
-    return cls(f, kind, tag, ops, inputs, select, names, attention, naming)
+    return cls(f, Options(kind, tag, ops, inputs, select, names, attention, naming))

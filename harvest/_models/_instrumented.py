@@ -1,17 +1,15 @@
 """`Instrumented`: the callable `instrument` returns, and how it flattens as a pytree.
 
-A call makes one `InstrumentCall` (`_call.py`) and runs the target
-with the sites it selects: a module target with its submodule classes wrapped
-(`_classes.py`), a function through Linen's interceptor
-(`_linen.py`), and with ops=True through the op sites' trace
-(`_op_sites.py`). A Penzai model, which can hold state, is an
-`InstrumentedPenzai` (`_penzai.py`).
+A call makes one `InstrumentCall` and runs the target with the sites it selects:
+a module target with its submodule classes wrapped (`_classes.py`), a function
+through Linen's interceptor (`_linen.py`), with ops=True through the op sites'
+trace (`_op_sites.py`).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -48,49 +46,36 @@ def _outermost(names: list[str], k: int = 6) -> str:
     return "they are " + ", ".join(map(repr, names[:k])) + more
 
 
-def _instrument_where_selects_no_submodule(where: Any, names: list[str]) -> ValueError:
-    return ValueError(
-        f"instrument: names={where!r} selects none of the model's submodules ({_outermost(names)})."
-    )
+class Options(NamedTuple):
+    """What `instrument` was asked for: the static part of an `Instrumented`."""
+
+    kind: str  # `_module_paths.kind` of the target
+    tag: str
+    ops: bool
+    inputs: bool
+    select: NameFilter  # from `names` and `exclude`
+    where: Any  # `names` as given, for messages
+    attention: bool
+    naming: str | None  # a naming of `_transformer_lens`, or None
 
 
+@jax.tree_util.register_pytree_with_keys_class
 class Instrumented:
     """`target`, callable as before, with its parts sown under `tag`.
 
-    A pytree whose child is the target (for a module), so transformations that
-    take it as an argument or bound object trace the model's arrays; a function
-    target is static, by identity (what it closes over is read when it is
-    traced, as `jax.jit(f)` reads it), but a ``functools.partial``'s arguments,
-    which are the call's. Only a Penzai model can hold state of its own
-    (`InstrumentedPenzai`); any other target is not `Stateful`, so a harvest call
-    looks for no state in it.
+    A pytree whose child is a module target, so transformations that take it trace
+    the model's arrays; a function target is static, by identity (what it closes
+    over is read when traced, as `jax.jit(f)` reads it), but a ``functools.partial``'s
+    arguments, which are the call's. Only a Penzai model can hold state of its own
+    (`InstrumentedPenzai`, `Stateful`).
     """
 
-    def __init__(
-        self,
-        target,
-        kind,
-        tag,
-        ops,
-        inputs,
-        select,
-        where,
-        attention=False,
-        names=None,
-        leaves=None,
-    ):
+    def __init__(self, target: Any, options: Options, leaves: Any = None):
         self._target = target
         # Penzai: (structure, arrays) of the frozen model a plain flatten gave, not rebuilt yet.
         self._leaves = leaves
         self._rebuilt = False  # whether `target` was rebuilt from `_leaves`
-        self._kind = kind
-        self._tag = tag
-        self._ops = ops
-        self._inputs = inputs
-        self._attention = attention
-        self._names = names  # a naming of `_transformer_lens`, or None
-        self._select = select
-        self._where = where
+        self._opts = options
         # Penzai: (the variables, their values, the frozen model's arrays, its structure).
         self._frozen = None
         if leaves is None:
@@ -107,37 +92,17 @@ class Instrumented:
     def target(self, value):
         self._target, self._leaves, self._frozen = value, None, None
 
-    def _static(self):
-        return (
-            self._kind,
-            self._tag,
-            self._ops,
-            self._inputs,
-            self._select,
-            self._where,
-            self._attention,
-            self._names,
-        )
-
     def tree_flatten(self):
-        if self._kind == "function":
-            if type(self._target) is functools.partial:
-                # Its arguments are the call's, as harvest takes a partial's: arrays traced.
-                target = self._target
-                return [target.args, target.keywords], (
-                    "partial",
-                    target.func,
-                    self._static(),
-                    None,
-                )
-            return (), ("function", _Identity(self.target), self._static(), None)
-        return self._children(), ("tree", None, self._static(), None)
+        if self._opts.kind != "function":
+            return self._children(), ("tree", None, self._opts)
+        if type(self._target) is functools.partial:
+            # Its arguments are the call's, as harvest takes a partial's: arrays traced.
+            target = self._target
+            return [target.args, target.keywords], ("partial", target.func, self._opts)
+        return (), ("function", _Identity(self.target), self._opts)
 
     def tree_flatten_with_keys(self):
-        if self._kind == "function":
-            children, aux = self.tree_flatten()
-        else:
-            children, aux = self._children(), ("tree", None, self._static(), None)
+        children, aux = Instrumented.tree_flatten(self)  # a Penzai model's layers, not its leaves
         return [(jax.tree_util.FlattenedIndexKey(i), c) for i, c in enumerate(children)], aux
 
     def _children(self):
@@ -145,92 +110,86 @@ class Instrumented:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        form, data, static, layout = aux
+        form, data, options = aux
         if form == "function":
-            return cls(data.value, *static)
+            return cls(data.value, options)
         if form == "partial":
-            return cls(functools.partial(data, *children[0], **children[1]), *static)
+            return cls(functools.partial(data, *children[0], **children[1]), options)
         if form == "leaves":
-            return cls(None, *static, leaves=(data, list(children)))
-        return cls(children[0], *static)
+            return cls(None, options, leaves=(data, list(children)))
+        return cls(children[0], options)
 
     def __repr__(self):
+        o = self._opts
         return (
-            f"instrument({describe(self.target)}, tag={self._tag!r}, ops={self._ops}, "
-            f"inputs={self._inputs}, attention={self._attention}"
-            + ("" if self._names is None else f", naming={self._names!r}")
+            f"instrument({describe(self.target)}, tag={o.tag!r}, ops={o.ops}, "
+            f"inputs={o.inputs}, attention={o.attention}"
+            + ("" if o.naming is None else f", naming={o.naming!r}")
             + ")"
         )
 
     def __call__(self, *args, **kwargs):
-        return self._call(*args, **kwargs)
-
-    def _call(self, *args, **kwargs):
-        call = InstrumentCall(
-            self._tag,
-            self._select,
-            self._ops,
-            self._inputs,
-            {},
-            kind=self._kind,
-            attention=self._attention,
-        )
-        if self._kind == "function":
-            if self._names is not None:  # gemma's blocks, named as they run
+        o = self._opts
+        call = InstrumentCall(o.tag, o.select, o.ops, o.inputs, kind=o.kind, attention=o.attention)
+        if o.kind == "function":
+            if o.naming is not None:  # gemma's blocks, named as they run
                 call.residual = _transformer_lens.Names()
             run = functools.partial(run_linen, call, self.target)
         else:
             run = self._module_run(call, self.target, args, kwargs)
-            if call.residual is not None and self._kind in ("nnx", "equinox"):
+            if call.residual is not None and o.kind in ("nnx", "equinox"):
                 call.residual.parallel = self._parallel_blocks(call.residual, args, kwargs)
-        if self._ops:
+        if o.ops:
             out = self._sow_ops(run, call, args, kwargs)
         else:
             out = run(*args, **kwargs)
         if call.residual is not None and not call.residual.inputs:
-            raise _transformer_lens.no_transformer_blocks(describe(self.target), self._kind)
+            raise _transformer_lens.no_transformer_blocks(describe(self.target), o.kind)
         if not call.sown:
-            raise _instrument_nothing_sown(self._where, self._kind, describe(self.target))
+            raise _instrument_nothing_sown(o.where, o.kind, describe(self.target))
         return out
 
     def _module_run(self, call, target, args, kwargs, probe=False):
         """`target` (a module) to be run for `call`: its parts found, named and wrapped
         (`names` checked to select one, unless `call` is a probe, which sows nothing)."""
-        parts = submodules(target, self._kind)
-        if self._names is not None:  # TransformerLens's names only
-            call.residual = _transformer_lens.names_of(parts, self._kind, describe(target))
-            names = call.residual.all_names(self._attention)
+        o = self._opts
+        parts = submodules(target, o.kind)
+        if o.naming is not None:  # TransformerLens's names only
+            call.residual = _transformer_lens.names_of(parts, o.kind, describe(target))
+            names = call.residual.all_names(o.attention)
         else:
-            names = [n for p, _ in parts for n in ((p, p + INPUTS) if self._inputs else (p,))]
-        if self._attention and self._names is None:
+            names = [n for p, _ in parts for n in ((p, p + INPUTS) if o.inputs else (p,))]
+        if o.attention and o.naming is None:
             names += [f"{p}.{h}" for p, m in parts if _attention.is_attention(m) for h in HOOKS]
-        checked = self._where is not None and not self._ops and not probe
-        if checked and not any(call.select((n,)) for n in names):
-            raise _instrument_where_selects_no_submodule(self._where, names)
+        if o.where is not None and not o.ops and not probe:
+            if not any(call.select((n,)) for n in names):
+                raise ValueError(
+                    f"instrument: names={o.where!r} selects none of the model's submodules "
+                    f"({_outermost(names)})."
+                )
         # Every module is wrapped (with ops=True its path names the ops inside,
         # whatever `names` selects); `sow` keeps to the selected ones.
         call.paths = {id(m): p for p, m in reversed(parts)}  # a shared module: its first path
         call.known = frozenset(call.paths.values())
         self._prepare(call, parts, names, args, kwargs)
-        marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if self._kind == "nnx" else []
-        if self._kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
+        marked = [(p, m) for p, m in parts if call.paths[id(m)] == p] if o.kind == "nnx" else []
+        if o.kind in ("equinox", "penzai"):  # pytrees: a rebuilt copy is found by structure
             call.parts = [(p, m) for p, m in parts if call.paths[id(m)] == p]
         return functools.partial(with_modules, call, {type(m) for _, m in parts}, marked, target)
 
     def _parallel_blocks(self, table, args, kwargs):
-        """The NNX or Equinox blocks (by path) whose MLP reads the block's input, not the
-        stream after attention (GPT-J's, GPT-NeoX's: TransformerLens's `parallel_attn_mlp`,
-        which has no hook_resid_mid). `resid_mid` is sown as the attention returns, before
-        the MLP shows which kind a block is, so the model is first run abstractly
-        (`jax.eval_shape`), sowing nothing; an NNX model as a copy, whose writes are lost.
-        Only where some `resid_mid` is selected."""
-        if not any(self._select((name,)) for _, name in table.mids.values()):
+        """The NNX or Equinox blocks (by path) whose MLP reads the block's input (GPT-J's:
+        no hook_resid_mid), where some `resid_mid` is selected. It is sown before the MLP
+        shows which kind a block is, so the model first runs abstractly, sowing nothing
+        (an NNX model as a copy, whose writes are lost)."""
+        o = self._opts
+        if not any(o.select((name,)) for _, name in table.mids.values()):
             return set()
-        probe = InstrumentCall(self._tag, NameFilter(allow=()), False, False, {}, kind=self._kind)
+        probe = InstrumentCall(o.tag, NameFilter(allow=()), False, False, kind=o.kind)
 
         def run():
             target = self.target
-            if self._kind == "nnx":  # copied inside the abstract trace, which may write to it
+            if o.kind == "nnx":  # copied inside the abstract trace, which may write to it
                 from flax import nnx
 
                 target = nnx.clone(target)
@@ -247,16 +206,6 @@ class Instrumented:
 
     def _sow_ops(self, run, call, args, kwargs):
         return sow_ops(run, call, args, kwargs)
-
-
-def register(cls: type[Instrumented]) -> None:
-    """Registers `cls` (`Instrumented` or a subclass) as a pytree."""
-    jax.tree_util.register_pytree_with_keys(
-        cls, cls.tree_flatten_with_keys, cls.tree_unflatten, flatten_func=cls.tree_flatten
-    )
-
-
-register(Instrumented)
 
 
 class _Identity:

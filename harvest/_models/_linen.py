@@ -2,23 +2,17 @@
 
 Linen's own `intercept_methods` sees every submodule's `__call__`; the
 interceptor sows its output under the module's scope path joined with dots.
-
 Two Linen features need more than that:
 
-* `nn.share_scope(parent, child)` gives `child` its parent's scope, so both
-  have one path. The child is named by the parent's name plus its own
-  (`"layer_0.mlp.Einsum_0"`), so each module stays one site of one shape.
-* `nn.jit` caches its trace on the module's fingerprint, which does not see
-  the interceptor: a later instrumented trace would reuse the first one (or an
-  uninstrumented one, with no sows in it). For the length of one instrumented
-  call, the fingerprint of every `nn.jit` call is salted with a number unique
-  to that call, so each instrumented trace traces `nn.jit` bodies afresh (one
-  more entry in `nn.jit`'s cache per trace, as a new input shape makes).
-  A `jax.jit` inside `f` (gemma's sampling loop jits its step) caches its
-  trace the same way; the call runs under a `jax.make_user_context` value
-  unique to it, which is part of every `jax.jit`'s cache key, so those bodies
-  are traced afresh too (where the context does not exist, a reused trace
-  keeps the sows of the call that made it).
+* `nn.share_scope(parent, child)` gives `child` its parent's scope: the child is
+  named by the parent's path plus its own name (`"layer_0.mlp.Einsum_0"`), so each
+  module stays one site of one shape.
+* `nn.jit` caches its trace on the module's fingerprint, which does not see the
+  interceptor, so a later instrumented trace would reuse an earlier one. During one
+  instrumented call every `nn.jit` fingerprint is salted with a number unique to
+  that call (one more cache entry per trace, as a new input shape makes). A
+  `jax.jit` inside `f` (gemma's sampling loop) is keyed apart the same way, by a
+  `jax.make_user_context` value unique to the call, where that context exists.
 """
 
 from __future__ import annotations
@@ -32,6 +26,7 @@ from typing import Any
 
 from .. import _jax
 from . import _attention, _transformer_lens
+from ._module_paths import optional
 
 _salt: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "harvest_linen_jit_salt", default=None
@@ -43,9 +38,8 @@ _patched = False
 
 def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Calls `f`, sowing for `call` the output of every Linen submodule it applies."""
-    try:
-        import flax.linen as nn
-    except ImportError:  # Flax is optional
+    nn = optional("flax.linen")
+    if nn is None:
         return f(*args, **kwargs)
     _salt_linen_jit()
 
@@ -65,7 +59,10 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
         if call.attention and _attention.is_gemma_attention(module):
             _attention.refuse_gemma_scores(call, path)
         a = call.sow_inputs(path, _transformer_lens.part_input(call, path, a))
-        with call.scope(path), _attention_fn_hooked(call, path, module):
+        hooks = contextlib.nullcontext()
+        if call.attention and _attention.flax_kind(module) == "linen":
+            hooks = _attention.flax_hooks(call, path, module, "linen")
+        with call.scope(path), hooks:
             out = next_fun(*a, **k)
         if in_gemma:
             out = _attention.gemma_output_hook(call, linen_path(parent), module.name, out)
@@ -79,13 +76,6 @@ def run_linen(call: Any, f: Callable[..., Any], *args: Any, **kwargs: Any) -> An
             return f(*args, **kwargs)
     finally:
         _salt.reset(token)
-
-
-def _attention_fn_hooked(call: Any, path: str, module: Any) -> Any:
-    """With attention=True, Linen's `MultiHeadDotProductAttention` sows its hooks while it runs."""
-    if call.attention and _attention.flax_kind(module) == "linen":
-        return _attention.flax_hooks(call, path, module, "linen")
-    return contextlib.nullcontext()
 
 
 def linen_path(module: Any) -> str:
@@ -110,8 +100,6 @@ def _salt_linen_jit() -> None:
     behind a feature check: without it, `nn.jit` bodies are traced as Flax caches them.
     """
     global _patched
-    if _patched:
-        return
     with _patch_lock:
         if _patched:
             return

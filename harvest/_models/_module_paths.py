@@ -9,55 +9,53 @@ walked by their key paths, so a Penzai layer's path is the key path
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
 import jax
 
 
-def _nnx() -> Any:
+def optional(module: str) -> Any:
+    """The module named `module`, or None where its library (Flax, Equinox, Penzai),
+    which harvest does not require, is not installed."""
     try:
-        from flax import nnx
-    except ImportError:  # Flax is optional
+        return importlib.import_module(module)
+    except ImportError:
         return None
-    return nnx
 
 
-def _eqx() -> Any:
-    try:
-        import equinox
-    except ImportError:  # Equinox is optional
-        return None
-    return equinox
+def is_named(obj: Any, name: str, package: str) -> bool:
+    """Whether `obj`'s class is called `name` and defined under `package`: for libraries
+    (gemma, Penzai's, ...) whose classes harvest recognises without importing them."""
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith(package)
 
 
-def penzai_layer() -> type | None:
-    """Penzai's layer base class, or None if Penzai is not installed."""
-    try:
-        from penzai.nn.layer import Layer
-    except ImportError:  # Penzai is optional
-        return None
-    return Layer
+def _leaves(model: Any, types: Any) -> list[Any]:
+    # By the leaves' own types: while `pz.select` builds a selection, stand-ins
+    # for the selected layers answer `isinstance` checks as if they were them.
+    is_leaf = lambda x: issubclass(type(x), types)
+    return [x for x in jax.tree_util.tree_leaves(model, is_leaf=is_leaf) if is_leaf(x)]
+
+
+def _replaced(model: Any, types: Any, new: Any) -> Any:
+    is_leaf = lambda x: issubclass(type(x), types)  # as `_leaves`
+    return jax.tree_util.tree_map(lambda x: new(x) if is_leaf(x) else x, model, is_leaf=is_leaf)
 
 
 def penzai_variables(model: Any) -> list[Any]:
     """The variables (`pz.Parameter`, `pz.StateVariable`) of a Penzai model, in tree order."""
     from penzai.core.variables import AbstractVariable
 
-    is_variable = lambda x: issubclass(type(x), AbstractVariable)
-    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_variable)
-    return [x for x in leaves if is_variable(x)]
+    return _leaves(model, AbstractVariable)
 
 
 def frozen_variables(model: Any) -> Any:
     """A Penzai model with each variable (`pz.Parameter`, `pz.StateVariable`) replaced by its frozen value."""
     from penzai.core.variables import AbstractVariable
 
-    # By the leaves' own types: while `pz.select` builds a selection, stand-ins
-    # for the selected layers answer `isinstance` checks as if they were them.
-    is_variable = lambda x: issubclass(type(x), AbstractVariable)
-    leaves, tree = jax.tree_util.tree_flatten(model, is_leaf=is_variable)
-    return jax.tree_util.tree_unflatten(tree, [x.freeze() if is_variable(x) else x for x in leaves])
+    return _replaced(model, AbstractVariable, lambda x: x.freeze())
 
 
 def penzai_states(model: Any, frozen: bool) -> dict[Any, Any]:
@@ -65,34 +63,35 @@ def penzai_states(model: Any, frozen: bool) -> dict[Any, Any]:
     mutable ones (`pz.StateVariable`), or, with `frozen`, their frozen values."""
     from penzai.core.variables import StateVariable, StateVariableValue
 
-    want = StateVariableValue if frozen else StateVariable
-    is_state = lambda x: issubclass(type(x), want)
-    leaves = jax.tree_util.tree_leaves(model, is_leaf=is_state)
-    return {x.get_slot(): x for x in leaves if is_state(x)}
+    return {
+        x.get_slot(): x for x in _leaves(model, StateVariableValue if frozen else StateVariable)
+    }
 
 
 def with_states(model: Any, states: dict[Any, Any]) -> Any:
     """`model` with each state variable (mutable or frozen) at a slot of `states` replaced by its entry."""
     from penzai.core.variables import StateVariable, StateVariableValue
 
-    is_state = lambda x: issubclass(type(x), (StateVariable, StateVariableValue))
-    return jax.tree_util.tree_map(
-        lambda x: states.get(x.get_slot(), x) if is_state(x) else x, model, is_leaf=is_state
-    )
+    types = (StateVariable, StateVariableValue)
+    return _replaced(model, types, lambda x: states.get(x.get_slot(), x))
+
+
+def _bases() -> list[tuple[str, str, Any]]:
+    """(kind, library, its module base class, None where not installed) of each model library."""
+    nnx, eqx = optional("flax.nnx"), optional("equinox")
+    return [
+        ("nnx", "Flax NNX", nnx and nnx.Module),
+        ("equinox", "Equinox", eqx and eqx.Module),
+        ("penzai", "Penzai", getattr(optional("penzai.nn.layer"), "Layer", None)),
+    ]
 
 
 def kind(target: Any) -> str | None:
     """ "nnx", "equinox", "penzai", "function", or None for a target `instrument` cannot take."""
-    nnx, eqx, layer = _nnx(), _eqx(), penzai_layer()
-    if nnx is not None and isinstance(target, nnx.Module):
-        return "nnx"
-    if eqx is not None and isinstance(target, eqx.Module):
-        return "equinox"
-    if layer is not None and isinstance(target, layer):
-        return "penzai"
-    if callable(target):
-        return "function"
-    return None
+    for name, _, base in _bases():
+        if base is not None and isinstance(target, base):
+            return name
+    return "function" if callable(target) else None
 
 
 def module_class(target: Any) -> str | None:
@@ -101,14 +100,7 @@ def module_class(target: Any) -> str | None:
     if not isinstance(target, type):
         return None
     linen = sys.modules.get("flax.linen")  # no Linen class exists before it is imported
-    nnx, eqx, layer = _nnx(), _eqx(), penzai_layer()
-    bases: list[tuple[str, Any]] = [
-        ("Flax NNX", nnx and nnx.Module),
-        ("Equinox", eqx and eqx.Module),
-        ("Penzai", layer),
-        ("Flax Linen", linen and linen.Module),
-    ]
-    for library, base in bases:
+    for _, library, base in [*_bases(), ("linen", "Flax Linen", linen and linen.Module)]:
         if base is not None and issubclass(target, base):
             return library
     return None
@@ -124,19 +116,16 @@ def unbound_linen(target: Any) -> bool:
 def submodules(target: Any, of_kind: str) -> list[tuple[str, Any]]:
     """(dotted path, submodule) for each submodule of a module target, root excluded."""
     if of_kind == "nnx":
-        return nnx_modules(target)
+        from flax import nnx
+
+        return [
+            (".".join(str(k) for k in path), node)
+            for path, node in nnx.iter_graph(target)
+            if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
+        ]
     if of_kind == "equinox":
-        return tree_modules(target, _eqx().Module)
-    return tree_modules(target, penzai_layer())
-
-
-def nnx_modules(model: Any) -> list[tuple[str, Any]]:
-    nnx = _nnx()
-    return [
-        (".".join(str(k) for k in path), node)
-        for path, node in nnx.iter_graph(model)
-        if path and isinstance(node, nnx.Module) and not isinstance(node, (nnx.List, nnx.Dict))
-    ]
+        return tree_modules(target, optional("equinox").Module)
+    return tree_modules(target, optional("penzai.nn.layer").Layer)
 
 
 def key_str(key: Any) -> str:

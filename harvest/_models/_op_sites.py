@@ -1,17 +1,15 @@
 """Op sites: every primitive's output in a function, sown (`instrument(..., ops=True)`).
 
-The function is traced to a jaxpr once per call, and the jaxpr re-evaluated
-equation by equation with a sow after each one. Loop and branch bodies are
-re-staged through `lax.scan`, `lax.while_loop`, `lax.switch` and
-`jax.checkpoint` with their ops sown inside, so reap stacks them as it stacks
-any sow in a loop; `jit` bodies are inlined under their name. Custom
-derivatives (e.g. `jax.nn.relu`) and other higher-order primitives count as one
-op and are re-bound untouched. Sows already in the jaxpr are re-bound as they
-are, never sown again.
+The function is traced to a jaxpr once per call and re-evaluated equation by
+equation with a sow after each. Loop and branch bodies are re-staged (`scan`,
+`while_loop`, `switch`, `checkpoint`) with their ops sown inside, so reap stacks
+them as any sow in a loop; `jit` bodies are inlined under their name. Custom
+derivatives and other higher-order primitives count as one op; sows already in
+the jaxpr are re-bound as they are.
 
 A name is `"<scope>/<primitive>:<n>"`: the `jax.named_scope` stack from the
-innermost instrumented module's path on (each pushes its whole path), the primitive (a custom derivative's or
-jit's function name), and a count per scope and primitive, in program order.
+innermost instrumented module's path on, the primitive (a custom derivative's
+or jit's function name), and a count per scope and primitive, in program order.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ from .._walk._leaves import reveal_static
 from .._walk._modes import AUTO
 from .._walk._primitive import sow_p
 
-INSTRUMENT_MODE = (
-    AUTO.name
-)  # once: the value itself; several times or in a loop: stacked (`instrument`)
+# Sown once: the value itself; several times or in a loop: stacked (`instrument`).
+INSTRUMENT_MODE = AUTO.name
 
 
 def sow_ops(f, call, args, kwargs):
@@ -44,13 +41,6 @@ def sow_ops(f, call, args, kwargs):
     return reveal_static(out)
 
 
-def _scope_str(scopes, module_paths):
-    # A module's path is pushed whole, so it starts the name; the scopes around
-    # it (enclosing modules, Linen's own per-module scopes) are dropped.
-    starts = [i for i, s in enumerate(scopes) if s in module_paths]
-    return "/".join(scopes[starts[-1] if starts else 0 :])
-
-
 def _sowable(x):
     dtype = jax.typeof(x).dtype
     return not jax.dtypes.issubdtype(dtype, jax.dtypes.extended) and dtype != jax.dtypes.float0
@@ -62,7 +52,10 @@ class _Walk:
         self.counts: dict[tuple, int] = {}
 
     def name(self, scopes, op):
-        scope = _scope_str(scopes, self.call.scopes)
+        # A module's path is pushed whole, so it starts the name; the scopes around
+        # it (enclosing modules, Linen's own per-module scopes) are dropped.
+        starts = [i for i, s in enumerate(scopes) if s in self.call.scopes]
+        scope = "/".join(scopes[starts[-1] if starts else 0 :])
         n = self.counts.get((scope, op), 0)
         self.counts[(scope, op)] = n + 1
         return f"{scope}/{op}:{n}" if scope else f"{op}:{n}"

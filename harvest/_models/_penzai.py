@@ -1,18 +1,16 @@
 """`InstrumentedPenzai`: an instrumented Penzai model, whose state variables a harvest call threads.
 
-A Penzai model's variables are its frozen values when flattened. Called
-with frozen `pz.StateVariable` values (inside a harvest trace, or a jit it
-was passed to), it runs on mutable copies of them, as `pz.variable_jit`
-does, and keeps their new values; a harvest call hands those out of its
-trace and writes them to the caller's variables (`Stateful`).
+Called with frozen `pz.StateVariable` values (inside a harvest trace, or a jit
+it was passed to), the model runs on mutable copies of them, as
+`pz.variable_jit` does, and keeps their new values; a harvest call hands those
+out of its trace and writes them to the caller's variables (`Stateful`).
 
 Flattening a Penzai layer tree runs Python for every layer, and an eager
-harvest call flattens its parts several times (`jax.jit` once). So while
-harvest flattens a call (`flattening_call`), the model gives the frozen
-model's arrays as direct children, its structure (kept while no variable
-changes) as auxiliary data, and the copy made from them rebuilds the model
-only when it is first used. Any other flatten (`jax.jit`, `pz.select`)
-gives the frozen model itself as the one child, so its layers are seen.
+harvest call flattens several times. So inside `flattening_call` the model's
+children are the frozen model's arrays, its structure (kept while no variable
+changes) the auxiliary data, and the copy made from them rebuilds the model only
+when first used. Any other flatten (`jax.jit`, `pz.select`) gives the frozen
+model itself as the one child, so its layers are seen.
 """
 
 from __future__ import annotations
@@ -22,23 +20,19 @@ import jax
 from .._calling._stateful import Stateful, in_flattening_call
 from .._walk._leaves import is_named_array
 from . import _attention
-from ._instrumented import Instrumented, register
-from ._module_paths import (
-    frozen_variables,
-    penzai_states,
-    penzai_variables,
-    with_states,
-)
+from ._instrumented import Instrumented
+from ._module_paths import frozen_variables, penzai_states, penzai_variables, with_states
 from ._op_sites import sow_ops
 
 
+@jax.tree_util.register_pytree_with_keys_class
 class InstrumentedPenzai(Instrumented, Stateful):
     """An instrumented Penzai model: its `pz.StateVariable`s are state a harvest call threads."""
 
     def tree_flatten(self):
         if not self._rebuilt and (self._leaves is not None or in_flattening_call()):
             tree, leaves = self._leaves if self._leaves is not None else self._frozen_flat()
-            return leaves, ("leaves", tree, self._static(), None)
+            return leaves, ("leaves", tree, self._opts)
         return super().tree_flatten()
 
     def _children(self):
@@ -69,26 +63,25 @@ class InstrumentedPenzai(Instrumented, Stateful):
 
     def _prepare(self, call, parts, names, args, kwargs):
         """Refuses sites under a `LayerStack`; notes the attention layers and the call's named axes."""
-        _refuse_layer_stacks(parts, names, self._select, self._ops)
-        if self._attention:
-            call.attention_paths = _attention.penzai_attention_paths(parts)
-            call.penzai_hooks = _attention.penzai_hook_paths(parts, call.attention_paths)
+        _refuse_layer_stacks(parts, names, self._opts.select, self._opts.ops)
+        if self._opts.attention:
+            call.penzai_hooks = _attention.penzai_hook_paths(parts)
         named = jax.tree_util.tree_leaves((args, kwargs), is_leaf=is_named_array)
         call.input_axes = tuple(
             dict.fromkeys(n for a in named if is_named_array(a) for n in a.named_shape)
         )
 
-    def _call(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         frozen = penzai_states(self.target, frozen=True)
         if not frozen:
-            return super()._call(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
         # A traced copy: the model writes its state variables, so it runs on
         # mutable copies, and keeps what they hold after (for the next call,
         # and for `harvest_state`).
         live = {slot: value.unfreeze_as_copy() for slot, value in frozen.items()}
         self.target = with_states(self.target, live)
         try:
-            return super()._call(*args, **kwargs)
+            return super().__call__(*args, **kwargs)
         finally:
             self.target = with_states(self.target, {slot: v.freeze() for slot, v in live.items()})
 
@@ -100,19 +93,20 @@ class InstrumentedPenzai(Instrumented, Stateful):
         if not states:
             return sow_ops(run, call, args, kwargs)
 
-        def threaded(values, *args, **kwargs):
+        def load(values):
             for variable, value in zip(states, values):
                 variable.value = value
+
+        def threaded(values, *args, **kwargs):
+            load(values)
             return run(*args, **kwargs), [variable.value for variable in states]
 
         before = [variable.value for variable in states]
         try:
             out, after = sow_ops(threaded, call, (before, *args), kwargs)
         finally:  # the trace left its own tracers in the variables
-            for variable, value in zip(states, before):
-                variable.value = value
-        for variable, value in zip(states, after):
-            variable.value = value
+            load(before)
+        load(after)
         return out
 
     def harvest_state(self):
@@ -121,9 +115,6 @@ class InstrumentedPenzai(Instrumented, Stateful):
     def harvest_write_state(self, state):
         for variable, value in zip(penzai_states(self.target, frozen=False).values(), state):
             variable.update(value)
-
-
-register(InstrumentedPenzai)
 
 
 def _refuse_layer_stacks(parts, names, select, ops):
@@ -137,11 +128,9 @@ def _refuse_layer_stacks(parts, names, select, ops):
         if isinstance(module, LayerStack):
             inside = [n for n in names if n.startswith(path + ".") and select((n,))]
             if inside or ops:
-                what = (
-                    f"sites inside it ({', '.join(map(repr, inside[:2]))}, ...)"
-                    if inside
-                    else "op sites"
-                )
+                what = "op sites"
+                if inside:
+                    what = f"sites inside it ({', '.join(map(repr, inside[:2]))}, ...)"
                 raise NotImplementedError(
                     f"instrument: the Penzai model runs a pz.nn.LayerStack at {path!r} (use_layer_stack=True), "
                     f"whose layers run as unbound copies that harvest cannot name yet, so {what} would be "

@@ -1,12 +1,10 @@
 """Equinox (and Penzai) modules rebuilt from a part's arrays, named by the part they came from.
 
-Scan over layers in Equinox stacks the layers' arrays (`eqx.filter_vmap` of a
-constructor) and, inside `jax.lax.scan`, rebuilds one layer per iteration
-from a slice of them (`eqx.combine`, or the module passed as `xs`). An
-Equinox module carries nothing but its fields, so the rebuilt layer is found
-by its structure: same class and static fields, and arrays that are the
-part's own, or of the part's shapes (a copy made by a transformation), or of
-its shapes without their common leading axis (a slice of a stack).
+Scan over layers in Equinox stacks the layers' arrays and rebuilds one layer per
+iteration from a slice of them (`eqx.combine`, or the module passed as `xs`). An
+Equinox module carries nothing but its fields, so the rebuilt layer is found by
+its structure: same class and static fields, and arrays that are the part's own,
+of its shapes (a copy), or of its shapes without a common leading axis (a slice).
 """
 
 from __future__ import annotations

@@ -1,58 +1,31 @@
 """TransformerLens's hook names (`instrument(..., naming="transformer_lens")`).
 
 With the naming asked for, a call sows TransformerLens's names only (the keys of
-its ``ActivationCache``), not the module paths: each transformer block found in
-the model, numbered ``i`` in the model's order, gets
+its ``ActivationCache``; `instrument`'s docstring lists them), not the paths:
+``blocks.{i}.hook_resid_pre`` and so on for each block found, numbered in the
+model's order, ``hook_embed`` and ``hook_pos_embed`` for the embedding modules
+outside the blocks (`_embeddings`). Each is sown where the value is, so a plant
+there changes what the block computes with. Three kinds of block are read:
 
-* ``blocks.{i}.hook_resid_pre``: the block's input (the stream it reads; layer 0's
-  is the embeddings' sum, whatever computed it);
-* ``blocks.{i}.hook_attn_out``: what attention adds to the stream;
-* ``blocks.{i}.hook_resid_mid``: the stream after that addition (blocks with an MLP);
-* ``blocks.{i}.hook_mlp_out``: what the MLP adds to the stream;
-* ``blocks.{i}.hook_resid_post``: the block's output;
-* ``blocks.{i}.mlp.hook_pre`` / ``hook_post``: the MLP's first linear map's output
-  and its last one's input (`mlp_hooks`; Penzai's gated feed-forward layers:
-  the gate's output, ``hook_pre_linear`` the other branch's, `_add_penzai_mlp`);
-
-and the model ``hook_embed`` and ``hook_pos_embed`` (the outputs of its embedding
-modules outside the blocks, `_embeddings`). With ``attention=True``, the
-block's attention hooks are ``blocks.{i}.attn.hook_q`` (and ``_k``, ``_v``,
-``_z``, ``_attn_scores``, ``_pattern``, `_attention.py`).
-
-Each is sown where the value is, so a plant there changes what the block
-computes with. Three kinds of block are read:
-
-* Penzai: a layer whose sublayers are two ``pz.nn.Residual``, the first holding
-  an attention layer (the llama-like blocks of ``penzai.models.transformer``,
-  its Gemma's among them), or one (attention only); or a parallel block, one
-  ``BranchAndAddTogether`` of the identity, the attention's branch and the MLP's
-  (GPT-NeoX's: TransformerLens's ``parallel_attn_mlp``, no ``resid_mid``). Every
-  name is a layer's input or output.
-* Flax NNX and Equinox: a module with one attention submodule
-  (``nnx.MultiHeadAttention``, ``eqx.nn.MultiheadAttention``) and one submodule
-  named ``mlp`` (TransformerLens's own name), whose forward adds the attention's
-  output to its input, as GPT-2's ``x = x + attn(ln_1(x))`` does; or, attention
-  only (TransformerLens's ``attn_only``), an element of a list with one attention
-  submodule and no ``mlp``. ``resid_mid`` is not a submodule's output there, so
-  it is sown beside the attention's output as ``resid_pre + attn_out``; a value
-  planted there moves the attention's output by the difference, so the block's
-  own addition gives the planted value (up to rounding). That extra addition can
-  change how XLA compiles the attention's last product, and so the model's
-  outputs in their last bits; leaving ``resid_mid`` out (``exclude``) keeps them
-  bit for bit. A parallel block, whose MLP reads the block's input (GPT-J's;
-  TransformerLens's ``parallel_attn_mlp``), has no ``resid_mid``: only its
-  forward says so, after the attention has returned, so where ``resid_mid`` is
-  asked for the model first runs abstractly, sowing nothing, and the blocks
-  `_check_sequential` sees to be parallel are noted (``Names.parallel``). A
-  block seen computing otherwise is refused (`_check_sequential`): one that
-  hands its attention's output to another submodule before adding it, an
-  attention given keys or values other than its queries. A list element with two attention submodules (a
-  decoder's self- and cross-attention) is refused when the model is instrumented.
-* gemma's ``Block`` (Linen, in a function target), named as it starts to run:
-  its forward is known (`gemma_block`); ``resid_mid`` is sown as in NNX. Its gated
-  feed-forward's hooks are read at its two einsums (`gemma_mlp_output`,
-  `gemma_mlp_input`), and ``hook_embed`` is its ``Embedder.encode``'s output
-  (`gemma_embed`: the token embeddings times sqrt(d_model), as TransformerLens's are).
+* Penzai: a layer of two ``pz.nn.Residual``, the first holding an attention layer
+  (``penzai.models.transformer``'s blocks), or one (attention only); or a
+  parallel block, one ``BranchAndAddTogether`` of the identity, the attention's
+  branch and the MLP's (GPT-NeoX's, no ``resid_mid``). Every name is a layer's
+  input or output; a gated feed-forward's gate gives ``mlp.hook_pre``, its other
+  branch ``hook_pre_linear`` (`_add_penzai_mlp`).
+* Flax NNX and Equinox: a module with one attention submodule and one named
+  ``mlp`` whose forward adds the attention's output to its input (GPT-2's
+  ``x = x + attn(ln_1(x))``); or, attention only, a list element with one
+  attention submodule. ``resid_mid`` is no submodule's output there, so it is
+  sown beside the attention's output as ``resid_pre + attn_out`` (`_resid_mid`).
+  A parallel block (GPT-J's) has no ``resid_mid``, which only its forward shows,
+  after the attention returned: so where ``resid_mid`` is asked for, the model
+  first runs abstractly, sowing nothing, noting the blocks `_check_sequential`
+  sees to be parallel (``Names.parallel``). A block seen computing otherwise, a
+  cross-attention, or a list element with two attention submodules is refused.
+* gemma's ``Block`` (Linen, in a function target), named as it starts to run
+  (`gemma_block`): ``resid_mid`` as in NNX, the gated feed-forward's hooks at its
+  two einsums, ``hook_embed`` at ``Embedder.encode``'s output.
 """
 
 from __future__ import annotations
@@ -65,6 +38,7 @@ import jax.numpy as jnp
 
 from .. import _jax
 from . import _attention
+from ._module_paths import is_named, optional
 
 NAMINGS = ("transformer_lens",)  # what `instrument(naming=...)` takes
 
@@ -101,8 +75,7 @@ class Names:
     attention_out: dict[str, Any] = dataclasses.field(default_factory=dict)
     pairs: set[str] = dataclasses.field(default_factory=set)  # gemma: parts giving (cache, x)
     gated: dict[str, str] = dataclasses.field(default_factory=dict)  # gemma: mlp -> blocks.{i}.mlp
-    # NNX and Equinox: the blocks seen to be parallel (no resid_mid), by a probe's run
-    # (`probing`: it notes them rather than refusing them).
+    # NNX and Equinox: the blocks a probe's run (`probing`) saw to be parallel (no resid_mid).
     parallel: set[str] = dataclasses.field(default_factory=set)
     probing: bool = False
 
@@ -111,18 +84,14 @@ class Names:
         names = [*self.inputs.values(), *(n for ns in self.outputs.values() for n in ns)]
         names += [name for _, name in self.mids.values()]
         for prefix, linears in self.mlps.values():
-            names += [f"{prefix}.{h}" for h in mlp_hooks(len(linears))]
+            # hook_pre is the first map's output with exactly two maps (of three, a gated
+            # MLP's, which one is the gate is not known).
+            hooks = MLP_HOOKS if len(linears) == 2 else ("hook_post",)
+            names += [f"{prefix}.{h}" for h in hooks]
         names += [f"{prefix}.{h}" for prefix in self.gated.values() for h in GATED_HOOKS]
         if attention:
             names += [f"{alias}.{h}" for alias in self.hooks.values() for h in _attention.HOOKS]
         return names
-
-
-def mlp_hooks(linears: int) -> tuple[str, ...]:
-    """The MLP hooks an MLP of `linears` linear maps gets: ``hook_post`` (its last map's
-    input) from two on, ``hook_pre`` (its first map's output) with exactly two (with three,
-    a gated MLP's, which map is the gate is not known)."""
-    return MLP_HOOKS if linears == 2 else MLP_HOOKS[1:] if linears > 2 else ()
 
 
 _KINDS = {
@@ -136,7 +105,7 @@ _KINDS = {
 def no_transformer_blocks(target: str, kind: str) -> ValueError:
     return ValueError(
         f"instrument(naming='transformer_lens') found no transformer block in {target} "
-        f"({_KINDS.get(kind, kind)}). It reads Flax NNX and Equinox blocks (a module with one attention submodule, "
+        f"({_KINDS[kind]}). It reads Flax NNX and Equinox blocks (a module with one attention submodule, "
         "nnx.MultiHeadAttention or eqx.nn.MultiheadAttention, and one submodule named `mlp`; or, "
         "attention only, an element of a list with one attention submodule), Penzai blocks (a "
         "layer of one or two pz.nn.Residual, the first holding the attention) and the gemma "
@@ -153,8 +122,6 @@ def check_naming(names: Any, kind: str, target: str, inputs: bool) -> None:
             f"instrument: unknown names={names!r}. Use one of {', '.join(map(repr, NAMINGS))}, or None "
             "for harvest's own names (each part's dotted path)."
         )
-    if kind not in ("nnx", "equinox", "penzai", "function"):
-        raise no_transformer_blocks(target, kind)
     if inputs:
         raise ValueError(
             "instrument(naming='transformer_lens') sows TransformerLens's names only, so inputs=True "
@@ -195,7 +162,8 @@ def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, del
     of a group named "gate" and a linear branch) the gate's, ``hook_pre_linear`` the other's."""
     from penzai import pz
 
-    found = [(p, m) for p, m in parts if p.startswith(delta + ".") and _is_feed_forward(m)]
+    inside = [(p, m) for p, m in parts if p.startswith(delta + ".")]
+    found = [(p, m) for p, m in inside if is_named(m, "TransformerFeedForward", "penzai.")]
     if len(found) != 1:
         return
     path, layer = found[0]
@@ -219,11 +187,6 @@ def _add_penzai_mlp(table: Names, parts: list[tuple[str, Any]], prefix: str, del
         table.outputs.setdefault(part, []).append(f"{prefix}.{hook}")
 
 
-def _is_feed_forward(layer: Any) -> bool:
-    cls = type(layer)
-    return cls.__name__ == "TransformerFeedForward" and cls.__module__.startswith("penzai.")
-
-
 def _add(
     table: Names,
     path: str,
@@ -240,11 +203,10 @@ def _add(
     for part, hook in ((attn_out, "attn_out"), (mlp_out, "mlp_out"), (path, "resid_post")):
         if part is not None:
             table.outputs.setdefault(part, []).append(f"{name}.hook_{hook}")
-    if mlp_out is None or mid == PARALLEL:  # TransformerLens's `attn_only` and
-        pass  # `parallel_attn_mlp` blocks have no resid_mid
-    elif mid is None:
+    # TransformerLens's `attn_only` and `parallel_attn_mlp` blocks have no resid_mid.
+    if mid is None and mlp_out is not None:
         table.mids[attn_out] = (path, f"{name}.hook_resid_mid")
-    else:
+    elif mid is not None and mid != PARALLEL:
         table.outputs.setdefault(mid, []).append(f"{name}.hook_resid_mid")
     table.hooks[attention] = f"{name}.attn"
 
@@ -262,31 +224,19 @@ def _add_mlp(table: Names, parts: list[tuple[str, Any]], block: str, mlp: str) -
 def _is_linear(module: Any) -> bool:
     """A linear map an MLP is built of: NNX's ``Linear``, ``LinearGeneral``, ``Einsum``,
     Equinox's ``Linear``."""
-    try:
-        from flax import nnx
-
-        if isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
-            return True
-    except ImportError:  # Flax is optional
-        pass
-    try:
-        import equinox
-    except ImportError:  # Equinox is optional
-        return False
-    return isinstance(module, equinox.nn.Linear)
+    nnx, eqx = optional("flax.nnx"), optional("equinox")
+    if nnx is not None and isinstance(module, (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)):
+        return True
+    return eqx is not None and isinstance(module, eqx.nn.Linear)
 
 
 def gemma_block(call: Any, path: str, module: Any) -> None:
     """Names the Linen module at `path` as the next block if it is gemma's `Block`, as it
-    starts to run (a function target's modules are known only then). Its forward (gemma
-    3's `Block.__call__`): `attn_out` is the attention's output after the optional
-    post-attention norm, added to the input; `mlp_out` the MLP's after the optional
-    post-MLP norm, added to that; the block and its attention return `(cache, x)`."""
+    starts to run (a function target's modules are known only then). In gemma 3's
+    forward, `attn_out` is the post-attention norm's output (the attention's, without
+    one), `mlp_out` likewise; the block and its attention return `(cache, x)`."""
     table = call.residual
-    cls = type(module)
-    if table is None or path in table.inputs or cls.__name__ != "Block":
-        return
-    if not cls.__module__.startswith("gemma."):
+    if table is None or path in table.inputs or not is_named(module, "Block", "gemma."):
         return
     attn_out = f"{path}.post_attention_norm" if module.use_post_attn_norm else f"{path}.attn"
     mlp_out = f"{path}.post_ffw_norm" if module.use_post_ffw_norm else f"{path}.mlp"
@@ -299,8 +249,7 @@ def gemma_embed(call: Any, module: Any, out: Any) -> Any:
     """`out`, what `module.encode` returned, sown as ``hook_embed`` if `module` is gemma's
     `Embedder` (its table's rows times sqrt(d_model), which TransformerLens's conversion
     folds into its ``W_E``)."""
-    cls = type(module)
-    is_gemma = cls.__name__ == "Embedder" and cls.__module__.startswith("gemma.")
+    is_gemma = is_named(module, "Embedder", "gemma.")
     return call.sow("hook_embed", out) if call.residual is not None and is_gemma else out
 
 
@@ -368,89 +317,67 @@ def _module_blocks(parts: list[tuple[str, Any]], kind: str) -> list[_Block]:
                 "decoder's self- and cross-attention do; TransformerLens's block names describe one. "
                 "Reap the block's parts by their paths instead (names=None)."
             )
-        if len(attention) == 1 and len(mlp) == 1:
-            found.append((path, attention[0], attention[0], None, mlp[0]))
-        elif len(attention) == 1 and not mlp and listed:
-            found.append((path, attention[0], attention[0], None, None))
+        if len(attention) == 1 and (len(mlp) == 1 or (not mlp and listed)):  # or attention only
+            found.append((path, attention[0], attention[0], None, mlp[0] if mlp else None))
     return found
 
 
 def _penzai_blocks(parts: list[tuple[str, Any]]) -> list[_Block]:
-    """(block, attention, attn_out part, resid_mid part, mlp_out part) of each Penzai block."""
+    """(block, attention, attn_out part, resid_mid part, mlp_out part) of each Penzai block:
+    one or two ``Residual`` (the first holding the attention), or a parallel block
+    (GPT-NeoX's, ``x + attn(...) + mlp(...)``): one ``BranchAndAddTogether`` of the
+    identity, a branch holding the attention and one holding none."""
     from penzai import pz
 
-    attentions = _attention.penzai_attention_paths(parts)
+    attentions = sorted(_attention.penzai_attention_paths(parts))
+
+    def within(part: str) -> list[str]:
+        return [a for a in attentions if a.startswith(part + ".")]
+
     found: list[_Block] = []
     for path, layer in parts:
         sublayers = getattr(layer, "sublayers", None)
-        parallel = _penzai_parallel(path, layer, attentions)
-        if parallel is not None:
-            found.append(parallel)
+        if not isinstance(sublayers, list) or len(sublayers) not in (1, 2):
             continue
-        if not (
-            isinstance(sublayers, list)
-            and len(sublayers) in (1, 2)
-            and all(isinstance(s, pz.nn.Residual) for s in sublayers)
+        first, second, add = f"{path}.sublayers.0", f"{path}.sublayers.1", sublayers[0]
+        if (
+            len(sublayers) == 1
+            and isinstance(add, pz.nn.BranchAndAddTogether)
+            and len(add.branches) == 3
+            and isinstance(add.branches[0], pz.nn.Identity)
         ):
-            continue
-        first = f"{path}.sublayers.0"
-        inside = [a for a in sorted(attentions) if a.startswith(first + ".")]
-        if len(inside) != 1:
-            continue
-        if len(sublayers) == 1:  # attention only
-            found.append((path, inside[0], f"{first}.delta", None, None))
-            continue
-        second = f"{path}.sublayers.1"
-        if not any(a.startswith(second + ".") for a in attentions):
-            found.append((path, inside[0], f"{first}.delta", first, f"{second}.delta"))
+            attn, mlp = f"{first}.branches.1", f"{first}.branches.2"
+            if len(within(attn)) == 1 and not within(mlp):
+                found.append((path, within(attn)[0], attn, PARALLEL, mlp))
+        elif all(isinstance(s, pz.nn.Residual) for s in sublayers) and len(within(first)) == 1:
+            if len(sublayers) == 1:  # attention only
+                found.append((path, within(first)[0], f"{first}.delta", None, None))
+            elif not within(second):
+                found.append((path, within(first)[0], f"{first}.delta", first, f"{second}.delta"))
     return found
 
 
-def _penzai_parallel(path: str, layer: Any, attentions: frozenset[str]) -> _Block | None:
-    """A Penzai parallel block (GPT-NeoX's, TransformerLens's `parallel_attn_mlp`): one
-    ``BranchAndAddTogether`` of the identity, a branch holding the attention and one
-    holding none, so ``x + attn(...) + mlp(...)``; None for any other layer."""
-    from penzai import pz
-
-    sublayers = getattr(layer, "sublayers", None)
-    if not (isinstance(sublayers, list) and len(sublayers) == 1):
-        return None
-    add = sublayers[0]
-    if not isinstance(add, pz.nn.BranchAndAddTogether) or len(add.branches) != 3:
-        return None
-    if not isinstance(add.branches[0], pz.nn.Identity):
-        return None
-    at = f"{path}.sublayers.0.branches"
-    attn = [a for a in sorted(attentions) if a.startswith(f"{at}.1.")]
-    if len(attn) != 1 or any(a.startswith(f"{at}.2.") for a in attentions):
-        return None
-    return (path, attn[0], f"{at}.1", PARALLEL, f"{at}.2")
+# Each module target's kind of embedding module: (class name, its package).
+_EMBEDDINGS = {
+    "nnx": ("Embed", "flax.nnx"),
+    "equinox": ("Embedding", "equinox."),
+    "penzai": ("EmbeddingLookup", "penzai."),
+}
 
 
 def _embeddings(outside: list[tuple[str, Any]], kind: str) -> dict[str, str]:
     """{path: "hook_embed" or "hook_pos_embed"} for the embedding modules outside the
     blocks: one is the token embedding; of two, the one whose name has "pos" (or is
     GPT-2's "wpe") is the positional one. Any other number names none."""
-    found = [p for p, m in outside if _is_embedding(m, kind)]
 
     def positional(path: str) -> bool:
         leaf = path.rpartition(".")[2].lower()
         return "pos" in leaf or leaf == "wpe"
 
-    if len(found) == 1 and not positional(found[0]):
-        return {found[0]: "hook_embed"}
-    if len(found) == 2 and positional(found[0]) != positional(found[1]):
-        return {p: "hook_pos_embed" if positional(p) else "hook_embed" for p in found}
-    return {}
-
-
-def _is_embedding(module: Any, kind: str) -> bool:
-    cls = type(module)
-    if kind == "penzai":
-        return cls.__name__ == "EmbeddingLookup" and cls.__module__.startswith("penzai.")
-    if kind == "equinox":
-        return cls.__name__ == "Embedding" and cls.__module__.startswith("equinox.")
-    return cls.__name__ == "Embed" and cls.__module__.startswith("flax.nnx")
+    found = [p for p, m in outside if is_named(m, *_EMBEDDINGS[kind])]
+    names = {p: "hook_pos_embed" if positional(p) else "hook_embed" for p in found}
+    one_each = len(set(names.values())) == len(names)  # a token embedding, a positional one
+    return names if one_each and "hook_embed" in names.values() else {}
 
 
 # ---------------------------------------------------------------------------
@@ -464,14 +391,26 @@ def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     table = call.residual
     if table is None:
         return args
-    if path in table.blocks:
-        _check_self_attention(table, path, args)
+    given = [a for a in args[:3] if getattr(a, "shape", None) is not None]  # (q, k, v)
+    if path in table.blocks and any(a is not given[0] for a in given[1:]):
+        raise ValueError(
+            f"instrument(naming='transformer_lens'): the attention at {path!r} in the block at "
+            f"{table.blocks[path]!r} is given keys or values other than its queries (cross-attention), "
+            "which TransformerLens's block names do not describe. Reap the block's parts by their "
+            "paths instead (names=None)."
+        )
     if table.mids:
         _check_sequential(call, table, path, args)
     if path in table.mlps:
         table.called[path] = 0
-    elif path in table.linears and args:
-        return _linear_input(call, table, path, args)
+    elif path in table.linears and args:  # an MLP's last linear map: its input is hook_post
+        mlp = table.linears[path]
+        prefix, linears = table.mlps[mlp]
+        index = table.called.get(mlp, 0)
+        table.called[mlp] = index + 1
+        if index != len(linears) - 1:
+            return args
+        return (call.sow(f"{prefix}.hook_post", args[0]), *args[1:])
     name = table.inputs.get(path)
     if name is None or not args:
         return args
@@ -482,38 +421,12 @@ def part_input(call: Any, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (stream, *args[1:])
 
 
-def _linear_input(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """`args` of an MLP's linear map: the last one's input sown as the MLP's hook_post."""
-    mlp = table.linears[path]
-    prefix, linears = table.mlps[mlp]
-    index = table.called.get(mlp, 0)
-    table.called[mlp] = index + 1
-    if index != len(linears) - 1:
-        return args
-    return (call.sow(f"{prefix}.hook_post", args[0]), *args[1:])
-
-
-def _check_self_attention(table: Names, path: str, args: tuple[Any, ...]) -> None:
-    """Raises where a block's attention is given keys or values other than its queries
-    (cross-attention), which TransformerLens's block hooks do not describe."""
-    given = [a for a in args[:3] if getattr(a, "shape", None) is not None]
-    if any(a is not given[0] for a in given[1:]):
-        raise ValueError(
-            f"instrument(naming='transformer_lens'): the attention at {path!r} in the block at "
-            f"{table.blocks[path]!r} is given keys or values other than its queries (cross-attention), which "
-            "TransformerLens's block names do not describe. Reap the block's parts by their paths "
-            "instead (names=None)."
-        )
-
-
 def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...]) -> None:
-    """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not
-    to add its attention's output straight to its input, then run its MLP on the sum,
-    which `attn_out` and `resid_mid` assume: a part that takes the attention's output (a
-    norm after attention in an NNX block; gemma's Block names its own as attn_out). After
-    the attention, a part that takes the block's input or what the attention took marks
-    a parallel block (GPT-J's, whose MLP does not read `resid_mid`): noted on a probe's
-    run, refused on another if its resid_mid is sown."""
+    """Raises where a block whose resid_mid is computed (NNX, Equinox, gemma) is seen not to
+    add its attention's output straight to its input, as `attn_out` and `resid_mid` assume
+    (a part takes that output: a norm after attention). After the attention, a part taking
+    the block's input or what the attention took marks a parallel block (GPT-J's): noted
+    on a probe's run, refused on another if its resid_mid is sown."""
     if path in table.mids:
         table.attention_args[table.mids[path][0]] = args
         return
@@ -534,7 +447,7 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
             continue
         if table.probing:
             table.parallel.add(block)
-        elif call.select((table.mids[_attention_of(table, block)][1],)):
+        elif call.select((next(n for b, n in table.mids.values() if b == block),)):
             raise ValueError(
                 f"instrument(naming='transformer_lens'): after its attention, the block at {block!r} "
                 f"gives {path!r} the block's input (or what the attention took), so its MLP does not "
@@ -543,28 +456,20 @@ def _check_sequential(call: Any, table: Names, path: str, args: tuple[Any, ...])
             )
 
 
-def _attention_of(table: Names, block: str) -> str:
-    return next(a for a, (b, _) in table.mids.items() if b == block)
-
-
 def part_output(call: Any, path: str, value: Any) -> Any:
-    """`value` (the output of the part at `path`) sown under its TransformerLens names."""
+    """`value` (the output of the part at `path`; of a gemma block or attention's
+    `(cache, x)`, x) sown under its TransformerLens names."""
     table = call.residual
     if table is None:
         return value
     if path in table.pairs and isinstance(value, tuple) and len(value) == 2:
         cache, stream = value
-        return (cache, _stream_output(call, table, path, stream))
+        return (cache, part_output(call, path, stream))
     if path in table.linears:
         mlp = table.linears[path]
         prefix, linears = table.mlps[mlp]
         if len(linears) == 2 and table.called.get(mlp) == 1:  # the first map's output
             value = call.sow(f"{prefix}.hook_pre", value)
-    return _stream_output(call, table, path, value)
-
-
-def _stream_output(call: Any, table: Names, path: str, value: Any) -> Any:
-    """`value`, the stream's part that the part at `path` gives, sown under its names."""
     for name in table.outputs.get(path, ()):
         value = call.sow(name, value)
     if path in table.mids:
