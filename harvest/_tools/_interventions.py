@@ -115,10 +115,9 @@ class _FillAt:
 
     def __call__(self, old: Any) -> Any:
         def patch(n: jax.Array, o: jax.Array) -> jax.Array:
-            size = jnp.shape(o)[self.axis]
+            shape = tuple(jnp.shape(o))
+            size = shape[self.axis]
             if self.farthest is not None and not -size <= self.farthest < size:
-                shape = tuple(jnp.shape(o))
-                size = shape[self.axis]
                 raise _errors.InterventionMisfit(
                     f"ablate_head: head {self.farthest} is out of range along axis {self.axis} of the sown value, "
                     f"{jnp.result_type(o)}{list(shape)}: its {size} heads are -{size}..{size - 1} (a "
@@ -180,70 +179,53 @@ class AddRow:
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     try:
-        return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+        return jnp.broadcast_shapes(shape, target) == target
     except ValueError:
         return False
-
-
-def _intervention_on_structure(
-    what: str, shape: tuple[int, ...], old: Any, leaves: list[Any]
-) -> _errors.InterventionMisfit:
-    parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
-    kind = type(old).__name__
-    # add_vector(v)'s own form; any other intervention is applied to the part.
-    change = "{} + v" if what.startswith("add_vector") else "intervention({})"
-    example = "lambda out: ..."
-    if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
-        fits = [
-            i for i, x in enumerate(old) if hasattr(x, "shape") and _broadcasts(shape, x.shape)
-        ] or [len(old) - 1]
-        each = (
-            change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]" for i in range(len(old))
-        )
-        example = f"lambda out: ({', '.join(each)})"
-    return _errors.InterventionMisfit(
-        f"{what} is one array, of shape {tuple(shape)!r}, but the sown value is a {kind} of "
-        f"{len(leaves)} arrays ({parts}), and which of them it is for is not said. Plant a "
-        f"callable that changes the part you mean, e.g. {{{_errors.SITE}: {example}}}."
-    )
-
-
-def _intervention_misfit(
-    what: str, shape: tuple[int, ...], old: Any, whole: bool
-) -> _errors.InterventionMisfit:
-    target = tuple(jnp.shape(old))
-    got = f"{jnp.result_type(old)}{list(target)}"
-    if whole:
-        fix = f"Pass a value of the site's shape, {got}, as reap returns it"
-    else:
-        last = f" (a vector of shape {target[-1:]!r} runs along its last axis)" if target else ""
-        fix = f"Pass an array that broadcasts to {got}{last}"
-    return _errors.InterventionMisfit(
-        f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
-        f"{fix}; `sites(f)(*args)` lists each site's shape."
-    )
 
 
 def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
     """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
     would name neither the intervention nor the site); ``whole``: it stands
     for the whole value, not a vector added or filled in."""
-    if not _is_array_like(
-        old
-    ):  # one array given for a site sown as a tuple (a block's `(cache, x)`)
+    shape = tuple(jnp.shape(array))
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(old)):
+        # One array given for a site sown as a tuple (a block's `(cache, x)`).
         leaves = jax.tree_util.tree_leaves(old)
-        raise _intervention_on_structure(what, jnp.shape(array), old, leaves)
-    shape, target = tuple(jnp.shape(array)), tuple(jnp.shape(old))
-    try:
-        fits = jnp.broadcast_shapes(shape, target) == target
-    except ValueError:
-        fits = False
-    if not fits:
-        raise _intervention_misfit(what, shape, old, whole)
-
-
-def _is_array_like(value: Any) -> bool:
-    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
+        parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
+        # add_vector(v)'s own form; any other intervention is applied to the part.
+        change = "{} + v" if what.startswith("add_vector") else "intervention({})"
+        example = "lambda out: ..."
+        if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
+            fits = [
+                i
+                for i, x in enumerate(old)
+                if hasattr(x, "shape") and _broadcasts(shape, tuple(x.shape))
+            ] or [len(old) - 1]
+            each = (
+                change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]"
+                for i in range(len(old))
+            )
+            example = f"lambda out: ({', '.join(each)})"
+        raise _errors.InterventionMisfit(
+            f"{what} is one array, of shape {shape!r}, but the sown value is a "
+            f"{type(old).__name__} of {len(leaves)} arrays ({parts}), and which of them it is for "
+            f"is not said. Plant a callable that changes the part you mean, e.g. "
+            f"{{{_errors.SITE}: {example}}}."
+        )
+    target = tuple(jnp.shape(old))
+    if _broadcasts(shape, target):
+        return
+    got = f"{jnp.result_type(old)}{list(target)}"
+    if whole:
+        fix = f"Pass a value of the site's shape, {got}, as reap returns it"
+    else:
+        last = f" (a vector of shape {target[-1:]!r} runs along its last axis)" if target else ""
+        fix = f"Pass an array that broadcasts to {got}{last}"
+    raise _errors.InterventionMisfit(
+        f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
+        f"{fix}; `sites(f)(*args)` lists each site's shape."
+    )
 
 
 def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:
@@ -397,17 +379,12 @@ def patch_positions(
 
 def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere:
     size = axis_size(clean, axis, f"{what}(clean, ..., axis)")
-    axis = normalize_axis(clean, axis)
-    positions = jnp.atleast_1d(jnp.asarray(positions))
-    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
-        raise TypeError(
-            f"patch_positions needs integer positions (an index or a 1-D sequence), got "
-            f"{positions.dtype}{list(positions.shape)}."
-        )
-    far = None if isinstance(positions, jax.core.Tracer) else _farthest(positions)
+    shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
+    axis %= len(shape)
+    positions, far = _indices(
+        positions, "patch_positions needs integer positions (an index or a 1-D sequence)"
+    )
     if far is not None and not -size <= far < size:
-        shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
-        size = shape[axis]
         raise IndexError(
             f"{what}: index {far} is out of range along axis {axis} of clean, of shape {shape} "
             f"(indices -{size}..{size - 1}; a negative one counts from the end, as in NumPy). "
@@ -417,11 +394,17 @@ def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere
     return PatchWhere(clean, jnp.isin(jnp.arange(size), positions), (axis,))
 
 
-def _farthest(indices: Any) -> int | None:
-    """The index of `indices` (concrete, 1-D) that needs the largest axis to exist
-    (`i + 1` entries for `i >= 0`, `-i` for a negative one), None if there are none."""
+def _indices(indices: Any, needs: str) -> tuple[jax.Array, int | None]:
+    """``indices`` as a 1-D integer array (else a TypeError saying what it ``needs``), and
+    the one needing the largest axis (`i + 1` entries for `i >= 0`, `-i` for a negative
+    one): static, so that one past the end is refused; None if traced or empty."""
+    indices = jnp.atleast_1d(jnp.asarray(indices))
+    if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim != 1:
+        raise TypeError(f"{needs}, got {indices.dtype}{list(indices.shape)}.")
+    if isinstance(indices, jax.core.Tracer):
+        return indices, None
     values = [int(i) for i in np.asarray(indices).tolist()]
-    return max(values, key=lambda i: i + 1 if i >= 0 else -i, default=None)
+    return indices, max(values, key=lambda i: i + 1 if i >= 0 else -i, default=None)
 
 
 def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
@@ -502,15 +485,9 @@ def ablate_head(
         raise TypeError(
             f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}."
         )
-    heads = jnp.atleast_1d(jnp.asarray(head))
-    if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
-        raise TypeError(
-            "ablate_head needs an integer head (or a 1-D sequence of them), got "
-            f"{heads.dtype}{list(heads.shape)}."
-        )
-    # How far the heads reach is static (a head past the end is refused when
-    # planted); the heads themselves are data.
-    farthest = None if isinstance(heads, jax.core.Tracer) else _farthest(heads)
+    heads, farthest = _indices(
+        head, "ablate_head needs an integer head (or a 1-D sequence of them)"
+    )
     return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis), farthest)
 
 
@@ -531,7 +508,3 @@ def axis_size(value: Any, axis: Any, what: str) -> int:
             f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}."
         )
     return sizes.pop()
-
-
-def normalize_axis(value: Any, axis: int) -> int:
-    return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])

@@ -44,15 +44,6 @@ def _scalar(m):
     return m
 
 
-def _positions(size: tuple[int, ...] | None, axis: Any) -> Any:
-    """The indices along the swept axis (a tuple of them, one per axis, for several
-    axes): fresh arrays each call, as the result's own."""
-    if size is None:
-        return None
-    labels = tuple(np.arange(n) for n in size)
-    return labels if isinstance(axis, (tuple, list)) else labels[0]
-
-
 def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     """`items`, under a tqdm progress bar if `progress` (None: only for several
     steps in a terminal or notebook, and only once the run has taken a second)."""
@@ -85,19 +76,9 @@ def _interactive() -> bool:
 # The sweep.
 
 
-def _splits_checked_once(sweep: Callable[..., PatchingResult]) -> Callable[..., PatchingResult]:
-    """``sweep`` checking each NNX split once per call: finding the sites and
-    running the program both split the model, with no user code between."""
-
-    @functools.wraps(sweep)
-    def checked_once(*args: Any, **kwargs: Any) -> PatchingResult:
-        with splits_verified_once():
-            return sweep(*args, **kwargs)
-
-    return checked_once
-
-
-@_splits_checked_once
+# Finding the sites and running the program both split an NNX model, with no user code
+# between: each split is checked once per call.
+@splits_verified_once()
 def patching_sweep(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -218,9 +199,8 @@ def patching_sweep(
         (('h[0]', 'h[1]'), (2, 3))
     """
     caller = "patching_sweep"
-    axes, batches, targets, plan = planned(
-        f, clean, corrupted_args, tag, names, axis, caller, exclude
-    )
+    setup = planned(f, clean, corrupted_args, tag, names, axis, caller, exclude)
+    _, _, targets, plan = setup
     size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise TypeError(
@@ -252,23 +232,52 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    spec = (caller, tag, plan.program)
-    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
+    return _run(setup, program, f, metric, (caller, tag), axis, progress, total, chunk)
+
+
+def _run(
+    setup: tuple[Any, list[Any], list[Any], Plan],
+    program: Callable[..., tuple[jax.Array, jax.Array]],
+    f: Callable[..., Any],
+    metric: Callable[..., Any],
+    spec: tuple[str, str],  # the caller and the tag
+    axis: Any,
+    progress: bool | None,
+    total: int,
+    chunk: int | None = None,
+) -> PatchingResult:
+    """Runs ``program`` on each batch (in chunks of ``chunk`` of the ``total`` patches, each
+    chunk's indices ``ks``; None: one step, without them), each step sent before the last is
+    waited for; the result's values are read when first needed, or now under a trace."""
+    axes, batches, targets, plan = setup
+    caller = spec[0]
+    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk or total)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
     cleans: list[Any] = []
     shown = _Shown(_steps(steps, progress, caller), steps)
     for b, start in shown:
         if start == 0:
-            cleans = batch_cleans(targets, batches[b][0], axes, size, caller, batches[0][0])
-        ks = np.minimum(
-            np.arange(start, start + chunk), total - 1
-        )  # the last chunk repeats the last patch
-        values, baseline = compile_program(program, f, metric, (ks, cleans, batches[b][1]), spec)
+            cleans = batch_cleans(targets, batches[b][0], axes, plan.size, caller, batches[0][0])
+        # The last chunk repeats the last patch.
+        ks = None if chunk is None else np.minimum(np.arange(start, start + chunk), total - 1)
+        operands = (ks, cleans, batches[b][1])
+        values, baseline = compile_program(program, f, metric, operands, (*spec, plan.program))
         shown.sent(values)
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
-    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
+    size = plan.size
+    shape = (len(plan.rows),) + (() if size is None else size)
+    labels = None if size is None else tuple(np.arange(n) for n in size)  # fresh: the result's own
+    result = PatchingResult._computing(
+        functools.partial(_on_host, effects, baselines, shape),
+        plan.rows,
+        labels if labels is None or isinstance(axis, (tuple, list)) else labels[0],
+        axis,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
+    )
+    return result.block_until_ready() if _traced(baselines[0]) else result
 
 
 def _traced(baseline: Any) -> bool:
@@ -305,30 +314,13 @@ def _on_host(
     return mean.reshape(shape), float(baseline)
 
 
-def _result(
-    plan: Plan, axis: Any, effects: list[list[tuple[Any, int]]], baselines: list[Any], wait: bool
-) -> PatchingResult:
-    """A sweep's result, its values those of ``effects`` and ``baselines`` (see
-    `_on_host`): read when first needed (the program still running), or now if ``wait``."""
-    size = plan.size
-    shape = (len(plan.rows),) + (() if size is None else size)
-    finish = functools.partial(_on_host, effects, baselines, shape)
-    result = PatchingResult._computing(
-        finish,
-        plan.rows,
-        _positions(size, axis),
-        axis,
-        skipped=plan.skipped,
-        axis_labels=plan.axis_labels,
-    )
-    return result.block_until_ready() if wait else result
-
-
 # ---------------------------------------------------------------------------
 # Attribution patching.
 
 
-@_splits_checked_once
+# Finding the sites and running the program both split an NNX model, with no user code
+# between: each split is checked once per call.
+@splits_verified_once()
 def attribution_patching(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -391,16 +383,14 @@ def attribution_patching(
                [2., 4., 6.]], dtype=float32)
     """
     caller = "attribution_patching"
-    axes, batches, targets, plan = planned(
-        f, clean, corrupted_args, tag, names, axis, caller, exclude
-    )
-    size, site_axes = plan.size, plan.site_axes
+    setup = planned(f, clean, corrupted_args, tag, names, axis, caller, exclude)
+    _, _, targets, plan = setup
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(
-        f: Callable, metric: Callable, operands: tuple[list[Any], tuple]
+        f: Callable, metric: Callable, operands: tuple[None, list[Any], tuple]
     ) -> tuple[jax.Array, jax.Array]:
-        cleans, args = operands
+        _, cleans, args = operands
         planted = plant(f, tag=tag)
         reaped = reap(f, tag=tag, names=patched.__contains__)(*args)
         corrupts = [site_value(reaped, t.site, "corrupted", t.count) for t in targets]
@@ -415,24 +405,15 @@ def attribution_patching(
         zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
         baseline, grads = jax.value_and_grad(metric_of)(zeros)
         effects = []
-        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, site_axes):
+        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, plan.site_axes):
             if t.count is None:
                 effects.append(_contract(c, k, g, ax)[None])
             else:  # one row per occurrence
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    spec = (caller, tag, plan.program)
-    effects: list[list[tuple[Any, int]]] = []
-    baselines: list[Any] = []
-    shown = _Shown(_steps(batches, progress, caller), batches)
-    for c, args in shown:
-        cleans = batch_cleans(targets, c, axes, size, caller, batches[0][0])
-        values, baseline = compile_program(program, f, metric, (cleans, args), spec)
-        shown.sent(values)
-        effects.append([(values, len(values))])
-        baselines.append(baseline)
-    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
+    rows = int(plan.firsts[-1])
+    return _run(setup, program, f, metric, (caller, tag), axis, progress, rows)
 
 
 def compile_program(
