@@ -114,7 +114,7 @@ def path_patching(
     held: dict[str, Any] = {}
     if freeze is not None:
         unpatched = reap(f, tag=tag, names=_entries(freeze), exclude=[*senders, *to])
-        held = _dotted(unpatched(*corrupted_args))
+        held = dotted(unpatched(*corrupted_args))
     first = harvest(f, tag=tag, names=[*to, *senders, *held])
     _, reached = first({**held, **senders}, *corrupted_args)
     return plant(f, tag=tag)(reached, *corrupted_args)
@@ -126,13 +126,13 @@ def _entries(select: NameSelect) -> list[Any]:
     return list(select or ())
 
 
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A reap's nested dicts as one dict of dotted names."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_dotted(value, name + "."))
+            out.update(dotted(value, name + "."))
         else:
             out[name] = value
     return out

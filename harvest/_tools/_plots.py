@@ -37,6 +37,14 @@ def pyplot() -> Any:
     return plt
 
 
+def _panels(n: int, down: int, across: int, figsize: tuple[float, float]) -> list[Axes]:
+    """A figure of ``down`` rows of ``across`` panels; the first ``n`` axes (the rest hidden)."""
+    _, grid = pyplot().subplots(down, across, figsize=figsize, squeeze=False, layout="constrained")
+    for unused in grid.flat[n:]:
+        unused.set_axis_off()
+    return list(grid.flat[:n])
+
+
 def heatmaps(
     grids: Sequence[np.ndarray],
     *,
@@ -57,8 +65,6 @@ def heatmaps(
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
     row; returns the list of axes (one per grid). The scale's colourbar is one
     for all panels, or (`colorbar_each`) one beside each, as tall as it."""
-    plt = pyplot()
-
     rows, cols = grids[0].shape
     if ax is None:
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
@@ -69,18 +75,10 @@ def heatmaps(
         across = max(1, min(len(grids), columns, fit))
         down = -(-len(grids) // across)
         width = min(MAX_WIDTH, label_width + across * panel + 1.2)
-        _, grid_of_axes = plt.subplots(
-            down,
-            across,
-            # Tall enough for the colourbar's label, written along it (a sweep of two
-            # layers is a short figure; "fraction of clean-corrupt gap" is not short).
-            figsize=(width, max(down * (1.4 + 0.35 * rows), 0.4 + 0.075 * len(cbar_label))),
-            squeeze=False,
-            layout="constrained",
-        )
-        for unused in grid_of_axes.flat[len(grids) :]:
-            unused.set_axis_off()
-        axes: list[Axes] = list(grid_of_axes.flat[: len(grids)])
+        # Tall enough for the colourbar's label, written along it (a sweep of two
+        # layers is a short figure; "fraction of clean-corrupt gap" is not short).
+        height = max(down * (1.4 + 0.35 * rows), 0.4 + 0.075 * len(cbar_label))
+        axes = _panels(len(grids), down, across, (width, height))
     else:
         across = min(len(grids), columns)
         axes = [cast("Axes", ax)] if len(grids) == 1 else list(cast("Sequence[Axes]", ax))
@@ -177,7 +175,6 @@ def plot_attention(
     ]
     grids = [array[h] for h in heads]
     queries, positions = array.shape[1], array.shape[2]
-    plt = pyplot()
     # Square cells, as large as fit (at most 0.3 in) with two panels a row for
     # long sequences, four for short ones; each panel has its own colour bar.
     label_width = 0.07 * max(len(k) for k in keys) + 0.4
@@ -187,11 +184,6 @@ def plot_attention(
     down = -(-len(grids) // across)
     width = min(MAX_WIDTH, across * (label_width + 1.0 + cell * positions))
     height = down * (cell * queries + label_width + 0.5) + (0.3 if title else 0.0)
-    _, grid_of_axes = plt.subplots(
-        down, across, figsize=(width, height), squeeze=False, layout="constrained"
-    )
-    for unused in grid_of_axes.flat[len(grids) :]:
-        unused.set_axis_off()
     axes = heatmaps(
         grids,
         titles=[f"head {h}" for h in heads],
@@ -203,7 +195,7 @@ def plot_attention(
         vmin=0.0,
         vmax=float(max(np.max(g) for g in grids)) or 1.0,
         cbar_label="attention",
-        ax=list(grid_of_axes.flat[: len(grids)]),
+        ax=_panels(len(grids), down, across, (width, height)),
         columns=across,
         colorbar_each=True,
     )

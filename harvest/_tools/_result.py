@@ -144,14 +144,6 @@ class PatchingResult:
             self, values=self.values / gap, measure="fraction of clean-corrupt gap"
         )
 
-    def _grid(self) -> np.ndarray:
-        if self.values.ndim > 2:
-            raise ValueError(
-                f"plot_many draws results of one swept axis; this one has values of shape {self.values.shape}. "
-                "Use result.plot(), which draws one panel per site."
-            )
-        return self.values if self.positions is not None else self.values[:, None]
-
     def plot(
         self,
         ax: Axes | None = None,
@@ -202,29 +194,10 @@ class PatchingResult:
             >>> [ax.get_title() for ax in heads.plot()]
             ['l0', 'l1']
         """
-        if self.values.ndim == 3:
-            return self._plot_panels(ax, title, cmap, vmax, xlabel, ylabel, **imshow_kwargs)
-        return PatchingResult.plot_many(
-            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, xlabel=xlabel, **imshow_kwargs
-        )[0]
-
-    def _axis_label(self, i: int) -> str:
-        """What swept axis `i` is: the sites' own name for it where they say, else its index."""
-        if self.axis_labels:
-            return self.axis_labels[i]
-        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        return f"index along axis {axes[i]}"
-
-    def _plot_panels(
-        self,
-        ax: Any,
-        title: str | None,
-        cmap: str,
-        vmax: float | None,
-        xlabel: str | None,
-        ylabel: str | None,
-        **imshow_kwargs: Any,
-    ) -> Any:
+        if self.values.ndim != 3:
+            return PatchingResult.plot_many(
+                [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, xlabel=xlabel, **imshow_kwargs
+            )[0]
         from ._plots import heatmaps
 
         rows, cols = self.positions
@@ -246,6 +219,13 @@ class PatchingResult:
         if title is not None:
             axes[0].figure.suptitle(title)
         return axes
+
+    def _axis_label(self, i: int) -> str:
+        """What swept axis `i` is: the sites' own name for it where they say, else its index."""
+        if self.axis_labels:
+            return self.axis_labels[i]
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        return f"index along axis {axes[i]}"
 
     @staticmethod
     def plot_many(
@@ -298,7 +278,13 @@ class PatchingResult:
         results = list(results)
         if not results:
             raise ValueError("plot_many needs at least one PatchingResult.")
-        grids = [r._grid() for r in results]
+        for r in results:
+            if r.values.ndim > 2:
+                raise ValueError(
+                    f"plot_many draws results of one swept axis; this one has values of shape "
+                    f"{r.values.shape}. Use result.plot(), which draws one panel per site."
+                )
+        grids = [r.values if r.positions is not None else r.values[:, None] for r in results]
         if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
             raise ValueError(
                 "plot_many draws results with the same sites and positions; got shapes "

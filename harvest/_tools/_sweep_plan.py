@@ -98,15 +98,6 @@ def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude=None):
     return axes, batches, targets, plan
 
 
-def _sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
-    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
-    return ValueError(
-        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
-        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'), the "
-        "tag clean was reaped with."
-    )
-
-
 def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     """The sites to patch with their clean values, and the `Plan` they follow.
 
@@ -132,7 +123,13 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     if not by_name:  # most often instrument's sites swept without tag="modules"
         tags = {site.tag for site, *_ in found}
         if tags:
-            raise _sweep_tag_absent(caller, tag, sorted(tags, key=str))
+            tags = sorted(tags, key=str)
+            shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+            raise ValueError(
+                f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows "
+                f"of the tags {shown}. Pass one of those as tag= (instrument's sites are "
+                "tag='modules'), the tag clean was reaped with."
+            )
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
@@ -222,7 +219,8 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
             # The full message for a bad axis, mismatched leaves or an axis given twice.
             for a in axes:
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
-            _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
+            ndim = np.ndim(jax.tree_util.tree_leaves(t.one)[0])
+            _axes_counted(ndim, axes, f"{caller} at {path_str(t.site.path)!r}")
         if len(set(sizes.values())) != 1:
             shown = {n: _size_str(z) for n, z in sizes.items()}
             raise ValueError(
@@ -310,22 +308,18 @@ def _select_names(names, sown, tag, caller):
     try:
         return list(_selected(entries, tuple(sown), tag, caller))
     except TypeError:  # an unhashable entry: matched afresh
-        return _matched(entries, sown, tag, caller)
+        return list(_selected.__wrapped__(entries, sown, tag, caller))
 
 
 @functools.lru_cache(maxsize=64)
 def _selected(entries, sown, tag, caller):
     # A repeated sweep selects the same names among the same sites: matched once.
-    return tuple(_matched(entries, sown, tag, caller))
-
-
-def _matched(entries, sown, tag, caller):
     picked = {}
     for entry in entries:
         select = NameFilter.make(entry)
         picked.update(dict.fromkeys(n for n in sown if select((n,))))
     NameFilter.make(list(entries)).check_names(sown, f"{caller}: names=", tag)
-    return list(picked)
+    return tuple(picked)
 
 
 _MISSING = object()
@@ -383,13 +377,6 @@ def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
             f"(head, position) pair), got {axis!r}."
         )
     return tuple(int(a) for a in axes)
-
-
-def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
-    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
-    if axes is None:
-        return None
-    return _axes_counted(np.ndim(jax.tree_util.tree_leaves(value)[0]), axes, what)
 
 
 def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:

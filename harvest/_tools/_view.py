@@ -35,6 +35,7 @@ from .._walk._higher_order import bodies as _descriptor_bodies, operands_of
 from .._walk._paths import path_str
 from .._walk._primitive import sow_p
 from .._walk._site import Site
+from ._path_patching import dotted
 
 _COUNTER = itertools.count()
 
@@ -180,11 +181,12 @@ def _drawn(
     finally:
         _call.scoped.reset(token)
     names = _input_names(params, (f, args, kwargs), graph_nodes, arrays)
-    graph = _Graph(_flat(values or {}), tag, *_module_paths(closed.jaxpr))
+    graph = _Graph(dotted(values or {}), tag, *_module_paths(closed.jaxpr))
     graph.top(closed.jaxpr, names)
     graph.check_values()
     uid = f"hv{next(_COUNTER)}"
-    data = json.dumps(graph.data(), ensure_ascii=False, separators=(",", ":"))
+    drawn = {"nodes": graph.nodes, "groups": graph.groups_, "edges": list(graph.edges)}
+    data = json.dumps(drawn, ensure_ascii=False, separators=(",", ":"))
     data = data.replace("</", "<\\/")  # no `</script>` inside the script
     style, script = _static("view.css"), _static("view.js").replace("__ID__", uid)
     fragment = (
@@ -208,16 +210,6 @@ def _static(name: str) -> str:
     return (importlib.resources.files(__package__) / "_view_static" / name).read_text(
         encoding="utf-8"
     )
-
-
-def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, prefix + (key,)))
-        else:
-            out[path_str(prefix + (key,))] = value
-    return out
 
 
 def _input_names(params: list[str], call: Any, graph_nodes: Any, arrays: list[Any]) -> list[str]:
@@ -323,9 +315,6 @@ class _Graph:
         self.module_group: dict[tuple[str | None, str], str] = {}
         self.sites = self.bodies = self.modules = 0
 
-    def data(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "groups": self.groups_, "edges": list(self.edges)}
-
     def top(self, jaxpr: Any, names: list[str]) -> None:
         producers: dict[Any, str] = {}
         for v, name in zip(jaxpr.invars, names):
@@ -363,9 +352,6 @@ class _Graph:
                 made = self._group("call", short, parent, path=path, closed=True, op="jit")
             self.module_group[key] = made
         return self.module_group[key]
-
-    def _is_module(self, group: str | None) -> bool:
-        return group is not None and "path" in self.groups_[int(group[1:])]
 
     def _module_of(self, eqn: Any) -> str:
         """The module an equation runs in: ``instrument``'s innermost named scope,
@@ -412,7 +398,9 @@ class _Graph:
         node = self.nodes[int(source[1:])] if source else None
         if node is None or node["id"] not in local:  # an input, or read inside a body
             node = self.nodes[int(self._node("site", name, eqn.outvars, group)[1:])]
-        elif node["kind"] == "op" and not self._is_module(node["group"]):
+        elif node["kind"] == "op" and (
+            node["group"] is None or "path" not in self.groups_[int(node["group"][1:])]
+        ):
             node["group"] = group  # ops=False: the op ran in the module whose output it is
         entry: dict[str, Any] = {
             "name": name,
