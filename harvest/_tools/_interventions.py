@@ -2,9 +2,8 @@
 
 Every intervention is a pytree (its arrays are leaves, the rest is static), so
 the plant's compile cache is keyed by its shapes, not its identity, and it can
-carry traced values under `jit` and `vmap`. That is what lets `patching_sweep`
-run every (site, position) patch as one vmapped computation over a one-hot
-selection.
+carry traced values: `patching_sweep` runs every patch as one vmapped
+computation over one-hot selections.
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ from .._walk._per_example import one_example
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
-
-# ---------------------------------------------------------------------------
-# Interventions: callables old -> new, usable as planted values.
 
 
 @dataclass_transform(frozen_default=True)
@@ -93,20 +89,13 @@ class PatchWhere:
         return jax.tree_util.tree_map(patch, self.clean, old)
 
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
-        clean = _leading(self.clean, old)
-        if _shared(clean):
-            return self, None
-        mask, axes = _mask_of_one_example(self.axes)
-        return PatchWhere(self.clean, self.mask, axes), PatchWhere(clean, mask, axes)
+        return _patch_of_one_example(self, old, stacked=False)
 
 
 @pytree_dataclass(data=("fill", "indices"), meta=("axis", "farthest"))
 class _FillAt:
-    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere.
-
-    `farthest` is the index needing the largest axis (None when the indices
-    were traced): static, so an index past the end is refused when the plant
-    is traced, where the sown value's shape is known."""
+    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere;
+    `farthest` (see `_indices`) is checked when planted, the sown value's shape known."""
 
     fill: Any
     indices: jax.Array
@@ -132,9 +121,7 @@ class _FillAt:
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
         # `axis` is an axis of one example, as `f` sows it; only the filling may be per example.
         fill, axes = one_example(self.fill, old)
-        return _FillAt(fill, self.indices, self.axis, self.farthest), _mapped(
-            self, fill=axes, indices=None
-        )
+        return dataclasses.replace(self, fill=fill), _mapped(self, fill=axes, indices=None)
 
 
 @pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
@@ -156,12 +143,8 @@ class PatchOccurrence:
         return jax.tree_util.tree_map(patch, self.clean, old)
 
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
-        clean = _leading(self.clean, old, stacked=True)
-        if _shared(clean):
-            return self, None
-        mask, axes = _mask_of_one_example(self.axes)
-        one = PatchOccurrence(self.clean, self.mask, self.which, axes)
-        return one, PatchOccurrence(clean, mask, None, axes)
+        one, in_axes = _patch_of_one_example(self, old, stacked=True)
+        return one, None if in_axes is None else dataclasses.replace(in_axes, which=None)
 
 
 @pytree_dataclass(data=("deltas",))
@@ -266,23 +249,25 @@ def _mapped(intervention: Any, **axes: Any) -> Any:
     return dataclasses.replace(intervention, **axes)
 
 
-def _mask_of_one_example(
-    axes: tuple[int, ...] | None,
-) -> tuple[int | None, tuple[int, ...] | None]:
-    """(vmap's in_axis for a mask along ``axes`` of a value whose leading axis is
-    a vmap's, ``axes`` counted for one example): the mask is mapped along its
-    axis for axis 0, if one is, and shared otherwise."""
-    if axes is None:
-        return None, None
-    return (axes.index(0) if 0 in axes else None), tuple(a - 1 for a in axes if a)
+def _patch_of_one_example(patch: Any, old: Any, stacked: bool) -> tuple[Any, Any]:
+    """(``patch`` for one example of ``old``, its in_axes): ``clean`` mapped where it holds the
+    vmap axis leading ``old``, and the mask with it along that axis if swept (``axes`` then
+    counted for one example); ``(patch, None)`` if ``clean`` is shared."""
+    clean = _leading(patch.clean, old, stacked)
+    if _shared(clean):
+        return patch, None
+    mask, axes = None, patch.axes
+    if axes is not None:
+        mask, axes = (axes.index(0) if 0 in axes else None), tuple(a - 1 for a in axes if a)
+    in_axes = dataclasses.replace(patch, clean=clean, mask=mask, axes=axes)
+    return dataclasses.replace(patch, axes=axes), in_axes
 
 
 def ablate_zero() -> Callable[[Any], Any]:
     """An intervention replacing the sown value by zeros.
 
     Returns:
-        A callable ``old -> zeros_like(old)`` (a pytree), to plant at a site:
-        ``plant(f)({"h": ablate_zero()}, x)``.
+        A callable ``old -> zeros_like(old)`` (a pytree), to plant at a site.
 
     Example:
         >>> import jax.numpy as jnp
@@ -409,17 +394,15 @@ def _indices(indices: Any, needs: str) -> tuple[jax.Array, int | None]:
 
 def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
     """An intervention patching one attention head, at every position: ``clean``
-    at index ``head`` along the head axis ``axis``, the old value elsewhere.
-
-    ``patching_sweep(..., axis=head_axis)`` patches every head in turn.
+    at index ``head`` along the head axis ``axis``, the old value elsewhere
+    (``patching_sweep(..., axis=head_axis)`` patches every head in turn).
 
     Args:
         clean: A value of the site's shape, e.g. a per-head output ``z``
             ``[positions, heads, d_head]`` reaped from a clean run.
-        head: The head's index along ``axis`` (or a 1-D sequence of heads); a
-            negative one counts from the end, as in NumPy. It is data, not part
-            of the compile cache key: planting another head reuses the
-            compiled plant.
+        head: The head's index along ``axis`` (or a 1-D sequence of heads),
+            counted as ``positions`` are. It is data: planting another head
+            reuses the compiled plant.
         axis: The head axis of ``clean`` (counted as for ``patch_positions``).
 
     Returns:
@@ -450,13 +433,12 @@ def ablate_head(
     (or ``mean``, broadcast) at index ``head`` along the head axis ``axis``.
 
     Args:
-        head: The head's index along ``axis``, or a sequence of heads; a
-            negative one counts from the end, as in NumPy. A head past either
-            end is refused when planted (the site's shape is known only then),
-            so how far the heads reach is part of the compile cache key: a
-            loop over heads compiles once per head (``patching_sweep(...,
-            axis=head_axis)`` runs them all in one program). Heads traced
-            under ``jax.vmap`` are data and are not checked.
+        head: The head's index along ``axis``, or a sequence of heads (a
+            negative one counts from the end). A head past either end is
+            refused when planted, the site's shape known, so how far the heads
+            reach is part of the compile cache key: a loop over heads compiles
+            once per head (``patching_sweep(..., axis=head_axis)`` runs them
+            all in one program). Heads traced under ``jax.vmap`` are not checked.
         axis: The head axis of the sown value; under a ``vmap`` inside ``f``,
             of one example, as ``f`` sows it (or counted from the end).
         mean: What to put there instead of zeros: the shape of one head's

@@ -1,10 +1,8 @@
 """The sweeps: `patching_sweep` (every patch, compiled and vmapped) and `attribution_patching`.
 
-Both find the sites to patch from one trace of the corrupted run (`sites`'
-view of the program, so a site in a loop or inside a shard_map is swept once
-per occurrence as reap stacks it; which ones, and with which clean values, is
-`_sweep_plan`'s), patch through `plant`, and run as one compiled program per
-configuration, through the function's one `jax.jit` (`_calling`).
+Both patch the sites of one trace of the corrupted run (which ones, and with
+which clean values, is `_sweep_plan`'s) through `plant`, as one compiled
+program per configuration, through the function's one `jax.jit` (`_calling`).
 """
 
 from __future__ import annotations
@@ -63,11 +61,8 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
 
 def _interactive() -> bool:
     """Whether a person is watching: a terminal on stderr, or a Jupyter kernel."""
-    ipython = sys.modules.get("IPython")
-    shell = (
-        ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
-    )
-    if getattr(shell, "kernel", None) is not None:
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    if get_ipython is not None and getattr(get_ipython(), "kernel", None) is not None:
         return True
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
@@ -104,23 +99,18 @@ def patching_sweep(
     axes of one occurrence's value. All patches run as one compiled, vmapped
     computation over one-hot selections.
 
-    The compiled program is kept and reused by later calls with the same
-    ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
-    argument shapes (and equal non-array arguments): a repeated sweep on new
-    data only runs. ``f`` is read as ``jax.jit(f)`` reads it: a module (NNX
-    or Equinox) or a bound method of one is data, so weights changed in place
-    are read at every call without compiling again; what a plain function
-    closes over is read when it is traced. The metric is keyed by its code and
-    what it closes over, so a fresh lambda each sweep does not recompile. The
-    program is ``f``'s one ``jax.jit``'s (emptied by ``harvest.clear_caches()``),
-    and the sites to patch are found once per ``f``, argument shapes and dtypes,
-    an NNX module's graph definition and non-array values, so a repeated sweep
-    does not trace ``f`` again.
+    The program (``f``'s one ``jax.jit``'s, emptied by ``harvest.clear_caches()``)
+    and the sites found are reused by later calls with the same ``f``,
+    ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and argument
+    shapes (and equal non-array arguments): a repeated sweep on new data only
+    runs. ``f`` is read as ``jax.jit(f)`` reads it: a module's weights changed
+    in place are read at every call; what a plain function closes over, when
+    it is traced. The metric is keyed by its code and what it closes over, so
+    a fresh lambda each sweep does not recompile.
 
     A sweep is a measurement: an NNX module that changes its own state when
-    called (a counter, a ``BatchNorm`` in training mode, an RNG stream) has
-    the baseline and every patched run start from the state it has, and
-    nothing they change is written back to it.
+    called (a ``BatchNorm`` in training mode, an RNG stream) starts every run
+    from the state it has, and nothing is written back to it.
 
     Args:
         f: The model: a function, an NNX or Equinox module, or a bound method
@@ -155,10 +145,9 @@ def patching_sweep(
     Returns:
         A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
         metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
-        ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
-        returned while the program runs (each step is sent before the last is
-        waited for, and only a progress bar waits at all): ``values`` and
-        ``baseline`` are converted to NumPy when first read.
+        ``axis``, and whose ``baseline`` is the corrupted run's metric, returned
+        while the program runs (``values`` and ``baseline`` are read when first
+        needed).
 
     Raises:
         TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
@@ -246,24 +235,36 @@ def _run(
     total: int,
     chunk: int | None = None,
 ) -> PatchingResult:
-    """Runs ``program`` on each batch (in chunks of ``chunk`` of the ``total`` patches, each
-    chunk's indices ``ks``; None: one step, without them), each step sent before the last is
-    waited for; the result's values are read when first needed, or now under a trace."""
+    """Runs ``program`` on each batch, in chunks of ``chunk`` of the ``total`` patches (their
+    indices ``ks``; None: one step, without them); the result is read when first needed."""
     axes, batches, targets, plan = setup
     caller = spec[0]
     steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk or total)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
     cleans: list[Any] = []
-    shown = _Shown(_steps(steps, progress, caller), steps)
+    last: Any = None
+    # Through `f`'s one `jax.jit`, keyed as it keys `f` (what a method or partial binds is an
+    # argument) and a plain function `metric` by its code and what it closes over (arrays
+    # traced), so a metric written as a fresh lambda at each sweep does not recompile.
+    fn, bound = unwrap(f)
+    measure = TracedCode.of(metric) if can_be_data(metric) else metric
+    # Each step's program is sent before the last one's result is waited for, and only a
+    # progress bar waits at all (so it shows work done); without one, nothing waits until
+    # the values are read (at once under a trace, where they are refused).
+    shown = _steps(steps, progress, caller)
     for b, start in shown:
         if start == 0:
             cleans = batch_cleans(targets, batches[b][0], axes, plan.size, caller, batches[0][0])
         # The last chunk repeats the last patch.
         ks = None if chunk is None else np.minimum(np.arange(start, start + chunk), total - 1)
         operands = (ks, cleans, batches[b][1])
-        values, baseline = compile_program(program, f, metric, operands, (*spec, plan.program))
-        shown.sent(values)
+        values, baseline = compiled_on_arrays(
+            fn, _run_program, (bound, measure, operands), (*spec, plan.program), program
+        )
+        if shown is not steps and last is not None and not isinstance(values, jax.core.Tracer):
+            jax.block_until_ready(last)
+        last = values
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
     size = plan.size
@@ -271,36 +272,13 @@ def _run(
     labels = None if size is None else tuple(np.arange(n) for n in size)  # fresh: the result's own
     result = PatchingResult._computing(
         functools.partial(_on_host, effects, baselines, shape),
-        plan.rows,
-        labels if labels is None or isinstance(axis, (tuple, list)) else labels[0],
-        axis,
+        names=plan.rows,
+        positions=labels if labels is None or isinstance(axis, (tuple, list)) else labels[0],
+        axis=axis,
         skipped=plan.skipped,
         axis_labels=plan.axis_labels,
     )
-    return result.block_until_ready() if _traced(baselines[0]) else result
-
-
-def _traced(baseline: Any) -> bool:
-    """Whether the sweep runs inside a trace: its values are read at once (and refused)."""
-    return isinstance(baseline, jax.core.Tracer)
-
-
-class _Shown:
-    """A sweep's steps, under a progress bar or not (`_steps`). Each step's program is
-    sent before the last one's result is waited for, and only a bar waits at all (so
-    it shows work done); without one, nothing waits until the values are read."""
-
-    def __init__(self, steps: Any, items: list[Any]) -> None:
-        self.steps, self.bar = steps, steps is not items
-        self.last: Any = None
-
-    def __iter__(self) -> Any:
-        return iter(self.steps)
-
-    def sent(self, values: Any) -> None:
-        if self.bar and self.last is not None and not _traced(values):
-            jax.block_until_ready(self.last)
-        self.last = values
+    return result.block_until_ready() if isinstance(baselines[0], jax.core.Tracer) else result
 
 
 def _on_host(
@@ -318,9 +296,7 @@ def _on_host(
 # Attribution patching.
 
 
-# Finding the sites and running the program both split an NNX model, with no user code
-# between: each split is checked once per call.
-@splits_verified_once()
+@splits_verified_once()  # as patching_sweep
 def attribution_patching(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -337,14 +313,11 @@ def attribution_patching(
 
     The effect of patching site ``s`` (at position ``p``) is estimated as
     ``sum((clean_s - corrupt_s) * d metric / d s)`` over the patched entries,
-    with the gradient taken on the corrupted run. It is exact when ``metric ∘
-    f`` is linear in the activation, and a first-order Taylor approximation
-    otherwise. The corrupted activations and the gradients come from one
-    compiled function; the gradient is taken with respect to zero offsets
-    planted at every site (``old + delta``), which is exactly ``d metric / d
-    activation`` including every downstream path. The compile cache is
-    ``patching_sweep``'s, and so is the handling of NNX state: the run starts
-    from the module's state, and what it changes is not written back.
+    with the gradient taken on the corrupted run (with respect to zero offsets
+    planted at every site, so through every downstream path): exact when
+    ``metric ∘ f`` is linear in the activation, a first-order Taylor
+    approximation otherwise. The compile cache and the handling of NNX state
+    are ``patching_sweep``'s.
 
     Args:
         f: The model, as for ``patching_sweep``.
@@ -414,25 +387,6 @@ def attribution_patching(
 
     rows = int(plan.firsts[-1])
     return _run(setup, program, f, metric, (caller, tag), axis, progress, rows)
-
-
-def compile_program(
-    program: Callable[[Any, Any, Any], Any],
-    f: Callable[..., Any],
-    metric: Callable[..., Any],
-    operands: Any,
-    spec: tuple[Any, ...],
-) -> Any:
-    """``program(f, metric, operands)`` through ``f``'s one `jax.jit` (`_calling`),
-    compiled once per ``spec`` (which determines ``program``) and shapes.
-
-    ``f`` is keyed as `jax.jit` keys it (what a method or partial binds is an
-    argument: a module's arrays traced). A plain function ``metric`` is data, a
-    `TracedCode` keyed by its code and what it closes over (arrays traced), so a
-    metric written as a fresh lambda at each sweep does not recompile."""
-    fn, bound = unwrap(f)
-    measure = TracedCode.of(metric) if can_be_data(metric) else metric
-    return compiled_on_arrays(fn, _run_program, (bound, measure, operands), spec, program)
 
 
 def _run_program(fn: Any, tree: Any, program: Callable[[Any, Any, Any], Any]) -> Any:

@@ -1,10 +1,9 @@
 """Heatmap panels for patching results and attention patterns (matplotlib, imported lazily).
 
-Panels share one colour scale and one colourbar, and the figure uses
-matplotlib's constrained layout sized from the longest tick label, so long
-site names never run into a neighbouring panel or the colourbar. A figure is
-at most ``MAX_WIDTH`` inches wide (850 px at 100 dpi): panels that do not fit
-side by side go on more rows.
+Panels share one colour scale, and the figure uses matplotlib's constrained
+layout sized from the longest tick label, so long site names never run into a
+neighbouring panel or the colourbar; panels that do not fit side by side in
+``MAX_WIDTH`` go on more rows.
 """
 
 from __future__ import annotations
@@ -60,11 +59,12 @@ def heatmaps(
     ax: Axes | Sequence[Axes] | None = None,
     columns: int = 4,
     colorbar_each: bool = False,
+    suptitle: str | None = None,
     **imshow_kwargs: Any,
 ) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
-    row; returns the list of axes (one per grid). The scale's colourbar is one
-    for all panels, or (`colorbar_each`) one beside each, as tall as it."""
+    row, under `suptitle`; returns the list of axes (one per grid). The scale's
+    colourbar is one for all panels, or (`colorbar_each`) one beside each."""
     rows, cols = grids[0].shape
     if ax is None:
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
@@ -105,6 +105,8 @@ def heatmaps(
             )
     if not colorbar_each:
         axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
+    if suptitle is not None:
+        axes[0].figure.suptitle(suptitle)
     return axes
 
 
@@ -198,10 +200,9 @@ def plot_attention(
         ax=_panels(len(grids), down, across, (width, height)),
         columns=across,
         colorbar_each=True,
+        suptitle=title,
     )
     if cell < 0.2:  # small cells: tick labels to match, so each stays beside its row
         for axis in axes:
             axis.tick_params(labelsize=7)
-    if title is not None:
-        axes[0].figure.suptitle(title)
     return axes
