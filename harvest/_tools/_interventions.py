@@ -168,9 +168,8 @@ def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
 
 
 def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
-    """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
-    would name neither the intervention nor the site); ``whole``: it stands
-    for the whole value, not a vector added or filled in."""
+    """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's error would name neither
+    the intervention nor the site); ``whole``: it is the whole value, not a vector added."""
     shape = tuple(jnp.shape(array))
     if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(old)):
         # One array given for a site sown as a tuple (a block's `(cache, x)`).
@@ -224,10 +223,9 @@ def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Arra
 
 
 def _leading(data: Any, old: Any, stacked: bool = False) -> Any:
-    """vmap's in_axes for ``data`` (shaped as ``old``, or as a prefix of its pytree)
-    under the vmap axis leading ``old``: a leaf holding that axis too (after the
-    occurrences it stacks, if ``stacked``) is one value per example, mapped; a
-    leaf with fewer axes is one value for every example (broadcast), None."""
+    """vmap's in_axes for ``data`` (shaped as ``old``, or a prefix of its pytree) under the
+    vmap axis leading ``old``: mapped for a leaf holding that axis too (after the occurrences
+    it stacks, if ``stacked``), None for one value shared by every example."""
     extra = int(stacked)
 
     def axis(d: Any, o: Any) -> int | None:

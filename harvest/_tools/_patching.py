@@ -67,10 +67,6 @@ def _interactive() -> bool:
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
-# ---------------------------------------------------------------------------
-# The sweep.
-
-
 # Finding the sites and running the program both split an NNX model, with no user code
 # between: each split is checked once per call.
 @splits_verified_once()
@@ -196,7 +192,7 @@ def patching_sweep(
             f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
         )
     cells = 1 if size is None else math.prod(size)  # patches per row
-    firsts = plan.firsts  # each target's first row
+    firsts = plan.firsts  # each target's first row, and the number of rows last
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
 
@@ -244,9 +240,8 @@ def _run(
     baselines: list[Any] = []
     cleans: list[Any] = []
     last: Any = None
-    # Through `f`'s one `jax.jit`, keyed as it keys `f` (what a method or partial binds is an
-    # argument) and a plain function `metric` by its code and what it closes over (arrays
-    # traced), so a metric written as a fresh lambda at each sweep does not recompile.
+    # Through `f`'s one `jax.jit`; a plain function `metric` is keyed by its code and what it
+    # closes over (arrays traced), so a fresh lambda at each sweep does not recompile.
     fn, bound = unwrap(f)
     measure = TracedCode.of(metric) if can_be_data(metric) else metric
     # Each step's program is sent before the last one's result is waited for, and only a
@@ -290,10 +285,6 @@ def _on_host(
     mean = joined[0] if len(joined) == 1 else np.mean(joined, 0).astype(joined[0].dtype)
     baseline = np.asarray(baselines[0]) if len(baselines) == 1 else np.mean(baselines)
     return mean.reshape(shape), float(baseline)
-
-
-# ---------------------------------------------------------------------------
-# Attribution patching.
 
 
 @splits_verified_once()  # as patching_sweep
@@ -385,8 +376,7 @@ def attribution_patching(
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    rows = int(plan.firsts[-1])
-    return _run(setup, program, f, metric, (caller, tag), axis, progress, rows)
+    return _run(setup, program, f, metric, (caller, tag), axis, progress, int(plan.firsts[-1]))
 
 
 def _run_program(fn: Any, tree: Any, program: Callable[[Any, Any, Any], Any]) -> Any:

@@ -100,9 +100,8 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
 
 
 def _state_abstract(fn: Callable[..., Any], leaves: Any) -> Hashed:
-    """`_abstract` of each leaf of an NNX state, as data; that of the last call of
-    ``fn`` again if these are its very arrays (held weakly, so none is reused), as
-    on a repeated sweep: a model's hundreds of leaves are not looked at again."""
+    """`_abstract` of each leaf of an NNX state, as data; the last call's again if these are
+    its very arrays (held weakly), so a repeated sweep does not look at them again."""
     seen = _state_seen.get(fn)
     if (
         seen is not None

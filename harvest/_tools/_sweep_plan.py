@@ -149,10 +149,12 @@ def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude):
         site_axes = tuple(_axes_counted(n, axes, caller) for _, n in ndims)
     sites = tuple((t.site, t.count) for t in targets)
     firsts = np.cumsum([0] + [1 if t.count is None else t.count for t in targets])
+    rows: list[str] = []  # a looped site's occurrences are `name[0]` ... `name[k-1]`
+    for t in targets:
+        name = path_str(t.site.path)
+        rows += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
     program = Hashed((sites, site_axes, size))
-    plan = Plan(
-        found, sites, size, skipped, axis_labels, site_axes, _row_names(targets), firsts, program
-    )
+    plan = Plan(found, sites, size, skipped, axis_labels, site_axes, tuple(rows), firsts, program)
     if key is not None:
         _plans[key] = plan
         while len(_plans) > 64:
@@ -229,10 +231,8 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
 
 
 def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
-    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted name.
-
-    A repeated sweep is handed the very tuple `sow_sites` kept, so this is
-    remembered for it (held, so that its identity is not reused)."""
+    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted
+    name; kept for the very tuple `sow_sites` keeps (held: its identity is not reused)."""
     kept = _by_name_kept.get((id(found), tag))
     if kept is not None and kept[0] is found:
         return kept[1]
@@ -360,15 +360,6 @@ def _axes_counted(ndim: int, axes: tuple[int, ...], what: str) -> tuple[int, ...
     if len(set(normal)) != len(normal):
         raise ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
     return normal
-
-
-def _row_names(targets: list[_Target]) -> tuple[str, ...]:
-    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`)."""
-    names: list[str] = []
-    for t in targets:
-        name = path_str(t.site.path)
-        names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
-    return tuple(names)
 
 
 def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:

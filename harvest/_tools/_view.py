@@ -269,10 +269,10 @@ def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
 
 
 def _parent_module(path: str, modules: set[str]) -> str | None:
-    parts = path.split(".")
-    for k in range(len(parts) - 1, 0, -1):
-        if ".".join(parts[:k]) in modules:
-            return ".".join(parts[:k])
+    while "." in path:
+        path = path.rpartition(".")[0]
+        if path in modules:
+            return path
     return None
 
 
@@ -480,10 +480,9 @@ def _avals(outs: list[Any]) -> str:
 
 
 def _summary(value: Any) -> dict[str, Any] | None:
-    """The value's mean, standard deviation and a 12-bin histogram (its counts), over
-    its finite numbers (a complex number by its magnitude, said so), with how many
-    are nan or infinite; a PRNG key shows its dtype and shape (``key<fry>[3]``), as
-    it has no numbers to summarise."""
+    """The value's mean, standard deviation and 12-bin histogram over its finite numbers
+    (a complex one by its magnitude, said so), how many are nan or infinite, and each PRNG
+    key's dtype and shape (``key<fry>[3]``), as it has no numbers to summarise."""
     keys, numbers, magnitudes = [], [], []
     for leaf in jax.tree_util.tree_leaves(value):
         dtype = getattr(leaf, "dtype", None)
