@@ -112,28 +112,17 @@ def stream(
 
     @functools.wraps(f)
     def streamed(*args: P.args, **kwargs: P.kwargs) -> R:
-        taps = _taps(make_jaxpr(f, args, kwargs)[0].jaxpr, tag, select, callback)
+        taps: dict[tuple[str, ...], _Tap] = {}
+        names: dict[str, None] = {}
+        for eqn, _, _ in sow_equations(make_jaxpr(f, args, kwargs)[0].jaxpr):
+            site = Site.of(eqn)
+            if site.tag == tag:
+                names[path_str(site.path)] = None
+            if site.tag == tag and not site.mode.has_pred and select(site.path):
+                params = tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role"))
+                taps[site.path] = _Tap(callback, path_str(site.path), params)
+        select.check_names(list(names), "stream: names= entry", tag)
         # Names not tapped are left in place by the plant, for outer harvests.
         return plant(f, tag=tag)(nested_dict(taps), *args, **kwargs)
 
     return streamed
-
-
-def _taps(
-    jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any], object]
-) -> dict[tuple[str, ...], _Tap]:
-    """{site path: _Tap} for every streamed site."""
-    taps: dict[tuple[str, ...], _Tap] = {}
-    names: dict[str, None] = {}
-    for eqn, _, _ in sow_equations(jaxpr):
-        site = Site.of(eqn)
-        if site.tag == tag:
-            names[path_str(site.path)] = None
-        if site.tag == tag and not site.mode.has_pred and select(site.path):
-            taps[site.path] = _Tap(
-                callback,
-                path_str(site.path),
-                tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")),
-            )
-    select.check_names(list(names), "stream: names= entry", tag)
-    return taps
