@@ -1,9 +1,7 @@
 """`ablation_sweep`: every site (and index along an axis) ablated, in one compiled program.
 
-An ablation is a patch whose "clean" value is zero, or the activation's mean over
-the batch: so the sweep is `patching_sweep` (one vmapped program over one-hot
-selections) with those values as the clean run's, built here from one reap of
-the run itself (compiled once too).
+An ablation is a patch whose "clean" value is zero, or the activation's mean
+over the batch: `patching_sweep` with those values, from one reap of the run.
 """
 
 from __future__ import annotations
@@ -42,19 +40,17 @@ def ablation_sweep(
 ) -> PatchingResult:
     """Ablates each chosen site, one at a time (index by index along ``axis``), and measures the effect.
 
-    With ``names="blocks.*.attn.hook_z"`` and ``axis=2`` on a model instrumented with
-    TransformerLens's names, every (layer, head) is ablated, TransformerLens's
-    per-head ablation loop, as one compiled program: the result's ``values`` are
-    ``[layer, head]``. ``axis=1`` on ``"blocks.*.hook_resid_pre"`` gives (layer,
-    position); on ``"blocks.*.mlp.hook_post"`` with ``axis=2``, (layer, neuron).
+    An ablated entry is replaced by zero (``how="zero"``) or by its mean over
+    the batch, the leading axis of each value sown, in the run on ``args``
+    itself (``how="mean"``); every other entry keeps the run's own value. It is
+    ``patching_sweep`` with those values as the clean run's: its compiled
+    program is reused as that one's, and the result reads the same way.
 
-    An ablated entry is replaced by zero (``how="zero"``) or by its mean over the
-    batch, the leading axis of each value sown (``how="mean"``: the mean of the
-    run on ``args`` itself, as ``ablate_mean``'s usual reference); every other
-    entry keeps the run's own value. It is ``patching_sweep`` with those values
-    as the clean run's, so its compiled program is kept and reused as that one's
-    (a repeated sweep on new arguments of the same shapes only runs), and the
-    result reads the same way.
+    With ``names="blocks.*.attn.hook_z"`` and ``axis=2`` on a model
+    instrumented with TransformerLens's names, every (layer, head) is ablated
+    in one program (TransformerLens's per-head ablation loop): ``values`` are
+    ``[layer, head]``; ``axis=1`` on ``"blocks.*.hook_resid_pre"``, (layer,
+    position).
 
     Args:
         f: The model, as for ``patching_sweep``: a function, an NNX or Equinox

@@ -2,9 +2,8 @@
 
 Every intervention is a pytree (its arrays are leaves, the rest is static), so
 the plant's compile cache is keyed by its shapes, not its identity, and it can
-carry traced values under `jit` and `vmap`. That is what lets `patching_sweep`
-run every (site, position) patch as one vmapped computation over a one-hot
-selection.
+carry traced values: `patching_sweep` runs every patch as one vmapped
+computation over one-hot selections.
 """
 
 from __future__ import annotations
@@ -23,9 +22,6 @@ from .._walk._per_example import one_example
 
 if TYPE_CHECKING:
     from jax.typing import ArrayLike
-
-# ---------------------------------------------------------------------------
-# Interventions: callables old -> new, usable as planted values.
 
 
 @dataclass_transform(frozen_default=True)
@@ -93,20 +89,13 @@ class PatchWhere:
         return jax.tree_util.tree_map(patch, self.clean, old)
 
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
-        clean = _leading(self.clean, old)
-        if _shared(clean):
-            return self, None
-        mask, axes = _mask_of_one_example(self.axes)
-        return PatchWhere(self.clean, self.mask, axes), PatchWhere(clean, mask, axes)
+        return _patch_of_one_example(self, old, stacked=False)
 
 
 @pytree_dataclass(data=("fill", "indices"), meta=("axis", "farthest"))
 class _FillAt:
-    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere.
-
-    `farthest` is the index needing the largest axis (None when the indices
-    were traced): static, so an index past the end is refused when the plant
-    is traced, where the sown value's shape is known."""
+    """`fill(old)` (another intervention) at `indices` along `axis`, `old` elsewhere;
+    `farthest` (see `_indices`) is checked when planted, the sown value's shape known."""
 
     fill: Any
     indices: jax.Array
@@ -115,10 +104,9 @@ class _FillAt:
 
     def __call__(self, old: Any) -> Any:
         def patch(n: jax.Array, o: jax.Array) -> jax.Array:
-            size = jnp.shape(o)[self.axis]
+            shape = tuple(jnp.shape(o))
+            size = shape[self.axis]
             if self.farthest is not None and not -size <= self.farthest < size:
-                shape = tuple(jnp.shape(o))
-                size = shape[self.axis]
                 raise _errors.InterventionMisfit(
                     f"ablate_head: head {self.farthest} is out of range along axis {self.axis} of the sown value, "
                     f"{jnp.result_type(o)}{list(shape)}: its {size} heads are -{size}..{size - 1} (a "
@@ -133,9 +121,7 @@ class _FillAt:
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
         # `axis` is an axis of one example, as `f` sows it; only the filling may be per example.
         fill, axes = one_example(self.fill, old)
-        return _FillAt(fill, self.indices, self.axis, self.farthest), _mapped(
-            self, fill=axes, indices=None
-        )
+        return dataclasses.replace(self, fill=fill), _mapped(self, fill=axes, indices=None)
 
 
 @pytree_dataclass(data=("clean", "mask", "which"), meta=("axes",))
@@ -157,12 +143,8 @@ class PatchOccurrence:
         return jax.tree_util.tree_map(patch, self.clean, old)
 
     def for_one_example(self, old: Any) -> tuple[Any, Any]:
-        clean = _leading(self.clean, old, stacked=True)
-        if _shared(clean):
-            return self, None
-        mask, axes = _mask_of_one_example(self.axes)
-        one = PatchOccurrence(self.clean, self.mask, self.which, axes)
-        return one, PatchOccurrence(clean, mask, None, axes)
+        one, in_axes = _patch_of_one_example(self, old, stacked=True)
+        return one, None if in_axes is None else dataclasses.replace(in_axes, which=None)
 
 
 @pytree_dataclass(data=("deltas",))
@@ -180,70 +162,52 @@ class AddRow:
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     try:
-        return jnp.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
+        return jnp.broadcast_shapes(shape, target) == target
     except ValueError:
         return False
 
 
-def _intervention_on_structure(
-    what: str, shape: tuple[int, ...], old: Any, leaves: list[Any]
-) -> _errors.InterventionMisfit:
-    parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
-    kind = type(old).__name__
-    # add_vector(v)'s own form; any other intervention is applied to the part.
-    change = "{} + v" if what.startswith("add_vector") else "intervention({})"
-    example = "lambda out: ..."
-    if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
-        fits = [
-            i for i, x in enumerate(old) if hasattr(x, "shape") and _broadcasts(shape, x.shape)
-        ] or [len(old) - 1]
-        each = (
-            change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]" for i in range(len(old))
+def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
+    """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's error would name neither
+    the intervention nor the site); ``whole``: it is the whole value, not a vector added."""
+    shape = tuple(jnp.shape(array))
+    if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(old)):
+        # One array given for a site sown as a tuple (a block's `(cache, x)`).
+        leaves = jax.tree_util.tree_leaves(old)
+        parts = ", ".join(f"{jnp.result_type(x)}{list(jnp.shape(x))}" for x in leaves)
+        # add_vector(v)'s own form; any other intervention is applied to the part.
+        change = "{} + v" if what.startswith("add_vector") else "intervention({})"
+        example = "lambda out: ..."
+        if isinstance(old, tuple) and len(old) > 1:  # the part the array fits, else the last
+            fits = [
+                i
+                for i, x in enumerate(old)
+                if hasattr(x, "shape") and _broadcasts(shape, tuple(x.shape))
+            ] or [len(old) - 1]
+            each = (
+                change.format(f"out[{i}]") if i == fits[-1] else f"out[{i}]"
+                for i in range(len(old))
+            )
+            example = f"lambda out: ({', '.join(each)})"
+        raise _errors.InterventionMisfit(
+            f"{what} is one array, of shape {shape!r}, but the sown value is a "
+            f"{type(old).__name__} of {len(leaves)} arrays ({parts}), and which of them it is for "
+            f"is not said. Plant a callable that changes the part you mean, e.g. "
+            f"{{{_errors.SITE}: {example}}}."
         )
-        example = f"lambda out: ({', '.join(each)})"
-    return _errors.InterventionMisfit(
-        f"{what} is one array, of shape {tuple(shape)!r}, but the sown value is a {kind} of "
-        f"{len(leaves)} arrays ({parts}), and which of them it is for is not said. Plant a "
-        f"callable that changes the part you mean, e.g. {{{_errors.SITE}: {example}}}."
-    )
-
-
-def _intervention_misfit(
-    what: str, shape: tuple[int, ...], old: Any, whole: bool
-) -> _errors.InterventionMisfit:
     target = tuple(jnp.shape(old))
+    if _broadcasts(shape, target):
+        return
     got = f"{jnp.result_type(old)}{list(target)}"
     if whole:
         fix = f"Pass a value of the site's shape, {got}, as reap returns it"
     else:
         last = f" (a vector of shape {target[-1:]!r} runs along its last axis)" if target else ""
         fix = f"Pass an array that broadcasts to {got}{last}"
-    return _errors.InterventionMisfit(
+    raise _errors.InterventionMisfit(
         f"{what} has shape {shape!r}, which does not broadcast to the sown value, {got}. "
         f"{fix}; `sites(f)(*args)` lists each site's shape."
     )
-
-
-def _check_fits(array: Any, old: Any, what: str, whole: bool) -> None:
-    """Raises unless ``array`` broadcasts to ``old``'s shape (JAX's own error
-    would name neither the intervention nor the site); ``whole``: it stands
-    for the whole value, not a vector added or filled in."""
-    if not _is_array_like(
-        old
-    ):  # one array given for a site sown as a tuple (a block's `(cache, x)`)
-        leaves = jax.tree_util.tree_leaves(old)
-        raise _intervention_on_structure(what, jnp.shape(array), old, leaves)
-    shape, target = tuple(jnp.shape(array)), tuple(jnp.shape(old))
-    try:
-        fits = jnp.broadcast_shapes(shape, target) == target
-    except ValueError:
-        fits = False
-    if not fits:
-        raise _intervention_misfit(what, shape, old, whole)
-
-
-def _is_array_like(value: Any) -> bool:
-    return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(value))
 
 
 def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Array:
@@ -259,10 +223,9 @@ def _along(mask: jax.Array, axes: tuple[int, ...] | None, ndim: int) -> jax.Arra
 
 
 def _leading(data: Any, old: Any, stacked: bool = False) -> Any:
-    """vmap's in_axes for ``data`` (shaped as ``old``, or as a prefix of its pytree)
-    under the vmap axis leading ``old``: a leaf holding that axis too (after the
-    occurrences it stacks, if ``stacked``) is one value per example, mapped; a
-    leaf with fewer axes is one value for every example (broadcast), None."""
+    """vmap's in_axes for ``data`` (shaped as ``old``, or a prefix of its pytree) under the
+    vmap axis leading ``old``: mapped for a leaf holding that axis too (after the occurrences
+    it stacks, if ``stacked``), None for one value shared by every example."""
     extra = int(stacked)
 
     def axis(d: Any, o: Any) -> int | None:
@@ -284,23 +247,25 @@ def _mapped(intervention: Any, **axes: Any) -> Any:
     return dataclasses.replace(intervention, **axes)
 
 
-def _mask_of_one_example(
-    axes: tuple[int, ...] | None,
-) -> tuple[int | None, tuple[int, ...] | None]:
-    """(vmap's in_axis for a mask along ``axes`` of a value whose leading axis is
-    a vmap's, ``axes`` counted for one example): the mask is mapped along its
-    axis for axis 0, if one is, and shared otherwise."""
-    if axes is None:
-        return None, None
-    return (axes.index(0) if 0 in axes else None), tuple(a - 1 for a in axes if a)
+def _patch_of_one_example(patch: Any, old: Any, stacked: bool) -> tuple[Any, Any]:
+    """(``patch`` for one example of ``old``, its in_axes): ``clean`` mapped where it holds the
+    vmap axis leading ``old``, and the mask with it along that axis if swept (``axes`` then
+    counted for one example); ``(patch, None)`` if ``clean`` is shared."""
+    clean = _leading(patch.clean, old, stacked)
+    if _shared(clean):
+        return patch, None
+    mask, axes = None, patch.axes
+    if axes is not None:
+        mask, axes = (axes.index(0) if 0 in axes else None), tuple(a - 1 for a in axes if a)
+    in_axes = dataclasses.replace(patch, clean=clean, mask=mask, axes=axes)
+    return dataclasses.replace(patch, axes=axes), in_axes
 
 
 def ablate_zero() -> Callable[[Any], Any]:
     """An intervention replacing the sown value by zeros.
 
     Returns:
-        A callable ``old -> zeros_like(old)`` (a pytree), to plant at a site:
-        ``plant(f)({"h": ablate_zero()}, x)``.
+        A callable ``old -> zeros_like(old)`` (a pytree), to plant at a site.
 
     Example:
         >>> import jax.numpy as jnp
@@ -397,17 +362,12 @@ def patch_positions(
 
 def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere:
     size = axis_size(clean, axis, f"{what}(clean, ..., axis)")
-    axis = normalize_axis(clean, axis)
-    positions = jnp.atleast_1d(jnp.asarray(positions))
-    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.ndim != 1:
-        raise TypeError(
-            f"patch_positions needs integer positions (an index or a 1-D sequence), got "
-            f"{positions.dtype}{list(positions.shape)}."
-        )
-    far = None if isinstance(positions, jax.core.Tracer) else _farthest(positions)
+    shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
+    axis %= len(shape)
+    positions, far = _indices(
+        positions, "patch_positions needs integer positions (an index or a 1-D sequence)"
+    )
     if far is not None and not -size <= far < size:
-        shape = tuple(jnp.shape(jax.tree_util.tree_leaves(clean)[0]))
-        size = shape[axis]
         raise IndexError(
             f"{what}: index {far} is out of range along axis {axis} of clean, of shape {shape} "
             f"(indices -{size}..{size - 1}; a negative one counts from the end, as in NumPy). "
@@ -417,26 +377,30 @@ def _patch_along(clean: Any, positions: Any, axis: int, what: str) -> PatchWhere
     return PatchWhere(clean, jnp.isin(jnp.arange(size), positions), (axis,))
 
 
-def _farthest(indices: Any) -> int | None:
-    """The index of `indices` (concrete, 1-D) that needs the largest axis to exist
-    (`i + 1` entries for `i >= 0`, `-i` for a negative one), None if there are none."""
+def _indices(indices: Any, needs: str) -> tuple[jax.Array, int | None]:
+    """``indices`` as a 1-D integer array (else a TypeError saying what it ``needs``), and
+    the one needing the largest axis (`i + 1` entries for `i >= 0`, `-i` for a negative
+    one): static, so that one past the end is refused; None if traced or empty."""
+    indices = jnp.atleast_1d(jnp.asarray(indices))
+    if not jnp.issubdtype(indices.dtype, jnp.integer) or indices.ndim != 1:
+        raise TypeError(f"{needs}, got {indices.dtype}{list(indices.shape)}.")
+    if isinstance(indices, jax.core.Tracer):
+        return indices, None
     values = [int(i) for i in np.asarray(indices).tolist()]
-    return max(values, key=lambda i: i + 1 if i >= 0 else -i, default=None)
+    return indices, max(values, key=lambda i: i + 1 if i >= 0 else -i, default=None)
 
 
 def patch_head(clean: ArrayLike, head: int | ArrayLike, axis: int) -> Callable[[Any], Any]:
     """An intervention patching one attention head, at every position: ``clean``
-    at index ``head`` along the head axis ``axis``, the old value elsewhere.
-
-    ``patching_sweep(..., axis=head_axis)`` patches every head in turn.
+    at index ``head`` along the head axis ``axis``, the old value elsewhere
+    (``patching_sweep(..., axis=head_axis)`` patches every head in turn).
 
     Args:
         clean: A value of the site's shape, e.g. a per-head output ``z``
             ``[positions, heads, d_head]`` reaped from a clean run.
-        head: The head's index along ``axis`` (or a 1-D sequence of heads); a
-            negative one counts from the end, as in NumPy. It is data, not part
-            of the compile cache key: planting another head reuses the
-            compiled plant.
+        head: The head's index along ``axis`` (or a 1-D sequence of heads),
+            counted as ``positions`` are. It is data: planting another head
+            reuses the compiled plant.
         axis: The head axis of ``clean`` (counted as for ``patch_positions``).
 
     Returns:
@@ -467,13 +431,12 @@ def ablate_head(
     (or ``mean``, broadcast) at index ``head`` along the head axis ``axis``.
 
     Args:
-        head: The head's index along ``axis``, or a sequence of heads; a
-            negative one counts from the end, as in NumPy. A head past either
-            end is refused when planted (the site's shape is known only then),
-            so how far the heads reach is part of the compile cache key: a
-            loop over heads compiles once per head (``patching_sweep(...,
-            axis=head_axis)`` runs them all in one program). Heads traced
-            under ``jax.vmap`` are data and are not checked.
+        head: The head's index along ``axis``, or a sequence of heads (a
+            negative one counts from the end). A head past either end is
+            refused when planted, the site's shape known, so how far the heads
+            reach is part of the compile cache key: a loop over heads compiles
+            once per head (``patching_sweep(..., axis=head_axis)`` runs them
+            all in one program). Heads traced under ``jax.vmap`` are not checked.
         axis: The head axis of the sown value; under a ``vmap`` inside ``f``,
             of one example, as ``f`` sows it (or counted from the end).
         mean: What to put there instead of zeros: the shape of one head's
@@ -502,15 +465,9 @@ def ablate_head(
         raise TypeError(
             f"ablate_head(head, axis): axis must be an int (the head axis), got {axis!r}."
         )
-    heads = jnp.atleast_1d(jnp.asarray(head))
-    if not jnp.issubdtype(heads.dtype, jnp.integer) or heads.ndim != 1:
-        raise TypeError(
-            "ablate_head needs an integer head (or a 1-D sequence of them), got "
-            f"{heads.dtype}{list(heads.shape)}."
-        )
-    # How far the heads reach is static (a head past the end is refused when
-    # planted); the heads themselves are data.
-    farthest = None if isinstance(heads, jax.core.Tracer) else _farthest(heads)
+    heads, farthest = _indices(
+        head, "ablate_head needs an integer head (or a 1-D sequence of them)"
+    )
     return _FillAt(_Zero() if mean is None else _Mean(mean), heads, int(axis), farthest)
 
 
@@ -531,7 +488,3 @@ def axis_size(value: Any, axis: Any, what: str) -> int:
             f"{what}: the leaves have different sizes {sorted(sizes)} along axis {axis}."
         )
     return sizes.pop()
-
-
-def normalize_axis(value: Any, axis: int) -> int:
-    return axis % jnp.ndim(jax.tree_util.tree_leaves(value)[0])

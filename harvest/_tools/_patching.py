@@ -1,10 +1,8 @@
 """The sweeps: `patching_sweep` (every patch, compiled and vmapped) and `attribution_patching`.
 
-Both find the sites to patch from one trace of the corrupted run (`sites`'
-view of the program, so a site in a loop or inside a shard_map is swept once
-per occurrence as reap stacks it; which ones, and with which clean values, is
-`_sweep_plan`'s), patch through `plant`, and run as one compiled program per
-configuration, through the function's one `jax.jit` (`_calling`).
+Both patch the sites of one trace of the corrupted run (which ones, and with
+which clean values, is `_sweep_plan`'s) through `plant`, as one compiled
+program per configuration, through the function's one `jax.jit` (`_calling`).
 """
 
 from __future__ import annotations
@@ -44,15 +42,6 @@ def _scalar(m):
     return m
 
 
-def _positions(size: tuple[int, ...] | None, axis: Any) -> Any:
-    """The indices along the swept axis (a tuple of them, one per axis, for several
-    axes): fresh arrays each call, as the result's own."""
-    if size is None:
-        return None
-    labels = tuple(np.arange(n) for n in size)
-    return labels if isinstance(axis, (tuple, list)) else labels[0]
-
-
 def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
     """`items`, under a tqdm progress bar if `progress` (None: only for several
     steps in a terminal or notebook, and only once the run has taken a second)."""
@@ -72,32 +61,15 @@ def _steps(items: list[Any], progress: bool | None, caller: str) -> Any:
 
 def _interactive() -> bool:
     """Whether a person is watching: a terminal on stderr, or a Jupyter kernel."""
-    ipython = sys.modules.get("IPython")
-    shell = (
-        ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
-    )
-    if getattr(shell, "kernel", None) is not None:
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    if get_ipython is not None and getattr(get_ipython(), "kernel", None) is not None:
         return True
     return hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
 
 
-# ---------------------------------------------------------------------------
-# The sweep.
-
-
-def _splits_checked_once(sweep: Callable[..., PatchingResult]) -> Callable[..., PatchingResult]:
-    """``sweep`` checking each NNX split once per call: finding the sites and
-    running the program both split the model, with no user code between."""
-
-    @functools.wraps(sweep)
-    def checked_once(*args: Any, **kwargs: Any) -> PatchingResult:
-        with splits_verified_once():
-            return sweep(*args, **kwargs)
-
-    return checked_once
-
-
-@_splits_checked_once
+# Finding the sites and running the program both split an NNX model, with no user code
+# between: each split is checked once per call.
+@splits_verified_once()
 def patching_sweep(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -123,23 +95,18 @@ def patching_sweep(
     axes of one occurrence's value. All patches run as one compiled, vmapped
     computation over one-hot selections.
 
-    The compiled program is kept and reused by later calls with the same
-    ``f``, ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and
-    argument shapes (and equal non-array arguments): a repeated sweep on new
-    data only runs. ``f`` is read as ``jax.jit(f)`` reads it: a module (NNX
-    or Equinox) or a bound method of one is data, so weights changed in place
-    are read at every call without compiling again; what a plain function
-    closes over is read when it is traced. The metric is keyed by its code and
-    what it closes over, so a fresh lambda each sweep does not recompile. The
-    program is ``f``'s one ``jax.jit``'s (emptied by ``harvest.clear_caches()``),
-    and the sites to patch are found once per ``f``, argument shapes and dtypes,
-    an NNX module's graph definition and non-array values, so a repeated sweep
-    does not trace ``f`` again.
+    The program (``f``'s one ``jax.jit``'s, emptied by ``harvest.clear_caches()``)
+    and the sites found are reused by later calls with the same ``f``,
+    ``metric``, ``tag``, swept sites, ``axis``, ``batch_size`` and argument
+    shapes (and equal non-array arguments): a repeated sweep on new data only
+    runs. ``f`` is read as ``jax.jit(f)`` reads it: a module's weights changed
+    in place are read at every call; what a plain function closes over, when
+    it is traced. The metric is keyed by its code and what it closes over, so
+    a fresh lambda each sweep does not recompile.
 
     A sweep is a measurement: an NNX module that changes its own state when
-    called (a counter, a ``BatchNorm`` in training mode, an RNG stream) has
-    the baseline and every patched run start from the state it has, and
-    nothing they change is written back to it.
+    called (a ``BatchNorm`` in training mode, an RNG stream) starts every run
+    from the state it has, and nothing is written back to it.
 
     Args:
         f: The model: a function, an NNX or Equinox module, or a bound method
@@ -174,10 +141,9 @@ def patching_sweep(
     Returns:
         A ``PatchingResult`` whose ``values[i, j]`` is ``metric(patched out) -
         metric(corrupted out)`` for row ``names[i]`` at index ``j`` along
-        ``axis``, and whose ``baseline`` is the corrupted run's metric. It is
-        returned while the program runs (each step is sent before the last is
-        waited for, and only a progress bar waits at all): ``values`` and
-        ``baseline`` are converted to NumPy when first read.
+        ``axis``, and whose ``baseline`` is the corrupted run's metric, returned
+        while the program runs (``values`` and ``baseline`` are read when first
+        needed).
 
     Raises:
         TypeError: ``f`` is not callable, ``corrupted_args`` is not a tuple (or
@@ -218,16 +184,15 @@ def patching_sweep(
         (('h[0]', 'h[1]'), (2, 3))
     """
     caller = "patching_sweep"
-    axes, batches, targets, plan = planned(
-        f, clean, corrupted_args, tag, names, axis, caller, exclude
-    )
+    setup = planned(f, clean, corrupted_args, tag, names, axis, caller, exclude)
+    _, _, targets, plan = setup
     size, site_axes = plan.size, plan.site_axes
     if batch_size is not None and (not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
         raise TypeError(
             f"{caller}: batch_size must be a positive int (patches run at once), got {batch_size!r}."
         )
     cells = 1 if size is None else math.prod(size)  # patches per row
-    firsts = plan.firsts  # each target's first row
+    firsts = plan.firsts  # each target's first row, and the number of rows last
     total = int(firsts[-1]) * cells
     chunk = total if batch_size is None else min(int(batch_size), total)
 
@@ -252,46 +217,63 @@ def patching_sweep(
         baseline = _scalar(metric(planted({}, *args)))
         return jax.vmap(patched_metric)(ks) - baseline, baseline
 
-    spec = (caller, tag, plan.program)
-    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk)]
+    return _run(setup, program, f, metric, (caller, tag), axis, progress, total, chunk)
+
+
+def _run(
+    setup: tuple[Any, list[Any], list[Any], Plan],
+    program: Callable[..., tuple[jax.Array, jax.Array]],
+    f: Callable[..., Any],
+    metric: Callable[..., Any],
+    spec: tuple[str, str],  # the caller and the tag
+    axis: Any,
+    progress: bool | None,
+    total: int,
+    chunk: int | None = None,
+) -> PatchingResult:
+    """Runs ``program`` on each batch, in chunks of ``chunk`` of the ``total`` patches (their
+    indices ``ks``; None: one step, without them); the result is read when first needed."""
+    axes, batches, targets, plan = setup
+    caller = spec[0]
+    steps = [(b, start) for b in range(len(batches)) for start in range(0, total, chunk or total)]
     effects: list[list[tuple[Any, int]]] = [[] for _ in batches]  # each batch's chunks and sizes
     baselines: list[Any] = []
     cleans: list[Any] = []
-    shown = _Shown(_steps(steps, progress, caller), steps)
+    last: Any = None
+    # Through `f`'s one `jax.jit`; a plain function `metric` is keyed by its code and what it
+    # closes over (arrays traced), so a fresh lambda at each sweep does not recompile.
+    fn, bound = unwrap(f)
+    measure = TracedCode.of(metric) if can_be_data(metric) else metric
+    # Each step's program is sent before the last one's result is waited for, and only a
+    # progress bar waits at all (so it shows work done); without one, nothing waits until
+    # the values are read (at once under a trace, where they are refused).
+    shown = _steps(steps, progress, caller)
     for b, start in shown:
         if start == 0:
-            cleans = batch_cleans(targets, batches[b][0], axes, size, caller, batches[0][0])
-        ks = np.minimum(
-            np.arange(start, start + chunk), total - 1
-        )  # the last chunk repeats the last patch
-        values, baseline = compile_program(program, f, metric, (ks, cleans, batches[b][1]), spec)
-        shown.sent(values)
+            cleans = batch_cleans(targets, batches[b][0], axes, plan.size, caller, batches[0][0])
+        # The last chunk repeats the last patch.
+        ks = None if chunk is None else np.minimum(np.arange(start, start + chunk), total - 1)
+        operands = (ks, cleans, batches[b][1])
+        values, baseline = compiled_on_arrays(
+            fn, _run_program, (bound, measure, operands), (*spec, plan.program), program
+        )
+        if shown is not steps and last is not None and not isinstance(values, jax.core.Tracer):
+            jax.block_until_ready(last)
+        last = values
         effects[b].append((values, total - start))
         baselines += [baseline] if start == 0 else []
-    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
-
-
-def _traced(baseline: Any) -> bool:
-    """Whether the sweep runs inside a trace: its values are read at once (and refused)."""
-    return isinstance(baseline, jax.core.Tracer)
-
-
-class _Shown:
-    """A sweep's steps, under a progress bar or not (`_steps`). Each step's program is
-    sent before the last one's result is waited for, and only a bar waits at all (so
-    it shows work done); without one, nothing waits until the values are read."""
-
-    def __init__(self, steps: Any, items: list[Any]) -> None:
-        self.steps, self.bar = steps, steps is not items
-        self.last: Any = None
-
-    def __iter__(self) -> Any:
-        return iter(self.steps)
-
-    def sent(self, values: Any) -> None:
-        if self.bar and self.last is not None and not _traced(values):
-            jax.block_until_ready(self.last)
-        self.last = values
+    size = plan.size
+    shape = (len(plan.rows),) + (() if size is None else size)
+    labels = None if size is None else tuple(np.arange(n) for n in size)  # fresh: the result's own
+    result = PatchingResult._computing(
+        functools.partial(_on_host, effects, baselines, shape),
+        names=plan.rows,
+        positions=labels if labels is None or isinstance(axis, (tuple, list)) else labels[0],
+        axis=axis,
+        skipped=plan.skipped,
+        axis_labels=plan.axis_labels,
+    )
+    return result.block_until_ready() if isinstance(baselines[0], jax.core.Tracer) else result
 
 
 def _on_host(
@@ -305,30 +287,7 @@ def _on_host(
     return mean.reshape(shape), float(baseline)
 
 
-def _result(
-    plan: Plan, axis: Any, effects: list[list[tuple[Any, int]]], baselines: list[Any], wait: bool
-) -> PatchingResult:
-    """A sweep's result, its values those of ``effects`` and ``baselines`` (see
-    `_on_host`): read when first needed (the program still running), or now if ``wait``."""
-    size = plan.size
-    shape = (len(plan.rows),) + (() if size is None else size)
-    finish = functools.partial(_on_host, effects, baselines, shape)
-    result = PatchingResult._computing(
-        finish,
-        plan.rows,
-        _positions(size, axis),
-        axis,
-        skipped=plan.skipped,
-        axis_labels=plan.axis_labels,
-    )
-    return result.block_until_ready() if wait else result
-
-
-# ---------------------------------------------------------------------------
-# Attribution patching.
-
-
-@_splits_checked_once
+@splits_verified_once()  # as patching_sweep
 def attribution_patching(
     f: Callable[..., Any],
     clean: Reaped | list[Reaped],
@@ -345,14 +304,11 @@ def attribution_patching(
 
     The effect of patching site ``s`` (at position ``p``) is estimated as
     ``sum((clean_s - corrupt_s) * d metric / d s)`` over the patched entries,
-    with the gradient taken on the corrupted run. It is exact when ``metric ∘
-    f`` is linear in the activation, and a first-order Taylor approximation
-    otherwise. The corrupted activations and the gradients come from one
-    compiled function; the gradient is taken with respect to zero offsets
-    planted at every site (``old + delta``), which is exactly ``d metric / d
-    activation`` including every downstream path. The compile cache is
-    ``patching_sweep``'s, and so is the handling of NNX state: the run starts
-    from the module's state, and what it changes is not written back.
+    with the gradient taken on the corrupted run (with respect to zero offsets
+    planted at every site, so through every downstream path): exact when
+    ``metric ∘ f`` is linear in the activation, a first-order Taylor
+    approximation otherwise. The compile cache and the handling of NNX state
+    are ``patching_sweep``'s.
 
     Args:
         f: The model, as for ``patching_sweep``.
@@ -391,16 +347,14 @@ def attribution_patching(
                [2., 4., 6.]], dtype=float32)
     """
     caller = "attribution_patching"
-    axes, batches, targets, plan = planned(
-        f, clean, corrupted_args, tag, names, axis, caller, exclude
-    )
-    size, site_axes = plan.size, plan.site_axes
+    setup = planned(f, clean, corrupted_args, tag, names, axis, caller, exclude)
+    _, _, targets, plan = setup
     patched = frozenset(path_str(t.site.path) for t in targets)
 
     def program(
-        f: Callable, metric: Callable, operands: tuple[list[Any], tuple]
+        f: Callable, metric: Callable, operands: tuple[None, list[Any], tuple]
     ) -> tuple[jax.Array, jax.Array]:
-        cleans, args = operands
+        _, cleans, args = operands
         planted = plant(f, tag=tag)
         reaped = reap(f, tag=tag, names=patched.__contains__)(*args)
         corrupts = [site_value(reaped, t.site, "corrupted", t.count) for t in targets]
@@ -415,43 +369,14 @@ def attribution_patching(
         zeros = [jax.tree_util.tree_map(jnp.zeros_like, c) for c in corrupts]
         baseline, grads = jax.value_and_grad(metric_of)(zeros)
         effects = []
-        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, site_axes):
+        for t, c, k, g, ax in zip(targets, cleans, corrupts, grads, plan.site_axes):
             if t.count is None:
                 effects.append(_contract(c, k, g, ax)[None])
             else:  # one row per occurrence
                 effects.append(jax.vmap(functools.partial(_contract, axes=ax))(c, k, g))
         return jnp.concatenate(effects), baseline
 
-    spec = (caller, tag, plan.program)
-    effects: list[list[tuple[Any, int]]] = []
-    baselines: list[Any] = []
-    shown = _Shown(_steps(batches, progress, caller), batches)
-    for c, args in shown:
-        cleans = batch_cleans(targets, c, axes, size, caller, batches[0][0])
-        values, baseline = compile_program(program, f, metric, (cleans, args), spec)
-        shown.sent(values)
-        effects.append([(values, len(values))])
-        baselines.append(baseline)
-    return _result(plan, axis, effects, baselines, wait=_traced(baselines[0]))
-
-
-def compile_program(
-    program: Callable[[Any, Any, Any], Any],
-    f: Callable[..., Any],
-    metric: Callable[..., Any],
-    operands: Any,
-    spec: tuple[Any, ...],
-) -> Any:
-    """``program(f, metric, operands)`` through ``f``'s one `jax.jit` (`_calling`),
-    compiled once per ``spec`` (which determines ``program``) and shapes.
-
-    ``f`` is keyed as `jax.jit` keys it (what a method or partial binds is an
-    argument: a module's arrays traced). A plain function ``metric`` is data, a
-    `TracedCode` keyed by its code and what it closes over (arrays traced), so a
-    metric written as a fresh lambda at each sweep does not recompile."""
-    fn, bound = unwrap(f)
-    measure = TracedCode.of(metric) if can_be_data(metric) else metric
-    return compiled_on_arrays(fn, _run_program, (bound, measure, operands), spec, program)
+    return _run(setup, program, f, metric, (caller, tag), axis, progress, int(plan.firsts[-1]))
 
 
 def _run_program(fn: Any, tree: Any, program: Callable[[Any, Any, Any], Any]) -> Any:

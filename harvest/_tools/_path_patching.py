@@ -1,13 +1,7 @@
-"""Path patching: the effect of a sender on the output through chosen receivers only.
+"""Path patching (Wang et al., 2022, the IOI paper): a sender's effect through chosen receivers.
 
-Activation patching asks what one value does to the output along every path
-from it. Path patching (Wang et al., 2022, the IOI paper) asks what it does
-through one set of downstream values, the receivers: a first run plants the
-sender's patched value while holding the frozen sites at their unpatched
-values and records what the receivers become; a second, unpatched run plants
-just those receiver values. Both runs are `harvest` and `plant` walks of the
-same function, so each compiles once and a second call with new data of the
-same shapes only runs.
+Both of its runs are `harvest` and `plant` walks of the same function, so each
+compiles once and a second call with new data of the same shapes only runs.
 """
 
 from __future__ import annotations
@@ -33,33 +27,25 @@ def path_patching(
     """Runs ``f(*corrupted_args)`` with ``senders`` patched along the paths through ``receivers`` only.
 
     Two passes over ``f(*corrupted_args)``. The first plants ``senders``,
-    holds every site ``freeze`` selects (except the senders and receivers)
-    at its value in the unpatched run, and reaps the receivers. The second
-    plants those receiver values into an otherwise unpatched run, so the
-    sender's effect reaches the output through the receivers and nothing
-    else; its output is returned. Freezing the components between sender
-    and receivers (e.g. every head's output, ``freeze="blocks*.z"``) cuts
-    the paths that go through them; what ``freeze`` leaves out (a residual
-    stream that sums the components, say) carries the sender's effect on.
-    ``receivers`` and ``freeze`` name roles in the patch, not which sites to
-    read (``names=``/``exclude=`` elsewhere): each selects sites in the forms
-    ``names=`` takes.
-
-    Patching a head's output from a clean run into a corrupted run along
-    the path to the next layer's keys is, with a head sweep's intervention:
-    ``path_patching(f, {"blocks0.z": patch_head(clean_z0, 1, axis=2)},
-    "blocks1.k", (corrupted,), freeze="blocks*.z")``.
+    holds every site ``freeze`` selects (but the senders and receivers) at its
+    value in the unpatched run, and reaps the receivers; the second plants
+    those receiver values into an otherwise unpatched run, so the sender's
+    effect reaches the output through the receivers alone. Freezing the
+    components between sender and receivers (every head's output,
+    ``freeze="blocks*.z"``) cuts the paths through them; what ``freeze``
+    leaves out (a residual stream that sums them, say) carries the effect on.
+    A head's output patched from a clean run along the path to the next
+    layer's keys: ``path_patching(f, {"blocks0.z": patch_head(clean_z0, 1,
+    axis=2)}, "blocks1.k", (corrupted,), freeze="blocks*.z")``.
 
     Args:
         f: the function to patch, as ``plant`` takes it (a function, an
             instrumented model, a bound method).
         senders: ``{dotted site name: planted value}``: what the first pass
-            plants, as ``plant`` takes it (a value shaped as ``reap`` gives
-            it, or a callable ``old -> new`` such as ``patch_head`` or
-            ``patch_positions`` to patch part of a site).
-        receivers: the sites whose values carry the path (exact names, glob
-            patterns, predicates on names, or a list of them, as ``reap``'s
-            ``names``); a string that matches no site is an error.
+            plants, as ``plant`` takes it (a callable such as ``patch_head``
+            patches part of a site).
+        receivers: the sites whose values carry the path, selected as by
+            ``reap``'s ``names`` (a string that matches no site is an error).
         corrupted_args: the arguments of the run being patched, a tuple.
         freeze: the sites held at their unpatched values in the first pass,
             selected as ``receivers`` are; None freezes nothing (then the
@@ -114,7 +100,7 @@ def path_patching(
     held: dict[str, Any] = {}
     if freeze is not None:
         unpatched = reap(f, tag=tag, names=_entries(freeze), exclude=[*senders, *to])
-        held = _dotted(unpatched(*corrupted_args))
+        held = dotted(unpatched(*corrupted_args))
     first = harvest(f, tag=tag, names=[*to, *senders, *held])
     _, reached = first({**held, **senders}, *corrupted_args)
     return plant(f, tag=tag)(reached, *corrupted_args)
@@ -126,13 +112,13 @@ def _entries(select: NameSelect) -> list[Any]:
     return list(select or ())
 
 
-def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """A reap's nested dicts as one dict of dotted names."""
     out: dict[str, Any] = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_dotted(value, name + "."))
+            out.update(dotted(value, name + "."))
         else:
             out[name] = value
     return out

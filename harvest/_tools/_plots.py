@@ -1,10 +1,9 @@
 """Heatmap panels for patching results and attention patterns (matplotlib, imported lazily).
 
-Panels share one colour scale and one colourbar, and the figure uses
-matplotlib's constrained layout sized from the longest tick label, so long
-site names never run into a neighbouring panel or the colourbar. A figure is
-at most ``MAX_WIDTH`` inches wide (850 px at 100 dpi): panels that do not fit
-side by side go on more rows.
+Panels share one colour scale, and the figure uses matplotlib's constrained
+layout sized from the longest tick label, so long site names never run into a
+neighbouring panel or the colourbar; panels that do not fit side by side in
+``MAX_WIDTH`` go on more rows.
 """
 
 from __future__ import annotations
@@ -37,6 +36,14 @@ def pyplot() -> Any:
     return plt
 
 
+def _panels(n: int, down: int, across: int, figsize: tuple[float, float]) -> list[Axes]:
+    """A figure of ``down`` rows of ``across`` panels; the first ``n`` axes (the rest hidden)."""
+    _, grid = pyplot().subplots(down, across, figsize=figsize, squeeze=False, layout="constrained")
+    for unused in grid.flat[n:]:
+        unused.set_axis_off()
+    return list(grid.flat[:n])
+
+
 def heatmaps(
     grids: Sequence[np.ndarray],
     *,
@@ -52,13 +59,12 @@ def heatmaps(
     ax: Axes | Sequence[Axes] | None = None,
     columns: int = 4,
     colorbar_each: bool = False,
+    suptitle: str | None = None,
     **imshow_kwargs: Any,
 ) -> list[Axes]:
     """Draws each 2-D grid as a panel on one shared scale, `columns` panels a
-    row; returns the list of axes (one per grid). The scale's colourbar is one
-    for all panels, or (`colorbar_each`) one beside each, as tall as it."""
-    plt = pyplot()
-
+    row, under `suptitle`; returns the list of axes (one per grid). The scale's
+    colourbar is one for all panels, or (`colorbar_each`) one beside each."""
     rows, cols = grids[0].shape
     if ax is None:
         label_width = 0.09 * max((len(str(r)) for r in row_labels), default=0)
@@ -69,18 +75,10 @@ def heatmaps(
         across = max(1, min(len(grids), columns, fit))
         down = -(-len(grids) // across)
         width = min(MAX_WIDTH, label_width + across * panel + 1.2)
-        _, grid_of_axes = plt.subplots(
-            down,
-            across,
-            # Tall enough for the colourbar's label, written along it (a sweep of two
-            # layers is a short figure; "fraction of clean-corrupt gap" is not short).
-            figsize=(width, max(down * (1.4 + 0.35 * rows), 0.4 + 0.075 * len(cbar_label))),
-            squeeze=False,
-            layout="constrained",
-        )
-        for unused in grid_of_axes.flat[len(grids) :]:
-            unused.set_axis_off()
-        axes: list[Axes] = list(grid_of_axes.flat[: len(grids)])
+        # Tall enough for the colourbar's label, written along it (a sweep of two
+        # layers is a short figure; "fraction of clean-corrupt gap" is not short).
+        height = max(down * (1.4 + 0.35 * rows), 0.4 + 0.075 * len(cbar_label))
+        axes = _panels(len(grids), down, across, (width, height))
     else:
         across = min(len(grids), columns)
         axes = [cast("Axes", ax)] if len(grids) == 1 else list(cast("Sequence[Axes]", ax))
@@ -107,6 +105,8 @@ def heatmaps(
             )
     if not colorbar_each:
         axes[0].figure.colorbar(image, ax=axes, label=cbar_label)
+    if suptitle is not None:
+        axes[0].figure.suptitle(suptitle)
     return axes
 
 
@@ -177,7 +177,6 @@ def plot_attention(
     ]
     grids = [array[h] for h in heads]
     queries, positions = array.shape[1], array.shape[2]
-    plt = pyplot()
     # Square cells, as large as fit (at most 0.3 in) with two panels a row for
     # long sequences, four for short ones; each panel has its own colour bar.
     label_width = 0.07 * max(len(k) for k in keys) + 0.4
@@ -187,11 +186,6 @@ def plot_attention(
     down = -(-len(grids) // across)
     width = min(MAX_WIDTH, across * (label_width + 1.0 + cell * positions))
     height = down * (cell * queries + label_width + 0.5) + (0.3 if title else 0.0)
-    _, grid_of_axes = plt.subplots(
-        down, across, figsize=(width, height), squeeze=False, layout="constrained"
-    )
-    for unused in grid_of_axes.flat[len(grids) :]:
-        unused.set_axis_off()
     axes = heatmaps(
         grids,
         titles=[f"head {h}" for h in heads],
@@ -203,13 +197,12 @@ def plot_attention(
         vmin=0.0,
         vmax=float(max(np.max(g) for g in grids)) or 1.0,
         cbar_label="attention",
-        ax=list(grid_of_axes.flat[: len(grids)]),
+        ax=_panels(len(grids), down, across, (width, height)),
         columns=across,
         colorbar_each=True,
+        suptitle=title,
     )
     if cell < 0.2:  # small cells: tick labels to match, so each stays beside its row
         for axis in axes:
             axis.tick_params(labelsize=7)
-    if title is not None:
-        axes[0].figure.suptitle(title)
     return axes

@@ -16,30 +16,23 @@ if TYPE_CHECKING:
 class PatchingResult:
     """The effect of each patch on a metric: `values[i, j]` for site `names[i]` at `positions[j]`.
 
-    An effect is `metric(patched run) - baseline`, where `baseline` is the
-    metric of the unpatched corrupted run (estimated, for attribution
-    patching). Without a position axis, `values` has shape `[len(names)]` and
-    `positions` is `None`. A sweep over several axes (`axis=(2, 1)`, say) has
-    `values` of shape `[len(names), *sizes]` and `positions` holds one array of
-    indices per swept axis.
-
-    A sweep returns its result as soon as its program is dispatched, as a JAX
-    call returns its arrays: reading ``values`` or ``baseline`` (or anything
-    that reads them: ``normalized``, ``plot``, printing) waits for the program
-    and converts its output to NumPy, once. ``jax.block_until_ready(result)``
-    waits explicitly. So a loop of sweeps overlaps each call's Python with the
-    previous program's run; a sweep of several steps (chunks of
-    ``batch_size``, or batches of a dataset) waits for each step in turn.
+    An effect is `metric(patched run) - baseline`. A sweep returns its result as
+    soon as its program is dispatched, as a JAX call returns its arrays: reading
+    ``values`` or ``baseline`` (or anything that reads them: ``normalized``,
+    ``plot``, printing) waits for the program and converts its output to NumPy,
+    once; ``jax.block_until_ready(result)`` waits explicitly. So a loop of sweeps
+    overlaps each call's Python with the previous program's run.
 
     Args:
-        values: The effects: ``[len(names)]``, ``[len(names), size]`` or
-            ``[len(names), *sizes]``.
+        values: The effects: ``[len(names)]`` (whole sites), ``[len(names), size]``
+            or ``[len(names), *sizes]`` (several swept axes).
         names: One name per row (a looped site's occurrences are ``name[0]``,
             ``name[1]``, ...).
         positions: The indices along the swept axis, a tuple of them (several
             axes), or ``None``.
         axis: The swept axis (an int), a tuple of axes, or ``None``.
-        baseline: The corrupted run's metric (estimated, for attribution patching).
+        baseline: The metric of the unpatched corrupted run (estimated, for
+            attribution patching).
         measure: What ``values`` measure (a plot's colourbar label).
         skipped: The sites a sweep without ``names=`` left out (a different
             size along the swept axes), each with the reason.
@@ -59,30 +52,26 @@ class PatchingResult:
     positions: Any  # np.ndarray, a tuple of them (several axes), or None
     axis: Any  # int, tuple of ints, or None
     baseline: float
-    measure: str = "effect on metric"  # what `values` measure (a plot's colourbar label)
-    skipped: tuple[str, ...] = ()  # sites left out of a sweep without names=, each with the reason
-    # What each swept axis is ("head", "position"), when the swept sites say (attention hooks).
+    measure: str = "effect on metric"
+    skipped: tuple[str, ...] = ()
     axis_labels: tuple[str, ...] | None = None
 
     @classmethod
     def _computing(
-        cls, finish: Callable[[], tuple[np.ndarray, float]], *fields: Any, **named: Any
+        cls, finish: Callable[[], tuple[np.ndarray, float]], **fields: Any
     ) -> PatchingResult:
-        """A result whose ``values`` and ``baseline`` are ``finish()``'s, called when first read.
-
-        ``fields`` and ``named`` are the other fields, in order from ``names``."""
+        """A result whose ``values`` and ``baseline`` are ``finish()``'s, called when first
+        read; ``fields`` are the others but ``measure``."""
         result = object.__new__(cls)
-        given = dict(zip(("names", "positions", "axis"), fields), **named)
-        for name, default in _SET_AT_ONCE:
-            object.__setattr__(result, name, given.get(name, default))
-        object.__setattr__(result, "_finish", finish)
+        for name, value in dict(fields, measure=cls.measure, _finish=finish).items():
+            object.__setattr__(result, name, value)
         return result
 
     def __getattr__(self, name: str) -> Any:
         # Reached only for an attribute not set: the deferred fields of a result
         # still computing. Both are set together, so `finish` runs once.
         finish = self.__dict__.get("_finish")
-        if finish is None or name not in _DEFERRED:
+        if finish is None or name not in ("values", "baseline"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         values, baseline = finish()
         object.__setattr__(self, "values", values)
@@ -144,14 +133,6 @@ class PatchingResult:
             self, values=self.values / gap, measure="fraction of clean-corrupt gap"
         )
 
-    def _grid(self) -> np.ndarray:
-        if self.values.ndim > 2:
-            raise ValueError(
-                f"plot_many draws results of one swept axis; this one has values of shape {self.values.shape}. "
-                "Use result.plot(), which draws one panel per site."
-            )
-        return self.values if self.positions is not None else self.values[:, None]
-
     def plot(
         self,
         ax: Axes | None = None,
@@ -165,11 +146,10 @@ class PatchingResult:
         """Draws `values` as a heatmap (sites × positions), centred on zero; returns the axes.
 
         A sweep over two axes is drawn as one panel per site (first swept axis
-        × second), all on one colour scale; then the list of axes is returned.
-        Use ``PatchingResult.plot_many`` to put several results on one scale.
-        A notebook shows the figure by itself; from a script, call
-        ``matplotlib.pyplot.show()`` after ``plot`` to open it, or save it with
-        ``ax.figure.savefig(path)``.
+        × second) on one colour scale, and the list of axes is returned
+        (``plot_many`` puts several results on one scale). From a script, call
+        ``matplotlib.pyplot.show()`` to open the figure (a notebook shows it by
+        itself), or save it with ``ax.figure.savefig(path)``.
 
         Args:
             ax: The matplotlib axes to draw on (``None``: a new figure).
@@ -202,34 +182,15 @@ class PatchingResult:
             >>> [ax.get_title() for ax in heads.plot()]
             ['l0', 'l1']
         """
-        if self.values.ndim == 3:
-            return self._plot_panels(ax, title, cmap, vmax, xlabel, ylabel, **imshow_kwargs)
-        return PatchingResult.plot_many(
-            [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, xlabel=xlabel, **imshow_kwargs
-        )[0]
-
-    def _axis_label(self, i: int) -> str:
-        """What swept axis `i` is: the sites' own name for it where they say, else its index."""
-        if self.axis_labels:
-            return self.axis_labels[i]
-        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        return f"index along axis {axes[i]}"
-
-    def _plot_panels(
-        self,
-        ax: Any,
-        title: str | None,
-        cmap: str,
-        vmax: float | None,
-        xlabel: str | None,
-        ylabel: str | None,
-        **imshow_kwargs: Any,
-    ) -> Any:
+        if self.values.ndim != 3:
+            return PatchingResult.plot_many(
+                [self], ax=ax, titles=[title], cmap=cmap, vmax=vmax, xlabel=xlabel, **imshow_kwargs
+            )[0]
         from ._plots import heatmaps
 
         rows, cols = self.positions
         bound = float(np.max(np.abs(self.values))) if vmax is None else float(vmax)
-        axes = heatmaps(
+        return heatmaps(
             list(self.values),
             titles=list(self.names),
             row_labels=rows,
@@ -241,11 +202,16 @@ class PatchingResult:
             vmax=bound or 1.0,
             cbar_label=self.measure,
             ax=ax,
+            suptitle=title,
             **imshow_kwargs,
         )
-        if title is not None:
-            axes[0].figure.suptitle(title)
-        return axes
+
+    def _axis_label(self, i: int) -> str:
+        """What swept axis `i` is: the sites' own name for it where they say, else its index."""
+        if self.axis_labels:
+            return self.axis_labels[i]
+        axes = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        return f"index along axis {axes[i]}"
 
     @staticmethod
     def plot_many(
@@ -260,9 +226,9 @@ class PatchingResult:
     ) -> list[Axes]:
         """Draws several results side by side on one colour scale with one colourbar; returns the axes.
 
-        The figure is laid out so no label overlaps a neighbouring panel or the colourbar.
-        From a script, call ``matplotlib.pyplot.show()`` to open it (a notebook
-        shows it by itself), or save it with ``axes[0].figure.savefig(path)``.
+        No label overlaps a neighbouring panel or the colourbar. From a script,
+        call ``matplotlib.pyplot.show()`` to open the figure (a notebook shows
+        it by itself), or save it with ``axes[0].figure.savefig(path)``.
 
         Args:
             results: Results with the same rows (sites) and columns, each of
@@ -271,9 +237,7 @@ class PatchingResult:
             ax: The axes to draw on, one per result (``None``: a new figure).
             cmap: A diverging colormap name.
             vmax: The shared colour scale's bound (default: the largest magnitude).
-            xlabel: What the columns are (``"unit"``, say). Default: what the
-                swept sites say the axis is (``"position"`` for attention hooks),
-                else ``"index along axis <n>"``.
+            xlabel: What the columns are, as for ``plot``.
             **imshow_kwargs: Passed to ``imshow``.
 
         Returns:
@@ -298,7 +262,13 @@ class PatchingResult:
         results = list(results)
         if not results:
             raise ValueError("plot_many needs at least one PatchingResult.")
-        grids = [r._grid() for r in results]
+        for r in results:
+            if r.values.ndim > 2:
+                raise ValueError(
+                    f"plot_many draws results of one swept axis; this one has values of shape "
+                    f"{r.values.shape}. Use result.plot(), which draws one panel per site."
+                )
+        grids = [r.values if r.positions is not None else r.values[:, None] for r in results]
         if len({g.shape for g in grids}) != 1 or len({r.names for r in results}) != 1:
             raise ValueError(
                 "plot_many draws results with the same sites and positions; got shapes "
@@ -323,12 +293,3 @@ class PatchingResult:
             ax=ax,
             **imshow_kwargs,
         )
-
-
-_DEFERRED = ("values", "baseline")  # the fields a result still computing sets when first read
-# The other fields, with their defaults, in order.
-_SET_AT_ONCE = tuple(
-    (field.name, field.default)
-    for field in dataclasses.fields(PatchingResult)
-    if field.name not in _DEFERRED
-)

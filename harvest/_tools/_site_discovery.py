@@ -1,16 +1,11 @@
 """The sow sites of a function's program, found once per function and abstract signature.
 
-The sweeps (`patching_sweep`, `attribution_patching`) patch the sites of the
-corrupted run, and finding them traces the model: on a repeated sweep that
-trace cost as much as running the compiled program. So the sites are kept,
-keyed as `jax.jit` keys its traces: by the function (held weakly, so its
-entries go with it), by the shapes and dtypes of the traced leaves of what it
-is given and binds (an NNX module's state included, so weights changed in
-place find the same entry), and by every other leaf's value (its
-`static_key`), the NNX graph definition among them. A new shape, a flag or a
-replaced layer is a new key, and traces again; what the function closes over
-is read when it is traced, as `jax.jit` reads it.
-`jax.clear_caches()` clears the sites too.
+Finding the sites a sweep patches traces the model, which on a repeated sweep
+cost as much as running the compiled program. So they are kept, keyed as
+`jax.jit` keys its traces: by the function (held weakly), the shapes and dtypes
+of the traced leaves of what it is given and binds (an NNX module's state
+included), and every other leaf's value (`static_key`; the NNX graph definition
+among them). `jax.clear_caches()` clears them too.
 """
 
 from __future__ import annotations
@@ -67,17 +62,14 @@ def sow_sites(f: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Firing, ...
     fn, bound = unwrap(f)
     key = _signature(fn, bound, args)
     table = None
-    if key is not None:
+    with _lock:
         try:
-            with _lock:
-                table = _found.setdefault(fn, {})
+            table = None if key is None else _found.setdefault(fn, {})
         except TypeError:  # a function that cannot be weakly referenced: found every time
-            table = None
-    if table is not None:
-        with _lock:
-            found = table.get(key)
-        if found is not None:
-            return found
+            pass
+        found = None if table is None else table.get(key)
+    if found is not None:
+        return found
     closed = make_jaxpr(f, args, {})[0]
     forget_verified_splits()  # tracing ran user code: splits are checked again after it
     found = tuple(
@@ -108,9 +100,8 @@ def _signature(fn: Callable[..., Any], bound: Any, args: tuple[Any, ...]) -> Any
 
 
 def _state_abstract(fn: Callable[..., Any], leaves: Any) -> Hashed:
-    """`_abstract` of each leaf of an NNX state, as data; that of the last call of
-    ``fn`` again if these are its very arrays (held weakly, so none is reused), as
-    on a repeated sweep: a model's hundreds of leaves are not looked at again."""
+    """`_abstract` of each leaf of an NNX state, as data; the last call's again if these are
+    its very arrays (held weakly), so a repeated sweep does not look at them again."""
     seen = _state_seen.get(fn)
     if (
         seen is not None

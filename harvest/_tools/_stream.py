@@ -4,11 +4,6 @@ Built as a plant: every streamed site is planted with a tap, a callable that
 sends the value to the host with `jax.debug.callback`, re-emits the sow (so a
 harvest outside `stream` still sees it) and returns the value unchanged. The
 walk does the rest, inside `jit`, `scan`, `cond` and `while`.
-
-The callback is ordered only when JAX sees one device: JAX refuses ordered
-effects in programs over several devices (sharded `jit`, `shard_map`,
-several processes), so there the taps are unordered and every call still
-arrives.
 """
 
 from __future__ import annotations
@@ -35,11 +30,8 @@ from .._walk._sow import DEFAULT_TAG
 
 @dataclasses.dataclass(frozen=True)
 class _Tap:
-    """A planted callable: report `old` to the host, then sow it again untouched.
-
-    Frozen and hashable by value, so the plant's compile cache is hit on every
-    call with the same callback.
-    """
+    """A planted callable: report `old` to the host, then sow it again untouched (hashable
+    by value, so the plant's compile cache is hit on every call with the same callback)."""
 
     callback: Callable[[str, Any], object]
     name: str
@@ -53,9 +45,8 @@ class _Tap:
         # Ordered effects are refused over several devices: there, calls come unordered.
         ordered = jax.device_count() == 1
         jax.debug.callback(functools.partial(self.callback, self.name), old, ordered=ordered)  # type: ignore[arg-type]
-        leaves = jax.tree_util.tree_leaves(old)
-        out = sow_p.bind(*leaves, **dict(self.sow_params))
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(old), out)
+        leaves, tree = jax.tree_util.tree_flatten(old)
+        return jax.tree_util.tree_unflatten(tree, sow_p.bind(*leaves, **dict(self.sow_params)))
 
 
 @renamed(allowlist="names", blocklist="exclude")
@@ -91,13 +82,12 @@ def stream(
     Raises:
         TypeError: if ``f`` or ``callback`` is not callable.
 
-    With more than one device (``jax.device_count() > 1``), calls are not
-    ordered: JAX runs ordered host callbacks on one device only. Each still
-    arrives: under a sharded `jit`, once per occurrence with the whole value
-    (gathered to one device); inside `shard_map`, once per shard with that
-    shard's value. To save sites over a dataset, on any number of devices or
-    processes, use `harvest.store.record` instead: it writes each device's
-    shard where it is, without a host callback or a gather.
+    With more than one device, calls are not ordered (JAX orders host
+    callbacks on one device only), but each arrives: under a sharded `jit`,
+    once per occurrence with the whole value; inside `shard_map`, once per
+    shard. To save sites over a dataset on several devices or processes,
+    `harvest.store.record` writes each device's shard where it is, without a
+    host callback or a gather.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -122,28 +112,17 @@ def stream(
 
     @functools.wraps(f)
     def streamed(*args: P.args, **kwargs: P.kwargs) -> R:
-        taps = _taps(make_jaxpr(f, args, kwargs)[0].jaxpr, tag, select, callback)
+        taps: dict[tuple[str, ...], _Tap] = {}
+        names: dict[str, None] = {}
+        for eqn, _, _ in sow_equations(make_jaxpr(f, args, kwargs)[0].jaxpr):
+            site = Site.of(eqn)
+            if site.tag == tag:
+                names[path_str(site.path)] = None
+            if site.tag == tag and not site.mode.has_pred and select(site.path):
+                params = tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role"))
+                taps[site.path] = _Tap(callback, path_str(site.path), params)
+        select.check_names(list(names), "stream: names= entry", tag)
         # Names not tapped are left in place by the plant, for outer harvests.
         return plant(f, tag=tag)(nested_dict(taps), *args, **kwargs)
 
     return streamed
-
-
-def _taps(
-    jaxpr: Any, tag: str, select: NameFilter, callback: Callable[[str, Any], object]
-) -> dict[tuple[str, ...], _Tap]:
-    """{site path: _Tap} for every streamed site."""
-    taps: dict[tuple[str, ...], _Tap] = {}
-    names: dict[str, None] = {}
-    for eqn, _, _ in sow_equations(jaxpr):
-        site = Site.of(eqn)
-        if site.tag == tag:
-            names[path_str(site.path)] = None
-        if site.tag == tag and not site.mode.has_pred and select(site.path):
-            taps[site.path] = _Tap(
-                callback,
-                path_str(site.path),
-                tuple(sorted((k, v) for k, v in eqn.params.items() if k != "role")),
-            )
-    select.check_names(list(names), "stream: names= entry", tag)
-    return taps

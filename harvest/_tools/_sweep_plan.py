@@ -1,11 +1,9 @@
 """Which sites a sweep patches, and the clean value at each: a sweep's plan.
 
-`patching_sweep` and `attribution_patching` (`_patching`) find the sites of
-the corrupted run once (`_site_discovery.sow_sites`), choose among them the
-names, the occurrences of a looped site and the indices along ``axis`` to
-patch, and check each clean value against them. The plan depends on the
-sites found, the names and axes asked for and the clean values' shapes
-alone, so a repeated sweep keeps it (`_plans`).
+The sweeps (`_patching`) choose among the sites of the corrupted run
+(`_site_discovery.sow_sites`) the names, the occurrences of a looped site and
+the indices along ``axis`` to patch, and check each clean value against them.
+The plan depends on those alone, so a repeated sweep keeps it (`_plans`).
 """
 
 from __future__ import annotations
@@ -40,10 +38,6 @@ class _Target:
         return (
             self.clean if self.count is None else jax.tree_util.tree_map(lambda l: l[0], self.clean)
         )
-
-    @property
-    def rows(self):
-        return 1 if self.count is None else self.count
 
 
 def site_value(reaps, site, what, count=None, checked=False):
@@ -89,32 +83,13 @@ class Plan:
     program: Hashed  # what of it shapes a sweep's program, hashed once
 
 
-def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude=None):
-    """A sweep's swept axes, its batches of (clean, corrupted arguments), and the
-    targets and `Plan` of its first batch."""
+def planned(f, clean, corrupted_args, tag, names, axis, caller, exclude):
+    """A sweep's swept axes, its batches of (clean, corrupted arguments), and the sites to
+    patch in its first batch with their clean values, and the `Plan` they follow, kept
+    (`_plan_key`) so that a repeated sweep does not check the clean values again."""
     axes = _swept_axes(axis, caller)
     batches = _dataset(clean, corrupted_args, caller)
-    targets, plan = _targets(f, batches[0][0], batches[0][1], tag, names, axes, caller, exclude)
-    return axes, batches, targets, plan
-
-
-def _sweep_tag_absent(caller: str, tag: Any, tags: list[str]) -> ValueError:
-    shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
-    return ValueError(
-        f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows of the "
-        f"tags {shown}. Pass one of those as tag= (instrument's sites are tag='modules'), the "
-        "tag clean was reaped with."
-    )
-
-
-def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
-    """The sites to patch with their clean values, and the `Plan` they follow.
-
-    The plan is kept, keyed by everything it is decided from: the sites found
-    (the very tuple `sow_sites` keeps for the model's signature), the tag, the
-    names chosen and whether they were chosen by the sweep, the axes, and the
-    structure, types, shapes and dtypes of the chosen clean values (a number's
-    value too). So a repeated sweep does not check the clean values again."""
+    clean, corrupted_args = batches[0]
     if not callable(f):
         raise _errors.needs_callable(caller, f)
     if not isinstance(corrupted_args, tuple):
@@ -132,7 +107,13 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     if not by_name:  # most often instrument's sites swept without tag="modules"
         tags = {site.tag for site, *_ in found}
         if tags:
-            raise _sweep_tag_absent(caller, tag, sorted(tags, key=str))
+            tags = sorted(tags, key=str)
+            shown = ", ".join(repr(t) for t in tags[:8]) + (", ..." if len(tags) > 8 else "")
+            raise ValueError(
+                f"{caller}(tag={tag!r}): the function has no sow of tag {tag!r}, but it has sows "
+                f"of the tags {shown}. Pass one of those as tag= (instrument's sites are "
+                "tag='modules'), the tag clean was reaped with."
+            )
     chosen = names
     if names is None:
         names = [n for n in by_name if _lookup_dotted(clean, n) is not _MISSING]
@@ -151,29 +132,44 @@ def _targets(f, clean, corrupted_args, tag, names, axes, caller, exclude=None):
     plan = None if key is None else _plans.get(key)
     if plan is not None and plan.found is found:
         values = [site_value(given, s, "clean", count, checked=True) for s, count in plan.sites]
-        return [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)], plan
+        targets = [_Target(s, v, count) for (s, count), v in zip(plan.sites, values)]
+        return axes, batches, targets, plan
     targets, size, skipped = _chosen(by_name, names, chosen, clean, tag, axes, caller)
-    axis_labels, site_axes = _swept(targets, axes, caller)
+    axis_labels, site_axes = None, (None,) * len(targets)
+    if axes is not None:
+        # A looped site's clean value stacks its occurrences: one axis more than one of them.
+        ndims = tuple(
+            (
+                path_str(t.site.path),
+                np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
+            )
+            for t in targets
+        )
+        axis_labels = _checked_axes(ndims, axes)
+        site_axes = tuple(_axes_counted(n, axes, caller) for _, n in ndims)
     sites = tuple((t.site, t.count) for t in targets)
-    firsts = np.cumsum([0] + [t.rows for t in targets])
-    site_axes = tuple(site_axes)
+    firsts = np.cumsum([0] + [1 if t.count is None else t.count for t in targets])
+    rows: list[str] = []  # a looped site's occurrences are `name[0]` ... `name[k-1]`
+    for t in targets:
+        name = path_str(t.site.path)
+        rows += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
     program = Hashed((sites, site_axes, size))
-    plan = Plan(
-        found, sites, size, skipped, axis_labels, site_axes, _row_names(targets), firsts, program
-    )
+    plan = Plan(found, sites, size, skipped, axis_labels, site_axes, tuple(rows), firsts, program)
     if key is not None:
         _plans[key] = plan
         while len(_plans) > 64:
             _plans.pop(next(iter(_plans)))
-    return targets, plan
+    return axes, batches, targets, plan
 
 
 _plans: dict[Any, Plan] = {}  # the plans of the last sweeps, oldest first
 
 
 def _plan_key(found, tag, auto, axes, caller, given):
-    """What decides a sweep's `Plan` (see `_targets`), hashable; None if it cannot be.
-    ``given`` holds the clean value of each name chosen (`_MISSING` if none)."""
+    """What decides a sweep's `Plan`, hashable (None if it cannot be): the sites found (the
+    very tuple `sow_sites` keeps), the tag, the names and whether the sweep chose them, the
+    axes, and the structure, types, shapes and dtypes of each chosen clean value in
+    ``given`` (`_MISSING` if none; a number's value too)."""
     shapes = tuple(map(_value_shape, given.values()))
     key = (id(found), tag, auto, tuple(given), axes, caller, shapes)
     try:
@@ -222,7 +218,8 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
             # The full message for a bad axis, mismatched leaves or an axis given twice.
             for a in axes:
                 axis_size(t.one, a, f"{caller} at {path_str(t.site.path)!r}")
-            _site_axes(t.one, axes, f"{caller} at {path_str(t.site.path)!r}")
+            ndim = np.ndim(jax.tree_util.tree_leaves(t.one)[0])
+            _axes_counted(ndim, axes, f"{caller} at {path_str(t.site.path)!r}")
         if len(set(sizes.values())) != 1:
             shown = {n: _size_str(z) for n, z in sizes.items()}
             raise ValueError(
@@ -234,10 +231,8 @@ def _chosen(by_name, names, chosen, clean, tag, axes, caller):
 
 
 def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
-    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted name.
-
-    A repeated sweep is handed the very tuple `sow_sites` kept, so this is
-    remembered for it (held, so that its identity is not reused)."""
+    """The firings of ``tag``'s sites among ``found`` (as `sow_sites` gives them), by dotted
+    name; kept for the very tuple `sow_sites` keeps (held: its identity is not reused)."""
     kept = _by_name_kept.get((id(found), tag))
     if kept is not None and kept[0] is found:
         return kept[1]
@@ -257,27 +252,9 @@ def _by_name(found: tuple[Any, ...], tag: Any) -> dict[str, list[Any]]:
 _by_name_kept: dict[Any, tuple[tuple[Any, ...], dict[str, list[Any]]]] = {}
 
 
-def _swept(
-    targets: list[_Target], axes: tuple[int, ...] | None, caller: str
-) -> tuple[tuple[str, ...] | None, list[tuple[int, ...] | None]]:
-    """(what each swept axis is, each target's `axes` counted from the front), after
-    the head-axis check: both come from the sites' names and ranks alone."""
-    if axes is None:
-        return _checked_axes((), None), [None] * len(targets)
-    # A looped site's clean value stacks its occurrences: one axis more than one of them.
-    ndims = tuple(
-        (
-            path_str(t.site.path),
-            np.ndim(jax.tree_util.tree_leaves(t.clean)[0]) - (t.count is not None),
-        )
-        for t in targets
-    )
-    return _checked_axes(ndims, axes), [_axes_counted(n, axes, caller) for _, n in ndims]
-
-
 @functools.lru_cache(maxsize=64)
 def _checked_axes(
-    ndims: tuple[tuple[str, int], ...], axes: tuple[int, ...] | None
+    ndims: tuple[tuple[str, int], ...], axes: tuple[int, ...]
 ) -> tuple[str, ...] | None:
     """Raises if ``axes`` would index merged head features (see `_attention`); else what each
     swept axis is. Both depend on the names and ranks alone: a repeated sweep asks once."""
@@ -310,22 +287,18 @@ def _select_names(names, sown, tag, caller):
     try:
         return list(_selected(entries, tuple(sown), tag, caller))
     except TypeError:  # an unhashable entry: matched afresh
-        return _matched(entries, sown, tag, caller)
+        return list(_selected.__wrapped__(entries, sown, tag, caller))
 
 
 @functools.lru_cache(maxsize=64)
 def _selected(entries, sown, tag, caller):
     # A repeated sweep selects the same names among the same sites: matched once.
-    return tuple(_matched(entries, sown, tag, caller))
-
-
-def _matched(entries, sown, tag, caller):
     picked = {}
     for entry in entries:
         select = NameFilter.make(entry)
         picked.update(dict.fromkeys(n for n in sown if select((n,))))
     NameFilter.make(list(entries)).check_names(sown, f"{caller}: names=", tag)
-    return list(picked)
+    return tuple(picked)
 
 
 _MISSING = object()
@@ -357,19 +330,15 @@ def _target(by_name, name, clean, tag, caller):
         # Fires several times (in a scan, say): one row per occurrence, as reap stacks them.
         count = int(np.shape(jax.tree_util.tree_leaves(_lookup(clean, site, "clean"))[0])[0])
         return _Target(site, site_value(clean, site, "clean", count), count)
-    total = sum(o[2] or 0 for o in occurrences)
-    count = "an unbounded number of" if fires is None else str(total)
+    count = "an unbounded number of" if fires is None else str(sum(o[2] or 0 for o in occurrences))
+    where = ", ".join(" › ".join(w) or "top level" for _, w, _, _ in occurrences)
     raise ValueError(
         f"{caller}: the site {name!r} (mode {site.mode.label}) fires {count} times per call "
-        f"(at {_where_str(occurrences)}); a sweep patches each occurrence of a site sown with "
+        f"(at {where}); a sweep patches each occurrence of a site sown with "
         "mode 'append' outside while_loops, and otherwise needs sites that fire once. Sow it "
         "with mode='append', give each occurrence its own name (e.g. with nest or "
         "f'layer{i}'), or leave it out with names=."
     )
-
-
-def _where_str(occurrences):
-    return ", ".join(" › ".join(w) or "top level" for _, w, _, _ in occurrences)
 
 
 def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
@@ -385,30 +354,12 @@ def _swept_axes(axis: Any, caller: str) -> tuple[int, ...] | None:
     return tuple(int(a) for a in axes)
 
 
-def _site_axes(value: Any, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
-    """`axes`, each counted from the front of `value`'s leaves; no axis twice."""
-    if axes is None:
-        return None
-    return _axes_counted(np.ndim(jax.tree_util.tree_leaves(value)[0]), axes, what)
-
-
-def _axes_counted(ndim: int, axes: tuple[int, ...] | None, what: str) -> tuple[int, ...] | None:
+def _axes_counted(ndim: int, axes: tuple[int, ...], what: str) -> tuple[int, ...]:
     """`axes`, each counted from the front of a value with ``ndim`` axes; no axis twice."""
-    if axes is None:
-        return None
     normal = tuple(a % ndim for a in axes)
     if len(set(normal)) != len(normal):
         raise ValueError(f"{what}: axis {axes} names the same axis twice; sweep each axis once.")
     return normal
-
-
-def _row_names(targets: list[_Target]) -> tuple[str, ...]:
-    """One name per row (a looped site's occurrences are `name[0]` ... `name[k-1]`)."""
-    names: list[str] = []
-    for t in targets:
-        name = path_str(t.site.path)
-        names += [name] if t.count is None else [f"{name}[{j}]" for j in range(t.count)]
-    return tuple(names)
 
 
 def _dataset(clean: Any, corrupted_args: Any, caller: str) -> list[tuple[Any, Any]]:
@@ -434,7 +385,7 @@ def batch_cleans(
     checked: Any = None,
 ) -> list[Any]:
     """Each target's clean value in one batch of a dataset, checked against the first batch's
-    sizes (the first batch's own, `_targets` took and checked already)."""
+    sizes (the first batch's own, `planned` took and checked already)."""
     if batch_clean is checked:
         return [t.clean for t in targets]
     cleans = []

@@ -1,13 +1,9 @@
 """`view`: the traced program as a dataflow graph, in one self-contained HTML page.
 
-Python walks the jaxpr into a graph (a node per op, with the sites sown on its
-output merged in; a node per input, named by its pytree path; a group per
-module path, from ``instrument``'s names, and per body of ``scan``/``cond``/
-``jit``/...) and writes it into the page as JSON. The page lays it out with
-dagre (a layered layout, vendored in ``_view_static``, inlined into the page),
-so it works offline, from a file or in a notebook: groups open and close on a
-click, hovering a node lights its inputs and outputs, and a box finds nodes by
-name.
+Python walks the jaxpr into a graph (a node per op, the sites sown on its output
+merged in; a node per input; a group per module path and per body) and writes it
+into the page as JSON, which lays it out with dagre (vendored in ``_view_static``,
+inlined), so it works offline, from a file or in a notebook.
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from .._walk._higher_order import bodies as _descriptor_bodies, operands_of
 from .._walk._paths import path_str
 from .._walk._primitive import sow_p
 from .._walk._site import Site
+from ._path_patching import dotted
 
 _COUNTER = itertools.count()
 
@@ -46,8 +43,7 @@ class View:
         html: the self-contained HTML fragment (``save`` wraps it in a page).
         sites: the number of sow sites drawn.
         groups: the number of bodies (``scan``, ``cond`` branches, ``jit``, ...) drawn.
-        modules: the number of module groups drawn (one per module path of
-            ``instrument``'s sites).
+        modules: the number of module groups drawn (one per module path).
     """
 
     def __init__(self, html: str, sites: int, groups: int, modules: int = 0) -> None:
@@ -100,30 +96,25 @@ def view(
 ) -> Callable[..., View]:
     """Returns a function drawing the dataflow graph of ``f`` on its arguments, traced as ``reap`` does.
 
-    ``view(f)(*args, **kwargs)`` draws ``f(*args, **kwargs)``; it is called as
-    every transformation is, and the old form ``view(f, x)`` still works until
-    harvest 0.3, with a ``DeprecationWarning`` (a function of no arguments is
-    drawn by ``view(f)()``).
+    ``view(f)(*args, **kwargs)`` draws ``f(*args, **kwargs)``, as every
+    transformation is called (the old form ``view(f, x)`` works until harvest
+    0.3, with a ``DeprecationWarning``). Nothing runs: ``f`` is only traced.
 
-    Nodes are the program's ops (the primitive), each with its output shapes
-    and dtypes and the sow sites on its output (name, tag, mode), and its
-    inputs, named by their path in the arguments (``attn.query.kernel`` for a
-    model's parameter); edges are data dependencies, laid out top to bottom
-    in layers. The ops of an ``instrument``-ed model are grouped by the module
-    that ran them (with or without ``ops=True``), and the bodies of ``scan``,
-    ``while_loop``, ``cond``, ``jit``, ``checkpoint`` and custom derivatives
-    are groups too; each opens and closes on a click (a named call such as
-    ``relu`` starts closed, as one node). A model opens on its top-level
-    structure (the top-level modules that hold others open, every other
-    module closed); a program without modules opens as many levels of groups
-    as stay small. The graph opens fitted to the pane's width (never below
-    half size: then scrolled to the first input), in a pane as tall as it is.
-    Hovering a node lights its inputs and outputs; the search box finds nodes by name.
-    Nothing runs: ``f`` is only traced. Given ``values`` -- what ``reap``
-    returned -- each site it names shows the value's mean, standard deviation
-    and a histogram: on the sites of ``tag`` (the tag the values were reaped
-    with), or, with no ``tag``, on the sites of the one tag that has each
-    name. With ``instrument(f, ops=True)`` every op is a site too.
+    Nodes are the program's ops, each with its output shapes and dtypes and
+    the sow sites on its output (name, tag, mode), and its inputs, named by
+    their path in the arguments (``attn.query.kernel``); edges are data
+    dependencies, laid out top to bottom. The ops of an ``instrument``-ed
+    model are grouped by module (with or without ``ops=True``), and the bodies
+    of ``scan``, ``while_loop``, ``cond``, ``jit``, ``checkpoint`` and custom
+    derivatives are groups too, each opening and closing on a click (a named
+    call such as ``relu`` starts closed). A model opens on its top-level
+    modules; a program without modules, on as many levels as stay small. The
+    graph opens fitted to the pane's width (never below half size), hovering a
+    node lights its inputs and outputs, and the search box finds nodes by name.
+    Given ``values`` (what ``reap`` returned), each site it names shows the
+    value's mean, standard deviation and a histogram: the sites of ``tag``, or
+    with no ``tag``, of the one tag that has each name (with
+    ``instrument(f, ops=True)``, every op is a site).
 
     Args:
         f: the function to trace, as for ``reap``.
@@ -135,8 +126,7 @@ def view(
     Returns:
         A function taking ``f``'s arguments (arrays, ``jax.ShapeDtypeStruct``
         values, or Python values, static as in ``reap``) and returning a
-        ``View``: it displays in a notebook, and ``View.save(path)`` writes a
-        self-contained page that opens from a file, offline.
+        ``View``, shown in a notebook or saved as a page (``View.save``).
 
     Raises:
         TypeError: if ``f`` is not callable, or ``values`` is not a dict.
@@ -163,43 +153,37 @@ def view(
         raise TypeError(f"view: values must be a dict, as reap returns it, got {values!r}.")
 
     def drawn(*args: Any, **kwargs: Any) -> View:
-        return _drawn(f, args, kwargs, values, tag)
+        params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
+        (fn, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
+        token = _call.scoped.set(True)  # module boxes with or without ops=True
+        try:
+            closed, arrays = make_jaxpr(fn, args, kwargs, graph=graph_nodes)
+        finally:
+            _call.scoped.reset(token)
+        names = _input_names(params, (fn, args, kwargs), graph_nodes, arrays)
+        graph = _Graph(dotted(values or {}), tag, *_module_paths(closed.jaxpr))
+        graph.top(closed.jaxpr, names)
+        graph.check_values()
+        uid = f"hv{next(_COUNTER)}"
+        drawing = {"nodes": graph.nodes, "groups": graph.groups_, "edges": list(graph.edges)}
+        data = json.dumps(drawing, ensure_ascii=False, separators=(",", ":"))
+        data = data.replace("</", "<\\/")  # no `</script>` inside the script
+        style, script = _static("view.css"), _static("view.js").replace("__ID__", uid)
+        fragment = (
+            f'<div class="harvest-view" id="{uid}"><style>{style}</style>'
+            '<div class="hv-bar"><input class="hv-search" type="search" '
+            'placeholder="find a node by name" aria-label="find a node by name">'
+            '<span class="hv-found"></span><button class="hv-zoom" data-by="0.8">−</button>'
+            '<button class="hv-zoom" data-by="1.25">+</button><button class="hv-zoom" data-by="fit">'
+            'fit</button><span class="hv-info"></span></div>'
+            '<div class="hv-scroll"><svg class="hv-canvas"></svg></div>'
+            f'<script type="application/json" class="hv-data">{data}</script>'
+            f"<script>(function () {{\n{_static('dagre.min.js')}\n{script}}})();</script>"
+            "</div>"
+        )
+        return View(fragment, graph.sites, graph.bodies, graph.modules)
 
     return drawn
-
-
-def _drawn(
-    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], values: Any, tag: Any
-) -> View:
-    """The `View` of ``f(*args, **kwargs)``, with ``values`` summarised on the sites of ``tag``."""
-    params = _positional_names(getattr(f, "_target", f))  # an instrumented model: its own
-    (f, args, kwargs), graph_nodes, _ = split_nodes((f, args, kwargs))
-    token = _call.scoped.set(True)  # module boxes with or without ops=True
-    try:
-        closed, arrays = make_jaxpr(f, args, kwargs, graph=graph_nodes)
-    finally:
-        _call.scoped.reset(token)
-    names = _input_names(params, (f, args, kwargs), graph_nodes, arrays)
-    graph = _Graph(_flat(values or {}), tag, *_module_paths(closed.jaxpr))
-    graph.top(closed.jaxpr, names)
-    graph.check_values()
-    uid = f"hv{next(_COUNTER)}"
-    data = json.dumps(graph.data(), ensure_ascii=False, separators=(",", ":"))
-    data = data.replace("</", "<\\/")  # no `</script>` inside the script
-    style, script = _static("view.css"), _static("view.js").replace("__ID__", uid)
-    fragment = (
-        f'<div class="harvest-view" id="{uid}"><style>{style}</style>'
-        '<div class="hv-bar"><input class="hv-search" type="search" '
-        'placeholder="find a node by name" aria-label="find a node by name">'
-        '<span class="hv-found"></span><button class="hv-zoom" data-by="0.8">−</button>'
-        '<button class="hv-zoom" data-by="1.25">+</button><button class="hv-zoom" data-by="fit">'
-        'fit</button><span class="hv-info"></span></div>'
-        '<div class="hv-scroll"><svg class="hv-canvas"></svg></div>'
-        f'<script type="application/json" class="hv-data">{data}</script>'
-        f"<script>(function () {{\n{_static('dagre.min.js')}\n{script}}})();</script>"
-        "</div>"
-    )
-    return View(fragment, graph.sites, graph.bodies, graph.modules)
 
 
 def _static(name: str) -> str:
@@ -208,16 +192,6 @@ def _static(name: str) -> str:
     return (importlib.resources.files(__package__) / "_view_static" / name).read_text(
         encoding="utf-8"
     )
-
-
-def _flat(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, prefix + (key,)))
-        else:
-            out[path_str(prefix + (key,))] = value
-    return out
 
 
 def _input_names(params: list[str], call: Any, graph_nodes: Any, arrays: list[Any]) -> list[str]:
@@ -274,15 +248,10 @@ def _keys(path: Any) -> list[str]:
 
 
 def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
-    """The paths ``instrument`` named, and which are modules.
-
-    Each op site's name begins with a path (``attn.query/dot_general:0``): a
-    module's, which is also a named scope of the ops (``instrument`` scopes
-    each module call, and ``view`` has it do so without ``ops`` too), or a
-    named call's it inlined (``log_softmax/exp:0``). Without ``ops``, a
-    module's output site is named by its path (``attn.query``), the scope its
-    ops ran in.
-    """
+    """The paths ``instrument`` named, and which are modules: an op site's name begins with
+    a module's path, also a named scope of its ops (``attn.query/dot_general:0``), or an
+    inlined named call's (``log_softmax/exp:0``); without ``ops``, a module's output site is
+    named by its path (``attn.query``), the scope its ops ran in."""
     names: set[str] = set()
     scopes: set[str] = set()
 
@@ -300,10 +269,10 @@ def _module_paths(jaxpr: Any) -> tuple[set[str], set[str]]:
 
 
 def _parent_module(path: str, modules: set[str]) -> str | None:
-    parts = path.split(".")
-    for k in range(len(parts) - 1, 0, -1):
-        if ".".join(parts[:k]) in modules:
-            return ".".join(parts[:k])
+    while "." in path:
+        path = path.rpartition(".")[0]
+        if path in modules:
+            return path
     return None
 
 
@@ -322,9 +291,6 @@ class _Graph:
         self.edges: dict[tuple[str, str], None] = {}
         self.module_group: dict[tuple[str | None, str], str] = {}
         self.sites = self.bodies = self.modules = 0
-
-    def data(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "groups": self.groups_, "edges": list(self.edges)}
 
     def top(self, jaxpr: Any, names: list[str]) -> None:
         producers: dict[Any, str] = {}
@@ -363,9 +329,6 @@ class _Graph:
                 made = self._group("call", short, parent, path=path, closed=True, op="jit")
             self.module_group[key] = made
         return self.module_group[key]
-
-    def _is_module(self, group: str | None) -> bool:
-        return group is not None and "path" in self.groups_[int(group[1:])]
 
     def _module_of(self, eqn: Any) -> str:
         """The module an equation runs in: ``instrument``'s innermost named scope,
@@ -412,7 +375,9 @@ class _Graph:
         node = self.nodes[int(source[1:])] if source else None
         if node is None or node["id"] not in local:  # an input, or read inside a body
             node = self.nodes[int(self._node("site", name, eqn.outvars, group)[1:])]
-        elif node["kind"] == "op" and not self._is_module(node["group"]):
+        elif node["kind"] == "op" and (
+            node["group"] is None or "path" not in self.groups_[int(node["group"][1:])]
+        ):
             node["group"] = group  # ops=False: the op ran in the module whose output it is
         entry: dict[str, Any] = {
             "name": name,
@@ -515,12 +480,11 @@ def _avals(outs: list[Any]) -> str:
 
 
 def _summary(value: Any) -> dict[str, Any] | None:
-    """The value's mean, standard deviation and a 12-bin histogram (its counts), over
-    its finite numbers (a complex number by its magnitude, said so), with how many
-    are nan or infinite; a PRNG key shows its dtype and shape (``key<fry>[3]``), as
-    it has no numbers to summarise."""
+    """The value's mean, standard deviation and 12-bin histogram over its finite numbers
+    (a complex one by its magnitude, said so), how many are nan or infinite, and each PRNG
+    key's dtype and shape (``key<fry>[3]``), as it has no numbers to summarise."""
     keys, numbers, magnitudes = [], [], []
-    for leaf in _leaves(value):
+    for leaf in jax.tree_util.tree_leaves(value):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key):
             keys.append(f"{dtype}{list(np.shape(leaf))}")
@@ -532,26 +496,11 @@ def _summary(value: Any) -> dict[str, Any] | None:
         numbers.append(array.astype(float).ravel())
     data = np.concatenate(numbers) if numbers else np.zeros(0)
     finite = data[np.isfinite(data)]
-    counts = [
-        f"{n} {what}"
-        for n, what in [
-            (int(np.isnan(data).sum()), "nan"),
-            (int((data == np.inf).sum()), "inf"),
-            (int((data == -np.inf).sum()), "-inf"),
-        ]
-        if n
-    ]
+    bad = {"nan": np.isnan(data), "inf": data == np.inf, "-inf": data == -np.inf}
+    counts = [f"{int(hit.sum())} {what}" for what, hit in bad.items() if hit.any()]
     stats = [f"mean {finite.mean():.4g} · std {finite.std():.4g}"] if finite.size else []
     text = " · ".join(stats + counts + magnitudes[:1] + keys)
     if not text:
         return None
     hist = np.histogram(finite, bins=12)[0].tolist() if finite.size else None
     return {"text": text, "hist": hist}
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    if isinstance(value, dict):
-        return [leaf for v in value.values() for leaf in _leaves(v)]
-    return [value]
