@@ -23,7 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 from jax import lax
@@ -33,27 +33,27 @@ from jax._src import (
     config as _config,
     core as _src_core,
     effects as _effects,
+    linear_util as _lu,
     source_info_util as _src_source_info,
     traceback_util as _traceback_util,
+    util as _util,
 )
-from jax._src.interpreters import ad as _ad_internal, partial_eval as _pe
+from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
+from jax._src.interpreters import ad as _ad_internal, batching as _src_batching, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 from jax._src.lax.control_flow import loops as _loops
+from jax._src.literals import TypedNdArray as _TypedNdArray
+from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
 from jax.experimental import jet as _jet
 from jax.extend import core as _core, source_info_util
 from jax.extend.core import primitives as _primitives
-from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir, xla as _xla
 
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
 
-try:  # the values of a jaxpr's literals: an ndarray subclass on 0.10, a type of its own on 0.8
-    from jax._src.literals import TypedNdArray as _TypedNdArray
-
-    LITERAL_TYPES: tuple[type, ...] = (_TypedNdArray,)
-except ImportError:
-    LITERAL_TYPES = ()
+LITERAL_TYPES: tuple[type, ...] = (_TypedNdArray,)  # the values of a jaxpr's literals
 
 Primitive = _core.Primitive
 Jaxpr = _core.Jaxpr
@@ -62,8 +62,7 @@ Literal = _core.Literal
 Var = _core.Var
 Effect = _effects.Effect  # what jax.extend.core exports as Effect, where it does
 
-# `jit` is staged as `jit_p` (named "pjit" in older releases, exported as pjit_p).
-jit_p = getattr(_primitives, "jit_p", None) or _primitives.pjit_p  # type: ignore[attr-defined]  # older JAX only
+jit_p = _primitives.jit_p
 remat_p = _primitives.remat_p  # named "checkpoint" or "remat2" depending on the release
 closed_call_p = _primitives.closed_call_p
 custom_jvp_call_p = _primitives.custom_jvp_call_p
@@ -76,28 +75,8 @@ linear_solve_p = _primitives.linear_solve_p
 # The primitives of jax.lax, by their JAX names (`lax.exp_p` is `lax_primitives.exp_p`).
 lax_primitives = _primitives
 jaxpr_as_fun = _core.jaxpr_as_fun
-
-
-def _find_shard_map_p():
-    try:
-        from jax._src.shard_map import shard_map_p
-    except ImportError:  # older releases kept it under jax.experimental
-        from jax.experimental.shard_map import shard_map_p
-    return shard_map_p
-
-
-shard_map_p = _find_shard_map_p()
-
-
-def _find_custom_vmap_p():
-    from jax._src import custom_batching
-
-    return custom_batching.custom_vmap_p
-
-
-# `jax.custom_batching.custom_vmap`'s primitive: params `call` (the function, a
-# closed jaxpr), `rule` (the user's batching rule), `in_tree`, `out_tree`.
-custom_vmap_p = _find_custom_vmap_p()
+prune_outputs = _pe.prune_closed_jaxpr_outputs  # (closed, used): only the outputs marked used
+consts_as_inputs = _pe.convert_constvars_jaxpr  # constvars turned into leading invars
 
 
 def sub_jaxprs(eqn) -> list:
@@ -114,16 +93,6 @@ def sub_jaxprs(eqn) -> list:
 
 def eval_jaxpr(jaxpr, consts, *args):
     return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
-
-
-def prune_outputs(closed: ClosedJaxpr, used: list[bool]) -> ClosedJaxpr:
-    """`closed` returning only the outputs marked in `used`."""
-    return _pe.prune_closed_jaxpr_outputs(closed, used)
-
-
-def consts_as_inputs(jaxpr):
-    """`jaxpr` with its constvars turned into leading invars."""
-    return _pe.convert_constvars_jaxpr(jaxpr)
 
 
 def bind_with(primitive, params, args):
@@ -165,8 +134,7 @@ def function_name(eqn):
 def user_location(source_info: Any) -> str | None:
     """The file:line of the user's code that staged an equation (its innermost
     frame outside JAX and harvest), or None where JAX kept no traceback."""
-    summarize = getattr(source_info_util, "summarize", None) or _src_source_info.summarize
-    summary = summarize(source_info) if source_info is not None else ""
+    summary = source_info_util.summarize(source_info) if source_info is not None else ""
     found = re.match(r"(.*?):(\d+)(?::\d+)? \(", summary)
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
@@ -290,29 +258,13 @@ def traces_a_loop(frames: Sequence[Frame]) -> bool:
     )
 
 
-def current_source_info() -> Any:
-    """The source info JAX would give an equation staged now (with its traceback)."""
-    return source_info_util.current()
-
-
-def hide_frames_of(path: str) -> None:
-    """Treats the code under `path` as JAX's own: left out of the tracebacks an
-    `api_boundary` filters, and skipped when naming an equation's user frame."""
-    if hasattr(_traceback_util, "register_exclusion"):
-        _traceback_util.register_exclusion(path)
-    if hasattr(_src_source_info, "register_exclusion"):
-        _src_source_info.register_exclusion(path)
-
-
-def api_boundary(fn: Any) -> Any:
-    """`fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does."""
-    boundary = getattr(_traceback_util, "api_boundary", None)
-    return fn if boundary is None else boundary(fn)
-
+# `fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does.
+api_boundary = _traceback_util.api_boundary
 
 # harvest's own frames are hidden like JAX's: a user's traceback and an
 # equation's source line point at the user's code.
-hide_frames_of(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+for _hides in (_traceback_util, _src_source_info):
+    _hides.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def differentiating() -> bool:
@@ -326,14 +278,7 @@ def differentiating() -> bool:
     return False
 
 
-_DIFFERENTIATING = tuple(
-    t
-    for t in (
-        getattr(_ad_internal, "JVPTrace", None),
-        getattr(_ad_internal, "LinearizeTrace", None),
-    )
-    if t
-)
+_DIFFERENTIATING = (_ad_internal.JVPTrace, _ad_internal.LinearizeTrace)
 
 
 def is_staging() -> bool:
@@ -391,9 +336,7 @@ def is_weak(x: Any) -> bool:
 def unbatched(x: Any) -> Any:
     """`x` outside the `jax.vmap`s it is traced in: the value the vmapped function was
     given, so an argument inside a vmap is known for the array outside it."""
-    from jax._src.interpreters import batching
-
-    while isinstance(x, batching.BatchTracer):
+    while isinstance(x, _src_batching.BatchTracer):
         x = x.val
     return x
 
@@ -443,9 +386,7 @@ _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED = (
 def _fresh_copy(fun: Any) -> Any:
     """A `lu.WrappedFun` like `fun`, its transformations applied again with empty
     stores: calling it leaves `fun`'s own stores (its output tree) to JAX."""
-    from jax._src import linear_util as lu
-
-    new = lu.wrap_init(fun.f, dict(fun.params), debug_info=fun.debug_info)
+    new = _lu.wrap_init(fun.f, dict(fun.params), debug_info=fun.debug_info)
     for (gen, args), store in reversed(list(zip(fun.transforms, fun.stores))):
         new = new.wrap(gen, args, None if store is None else type(store)())
     return new
@@ -454,10 +395,8 @@ def _fresh_copy(fun: Any) -> Any:
 def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
     """`make()` (a function) traced on `avals` into a closed jaxpr, or None where
     it cannot be (or this JAX's `lu.WrappedFun` is not as `_fresh_copy` expects)."""
-    from jax._src import linear_util as lu
-
     try:
-        wrapped = lu.wrap_init(make(), debug_info=debug_info)
+        wrapped = _lu.wrap_init(make(), debug_info=debug_info)
         jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
     except Exception:  # a function JAX would trace only with values at hand, say
         return None
@@ -546,38 +485,40 @@ def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
     return bind_with(eqn.primitive, params, args)
 
 
+class _Params:
+    """A view of an equation's params: each field holds the param of its name, or
+    of the name `_param` maps it to."""
+
+    _param: ClassVar[dict[str, str]] = {"body": "jaxpr"}
+
+    @classmethod
+    def of(cls, eqn):
+        return cls(*(eqn.params[cls._param.get(f.name, f.name)] for f in dataclasses.fields(cls)))
+
+
 @dataclasses.dataclass(frozen=True)
-class Remat:
+class Remat(_Params):
     """A `checkpoint` equation's params: its open body and what `jax.checkpoint` was given."""
 
     body: Jaxpr
     prevent_cse: bool
     policy: Any
 
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(p["jaxpr"], p["prevent_cse"], p["policy"])
-
 
 @dataclasses.dataclass(frozen=True)
-class LinearSolve:
+class LinearSolve(_Params):
     """A `custom_linear_solve` equation's params: the jaxprs (matvec, vecmat,
     solve, transpose_solve; None where not given) and their const counts."""
 
     jaxprs: Any
     const_lengths: Any
 
-    @classmethod
-    def of(cls, eqn):
-        return cls(eqn.params["jaxprs"], eqn.params["const_lengths"])
-
     def __iter__(self):
         return iter((self.jaxprs, self.const_lengths))
 
 
 @dataclasses.dataclass(frozen=True)
-class Scan:
+class Scan(_Params):
     """A `scan` equation's params: `body` maps (consts, carry, x) to (carry, y)."""
 
     body: ClosedJaxpr
@@ -587,27 +528,16 @@ class Scan:
     reverse: bool
     unroll: Any
 
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(
-            p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"]
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class While:
+class While(_Params):
     """A `while` equation's params: its inputs are cond consts, body consts, carry."""
 
+    _param = {"cond": "cond_jaxpr", "body": "body_jaxpr"}
     cond: ClosedJaxpr
     body: ClosedJaxpr
     cond_nconsts: int
     body_nconsts: int
-
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
 
 
 def bind_while(cond: ClosedJaxpr, body: ClosedJaxpr, carry):
@@ -662,9 +592,7 @@ class ShardMap:
 
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which `x` may differ from shard to shard."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # newer releases group them under `aval.mat`
-    return frozenset(mat.varying if mat is not None else aval.vma)
+    return varying_of(jax.typeof(x))
 
 
 def pcast_varying(x, axes):
@@ -684,12 +612,11 @@ def _explicit_spec(shape: Any) -> Any:
     """The PartitionSpec of `shape` where it names an Explicit mesh axis, else None."""
     sharding = getattr(shape, "sharding", None)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    if mesh is None or spec is None or explicit is None:
+    if mesh is None or spec is None:
         return None
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
     named = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
-    return spec if any(types.get(a) == explicit for a in named) else None
+    return spec if any(types.get(a) == jax.sharding.AxisType.Explicit for a in named) else None
 
 
 def mesh_typed(shape: Any) -> bool:
@@ -748,11 +675,10 @@ def trace_flag(name, help):
 def trace_value(name, help):
     """A context value (default None; hashable) that, like `trace_flag`, is part of
     jit's cache key and of the trace context. Returns the state; `state(v)` is a
-    context manager. Where JAX has no such state, None (the caller does without)."""
-    make = getattr(_config, "string_or_object_state", None)
-    if make is None:
-        return None
-    return make(name, None, help, include_in_jit_key=True, include_in_trace_context=True)
+    context manager."""
+    return _config.string_or_object_state(
+        name, None, help, include_in_jit_key=True, include_in_trace_context=True
+    )
 
 
 def register_batching(primitive, rule):
@@ -768,21 +694,13 @@ def register_plain_batching(primitive, rule):
 def wrap_batching(primitive, wrapper):
     """Replaces `primitive`'s batching rule by `wrapper(jax_rule, axis_data, args, dims, **params)`,
     which may delegate to JAX's own rule, `jax_rule(axis_data, args, dims, **params)`."""
-    if primitive in _batching.fancy_primitive_batchers:
-        jax_rule = _batching.fancy_primitive_batchers[primitive]
-        _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
-        return
-    # A classic rule (args, dims, **params), where a release still keeps it apart.
-    plain = _batching.primitive_batchers[primitive]
-    _batching.primitive_batchers[primitive] = lambda args, dims, **p: wrapper(
-        lambda _, a, d, **q: plain(a, d, **q), None, args, dims, **p
-    )
+    jax_rule = _batching.fancy_primitive_batchers[primitive]
+    _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
 
 
 def bdim_at_front(x, dim, axis_data):
     """`x` with its batch axis (`dim`, or None if unbatched: broadcast) moved to the front."""
-    mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
-    return _batching.bdim_at_front(x, dim, axis_data.size, mesh_axis)
+    return _batching.bdim_at_front(x, dim, axis_data.size, axis_data.explicit_mesh_axis)
 
 
 def allow_effect(effect_type):
@@ -805,9 +723,7 @@ def allow_effect(effect_type):
 def tfp_needs_alias() -> bool:
     """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings`, which TFP
     0.25 writes to at import time, but still has the table it used to alias."""
-    import jax.interpreters.xla as xla
-
-    return not hasattr(xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
+    return not hasattr(_xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
 
 
 # TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
@@ -818,8 +734,6 @@ tfp_failed_before_alias = False
 
 def tfp_failed_before() -> bool:
     """Whether a TFP import failed for lack of the alias (now, or before it was restored)."""
-    import sys
-
     partly_imported = any(m.startswith(TFP_BACKEND) for m in sys.modules)
     return tfp_failed_before_alias or (tfp_needs_alias() and partly_imported)
 
@@ -827,11 +741,9 @@ def tfp_failed_before() -> bool:
 def restore_tfp_alias() -> None:
     """Puts `jax.interpreters.xla.pytype_aval_mappings` back as an alias of JAX's table."""
     global tfp_failed_before_alias
-    import jax.interpreters.xla as xla
-
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
-        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
+        _xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
 
 
 # TFP's JAX substrate, whose import fails on a JAX without the alias.
@@ -862,11 +774,8 @@ class _ExplainedTfpLoader:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: TFP's loader's
+    def __getattr__(self, name: str) -> Any:  # create_module, get_source, ...: TFP's loader's
         return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         try:
@@ -895,24 +804,14 @@ def explain_tfp_import_order() -> None:
 # ---------------------------------------------------------------------------
 # A context in every `jax.jit`'s cache key (`jax.make_user_context`, where it exists).
 
-# Made once, at import: JAX says adding user contexts is not thread-safe.
-_jit_key_salt = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
+# `jit_cache_salted(salt)`: a context under which every `jax.jit` inside is traced afresh
+# for `salt` (a hashable), its Python body run again rather than a trace made outside
+# reused. Made once, at import: JAX says adding user contexts is not thread-safe.
+jit_cache_salted = jax.make_user_context(None)
 
-
-def jit_cache_salted(salt: Any) -> Any:
-    """A context under which every `jax.jit` inside is traced afresh for `salt` (a hashable):
-    its Python body runs again rather than reusing a trace made outside the context."""
-    return contextlib.nullcontext() if _jit_key_salt is None else _jit_key_salt(salt)
-
-
-def clear_with_jax(cache: Any, what: str) -> None:
-    """Has ``jax.clear_caches()`` call ``cache.cache_clear()`` too, where this JAX
-    lets a library register a cache (`jax._src.util.register_cache`, held weakly)."""
-    from jax._src import util as _util
-
-    register = getattr(_util, "register_cache", None)
-    if register is not None:
-        register(cache, what)
+# `clear_with_jax(cache, what)`: `jax.clear_caches()` calls `cache.cache_clear()` too
+# (the cache held weakly).
+clear_with_jax = _util.register_cache
 
 
 # The call primitives `harvest.view` draws closed, as one node named for the call
