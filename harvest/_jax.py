@@ -5,10 +5,10 @@ harvest's own names: the primitives the rules are registered for, what their
 params hold, how to re-bind them, and the few private hooks the engine needs.
 The rest of the package imports only this module (and `jax` itself).
 
-Public `jax.extend` names are used where they exist. Anything else is reached
-by a feature check (`hasattr`, a key present in params), never by comparing
-version strings, so one code path follows JAX as it moves; the releases it is
-tested on are listed in `docs/jax_versions.md`.
+Public `jax.extend` names are used where they exist. What differs between the
+supported releases is reached by a feature check (`hasattr`, a key present in
+params), never by comparing version strings, so one code path follows JAX as it
+moves; the releases it is tested on are listed in `docs/jax_versions.md`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from jax._src import (
     util as _util,
 )
 from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
-from jax._src.interpreters import ad as _ad_internal, batching as _src_batching, partial_eval as _pe
+from jax._src.interpreters import ad as _ad, batching as _batching, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 from jax._src.lax.control_flow import loops as _loops
 from jax._src.literals import TypedNdArray as _TypedNdArray
@@ -48,7 +48,7 @@ from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[
 from jax.experimental import jet as _jet
 from jax.extend import core as _core, source_info_util
 from jax.extend.core import primitives as _primitives
-from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir, xla as _xla
+from jax.interpreters import mlir as _mlir, xla as _xla
 
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
@@ -81,18 +81,11 @@ consts_as_inputs = _pe.convert_constvars_jaxpr  # constvars turned into leading 
 
 def sub_jaxprs(eqn) -> list:
     """The open jaxprs held in an equation's params (alone or in a tuple), in params order."""
-    found = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, Jaxpr):
-                found.append(v)
-    return found
+    return list(_src_core.jaxprs_in_params(eqn.params))
 
 
 def eval_jaxpr(jaxpr, consts, *args):
-    return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
+    return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
 
 def bind_with(primitive, params, args):
@@ -278,7 +271,7 @@ def differentiating() -> bool:
     return False
 
 
-_DIFFERENTIATING = (_ad_internal.JVPTrace, _ad_internal.LinearizeTrace)
+_DIFFERENTIATING = (_ad.JVPTrace, _ad.LinearizeTrace)
 
 
 def is_staging() -> bool:
@@ -336,7 +329,7 @@ def is_weak(x: Any) -> bool:
 def unbatched(x: Any) -> Any:
     """`x` outside the `jax.vmap`s it is traced in: the value the vmapped function was
     given, so an argument inside a vmap is known for the array outside it."""
-    while isinstance(x, _src_batching.BatchTracer):
+    while isinstance(x, _batching.BatchTracer):
         x = x.val
     return x
 
@@ -354,12 +347,9 @@ def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
     out -- to (primal outputs, the nonzero output tangents). JAX memoizes the
     trace, so a later `jax.jvp` of the equation reuses it.
     """
-    rule = eqn.params.get("jvp_jaxpr_fun")
-    if rule is None:
-        return None
     n = len(eqn.invars) - custom_num_consts(eqn)
     try:
-        jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * n))
+        jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * n))
     except _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED:
         # A rule that branches in Python on a primal's value, or leaks a tracer,
         # traces only where JAX differentiates with values at hand: from here
@@ -407,16 +397,13 @@ def on_custom_rule_run(hook: Any) -> None:
     """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a
     custom_jvp's JVP rule (or a custom_vjp's forward rule) in place of its body:
     `body()` and `rule()` trace fresh copies of the function and of the rule on
-    the primals (and tangents) into closed jaxprs (None where they cannot be).
-    Where this JAX's traces do not take these calls as harvest expects, nothing."""
+    the primals (and tangents) into closed jaxprs (None where they cannot be)."""
     for trace_type in _DIFFERENTIATING:
         for method, on_jvp in (
             ("process_custom_jvp_call", True),
             ("process_custom_vjp_call", False),
         ):
-            original = getattr(trace_type, method, None)
-            if original is not None:
-                setattr(trace_type, method, _calling_hook(original, on_jvp, hook))
+            setattr(trace_type, method, _calling_hook(getattr(trace_type, method), on_jvp, hook))
 
 
 def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
@@ -427,7 +414,7 @@ def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
         except Exception:
             return original(self, primitive, fun, rule, *rest, **params)
         primals = [p for p, _ in pairs]
-        nonzero = [type(t) is not _ad_internal.Zero for _, t in pairs]
+        nonzero = [type(t) is not _ad.Zero for _, t in pairs]
         if any(nonzero):
             avals = [_src_core.typeof(x) for x in primals]
 
@@ -603,8 +590,7 @@ def pcast_varying(x, axes):
 
 def varying_of(shape: Any) -> frozenset:
     """The manual mesh axes a ShapeDtypeStruct or aval varies over."""
-    # A ShapeDtypeStruct's `manual_axis_type`, an aval's `mat` (from 0.10), or `vma` before.
-    mat = getattr(shape, "manual_axis_type", None) or getattr(shape, "mat", None)
+    mat = getattr(shape, "manual_axis_type", None)  # from 0.10; `vma` before
     return frozenset(mat.varying if mat is not None else getattr(shape, "vma", None) or ())
 
 
@@ -614,7 +600,7 @@ def _explicit_spec(shape: Any) -> Any:
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
     if mesh is None or spec is None:
         return None
-    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
     named = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
     return spec if any(types.get(a) == jax.sharding.AxisType.Explicit for a in named) else None
 
@@ -651,44 +637,33 @@ def has_lowering(primitive) -> bool:
     )
 
 
-def register_jvp(primitive, rule):
-    _ad.primitive_jvps[primitive] = rule
+# The tables of a primitive's rules, set as `jvp_rules[primitive] = rule`.
+jvp_rules = _ad.primitive_jvps
+transpose_rules = _ad.primitive_transposes
+jet_rules: dict[Any, Any] = _jet.jet_rules  # typed by JAX after its first entry
+# `rule(args, dims, **params) -> (outs, out_dims)`, JAX's classic batching signature.
+plain_batching_rules = _batching.primitive_batchers
 
 
-def register_transpose(primitive, rule):
-    _ad.primitive_transposes[primitive] = rule
-
-
-def register_jet(primitive, rule):
-    _jet.jet_rules[primitive] = rule
+_IN_TRACE_KEY = dict(include_in_jit_key=True, include_in_trace_context=True)
 
 
 def trace_flag(name, help):
     """A boolean context flag (default False) that is part of jit's cache key
     and of the trace context, so a function traced with the flag off is traced
     afresh with it on. Returns the state; `state(True)` is a context manager."""
-    return _config.bool_state(
-        name, False, help, include_in_jit_key=True, include_in_trace_context=True
-    )
+    return _config.bool_state(name, False, help, **_IN_TRACE_KEY)
 
 
 def trace_value(name, help):
     """A context value (default None; hashable) that, like `trace_flag`, is part of
-    jit's cache key and of the trace context. Returns the state; `state(v)` is a
-    context manager."""
-    return _config.string_or_object_state(
-        name, None, help, include_in_jit_key=True, include_in_trace_context=True
-    )
+    jit's cache key and of the trace context; `state(v)` is a context manager."""
+    return _config.string_or_object_state(name, None, help, **_IN_TRACE_KEY)
 
 
 def register_batching(primitive, rule):
     """`rule(axis_data, args, dims)`; `axis_data` goes to `bdim_at_front`."""
     _batching.fancy_primitive_batchers[primitive] = rule
-
-
-def register_plain_batching(primitive, rule):
-    """`rule(args, dims, **params) -> (outs, out_dims)`, JAX's classic batching signature."""
-    _batching.primitive_batchers[primitive] = rule
 
 
 def wrap_batching(primitive, wrapper):
@@ -802,7 +777,7 @@ def explain_tfp_import_order() -> None:
 
 
 # ---------------------------------------------------------------------------
-# A context in every `jax.jit`'s cache key (`jax.make_user_context`, where it exists).
+# A context in every `jax.jit`'s cache key, and JAX's cache clearing.
 
 # `jit_cache_salted(salt)`: a context under which every `jax.jit` inside is traced afresh
 # for `salt` (a hashable), its Python body run again rather than a trace made outside
