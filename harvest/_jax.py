@@ -133,8 +133,7 @@ def user_location(source_info: Any) -> str | None:
 
 
 class Frame(NamedTuple):
-    """One frame of the traceback JAX records for an equation: the file, the
-    function's (qualified) name, and the line it was running."""
+    """One frame of the traceback JAX records for an equation."""
 
     file_name: str
     function_name: str
@@ -143,10 +142,8 @@ class Frame(NamedTuple):
 
 def recorded_frames(source_info: Any) -> list[Frame]:
     """The traceback JAX recorded for an equation (`eqn.source_info`), innermost
-    frame first; empty where JAX kept none. JAX records only the Python frames
-    back to the nearest call from C++ (a jit's or a cached trace's entry), so a
-    body's equations show the body's own frames, and the equation that holds
-    the body shows where it was called."""
+    frame first; empty where JAX kept none. It stops at the nearest call from C++
+    (a jit's or a cached trace's entry): a body's equations show the body's frames."""
     traceback = getattr(source_info, "traceback", None)
     if traceback is None:
         return []
@@ -154,9 +151,8 @@ def recorded_frames(source_info: Any) -> list[Frame]:
 
 
 class LaxMap(NamedTuple):
-    """Where JAX's `lax.map(f, xs, batch_size=b)` calls `jax.vmap(f)`: in the
-    scan over full batches (`batches`, lines of its body), for the remainder
-    alone (`alone`), and for the remainder after full batches (`after`)."""
+    """The lines where `lax.map(f, xs, batch_size=b)` calls `jax.vmap(f)`: in its scan
+    over full batches, for the remainder alone, and for the remainder after batches."""
 
     file_name: str
     batches: frozenset[int]
@@ -217,13 +213,11 @@ def is_vmap_call(frame: Frame) -> bool:
 
 
 def lax_map_part(frames: Sequence[Frame], i: int) -> tuple[str, bool | None] | None:
-    """For the vmap call at `frames[i]`: ``("batches", None)`` where `lax.map`
-    runs it over a full batch in its scan, ``("remainder", both)`` where over
-    the remainder (`both`: after full batches), None where no batched
-    `lax.map` calls it (or its caller was not recorded: `lax.map` calls it
-    from Python, whose frames JAX records). Where this JAX's `lax.map` is not
-    the one harvest knows, ``("unknown", None)`` for any call from it, so that
-    its sows are refused rather than taken per batch."""
+    """For the vmap call at `frames[i]`: ``("batches", None)`` where `lax.map` runs
+    it over a full batch in its scan, ``("remainder", both)`` where over the
+    remainder (`both`: after full batches), None where no batched `lax.map` calls
+    it. Where this JAX's `lax.map` is not the one harvest knows, ``("unknown",
+    None)`` for any call from it, so that its sows are refused."""
     layout = lax_map_layout()
     for caller in frames[i + 1 :]:
         path = caller.file_name.replace(os.sep, "/")
@@ -251,11 +245,9 @@ def traces_a_loop(frames: Sequence[Frame]) -> bool:
     )
 
 
-# `fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does.
+# `api_boundary(fn)`: `fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does.
 api_boundary = _traceback_util.api_boundary
-
-# harvest's own frames are hidden like JAX's: a user's traceback and an
-# equation's source line point at the user's code.
+# harvest's frames are hidden like JAX's: tracebacks and source lines point at the user's code.
 for _hides in (_traceback_util, _src_source_info):
     _hides.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
@@ -340,20 +332,16 @@ def cast_like(x: Any, aval: Any) -> Any:
 
 
 def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
-    """A custom_jvp equation's JVP rule traced for nonzero tangents, and which
-    of its output tangents are symbolic zeros (None if it cannot be traced here).
-
-    The jaxpr maps (primals, tangents) -- the closure-converted constants left
-    out -- to (primal outputs, the nonzero output tangents). JAX memoizes the
-    trace, so a later `jax.jvp` of the equation reuses it.
-    """
+    """A custom_jvp equation's JVP rule traced for nonzero tangents, as a jaxpr from
+    (primals, tangents), its constants left out, to (primal outputs, nonzero output
+    tangents); and which output tangents are symbolic zeros. None if it cannot be
+    traced here. JAX memoizes the trace: a later `jax.jvp` of the equation reuses it."""
     n = len(eqn.invars) - custom_num_consts(eqn)
     try:
         jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * n))
     except _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED:
-        # A rule that branches in Python on a primal's value, or leaks a tracer,
-        # traces only where JAX differentiates with values at hand: from here
-        # it holds nothing the walk can see.
+        # A rule that branches in Python on a primal's value, or leaks a tracer, traces
+        # only where JAX differentiates with values at hand: nothing the walk can see.
         return None
     except Exception as error:
         first = (str(error).splitlines() or [""])[0][:200]
@@ -444,13 +432,10 @@ def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
 
 
 def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
-    """Binds the call primitive of `eqn` around a new body `jaxpr`.
-
-    The new body takes `num_consts` closed-over values before the call's own
-    inputs and returns `num_extra_outs` values after its own outputs; the
-    call keeps everything else (a jit its shardings and name, a remat its
-    policy).
-    """
+    """Binds the call primitive of `eqn` around a new body `jaxpr`, which takes
+    `num_consts` closed-over values before the call's inputs and returns
+    `num_extra_outs` values after its outputs; the call keeps everything else
+    (a jit its shardings and name, a remat its policy)."""
     p = eqn.params
     if eqn.primitive is jit_p:
         k, m = num_consts, num_extra_outs
@@ -703,8 +688,7 @@ def tfp_needs_alias() -> bool:
 
 # TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
 TFP_BACKEND = "tensorflow_probability.python.internal.backend.jax"
-# Set when the alias was restored after a TFP import had already failed for lack of it.
-tfp_failed_before_alias = False
+tfp_failed_before_alias = False  # the alias was restored after a TFP import failed for lack of it
 
 
 def tfp_failed_before() -> bool:
@@ -780,12 +764,9 @@ def explain_tfp_import_order() -> None:
 # A context in every `jax.jit`'s cache key, and JAX's cache clearing.
 
 # `jit_cache_salted(salt)`: a context under which every `jax.jit` inside is traced afresh
-# for `salt` (a hashable), its Python body run again rather than a trace made outside
-# reused. Made once, at import: JAX says adding user contexts is not thread-safe.
+# for `salt` (a hashable). Made once, at import: adding user contexts is not thread-safe.
 jit_cache_salted = jax.make_user_context(None)
-
-# `clear_with_jax(cache, what)`: `jax.clear_caches()` calls `cache.cache_clear()` too
-# (the cache held weakly).
+# `clear_with_jax(cache, what)`: `jax.clear_caches()` clears `cache` too (held weakly).
 clear_with_jax = _util.register_cache
 
 

@@ -1,50 +1,46 @@
 """Teaching harvest a higher-order primitive it does not know.
 
 A sow inside a primitive that holds a jaxpr (a body) is reached only if
-harvest has two things for that primitive:
+harvest has two things for that primitive, installed in one object by
+``register(p, HigherOrder(bodies, rule=...))`` (without them, a sow there
+raises an error naming the primitive):
 
 * a **descriptor** (``HigherOrder``): its bodies with their labels and how
-  many times each runs per call, and how it forwards and re-stages. ``sites``,
-  occurrence counting, the sweeps, op sites, batched conds and the PPL
-  evaluators read it; and
+  many times each runs per call, and how it forwards and re-stages, read by
+  ``sites``, occurrence counting, the sweeps, op sites, batched conds and the
+  PPL evaluators; and
 * a **rule**: what the reap/plant walk does at an equation of it, written
   with ``walk_in_place`` (the body evaluated where the equation stood, as if
   inlined) and ``retrace`` (the body re-traced with its records as extra
   outputs, to bind the primitive again around it with ``Retraced.rebind``).
 
-``register(p, HigherOrder(bodies, rule=...))`` installs both, in one object.
-Without them, a sow there raises an error naming the primitive.
-
 ``retrace`` and ``Retraced.rebind`` fit **call-like** primitives: one body that
 runs once on the equation's inputs and gives its outputs, and no other param
 that counts them. A loop, a branch or a body with another calling convention
-needs a rule of its own (see ``harvest/_walk/_rules/loops.py`` for scan's), or
-``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap`` is supported through this
-module (``harvest/_walk/_rules/custom_vmap.py``, the worked example in
-CONTRIBUTING.md).
-
-A re-traced body takes its closed-over values as its leading inputs, so a
-param that held a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``
-(JAX's ``ClosedJaxpr`` from its ``extend.core``, with no consts);
+needs a rule of its own (``harvest/_walk/_rules/loops.py`` has scan's), or
+``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap``
+is supported through this module (``harvest/_walk/_rules/custom_vmap.py``, the
+worked example in CONTRIBUTING.md). A re-traced body takes its closed-over
+values as its leading inputs, so a param that held a ``ClosedJaxpr`` takes
+``ClosedJaxpr(result.jaxpr, ())`` (JAX's, from its ``extend.core``);
 ``Retraced.rebind`` does that for a call-like primitive.
 
-**Inside a cond that vmap batches** (a ``cond`` or ``switch`` whose predicate
-differs per example), JAX runs every branch on every example, so a sow there
-must carry its value out of the branch for harvest to keep the taken
-branch's. Harvest does so through a call-like primitive (``call=True``,
-no ``custom_rule``) by inlining its body there. Any other primitive needs the
-descriptor's ``batched_branch`` field, ``batched_branch(eqn, invals, found,
-stuck) -> outputs``: it evaluates the equation on ``invals`` with each body
-run through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it,
-a sow inside it there still takes plants, and reaping it is an error that
-names the primitive.
+**Inside a cond that vmap batches** (its predicate differs per example), JAX
+runs every branch on every example, so a sow there must carry its value out of
+the branch for harvest to keep the taken branch's. Harvest inlines the body of
+a call-like primitive (``call=True``, no ``custom_rule``) there. Any other
+primitive needs the descriptor's ``batched_branch(eqn, invals, found, stuck) ->
+outputs``, which evaluates the equation on ``invals`` with each body run
+through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it, a
+sow inside it there still takes plants, and reaping it is an error that names
+the primitive.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from . import _jax
 from ._walk._higher_order import (
@@ -182,8 +178,7 @@ def walk_in_place(
         >>> plant(f)({"h": jnp.float32(10.0)}, 3.0)
         Array(11., dtype=float32)
     """
-    outs: list[Any] = _interpret(walk, jaxpr, consts, list(args))
-    return outs
+    return cast(list[Any], _interpret(walk, jaxpr, consts, list(args)))
 
 
 def walk_in_branch(
@@ -241,8 +236,7 @@ def walk_in_branch(
         Array([[2., 0.],
                [3., 0.]], dtype=float32)
     """
-    outs: list[Any] = _rewrite(jaxpr, consts, args, found, stuck)
-    return outs
+    return _rewrite(jaxpr, consts, args, found, stuck)
 
 
 def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> Retraced:
@@ -294,8 +288,7 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
         >>> "kept_call" in str(jax.make_jaxpr(reap(f))(0.25))
         True
     """
-    result: Retraced = _retrace(walk, jaxpr, consts, list(args))
-    return result
+    return cast(Retraced, _retrace(walk, jaxpr, consts, list(args)))
 
 
 def plants_inside(walk: Walk, jaxprs: Sequence[_jax.Jaxpr]) -> bool:
