@@ -682,8 +682,8 @@ def allow_effect(effect_type):
 
 def tfp_needs_alias() -> bool:
     """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings`, which TFP
-    0.25 writes to at import time, but still has the table it used to alias."""
-    return not hasattr(_xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
+    0.25 writes to at import time (an alias of `jax._src.core`'s table)."""
+    return not hasattr(_xla, "pytype_aval_mappings")
 
 
 # TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
@@ -753,11 +753,10 @@ class _ExplainedTfpLoader:
             ) from cause
 
 
-def explain_tfp_import_order() -> None:
-    """Has a failed import of TFP's JAX substrate, for lack of the alias, say what to
-    do (import harvest.ppl first). Nothing of JAX's is touched."""
-    if not any(isinstance(finder, _TfpImportOrder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _TfpImportOrder())
+# JAX is left as it is (harvest.ppl restores the alias, see harvest/ppl/_tfp_shim.py):
+# this only makes TFP, imported before harvest.ppl on a JAX without it, say so.
+if not any(isinstance(finder, _TfpImportOrder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _TfpImportOrder())
 
 
 # ---------------------------------------------------------------------------
