@@ -86,9 +86,8 @@ def demo():
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _cli.parser().parse_args(argv)
-    if args.command == "demo":
-        demo()
+    _cli.parser().parse_args(argv)  # exits on --help, --version and a bad argument
+    demo()  # the only command
 
 
 if __name__ == "__main__":

@@ -277,9 +277,8 @@ def is_eager() -> bool:
 
 
 def staged_beneath() -> bool:
-    """True while a staging trace is current or under the current ones (`jit(grad(f))`
-    traces `f` under a JVP trace over a jaxpr trace): what is traced now is cached by
-    the outer jit. Traces without a `parent_trace` end the search (False)."""
+    """True while a staging trace is current or under it (`jit(grad(f))` traces `f`
+    under a JVP trace over a jaxpr trace): what is traced now is cached by the outer jit."""
     trace = _src_core.trace_ctx.trace
     while trace is not None:
         if isinstance(trace, _pe.DynamicJaxprTrace):
@@ -332,10 +331,10 @@ def cast_like(x: Any, aval: Any) -> Any:
 
 
 def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
-    """A custom_jvp equation's JVP rule traced for nonzero tangents, as a jaxpr from
-    (primals, tangents), its constants left out, to (primal outputs, nonzero output
-    tangents); and which output tangents are symbolic zeros. None if it cannot be
-    traced here. JAX memoizes the trace: a later `jax.jvp` of the equation reuses it."""
+    """A custom_jvp equation's JVP rule traced for nonzero tangents (a jaxpr from
+    (primals, tangents), constants left out, to (primal outputs, nonzero output tangents)),
+    and which output tangents are symbolic zeros; None if it cannot be traced here.
+    JAX memoizes the trace: a later `jax.jvp` of the equation reuses it."""
     n = len(eqn.invars) - custom_num_consts(eqn)
     try:
         jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * n))
@@ -686,7 +685,9 @@ def tfp_needs_alias() -> bool:
     return not hasattr(_xla, "pytype_aval_mappings")
 
 
-# TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
+# TFP's JAX substrate, whose import fails on a JAX without the alias, and its JAX
+# backend, which a failed import of the substrate leaves in sys.modules.
+TFP_SUBSTRATE = "tensorflow_probability.substrates.jax"
 TFP_BACKEND = "tensorflow_probability.python.internal.backend.jax"
 tfp_failed_before_alias = False  # the alias was restored after a TFP import failed for lack of it
 
@@ -703,10 +704,6 @@ def restore_tfp_alias() -> None:
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
         _xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
-
-
-# TFP's JAX substrate, whose import fails on a JAX without the alias.
-TFP_SUBSTRATE = "tensorflow_probability.substrates.jax"
 
 
 class _TfpImportOrder:

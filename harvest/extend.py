@@ -77,10 +77,8 @@ Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | None = None) -> None:
     """Registers what harvest knows about ``primitive`` and how its walk handles it.
 
-    One call, one object: the descriptor holds the bodies, the walk rule (its
-    ``rule`` field, or the ``rule`` argument, which takes its place) and the
-    optional facts its fields list (``batched_branch``, for one, brings its
-    sows out of a ``cond`` branch that ``vmap`` runs side by side).
+    One call, one object: the descriptor holds the bodies, the walk rule and the
+    optional facts its fields list (``batched_branch``, for one).
 
     Args:
         primitive: The JAX primitive (a ``Primitive`` of JAX's extension API) whose
@@ -242,12 +240,13 @@ def walk_in_branch(
 def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> Retraced:
     """Re-traces ``jaxpr`` through a child of ``walk`` into a new jaxpr that also returns its records.
 
-    Bind the primitive again around ``result.jaxpr`` (it takes
-    ``result.num_consts`` closed-over values, then the body's inputs, and
-    returns the body's ``result.num_outs`` outputs, then the records; a param
-    that holds a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``), calling
-    it on ``result.args``; then ``result.finish(walk, outputs)`` folds the
-    records into ``walk`` and returns the body's own outputs.
+    Only for a call-like primitive (see the module docstring). Bind the primitive
+    again around ``result.jaxpr`` (it takes ``result.num_consts`` closed-over
+    values, then the body's inputs, and returns the body's ``result.num_outs``
+    outputs, then the records; a param that holds a ``ClosedJaxpr`` takes
+    ``ClosedJaxpr(result.jaxpr, ())``), calling it on ``result.args``; then
+    ``result.finish(walk, outputs)`` folds the records into ``walk`` and returns
+    the body's own outputs.
 
     Args:
         walk: The walk the rule was given.
@@ -257,10 +256,6 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
 
     Returns:
         A ``Retraced``: ``jaxpr``, ``args``, ``num_consts``, ``num_outs`` and ``finish``.
-
-    Only for a call-like primitive (see the module docstring): the re-traced
-    body takes the closed-over values before the equation's own inputs and
-    returns the records after its own outputs.
 
     Example:
         A call-like primitive bound again around its walked body, so it stays
