@@ -37,7 +37,7 @@ def answer_early() -> None:
     argparse answers ``--help``, ``--version`` and a bad argument and exits."""
     if sys.argv[:1] != ["-m"]:  # Python is still locating ``harvest`` to run it
         return
-    original = list(getattr(sys, "orig_argv", []))
+    original = sys.orig_argv
     for at, word in enumerate(original):
         if word == "-m" and original[at + 1 : at + 2] == ["harvest"]:
             parser().parse_args(original[at + 2 :])

@@ -175,9 +175,8 @@ def _vmap_lines(code: Any) -> list[int]:
     """The lines of `code` (not of the functions it defines) that name `vmap`."""
     lines, line = [], code.co_firstlineno
     for instruction in dis.get_instructions(code):
-        positions = getattr(instruction, "positions", None)
-        start = getattr(positions, "lineno", None) or instruction.starts_line
-        line = start if isinstance(start, int) and not isinstance(start, bool) else line
+        positions = getattr(instruction, "positions", None)  # from Python 3.11
+        line = (positions.lineno if positions else instruction.starts_line) or line
         if instruction.argval == "vmap":
             lines.append(line)
     return lines
@@ -312,9 +311,8 @@ def custom_num_consts(eqn) -> int:
 
 def is_weak(x: Any) -> bool:
     """Whether `x` is weakly typed: a Python number, or a value traced from one."""
-    if isinstance(x, (bool, int, float, complex)):
-        return True
-    return bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    weak = getattr(getattr(x, "aval", None), "weak_type", False)
+    return isinstance(x, (bool, int, float, complex)) or bool(weak)
 
 
 def unbatched(x: Any) -> Any:
@@ -457,8 +455,7 @@ def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
 
 
 class _Params:
-    """A view of an equation's params: each field holds the param of its name, or
-    of the name `_param` maps it to."""
+    """A view of an equation's params: each field holds the param of its name (or `_param`'s)."""
 
     _param: ClassVar[dict[str, str]] = {"body": "jaxpr"}
 

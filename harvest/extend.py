@@ -83,10 +83,9 @@ def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | No
     Args:
         primitive: The JAX primitive (a ``Primitive`` of JAX's extension API) whose
             equations hold a body.
-        descriptor: Its ``HigherOrder`` descriptor: ``bodies(eqn)`` returns one
-            ``Body`` per jaxpr the equation runs (its label, how many times it
-            runs per run of the equation), plus the optional facts the
-            descriptor's fields list.
+        descriptor: Its ``HigherOrder``: ``bodies(eqn)`` returns one ``Body`` per jaxpr
+            the equation runs (its label, how many times it runs per run of the
+            equation), plus the optional facts its fields list.
         rule: ``rule(walk, eqn, invals) -> outputs`` (a list), run where the
             walk meets an equation of ``primitive`` whose body holds a sow it
             handles; build it from ``walk_in_place``, ``retrace`` and
