@@ -35,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
 def answer_early() -> None:
     """In ``python -m harvest``, parses the command line before JAX is imported:
     argparse answers ``--help``, ``--version`` and a bad argument and exits."""
-    if sys.argv[:1] != ["-m"]:  # Python is still locating ``harvest`` to run it
+    if sys.argv[:1] != ["-m"]:  # only while Python locates ``harvest`` to run it
         return
     original = sys.orig_argv
     for at, word in enumerate(original):

@@ -162,8 +162,7 @@ class LaxMap(NamedTuple):
 
 
 def recorded_in_lax_map(source_info: Any) -> bool:
-    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (in its
-    own frame or in the body of its scan over full batches)."""
+    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (or its scan's body)."""
     layout = lax_map_layout()
     traceback = getattr(source_info, "traceback", None)
     if traceback is None:
@@ -184,9 +183,8 @@ def _vmap_lines(code: Any) -> list[int]:
 
 @functools.cache
 def lax_map_layout() -> LaxMap | None:
-    """How this JAX's `lax.map` calls `vmap` (read from its code, once), or None
-    where it is not the scan-then-remainder this module knows: harvest then
-    refuses a sow under a batched lax.map rather than guess."""
+    """How this JAX's `lax.map` calls `vmap` (read from its code, once), or None where it
+    is not the scan-then-remainder harvest knows (a sow under it is then refused)."""
     code = inspect.unwrap(_loops.map).__code__
     bodies = [c for c in code.co_consts if inspect.iscode(c) and "vmap" in c.co_names]
     own = sorted(_vmap_lines(code))
@@ -368,8 +366,7 @@ def _fresh_copy(fun: Any) -> Any:
 
 
 def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
-    """`make()` (a function) traced on `avals` into a closed jaxpr, or None where
-    it cannot be (or this JAX's `lu.WrappedFun` is not as `_fresh_copy` expects)."""
+    """`make()` (a function) traced on `avals` into a closed jaxpr, or None where it cannot be."""
     try:
         wrapped = _lu.wrap_init(make(), debug_info=debug_info)
         jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
@@ -379,10 +376,9 @@ def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
 
 
 def on_custom_rule_run(hook: Any) -> None:
-    """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a
-    custom_jvp's JVP rule (or a custom_vjp's forward rule) in place of its body:
-    `body()` and `rule()` trace fresh copies of the function and of the rule on
-    the primals (and tangents) into closed jaxprs (None where they cannot be)."""
+    """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a custom_jvp's
+    JVP rule (or a custom_vjp's forward rule) in place of its body: `body()` and `rule()`
+    trace fresh copies of both on the primals (and tangents) into closed jaxprs (or None)."""
     for trace_type in _DIFFERENTIATING:
         for method, on_jvp in (
             ("process_custom_jvp_call", True),
@@ -592,9 +588,8 @@ def mesh_typed(shape: Any) -> bool:
 
 
 def retype(x: Any, like: Any, axes: Any = ()) -> Any:
-    """`x` typed as `like` (a ShapeDtypeStruct or array of its shape): resharded to
-    its Explicit sharding, and varying over its manual mesh axes and `axes`. A
-    `cond` branch's outputs must agree on all of it."""
+    """`x` typed as `like` (a ShapeDtypeStruct or array), as a `cond` branch's outputs must
+    agree: resharded to its Explicit sharding, varying over its manual mesh axes and `axes`."""
     if isinstance(like, jax.Array):
         like = jax.typeof(like)
     spec = _explicit_spec(like)
@@ -630,9 +625,8 @@ _IN_TRACE_KEY = dict(include_in_jit_key=True, include_in_trace_context=True)
 
 
 def trace_flag(name, help):
-    """A boolean context flag (default False) that is part of jit's cache key
-    and of the trace context, so a function traced with the flag off is traced
-    afresh with it on. Returns the state; `state(True)` is a context manager."""
+    """A boolean context flag (default False) in jit's cache key and the trace context: a
+    function traced with it off is traced afresh with it on. `state(True)` enters it."""
     return _config.bool_state(name, False, help, **_IN_TRACE_KEY)
 
 
@@ -677,8 +671,7 @@ def allow_effect(effect_type):
 
 
 def tfp_needs_alias() -> bool:
-    """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings`, which TFP
-    0.25 writes to at import time (an alias of `jax._src.core`'s table)."""
+    """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings` (TFP 0.25 writes to it)."""
     return not hasattr(_xla, "pytype_aval_mappings")
 
 
@@ -704,9 +697,8 @@ def restore_tfp_alias() -> None:
 
 
 class _TfpImportOrder:
-    """An import finder that only speaks for TFP's JAX substrate, and only on a JAX
-    without the alias: it lets the import run, and turns its AttributeError (from deep
-    inside TFP) into an ImportError that says to import harvest.ppl first."""
+    """An import finder for TFP's JAX substrate on a JAX without the alias: the import
+    runs, its AttributeError turned into an ImportError that says to import harvest.ppl first."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != TFP_SUBSTRATE or not tfp_needs_alias():
@@ -737,13 +729,12 @@ class _ExplainedTfpLoader:
             if "pytype_aval_mappings" not in str(cause):
                 raise
             raise ImportError(
-                f"{TFP_SUBSTRATE} (TFP 0.25) writes to jax.interpreters.xla."
-                f"pytype_aval_mappings, which this JAX ({jax.__version__}) no longer has. "
-                "Import harvest.ppl before TensorFlow Probability: it puts that alias back "
-                "(only where it is missing); in this interpreter, `import harvest.ppl` now "
-                "recovers (it retries TFP's import). Without harvest.ppl, restore it yourself before importing "
-                "TFP: jax.interpreters.xla.pytype_aval_mappings = "
-                "jax._src.core.pytype_aval_mappings."
+                f"{TFP_SUBSTRATE} (TFP 0.25) writes to jax.interpreters.xla.pytype_aval_mappings, "
+                f"which this JAX ({jax.__version__}) no longer has. Import harvest.ppl before "
+                "TensorFlow Probability: it puts that alias back (only where it is missing); in this "
+                "interpreter, `import harvest.ppl` now recovers (it retries TFP's import). Without "
+                "harvest.ppl, restore it yourself before importing TFP: "
+                "jax.interpreters.xla.pytype_aval_mappings = jax._src.core.pytype_aval_mappings."
             ) from cause
 
 

@@ -32,8 +32,7 @@ a call-like primitive (``call=True``, no ``custom_rule``) there. Any other
 primitive needs the descriptor's ``batched_branch(eqn, invals, found, stuck) ->
 outputs``, which evaluates the equation on ``invals`` with each body run
 through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it, a
-sow inside it there still takes plants, and reaping it is an error that names
-the primitive.
+sow there still takes plants, and reaping it is an error naming the primitive.
 """
 
 from __future__ import annotations
@@ -183,12 +182,11 @@ def walk_in_branch(
 ) -> list[Any]:
     """Evaluates a body inside a cond branch that vmap batches, its sows' values carried out.
 
-    The building block of a descriptor's ``batched_branch``: each sow in
-    ``jaxpr`` takes its plant in place, and its value goes to ``found``, to
-    leave the branch with the branch's outputs (where the branch was not taken,
-    the example's value is dropped); a sow this cannot carry out (inside a
-    ``while_loop``, a custom derivative or a primitive without
-    ``batched_branch``) goes to ``stuck``.
+    The building block of a descriptor's ``batched_branch``: each sow in ``jaxpr``
+    takes its plant in place, and its value goes to ``found``, to leave the branch
+    with its outputs (where the branch was not taken, the example's value is
+    dropped); a sow this cannot carry out (inside a ``while_loop``, a custom
+    derivative or a primitive without ``batched_branch``) goes to ``stuck``.
 
     Args:
         jaxpr: The body (an open jaxpr).
@@ -288,9 +286,8 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
 def plants_inside(walk: Walk, jaxprs: Sequence[_jax.Jaxpr]) -> bool:
     """Whether ``walk`` plants a value at a sow inside ``jaxprs``.
 
-    A rule that keeps a rule of its primitive (a derivative, a batching rule)
-    for reaping usually inlines the body instead when it plants there: the
-    planted body is no longer the function the primitive's rule describes.
+    A rule that keeps its primitive's rule (a derivative, a batching rule) when reaping
+    usually inlines the body where it plants: the planted body is not what that rule describes.
 
     Args:
         walk: The walk the rule was given.
