@@ -3,13 +3,6 @@
 from . import _cli
 
 _cli.answer_early()  # `python -m harvest --help` answers here, before JAX is imported
-from ._jax import explain_tfp_import_order as _explain_tfp_import_order
-from ._walk import _rules  # noqa: F401  (registers the interpreter's rules)
-
-# JAX is left as it is: harvest.ppl restores the alias TFP 0.25 needs (see
-# harvest/ppl/_tfp_shim.py). This only makes TFP, imported before harvest.ppl on a
-# JAX without that alias, fail with an ImportError that says so.
-_explain_tfp_import_order()
 from . import config as config, extend as extend, store as store
 from ._calling._inspect import SiteInfo as SiteInfo, Sites as Sites, sites as sites
 from ._calling._jit import RecompileWarning as RecompileWarning, clear_caches as clear_caches
@@ -42,6 +35,7 @@ from ._tools._result import PatchingResult as PatchingResult
 from ._tools._stream import stream as stream
 from ._tools._view import View as View, view as view
 from ._version import __version__ as __version__
+from ._walk import _rules  # noqa: F401  (registers the interpreter's rules)
 from ._walk._primitive import sow_p as sow_p
 from ._walk._sow import sow as sow, sow_cond as sow_cond
 from ._walk._steps import Steps as Steps

@@ -1,15 +1,10 @@
 """`python -m harvest`: read a small model's intermediates, then patch one.
 
-The model is a three-layer residual MLP with fixed random weights, built here
-so the demonstration needs no downloads. It prints what `reap` found at every
-sown site, then how the output moves when `plant` swaps one layer's output for
-the same layer's output on another input (activation patching), and why a patch
-can move it away from the clean value (measured with `plant`, too).
-
-The command line is argparse's: ``--help``/``-h`` and ``--version`` exit 0,
-an unknown flag or command exits 2, and ``demo`` (the default) runs the demo.
-The parser lives in ``_cli.py``, which answers all but the demo before JAX is
-imported.
+The model, a three-layer residual MLP with fixed random weights, needs no
+downloads. The demo prints what `reap` found at every sown site, how the output
+moves when `plant` patches one layer's output from another input, and why a
+patch can move it away from the clean value (measured with `plant`, too).
+Arguments are parsed by `_cli.py` (argparse): ``demo`` is the default command.
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ def demo():
     model = make_model(jax.random.key(0))
     clean = jax.random.normal(jax.random.key(1), (16,))
     corrupted = -clean
+    clean_logit, base = float(model(clean)), float(model(corrupted))
 
     reaped = reap(model)(clean)
     print("What reap(model)(x) found:")
@@ -60,24 +56,19 @@ def demo():
             f"  {name:<20} {str(list(value.shape)):<8} {float(value.mean()):>8.3f} {float(value.std()):>8.3f}"
         )
 
-    base = float(model(corrupted))
     print(
         f"\nPatching the clean run's layer outputs into the corrupted run (logit {base:+.3f},"
-        f" clean {float(model(clean)):+.3f}):"
+        f" clean {clean_logit:+.3f}):"
     )
     print(f"  {'patched site':<20} {'logit':>8} {'change':>8}")
     for i in range(3):
         site = {f"layer{i}": {"mlp_out": reaped[f"layer{i}"]["mlp_out"]}}
         patched = float(plant(model)(site, corrupted))
         print(f"  layer{i}.mlp_out{'':<6} {patched:>+8.3f} {patched - base:>+8.3f}")
-    _explain(model, clean, corrupted)
 
-
-def _explain(model, clean, corrupted):
-    """Prints why a patch can move the logit away from the clean value, measured: the
-    skip connections' own path to the logit, which no layer's patch restores."""
+    # Why a patch can move the logit away from the clean value, measured: the skip
+    # connections' own path to the logit, which no layer's patch restores.
     no_layers = {f"layer{i}": {"mlp_out": jnp.zeros_like(clean)} for i in range(3)}
-    clean_logit, corrupted_logit = float(model(clean)), float(model(corrupted))
     direct_clean = float(plant(model)(no_layers, clean))
     direct_corrupted = float(plant(model)(no_layers, corrupted))
     print(
@@ -86,18 +77,17 @@ def _explain(model, clean, corrupted):
         "and that path stays corrupted. With every layer's output planted to zero the\n"
         f"logit is {direct_clean:+.3f} clean and {direct_corrupted:+.3f} corrupted: the input's "
         f"own path makes\n{direct_clean - direct_corrupted:+.3f} of the "
-        f"{clean_logit - corrupted_logit:+.3f} gap. The layers add "
+        f"{clean_logit - base:+.3f} gap. The layers add "
         f"{clean_logit - direct_clean:+.3f} in the clean run and\n"
-        f"{corrupted_logit - direct_corrupted:+.3f} in the corrupted one, so a clean layer's "
+        f"{base - direct_corrupted:+.3f} in the corrupted one, so a clean layer's "
         "output (and what the\nlayers after it compute from it) can lower the logit rather "
         "than raise it."
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _cli.parser().parse_args(argv)
-    if args.command == "demo":
-        demo()
+    _cli.parser().parse_args(argv)  # exits on --help, --version and a bad argument
+    demo()  # the only command
 
 
 if __name__ == "__main__":

@@ -1,11 +1,8 @@
 """The command line of ``python -m harvest``, parsed before JAX is imported.
 
-``python -m harvest`` imports the package before it runs ``__main__``, and the
-package imports JAX (seconds on a loaded machine). So the package's first
-import asks this module (which imports nothing heavy) to parse the command
-line when the process is ``python -m harvest``: ``--help``, ``--version`` and
-a bad flag or command answer and exit there; only a command goes on to import
-JAX and run.
+``python -m harvest`` imports the package, and so JAX (seconds), before it runs
+``__main__``: the package's first import has this module (which imports nothing
+heavy) answer ``--help``, ``--version`` and a bad argument there, and exit.
 """
 
 from __future__ import annotations
@@ -35,23 +32,16 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
-def command_line() -> list[str] | None:
-    """The arguments after ``-m harvest`` while Python locates ``harvest`` to run it
-    (``sys.argv[0]`` is then ``"-m"``); None in any other process."""
-    if sys.argv[:1] != ["-m"]:
-        return None
-    original = list(getattr(sys, "orig_argv", []))
-    for at, word in enumerate(original):
-        if word == "-m" and original[at + 1 : at + 2] == ["harvest"]:
-            return original[at + 2 :]
-        if word == "-mharvest":
-            return original[at + 1 :]
-    return None
-
-
 def answer_early() -> None:
     """In ``python -m harvest``, parses the command line before JAX is imported:
     argparse answers ``--help``, ``--version`` and a bad argument and exits."""
-    argv = command_line()
-    if argv is not None:
-        parser().parse_args(argv)
+    if sys.argv[:1] != ["-m"]:  # only while Python locates ``harvest`` to run it
+        return
+    original = sys.orig_argv
+    for at, word in enumerate(original):
+        if word == "-m" and original[at + 1 : at + 2] == ["harvest"]:
+            parser().parse_args(original[at + 2 :])
+            return
+        if word == "-mharvest":
+            parser().parse_args(original[at + 1 :])
+            return

@@ -1,12 +1,9 @@
-"""The messages more than one layer raises, and the helpers they share.
+"""The messages raised from more than one layer, and the helpers they share.
 
-A message raised in one place is written beside its check, in the module that
-checks; one that several modules of a layer raise sits in that layer's
-`_errors.py` (`harvest/_walk/_errors.py`, `harvest/ppl/_errors.py`, ...). What
-stays here is raised from two layers or more. Each function returns the
-exception for its caller to raise; each message says what was wrong and what to
-do instead, and names a site as `Site` prints itself (its tag, its name and the
-file:line of the user's `sow`).
+A message raised in one place sits beside its check; one that several modules of
+a layer raise, in that layer's `_errors.py`. Each function returns the exception
+for its caller to raise; each message says what was wrong and what to do instead,
+and names a site as `Site` prints itself (its tag, name and the user's file:line).
 """
 
 from __future__ import annotations
@@ -40,11 +37,11 @@ def indexed_plant_of_collect_in_loop(site: Any) -> ValueError:
     )
 
 
-def listed(names: Iterable[str], near: str, at_most: int = 12) -> str:
+def listed(names: Iterable[str], near: str) -> str:
     """`names` for a message: all of them, or, when there are many (a large model's
     sites), the count and the three closest to the misspelt `near`."""
     names = list(names)
-    if len(names) <= at_most:
+    if len(names) <= 12:
         return ", ".join(repr(n) for n in names) or "none"
     close = difflib.get_close_matches(near, names, n=3, cutoff=0.5)
     shown = ", ".join(repr(n) for n in close or names[:3])

@@ -5,10 +5,10 @@ harvest's own names: the primitives the rules are registered for, what their
 params hold, how to re-bind them, and the few private hooks the engine needs.
 The rest of the package imports only this module (and `jax` itself).
 
-Public `jax.extend` names are used where they exist. Anything else is reached
-by a feature check (`hasattr`, a key present in params), never by comparing
-version strings, so one code path follows JAX as it moves; the releases it is
-tested on are listed in `docs/jax_versions.md`.
+Public `jax.extend` names are used where they exist. What differs between the
+supported releases is reached by a feature check (`hasattr`, a key present in
+params), never by comparing version strings, so one code path follows JAX as it
+moves; the releases it is tested on are listed in `docs/jax_versions.md`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 from jax import lax
@@ -33,27 +33,27 @@ from jax._src import (
     config as _config,
     core as _src_core,
     effects as _effects,
+    linear_util as _lu,
     source_info_util as _src_source_info,
     traceback_util as _traceback_util,
+    util as _util,
 )
-from jax._src.interpreters import ad as _ad_internal, partial_eval as _pe
+from jax._src.custom_batching import custom_vmap_p as custom_vmap_p
+from jax._src.interpreters import ad as _ad, batching as _batching, partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 from jax._src.lax.control_flow import loops as _loops
+from jax._src.literals import TypedNdArray as _TypedNdArray
+from jax._src.shard_map import shard_map_p as shard_map_p
 from jax._src.sharding_impls import UNSPECIFIED as _UNSPECIFIED  # type: ignore[attr-defined]  # not re-exported by name
 from jax.experimental import jet as _jet
 from jax.extend import core as _core, source_info_util
 from jax.extend.core import primitives as _primitives
-from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
+from jax.interpreters import mlir as _mlir, xla as _xla
 
 # ---------------------------------------------------------------------------
 # Jaxprs and primitives.
 
-try:  # the values of a jaxpr's literals: an ndarray subclass on 0.10, a type of its own on 0.8
-    from jax._src.literals import TypedNdArray as _TypedNdArray
-
-    LITERAL_TYPES: tuple[type, ...] = (_TypedNdArray,)
-except ImportError:
-    LITERAL_TYPES = ()
+LITERAL_TYPES: tuple[type, ...] = (_TypedNdArray,)  # the values of a jaxpr's literals
 
 Primitive = _core.Primitive
 Jaxpr = _core.Jaxpr
@@ -62,8 +62,7 @@ Literal = _core.Literal
 Var = _core.Var
 Effect = _effects.Effect  # what jax.extend.core exports as Effect, where it does
 
-# `jit` is staged as `jit_p` (named "pjit" in older releases, exported as pjit_p).
-jit_p = getattr(_primitives, "jit_p", None) or _primitives.pjit_p  # type: ignore[attr-defined]  # older JAX only
+jit_p = _primitives.jit_p
 remat_p = _primitives.remat_p  # named "checkpoint" or "remat2" depending on the release
 closed_call_p = _primitives.closed_call_p
 custom_jvp_call_p = _primitives.custom_jvp_call_p
@@ -76,54 +75,17 @@ linear_solve_p = _primitives.linear_solve_p
 # The primitives of jax.lax, by their JAX names (`lax.exp_p` is `lax_primitives.exp_p`).
 lax_primitives = _primitives
 jaxpr_as_fun = _core.jaxpr_as_fun
-
-
-def _find_shard_map_p():
-    try:
-        from jax._src.shard_map import shard_map_p
-    except ImportError:  # older releases kept it under jax.experimental
-        from jax.experimental.shard_map import shard_map_p
-    return shard_map_p
-
-
-shard_map_p = _find_shard_map_p()
-
-
-def _find_custom_vmap_p():
-    from jax._src import custom_batching
-
-    return custom_batching.custom_vmap_p
-
-
-# `jax.custom_batching.custom_vmap`'s primitive: params `call` (the function, a
-# closed jaxpr), `rule` (the user's batching rule), `in_tree`, `out_tree`.
-custom_vmap_p = _find_custom_vmap_p()
+prune_outputs = _pe.prune_closed_jaxpr_outputs  # (closed, used): only the outputs marked used
+consts_as_inputs = _pe.convert_constvars_jaxpr  # constvars turned into leading invars
 
 
 def sub_jaxprs(eqn) -> list:
     """The open jaxprs held in an equation's params (alone or in a tuple), in params order."""
-    found = []
-    for value in eqn.params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, Jaxpr):
-                found.append(v)
-    return found
+    return list(_src_core.jaxprs_in_params(eqn.params))
 
 
 def eval_jaxpr(jaxpr, consts, *args):
-    return _core.jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
-
-
-def prune_outputs(closed: ClosedJaxpr, used: list[bool]) -> ClosedJaxpr:
-    """`closed` returning only the outputs marked in `used`."""
-    return _pe.prune_closed_jaxpr_outputs(closed, used)
-
-
-def consts_as_inputs(jaxpr):
-    """`jaxpr` with its constvars turned into leading invars."""
-    return _pe.convert_constvars_jaxpr(jaxpr)
+    return jaxpr_as_fun(ClosedJaxpr(jaxpr, consts))(*args)
 
 
 def bind_with(primitive, params, args):
@@ -165,15 +127,13 @@ def function_name(eqn):
 def user_location(source_info: Any) -> str | None:
     """The file:line of the user's code that staged an equation (its innermost
     frame outside JAX and harvest), or None where JAX kept no traceback."""
-    summarize = getattr(source_info_util, "summarize", None) or _src_source_info.summarize
-    summary = summarize(source_info) if source_info is not None else ""
+    summary = source_info_util.summarize(source_info) if source_info is not None else ""
     found = re.match(r"(.*?):(\d+)(?::\d+)? \(", summary)
     return f"{found.group(1)}:{found.group(2)}" if found else None
 
 
 class Frame(NamedTuple):
-    """One frame of the traceback JAX records for an equation: the file, the
-    function's (qualified) name, and the line it was running."""
+    """One frame of the traceback JAX records for an equation."""
 
     file_name: str
     function_name: str
@@ -182,10 +142,8 @@ class Frame(NamedTuple):
 
 def recorded_frames(source_info: Any) -> list[Frame]:
     """The traceback JAX recorded for an equation (`eqn.source_info`), innermost
-    frame first; empty where JAX kept none. JAX records only the Python frames
-    back to the nearest call from C++ (a jit's or a cached trace's entry), so a
-    body's equations show the body's own frames, and the equation that holds
-    the body shows where it was called."""
+    frame first; empty where JAX kept none. It stops at the nearest call from C++
+    (a jit's or a cached trace's entry): a body's equations show the body's frames."""
     traceback = getattr(source_info, "traceback", None)
     if traceback is None:
         return []
@@ -193,9 +151,8 @@ def recorded_frames(source_info: Any) -> list[Frame]:
 
 
 class LaxMap(NamedTuple):
-    """Where JAX's `lax.map(f, xs, batch_size=b)` calls `jax.vmap(f)`: in the
-    scan over full batches (`batches`, lines of its body), for the remainder
-    alone (`alone`), and for the remainder after full batches (`after`)."""
+    """The lines where `lax.map(f, xs, batch_size=b)` calls `jax.vmap(f)`: in its scan
+    over full batches, for the remainder alone, and for the remainder after batches."""
 
     file_name: str
     batches: frozenset[int]
@@ -205,8 +162,7 @@ class LaxMap(NamedTuple):
 
 
 def recorded_in_lax_map(source_info: Any) -> bool:
-    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (in its
-    own frame or in the body of its scan over full batches)."""
+    """Cheaply, whether JAX recorded an equation as staged in `lax.map` (or its scan's body)."""
     layout = lax_map_layout()
     traceback = getattr(source_info, "traceback", None)
     if traceback is None:
@@ -218,9 +174,8 @@ def _vmap_lines(code: Any) -> list[int]:
     """The lines of `code` (not of the functions it defines) that name `vmap`."""
     lines, line = [], code.co_firstlineno
     for instruction in dis.get_instructions(code):
-        positions = getattr(instruction, "positions", None)
-        start = getattr(positions, "lineno", None) or instruction.starts_line
-        line = start if isinstance(start, int) and not isinstance(start, bool) else line
+        positions = getattr(instruction, "positions", None)  # from Python 3.11
+        line = (positions.lineno if positions else instruction.starts_line) or line
         if instruction.argval == "vmap":
             lines.append(line)
     return lines
@@ -228,9 +183,8 @@ def _vmap_lines(code: Any) -> list[int]:
 
 @functools.cache
 def lax_map_layout() -> LaxMap | None:
-    """How this JAX's `lax.map` calls `vmap` (read from its code, once), or None
-    where it is not the scan-then-remainder this module knows: harvest then
-    refuses a sow under a batched lax.map rather than guess."""
+    """How this JAX's `lax.map` calls `vmap` (read from its code, once), or None where it
+    is not the scan-then-remainder harvest knows (a sow under it is then refused)."""
     code = inspect.unwrap(_loops.map).__code__
     bodies = [c for c in code.co_consts if inspect.iscode(c) and "vmap" in c.co_names]
     own = sorted(_vmap_lines(code))
@@ -256,13 +210,11 @@ def is_vmap_call(frame: Frame) -> bool:
 
 
 def lax_map_part(frames: Sequence[Frame], i: int) -> tuple[str, bool | None] | None:
-    """For the vmap call at `frames[i]`: ``("batches", None)`` where `lax.map`
-    runs it over a full batch in its scan, ``("remainder", both)`` where over
-    the remainder (`both`: after full batches), None where no batched
-    `lax.map` calls it (or its caller was not recorded: `lax.map` calls it
-    from Python, whose frames JAX records). Where this JAX's `lax.map` is not
-    the one harvest knows, ``("unknown", None)`` for any call from it, so that
-    its sows are refused rather than taken per batch."""
+    """For the vmap call at `frames[i]`: ``("batches", None)`` where `lax.map` runs
+    it over a full batch in its scan, ``("remainder", both)`` where over the
+    remainder (`both`: after full batches), None where no batched `lax.map` calls
+    it. Where this JAX's `lax.map` is not the one harvest knows, ``("unknown",
+    None)`` for any call from it, so that its sows are refused."""
     layout = lax_map_layout()
     for caller in frames[i + 1 :]:
         path = caller.file_name.replace(os.sep, "/")
@@ -290,29 +242,11 @@ def traces_a_loop(frames: Sequence[Frame]) -> bool:
     )
 
 
-def current_source_info() -> Any:
-    """The source info JAX would give an equation staged now (with its traceback)."""
-    return source_info_util.current()
-
-
-def hide_frames_of(path: str) -> None:
-    """Treats the code under `path` as JAX's own: left out of the tracebacks an
-    `api_boundary` filters, and skipped when naming an equation's user frame."""
-    if hasattr(_traceback_util, "register_exclusion"):
-        _traceback_util.register_exclusion(path)
-    if hasattr(_src_source_info, "register_exclusion"):
-        _src_source_info.register_exclusion(path)
-
-
-def api_boundary(fn: Any) -> Any:
-    """`fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does."""
-    boundary = getattr(_traceback_util, "api_boundary", None)
-    return fn if boundary is None else boundary(fn)
-
-
-# harvest's own frames are hidden like JAX's: a user's traceback and an
-# equation's source line point at the user's code.
-hide_frames_of(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+# `api_boundary(fn)`: `fn`, its errors' tracebacks filtered of hidden frames, as JAX's API does.
+api_boundary = _traceback_util.api_boundary
+# harvest's frames are hidden like JAX's: tracebacks and source lines point at the user's code.
+for _hides in (_traceback_util, _src_source_info):
+    _hides.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
 
 
 def differentiating() -> bool:
@@ -326,14 +260,7 @@ def differentiating() -> bool:
     return False
 
 
-_DIFFERENTIATING = tuple(
-    t
-    for t in (
-        getattr(_ad_internal, "JVPTrace", None),
-        getattr(_ad_internal, "LinearizeTrace", None),
-    )
-    if t
-)
+_DIFFERENTIATING = (_ad.JVPTrace, _ad.LinearizeTrace)
 
 
 def is_staging() -> bool:
@@ -347,9 +274,8 @@ def is_eager() -> bool:
 
 
 def staged_beneath() -> bool:
-    """True while a staging trace is current or under the current ones (`jit(grad(f))`
-    traces `f` under a JVP trace over a jaxpr trace): what is traced now is cached by
-    the outer jit. Traces without a `parent_trace` end the search (False)."""
+    """True while a staging trace is current or under it (`jit(grad(f))` traces `f`
+    under a JVP trace over a jaxpr trace): what is traced now is cached by the outer jit."""
     trace = _src_core.trace_ctx.trace
     while trace is not None:
         if isinstance(trace, _pe.DynamicJaxprTrace):
@@ -383,17 +309,14 @@ def custom_num_consts(eqn) -> int:
 
 def is_weak(x: Any) -> bool:
     """Whether `x` is weakly typed: a Python number, or a value traced from one."""
-    if isinstance(x, (bool, int, float, complex)):
-        return True
-    return bool(getattr(getattr(x, "aval", None), "weak_type", False))
+    weak = getattr(getattr(x, "aval", None), "weak_type", False)
+    return isinstance(x, (bool, int, float, complex)) or bool(weak)
 
 
 def unbatched(x: Any) -> Any:
     """`x` outside the `jax.vmap`s it is traced in: the value the vmapped function was
     given, so an argument inside a vmap is known for the array outside it."""
-    from jax._src.interpreters import batching
-
-    while isinstance(x, batching.BatchTracer):
+    while isinstance(x, _batching.BatchTracer):
         x = x.val
     return x
 
@@ -404,23 +327,16 @@ def cast_like(x: Any, aval: Any) -> Any:
 
 
 def custom_jvp_rule(eqn: Any) -> tuple[ClosedJaxpr, list[bool]] | None:
-    """A custom_jvp equation's JVP rule traced for nonzero tangents, and which
-    of its output tangents are symbolic zeros (None if it cannot be traced here).
-
-    The jaxpr maps (primals, tangents) -- the closure-converted constants left
-    out -- to (primal outputs, the nonzero output tangents). JAX memoizes the
-    trace, so a later `jax.jvp` of the equation reuses it.
-    """
-    rule = eqn.params.get("jvp_jaxpr_fun")
-    if rule is None:
-        return None
+    """A custom_jvp equation's JVP rule traced for nonzero tangents (a jaxpr from
+    (primals, tangents), constants left out, to (primal outputs, nonzero output tangents)),
+    and which output tangents are symbolic zeros; None if it cannot be traced here.
+    JAX memoizes the trace: a later `jax.jvp` of the equation reuses it."""
     n = len(eqn.invars) - custom_num_consts(eqn)
     try:
-        jaxpr, consts, out_zeros = rule.call_wrapped(*([False] * n))
+        jaxpr, consts, out_zeros = eqn.params["jvp_jaxpr_fun"].call_wrapped(*([False] * n))
     except _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED:
-        # A rule that branches in Python on a primal's value, or leaks a tracer,
-        # traces only where JAX differentiates with values at hand: from here
-        # it holds nothing the walk can see.
+        # A rule that branches in Python on a primal's value, or leaks a tracer, traces
+        # only where JAX differentiates with values at hand: nothing the walk can see.
         return None
     except Exception as error:
         first = (str(error).splitlines() or [""])[0][:200]
@@ -443,21 +359,16 @@ _RULE_TRACES_ONLY_WHERE_DIFFERENTIATED = (
 def _fresh_copy(fun: Any) -> Any:
     """A `lu.WrappedFun` like `fun`, its transformations applied again with empty
     stores: calling it leaves `fun`'s own stores (its output tree) to JAX."""
-    from jax._src import linear_util as lu
-
-    new = lu.wrap_init(fun.f, dict(fun.params), debug_info=fun.debug_info)
+    new = _lu.wrap_init(fun.f, dict(fun.params), debug_info=fun.debug_info)
     for (gen, args), store in reversed(list(zip(fun.transforms, fun.stores))):
         new = new.wrap(gen, args, None if store is None else type(store)())
     return new
 
 
 def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
-    """`make()` (a function) traced on `avals` into a closed jaxpr, or None where
-    it cannot be (or this JAX's `lu.WrappedFun` is not as `_fresh_copy` expects)."""
-    from jax._src import linear_util as lu
-
+    """`make()` (a function) traced on `avals` into a closed jaxpr, or None where it cannot be."""
     try:
-        wrapped = lu.wrap_init(make(), debug_info=debug_info)
+        wrapped = _lu.wrap_init(make(), debug_info=debug_info)
         jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, avals)
     except Exception:  # a function JAX would trace only with values at hand, say
         return None
@@ -465,19 +376,15 @@ def _traced(make: Any, avals: list[Any], debug_info: Any) -> ClosedJaxpr | None:
 
 
 def on_custom_rule_run(hook: Any) -> None:
-    """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a
-    custom_jvp's JVP rule (or a custom_vjp's forward rule) in place of its body:
-    `body()` and `rule()` trace fresh copies of the function and of the rule on
-    the primals (and tangents) into closed jaxprs (None where they cannot be).
-    Where this JAX's traces do not take these calls as harvest expects, nothing."""
+    """Calls `hook(primals, body, rule)` where a jvp or linearize trace runs a custom_jvp's
+    JVP rule (or a custom_vjp's forward rule) in place of its body: `body()` and `rule()`
+    trace fresh copies of both on the primals (and tangents) into closed jaxprs (or None)."""
     for trace_type in _DIFFERENTIATING:
         for method, on_jvp in (
             ("process_custom_jvp_call", True),
             ("process_custom_vjp_call", False),
         ):
-            original = getattr(trace_type, method, None)
-            if original is not None:
-                setattr(trace_type, method, _calling_hook(original, on_jvp, hook))
+            setattr(trace_type, method, _calling_hook(getattr(trace_type, method), on_jvp, hook))
 
 
 def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
@@ -488,7 +395,7 @@ def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
         except Exception:
             return original(self, primitive, fun, rule, *rest, **params)
         primals = [p for p, _ in pairs]
-        nonzero = [type(t) is not _ad_internal.Zero for _, t in pairs]
+        nonzero = [type(t) is not _ad.Zero for _, t in pairs]
         if any(nonzero):
             avals = [_src_core.typeof(x) for x in primals]
 
@@ -518,13 +425,10 @@ def _calling_hook(original: Any, on_jvp: bool, hook: Any) -> Any:
 
 
 def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
-    """Binds the call primitive of `eqn` around a new body `jaxpr`.
-
-    The new body takes `num_consts` closed-over values before the call's own
-    inputs and returns `num_extra_outs` values after its own outputs; the
-    call keeps everything else (a jit its shardings and name, a remat its
-    policy).
-    """
+    """Binds the call primitive of `eqn` around a new body `jaxpr`, which takes
+    `num_consts` closed-over values before the call's inputs and returns
+    `num_extra_outs` values after its outputs; the call keeps everything else
+    (a jit its shardings and name, a remat its policy)."""
     p = eqn.params
     if eqn.primitive is jit_p:
         k, m = num_consts, num_extra_outs
@@ -546,38 +450,39 @@ def rebind_call(eqn, jaxpr, args, num_consts, num_extra_outs):
     return bind_with(eqn.primitive, params, args)
 
 
+class _Params:
+    """A view of an equation's params: each field holds the param of its name (or `_param`'s)."""
+
+    _param: ClassVar[dict[str, str]] = {"body": "jaxpr"}
+
+    @classmethod
+    def of(cls, eqn):
+        return cls(*(eqn.params[cls._param.get(f.name, f.name)] for f in dataclasses.fields(cls)))
+
+
 @dataclasses.dataclass(frozen=True)
-class Remat:
+class Remat(_Params):
     """A `checkpoint` equation's params: its open body and what `jax.checkpoint` was given."""
 
     body: Jaxpr
     prevent_cse: bool
     policy: Any
 
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(p["jaxpr"], p["prevent_cse"], p["policy"])
-
 
 @dataclasses.dataclass(frozen=True)
-class LinearSolve:
+class LinearSolve(_Params):
     """A `custom_linear_solve` equation's params: the jaxprs (matvec, vecmat,
     solve, transpose_solve; None where not given) and their const counts."""
 
     jaxprs: Any
     const_lengths: Any
 
-    @classmethod
-    def of(cls, eqn):
-        return cls(eqn.params["jaxprs"], eqn.params["const_lengths"])
-
     def __iter__(self):
         return iter((self.jaxprs, self.const_lengths))
 
 
 @dataclasses.dataclass(frozen=True)
-class Scan:
+class Scan(_Params):
     """A `scan` equation's params: `body` maps (consts, carry, x) to (carry, y)."""
 
     body: ClosedJaxpr
@@ -587,27 +492,16 @@ class Scan:
     reverse: bool
     unroll: Any
 
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(
-            p["jaxpr"], p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"]
-        )
-
 
 @dataclasses.dataclass(frozen=True)
-class While:
+class While(_Params):
     """A `while` equation's params: its inputs are cond consts, body consts, carry."""
 
+    _param = {"cond": "cond_jaxpr", "body": "body_jaxpr"}
     cond: ClosedJaxpr
     body: ClosedJaxpr
     cond_nconsts: int
     body_nconsts: int
-
-    @classmethod
-    def of(cls, eqn):
-        p = eqn.params
-        return cls(p["cond_jaxpr"], p["body_jaxpr"], p["cond_nconsts"], p["body_nconsts"])
 
 
 def bind_while(cond: ClosedJaxpr, body: ClosedJaxpr, carry):
@@ -662,9 +556,7 @@ class ShardMap:
 
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which `x` may differ from shard to shard."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # newer releases group them under `aval.mat`
-    return frozenset(mat.varying if mat is not None else aval.vma)
+    return varying_of(jax.typeof(x))
 
 
 def pcast_varying(x, axes):
@@ -675,8 +567,7 @@ def pcast_varying(x, axes):
 
 def varying_of(shape: Any) -> frozenset:
     """The manual mesh axes a ShapeDtypeStruct or aval varies over."""
-    # A ShapeDtypeStruct's `manual_axis_type`, an aval's `mat` (from 0.10), or `vma` before.
-    mat = getattr(shape, "manual_axis_type", None) or getattr(shape, "mat", None)
+    mat = getattr(shape, "manual_axis_type", None)  # from 0.10; `vma` before
     return frozenset(mat.varying if mat is not None else getattr(shape, "vma", None) or ())
 
 
@@ -684,12 +575,11 @@ def _explicit_spec(shape: Any) -> Any:
     """The PartitionSpec of `shape` where it names an Explicit mesh axis, else None."""
     sharding = getattr(shape, "sharding", None)
     mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
-    if mesh is None or spec is None or explicit is None:
+    if mesh is None or spec is None:
         return None
-    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ())))
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
     named = [a for part in spec if part for a in (part if isinstance(part, tuple) else (part,))]
-    return spec if any(types.get(a) == explicit for a in named) else None
+    return spec if any(types.get(a) == jax.sharding.AxisType.Explicit for a in named) else None
 
 
 def mesh_typed(shape: Any) -> bool:
@@ -698,9 +588,8 @@ def mesh_typed(shape: Any) -> bool:
 
 
 def retype(x: Any, like: Any, axes: Any = ()) -> Any:
-    """`x` typed as `like` (a ShapeDtypeStruct or array of its shape): resharded to
-    its Explicit sharding, and varying over its manual mesh axes and `axes`. A
-    `cond` branch's outputs must agree on all of it."""
+    """`x` typed as `like` (a ShapeDtypeStruct or array), as a `cond` branch's outputs must
+    agree: resharded to its Explicit sharding, varying over its manual mesh axes and `axes`."""
     if isinstance(like, jax.Array):
         like = jax.typeof(like)
     spec = _explicit_spec(like)
@@ -724,35 +613,27 @@ def has_lowering(primitive) -> bool:
     )
 
 
-def register_jvp(primitive, rule):
-    _ad.primitive_jvps[primitive] = rule
+# The tables of a primitive's rules, set as `jvp_rules[primitive] = rule`.
+jvp_rules = _ad.primitive_jvps
+transpose_rules = _ad.primitive_transposes
+jet_rules: dict[Any, Any] = _jet.jet_rules  # typed by JAX after its first entry
+# `rule(args, dims, **params) -> (outs, out_dims)`, JAX's classic batching signature.
+plain_batching_rules = _batching.primitive_batchers
 
 
-def register_transpose(primitive, rule):
-    _ad.primitive_transposes[primitive] = rule
-
-
-def register_jet(primitive, rule):
-    _jet.jet_rules[primitive] = rule
+_IN_TRACE_KEY = dict(include_in_jit_key=True, include_in_trace_context=True)
 
 
 def trace_flag(name, help):
-    """A boolean context flag (default False) that is part of jit's cache key
-    and of the trace context, so a function traced with the flag off is traced
-    afresh with it on. Returns the state; `state(True)` is a context manager."""
-    return _config.bool_state(
-        name, False, help, include_in_jit_key=True, include_in_trace_context=True
-    )
+    """A boolean context flag (default False) in jit's cache key and the trace context: a
+    function traced with it off is traced afresh with it on. `state(True)` enters it."""
+    return _config.bool_state(name, False, help, **_IN_TRACE_KEY)
 
 
 def trace_value(name, help):
     """A context value (default None; hashable) that, like `trace_flag`, is part of
-    jit's cache key and of the trace context. Returns the state; `state(v)` is a
-    context manager. Where JAX has no such state, None (the caller does without)."""
-    make = getattr(_config, "string_or_object_state", None)
-    if make is None:
-        return None
-    return make(name, None, help, include_in_jit_key=True, include_in_trace_context=True)
+    jit's cache key and of the trace context; `state(v)` is a context manager."""
+    return _config.string_or_object_state(name, None, help, **_IN_TRACE_KEY)
 
 
 def register_batching(primitive, rule):
@@ -760,29 +641,16 @@ def register_batching(primitive, rule):
     _batching.fancy_primitive_batchers[primitive] = rule
 
 
-def register_plain_batching(primitive, rule):
-    """`rule(args, dims, **params) -> (outs, out_dims)`, JAX's classic batching signature."""
-    _batching.primitive_batchers[primitive] = rule
-
-
 def wrap_batching(primitive, wrapper):
     """Replaces `primitive`'s batching rule by `wrapper(jax_rule, axis_data, args, dims, **params)`,
     which may delegate to JAX's own rule, `jax_rule(axis_data, args, dims, **params)`."""
-    if primitive in _batching.fancy_primitive_batchers:
-        jax_rule = _batching.fancy_primitive_batchers[primitive]
-        _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
-        return
-    # A classic rule (args, dims, **params), where a release still keeps it apart.
-    plain = _batching.primitive_batchers[primitive]
-    _batching.primitive_batchers[primitive] = lambda args, dims, **p: wrapper(
-        lambda _, a, d, **q: plain(a, d, **q), None, args, dims, **p
-    )
+    jax_rule = _batching.fancy_primitive_batchers[primitive]
+    _batching.fancy_primitive_batchers[primitive] = lambda *a, **p: wrapper(jax_rule, *a, **p)
 
 
 def bdim_at_front(x, dim, axis_data):
     """`x` with its batch axis (`dim`, or None if unbatched: broadcast) moved to the front."""
-    mesh_axis = getattr(axis_data, "explicit_mesh_axis", None)
-    return _batching.bdim_at_front(x, dim, axis_data.size, mesh_axis)
+    return _batching.bdim_at_front(x, dim, axis_data.size, axis_data.explicit_mesh_axis)
 
 
 def allow_effect(effect_type):
@@ -803,23 +671,19 @@ def allow_effect(effect_type):
 
 
 def tfp_needs_alias() -> bool:
-    """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings`, which TFP
-    0.25 writes to at import time, but still has the table it used to alias."""
-    import jax.interpreters.xla as xla
-
-    return not hasattr(xla, "pytype_aval_mappings") and hasattr(_src_core, "pytype_aval_mappings")
+    """True if JAX lacks `jax.interpreters.xla.pytype_aval_mappings` (TFP 0.25 writes to it)."""
+    return not hasattr(_xla, "pytype_aval_mappings")
 
 
-# TFP's JAX backend, as a failed import of its substrate leaves it in sys.modules.
+# TFP's JAX substrate, whose import fails on a JAX without the alias, and its JAX
+# backend, which a failed import of the substrate leaves in sys.modules.
+TFP_SUBSTRATE = "tensorflow_probability.substrates.jax"
 TFP_BACKEND = "tensorflow_probability.python.internal.backend.jax"
-# Set when the alias was restored after a TFP import had already failed for lack of it.
-tfp_failed_before_alias = False
+tfp_failed_before_alias = False  # the alias was restored after a TFP import failed for lack of it
 
 
 def tfp_failed_before() -> bool:
     """Whether a TFP import failed for lack of the alias (now, or before it was restored)."""
-    import sys
-
     partly_imported = any(m.startswith(TFP_BACKEND) for m in sys.modules)
     return tfp_failed_before_alias or (tfp_needs_alias() and partly_imported)
 
@@ -827,21 +691,14 @@ def tfp_failed_before() -> bool:
 def restore_tfp_alias() -> None:
     """Puts `jax.interpreters.xla.pytype_aval_mappings` back as an alias of JAX's table."""
     global tfp_failed_before_alias
-    import jax.interpreters.xla as xla
-
     if tfp_needs_alias():
         tfp_failed_before_alias = tfp_failed_before()
-        xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
-
-
-# TFP's JAX substrate, whose import fails on a JAX without the alias.
-TFP_SUBSTRATE = "tensorflow_probability.substrates.jax"
+        _xla.pytype_aval_mappings = _src_core.pytype_aval_mappings  # type: ignore[attr-defined]  # the alias JAX dropped
 
 
 class _TfpImportOrder:
-    """An import finder that only speaks for TFP's JAX substrate, and only on a JAX
-    without the alias: it lets the import run, and turns its AttributeError (from deep
-    inside TFP) into an ImportError that says to import harvest.ppl first."""
+    """An import finder for TFP's JAX substrate on a JAX without the alias: the import
+    runs, its AttributeError turned into an ImportError that says to import harvest.ppl first."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
         if name != TFP_SUBSTRATE or not tfp_needs_alias():
@@ -862,11 +719,8 @@ class _ExplainedTfpLoader:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ...: TFP's loader's
+    def __getattr__(self, name: str) -> Any:  # create_module, get_source, ...: TFP's loader's
         return getattr(self.loader, name)
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         try:
@@ -875,44 +729,29 @@ class _ExplainedTfpLoader:
             if "pytype_aval_mappings" not in str(cause):
                 raise
             raise ImportError(
-                f"{TFP_SUBSTRATE} (TFP 0.25) writes to jax.interpreters.xla."
-                f"pytype_aval_mappings, which this JAX ({jax.__version__}) no longer has. "
-                "Import harvest.ppl before TensorFlow Probability: it puts that alias back "
-                "(only where it is missing); in this interpreter, `import harvest.ppl` now "
-                "recovers (it retries TFP's import). Without harvest.ppl, restore it yourself before importing "
-                "TFP: jax.interpreters.xla.pytype_aval_mappings = "
-                "jax._src.core.pytype_aval_mappings."
+                f"{TFP_SUBSTRATE} (TFP 0.25) writes to jax.interpreters.xla.pytype_aval_mappings, "
+                f"which this JAX ({jax.__version__}) no longer has. Import harvest.ppl before "
+                "TensorFlow Probability: it puts that alias back (only where it is missing); in this "
+                "interpreter, `import harvest.ppl` now recovers (it retries TFP's import). Without "
+                "harvest.ppl, restore it yourself before importing TFP: "
+                "jax.interpreters.xla.pytype_aval_mappings = jax._src.core.pytype_aval_mappings."
             ) from cause
 
 
-def explain_tfp_import_order() -> None:
-    """Has a failed import of TFP's JAX substrate, for lack of the alias, say what to
-    do (import harvest.ppl first). Nothing of JAX's is touched."""
-    if not any(isinstance(finder, _TfpImportOrder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _TfpImportOrder())
+# JAX is left as it is (harvest.ppl restores the alias, see harvest/ppl/_tfp_shim.py):
+# this only makes TFP, imported before harvest.ppl on a JAX without it, say so.
+if not any(isinstance(finder, _TfpImportOrder) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _TfpImportOrder())
 
 
 # ---------------------------------------------------------------------------
-# A context in every `jax.jit`'s cache key (`jax.make_user_context`, where it exists).
+# A context in every `jax.jit`'s cache key, and JAX's cache clearing.
 
-# Made once, at import: JAX says adding user contexts is not thread-safe.
-_jit_key_salt = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
-
-
-def jit_cache_salted(salt: Any) -> Any:
-    """A context under which every `jax.jit` inside is traced afresh for `salt` (a hashable):
-    its Python body runs again rather than reusing a trace made outside the context."""
-    return contextlib.nullcontext() if _jit_key_salt is None else _jit_key_salt(salt)
-
-
-def clear_with_jax(cache: Any, what: str) -> None:
-    """Has ``jax.clear_caches()`` call ``cache.cache_clear()`` too, where this JAX
-    lets a library register a cache (`jax._src.util.register_cache`, held weakly)."""
-    from jax._src import util as _util
-
-    register = getattr(_util, "register_cache", None)
-    if register is not None:
-        register(cache, what)
+# `jit_cache_salted(salt)`: a context under which every `jax.jit` inside is traced afresh
+# for `salt` (a hashable). Made once, at import: adding user contexts is not thread-safe.
+jit_cache_salted = jax.make_user_context(None)
+# `clear_with_jax(cache, what)`: `jax.clear_caches()` clears `cache` too (held weakly).
+clear_with_jax = _util.register_cache
 
 
 # The call primitives `harvest.view` draws closed, as one node named for the call

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, cast
 
 import jax
 
@@ -61,5 +61,4 @@ def perturb(value: T, *, name: str, tag: str = DEFAULT_TAG) -> T:
         Array([18., 36.], dtype=float32)
     """
     _check_name(name, tag)
-    out: T = _perturb(value, name, tag)
-    return out
+    return cast(T, _perturb(value, name, tag))

@@ -1,50 +1,45 @@
 """Teaching harvest a higher-order primitive it does not know.
 
 A sow inside a primitive that holds a jaxpr (a body) is reached only if
-harvest has two things for that primitive:
+harvest has two things for that primitive, installed in one object by
+``register(p, HigherOrder(bodies, rule=...))`` (without them, a sow there
+raises an error naming the primitive):
 
 * a **descriptor** (``HigherOrder``): its bodies with their labels and how
-  many times each runs per call, and how it forwards and re-stages. ``sites``,
-  occurrence counting, the sweeps, op sites, batched conds and the PPL
-  evaluators read it; and
+  many times each runs per call, and how it forwards and re-stages, read by
+  ``sites``, occurrence counting, the sweeps, op sites, batched conds and the
+  PPL evaluators; and
 * a **rule**: what the reap/plant walk does at an equation of it, written
   with ``walk_in_place`` (the body evaluated where the equation stood, as if
   inlined) and ``retrace`` (the body re-traced with its records as extra
   outputs, to bind the primitive again around it with ``Retraced.rebind``).
 
-``register(p, HigherOrder(bodies, rule=...))`` installs both, in one object.
-Without them, a sow there raises an error naming the primitive.
-
 ``retrace`` and ``Retraced.rebind`` fit **call-like** primitives: one body that
 runs once on the equation's inputs and gives its outputs, and no other param
 that counts them. A loop, a branch or a body with another calling convention
-needs a rule of its own (see ``harvest/_walk/_rules/loops.py`` for scan's), or
-``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap`` is supported through this
-module (``harvest/_walk/_rules/custom_vmap.py``, the worked example in
-CONTRIBUTING.md).
-
-A re-traced body takes its closed-over values as its leading inputs, so a
-param that held a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``
-(JAX's ``ClosedJaxpr`` from its ``extend.core``, with no consts);
+needs a rule of its own (``harvest/_walk/_rules/loops.py`` has scan's), or
+``walk_in_place`` where inlining keeps the meaning. ``jax.custom_batching.custom_vmap``
+is supported through this module (``harvest/_walk/_rules/custom_vmap.py``, the
+worked example in CONTRIBUTING.md). A re-traced body takes its closed-over
+values as its leading inputs, so a param that held a ``ClosedJaxpr`` takes
+``ClosedJaxpr(result.jaxpr, ())`` (JAX's, from its ``extend.core``);
 ``Retraced.rebind`` does that for a call-like primitive.
 
-**Inside a cond that vmap batches** (a ``cond`` or ``switch`` whose predicate
-differs per example), JAX runs every branch on every example, so a sow there
-must carry its value out of the branch for harvest to keep the taken
-branch's. Harvest does so through a call-like primitive (``call=True``,
-no ``custom_rule``) by inlining its body there. Any other primitive needs the
-descriptor's ``batched_branch`` field, ``batched_branch(eqn, invals, found,
-stuck) -> outputs``: it evaluates the equation on ``invals`` with each body
-run through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it,
-a sow inside it there still takes plants, and reaping it is an error that
-names the primitive.
+**Inside a cond that vmap batches** (its predicate differs per example), JAX
+runs every branch on every example, so a sow there must carry its value out of
+the branch for harvest to keep the taken branch's. Harvest inlines the body of
+a call-like primitive (``call=True``, no ``custom_rule``) there. Any other
+primitive needs the descriptor's ``batched_branch(eqn, invals, found, stuck) ->
+outputs``, which evaluates the equation on ``invals`` with each body run
+through ``walk_in_branch(jaxpr, consts, args, found, stuck)``. Without it, a
+sow there still takes plants, and reaping it is an error naming the primitive.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from . import _jax
 from ._walk._higher_order import (
@@ -81,18 +76,15 @@ Rule = Callable[[Walk, Any, list[Any]], list[Any]]
 def register(primitive: _jax.Primitive, descriptor: HigherOrder, rule: Rule | None = None) -> None:
     """Registers what harvest knows about ``primitive`` and how its walk handles it.
 
-    One call, one object: the descriptor holds the bodies, the walk rule (its
-    ``rule`` field, or the ``rule`` argument, which takes its place) and the
-    optional facts its fields list (``batched_branch``, for one, brings its
-    sows out of a ``cond`` branch that ``vmap`` runs side by side).
+    One call, one object: the descriptor holds the bodies, the walk rule and the
+    optional facts its fields list (``batched_branch``, for one).
 
     Args:
         primitive: The JAX primitive (a ``Primitive`` of JAX's extension API) whose
             equations hold a body.
-        descriptor: Its ``HigherOrder`` descriptor: ``bodies(eqn)`` returns one
-            ``Body`` per jaxpr the equation runs (its label, how many times it
-            runs per run of the equation), plus the optional facts the
-            descriptor's fields list.
+        descriptor: Its ``HigherOrder``: ``bodies(eqn)`` returns one ``Body`` per jaxpr
+            the equation runs (its label, how many times it runs per run of the
+            equation), plus the optional facts its fields list.
         rule: ``rule(walk, eqn, invals) -> outputs`` (a list), run where the
             walk meets an equation of ``primitive`` whose body holds a sow it
             handles; build it from ``walk_in_place``, ``retrace`` and
@@ -182,8 +174,7 @@ def walk_in_place(
         >>> plant(f)({"h": jnp.float32(10.0)}, 3.0)
         Array(11., dtype=float32)
     """
-    outs: list[Any] = _interpret(walk, jaxpr, consts, list(args))
-    return outs
+    return cast(list[Any], _interpret(walk, jaxpr, consts, list(args)))
 
 
 def walk_in_branch(
@@ -191,12 +182,11 @@ def walk_in_branch(
 ) -> list[Any]:
     """Evaluates a body inside a cond branch that vmap batches, its sows' values carried out.
 
-    The building block of a descriptor's ``batched_branch``: each sow in
-    ``jaxpr`` takes its plant in place, and its value goes to ``found``, to
-    leave the branch with the branch's outputs (where the branch was not taken,
-    the example's value is dropped); a sow this cannot carry out (inside a
-    ``while_loop``, a custom derivative or a primitive without
-    ``batched_branch``) goes to ``stuck``.
+    The building block of a descriptor's ``batched_branch``: each sow in ``jaxpr``
+    takes its plant in place, and its value goes to ``found``, to leave the branch
+    with its outputs (where the branch was not taken, the example's value is
+    dropped); a sow this cannot carry out (inside a ``while_loop``, a custom
+    derivative or a primitive without ``batched_branch``) goes to ``stuck``.
 
     Args:
         jaxpr: The body (an open jaxpr).
@@ -241,19 +231,19 @@ def walk_in_branch(
         Array([[2., 0.],
                [3., 0.]], dtype=float32)
     """
-    outs: list[Any] = _rewrite(jaxpr, consts, args, found, stuck)
-    return outs
+    return _rewrite(jaxpr, consts, args, found, stuck)
 
 
 def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence[Any]) -> Retraced:
     """Re-traces ``jaxpr`` through a child of ``walk`` into a new jaxpr that also returns its records.
 
-    Bind the primitive again around ``result.jaxpr`` (it takes
-    ``result.num_consts`` closed-over values, then the body's inputs, and
-    returns the body's ``result.num_outs`` outputs, then the records; a param
-    that holds a ``ClosedJaxpr`` takes ``ClosedJaxpr(result.jaxpr, ())``), calling
-    it on ``result.args``; then ``result.finish(walk, outputs)`` folds the
-    records into ``walk`` and returns the body's own outputs.
+    Only for a call-like primitive (see the module docstring). Bind the primitive
+    again around ``result.jaxpr`` (it takes ``result.num_consts`` closed-over
+    values, then the body's inputs, and returns the body's ``result.num_outs``
+    outputs, then the records; a param that holds a ``ClosedJaxpr`` takes
+    ``ClosedJaxpr(result.jaxpr, ())``), calling it on ``result.args``; then
+    ``result.finish(walk, outputs)`` folds the records into ``walk`` and returns
+    the body's own outputs.
 
     Args:
         walk: The walk the rule was given.
@@ -263,10 +253,6 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
 
     Returns:
         A ``Retraced``: ``jaxpr``, ``args``, ``num_consts``, ``num_outs`` and ``finish``.
-
-    Only for a call-like primitive (see the module docstring): the re-traced
-    body takes the closed-over values before the equation's own inputs and
-    returns the records after its own outputs.
 
     Example:
         A call-like primitive bound again around its walked body, so it stays
@@ -294,16 +280,14 @@ def retrace(walk: Walk, jaxpr: _jax.Jaxpr, consts: Sequence[Any], args: Sequence
         >>> "kept_call" in str(jax.make_jaxpr(reap(f))(0.25))
         True
     """
-    result: Retraced = _retrace(walk, jaxpr, consts, list(args))
-    return result
+    return cast(Retraced, _retrace(walk, jaxpr, consts, list(args)))
 
 
 def plants_inside(walk: Walk, jaxprs: Sequence[_jax.Jaxpr]) -> bool:
     """Whether ``walk`` plants a value at a sow inside ``jaxprs``.
 
-    A rule that keeps a rule of its primitive (a derivative, a batching rule)
-    for reaping usually inlines the body instead when it plants there: the
-    planted body is no longer the function the primitive's rule describes.
+    A rule that keeps its primitive's rule (a derivative, a batching rule) when reaping
+    usually inlines the body where it plants: the planted body is not what that rule describes.
 
     Args:
         walk: The walk the rule was given.

@@ -186,7 +186,7 @@ def _sow_batch(axis_data, args, dims, **params):
 sow_p.def_impl(_sow_impl)
 sow_p.def_effectful_abstract_eval(_sow_abstract_eval)
 _jax.register_lowering(sow_p, _sow_lowering)
-_jax.register_jvp(sow_p, _sow_jvp)
-_jax.register_transpose(sow_p, _sow_transpose)
-_jax.register_jet(sow_p, _sow_jet)
+_jax.jvp_rules[sow_p] = _sow_jvp
+_jax.transpose_rules[sow_p] = _sow_transpose
+_jax.jet_rules[sow_p] = _sow_jet
 _jax.register_batching(sow_p, _sow_batch)

@@ -10,7 +10,7 @@ on a JAX that still has it, nothing is touched, and nothing JAX defines is ever
 replaced. It runs when `harvest.ppl` is imported, where TFP is first needed
 (`import harvest` alone leaves JAX as it is), so import harvest.ppl before TFP.
 TFP imported first fails in TFP's own import: after `import harvest`, with an
-ImportError saying so (`_jax.explain_tfp_import_order`); before it, with TFP's
+ImportError saying so (`_jax._TfpImportOrder`); before it, with TFP's
 AttributeError, where harvest cannot speak. Either way `import harvest.ppl`
 afterwards puts the alias back and retries the import itself.
 

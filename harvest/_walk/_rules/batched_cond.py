@@ -52,8 +52,8 @@ branch_p.def_impl(lambda **params: [])
 # The effect keeps markers through dead-code elimination; they exist only while a harvest traces.
 branch_p.def_effectful_abstract_eval(lambda **params: ([], {sow_effect}))
 _jax.register_lowering(branch_p, lambda ctx, **params: [])
-_jax.register_jvp(branch_p, lambda primals, tangents, **params: (branch_p.bind(**params), []))
-_jax.register_jet(branch_p, lambda primals, series, **params: (branch_p.bind(**params), []))
+_jax.jvp_rules[branch_p] = lambda primals, tangents, **params: (branch_p.bind(**params), [])
+_jax.jet_rules[branch_p] = lambda primals, series, **params: (branch_p.bind(**params), [])
 _jax.register_batching(
     branch_p, lambda axis_data, args, dims, **params: (branch_p.bind(**params), [])
 )

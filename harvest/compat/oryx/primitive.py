@@ -41,8 +41,8 @@ class FlatPrimitive(_jax.Primitive):
         super().__init__(name)
         self.multiple_results = True
         self.def_abstract_eval(self._abstract)
-        _jax.register_jvp(self, self._jvp)
-        _jax.register_plain_batching(self, self._batch)
+        _jax.jvp_rules[self] = self._jvp
+        _jax.plain_batching_rules[self] = self._batch
         _jax.register_lowering(self, _jax.lower_fun(self._call_impl, multiple_results=True))
 
     def _call_impl(self, *args: Any, **params: Any) -> Any:
