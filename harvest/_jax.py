@@ -755,8 +755,8 @@ clear_with_jax = _util.register_cache
 
 
 # The call primitives `harvest.view` draws closed, as one node named for the call
-# (jit, custom derivatives, checkpoint); loops and branches it draws open.
-CLOSED_CALLS = frozenset({
-    "jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-    "custom_vjp_call_jaxpr", "checkpoint", "remat", "named_call",
-})  # fmt: skip
+# (jit, custom derivatives, checkpoint); loops and branches it draws open. Read from
+# the primitives, so a release that renames one (remat is "remat2") keeps it closed.
+CLOSED_CALLS = frozenset(
+    p.name for p in (jit_p, closed_call_p, custom_jvp_call_p, custom_vjp_call_p, remat_p)
+)

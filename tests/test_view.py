@@ -74,6 +74,28 @@ def test_a_node_per_op_with_its_site_merged_a_group_per_body_edges_by_dependency
     assert step["aval"] == "float32[]" and data["by_id"]["n0"]["aval"] == "float32[4]"
 
 
+def test_named_calls_start_closed_and_loops_open_whatever_the_release_calls_them():
+    # Each primitive's own name decides (remat is "remat2" on the releases we test, not
+    # "checkpoint"): jit, checkpoint and custom derivatives are one closed box, a scan open.
+    relu = jax.custom_jvp(lambda x: jnp.maximum(x, 0.0))
+    relu.defjvp(lambda p, t: (relu(p[0]), t[0] * (p[0] > 0)))
+
+    def f(x):
+        x = jax.jit(lambda y: sow(jnp.sin(y), name="a"))(x)
+        x = jax.checkpoint(lambda y: sow(jnp.cos(y), name="b"))(x)
+        x = jax.lax.scan(lambda c, _: (sow(c * 2.0, name="c"), None), relu(x), None, length=2)[0]
+        return x
+
+    calls = {
+        g["op"]: g["closed"] for g in graph(view(f)(jnp.ones(3)))["groups"] if g["kind"] == "call"
+    }
+    expected = {"jit": True, "custom_jvp_call": True, "scan": False}
+    assert calls == {
+        **expected,
+        jax.make_jaxpr(jax.checkpoint(jnp.sin))(1.0).eqns[0].primitive.name: True,
+    }
+
+
 def test_value_summaries_after_a_reap_are_the_values_statistics():
     xs = jnp.arange(4.0)
     reaped = reap(program)(xs)
