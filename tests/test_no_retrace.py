@@ -417,15 +417,21 @@ def test_a_number_in_the_state_is_data_and_is_read_at_every_call():
     model.scale.set_value(5.0)  # a number changed in place: traced, so no new trace
     close(call_and_reap(model)(x_clean)[0], 5.0 * want)
     assert WithNumber.runs == 1
-    values = patching_sweep(model, reap(model)(x_clean), (x_corrupt,), metric).values
-    scaled = lambda out: 5.0 * metric(out)  # noqa: E731  the sweep's metric sees the scaled output
-    base = scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt)[0])
-    by_hand = [
-        scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt, (n, sites[n]))[0])
-        - base
-        for n in ("a", "b")
-    ]
-    close(values, by_hand)
+    clean = reap(model)(x_clean)
+    for scale in (5.0, 7.0):  # the sweep's program reads the number as the walk does: traced
+        model.scale.set_value(scale)
+        values = patching_sweep(model, clean, (x_corrupt,), metric).values
+        if scale == 5.0:
+            runs = WithNumber.runs
+        scaled = lambda out: scale * metric(out)  # noqa: E731  the metric sees the scaled output
+        base = scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt)[0])
+        by_hand = [
+            scaled(hand_forward(model.net.w1[...], model.net.w2[...], x_corrupt, (n, sites[n]))[0])
+            - base
+            for n in ("a", "b")
+        ]
+        close(values, by_hand)
+    assert WithNumber.runs == runs
 
 
 def test_static_outputs_come_back_as_themselves_whichever_came_first():

@@ -34,6 +34,7 @@ from ._nnx_state import (
     forget_verified_splits,
     rebuilt,
     split_leaves,
+    state_flags,
     with_graph,
 )
 
@@ -129,17 +130,17 @@ def compiled(fn: Any, dynamic: Any, key: Key) -> Any:
 
 
 def compiled_on_arrays(fn: Any, run: Callable[..., Any], tree: Any, spec: Any, payload: Any) -> Any:
-    """``run(fn, tree, payload)`` through ``fn``'s one `jax.jit`, ``tree``'s arrays traced
-    and its other leaves static; ``spec`` says what else shapes the program (hashable),
-    ``payload`` is what ``spec`` determines (see `Key`). NNX nodes in ``tree`` are split
+    """``run(fn, tree, payload)`` through ``fn``'s one `jax.jit`, ``tree``'s arrays (and
+    numbers in NNX state, `state_flags`) traced and its other leaves static; ``spec``
+    says what else shapes the program (hashable), ``payload`` is what ``spec``
+    determines (see `Key`). NNX nodes in ``tree`` are split
     and merged into fresh nodes inside the trace; what the program changes in them is
     dropped (a sweep is a measurement)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_graph_node)
     leaves, graph, _ = split_leaves(leaves)
     state = () if graph is None else graph.leaves
     flat = [*leaves, *state]
-    traced = array_flags(leaves if graph is not None and graph.arrays else flat)
-    traced += [True] * (len(flat) - len(traced))  # a kept split's state: arrays
+    traced = array_flags(leaves) + state_flags(graph)
     fields = (run, spec, with_graph(treedef, graph), static_leaves(flat, traced))
     key = Key(_on_arrays, fields, _alike_on_arrays, payload)
     return compiled(fn, list(itertools.compress(flat, traced)), key)

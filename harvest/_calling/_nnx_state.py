@@ -21,7 +21,7 @@ from typing import Any
 
 import jax
 
-from .._walk._leaves import is_graph_node, nnx_module
+from .._walk._leaves import is_graph_node, nnx_module, traced_as_data
 from ._stateful import held_states
 
 
@@ -84,6 +84,14 @@ def split_leaves(leaves: list[Any]) -> tuple[list[Any], Graph | None, tuple[Any,
     ]
     split = tuple(nodes.values())
     return marked, _split_cache.graph(nnx, split), split
+
+
+def state_flags(graph: Graph | None) -> list[bool]:
+    """Which leaves of a split's state are traced: its arrays and its numbers (data,
+    not configuration: a changed number does not recompile), on every path."""
+    if graph is None:
+        return []
+    return [True] * len(graph.leaves) if graph.arrays else list(map(traced_as_data, graph.leaves))
 
 
 def split_nodes(tree: Any) -> tuple[Any, Graph | None, tuple[Any, ...]]:

@@ -30,10 +30,10 @@ from .._walk._interpreter import Policy, Tags, Walk, interpret, program_sites
 from .._walk._leaves import (
     array_flags,
     hide_static,
-    is_array,
     is_graph_node,
     reveal_static,
     static_leaves,
+    traced_as_data,
 )
 from .._walk._occurrences import Plant, needs_batched_site, occurrences, split_elements
 from .._walk._paths import nested_dict, path_str
@@ -45,22 +45,10 @@ from .._walk._site import Site
 from .._walk._sow_index import sites_in
 from ._inspect import sow_equations
 from ._jit import Key, compiled, rewrap, unwrap
-from ._nnx_state import rebuilt, split_leaves, with_graph, write_back
+from ._nnx_state import rebuilt, split_leaves, state_flags, with_graph, write_back
 from ._stateful import Stateful, flattening_call, has_state_of_its_own
 from ._traced_code import code_as_data
 from ._tracing import make_jaxpr
-
-
-def _traced_as_data(leaf):
-    """Arrays are traced (see `_tracing`); so are numbers given as planted values
-    or held in NNX state, which are data, not configuration: sweeping them does
-    not recompile. Not a bool (it would trace as bool, not the site's dtype) nor
-    an int beyond int32, whose value a trace would not keep."""
-    if is_array(leaf):
-        return True
-    if not isinstance(leaf, numbers.Number) or isinstance(leaf, bool):
-        return False
-    return not isinstance(leaf, int) or -(2**31) <= leaf < 2**31
 
 
 class _Static(NamedTuple):
@@ -459,8 +447,7 @@ def _taken_apart(bound, policy, reap, plants, args, kwargs):
         planted, planted_def = jax.tree_util.tree_flatten(code_as_data(plants))
     state = () if graph is None else graph.leaves
     flat = [*leaves, *planted, *state]
-    traced = array_flags(leaves) + [*map(_traced_as_data, planted)]
-    traced += [True] * len(state) if graph is None or graph.arrays else map(_traced_as_data, state)
+    traced = array_flags(leaves) + [*map(traced_as_data, planted)] + state_flags(graph)
     static = _Static(
         with_graph(jax.tree_util.treedef_tuple((treedef, planted_def)), graph),
         () if all(traced) else static_leaves(flat, traced),

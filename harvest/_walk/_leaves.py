@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 import operator
 import sys
 import types
@@ -41,6 +42,18 @@ def array_flags(leaves: list[Any]) -> list[bool]:
     for i in itertools.compress(range(len(leaves)), map(operator.not_, flags)):
         flags[i] = is_array(leaves[i])
     return flags
+
+
+def traced_as_data(leaf: Any) -> bool:
+    """Arrays are traced (see `_tracing`); so are numbers given as planted values
+    or held in NNX state, which are data, not configuration: sweeping them does
+    not recompile. Not a bool (it would trace as bool, not the site's dtype) nor
+    an int beyond int32, whose value a trace would not keep."""
+    if is_array(leaf):
+        return True
+    if not isinstance(leaf, numbers.Number) or isinstance(leaf, bool):
+        return False
+    return not isinstance(leaf, int) or -(2**31) <= leaf < 2**31
 
 
 # ---------------------------------------------------------------------------
